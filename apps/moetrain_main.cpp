@@ -1,0 +1,2 @@
+// placeholder: replaced by the runtime/config work
+int main() { return 0; }

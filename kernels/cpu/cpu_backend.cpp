@@ -1,0 +1,1 @@
+// The CPU reference backend: being written (see kernels/ops.h).

@@ -1,0 +1,314 @@
+// The backend-neutral op interface. No CUDA types here: host code (core/, apps/) builds
+// without nvcc and calls every op through a `Backend`.
+//
+// kernels/cpu implements every op plainly, templated on float/double: that implementation
+// is the spec, checked by finite differences in double. kernels/cuda implements the same ops
+// and is tested against the CPU one. A layer (MLA, KDA, DSA, MoE, ...) is composed from these
+// ops in core/model; a new mixer adds its ops here, never a side channel.
+//
+// Conventions
+// - Tensors are row-major and contiguous. Activations are [tokens, ...] with the batch's
+//   sequences laid end to end ("packed"); `cu_seqlens` ([num_seqs + 1] int32 prefix sums)
+//   marks the segments that attention, convolutions and recurrent state must not cross.
+// - Compute dtype: F32 or F64 on the CPU (every operand of one call has the same dtype, except
+//   integer indices); on CUDA, BF16 activations/weights with F32 accumulation (the CUDA backend
+//   documents which operands may be F32).
+// - Gradients are `d`-prefixed. Unless an argument says `accumulate`, a backward op
+//   overwrites (`=`) its gradient outputs. Nothing uses atomics for gradient sums: every
+//   backward is deterministic.
+// - Statistics saved for backward (rstd, lse) use the accumulation dtype: F64 when the
+//   compute dtype is F64, otherwise F32.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "core/base/tensor.h"
+
+namespace moetrain::kernels {
+
+// ---------------------------------------------------------------------------------------------
+// Argument structs (STYLE.md §7: more than ~5 parameters, or any flag -> a struct)
+
+// c[m, n] = alpha * op(a) . op(b) + beta * c, with op(x) = x or x^T; all row-major 2-D.
+struct GemmArgs {
+  TensorView c;
+  TensorView a;
+  TensorView b;
+  bool transpose_a = false;
+  bool transpose_b = false;
+  double alpha = 1.0;
+  double beta = 0.0;
+};
+
+// A grouped GEMM over row groups, the MoE expert layout (tokens sorted by expert).
+// group_offsets: int32 [G + 1] prefix sums of rows per group, on the backend's device.
+//  kMGrouped: for each g, c[rows_g, :] = alpha * a[rows_g, :] . op(b[g]) + beta * c[rows_g, :]
+//             b is [G, n, k] with transpose_b (expert weights as HF stores them: [out, in]),
+//             or [G, k, n] without.
+//  kKGrouped: for each g, c[g] = alpha * a[rows_g, :]^T . b[rows_g, :] + beta * c[g]
+//             (weight gradients: a = dy [rows, n_out], b = x [rows, n_in], c [G, n_out, n_in]).
+enum class GroupedGemmKind { kMGrouped, kKGrouped };
+struct GroupedGemmArgs {
+  GroupedGemmKind kind = GroupedGemmKind::kMGrouped;
+  TensorView c;
+  TensorView a;
+  TensorView b;
+  TensorView group_offsets;
+  bool transpose_b = true;
+  double alpha = 1.0;
+  double beta = 0.0;
+};
+
+// y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps), per row of length `dim`.
+struct RmsNormArgs {
+  TensorView y;     // [rows, dim]
+  TensorView rstd;  // [rows], saved for backward
+  TensorView x;     // [rows, dim]
+  TensorView weight;  // [dim]
+  double eps = 1e-6;
+};
+struct RmsNormBackwardArgs {
+  TensorView dx;       // [rows, dim]; `accumulate` adds into it (residual stream)
+  TensorView dweight;  // [dim], optional (frozen norms pass an empty view)
+  TensorView dy;
+  TensorView x;
+  TensorView weight;
+  TensorView rstd;
+  bool accumulate = false;
+};
+
+// Rotary embedding on columns [col_offset, col_offset + rope_dim) of each row of `x`
+// ([tokens * heads, row_width]); row r belongs to token r / heads, at position positions[token].
+// cos/sin: [max_position, rope_dim / 2] tables (YaRN scaling already folded in by the host).
+// Layout kInterleaved is DeepSeek's: the input pairs (x[2i], x[2i+1]) are rotated by angle i
+// and written de-interleaved, out[i] and out[i + rope_dim/2] (as transformers does).
+// `inverse` rotates by the negative angle and undoes the layout: that is the backward.
+// In place when out and x are the same tensor.
+enum class RopeLayout { kInterleaved, kHalfSplit };
+struct RopeArgs {
+  TensorView out;
+  TensorView x;
+  TensorView positions;  // int32 [tokens]
+  TensorView cos;
+  TensorView sin;
+  int64_t heads = 1;
+  int64_t col_offset = 0;
+  int64_t rope_dim = 0;
+  RopeLayout layout = RopeLayout::kInterleaved;
+  bool inverse = false;
+};
+
+// Causal softmax attention within each segment of cu_seqlens. Per head h and query t:
+// out[t, h] = sum_s softmax_s(scale * q[t, h] . k[s, h]) v[s, h], s <= t in t's segment.
+// q, k: [tokens, heads, qk_dim]; v, out: [tokens, heads, v_dim]; lse: [tokens, heads].
+// Softmax in fp32 (or f64) whatever the storage dtype.
+struct AttentionArgs {
+  TensorView out;
+  TensorView lse;
+  TensorView q;
+  TensorView k;
+  TensorView v;
+  TensorView cu_seqlens;
+  double scale = 1.0;
+};
+struct AttentionBackwardArgs {
+  TensorView dq;
+  TensorView dk;
+  TensorView dv;
+  TensorView dout;
+  TensorView q;
+  TensorView k;
+  TensorView v;
+  TensorView out;
+  TensorView lse;
+  TensorView cu_seqlens;
+  double scale = 1.0;
+};
+
+// SwiGLU: h = silu(gate) * up; gate_up is [rows, 2 * width] with gate in the first half.
+struct SwigluBackwardArgs {
+  TensorView dgate_up;  // [rows, 2 * width]
+  TensorView dh;        // [rows, width]
+  TensorView gate_up;
+};
+
+// MoE routing (DeepSeek-V3 / Kimi): scores = sigmoid(logits) or softmax(logits);
+// selection uses scores + bias (+ noise), restricted to the best `topk_groups` of `num_groups`
+// expert groups (a group's score: the sum of its two best selection scores for sigmoid
+// routing, its best one for softmax); weights are the unbiased scores of the chosen experts,
+// divided by their sum when `normalize`, times `scaling`. Ties go to the lower expert index.
+enum class RouterScoring { kSigmoid, kSoftmax };
+struct RouterArgs {
+  TensorView scores;        // [tokens, experts] out, saved for backward
+  TensorView topk_index;    // int32 [tokens, top_k] out, in descending selection score
+  TensorView topk_weight;   // [tokens, top_k] out
+  TensorView logits;        // [tokens, experts]
+  TensorView bias;          // [experts] score-correction bias (selection only); may be empty
+  TensorView noise;         // [tokens, experts] added to selection scores; may be empty
+  RouterScoring scoring = RouterScoring::kSigmoid;
+  int64_t top_k = 1;
+  int64_t num_groups = 1;
+  int64_t topk_groups = 1;
+  bool normalize = true;
+  double scaling = 1.0;
+};
+// dlogits from dtopk_weight (and dscores from the aux loss, if given: added before the
+// scoring function's backward). Top-k selection itself has no gradient.
+struct RouterBackwardArgs {
+  TensorView dlogits;       // [tokens, experts]
+  TensorView dtopk_weight;  // [tokens, top_k]
+  TensorView dscores_extra; // [tokens, experts] or empty
+  TensorView scores;
+  TensorView topk_index;
+  RouterScoring scoring = RouterScoring::kSigmoid;
+  bool normalize = true;
+  double scaling = 1.0;
+};
+
+// Auxiliary load-balancing loss over segments of `tokens_per_segment` tokens (one sequence:
+// DeepSeek's sequence-wise loss; all tokens: the batch-wise switch loss):
+//   L = coef * mean_segments sum_e f_e * P_e,
+//   f_e = experts / (top_k * T) * #{t in segment: e chosen},  P_e = mean_t s'[t, e],
+// with s' the scores normalised per token. dscores gets dL/dscores (the count f is constant).
+struct AuxLossArgs {
+  TensorView loss;     // [1] out, the compute dtype
+  TensorView dscores;  // [tokens, experts] out
+  TensorView scores;
+  TensorView topk_index;
+  int64_t tokens_per_segment = 0;
+  double coef = 0.0;
+};
+
+// Stable sort of the (token, slot) pairs of a top-k assignment by expert, for the grouped GEMM:
+// sorted_pair[p] = t * top_k + j of the p-th row in expert order (ties in token order);
+// pair_row[t * top_k + j] = that pair's row; expert_offsets [experts + 1] prefix sums.
+struct MoePermutationArgs {
+  TensorView expert_offsets;  // int32 [experts + 1]
+  TensorView sorted_pair;     // int32 [tokens * top_k]
+  TensorView pair_row;        // int32 [tokens * top_k]
+  TensorView topk_index;      // int32 [tokens, top_k]
+  int64_t num_experts = 0;
+};
+
+// out[t, :] = sum_j weight[t, j] * rows[pair_row[t * top_k + j], :]
+struct MoeCombineArgs {
+  TensorView out;        // [tokens, dim]
+  TensorView rows;       // [tokens * top_k, dim] expert outputs in expert order
+  TensorView weight;     // [tokens, top_k]
+  TensorView pair_row;
+};
+struct MoeCombineBackwardArgs {
+  TensorView drows;      // [tokens * top_k, dim]
+  TensorView dweight;    // [tokens, top_k]
+  TensorView dout;       // [tokens, dim]
+  TensorView rows;
+  TensorView weight;
+  TensorView pair_row;
+};
+
+// Cross-entropy on a chunk of rows: loss[r] = logsumexp(logits[r]) - logits[r, label[r]],
+// dlogits[r] = (softmax(logits[r]) - onehot(label[r])) * grad_scale. Rows with label < 0 are
+// not targets: loss 0, gradient 0. Labels >= vocab are a bug upstream (checked on the host).
+// dlogits may alias logits (the chunk's logits are not needed afterwards).
+struct CrossEntropyArgs {
+  TensorView loss;     // [rows] out
+  TensorView dlogits;  // [rows, vocab] out
+  TensorView logits;   // [rows, vocab]
+  TensorView labels;   // int32 [rows]
+  double grad_scale = 1.0;
+};
+
+// Decoupled-weight-decay Adam (Loshchilov & Hutter) with bias correction, in place.
+struct AdamWArgs {
+  TensorView param;
+  TensorView grad;
+  TensorView exp_avg;
+  TensorView exp_avg_sq;
+  double lr = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
+// dst[r, dst_col + c] (+)= src[r / src_row_repeat, src_col + c] for c < cols: splitting and
+// concatenating head parts (MLA's nope/rope halves) and broadcasting a shared part over heads.
+struct CopyColumnsArgs {
+  TensorView dst;
+  TensorView src;
+  int64_t dst_col = 0;
+  int64_t src_col = 0;
+  int64_t cols = 0;
+  int64_t src_row_repeat = 1;
+  bool accumulate = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual const char* name() const = 0;
+  virtual Allocator& allocator() = 0;
+  // Work is done when this returns (a no-op on the CPU).
+  virtual void synchronize() = 0;
+
+  // Memory. copy: same dtype and element count, any devices. convert: dtype conversion
+  // (e.g. bf16 weights to f32 compute), same device, same element count.
+  virtual void copy(const TensorView& dst, const TensorView& src) = 0;
+  virtual void convert(const TensorView& dst, const TensorView& src) = 0;
+  virtual void fill(const TensorView& dst, double value) = 0;
+
+  // Elementwise: y = alpha * x + beta * y (same shapes).
+  virtual void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) = 0;
+  // Sum of squares of every element, accumulated in double in a fixed order (grad norms).
+  virtual double sum_squares(const TensorView& x) = 0;
+  virtual void copy_columns(const CopyColumnsArgs& args) = 0;
+  // dst[t, :] = sum_h src[t, h, :]  (the backward of broadcasting over heads)
+  virtual void sum_over_heads(const TensorView& dst, const TensorView& src) = 0;
+
+  virtual void gemm(const GemmArgs& args) = 0;
+  virtual void grouped_gemm(const GroupedGemmArgs& args) = 0;
+
+  // out[t, :] = table[ids[t], :]; ids int32 [tokens], checked against the table's rows.
+  virtual void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) = 0;
+  // dtable[ids[t], :] += dout[t, :], in token order (deterministic).
+  virtual void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) = 0;
+
+  virtual void rmsnorm_forward(const RmsNormArgs& args) = 0;
+  virtual void rmsnorm_backward(const RmsNormBackwardArgs& args) = 0;
+
+  virtual void rope(const RopeArgs& args) = 0;
+
+  virtual void attention_forward(const AttentionArgs& args) = 0;
+  virtual void attention_backward(const AttentionBackwardArgs& args) = 0;
+
+  // h [rows, width] = silu(gate_up[:, :width]) * gate_up[:, width:]
+  virtual void swiglu_forward(const TensorView& h, const TensorView& gate_up) = 0;
+  virtual void swiglu_backward(const SwigluBackwardArgs& args) = 0;
+
+  virtual void router_forward(const RouterArgs& args) = 0;
+  virtual void router_backward(const RouterBackwardArgs& args) = 0;
+  virtual void aux_loss(const AuxLossArgs& args) = 0;
+
+  virtual void moe_permutation(const MoePermutationArgs& args) = 0;
+  // out[p, :] = x[sorted_pair[p] / top_k, :]   (gather tokens into expert order)
+  virtual void moe_permute(const TensorView& out, const TensorView& x, const TensorView& sorted_pair,
+                           int64_t top_k) = 0;
+  // dx[t, :] (+)= sum_j drows[pair_row[t * top_k + j], :]   (the permute's backward, in fixed order)
+  virtual void moe_unpermute_sum(const TensorView& dx, const TensorView& drows, const TensorView& pair_row,
+                                 int64_t top_k, bool accumulate) = 0;
+  virtual void moe_combine(const MoeCombineArgs& args) = 0;
+  virtual void moe_combine_backward(const MoeCombineBackwardArgs& args) = 0;
+
+  virtual void cross_entropy(const CrossEntropyArgs& args) = 0;
+  virtual void adamw(const AdamWArgs& args) = 0;
+};
+
+// The CPU reference backend (always built).
+std::unique_ptr<Backend> make_cpu_backend();
+
+}  // namespace moetrain::kernels

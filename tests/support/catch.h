@@ -1,0 +1,7 @@
+// One include for Catch2 2.x (Debian 12) and 3.x (Ubuntu 24.04).
+#pragma once
+#if MOETRAIN_CATCH2_V3
+#include <catch2/catch_all.hpp>
+#else
+#include <catch2/catch.hpp>
+#endif
