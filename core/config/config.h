@@ -1,0 +1,150 @@
+// The typed configuration: one struct per YAML section (DESIGN.md §7). Field names are the YAML
+// keys. Defaults here are the defaults a config file gets for a key it leaves out; a key the
+// file sets that is not a field is an error ("did you mean ...").
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moetrain {
+
+// Rotary scaling as DeepSeek-V3 uses it (`rope_scaling` in config.json).
+struct RopeScalingConfig {
+  std::string type = "none";  // none | yarn
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 4096;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+};
+
+// Multi-head Latent Attention.
+struct MlaConfig {
+  int64_t num_heads = 4;
+  std::optional<int64_t> q_lora_rank;  // null: q_proj directly from the hidden state
+  int64_t kv_lora_rank = 32;
+  int64_t qk_nope_head_dim = 16;
+  int64_t qk_rope_head_dim = 8;   // 0 with use_rope false (Kimi-Linear's NoPE MLA)
+  int64_t v_head_dim = 16;
+  bool use_rope = true;
+  double rope_theta = 10000.0;
+  RopeScalingConfig rope_scaling;
+};
+
+// Routed + shared SwiGLU experts (DeepSeek-V3 / Kimi).
+struct MoeConfig {
+  int64_t num_experts = 8;               // n_routed_experts
+  int64_t top_k = 2;                     // num_experts_per_tok
+  int64_t num_shared_experts = 1;        // n_shared_experts (width: expert_intermediate_size each)
+  int64_t expert_intermediate_size = 64; // moe_intermediate_size
+  std::string scoring = "sigmoid";       // sigmoid | softmax
+  int64_t num_groups = 1;                // n_group
+  int64_t topk_groups = 1;               // topk_group
+  bool normalize_topk = true;            // norm_topk_prob
+  double routed_scaling_factor = 1.0;
+  bool score_correction_bias = true;     // e_score_correction_bias present
+  double aux_loss_coef = 0.0;            // 0 disables
+  std::string aux_loss_type = "sequence";  // sequence | batch
+  double router_noise = 0.0;             // std of Gaussian noise on selection scores in training
+  double bias_update_rate = 0.0;         // aux-loss-free balancing: bias step per optimizer step
+};
+
+struct ModelConfig {
+  std::optional<std::string> hf_dir;     // a Hugging Face model directory; fields below override it
+  std::string model_type = "deepseek_v3";
+  int64_t vocab_size = 512;
+  int64_t hidden_size = 128;
+  int64_t num_layers = 4;
+  std::vector<std::string> layers;       // mixer per layer: mla | kda | dsa; empty: all mla
+  int64_t intermediate_size = 256;       // dense FFN width
+  int64_t first_k_dense = 1;             // first_k_dense_replace: layers [0, k) use the dense FFN
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  int64_t max_position_embeddings = 4096;
+  std::string attention_gate = "none";   // none | headwise | elementwise
+  MlaConfig mla;
+  MoeConfig moe;
+};
+
+struct LoraConfig {
+  int64_t rank = 8;
+  double alpha = 16.0;
+  bool rslora = false;                   // scale alpha / sqrt(rank) instead of alpha / rank
+  std::vector<std::string> targets = {"q_proj", "o_proj", "experts"};
+};
+
+struct ParallelConfig {
+  int64_t fsdp = 1;
+  int64_t ep = 1;
+  int64_t prefetch = 1;
+  bool recompute = true;
+};
+
+struct DataConfig {
+  std::string source = "synthetic";      // synthetic, or a dataset path prefix (later issues)
+  int64_t seq_len = 256;
+  int64_t micro_batch = 2;
+  int64_t grad_accum = 1;
+  int64_t seed = 1234;
+};
+
+struct TrainConfig {
+  int64_t steps = 100;
+  double lr = 2.0e-4;
+  int64_t warmup_steps = 10;
+  std::string schedule = "cosine";       // cosine | linear | constant
+  double min_lr_ratio = 0.1;             // the decay ends at lr * min_lr_ratio
+  double weight_decay = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double grad_clip = 1.0;                // 0 disables clipping
+  int64_t seed = 1234;
+  std::string device = "auto";           // auto | cpu | cuda
+};
+
+struct CheckpointConfig {
+  std::optional<std::string> dir;        // null: <run_dir>/checkpoints
+  int64_t every = 0;                     // 0: no periodic saves
+  int64_t keep_last = 2;
+  std::string resume = "auto";           // auto | none | a checkpoint path
+};
+
+struct LoggingConfig {
+  std::string run_dir = "runs/quickstart";
+  int64_t every = 1;
+  std::string level = "info";            // debug | info | warn | error
+};
+
+struct Config {
+  ModelConfig model;
+  LoraConfig lora;
+  ParallelConfig parallel;
+  DataConfig data;
+  TrainConfig train;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  std::string source_path;               // the file it was read from (for messages)
+};
+
+// Reads `path`, applies `overrides` ("key.path=value", each validated like a file key), and
+// checks every single-field and cross-field rule that needs no world size. Throws
+// Error(kBadConfig) naming the file, key, line and the fix.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// The same from YAML text (tests); `source_name` stands for the path in messages.
+Config parse_config(const std::string& yaml_text, const std::string& source_name,
+                    const std::vector<std::string>& overrides = {});
+
+// Rules that depend on the job's world size (world divisible by fsdp, experts by ep, ...),
+// checked on every rank before any collective. Throws Error(kBadConfig).
+void validate_for_world(const Config& config, int world_size);
+
+// The resolved config as YAML, every field present (printed at start, saved to the run dir,
+// and parseable by parse_config to the same Config).
+std::string config_to_yaml(const Config& config);
+
+}  // namespace moetrain
