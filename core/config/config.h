@@ -128,6 +128,9 @@ struct Config {
   CheckpointConfig checkpoint;
   LoggingConfig logging;
   std::string source_path;               // the file it was read from (for messages)
+  // Full paths of the model.* keys the file or an override set ("model.mla.num_heads"): with
+  // model.hf_dir, these override config.json and every other model field comes from it.
+  std::vector<std::string> explicit_model_keys;
 };
 
 // Reads `path`, applies `overrides` ("key.path=value", each validated like a file key), and
