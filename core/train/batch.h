@@ -1,0 +1,29 @@
+// One micro-batch on the host, in the packed layout every layer consumes: `batch_size`
+// windows of `seq_len` tokens laid end to end, cut into segments (documents) by cu_seqlens.
+// Attention, convolution and recurrent state never cross a segment boundary; positions
+// restart at 0 in every segment; labels are next-token targets within a segment, -1 where a
+// token is not a target (the last token of a segment, masked prompt tokens, padding).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace moetrain {
+
+struct Batch {
+  int64_t batch_size = 0;
+  int64_t seq_len = 0;
+  std::vector<int32_t> input_ids;   // [batch_size * seq_len]
+  std::vector<int32_t> labels;      // [batch_size * seq_len], -1: not a target
+  std::vector<int32_t> positions;   // [batch_size * seq_len], position within its segment
+  std::vector<int32_t> cu_seqlens;  // [num_segments + 1], prefix sums over the packed tokens
+
+  int64_t num_tokens() const { return batch_size * seq_len; }
+  int64_t num_targets() const {
+    int64_t n = 0;
+    for (int32_t label : labels) n += label >= 0;
+    return n;
+  }
+};
+
+}  // namespace moetrain
