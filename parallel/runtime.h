@@ -42,6 +42,7 @@ class Runtime {
  private:
   Runtime() = default;
   RuntimeInfo info_;
+  bool owns_mpi_ = false;  // false when MPI was initialised before us: then we do not finalize it
   bool finalized_ = false;
 };
 

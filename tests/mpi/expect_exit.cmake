@@ -1,0 +1,51 @@
+# Runs a command that must fail in a given way, and passes only if it does:
+#   cmake -DEXPECTED_CODE=3 -DMAX_SECONDS=20 [-DEXPECTED_TEXT=...] [-DFORBIDDEN_TEXT=...]
+#         -P expect_exit.cmake -- <command> <args>...
+# Used for "one failing rank ends the whole job with its exit code, within seconds": a hang, a
+# wrong code or a missing error message fails the test.
+set(command "")
+set(after_separator FALSE)
+math(EXPR last "${CMAKE_ARGC} - 1")
+foreach(i RANGE ${last})
+  if(after_separator)
+    list(APPEND command "${CMAKE_ARGV${i}}")
+  elseif(CMAKE_ARGV${i} STREQUAL "--")
+    set(after_separator TRUE)
+  endif()
+endforeach()
+if(NOT command OR NOT DEFINED EXPECTED_CODE OR NOT DEFINED MAX_SECONDS)
+  message(FATAL_ERROR "usage: cmake -DEXPECTED_CODE=N -DMAX_SECONDS=S -P expect_exit.cmake -- command...")
+endif()
+
+string(TIMESTAMP started "%s")
+# The guard only matters if the launcher's own timeout fails; the test's TIMEOUT is the last one.
+math(EXPR guard "${MAX_SECONDS} + 10")
+execute_process(COMMAND ${command}
+  RESULT_VARIABLE code OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT ${guard})
+string(TIMESTAMP finished "%s")
+math(EXPR elapsed "${finished} - ${started}")
+message("---- stdout\n${out}---- stderr\n${err}---- exit code ${code} after ${elapsed} s")
+
+set(problems "")
+if(NOT code STREQUAL "${EXPECTED_CODE}")
+  string(APPEND problems "exit code ${code}, expected ${EXPECTED_CODE}; ")
+endif()
+if(elapsed GREATER MAX_SECONDS)
+  string(APPEND problems "took ${elapsed} s, more than ${MAX_SECONDS} s; ")
+endif()
+if(DEFINED EXPECTED_TEXT)
+  string(FIND "${out}${err}" "${EXPECTED_TEXT}" found)
+  if(found EQUAL -1)
+    string(APPEND problems "output lacks '${EXPECTED_TEXT}'; ")
+  endif()
+endif()
+if(DEFINED FORBIDDEN_TEXT)
+  string(FIND "${out}${err}" "${FORBIDDEN_TEXT}" found)
+  if(NOT found EQUAL -1)
+    string(APPEND problems "output has '${FORBIDDEN_TEXT}'; ")
+  endif()
+endif()
+if(problems)
+  message(FATAL_ERROR "FAILED: ${problems}")
+endif()
+message("ok: exit code ${code} after ${elapsed} s")
