@@ -1,0 +1,170 @@
+// Causal attention on the CPU: the reference every other attention kernel is tested against.
+// Loops run query row by query row inside each (segment, head); sums are taken in double in a
+// fixed order, so results do not depend on anything but the inputs.
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace moetrain::kernels::cpu {
+namespace {
+
+void expect_shape(const TensorView& t, const Shape& shape, const char* name) {
+  MOETRAIN_ASSERT(t.shape == shape, std::string("attention: ") + name + " is " + t.shape.str() + ", expected " +
+                                        shape.str());
+}
+
+struct AttentionDims {
+  int64_t tokens = 0;
+  int64_t heads = 0;
+  int64_t qk_dim = 0;
+  int64_t v_dim = 0;
+};
+
+AttentionDims attention_dims(const TensorView& q, const TensorView& k, const TensorView& v) {
+  MOETRAIN_ASSERT(q.ndim() == 3, "attention: q must be [tokens, heads, qk_dim], got " + q.shape.str());
+  MOETRAIN_ASSERT(v.ndim() == 3, "attention: v must be [tokens, heads, v_dim], got " + v.shape.str());
+  AttentionDims d{q.size(0), q.size(1), q.size(2), v.size(2)};
+  expect_shape(k, q.shape, "k");
+  expect_shape(v, Shape({d.tokens, d.heads, d.v_dim}), "v");
+  return d;
+}
+
+// The segment boundaries, checked: starts at 0, never decreases, ends at `tokens`.
+std::vector<int64_t> segment_bounds(const TensorView& cu_seqlens, int64_t tokens) {
+  MOETRAIN_ASSERT(cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 1,
+                  "attention: cu_seqlens must be [num_seqs + 1], got " + cu_seqlens.shape.str());
+  const int32_t* cu = cu_seqlens.ptr<int32_t>();
+  std::vector<int64_t> bounds(cu, cu + cu_seqlens.numel());
+  MOETRAIN_ASSERT(bounds.front() == 0, "attention: cu_seqlens[0] is " + std::to_string(bounds.front()));
+  for (size_t i = 1; i < bounds.size(); ++i) {
+    MOETRAIN_ASSERT(bounds[i] >= bounds[i - 1], "attention: cu_seqlens decreases at index " + std::to_string(i));
+  }
+  MOETRAIN_ASSERT(bounds.back() == tokens, "attention: cu_seqlens ends at " + std::to_string(bounds.back()) +
+                                               " but there are " + std::to_string(tokens) + " tokens");
+  return bounds;
+}
+
+template <typename T>
+double dot(const T* a, const T* b, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+  return s;
+}
+
+}  // namespace
+
+template <typename T>
+void attention_forward(const AttentionArgs& args) {
+  const AttentionDims d = attention_dims(args.q, args.k, args.v);
+  expect_shape(args.out, Shape({d.tokens, d.heads, d.v_dim}), "out");
+  expect_shape(args.lse, Shape({d.tokens, d.heads}), "lse");
+  const std::vector<int64_t> bounds = segment_bounds(args.cu_seqlens, d.tokens);
+  const T* q = args.q.ptr<T>();
+  const T* k = args.k.ptr<T>();
+  const T* v = args.v.ptr<T>();
+  T* out = args.out.ptr<T>();
+  T* lse = args.lse.ptr<T>();
+  const int64_t q_row = d.heads * d.qk_dim, v_row = d.heads * d.v_dim;
+
+  std::vector<double> logits;
+  std::vector<double> acc(static_cast<size_t>(d.v_dim));
+  for (size_t seg = 0; seg + 1 < bounds.size(); ++seg) {
+    const int64_t begin = bounds[seg];
+    for (int64_t t = begin; t < bounds[seg + 1]; ++t) {
+      for (int64_t h = 0; h < d.heads; ++h) {
+        const T* qt = q + t * q_row + h * d.qk_dim;
+        // Keys begin..t inclusive: causal within the segment.
+        logits.resize(static_cast<size_t>(t - begin + 1));
+        double max_logit = -std::numeric_limits<double>::infinity();
+        for (int64_t s = begin; s <= t; ++s) {
+          const double l = args.scale * dot(qt, k + s * q_row + h * d.qk_dim, d.qk_dim);
+          logits[s - begin] = l;
+          max_logit = std::max(max_logit, l);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        double denom = 0.0;
+        for (int64_t s = begin; s <= t; ++s) {
+          const double p = std::exp(logits[s - begin] - max_logit);
+          denom += p;
+          const T* vs = v + s * v_row + h * d.v_dim;
+          for (int64_t c = 0; c < d.v_dim; ++c) acc[c] += p * static_cast<double>(vs[c]);
+        }
+        T* ot = out + t * v_row + h * d.v_dim;
+        for (int64_t c = 0; c < d.v_dim; ++c) ot[c] = static_cast<T>(acc[c] / denom);
+        lse[t * d.heads + h] = static_cast<T>(max_logit + std::log(denom));
+      }
+    }
+  }
+}
+
+template <typename T>
+void attention_backward(const AttentionBackwardArgs& args) {
+  const AttentionDims d = attention_dims(args.q, args.k, args.v);
+  expect_shape(args.out, Shape({d.tokens, d.heads, d.v_dim}), "out");
+  expect_shape(args.dout, args.out.shape, "dout");
+  expect_shape(args.lse, Shape({d.tokens, d.heads}), "lse");
+  expect_shape(args.dq, args.q.shape, "dq");
+  expect_shape(args.dk, args.k.shape, "dk");
+  expect_shape(args.dv, args.v.shape, "dv");
+  const std::vector<int64_t> bounds = segment_bounds(args.cu_seqlens, d.tokens);
+  const T* q = args.q.ptr<T>();
+  const T* k = args.k.ptr<T>();
+  const T* v = args.v.ptr<T>();
+  const T* out = args.out.ptr<T>();
+  const T* dout = args.dout.ptr<T>();
+  const T* lse = args.lse.ptr<T>();
+  T* dq = args.dq.ptr<T>();
+  T* dk = args.dk.ptr<T>();
+  T* dv = args.dv.ptr<T>();
+  const int64_t q_row = d.heads * d.qk_dim, v_row = d.heads * d.v_dim;
+
+  std::vector<double> dq_acc(static_cast<size_t>(d.qk_dim));
+  std::vector<double> dk_acc, dv_acc;  // [segment length, dim] for one (segment, head)
+  for (size_t seg = 0; seg + 1 < bounds.size(); ++seg) {
+    const int64_t begin = bounds[seg], end = bounds[seg + 1];
+    for (int64_t h = 0; h < d.heads; ++h) {
+      dk_acc.assign(static_cast<size_t>((end - begin) * d.qk_dim), 0.0);
+      dv_acc.assign(static_cast<size_t>((end - begin) * d.v_dim), 0.0);
+      for (int64_t t = begin; t < end; ++t) {
+        const T* qt = q + t * q_row + h * d.qk_dim;
+        const T* dout_t = dout + t * v_row + h * d.v_dim;
+        const double row_lse = static_cast<double>(lse[t * d.heads + h]);
+        const double delta = dot(dout_t, out + t * v_row + h * d.v_dim, d.v_dim);
+        std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
+        for (int64_t s = begin; s <= t; ++s) {
+          const T* ks = k + s * q_row + h * d.qk_dim;
+          const T* vs = v + s * v_row + h * d.v_dim;
+          const double p = std::exp(args.scale * dot(qt, ks, d.qk_dim) - row_lse);
+          const double dp = dot(dout_t, vs, d.v_dim);
+          const double ds = p * (dp - delta) * args.scale;
+          double* dks = dk_acc.data() + (s - begin) * d.qk_dim;
+          double* dvs = dv_acc.data() + (s - begin) * d.v_dim;
+          for (int64_t c = 0; c < d.qk_dim; ++c) {
+            dq_acc[c] += ds * static_cast<double>(ks[c]);
+            dks[c] += ds * static_cast<double>(qt[c]);
+          }
+          for (int64_t c = 0; c < d.v_dim; ++c) dvs[c] += p * static_cast<double>(dout_t[c]);
+        }
+        T* dqt = dq + t * q_row + h * d.qk_dim;
+        for (int64_t c = 0; c < d.qk_dim; ++c) dqt[c] = static_cast<T>(dq_acc[c]);
+      }
+      for (int64_t s = begin; s < end; ++s) {
+        T* dks = dk + s * q_row + h * d.qk_dim;
+        T* dvs = dv + s * v_row + h * d.v_dim;
+        for (int64_t c = 0; c < d.qk_dim; ++c) dks[c] = static_cast<T>(dk_acc[(s - begin) * d.qk_dim + c]);
+        for (int64_t c = 0; c < d.v_dim; ++c) dvs[c] = static_cast<T>(dv_acc[(s - begin) * d.v_dim + c]);
+      }
+    }
+  }
+}
+
+template void attention_forward<float>(const AttentionArgs&);
+template void attention_forward<double>(const AttentionArgs&);
+template void attention_backward<float>(const AttentionBackwardArgs&);
+template void attention_backward<double>(const AttentionBackwardArgs&);
+
+}  // namespace moetrain::kernels::cpu
