@@ -1,0 +1,28 @@
+// The thin device layer: how many GPUs, which one this thread uses, device memory through the
+// tensor Allocator interface, and copies between host and device. No CUDA types here, so host
+// code (core/, apps/) can use it without nvcc; built only with the CUDA backend.
+#pragma once
+
+#include <cstddef>
+
+#include "core/base/tensor.h"
+
+namespace moetrain::cuda {
+
+// Number of usable GPUs; 0 (not an error) without a driver or without a GPU.
+int device_count();
+void set_device(int device);
+int current_device();
+
+// cudaMalloc/cudaFree behind core's Allocator: `Tensor t(shape, dtype, cuda::device_allocator())`.
+// Running out of memory is an Error naming the request and what was free.
+Allocator& device_allocator();
+
+// Blocking copies (they return when the data has arrived).
+void copy_host_to_device(void* device_dst, const void* host_src, size_t bytes);
+void copy_device_to_host(void* host_dst, const void* device_src, size_t bytes);
+void copy_device_to_device(void* device_dst, const void* device_src, size_t bytes);
+// Waits for all work on the current device; surfaces asynchronous kernel errors as an Error.
+void synchronize();
+
+}  // namespace moetrain::cuda
