@@ -1,1 +1,543 @@
-// The CPU reference backend: being written (see kernels/ops.h).
+// The CPU reference backend: the public entry of every op. Each method checks its arguments
+// (host tensors, dtypes, shapes, index ranges that would otherwise read out of bounds), then
+// dispatches on the compute dtype (F32 -> float, F64 -> double) to the templated functions in
+// kernels/cpu/<family>.h, which hold the arithmetic. A failed check is a bug in the caller:
+// Error(kInternal) naming the op, the argument and both shapes. (Bad token ids are the one
+// user-data error here: embedding_forward throws kBadData.)
+#include <string>
+#include <utility>
+
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/dense.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/moe.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/router.h"
+#include "kernels/cpu/swiglu.h"
+#include "kernels/ops.h"
+
+namespace moetrain::kernels {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks
+
+[[noreturn]] void fail(const char* op, const std::string& what) {
+  throw Error(ExitCode::kInternal, std::string("cpu backend: ") + op + ": " + what);
+}
+
+void expect(bool condition, const char* op, const std::string& what) {
+  if (!condition) fail(op, what);
+}
+
+bool given(const TensorView& t) { return t.data != nullptr; }
+
+std::string describe(const char* name, const TensorView& t) {
+  return std::string(name) + " " + t.shape.str() + " " + dtype_name(t.dtype);
+}
+
+// On the host, with memory unless it has no elements.
+void expect_host(const char* op, const char* name, const TensorView& t) {
+  expect(t.device == Device::kCPU, op, std::string(name) + " is on " + device_name(t.device) + ", not the CPU");
+  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
+}
+
+void expect_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
+  expect_host(op, name, t);
+  expect(t.dtype == dtype, op,
+         std::string(name) + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
+}
+
+void expect_shape(const char* op, const char* name, const TensorView& t, const Shape& shape) {
+  expect(t.shape == shape, op, describe(name, t) + ", expected shape " + shape.str());
+}
+
+void expect_numel(const char* op, const char* name, const TensorView& t, int64_t numel) {
+  expect(t.numel() == numel, op,
+         describe(name, t) + " has " + std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
+}
+
+void expect_ndim(const char* op, const char* name, const TensorView& t, int ndim) {
+  expect(t.ndim() == ndim, op, describe(name, t) + " should have " + std::to_string(ndim) + " dimensions");
+}
+
+// Rows and width of a tensor read as [rows, last dim].
+int64_t last_dim(const char* op, const char* name, const TensorView& t) {
+  expect(t.ndim() >= 1, op, describe(name, t) + " needs at least one dimension");
+  return t.size(-1);
+}
+int64_t rows_of(const TensorView& t) {
+  const int64_t width = t.size(-1);
+  return width == 0 ? 0 : t.numel() / width;
+}
+
+// Every entry of an int32 index tensor in [0, bound).
+void expect_indices_below(const char* op, const char* name, const TensorView& t, int64_t bound) {
+  const int32_t* p = t.ptr<int32_t>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    expect(p[i] >= 0 && p[i] < bound, op,
+           std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(p[i]) + " is outside [0, " +
+               std::to_string(bound) + ")");
+}
+
+// int32 [count + 1] prefix sums: 0 first, non-decreasing, `total` last.
+void expect_offsets(const char* op, const char* name, const TensorView& t, int64_t total) {
+  expect_dtype(op, name, t, DType::kI32);
+  expect(t.ndim() == 1 && t.numel() >= 1, op, describe(name, t) + " should be [count + 1]");
+  const int32_t* p = t.ptr<int32_t>();
+  expect(p[0] == 0, op, std::string(name) + "[0] = " + std::to_string(p[0]) + ", expected 0");
+  for (int64_t i = 1; i < t.numel(); ++i)
+    expect(p[i] >= p[i - 1], op, std::string(name) + " decreases at " + std::to_string(i));
+  expect(p[t.numel() - 1] == total, op,
+         std::string(name) + " ends at " + std::to_string(p[t.numel() - 1]) + ", expected " + std::to_string(total));
+}
+
+// The compute dtype of a call: `first`'s, which every other floating operand must share.
+DType compute_dtype(const char* op, std::initializer_list<std::pair<const char*, const TensorView*>> operands) {
+  const DType dtype = operands.begin()->second->dtype;
+  for (const auto& [name, t] : operands) expect_dtype(op, name, *t, dtype);
+  return dtype;
+}
+
+// Calls f(T{}) with T the element type of `dtype`.
+template <typename F>
+auto dispatch(const char* op, DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32: return f(float{});
+    case DType::kF64: return f(double{});
+    default:
+      fail(op, std::string("compute dtype ") + dtype_name(dtype) +
+                   " is not supported by the CPU backend (F32 or F64; convert bf16/f16 weights first)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class CpuBackend final : public Backend {
+ public:
+  Device device() const override { return Device::kCPU; }
+  const char* name() const override { return "cpu"; }
+  Allocator& allocator() override { return host_allocator(); }
+  void synchronize() override {}
+
+  void copy(const TensorView& dst, const TensorView& src) override {
+    const char* op = "copy";
+    expect_host(op, "dst", dst);
+    expect_dtype(op, "src", src, dst.dtype);
+    expect_numel(op, "src", src, dst.numel());
+    cpu::copy(dst, src);
+  }
+
+  void convert(const TensorView& dst, const TensorView& src) override {
+    const char* op = "convert";
+    expect_host(op, "dst", dst);
+    expect_host(op, "src", src);
+    expect_numel(op, "src", src, dst.numel());
+    cpu::convert(dst, src);
+  }
+
+  void fill(const TensorView& dst, double value) override {
+    expect_host("fill", "dst", dst);
+    cpu::fill(dst, value);
+  }
+
+  void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override {
+    const char* op = "axpby";
+    const DType dtype = compute_dtype(op, {{"y", &y}, {"x", &x}});
+    expect_numel(op, "x", x, y.numel());
+    dispatch(op, dtype, [&](auto t) { cpu::axpby<decltype(t)>(y, x, alpha, beta); });
+  }
+
+  double sum_squares(const TensorView& x) override {
+    const char* op = "sum_squares";
+    expect_host(op, "x", x);
+    return dispatch(op, x.dtype, [&](auto t) { return cpu::sum_squares<decltype(t)>(x); });
+  }
+
+  void copy_columns(const CopyColumnsArgs& args) override {
+    const char* op = "copy_columns";
+    const DType dtype = compute_dtype(op, {{"dst", &args.dst}, {"src", &args.src}});
+    const int64_t dst_width = last_dim(op, "dst", args.dst), src_width = last_dim(op, "src", args.src);
+    expect(args.cols >= 0 && args.dst_col >= 0 && args.src_col >= 0 && args.src_row_repeat >= 1, op,
+           "negative cols/offsets or src_row_repeat < 1");
+    expect(args.dst_col + args.cols <= dst_width, op,
+           "dst columns [" + std::to_string(args.dst_col) + ", " + std::to_string(args.dst_col + args.cols) +
+               ") exceed its width " + std::to_string(dst_width));
+    expect(args.src_col + args.cols <= src_width, op,
+           "src columns [" + std::to_string(args.src_col) + ", " + std::to_string(args.src_col + args.cols) +
+               ") exceed its width " + std::to_string(src_width));
+    expect(rows_of(args.dst) == rows_of(args.src) * args.src_row_repeat, op,
+           describe("dst", args.dst) + " needs " + std::to_string(args.src_row_repeat) + " rows per row of " +
+               describe("src", args.src));
+    dispatch(op, dtype, [&](auto t) { cpu::copy_columns<decltype(t)>(args); });
+  }
+
+  void sum_over_heads(const TensorView& dst, const TensorView& src) override {
+    const char* op = "sum_over_heads";
+    const DType dtype = compute_dtype(op, {{"dst", &dst}, {"src", &src}});
+    const int64_t dim = last_dim(op, "dst", dst);
+    expect(last_dim(op, "src", src) == dim, op, describe("src", src) + " and " + describe("dst", dst) +
+                                                    " differ in the last dimension");
+    const int64_t tokens = rows_of(dst);
+    expect(tokens == 0 ? src.numel() == 0 : rows_of(src) % tokens == 0, op,
+           describe("src", src) + " is not [tokens, heads, dim] for " + describe("dst", dst));
+    dispatch(op, dtype, [&](auto t) { cpu::sum_over_heads<decltype(t)>(dst, src); });
+  }
+
+  void gemm(const GemmArgs& args) override {
+    const char* op = "gemm";
+    const DType dtype = compute_dtype(op, {{"c", &args.c}, {"a", &args.a}, {"b", &args.b}});
+    expect_ndim(op, "c", args.c, 2);
+    expect_ndim(op, "a", args.a, 2);
+    expect_ndim(op, "b", args.b, 2);
+    const int64_t m = args.transpose_a ? args.a.size(1) : args.a.size(0);
+    const int64_t k = args.transpose_a ? args.a.size(0) : args.a.size(1);
+    const int64_t k_b = args.transpose_b ? args.b.size(1) : args.b.size(0);
+    const int64_t n = args.transpose_b ? args.b.size(0) : args.b.size(1);
+    expect(k == k_b, op, describe("a", args.a) + (args.transpose_a ? "^T" : "") + " . " + describe("b", args.b) +
+                             (args.transpose_b ? "^T" : "") + ": inner dimensions differ");
+    expect_shape(op, "c", args.c, Shape{m, n});
+    dispatch(op, dtype, [&](auto t) { cpu::gemm<decltype(t)>(args); });
+  }
+
+  void grouped_gemm(const GroupedGemmArgs& args) override {
+    const char* op = "grouped_gemm";
+    const DType dtype = compute_dtype(op, {{"c", &args.c}, {"a", &args.a}, {"b", &args.b}});
+    expect_ndim(op, "a", args.a, 2);
+    const int64_t rows = args.a.size(0);
+    expect_offsets(op, "group_offsets", args.group_offsets, rows);
+    const int64_t groups = args.group_offsets.numel() - 1;
+    if (args.kind == GroupedGemmKind::kMGrouped) {
+      expect_ndim(op, "b", args.b, 3);
+      expect(args.b.size(0) == groups, op, describe("b", args.b) + " for " + std::to_string(groups) + " groups");
+      const int64_t k = args.a.size(1);
+      const int64_t k_b = args.transpose_b ? args.b.size(2) : args.b.size(1);
+      const int64_t n = args.transpose_b ? args.b.size(1) : args.b.size(2);
+      expect(k == k_b, op, describe("a", args.a) + " . " + describe("b", args.b) + ": inner dimensions differ");
+      expect_shape(op, "c", args.c, Shape{rows, n});
+    } else {
+      expect_ndim(op, "b", args.b, 2);
+      expect(args.b.size(0) == rows, op, describe("b", args.b) + " and " + describe("a", args.a) + " differ in rows");
+      expect_shape(op, "c", args.c, Shape{groups, args.a.size(1), args.b.size(1)});
+    }
+    dispatch(op, dtype, [&](auto t) { cpu::grouped_gemm<decltype(t)>(args); });
+  }
+
+  void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override {
+    const char* op = "embedding_forward";
+    const DType dtype = compute_dtype(op, {{"out", &out}, {"table", &table}});
+    check_embedding(op, out, table, ids);
+    dispatch(op, dtype, [&](auto t) { cpu::embedding_forward<decltype(t)>(out, table, ids); });
+  }
+
+  void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) override {
+    const char* op = "embedding_backward";
+    const DType dtype = compute_dtype(op, {{"dtable", &dtable}, {"dout", &dout}});
+    check_embedding(op, dout, dtable, ids);
+    dispatch(op, dtype, [&](auto t) { cpu::embedding_backward<decltype(t)>(dtable, dout, ids); });
+  }
+
+  void rmsnorm_forward(const RmsNormArgs& args) override {
+    const char* op = "rmsnorm_forward";
+    const DType dtype = compute_dtype(
+        op, {{"y", &args.y}, {"rstd", &args.rstd}, {"x", &args.x}, {"weight", &args.weight}});
+    const int64_t dim = last_dim(op, "x", args.x);
+    expect_numel(op, "weight", args.weight, dim);
+    expect_shape(op, "y", args.y, args.x.shape);
+    expect_numel(op, "rstd", args.rstd, rows_of(args.x));
+    dispatch(op, dtype, [&](auto t) { cpu::rmsnorm_forward<decltype(t)>(args); });
+  }
+
+  void rmsnorm_backward(const RmsNormBackwardArgs& args) override {
+    const char* op = "rmsnorm_backward";
+    const DType dtype = compute_dtype(op, {{"dx", &args.dx},
+                                           {"dy", &args.dy},
+                                           {"x", &args.x},
+                                           {"weight", &args.weight},
+                                           {"rstd", &args.rstd}});
+    const int64_t dim = last_dim(op, "x", args.x);
+    expect_numel(op, "weight", args.weight, dim);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dy", args.dy, args.x.shape);
+    expect_numel(op, "rstd", args.rstd, rows_of(args.x));
+    if (given(args.dweight)) {
+      expect_dtype(op, "dweight", args.dweight, dtype);
+      expect_numel(op, "dweight", args.dweight, dim);
+    }
+    dispatch(op, dtype, [&](auto t) { cpu::rmsnorm_backward<decltype(t)>(args); });
+  }
+
+  void rope(const RopeArgs& args) override {
+    const char* op = "rope";
+    const DType dtype =
+        compute_dtype(op, {{"out", &args.out}, {"x", &args.x}, {"cos", &args.cos}, {"sin", &args.sin}});
+    expect_dtype(op, "positions", args.positions, DType::kI32);
+    expect_shape(op, "out", args.out, args.x.shape);
+    const int64_t width = last_dim(op, "x", args.x);
+    expect(args.rope_dim > 0 && args.rope_dim % 2 == 0, op,
+           "rope_dim " + std::to_string(args.rope_dim) + " must be positive and even");
+    expect(args.col_offset >= 0 && args.col_offset + args.rope_dim <= width, op,
+           "columns [" + std::to_string(args.col_offset) + ", " + std::to_string(args.col_offset + args.rope_dim) +
+               ") exceed " + describe("x", args.x));
+    expect(args.heads >= 1 && rows_of(args.x) == args.positions.numel() * args.heads, op,
+           describe("x", args.x) + " should have tokens * heads = " + std::to_string(args.positions.numel()) +
+               " * " + std::to_string(args.heads) + " rows");
+    expect_ndim(op, "cos", args.cos, 2);
+    expect(args.cos.size(1) == args.rope_dim / 2, op, describe("cos", args.cos) + " should be [positions, rope_dim / 2]");
+    expect_shape(op, "sin", args.sin, args.cos.shape);
+    dispatch(op, dtype, [&](auto t) { cpu::rope<decltype(t)>(args); });
+  }
+
+  void attention_forward(const AttentionArgs& args) override {
+    const char* op = "attention_forward";
+    const DType dtype = compute_dtype(
+        op, {{"out", &args.out}, {"lse", &args.lse}, {"q", &args.q}, {"k", &args.k}, {"v", &args.v}});
+    check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens);
+    dispatch(op, dtype, [&](auto t) { cpu::attention_forward<decltype(t)>(args); });
+  }
+
+  void attention_backward(const AttentionBackwardArgs& args) override {
+    const char* op = "attention_backward";
+    const DType dtype = compute_dtype(op, {{"dq", &args.dq},
+                                           {"dk", &args.dk},
+                                           {"dv", &args.dv},
+                                           {"dout", &args.dout},
+                                           {"q", &args.q},
+                                           {"k", &args.k},
+                                           {"v", &args.v},
+                                           {"out", &args.out},
+                                           {"lse", &args.lse}});
+    check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens);
+    expect_shape(op, "dq", args.dq, args.q.shape);
+    expect_shape(op, "dk", args.dk, args.k.shape);
+    expect_shape(op, "dv", args.dv, args.v.shape);
+    expect_shape(op, "dout", args.dout, args.out.shape);
+    dispatch(op, dtype, [&](auto t) { cpu::attention_backward<decltype(t)>(args); });
+  }
+
+  void swiglu_forward(const TensorView& h, const TensorView& gate_up) override {
+    const char* op = "swiglu_forward";
+    const DType dtype = compute_dtype(op, {{"h", &h}, {"gate_up", &gate_up}});
+    check_swiglu(op, h, gate_up);
+    dispatch(op, dtype, [&](auto t) { cpu::swiglu_forward<decltype(t)>(h, gate_up); });
+  }
+
+  void swiglu_backward(const SwigluBackwardArgs& args) override {
+    const char* op = "swiglu_backward";
+    const DType dtype =
+        compute_dtype(op, {{"dgate_up", &args.dgate_up}, {"dh", &args.dh}, {"gate_up", &args.gate_up}});
+    check_swiglu(op, args.dh, args.gate_up);
+    expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
+    dispatch(op, dtype, [&](auto t) { cpu::swiglu_backward<decltype(t)>(args); });
+  }
+
+  void router_forward(const RouterArgs& args) override {
+    const char* op = "router_forward";
+    const DType dtype = compute_dtype(
+        op, {{"scores", &args.scores}, {"topk_weight", &args.topk_weight}, {"logits", &args.logits}});
+    expect_ndim(op, "logits", args.logits, 2);
+    const int64_t tokens = args.logits.size(0), experts = args.logits.size(1);
+    expect_shape(op, "scores", args.scores, args.logits.shape);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_shape(op, "topk_index", args.topk_index, Shape{tokens, args.top_k});
+    expect_shape(op, "topk_weight", args.topk_weight, Shape{tokens, args.top_k});
+    if (given(args.bias)) {
+      expect_dtype(op, "bias", args.bias, dtype);
+      expect_numel(op, "bias", args.bias, experts);
+    }
+    if (given(args.noise)) {
+      expect_dtype(op, "noise", args.noise, dtype);
+      expect_shape(op, "noise", args.noise, args.logits.shape);
+    }
+    expect(args.num_groups >= 1 && experts % args.num_groups == 0, op,
+           std::to_string(experts) + " experts do not split into " + std::to_string(args.num_groups) + " groups");
+    expect(args.topk_groups >= 1 && args.topk_groups <= args.num_groups, op,
+           "topk_groups " + std::to_string(args.topk_groups) + " not in [1, " + std::to_string(args.num_groups) + "]");
+    expect(args.top_k >= 1 && args.top_k <= args.topk_groups * (experts / args.num_groups), op,
+           "top_k " + std::to_string(args.top_k) + " exceeds the experts in the " +
+               std::to_string(args.topk_groups) + " selected groups");
+    dispatch(op, dtype, [&](auto t) { cpu::router_forward<decltype(t)>(args); });
+  }
+
+  void router_backward(const RouterBackwardArgs& args) override {
+    const char* op = "router_backward";
+    const DType dtype = compute_dtype(
+        op, {{"dlogits", &args.dlogits}, {"dtopk_weight", &args.dtopk_weight}, {"scores", &args.scores}});
+    expect_ndim(op, "scores", args.scores, 2);
+    const int64_t tokens = args.scores.size(0), experts = args.scores.size(1);
+    expect_shape(op, "dlogits", args.dlogits, args.scores.shape);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_ndim(op, "topk_index", args.topk_index, 2);
+    expect(args.topk_index.size(0) == tokens, op, describe("topk_index", args.topk_index) + " for " +
+                                                      std::to_string(tokens) + " tokens");
+    expect_shape(op, "dtopk_weight", args.dtopk_weight, args.topk_index.shape);
+    expect_indices_below(op, "topk_index", args.topk_index, experts);
+    if (given(args.dscores_extra)) {
+      expect_dtype(op, "dscores_extra", args.dscores_extra, dtype);
+      expect_shape(op, "dscores_extra", args.dscores_extra, args.scores.shape);
+    }
+    dispatch(op, dtype, [&](auto t) { cpu::router_backward<decltype(t)>(args); });
+  }
+
+  void aux_loss(const AuxLossArgs& args) override {
+    const char* op = "aux_loss";
+    const DType dtype =
+        compute_dtype(op, {{"loss", &args.loss}, {"dscores", &args.dscores}, {"scores", &args.scores}});
+    expect_ndim(op, "scores", args.scores, 2);
+    const int64_t tokens = args.scores.size(0), experts = args.scores.size(1);
+    expect_numel(op, "loss", args.loss, 1);
+    expect_shape(op, "dscores", args.dscores, args.scores.shape);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_ndim(op, "topk_index", args.topk_index, 2);
+    expect(args.topk_index.size(0) == tokens, op, describe("topk_index", args.topk_index) + " for " +
+                                                      std::to_string(tokens) + " tokens");
+    expect_indices_below(op, "topk_index", args.topk_index, experts);
+    expect(args.tokens_per_segment >= 1 && tokens % args.tokens_per_segment == 0, op,
+           std::to_string(tokens) + " tokens do not split into segments of " +
+               std::to_string(args.tokens_per_segment));
+    dispatch(op, dtype, [&](auto t) { cpu::aux_loss<decltype(t)>(args); });
+  }
+
+  void moe_permutation(const MoePermutationArgs& args) override {
+    const char* op = "moe_permutation";
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_ndim(op, "topk_index", args.topk_index, 2);
+    const int64_t pairs = args.topk_index.numel();
+    expect(args.num_experts >= 1, op, "num_experts " + std::to_string(args.num_experts));
+    expect_dtype(op, "expert_offsets", args.expert_offsets, DType::kI32);
+    expect_numel(op, "expert_offsets", args.expert_offsets, args.num_experts + 1);
+    expect_dtype(op, "sorted_pair", args.sorted_pair, DType::kI32);
+    expect_numel(op, "sorted_pair", args.sorted_pair, pairs);
+    expect_dtype(op, "pair_row", args.pair_row, DType::kI32);
+    expect_numel(op, "pair_row", args.pair_row, pairs);
+    cpu::moe_permutation<float>(args);  // integers only: the element type is irrelevant
+  }
+
+  void moe_permute(const TensorView& out, const TensorView& x, const TensorView& sorted_pair,
+                   int64_t top_k) override {
+    const char* op = "moe_permute";
+    const DType dtype = compute_dtype(op, {{"out", &out}, {"x", &x}});
+    expect(top_k >= 1, op, "top_k " + std::to_string(top_k));
+    expect_dtype(op, "sorted_pair", sorted_pair, DType::kI32);
+    expect(out.ndim() >= 1 && x.ndim() >= 1, op, describe("out", out) + " and " + describe("x", x) + " need rows");
+    expect_numel(op, "sorted_pair", sorted_pair, out.size(0));
+    expect(out.numel() == sorted_pair.numel() * (x.size(0) == 0 ? 0 : x.numel() / x.size(0)), op,
+           describe("out", out) + " should have one row of " + describe("x", x) + " per sorted pair");
+    expect_indices_below(op, "sorted_pair", sorted_pair, x.size(0) * top_k);
+    dispatch(op, dtype, [&](auto t) { cpu::moe_permute<decltype(t)>(out, x, sorted_pair, top_k); });
+  }
+
+  void moe_unpermute_sum(const TensorView& dx, const TensorView& drows, const TensorView& pair_row, int64_t top_k,
+                         bool accumulate) override {
+    const char* op = "moe_unpermute_sum";
+    const DType dtype = compute_dtype(op, {{"dx", &dx}, {"drows", &drows}});
+    expect(top_k >= 1, op, "top_k " + std::to_string(top_k));
+    expect(dx.ndim() >= 1 && drows.ndim() >= 1, op, describe("dx", dx) + " and " + describe("drows", drows) + " need rows");
+    expect_dtype(op, "pair_row", pair_row, DType::kI32);
+    expect_numel(op, "pair_row", pair_row, dx.size(0) * top_k);
+    expect(drows.numel() * dx.size(0) == dx.numel() * drows.size(0), op,
+           describe("drows", drows) + " and " + describe("dx", dx) + " differ in row width");
+    expect_indices_below(op, "pair_row", pair_row, drows.size(0));
+    dispatch(op, dtype, [&](auto t) { cpu::moe_unpermute_sum<decltype(t)>(dx, drows, pair_row, top_k, accumulate); });
+  }
+
+  void moe_combine(const MoeCombineArgs& args) override {
+    const char* op = "moe_combine";
+    const DType dtype = compute_dtype(op, {{"out", &args.out}, {"rows", &args.rows}, {"weight", &args.weight}});
+    check_combine(op, args.out, args.rows, args.weight, args.pair_row);
+    dispatch(op, dtype, [&](auto t) { cpu::moe_combine<decltype(t)>(args); });
+  }
+
+  void moe_combine_backward(const MoeCombineBackwardArgs& args) override {
+    const char* op = "moe_combine_backward";
+    const DType dtype = compute_dtype(op, {{"drows", &args.drows},
+                                           {"dweight", &args.dweight},
+                                           {"dout", &args.dout},
+                                           {"rows", &args.rows},
+                                           {"weight", &args.weight}});
+    check_combine(op, args.dout, args.rows, args.weight, args.pair_row);
+    expect_shape(op, "drows", args.drows, args.rows.shape);
+    expect_shape(op, "dweight", args.dweight, args.weight.shape);
+    dispatch(op, dtype, [&](auto t) { cpu::moe_combine_backward<decltype(t)>(args); });
+  }
+
+  void cross_entropy(const CrossEntropyArgs& args) override {
+    const char* op = "cross_entropy";
+    const DType dtype = compute_dtype(op, {{"loss", &args.loss}, {"logits", &args.logits}});
+    expect_ndim(op, "logits", args.logits, 2);
+    const int64_t rows = args.logits.size(0);
+    expect(args.logits.size(1) >= 1, op, describe("logits", args.logits) + " has no vocabulary");
+    expect_dtype(op, "labels", args.labels, DType::kI32);
+    expect_numel(op, "labels", args.labels, rows);
+    expect_numel(op, "loss", args.loss, rows);
+    if (given(args.dlogits)) {
+      expect_dtype(op, "dlogits", args.dlogits, dtype);
+      expect_shape(op, "dlogits", args.dlogits, args.logits.shape);
+    }
+    dispatch(op, dtype, [&](auto t) { cpu::cross_entropy<decltype(t)>(args); });
+  }
+
+  void adamw(const AdamWArgs& args) override {
+    const char* op = "adamw";
+    const DType dtype = compute_dtype(op, {{"param", &args.param},
+                                           {"grad", &args.grad},
+                                           {"exp_avg", &args.exp_avg},
+                                           {"exp_avg_sq", &args.exp_avg_sq}});
+    expect_numel(op, "grad", args.grad, args.param.numel());
+    expect_numel(op, "exp_avg", args.exp_avg, args.param.numel());
+    expect_numel(op, "exp_avg_sq", args.exp_avg_sq, args.param.numel());
+    expect(args.step >= 1, op, "step " + std::to_string(args.step) + " (steps are 1-based)");
+    dispatch(op, dtype, [&](auto t) { cpu::adamw<decltype(t)>(args); });
+  }
+
+ private:
+  // out/dout [tokens, dim] against table [rows, dim] and ids int32 [tokens].
+  static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
+                              const TensorView& ids) {
+    expect_ndim(op, "table", table, 2);
+    expect_dtype(op, "ids", ids, DType::kI32);
+    expect(last_dim(op, "out", rows_out) == table.size(1) && rows_of(rows_out) == ids.numel(), op,
+           describe("out", rows_out) + " should be [" + std::to_string(ids.numel()) + " tokens, " +
+               std::to_string(table.size(1)) + "] for " + describe("table", table));
+  }
+
+  static void check_attention(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const TensorView& lse, const TensorView& cu_seqlens) {
+    expect_ndim(op, "q", q, 3);
+    expect_shape(op, "k", k, q.shape);
+    expect_ndim(op, "v", v, 3);
+    expect(v.size(0) == q.size(0) && v.size(1) == q.size(1), op,
+           describe("v", v) + " and " + describe("q", q) + " differ in tokens or heads");
+    expect_shape(op, "out", out, v.shape);
+    expect_numel(op, "lse", lse, q.size(0) * q.size(1));
+    expect_offsets(op, "cu_seqlens", cu_seqlens, q.size(0));
+  }
+
+  static void check_swiglu(const char* op, const TensorView& h, const TensorView& gate_up) {
+    const int64_t width = last_dim(op, "h", h);
+    expect(last_dim(op, "gate_up", gate_up) == 2 * width && rows_of(gate_up) == rows_of(h), op,
+           describe("gate_up", gate_up) + " should be [rows, 2 * width] for " + describe("h", h));
+  }
+
+  // out [tokens, dim], rows [tokens * top_k, dim], weight [tokens, top_k], pair_row int32.
+  static void check_combine(const char* op, const TensorView& out, const TensorView& rows, const TensorView& weight,
+                            const TensorView& pair_row) {
+    expect_ndim(op, "weight", weight, 2);
+    const int64_t tokens = weight.size(0), top_k = weight.size(1);
+    expect(out.ndim() >= 1 && out.size(0) == tokens, op, describe("out", out) + " for " + describe("weight", weight));
+    expect(rows.ndim() >= 1 && rows.numel() * tokens == out.numel() * rows.size(0), op,
+           describe("rows", rows) + " and " + describe("out", out) + " differ in row width");
+    expect_dtype(op, "pair_row", pair_row, DType::kI32);
+    expect_numel(op, "pair_row", pair_row, tokens * top_k);
+    expect_indices_below(op, "pair_row", pair_row, rows.size(0));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace moetrain::kernels

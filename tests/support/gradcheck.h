@@ -131,6 +131,20 @@ inline Comparison compare_tensors(const TensorView& actual, const TensorView& ex
   return result;
 }
 
+// The message of the Error that f() throws ("" when it throws none): lets a test check that
+// an error names the right thing without Catch2 matchers (their names differ between 2 and 3).
+template <typename F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 struct GradCheckOptions {
   double eps = 1e-6;
   double rtol = 1e-5;

@@ -1,0 +1,34 @@
+#include "kernels/cpu/adamw.h"
+
+#include <cmath>
+
+namespace moetrain::kernels::cpu {
+
+template <typename T>
+void adamw(const AdamWArgs& args) {
+  T* param = args.param.ptr<T>();
+  const T* grad = args.grad.ptr<T>();
+  T* m = args.exp_avg.ptr<T>();
+  T* v = args.exp_avg_sq.ptr<T>();
+  // The per-step scalars in double, as PyTorch computes them on the host.
+  const double step = static_cast<double>(args.step);
+  const T decay = static_cast<T>(1.0 - args.lr * args.weight_decay);
+  const T beta1 = static_cast<T>(args.beta1), beta2 = static_cast<T>(args.beta2);
+  const T one_minus_beta1 = static_cast<T>(1.0 - args.beta1), one_minus_beta2 = static_cast<T>(1.0 - args.beta2);
+  const T step_size = static_cast<T>(args.lr / (1.0 - std::pow(args.beta1, step)));
+  const T bias_correction2_sqrt = static_cast<T>(std::sqrt(1.0 - std::pow(args.beta2, step)));
+  const T eps = static_cast<T>(args.eps);
+  for (int64_t i = 0; i < args.param.numel(); ++i) {
+    const T g = grad[i];
+    param[i] *= decay;
+    m[i] = beta1 * m[i] + one_minus_beta1 * g;
+    v[i] = beta2 * v[i] + one_minus_beta2 * g * g;
+    const T denom = std::sqrt(v[i]) / bias_correction2_sqrt + eps;
+    param[i] -= step_size * m[i] / denom;
+  }
+}
+
+template void adamw<float>(const AdamWArgs&);
+template void adamw<double>(const AdamWArgs&);
+
+}  // namespace moetrain::kernels::cpu

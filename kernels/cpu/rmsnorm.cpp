@@ -1,0 +1,63 @@
+#include "kernels/cpu/rmsnorm.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace moetrain::kernels::cpu {
+
+template <typename T>
+void rmsnorm_forward(const RmsNormArgs& args) {
+  const int64_t dim = args.x.size(-1);
+  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const T* x = args.x.ptr<T>();
+  const T* w = args.weight.ptr<T>();
+  T* y = args.y.ptr<T>();
+  T* rstd = args.rstd.ptr<T>();
+  const T eps = static_cast<T>(args.eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    T sum_sq = 0;
+    for (int64_t j = 0; j < dim; ++j) sum_sq += xr[j] * xr[j];
+    const T s = T(1) / std::sqrt(sum_sq / static_cast<T>(dim) + eps);
+    rstd[r] = s;
+    T* yr = y + r * dim;
+    for (int64_t j = 0; j < dim; ++j) yr[j] = xr[j] * s * w[j];
+  }
+}
+
+template <typename T>
+void rmsnorm_backward(const RmsNormBackwardArgs& args) {
+  const int64_t dim = args.x.size(-1);
+  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const T* x = args.x.ptr<T>();
+  const T* w = args.weight.ptr<T>();
+  const T* dy = args.dy.ptr<T>();
+  const T* rstd = args.rstd.ptr<T>();
+  T* dx = args.dx.ptr<T>();
+  const bool want_dweight = args.dweight.data != nullptr;
+  T* dw = want_dweight ? args.dweight.ptr<T>() : nullptr;
+  if (want_dweight) std::fill(dw, dw + dim, T(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    const T* dyr = dy + r * dim;
+    const T s = rstd[r];
+    T dot = 0;  // sum_j dy_j * w_j * x_j
+    for (int64_t j = 0; j < dim; ++j) dot += dyr[j] * w[j] * xr[j];
+    const T coef = dot * s * s * s / static_cast<T>(dim);
+    T* dxr = dx + r * dim;
+    if (args.accumulate) {
+      for (int64_t j = 0; j < dim; ++j) dxr[j] += s * w[j] * dyr[j] - coef * xr[j];
+    } else {
+      for (int64_t j = 0; j < dim; ++j) dxr[j] = s * w[j] * dyr[j] - coef * xr[j];
+    }
+    if (want_dweight)
+      for (int64_t j = 0; j < dim; ++j) dw[j] += dyr[j] * xr[j] * s;
+  }
+}
+
+template void rmsnorm_forward<float>(const RmsNormArgs&);
+template void rmsnorm_forward<double>(const RmsNormArgs&);
+template void rmsnorm_backward<float>(const RmsNormBackwardArgs&);
+template void rmsnorm_backward<double>(const RmsNormBackwardArgs&);
+
+}  // namespace moetrain::kernels::cpu

@@ -1,0 +1,60 @@
+#include "kernels/cpu/rope.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace moetrain::kernels::cpu {
+
+template <typename T>
+void rope(const RopeArgs& args) {
+  const int64_t width = args.x.size(-1);
+  const int64_t rows = width == 0 ? 0 : args.x.numel() / width;
+  const int64_t half = args.rope_dim / 2;
+  const int64_t max_position = args.cos.size(0);
+  const int32_t* positions = args.positions.ptr<int32_t>();
+  const T* cos_table = args.cos.ptr<T>();
+  const T* sin_table = args.sin.ptr<T>();
+  const T* x = args.x.ptr<T>();
+  T* out = args.out.ptr<T>();
+  const bool in_place = args.out.data == args.x.data;
+  const bool interleaved = args.layout == RopeLayout::kInterleaved;
+
+  if (!in_place) std::copy(x, x + rows * width, out);  // the columns rope leaves alone
+  std::vector<T> a(static_cast<size_t>(half)), b(static_cast<size_t>(half));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = r / args.heads;
+    const int32_t position = positions[token];
+    MOETRAIN_ASSERT(position >= 0 && position < max_position,
+                    "rope: position " + std::to_string(position) + " of token " + std::to_string(token) +
+                        " is outside the cos/sin table of " + std::to_string(max_position) + " positions");
+    const T* c = cos_table + position * half;
+    const T* s = sin_table + position * half;
+    const T* xr = x + r * width + args.col_offset;
+    T* outr = out + r * width + args.col_offset;
+    if (!args.inverse) {
+      for (int64_t i = 0; i < half; ++i) {
+        a[i] = interleaved ? xr[2 * i] : xr[i];
+        b[i] = interleaved ? xr[2 * i + 1] : xr[i + half];
+      }
+      for (int64_t i = 0; i < half; ++i) {  // a and b hold copies: safe in place
+        outr[i] = a[i] * c[i] - b[i] * s[i];
+        outr[i + half] = b[i] * c[i] + a[i] * s[i];
+      }
+    } else {
+      for (int64_t i = 0; i < half; ++i) {
+        a[i] = xr[i] * c[i] + xr[i + half] * s[i];
+        b[i] = xr[i + half] * c[i] - xr[i] * s[i];
+      }
+      for (int64_t i = 0; i < half; ++i) {
+        outr[interleaved ? 2 * i : i] = a[i];
+        outr[interleaved ? 2 * i + 1 : i + half] = b[i];
+      }
+    }
+  }
+}
+
+template void rope<float>(const RopeArgs&);
+template void rope<double>(const RopeArgs&);
+
+}  // namespace moetrain::kernels::cpu
