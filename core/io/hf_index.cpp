@@ -1,0 +1,194 @@
+#include "core/io/hf_index.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/io/output_file.h"
+#include "core/io/safetensors_writer.h"
+
+namespace moetrain {
+
+namespace {
+
+using Json = nlohmann::json;
+namespace fs = std::filesystem;
+
+[[noreturn]] void fail(const std::string& what) { throw Error(ExitCode::kBadCheckpoint, what); }
+
+std::string join(const std::string& dir, const std::string& name) { return (fs::path(dir) / name).string(); }
+
+bool is_regular_file(const std::string& path) {
+  std::error_code ec;
+  return fs::is_regular_file(path, ec);
+}
+
+// Shard names come from a downloaded file: keep them inside the directory.
+bool is_plain_relative_path(const std::string& name) {
+  if (name.empty() || name.front() == '/') return false;
+  for (const auto& part : fs::path(name)) {
+    if (part == "..") return false;
+  }
+  return true;
+}
+
+std::string shard_file_name(int index, int count) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, "model-%05d-of-%05d.safetensors", index + 1, count);
+  return buffer;
+}
+
+}  // namespace
+
+HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    fail("model directory '" + dir + "' does not exist or is not a directory (set model.hf_dir to a Hugging Face model directory)");
+  }
+  std::string index_path = join(dir, kIndexFileName);
+  std::string single_path = join(dir, kSingleFileName);
+  if (fs::exists(index_path, ec)) {
+    sharded_ = true;
+    read_index(index_path);
+  } else if (is_regular_file(single_path)) {
+    auto file = std::make_unique<SafetensorsFile>(single_path);
+    for (const std::string& name : file->names()) shard_of_[name] = kSingleFileName;
+    open_files_[kSingleFileName] = std::move(file);
+  } else {
+    fail("model directory '" + dir + "' has neither " + kIndexFileName + " nor " + kSingleFileName +
+         " (expected Hugging Face safetensors weights there)");
+  }
+  for (const auto& entry : shard_of_) names_.push_back(entry.first);
+}
+
+void HfCheckpoint::read_index(const std::string& index_path) {
+  std::ifstream in(index_path, std::ios::binary);
+  if (!in) fail("cannot read '" + index_path + "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  Json index;
+  try {
+    index = Json::parse(text.str());
+  } catch (const Json::parse_error& e) {
+    fail("'" + index_path + "' is not valid JSON: " + e.what());
+  }
+  if (!index.is_object()) fail("'" + index_path + "' is a JSON " + std::string(index.type_name()) + ", expected an object");
+  auto weight_map = index.find("weight_map");
+  if (weight_map == index.end() || !weight_map->is_object()) {
+    fail("'" + index_path + "' has no \"weight_map\" object (tensor name -> shard file)");
+  }
+  for (const auto& [name, file] : weight_map->items()) {
+    if (!file.is_string() || !is_plain_relative_path(file.get<std::string>())) {
+      fail("'" + index_path + "': weight_map[\"" + name + "\"] is " + file.dump() +
+           ", expected the name of a file inside '" + dir_ + "'");
+    }
+    shard_of_[name] = file.get<std::string>();
+  }
+  auto metadata = index.find("metadata");
+  if (metadata != index.end() && metadata->is_object()) {
+    for (const auto& [key, value] : metadata->items()) index_metadata_[key] = value.dump();
+  }
+  // A missing shard is found now, not an hour into loading.
+  std::map<std::string, std::string> first_tensor_of_file;
+  for (const auto& [name, file] : shard_of_) first_tensor_of_file.emplace(file, name);
+  for (const auto& [file, name] : first_tensor_of_file) {
+    if (!is_regular_file(join(dir_, file))) {
+      fail("'" + index_path + "' maps tensor '" + name + "' to '" + file + "', but '" + join(dir_, file) +
+           "' does not exist (incomplete download?)");
+    }
+  }
+}
+
+std::string HfCheckpoint::file_of(const std::string& name) const {
+  auto it = shard_of_.find(name);
+  if (it == shard_of_.end()) {
+    fail("tensor '" + name + "' is not in model directory '" + dir_ + "' (" +
+         (sharded_ ? std::string(kIndexFileName) + " does not list it" : std::string(kSingleFileName) + " lacks it") + ")");
+  }
+  return join(dir_, it->second);
+}
+
+const SafetensorsFile& HfCheckpoint::file_for(const std::string& name) const {
+  std::string path = file_of(name);
+  const std::string& file_name = shard_of_.at(name);
+  std::lock_guard<std::mutex> lock(open_mutex_);
+  auto it = open_files_.find(file_name);
+  if (it == open_files_.end()) {
+    auto file = std::make_unique<SafetensorsFile>(path);
+    // Check every promise the index makes about this shard at once.
+    for (const auto& [tensor, shard] : shard_of_) {
+      if (shard == file_name && !file->has(tensor)) {
+        fail(std::string(kIndexFileName) + " in '" + dir_ + "' maps tensor '" + tensor + "' to '" + path +
+             "', but that file does not contain it (index and shards are from different versions?)");
+      }
+    }
+    it = open_files_.emplace(file_name, std::move(file)).first;
+  }
+  return *it->second;
+}
+
+const SafetensorsTensorInfo& HfCheckpoint::info(const std::string& name) const { return file_for(name).info(name); }
+
+Tensor HfCheckpoint::read_as(const std::string& name, DType dst_dtype) const {
+  return file_for(name).read_as(name, dst_dtype);
+}
+
+Tensor HfCheckpoint::read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
+  return file_for(name).read_rows_as(name, row_begin, row_end, dst_dtype);
+}
+
+void HfCheckpoint::read_rows(void* dst, const std::string& name, int64_t row_begin, int64_t row_end) const {
+  file_for(name).read_rows(dst, name, row_begin, row_end);
+}
+
+void write_hf_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
+                         const HfShardedWriteParams& params) {
+  MOETRAIN_ASSERT(params.num_shards >= 1 && static_cast<size_t>(params.num_shards) <= std::max<size_t>(tensors.size(), 1),
+                  "cannot split " + std::to_string(tensors.size()) + " tensors into " +
+                      std::to_string(params.num_shards) + " shards");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail("cannot create directory '" + dir + "': " + ec.message());
+
+  std::vector<const NamedTensor*> sorted;
+  for (const NamedTensor& t : tensors) sorted.push_back(&t);
+  std::sort(sorted.begin(), sorted.end(), [](const NamedTensor* a, const NamedTensor* b) { return a->name < b->name; });
+
+  if (params.num_shards == 1) {
+    SafetensorsWriter writer;
+    for (const NamedTensor* t : sorted) writer.add(t->name, t->tensor);
+    for (const auto& [key, value] : params.metadata) writer.set_metadata(key, value);
+    writer.write_atomic(join(dir, HfCheckpoint::kSingleFileName));
+    return;
+  }
+
+  Json weight_map = Json::object();
+  uint64_t total_size = 0;
+  size_t n = sorted.size();
+  for (int shard = 0; shard < params.num_shards; ++shard) {
+    std::string file_name = shard_file_name(shard, params.num_shards);
+    SafetensorsWriter writer;
+    for (size_t i = n * shard / params.num_shards; i < n * (shard + 1) / params.num_shards; ++i) {
+      writer.add(sorted[i]->name, sorted[i]->tensor);
+      weight_map[sorted[i]->name] = file_name;
+      total_size += sorted[i]->tensor.nbytes();
+    }
+    for (const auto& [key, value] : params.metadata) writer.set_metadata(key, value);
+    writer.write_atomic(join(dir, file_name));
+  }
+  // The index goes last: a directory with an index has all its shards.
+  Json index = {{"metadata", {{"total_size", total_size}}}, {"weight_map", weight_map}};
+  std::string text = index.dump(2) + "\n";
+  std::string index_path = join(dir, HfCheckpoint::kIndexFileName);
+  OutputFile out(index_path + ".tmp");
+  out.write(text.data(), text.size());
+  out.sync();
+  out.close();
+  rename_durably(index_path + ".tmp", index_path);
+}
+
+}  // namespace moetrain

@@ -1,0 +1,75 @@
+// A Hugging Face model directory's weights: either one `model.safetensors`, or shards listed by
+// `model.safetensors.index.json`:
+//   {"metadata": {"total_size": 123, ...}, "weight_map": {"<tensor name>": "model-00001-of-00002.safetensors", ...}}
+// Shards are opened (mmapped and validated) lazily, each at most once, so a rank that needs a
+// few tensors opens only the shards holding them.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/io/safetensors.h"
+
+namespace moetrain {
+
+class HfCheckpoint {
+ public:
+  static constexpr const char* kIndexFileName = "model.safetensors.index.json";
+  static constexpr const char* kSingleFileName = "model.safetensors";
+
+  // Reads the index (or finds the single file) and checks that every shard it names exists.
+  // Throws Error(kBadCheckpoint) naming the directory, the index, the shard or the tensor.
+  explicit HfCheckpoint(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  bool sharded() const { return sharded_; }
+  // Every tensor name, sorted (from the index, or from the single file).
+  const std::vector<std::string>& names() const { return names_; }
+  bool has(const std::string& name) const { return shard_of_.count(name) != 0; }
+  // The index's "metadata", each value as JSON text ("123" for a number, "\"x\"" for a string).
+  const std::map<std::string, std::string>& index_metadata() const { return index_metadata_; }
+  // Path of the file that holds `name`.
+  std::string file_of(const std::string& name) const;
+
+  // These open the tensor's shard on first use. An absent tensor, or a shard that lacks a tensor
+  // the index promised, is an Error naming the tensor and the file.
+  const SafetensorsTensorInfo& info(const std::string& name) const;
+  Tensor read_as(const std::string& name, DType dst_dtype) const;
+  Tensor read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const;
+  void read_rows(void* dst, const std::string& name, int64_t row_begin, int64_t row_end) const;
+  // The open shard holding `name` (for zero-copy views); valid as long as this object.
+  const SafetensorsFile& file_for(const std::string& name) const;
+
+ private:
+  void read_index(const std::string& index_path);
+
+  std::string dir_;
+  bool sharded_ = false;
+  std::map<std::string, std::string> shard_of_;  // tensor name -> file name inside dir_
+  std::vector<std::string> names_;
+  std::map<std::string, std::string> index_metadata_;
+  mutable std::mutex open_mutex_;  // loaders may read tensors from several threads
+  mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files_;
+};
+
+struct NamedTensor {
+  std::string name;
+  TensorView tensor;
+};
+
+struct HfShardedWriteParams {
+  int num_shards = 1;                            // 1: a single model.safetensors and no index
+  std::map<std::string, std::string> metadata;   // each shard's "__metadata__" (e.g. {"format": "pt"})
+};
+
+// Writes `dir` (created if missing) as a Hugging Face weights directory: tensors sorted by name
+// and split into num_shards contiguous groups `model-0000K-of-0000N.safetensors` plus the index
+// (with metadata.total_size). Every file is written atomically. Used by tests and fixtures.
+void write_hf_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
+                         const HfShardedWriteParams& params);
+
+}  // namespace moetrain
