@@ -1,0 +1,41 @@
+#include "core/model/dense_ffn.h"
+
+namespace moetrain {
+
+Tensor single_group_offsets(const LayerContext& ctx, int64_t rows) {
+  Tensor host({2}, DType::kI32);
+  host.ptr<int32_t>()[0] = 0;
+  host.ptr<int32_t>()[1] = static_cast<int32_t>(rows);
+  Tensor device({2}, DType::kI32, ctx.backend.allocator());
+  ctx.backend.copy(device, host);
+  return device;
+}
+
+DenseFfn::DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx)
+    : mlp(std::move(prefix), 1, hidden, width) {
+  mlp.gate_up = ctx.alloc({1, 2 * width, hidden});
+  mlp.down = ctx.alloc({1, hidden, width});
+}
+
+const TensorView& DenseFfn::offsets(const LayerContext& ctx, int64_t rows) {
+  if (offsets_rows_ != rows) {
+    offsets_ = single_group_offsets(ctx, rows);
+    offsets_rows_ = rows;
+  }
+  return offsets_.view();
+}
+
+void DenseFfn::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {
+  mlp.forward(ctx, out, x, offsets(ctx, x.size(0)));
+}
+
+void DenseFfn::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) {
+  mlp.backward(ctx, dx, dout, x, offsets(ctx, x.size(0)), false);
+}
+
+void DenseFfn::collect_weights(std::vector<WeightSlot>& out) {
+  out.push_back({mlp.prefix(), &mlp.gate_up, WeightLayout::kSwigluGateUp});
+  out.push_back({mlp.prefix(), &mlp.down, WeightLayout::kSwigluDown});
+}
+
+}  // namespace moetrain

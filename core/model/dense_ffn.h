@@ -1,0 +1,33 @@
+// The dense SwiGLU MLP (the first `first_k_dense` layers of DeepSeek/Kimi):
+// down_proj(silu(gate_proj(x)) * up_proj(x)).
+#pragma once
+
+#include "core/model/layer.h"
+#include "core/model/swiglu_experts.h"
+
+namespace moetrain {
+
+class DenseFfn final : public FeedForward {
+ public:
+  // `prefix` is the module path, e.g. model.layers.0.mlp (or ...mlp.shared_experts).
+  DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx);
+
+  void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
+  void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
+  void release_saved() override { mlp.release_saved(); }
+  void collect_parameters(std::vector<Parameter*>& out) override { mlp.collect_parameters(out); }
+  void collect_weights(std::vector<WeightSlot>& out) override;
+
+  SwigluExperts mlp;  // one group
+
+ private:
+  // [0, rows] for the single group, rebuilt when the row count changes.
+  const TensorView& offsets(const LayerContext& ctx, int64_t rows);
+  Tensor offsets_;
+  int64_t offsets_rows_ = -1;
+};
+
+// Fills an int32 device tensor [2] with {0, rows}.
+Tensor single_group_offsets(const LayerContext& ctx, int64_t rows);
+
+}  // namespace moetrain

@@ -1,0 +1,62 @@
+// The two halves of a decoder layer, as interfaces every kind plugs into:
+//   x -> x + Mixer(norm(x)) -> h -> h + FeedForward(norm(h))
+// Mixers: MLA today; KDA and (gated) DSA implement the same interface. Feed-forwards: dense
+// SwiGLU and routed MoE today; K3's latent MoE implements the same interface.
+//
+// forward saves what backward needs inside the layer; release_saved() drops it (activation
+// recompute: the model re-runs forward before backward). backward overwrites dx and adds
+// into the layer's parameter gradients.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/model/layer_context.h"
+#include "core/model/parameter.h"
+
+namespace moetrain {
+
+// Weights a layer owns, by Hugging Face name, for loading and sharding.
+//   kPlain:        `name` is the tensor's HF name (model.layers.3.self_attn.kv_b_proj.weight).
+//   kSwigluGateUp: `name` is a SwiGLU module path; the tensor [G, 2F, D] stacks gate_proj over
+//                  up_proj. G = 1: <name>.gate_proj.weight + <name>.up_proj.weight; G > 1
+//                  (routed experts): per expert <name>.<e>.gate_proj.weight ..., or the fused
+//                  <name>.gate_up_proj that transformers 5 saves.
+//   kSwigluDown:   likewise for down_proj, [G, D, F].
+enum class WeightLayout { kPlain, kSwigluGateUp, kSwigluDown };
+struct WeightSlot {
+  std::string name;
+  Tensor* tensor;  // allocated with its final shape and dtype
+  WeightLayout layout = WeightLayout::kPlain;
+};
+
+class Mixer {
+ public:
+  virtual ~Mixer() = default;
+  virtual void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) = 0;
+  virtual void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
+                        const TensorView& x) = 0;
+  virtual void release_saved() = 0;
+  virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
+  virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
+};
+
+// Per-step statistics a feed-forward reports (the MoE's expert load).
+struct FeedForwardStats {
+  double max_expert_load = 0.0;  // max over experts of tokens routed / the mean per expert
+  double aux_loss = 0.0;         // the load-balancing loss added to the objective
+};
+
+class FeedForward {
+ public:
+  virtual ~FeedForward() = default;
+  virtual void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) = 0;
+  virtual void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
+                        const TensorView& x) = 0;
+  virtual void release_saved() = 0;
+  virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
+  virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
+  virtual FeedForwardStats stats() const { return {}; }
+};
+
+}  // namespace moetrain

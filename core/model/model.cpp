@@ -1,0 +1,356 @@
+#include "core/model/model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <set>
+
+#include "core/base/host_convert.h"
+#include "core/model/dense_ffn.h"
+#include "core/model/moe.h"
+#include "core/model/rope_tables.h"
+
+namespace moetrain {
+
+using kernels::GemmArgs;
+using kernels::RmsNormArgs;
+using kernels::RmsNormBackwardArgs;
+
+namespace {
+
+DType stat_dtype(DType compute) { return compute == DType::kF64 ? DType::kF64 : DType::kF32; }
+
+// Host tensor (any floating dtype) -> a new tensor of `dtype` on the backend's device.
+Tensor to_device(kernels::Backend& backend, const TensorView& host, DType dtype) {
+  Tensor staged(host.shape, dtype);
+  convert_host(staged, host);
+  Tensor device(host.shape, dtype, backend.allocator());
+  backend.copy(device, staged);
+  return device;
+}
+
+Tensor int32_to_device(kernels::Backend& backend, const std::vector<int32_t>& values) {
+  Tensor host({static_cast<int64_t>(values.size())}, DType::kI32);
+  std::copy(values.begin(), values.end(), host.ptr<int32_t>());
+  Tensor device(host.shape(), DType::kI32, backend.allocator());
+  backend.copy(device, host);
+  return device;
+}
+
+const BatchTensors& no_batch() {
+  static const BatchTensors empty;
+  return empty;
+}
+
+}  // namespace
+
+Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOptions& options)
+    : spec_(spec), backend_(backend), options_(options) {
+  const ModelConfig& m = spec_.config;
+  LayerContext ctx = context(no_batch());
+  const int64_t d = m.hidden_size;
+  embed_ = ctx.alloc({m.vocab_size, d});
+  final_norm_ = ctx.alloc({d});
+  if (!m.tie_word_embeddings) lm_head_ = ctx.alloc({m.vocab_size, d});
+
+  if (m.mla.use_rope) {
+    RopeTables tables = make_rope_tables(m.mla, m.max_position_embeddings, m.max_position_embeddings);
+    Tensor cos_host({tables.positions, tables.half_dim}, DType::kF64);
+    Tensor sin_host({tables.positions, tables.half_dim}, DType::kF64);
+    std::copy(tables.cos.begin(), tables.cos.end(), cos_host.ptr<double>());
+    std::copy(tables.sin.begin(), tables.sin.end(), sin_host.ptr<double>());
+    rope_.cos = to_device(backend_, cos_host, options_.dtype);
+    rope_.sin = to_device(backend_, sin_host, options_.dtype);
+  }
+
+  for (int64_t i = 0; i < m.num_layers; ++i) {
+    DecoderLayer layer;
+    layer.input_norm = ctx.alloc({d});
+    layer.post_attention_norm = ctx.alloc({d});
+    layer.mixer = std::make_unique<MlaAttention>(spec_, i, ctx, m.mla.use_rope ? &rope_ : nullptr);
+    if (spec_.ffns[i] == FfnKind::kDense) {
+      layer.ffn = std::make_unique<DenseFfn>("model.layers." + std::to_string(i) + ".mlp", d, m.intermediate_size, ctx);
+    } else {
+      auto moe = std::make_unique<MoeFfn>(spec_, i, ctx);
+      moe->set_aux_loss_weight(options_.aux_loss_weight);
+      layer.ffn = std::move(moe);
+    }
+    layers_.push_back(std::move(layer));
+  }
+  saved_.resize(layers_.size());
+  attach_lora();
+}
+
+Model::~Model() = default;
+
+std::vector<std::pair<std::string, LoraLinear*>> Model::linear_modules() {
+  std::vector<std::pair<std::string, LoraLinear*>> out;
+  for (DecoderLayer& layer : layers_) {
+    if (auto* mla = dynamic_cast<MlaAttention*>(layer.mixer.get())) {
+      for (LoraLinear* p : mla->projections()) out.emplace_back(p->name(), p);
+    }
+  }
+  return out;
+}
+
+// LoRA targets by module name:
+//   q_proj q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj   attention projections
+//   gate_proj up_proj down_proj   those projections of the dense MLPs and the shared experts
+//   shared_experts                all three projections of the shared experts
+//   experts                       all three projections of every routed expert
+void Model::attach_lora() {
+  std::set<std::string> targets(options_.lora_targets.begin(), options_.lora_targets.end());
+  std::set<std::string> matched;
+  auto rng_for = [&](const std::string& name) {
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a: per-module streams, independent of order
+    for (char c : name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    return std::mt19937_64(options_.seed ^ hash);
+  };
+  for (auto& [name, linear] : linear_modules()) {
+    std::string short_name = name.substr(name.rfind('.') + 1);
+    if (!targets.count(short_name)) continue;
+    matched.insert(short_name);
+    auto rng = rng_for(name);
+    linear->lora = make_lora_adapter(name, linear->in_features(), linear->out_features(), options_.lora,
+                                     options_.dtype, backend_.allocator(), backend_, rng);
+  }
+  auto attach_swiglu = [&](SwigluExperts& mlp, bool all_projections, const char* group_target) {
+    for (auto p : {SwigluExperts::kGate, SwigluExperts::kUp, SwigluExperts::kDown}) {
+      const char* projection = SwigluExperts::projection_name(p);
+      bool by_projection = !all_projections && targets.count(projection);
+      bool by_group = group_target && targets.count(group_target);
+      if (!by_projection && !by_group) continue;
+      matched.insert(by_group ? group_target : projection);
+      auto rng = rng_for(mlp.prefix() + "." + projection);
+      mlp.add_lora(p, options_.lora, options_.dtype, backend_, rng);
+    }
+  };
+  for (DecoderLayer& layer : layers_) {
+    if (auto* dense = dynamic_cast<DenseFfn*>(layer.ffn.get())) attach_swiglu(dense->mlp, false, nullptr);
+    if (auto* moe = dynamic_cast<MoeFfn*>(layer.ffn.get())) {
+      attach_swiglu(moe->experts, true, "experts");
+      if (moe->shared) attach_swiglu(moe->shared->mlp, false, "shared_experts");
+    }
+  }
+  for (const std::string& target : options_.lora_targets) {
+    MOETRAIN_CHECK(matched.count(target), ExitCode::kBadConfig,
+                   fmt::format("lora.targets: \"{}\" matches no module of this model (its layers: {} attention "
+                               "projections{}); remove it or pick another target",
+                               target, spec_.config.mla.q_lora_rank ? "q_a_proj/q_b_proj" : "q_proj",
+                               spec_.config.first_k_dense > 0 ? ", a dense MLP" : ""));
+  }
+}
+
+std::vector<Parameter*> Model::parameters() {
+  std::vector<Parameter*> out;
+  for (DecoderLayer& layer : layers_) {
+    layer.mixer->collect_parameters(out);
+    layer.ffn->collect_parameters(out);
+  }
+  return out;
+}
+
+std::vector<WeightSlot> Model::weight_slots() {
+  std::vector<WeightSlot> slots;
+  slots.push_back({"model.embed_tokens.weight", &embed_});
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    std::string prefix = "model.layers." + std::to_string(i) + ".";
+    slots.push_back({prefix + "input_layernorm.weight", &layers_[i].input_norm});
+    slots.push_back({prefix + "post_attention_layernorm.weight", &layers_[i].post_attention_norm});
+    layers_[i].mixer->collect_weights(slots);
+    layers_[i].ffn->collect_weights(slots);
+  }
+  slots.push_back({"model.norm.weight", &final_norm_});
+  if (!spec_.config.tie_word_embeddings) slots.push_back({"lm_head.weight", &lm_head_});
+  return slots;
+}
+
+BatchTensors Model::upload(const Batch& batch) {
+  const int64_t n = batch.num_tokens();
+  const int64_t vocab = spec_.config.vocab_size;
+  MOETRAIN_CHECK(static_cast<int64_t>(batch.input_ids.size()) == n && static_cast<int64_t>(batch.labels.size()) == n &&
+                     static_cast<int64_t>(batch.positions.size()) == n && batch.cu_seqlens.size() >= 2 &&
+                     batch.cu_seqlens.back() == n,
+                 ExitCode::kInternal, "malformed batch: sizes do not match batch_size * seq_len");
+  const int64_t max_position = spec_.config.mla.use_rope ? rope_.cos.size(0) : INT32_MAX;
+  for (int64_t t = 0; t < n; ++t) {
+    // Token ids are checked here, on the host, before they can index anything on a device.
+    MOETRAIN_CHECK(batch.input_ids[t] >= 0 && batch.input_ids[t] < vocab, ExitCode::kBadData,
+                   fmt::format("token id {} at batch position {} is outside the vocabulary [0, {}): the data "
+                               "was tokenized for another model",
+                               batch.input_ids[t], t, vocab));
+    MOETRAIN_CHECK(batch.labels[t] < vocab, ExitCode::kBadData,
+                   fmt::format("label {} at batch position {} is outside the vocabulary [0, {})", batch.labels[t], t,
+                               vocab));
+    MOETRAIN_CHECK(batch.positions[t] >= 0 && batch.positions[t] < max_position, ExitCode::kBadData,
+                   fmt::format("position {} at batch position {} exceeds model.max_position_embeddings ({}): "
+                               "shorten data.seq_len or raise max_position_embeddings",
+                               batch.positions[t], t, max_position));
+  }
+  BatchTensors bt;
+  bt.input_ids = int32_to_device(backend_, batch.input_ids);
+  bt.labels = int32_to_device(backend_, batch.labels);
+  bt.positions = int32_to_device(backend_, batch.positions);
+  bt.cu_seqlens = int32_to_device(backend_, batch.cu_seqlens);
+  bt.num_tokens = n;
+  bt.seq_len = batch.seq_len;
+  return bt;
+}
+
+void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x) {
+  kernels::Backend& be = backend_;
+  DecoderLayer& layer = layers_[index];
+  LayerSaved& s = saved_[index];
+  const int64_t n = x.size(0);
+  const int64_t d = x.size(1);
+  const double eps = spec_.config.rms_norm_eps;
+  if (auto* moe = dynamic_cast<MoeFfn*>(layer.ffn.get())) {
+    moe->set_noise_seed(options_.seed ^ (forward_count_ * 1000003ull + index));
+  }
+  s.normed_in = ctx.alloc({n, d});
+  s.rstd_in = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  be.rmsnorm_forward(RmsNormArgs{s.normed_in, s.rstd_in, x, layer.input_norm, eps});
+  Tensor mixed = ctx.alloc({n, d});
+  layer.mixer->forward(ctx, mixed, s.normed_in);
+  s.hidden = ctx.alloc({n, d});
+  be.copy(s.hidden, x);
+  be.axpby(s.hidden, mixed, 1.0, 1.0);
+  s.normed_mid = ctx.alloc({n, d});
+  s.rstd_mid = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  be.rmsnorm_forward(RmsNormArgs{s.normed_mid, s.rstd_mid, s.hidden, layer.post_attention_norm, eps});
+  Tensor ffn_out = ctx.alloc({n, d});
+  layer.ffn->forward(ctx, ffn_out, s.normed_mid);
+  be.copy(out, s.hidden);
+  be.axpby(out, ffn_out, 1.0, 1.0);
+}
+
+void Model::layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
+                           const TensorView& x) {
+  kernels::Backend& be = backend_;
+  DecoderLayer& layer = layers_[index];
+  LayerSaved& s = saved_[index];
+  const int64_t n = x.size(0);
+  const int64_t d = x.size(1);
+  Tensor dnormed_mid = ctx.alloc({n, d});
+  layer.ffn->backward(ctx, dnormed_mid, dout, s.normed_mid);
+  Tensor dhidden = ctx.alloc({n, d});
+  be.copy(dhidden, dout);
+  be.rmsnorm_backward(
+      RmsNormBackwardArgs{dhidden, {}, dnormed_mid, s.hidden, layer.post_attention_norm, s.rstd_mid, true});
+  Tensor dnormed_in = ctx.alloc({n, d});
+  layer.mixer->backward(ctx, dnormed_in, dhidden, s.normed_in);
+  be.copy(dx, dhidden);
+  be.rmsnorm_backward(RmsNormBackwardArgs{dx, {}, dnormed_in, x, layer.input_norm, s.rstd_in, true});
+}
+
+void Model::release_layer(size_t index) {
+  saved_[index] = LayerSaved{};
+  layers_[index].mixer->release_saved();
+  layers_[index].ffn->release_saved();
+}
+
+double Model::loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
+                            double grad_scale) {
+  kernels::Backend& be = backend_;
+  const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
+  const int64_t n = final_hidden.size(0);
+  const int64_t vocab = spec_.config.vocab_size;
+  double loss_sum = 0.0;
+  // Row chunks: at most loss_chunk_rows x vocab logits exist at once, whatever the sequence.
+  for (int64_t begin = 0; begin < n; begin += options_.loss_chunk_rows) {
+    int64_t end = std::min(n, begin + options_.loss_chunk_rows);
+    Tensor logits = ctx.alloc({end - begin, vocab});
+    be.gemm(GemmArgs{logits, final_hidden.slice_rows(begin, end), head, false, true, 1.0, 0.0});
+    Tensor losses = ctx.alloc({end - begin});
+    be.cross_entropy(kernels::CrossEntropyArgs{losses, logits, logits, ctx.batch.labels.view().slice_rows(begin, end),
+                                               grad_scale});
+    be.gemm(GemmArgs{dfinal.slice_rows(begin, end), logits, head, false, false, 1.0, 0.0});
+    Tensor staged(losses.shape(), losses.dtype());
+    be.copy(staged, losses);
+    Tensor host(losses.shape(), DType::kF64);
+    convert_host(host, staged);
+    for (int64_t i = 0; i < host.numel(); ++i) loss_sum += host.ptr<double>()[i];
+  }
+  return loss_sum;
+}
+
+StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
+  BatchTensors bt = upload(batch);
+  LayerContext ctx = context(bt);
+  kernels::Backend& be = backend_;
+  const int64_t n = bt.num_tokens;
+  const int64_t d = spec_.config.hidden_size;
+  const size_t num_layers = layers_.size();
+
+  // Forward, keeping every layer's input (the activation checkpoints).
+  std::vector<Tensor> inputs(num_layers + 1);
+  inputs[0] = ctx.alloc({n, d});
+  be.embedding_forward(inputs[0], embed_, bt.input_ids);
+  for (size_t i = 0; i < num_layers; ++i) {
+    inputs[i + 1] = ctx.alloc({n, d});
+    layer_forward(ctx, i, inputs[i + 1], inputs[i]);
+    if (options_.recompute) release_layer(i);
+  }
+  Tensor final_hidden = ctx.alloc({n, d});
+  final_rstd_ = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  be.rmsnorm_forward(RmsNormArgs{final_hidden, final_rstd_, inputs[num_layers], final_norm_, spec_.config.rms_norm_eps});
+
+  StepResult result;
+  result.targets = batch.num_targets();
+  Tensor dfinal = ctx.alloc({n, d});
+  result.loss_sum = loss_and_grad(ctx, dfinal, final_hidden, grad_scale);
+
+  // Statistics before recompute overwrites them (recompute routes identically anyway).
+  for (DecoderLayer& layer : layers_) {
+    FeedForwardStats stats = layer.ffn->stats();
+    result.max_expert_load = std::max(result.max_expert_load, stats.max_expert_load);
+    result.aux_loss += stats.aux_loss;
+  }
+
+  // Backward.
+  Tensor dx = ctx.alloc({n, d});
+  be.rmsnorm_backward(RmsNormBackwardArgs{dx, {}, dfinal, inputs[num_layers], final_norm_, final_rstd_, false});
+  for (size_t i = num_layers; i-- > 0;) {
+    if (options_.recompute) {
+      Tensor recomputed = ctx.alloc({n, d});
+      layer_forward(ctx, i, recomputed, inputs[i]);
+    }
+    Tensor dprev = ctx.alloc({n, d});
+    layer_backward(ctx, i, dprev, dx, inputs[i]);
+    release_layer(i);
+    inputs[i + 1].reset();
+    dx = std::move(dprev);
+  }
+  ++forward_count_;
+  return result;
+}
+
+Tensor Model::logits(const Batch& batch) {
+  BatchTensors bt = upload(batch);
+  LayerContext ctx = context(bt);
+  kernels::Backend& be = backend_;
+  const int64_t n = bt.num_tokens;
+  const int64_t d = spec_.config.hidden_size;
+  Tensor x = ctx.alloc({n, d});
+  be.embedding_forward(x, embed_, bt.input_ids);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Tensor next = ctx.alloc({n, d});
+    layer_forward(ctx, i, next, x);
+    release_layer(i);
+    x = std::move(next);
+  }
+  Tensor normed = ctx.alloc({n, d});
+  Tensor rstd = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  be.rmsnorm_forward(RmsNormArgs{normed, rstd, x, final_norm_, spec_.config.rms_norm_eps});
+  const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
+  Tensor logits = ctx.alloc({n, spec_.config.vocab_size});
+  be.gemm(GemmArgs{logits, normed, head, false, true, 1.0, 0.0});
+  Tensor staged(logits.shape(), logits.dtype());
+  be.copy(staged, logits);
+  Tensor host(logits.shape(), DType::kF64);
+  convert_host(host, staged);
+  ++forward_count_;
+  return host;
+}
+
+}  // namespace moetrain

@@ -1,0 +1,90 @@
+// The decoder-only LM, assembled from a ModelSpec:
+//   embed -> L x [x + mixer(norm(x)); h + ffn(norm(h))] -> norm -> lm_head -> cross-entropy
+// with LoRA adapters on the configured targets. Forward and backward are explicit (no
+// autograd): each layer saves what its backward needs, or, with recompute, only the layer
+// inputs are kept and each layer is re-run just before its backward.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/model/layer.h"
+#include "core/model/lora_linear.h"
+#include "core/model/mla.h"
+#include "core/model/model_spec.h"
+#include "core/train/trainer.h"
+
+namespace moetrain {
+
+class HfCheckpoint;
+
+struct ModelOptions {
+  DType dtype = DType::kF32;         // compute dtype (F64 for gradient checks)
+  bool recompute = false;
+  uint64_t seed = 1234;              // LoRA init and random base weights
+  LoraSettings lora;
+  std::vector<std::string> lora_targets;
+  double aux_loss_weight = 1.0;      // per micro-batch (1 / grad_accum)
+  int64_t loss_chunk_rows = 1024;    // rows of logits alive at once in the loss
+};
+
+struct DecoderLayer {
+  Tensor input_norm;           // input_layernorm.weight
+  Tensor post_attention_norm;  // post_attention_layernorm.weight
+  std::unique_ptr<Mixer> mixer;
+  std::unique_ptr<FeedForward> ffn;
+};
+
+class Model final : public TrainableModel {
+ public:
+  Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOptions& options);
+  ~Model() override;
+
+  // Base weights: from a Hugging Face directory (names and shapes checked against config.json;
+  // a missing or misshapen tensor is Error(kBadCheckpoint) naming it), or random (std 0.02,
+  // norms 1) from options.seed for runs without a checkpoint.
+  void load_weights(const HfCheckpoint& checkpoint);
+  void init_random_weights();
+
+  std::vector<Parameter*> parameters() override;
+  StepResult forward_backward(const Batch& batch, double grad_scale) override;
+  kernels::Backend& backend() override { return backend_; }
+
+  // Forward only, returning the logits [tokens, vocab] as a host F64 tensor (tests).
+  Tensor logits(const Batch& batch);
+
+  const ModelSpec& spec() const { return spec_; }
+  std::vector<WeightSlot> weight_slots();
+  // Every LoRA-capable projection, by HF module name (tests and adapter import/export).
+  std::vector<std::pair<std::string, LoraLinear*>> linear_modules();
+
+ private:
+  BatchTensors upload(const Batch& batch);
+  LayerContext context(const BatchTensors& batch) { return LayerContext{backend_, options_.dtype, batch}; }
+  // x_out = layer(x_in); saves the layer's internals (and the norms' outputs) in `saved`.
+  struct LayerSaved {
+    Tensor normed_in, rstd_in, hidden, normed_mid, rstd_mid;
+  };
+  void layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x);
+  void layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
+                      const TensorView& x);
+  void release_layer(size_t index);
+  void attach_lora();
+  double loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
+                       double grad_scale);
+
+  ModelSpec spec_;
+  kernels::Backend& backend_;
+  ModelOptions options_;
+  RopeDeviceTables rope_;
+  Tensor embed_;       // [V, D]
+  Tensor final_norm_;  // [D]
+  Tensor lm_head_;     // [V, D] (unused when tied: embed_ is the head)
+  std::vector<DecoderLayer> layers_;
+  std::vector<LayerSaved> saved_;
+  Tensor final_rstd_;
+  uint64_t forward_count_ = 0;  // seeds router noise per forward
+};
+
+}  // namespace moetrain

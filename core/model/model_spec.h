@@ -1,0 +1,36 @@
+// The resolved shape of a model: the config's model section merged with a Hugging Face
+// config.json (when model.hf_dir is set; keys the YAML sets explicitly win), plus what follows
+// from it (per-layer mixer and FFN kinds, head dims). Everything the model builder needs.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+
+namespace moetrain {
+
+enum class MixerKind { kMla, kKda, kDsa };
+enum class FfnKind { kDense, kMoe };
+
+const char* mixer_kind_name(MixerKind kind);
+
+struct ModelSpec {
+  ModelConfig config;                // the merged model section
+  std::vector<MixerKind> mixers;     // one per layer
+  std::vector<FfnKind> ffns;         // one per layer
+
+  int64_t qk_head_dim() const { return config.mla.qk_nope_head_dim + config.mla.qk_rope_head_dim; }
+  int64_t num_layers() const { return config.num_layers; }
+};
+
+// Reads `<hf_dir>/config.json` when config.model.hf_dir is set (model_type deepseek_v3 for now;
+// anything else is Error(kBadConfig) naming the type and the supported ones), overlays the
+// YAML's explicit model keys, and derives the per-layer kinds. Layers other than mla are
+// rejected until their mixers exist (Error(kBadConfig) naming the layer).
+ModelSpec resolve_model_spec(const Config& config);
+
+// The same from config.json text (tests). `source_name` names it in messages.
+ModelConfig model_config_from_hf_json(const std::string& json_text, const std::string& source_name);
+
+}  // namespace moetrain

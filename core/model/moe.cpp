@@ -1,0 +1,194 @@
+#include "core/model/moe.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/base/host_convert.h"
+
+namespace moetrain {
+
+using kernels::AuxLossArgs;
+using kernels::GemmArgs;
+using kernels::MoeCombineArgs;
+using kernels::MoeCombineBackwardArgs;
+using kernels::MoePermutationArgs;
+using kernels::RouterArgs;
+using kernels::RouterBackwardArgs;
+using kernels::RouterScoring;
+
+namespace {
+
+RouterScoring scoring_of(const MoeConfig& moe) {
+  return moe.scoring == "softmax" ? RouterScoring::kSoftmax : RouterScoring::kSigmoid;
+}
+
+// Standard normal samples from a 64-bit generator, by Box-Muller on its top 53 bits, so the
+// noise does not depend on the standard library's distributions.
+void fill_gaussian(double* out, int64_t n, double stddev, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto unit = [&] { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
+  for (int64_t i = 0; i < n; i += 2) {
+    double radius = std::sqrt(-2.0 * std::log(unit()));
+    double angle = 2.0 * 3.14159265358979323846 * unit();
+    out[i] = stddev * radius * std::cos(angle);
+    if (i + 1 < n) out[i + 1] = stddev * radius * std::sin(angle);
+  }
+}
+
+}  // namespace
+
+MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx)
+    : experts("model.layers." + std::to_string(layer) + ".mlp.experts", spec.config.moe.num_experts,
+              spec.config.hidden_size, spec.config.moe.expert_intermediate_size),
+      moe_(spec.config.moe),
+      hidden_(spec.config.hidden_size),
+      prefix_("model.layers." + std::to_string(layer) + ".mlp") {
+  const int64_t e = moe_.num_experts;
+  const int64_t f = moe_.expert_intermediate_size;
+  router_weight = ctx.alloc({e, hidden_});
+  score_bias = ctx.alloc({e});
+  ctx.backend.fill(score_bias, 0.0);
+  experts.gate_up = ctx.alloc({e, 2 * f, hidden_});
+  experts.down = ctx.alloc({e, hidden_, f});
+  if (moe_.num_shared_experts > 0) {
+    shared = std::make_unique<DenseFfn>(prefix_ + ".shared_experts", hidden_, f * moe_.num_shared_experts, ctx);
+  }
+}
+
+void MoeFfn::collect_parameters(std::vector<Parameter*>& out) {
+  experts.collect_parameters(out);
+  if (shared) shared->collect_parameters(out);
+}
+
+void MoeFfn::collect_weights(std::vector<WeightSlot>& out) {
+  out.push_back({prefix_ + ".gate.weight", &router_weight});
+  if (moe_.score_correction_bias) out.push_back({prefix_ + ".gate.e_score_correction_bias", &score_bias});
+  out.push_back({experts.prefix(), &experts.gate_up, WeightLayout::kSwigluGateUp});
+  out.push_back({experts.prefix(), &experts.down, WeightLayout::kSwigluDown});
+  if (shared) shared->collect_weights(out);
+}
+
+void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = x.size(0);
+  const int64_t e = moe_.num_experts;
+  const int64_t k = moe_.top_k;
+  Saved& s = saved_;
+
+  // Route.
+  Tensor logits = ctx.alloc({n, e});
+  be.gemm(GemmArgs{logits, x, router_weight, false, true, 1.0, 0.0});
+  Tensor noise;
+  if (moe_.router_noise > 0.0) {
+    Tensor host({n, e}, DType::kF64);
+    fill_gaussian(host.ptr<double>(), host.numel(), moe_.router_noise, noise_seed_);
+    Tensor staged({n, e}, ctx.dtype);
+    convert_host(staged, host);
+    noise = ctx.alloc({n, e});
+    be.copy(noise, staged);
+  }
+  s.scores = ctx.alloc({n, e});
+  s.topk_index = ctx.alloc({n, k}, DType::kI32);
+  s.topk_weight = ctx.alloc({n, k});
+  RouterArgs route;
+  route.scores = s.scores;
+  route.topk_index = s.topk_index;
+  route.topk_weight = s.topk_weight;
+  route.logits = logits;
+  if (moe_.score_correction_bias) route.bias = score_bias;
+  if (noise.defined()) route.noise = noise;
+  route.scoring = scoring_of(moe_);
+  route.top_k = k;
+  route.num_groups = moe_.num_groups;
+  route.topk_groups = moe_.topk_groups;
+  route.normalize = moe_.normalize_topk;
+  route.scaling = moe_.routed_scaling_factor;
+  be.router_forward(route);
+
+  // Dispatch.
+  s.expert_offsets = ctx.alloc({e + 1}, DType::kI32);
+  s.sorted_pair = ctx.alloc({n * k}, DType::kI32);
+  s.pair_row = ctx.alloc({n * k}, DType::kI32);
+  be.moe_permutation(MoePermutationArgs{s.expert_offsets, s.sorted_pair, s.pair_row, s.topk_index, e});
+  s.routed_x = ctx.alloc({n * k, hidden_});
+  be.moe_permute(s.routed_x, x, s.sorted_pair, k);
+
+  // Experts, then combine.
+  s.routed_out = ctx.alloc({n * k, hidden_});
+  experts.forward(ctx, s.routed_out, s.routed_x, s.expert_offsets);
+  be.moe_combine(MoeCombineArgs{out, s.routed_out, s.topk_weight, s.pair_row});
+  if (shared) {
+    Tensor shared_out = ctx.alloc({n, hidden_});
+    shared->forward(ctx, shared_out, x);
+    be.axpby(out, shared_out, 1.0, 1.0);
+  }
+
+  // Load statistics: max over experts of (tokens routed / mean tokens per expert).
+  Tensor offsets_host({e + 1}, DType::kI32);
+  be.copy(offsets_host, s.expert_offsets);
+  const int32_t* offsets = offsets_host.ptr<int32_t>();
+  int64_t max_count = 0;
+  for (int64_t i = 0; i < e; ++i) max_count = std::max<int64_t>(max_count, offsets[i + 1] - offsets[i]);
+  stats_.max_expert_load = n > 0 ? static_cast<double>(max_count) * e / static_cast<double>(n * k) : 0.0;
+
+  stats_.aux_loss = 0.0;
+  s.aux_dscores.reset();
+  if (moe_.aux_loss_coef > 0.0) {
+    Tensor loss = ctx.alloc({1});
+    s.aux_dscores = ctx.alloc({n, e});
+    AuxLossArgs aux;
+    aux.loss = loss;
+    aux.dscores = s.aux_dscores;
+    aux.scores = s.scores;
+    aux.topk_index = s.topk_index;
+    aux.tokens_per_segment = moe_.aux_loss_type == "batch" ? n : ctx.batch.seq_len;
+    aux.coef = moe_.aux_loss_coef;
+    be.aux_loss(aux);
+    be.axpby(s.aux_dscores, s.aux_dscores, 0.0, aux_loss_weight_);
+    Tensor staged({1}, ctx.dtype);
+    be.copy(staged, loss);
+    Tensor value({1}, DType::kF64);
+    convert_host(value, staged);
+    stats_.aux_loss = value.ptr<double>()[0] * aux_loss_weight_;
+  }
+}
+
+void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = x.size(0);
+  const int64_t e = moe_.num_experts;
+  const int64_t k = moe_.top_k;
+  Saved& s = saved_;
+
+  if (shared) shared->backward(ctx, dx, dout, x);
+  else be.fill(dx, 0.0);
+
+  Tensor drouted_out = ctx.alloc({n * k, hidden_});
+  Tensor dtopk_weight = ctx.alloc({n, k});
+  be.moe_combine_backward(
+      MoeCombineBackwardArgs{drouted_out, dtopk_weight, dout, s.routed_out, s.topk_weight, s.pair_row});
+  Tensor drouted_x = ctx.alloc({n * k, hidden_});
+  experts.backward(ctx, drouted_x, drouted_out, s.routed_x, s.expert_offsets, false);
+  be.moe_unpermute_sum(dx, drouted_x, s.pair_row, k, true);
+
+  Tensor dlogits = ctx.alloc({n, e});
+  RouterBackwardArgs back;
+  back.dlogits = dlogits;
+  back.dtopk_weight = dtopk_weight;
+  if (s.aux_dscores.defined()) back.dscores_extra = s.aux_dscores;
+  back.scores = s.scores;
+  back.topk_index = s.topk_index;
+  back.scoring = scoring_of(moe_);
+  back.normalize = moe_.normalize_topk;
+  back.scaling = moe_.routed_scaling_factor;
+  be.router_backward(back);
+  be.gemm(GemmArgs{dx, dlogits, router_weight, false, false, 1.0, 1.0});
+}
+
+void MoeFfn::release_saved() {
+  saved_ = Saved{};
+  experts.release_saved();
+  if (shared) shared->release_saved();
+}
+
+}  // namespace moetrain

@@ -1,0 +1,59 @@
+// The routed Mixture-of-Experts feed-forward (DeepSeek-V3 / Kimi), in named stages:
+//   route     logits = x Wr^T; scores, top-k experts and weights (kernels: router_forward)
+//   dispatch  sort the (token, slot) pairs by expert and gather the rows (moe_permutation/permute)
+//   experts   one grouped SwiGLU over the expert-sorted rows
+//   combine   out[t] = sum_j w[t, j] * expert_out[t, j]  (+ the shared experts on every token)
+// Backward mirrors it; gradients flow through the routing weights into the router logits and
+// on into x (the router itself is frozen). Expert parallelism (parallel/) later replaces
+// dispatch/combine with all-to-all exchanges around the same expert stage.
+#pragma once
+
+#include <memory>
+#include <random>
+
+#include "core/model/dense_ffn.h"
+#include "core/model/layer.h"
+#include "core/model/model_spec.h"
+#include "core/model/swiglu_experts.h"
+
+namespace moetrain {
+
+class MoeFfn final : public FeedForward {
+ public:
+  MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx);
+
+  void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
+  void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
+  void release_saved() override;
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void collect_weights(std::vector<WeightSlot>& out) override;
+  FeedForwardStats stats() const override { return stats_; }
+
+  // Router noise for the next forward; re-seeding with the same value makes a recomputed
+  // forward route exactly as the first one did.
+  void set_noise_seed(uint64_t seed) { noise_seed_ = seed; }
+  // Weight of this micro-batch's aux loss in the step's objective (1 / micro-batches).
+  void set_aux_loss_weight(double weight) { aux_loss_weight_ = weight; }
+
+  Tensor router_weight;  // [E, D], frozen (mlp.gate.weight)
+  Tensor score_bias;     // [E] (mlp.gate.e_score_correction_bias), selection only
+  SwigluExperts experts;
+  std::unique_ptr<DenseFfn> shared;  // null without shared experts
+
+ private:
+  MoeConfig moe_;
+  int64_t hidden_;
+  std::string prefix_;
+  uint64_t noise_seed_ = 0;
+  double aux_loss_weight_ = 1.0;
+  FeedForwardStats stats_;
+
+  struct Saved {
+    Tensor scores, topk_index, topk_weight;
+    Tensor expert_offsets, sorted_pair, pair_row;
+    Tensor routed_x, routed_out;  // [tokens * top_k, D], expert order
+    Tensor aux_dscores;           // dL_aux/dscores, already weighted; empty without aux loss
+  } saved_;
+};
+
+}  // namespace moetrain

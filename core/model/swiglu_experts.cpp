@@ -1,0 +1,168 @@
+#include "core/model/swiglu_experts.h"
+
+namespace moetrain {
+
+using kernels::CopyColumnsArgs;
+using kernels::GroupedGemmArgs;
+using kernels::GroupedGemmKind;
+
+namespace {
+
+GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const TensorView& offsets, bool transpose_b,
+                        double alpha = 1.0, double beta = 0.0) {
+  GroupedGemmArgs args;
+  args.kind = GroupedGemmKind::kMGrouped;
+  args.c = c;
+  args.a = a;
+  args.b = b;
+  args.group_offsets = offsets;
+  args.transpose_b = transpose_b;
+  args.alpha = alpha;
+  args.beta = beta;
+  return args;
+}
+
+// c[g] += alpha * a[rows_g]^T b[rows_g]: the per-group weight gradient.
+GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const TensorView& offsets, double alpha) {
+  GroupedGemmArgs args;
+  args.kind = GroupedGemmKind::kKGrouped;
+  args.c = c;
+  args.a = a;
+  args.b = b;
+  args.group_offsets = offsets;
+  args.alpha = alpha;
+  args.beta = 1.0;
+  return args;
+}
+
+}  // namespace
+
+const char* SwigluExperts::projection_name(Projection p) {
+  switch (p) {
+    case kGate: return "gate_proj";
+    case kUp: return "up_proj";
+    case kDown: return "down_proj";
+  }
+  return "?";
+}
+
+void SwigluExperts::add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend,
+                             std::mt19937_64& rng) {
+  int64_t in = p == kDown ? width_ : hidden_;
+  int64_t out = p == kDown ? hidden_ : width_;
+  std::string name = prefix_ + "." + projection_name(p);
+  if (groups_ == 1) {
+    lora[p] = make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
+    return;
+  }
+  // Stacked: one adapter per expert, drawn expert by expert so expert e's initial A is the
+  // same whatever the number of experts a rank holds.
+  auto adapter = std::make_unique<LoraAdapter>();
+  adapter->scale = settings.scale();
+  adapter->a.name = name + ".lora_A.weight";
+  adapter->b.name = name + ".lora_B.weight";
+  adapter->a.value = Tensor({groups_, settings.rank, in}, dtype, backend.allocator());
+  adapter->b.value = Tensor({groups_, out, settings.rank}, dtype, backend.allocator());
+  adapter->a.grad = Tensor({groups_, settings.rank, in}, dtype, backend.allocator());
+  adapter->b.grad = Tensor({groups_, out, settings.rank}, dtype, backend.allocator());
+  for (int64_t g = 0; g < groups_; ++g) {
+    auto one = make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
+    backend.copy(adapter->a.value.view().slice_rows(g, g + 1).reshaped({settings.rank, in}), one->a.value);
+  }
+  backend.fill(adapter->b.value, 0.0);
+  backend.fill(adapter->a.grad, 0.0);
+  backend.fill(adapter->b.grad, 0.0);
+  lora[p] = std::move(adapter);
+}
+
+TensorView SwigluExperts::stacked_a(Projection p) const {
+  const Tensor& a = lora[p]->a.value;
+  return a.view().reshaped({groups_, a.size(-2), a.size(-1)});
+}
+
+TensorView SwigluExperts::stacked_b(Projection p) const {
+  const Tensor& b = lora[p]->b.value;
+  return b.view().reshaped({groups_, b.size(-2), b.size(-1)});
+}
+
+void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x,
+                            const TensorView& group_offsets) {
+  kernels::Backend& be = ctx.backend;
+  int64_t rows = x.size(0);
+  int64_t f = width_;
+  saved_gate_up_ = ctx.alloc({rows, 2 * f});
+  be.grouped_gemm(grouped(saved_gate_up_, x, gate_up, group_offsets, true));
+  for (Projection p : {kGate, kUp}) {
+    if (!lora[p]) continue;
+    int64_t rank = lora[p]->a.value.size(-2);
+    Tensor xa = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(xa, x, stacked_a(p), group_offsets, true));
+    Tensor delta = ctx.alloc({rows, f});
+    be.grouped_gemm(grouped(delta, xa, stacked_b(p), group_offsets, true, lora[p]->scale));
+    be.copy_columns(CopyColumnsArgs{saved_gate_up_, delta, p == kGate ? 0 : f, 0, f, 1, true});
+  }
+  saved_hidden_ = ctx.alloc({rows, f});
+  be.swiglu_forward(saved_hidden_, saved_gate_up_);
+  be.grouped_gemm(grouped(out, saved_hidden_, down, group_offsets, true));
+  if (lora[kDown]) {
+    int64_t rank = lora[kDown]->a.value.size(-2);
+    Tensor ha = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(ha, saved_hidden_, stacked_a(kDown), group_offsets, true));
+    be.grouped_gemm(grouped(out, ha, stacked_b(kDown), group_offsets, true, lora[kDown]->scale, 1.0));
+  }
+}
+
+void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
+                             const TensorView& x, const TensorView& group_offsets, bool accumulate_dx) {
+  kernels::Backend& be = ctx.backend;
+  int64_t rows = x.size(0);
+  int64_t f = width_;
+  // Down projection: dh = dout Wd (+ LoRA).
+  Tensor dh = ctx.alloc({rows, f});
+  be.grouped_gemm(grouped(dh, dout, down, group_offsets, false));
+  if (lora[kDown]) {
+    LoraAdapter& ad = *lora[kDown];
+    int64_t rank = ad.a.value.size(-2);
+    Tensor dout_b = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(dout_b, dout, stacked_b(kDown), group_offsets, false));
+    be.grouped_gemm(grouped(dh, dout_b, stacked_a(kDown), group_offsets, false, ad.scale, 1.0));
+    be.grouped_gemm(k_grouped(ad.a.grad.view().reshaped(stacked_a(kDown).shape), dout_b, saved_hidden_,
+                              group_offsets, ad.scale));
+    Tensor ha = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(ha, saved_hidden_, stacked_a(kDown), group_offsets, true));
+    be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(kDown).shape), dout, ha, group_offsets, ad.scale));
+  }
+  Tensor dgate_up = ctx.alloc({rows, 2 * f});
+  be.swiglu_backward(kernels::SwigluBackwardArgs{dgate_up, dh, saved_gate_up_});
+  // Gate and up projections: dx = dgate_up Wgu (+ LoRA).
+  if (dx.data) be.grouped_gemm(grouped(dx, dgate_up, gate_up, group_offsets, false, 1.0, accumulate_dx ? 1.0 : 0.0));
+  for (Projection p : {kGate, kUp}) {
+    if (!lora[p]) continue;
+    LoraAdapter& ad = *lora[p];
+    int64_t rank = ad.a.value.size(-2);
+    Tensor dpart = ctx.alloc({rows, f});
+    be.copy_columns(CopyColumnsArgs{dpart, dgate_up, 0, p == kGate ? 0 : f, f, 1, false});
+    Tensor dpart_b = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(dpart_b, dpart, stacked_b(p), group_offsets, false));
+    if (dx.data) be.grouped_gemm(grouped(dx, dpart_b, stacked_a(p), group_offsets, false, ad.scale, 1.0));
+    be.grouped_gemm(k_grouped(ad.a.grad.view().reshaped(stacked_a(p).shape), dpart_b, x, group_offsets, ad.scale));
+    Tensor xa = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(xa, x, stacked_a(p), group_offsets, true));
+    be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(p).shape), dpart, xa, group_offsets, ad.scale));
+  }
+}
+
+void SwigluExperts::release_saved() {
+  saved_gate_up_.reset();
+  saved_hidden_.reset();
+}
+
+void SwigluExperts::collect_parameters(std::vector<Parameter*>& out) {
+  for (auto& adapter : lora) {
+    if (!adapter) continue;
+    out.push_back(&adapter->a);
+    out.push_back(&adapter->b);
+  }
+}
+
+}  // namespace moetrain

@@ -1,0 +1,65 @@
+// G SwiGLU feed-forward networks over groups of rows: rows [offsets[g], offsets[g+1]) go through
+// network g. One class serves three uses:
+//   - routed experts (G = num_experts, rows are tokens sorted by expert: MGroupedContiguous);
+//   - the shared experts and the dense MLP (G = 1, every row).
+// out = (silu(x Wg^T) * (x Wu^T)) Wd^T, with Wg and Wu stored fused as gate_up [G, 2F, D]
+// (gate rows first) and Wd as down [G, D, F]. Each projection may carry a LoRA adapter per
+// group; the adapters of all groups are one stacked parameter ([G, r, in] / [G, out, r]; 2-D
+// when G = 1), named `<prefix>.{gate,up,down}_proj.lora_{A,B}.weight` — export splits the
+// stacked routed-expert tensors into PEFT's per-expert 2-D keys.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/model/lora_linear.h"
+
+namespace moetrain {
+
+class SwigluExperts {
+ public:
+  enum Projection { kGate = 0, kUp = 1, kDown = 2 };
+  static const char* projection_name(Projection p);
+
+  SwigluExperts(std::string prefix, int64_t groups, int64_t hidden, int64_t width)
+      : prefix_(std::move(prefix)), groups_(groups), hidden_(hidden), width_(width) {}
+
+  const std::string& prefix() const { return prefix_; }  // e.g. model.layers.1.mlp.experts
+  int64_t groups() const { return groups_; }
+  int64_t hidden() const { return hidden_; }
+  int64_t width() const { return width_; }
+
+  Tensor gate_up;  // [G, 2F, D], frozen
+  Tensor down;     // [G, D, F], frozen
+  std::array<std::unique_ptr<LoraAdapter>, 3> lora;  // per projection; null: none
+
+  void add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend,
+                std::mt19937_64& rng);
+
+  // out [R, D] = FFN(x [R, D]) per group; group_offsets int32 [G + 1] on the device.
+  // Saves what backward needs (the gate/up pre-activations and the SwiGLU output).
+  void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x, const TensorView& group_offsets);
+  // dx (= or +=) from dout; adapter gradients +=. Needs the forward's x and offsets again.
+  void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x,
+                const TensorView& group_offsets, bool accumulate_dx);
+  void release_saved();
+
+  void collect_parameters(std::vector<Parameter*>& out);
+
+ private:
+  // Views of a projection's adapter as [G, r, in] / [G, out, r] for the grouped GEMM.
+  TensorView stacked_a(Projection p) const;
+  TensorView stacked_b(Projection p) const;
+
+  std::string prefix_;
+  int64_t groups_;
+  int64_t hidden_;
+  int64_t width_;
+  Tensor saved_gate_up_;  // [R, 2F] pre-activations
+  Tensor saved_hidden_;   // [R, F] SwiGLU output
+};
+
+}  // namespace moetrain
