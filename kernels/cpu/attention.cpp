@@ -33,6 +33,12 @@ AttentionDims attention_dims(const TensorView& q, const TensorView& k, const Ten
   return d;
 }
 
+// lse is [tokens, heads]; any shape with that many elements is read the same way.
+void expect_lse(const TensorView& lse, const AttentionDims& d) {
+  MOETRAIN_ASSERT(lse.numel() == d.tokens * d.heads, "attention: lse is " + lse.shape.str() + ", expected [" +
+                                                         std::to_string(d.tokens) + ", " + std::to_string(d.heads) + "]");
+}
+
 // The segment boundaries, checked: starts at 0, never decreases, ends at `tokens`.
 std::vector<int64_t> segment_bounds(const TensorView& cu_seqlens, int64_t tokens) {
   MOETRAIN_ASSERT(cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 1,
@@ -61,7 +67,7 @@ template <typename T>
 void attention_forward(const AttentionArgs& args) {
   const AttentionDims d = attention_dims(args.q, args.k, args.v);
   expect_shape(args.out, Shape({d.tokens, d.heads, d.v_dim}), "out");
-  expect_shape(args.lse, Shape({d.tokens, d.heads}), "lse");
+  expect_lse(args.lse, d);
   const std::vector<int64_t> bounds = segment_bounds(args.cu_seqlens, d.tokens);
   const T* q = args.q.ptr<T>();
   const T* k = args.k.ptr<T>();
@@ -106,7 +112,7 @@ void attention_backward(const AttentionBackwardArgs& args) {
   const AttentionDims d = attention_dims(args.q, args.k, args.v);
   expect_shape(args.out, Shape({d.tokens, d.heads, d.v_dim}), "out");
   expect_shape(args.dout, args.out.shape, "dout");
-  expect_shape(args.lse, Shape({d.tokens, d.heads}), "lse");
+  expect_lse(args.lse, d);
   expect_shape(args.dq, args.q.shape, "dq");
   expect_shape(args.dk, args.k.shape, "dk");
   expect_shape(args.dv, args.v.shape, "dv");

@@ -115,7 +115,10 @@ void router_forward(const RouterArgs& args) {
   expect_shape(args.topk_index, Shape({tokens, args.top_k}), "router_forward", "topk_index");
   expect_shape(args.topk_weight, Shape({tokens, args.top_k}), "router_forward", "topk_weight");
   const bool has_bias = !is_absent(args.bias), has_noise = !is_absent(args.noise);
-  if (has_bias) expect_shape(args.bias, Shape({experts}), "router_forward", "bias");
+  if (has_bias) {
+    MOETRAIN_ASSERT(args.bias.numel() == experts, "router_forward: bias is " + args.bias.shape.str() + " for " +
+                                                      std::to_string(experts) + " experts");
+  }
   if (has_noise) expect_shape(args.noise, args.logits.shape, "router_forward", "noise");
 
   const T* logits = args.logits.ptr<T>();

@@ -248,3 +248,23 @@ TEST_CASE("attention rejects inconsistent cu_seqlens", "[attention]") {
   Tensor decreasing = int_tensor({0, 3, 2, 4});
   CHECK_THROWS_AS(run_forward<double>(out, lse, q, k, v, decreasing, 1.0), Error);
 }
+
+TEST_CASE("attention through the CPU backend", "[attention][backend]") {
+  const Problem pb = default_problem();
+  auto backend = make_cpu_backend();
+  Tensor q = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF32, 41);
+  Tensor k = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF32, 42);
+  Tensor v = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF32, 43);
+  Tensor cu = int_tensor(pb.cu_seqlens);
+  Tensor out({pb.tokens, pb.heads, pb.v_dim}, DType::kF32), lse({pb.tokens, pb.heads}, DType::kF32);
+  Tensor direct_out(out.shape(), DType::kF32), direct_lse(lse.shape(), DType::kF32);
+  AttentionArgs args{out, lse, q, k, v, cu, pb.scale};
+  backend->attention_forward(args);
+  run_forward<float>(direct_out, direct_lse, q, k, v, cu, pb.scale);
+  auto c = compare_tensors(out, direct_out, 0.0, 0.0, "backend out");
+  INFO(c.message);
+  CHECK(c.ok);
+  // A mixed-dtype call is refused rather than misread.
+  Tensor lse64({pb.tokens, pb.heads}, DType::kF64);
+  CHECK_THROWS_AS(backend->attention_forward(AttentionArgs{out, lse64, q, k, v, cu, pb.scale}), Error);
+}

@@ -207,3 +207,31 @@ TEST_CASE("moe ops in float agree with double", "[moe]") {
   INFO(c.message);
   CHECK(c.ok);
 }
+
+TEST_CASE("moe ops through the CPU backend", "[moe][backend]") {
+  auto backend = make_cpu_backend();
+  const int64_t tokens = 5, top_k = 2, dim = 2;
+  Tensor topk = five_token_routing();
+  Tensor offsets({5}, DType::kI32), sorted_pair({10}, DType::kI32), pair_row({10}, DType::kI32);
+  backend->moe_permutation(MoePermutationArgs{offsets, sorted_pair, pair_row, topk, 4});
+  CHECK(values(pair_row) == std::vector<int32_t>{3, 7, 0, 4, 8, 1, 5, 9, 2, 6});
+
+  Tensor x = random_tensor({tokens, dim}, DType::kF32, 31);
+  Tensor rows({tokens * top_k, dim}, DType::kF32), out({tokens, dim}, DType::kF32);
+  Tensor weight = random_tensor({tokens, top_k}, DType::kF32, 32);
+  backend->moe_permute(rows, x, sorted_pair, top_k);
+  backend->moe_combine(MoeCombineArgs{out, rows, weight, pair_row});
+  for (int64_t t = 0; t < tokens; ++t) {
+    const double w = static_cast<double>(weight.ptr<float>()[t * 2]) + weight.ptr<float>()[t * 2 + 1];
+    for (int64_t c = 0; c < dim; ++c) CHECK(std::fabs(out.ptr<float>()[t * dim + c] - w * x.ptr<float>()[t * dim + c]) < 1e-6);
+  }
+
+  Tensor bad = int_tensor({1, 3, 0, 1, 3, 0, 1, 3, 0, 9}, {5, 2});
+  bool named = false;
+  try {
+    backend->moe_permutation(MoePermutationArgs{offsets, sorted_pair, pair_row, bad, 4});
+  } catch (const Error& e) {
+    named = e.code() == ExitCode::kInternal && std::string(e.what()).find("token 4 slot 1") != std::string::npos;
+  }
+  CHECK(named);
+}

@@ -328,3 +328,18 @@ TEST_CASE("aux loss rejects partial segments and bad experts", "[aux_loss]") {
   Tensor bad = index_tensor({0, 4, 2}, 3, 1);
   CHECK_THROWS_AS(run_aux_loss(loss, dscores, scores, bad, 3, 1.0), Error);
 }
+
+TEST_CASE("router through the CPU backend", "[router][backend]") {
+  auto backend = make_cpu_backend();
+  Tensor logits = tensor_of({1.0, 1.0, 0.8, 0.9, -1.0, -1.0, 3.0, -4.0}, {1, 8});
+  Tensor scores({1, 8}, DType::kF64), index({1, 2}, DType::kI32), weight({1, 2}, DType::kF64);
+  RouterArgs args = options(2, 4, 2, true, 3.0);
+  args.scores = scores;
+  args.topk_index = index;
+  args.topk_weight = weight;
+  args.logits = logits;
+  backend->router_forward(args);
+  CHECK(index.ptr<int32_t>()[0] == 0);
+  CHECK(index.ptr<int32_t>()[1] == 1);
+  CHECK(close(weight.ptr<double>()[0], 1.5));
+}
