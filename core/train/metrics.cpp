@@ -1,0 +1,60 @@
+#include "core/train/metrics.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <system_error>
+
+#include "core/base/error.h"
+#include "core/base/log.h"
+
+namespace moetrain {
+namespace {
+
+std::string format_rate(double tokens_per_s) {
+  if (tokens_per_s >= 1e6) return fmt::format("{:.2f}M tok/s", tokens_per_s / 1e6);
+  if (tokens_per_s >= 1e3) return fmt::format("{:.1f}k tok/s", tokens_per_s / 1e3);
+  return fmt::format("{:.0f} tok/s", tokens_per_s);
+}
+
+}  // namespace
+
+std::string format_progress_line(const StepMetrics& m) {
+  std::string line = fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad {:.3f} | {} | max load {:.2f}",
+                                 m.step, m.total_steps, m.loss, m.lr, m.grad_norm,
+                                 format_rate(m.tokens_per_s), m.max_expert_load);
+  for (const auto& [key, value] : m.extra) line += fmt::format(" | {} {:.4g}", key, value);
+  return line;
+}
+
+MetricsWriter::MetricsWriter(const std::string& run_dir)
+    : path_((std::filesystem::path(run_dir) / "metrics.jsonl").string()) {
+  std::error_code error;
+  std::filesystem::create_directories(run_dir, error);
+  MOETRAIN_CHECK(!error, ExitCode::kBadConfig,
+                 "logging.run_dir: cannot create directory '" + run_dir + "': " + error.message());
+  file_.open(path_, std::ios::out | std::ios::app);
+  MOETRAIN_CHECK(file_.is_open(), ExitCode::kBadConfig,
+                 "logging.run_dir: cannot open '" + path_ + "' for appending; check permissions");
+}
+
+void MetricsWriter::write(const StepMetrics& m, bool log_progress) {
+  // nlohmann::json writes NaN/Inf as null, which keeps every line valid JSON.
+  nlohmann::ordered_json line = {
+      {"step", m.step},
+      {"loss", m.loss},
+      {"lr", m.lr},
+      {"grad_norm", m.grad_norm},
+      {"tokens", m.tokens},
+      {"tokens_per_s", m.tokens_per_s},
+      {"max_expert_load", m.max_expert_load},
+  };
+  for (const auto& [key, value] : m.extra) line[key] = value;
+  file_ << line.dump() << '\n';
+  file_.flush();
+  MOETRAIN_CHECK(file_.good(), ExitCode::kInternal, "writing " + path_ + " failed (disk full?)");
+  if (log_progress) log::info(format_progress_line(m));
+}
+
+}  // namespace moetrain

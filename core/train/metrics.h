@@ -1,0 +1,45 @@
+// Per-step training metrics: one JSON object per line in <run_dir>/metrics.jsonl (appended, so
+// a resumed run continues the same file) and a readable progress line in the log.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moetrain {
+
+struct StepMetrics {
+  int64_t step = 0;            // optimizer steps completed (1 after the first)
+  int64_t total_steps = 0;     // for the progress line
+  double loss = 0.0;           // mean cross-entropy over the step's target tokens
+  double lr = 0.0;
+  double grad_norm = 0.0;      // before clipping
+  int64_t tokens = 0;          // cumulative tokens processed
+  double tokens_per_s = 0.0;
+  double max_expert_load = 0.0;  // max over layers and experts of load / mean load (1 = balanced)
+  std::vector<std::pair<std::string, double>> extra;  // further keys, written in this order
+};
+
+// "step 12/150 | loss 4.1234 | lr 1.20e-03 | grad 0.532 | 12.3k tok/s | max load 1.42"
+std::string format_progress_line(const StepMetrics& metrics);
+
+class MetricsWriter {
+ public:
+  // Creates run_dir (and parents) and opens metrics.jsonl for appending. Throws
+  // Error(kBadConfig) naming the path when that fails (logging.run_dir is a user setting).
+  explicit MetricsWriter(const std::string& run_dir);
+
+  // Appends the JSON line (flushed at once, so a killed run keeps every finished step) and,
+  // when `log_progress`, logs the progress line at info.
+  void write(const StepMetrics& metrics, bool log_progress = true);
+
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream file_;
+};
+
+}  // namespace moetrain

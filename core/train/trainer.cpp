@@ -1,0 +1,125 @@
+#include "core/train/trainer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "core/base/error.h"
+#include "core/base/log.h"
+#include "core/train/schedule.h"
+
+namespace moetrain {
+
+Trainer::Trainer(const TrainerOptions& options, TrainableModel& model, BatchSource next_batch,
+                 MetricsWriter* metrics)
+    : options_(options), model_(model), next_batch_(std::move(next_batch)), metrics_(metrics) {
+  MOETRAIN_CHECK(options_.data.grad_accum >= 1, ExitCode::kBadConfig,
+                 "data.grad_accum = " + std::to_string(options_.data.grad_accum) + ": must be at least 1");
+  MOETRAIN_ASSERT(next_batch_ != nullptr, "no batch source");
+  AdamWOptions adamw;
+  adamw.beta1 = options_.train.beta1;
+  adamw.beta2 = options_.train.beta2;
+  adamw.eps = options_.train.eps;
+  adamw.weight_decay = options_.train.weight_decay;
+  optimizer_ = std::make_unique<AdamW>(model_.parameters(), adamw, model_.backend());
+}
+
+std::vector<double> Trainer::run() {
+  if (next_step_ < options_.train.steps) {
+    std::string floor;
+    if (std::isfinite(options_.loss_floor)) floor = fmt::format(" (the data's loss floor is {:.4f})", options_.loss_floor);
+    log::info(fmt::format("training steps {}..{}: {} micro-batch(es) of {} x {} tokens per step{}", next_step_ + 1,
+                          options_.train.steps, options_.data.grad_accum, options_.data.micro_batch,
+                          options_.data.seq_len, floor));
+  }
+  std::vector<double> losses;
+  while (next_step_ < options_.train.steps) losses.push_back(train_step().loss);
+  return losses;
+}
+
+StepRecord Trainer::train_step() {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  StepRecord record;
+  record.step = next_step_;
+  record.lr = learning_rate(options_.train, next_step_);
+
+  // All micro-batches first: the gradient scale needs the whole step's target count.
+  std::vector<Batch> batches;
+  batches.reserve(static_cast<size_t>(options_.data.grad_accum));
+  for (int64_t i = 0; i < options_.data.grad_accum; ++i) {
+    batches.push_back(next_batch_());
+    record.targets += batches.back().num_targets();
+    record.tokens += batches.back().num_tokens();
+  }
+
+  const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
+  double loss_sum = 0.0;
+  for (const Batch& batch : batches) {
+    const StepResult result = model_.forward_backward(batch, grad_scale);
+    loss_sum += result.loss_sum;
+    record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
+    record.aux_loss += result.aux_loss / static_cast<double>(batches.size());
+  }
+  record.loss = record.targets > 0 ? loss_sum / static_cast<double>(record.targets) : 0.0;
+  record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);
+
+  const bool finite = std::isfinite(record.loss) && std::isfinite(record.grad_norm);
+  if (record.targets == 0) {
+    log::warn(fmt::format("step {}: no target tokens in {} micro-batch(es); update skipped",
+                          record.step + 1, batches.size()));
+    record.skipped = true;
+    optimizer_->zero_grad();
+  } else if (!finite) {
+    record.skipped = true;
+    optimizer_->zero_grad();
+    ++nonfinite_in_a_row_;
+    log::warn(fmt::format("step {}: loss {:.6g}, grad norm {:.6g}: not finite; update skipped ({} in a row, stop at {})",
+                          record.step + 1, record.loss, record.grad_norm, nonfinite_in_a_row_,
+                          options_.max_nonfinite_steps));
+  } else {
+    optimizer_->step(record.lr);
+    nonfinite_in_a_row_ = 0;
+  }
+
+  record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  tokens_seen_ += record.tokens;
+  ++next_step_;
+  history_.push_back(record);
+  report(record);
+  if (after_step_) after_step_(record);
+
+  MOETRAIN_CHECK(nonfinite_in_a_row_ < options_.max_nonfinite_steps, ExitCode::kInternal,
+                 fmt::format("training stopped at step {}: {} steps in a row had a non-finite loss or "
+                             "gradient norm (last: loss {:.6g}, grad norm {:.6g}). Lower train.lr, set "
+                             "train.grad_clip, or check the data, then resume from the last checkpoint",
+                             record.step + 1, nonfinite_in_a_row_, record.loss, record.grad_norm));
+  return record;
+}
+
+void Trainer::report(const StepRecord& record) {
+  StepMetrics m;
+  m.step = record.step + 1;
+  m.total_steps = options_.train.steps;
+  m.loss = record.loss;
+  m.lr = record.lr;
+  m.grad_norm = record.grad_norm;
+  m.tokens = tokens_seen_;
+  m.tokens_per_s = record.seconds > 0.0 ? static_cast<double>(record.tokens) / record.seconds : 0.0;
+  m.max_expert_load = record.max_expert_load;
+  if (record.aux_loss != 0.0) m.extra.emplace_back("aux_loss", record.aux_loss);
+  if (record.skipped) m.extra.emplace_back("skipped", 1.0);
+
+  const int64_t every = std::max<int64_t>(options_.logging.every, 1);
+  const bool log_progress = m.step % every == 0 || m.step == options_.train.steps || m.step == 1;
+  // metrics.jsonl gets every step (DESIGN.md §6); logging.every thins the console only.
+  if (metrics_ != nullptr) {
+    metrics_->write(m, log_progress);
+  } else if (log_progress) {
+    log::info(format_progress_line(m));
+  }
+}
+
+}  // namespace moetrain

@@ -1,0 +1,119 @@
+// The single-process training loop: micro-batches -> forward/backward (gradients accumulate)
+// -> global-norm clip -> AdamW at the scheduled lr -> metrics -> after-step hook.
+//
+// Loss normalisation: every target token of an optimizer step weighs the same, however the
+// targets fall into micro-batches. The trainer reads all grad_accum micro-batches first, counts
+// their targets T, and passes grad_scale = 1 / T to every backward; the reported loss is
+// sum(loss) / T. So accumulating two micro-batches gives exactly the gradient of one batch
+// holding both.
+//
+// Non-finite loss or gradient norm: the update is skipped (grads zeroed, parameters and Adam
+// state untouched) with a warning, and the step still counts (its data is consumed and the lr
+// schedule moves on, as in Megatron). After max_nonfinite_steps such steps in a row the run
+// stops with Error(kInternal), naming the step and what to change.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/model/parameter.h"
+#include "core/train/batch.h"
+#include "core/train/metrics.h"
+#include "core/train/optimizer.h"
+#include "kernels/ops.h"
+
+namespace moetrain {
+
+// What one micro-batch's forward/backward reports.
+struct StepResult {
+  double loss_sum = 0.0;         // summed cross-entropy over the micro-batch's targets (unscaled)
+  int64_t targets = 0;           // its target tokens (labels >= 0)
+  double max_expert_load = 0.0;  // max over MoE layers and experts of load / mean load
+  double aux_loss = 0.0;         // its load-balancing loss value (0 when disabled)
+};
+
+// The model as the loop sees it.
+class TrainableModel {
+ public:
+  virtual ~TrainableModel() = default;
+  // The trainable parameters, in a fixed order (the optimizer and grad norm follow it).
+  virtual std::vector<Parameter*> parameters() = 0;
+  // Forward and backward on one micro-batch: ADDS grad_scale * d(sum of target losses)/dparam
+  // to every parameter's grad (plus the aux loss's gradient, by the model's own scaling).
+  virtual StepResult forward_backward(const Batch& batch, double grad_scale) = 0;
+  virtual kernels::Backend& backend() = 0;
+};
+
+struct TrainerOptions {
+  TrainConfig train;
+  DataConfig data;        // grad_accum is read here; batches come from next_batch
+  LoggingConfig logging;  // every: progress-line interval
+  int max_nonfinite_steps = 5;
+  // The data's best achievable loss (nats), logged for comparison; NaN when unknown.
+  double loss_floor = std::numeric_limits<double>::quiet_NaN();
+};
+
+// One optimizer step's outcome.
+struct StepRecord {
+  int64_t step = 0;           // 0-based index of this optimizer step
+  double loss = 0.0;          // mean over the step's targets (NaN/Inf when it went wrong)
+  double grad_norm = 0.0;     // before clipping
+  double lr = 0.0;
+  int64_t targets = 0;
+  int64_t tokens = 0;         // tokens in this step
+  double max_expert_load = 0.0;
+  double aux_loss = 0.0;      // mean over micro-batches
+  double seconds = 0.0;
+  bool skipped = false;       // update skipped (non-finite loss or grad norm, or no targets)
+};
+
+class Trainer {
+ public:
+  using BatchSource = std::function<Batch()>;
+  using StepHook = std::function<void(const StepRecord&)>;
+
+  // `metrics` may be null (no metrics.jsonl; the progress line is still logged).
+  Trainer(const TrainerOptions& options, TrainableModel& model, BatchSource next_batch,
+          MetricsWriter* metrics = nullptr);
+
+  // Called after every optimizer step, skipped or not (checkpoints go here: the optimizer's
+  // state and next_step() are final for that step when it runs).
+  void set_after_step(StepHook hook) { after_step_ = std::move(hook); }
+
+  // Runs steps next_step() .. train.steps - 1; returns their losses in order.
+  std::vector<double> run();
+
+  // One optimizer step; throws Error(kInternal) after max_nonfinite_steps bad steps in a row.
+  StepRecord train_step();
+
+  int64_t next_step() const { return next_step_; }
+  int64_t tokens_seen() const { return tokens_seen_; }
+  // Resume: the step to run next and the tokens already counted (the optimizer's state and
+  // step count are restored through optimizer()).
+  void set_progress(int64_t next_step, int64_t tokens_seen) {
+    next_step_ = next_step;
+    tokens_seen_ = tokens_seen;
+  }
+  AdamW& optimizer() { return *optimizer_; }
+  const std::vector<StepRecord>& history() const { return history_; }
+
+ private:
+  void report(const StepRecord& record);
+
+  TrainerOptions options_;
+  TrainableModel& model_;
+  BatchSource next_batch_;
+  MetricsWriter* metrics_;
+  std::unique_ptr<AdamW> optimizer_;
+  StepHook after_step_;
+  int64_t next_step_ = 0;
+  int64_t tokens_seen_ = 0;
+  int nonfinite_in_a_row_ = 0;
+  std::vector<StepRecord> history_;
+};
+
+}  // namespace moetrain
