@@ -27,7 +27,8 @@ struct MlaConfig {
   std::optional<int64_t> q_lora_rank;  // null: q_proj directly from the hidden state
   int64_t kv_lora_rank = 32;
   int64_t qk_nope_head_dim = 16;
-  int64_t qk_rope_head_dim = 8;   // 0 with use_rope false (Kimi-Linear's NoPE MLA)
+  int64_t qk_rope_head_dim = 8;   // with use_rope false these dims exist but are not rotated
+                                  // (Kimi-Linear/K3 NoPE MLA keep 64 of them); 0 is also legal
   int64_t v_head_dim = 16;
   bool use_rope = true;
   double rope_theta = 10000.0;
@@ -135,12 +136,26 @@ struct Config {
 
 // Reads `path`, applies `overrides` ("key.path=value", each validated like a file key), and
 // checks every single-field and cross-field rule that needs no world size. Throws
-// Error(kBadConfig) naming the file, key, line and the fix.
+// Error(kBadConfig) naming the file, key, line and the fix (all problems at once).
+//
+// Reading is strict: an unknown key, a wrong type, a repeated key or null for a non-optional
+// key is an error. Every key has a default, with one exception: without model.hf_dir the
+// model's shape (model.vocab_size, model.hidden_size, model.num_layers) must be stated.
+// With model.hf_dir set, rules over model keys the file leaves out wait until config.json is
+// merged (the importer then calls validate_config).
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
 // The same from YAML text (tests); `source_name` stands for the path in messages.
 Config parse_config(const std::string& yaml_text, const std::string& source_name,
                     const std::vector<std::string>& overrides = {});
+
+// Every single-field and cross-field rule of load_config on a Config built or merged in code
+// (e.g. after importing a Hugging Face config.json). Throws Error(kBadConfig).
+void validate_config(const Config& config);
+
+// True when both hold the same value for every key (source_path and explicit_model_keys are
+// bookkeeping, not settings): e.g. a resumed run's config against its checkpoint's.
+bool same_settings(const Config& a, const Config& b);
 
 // Rules that depend on the job's world size (world divisible by fsdp, experts by ep, ...),
 // checked on every rank before any collective. Throws Error(kBadConfig).

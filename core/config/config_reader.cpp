@@ -1,0 +1,390 @@
+#include "core/config/config_reader.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+#include <tuple>
+
+#include "core/base/error.h"
+#include "core/config/config_schema.h"
+
+namespace moetrain::config_detail {
+
+std::string describe(const KeyOrigin& origin) {
+  if (origin.from_set) return origin.source;
+  if (origin.line <= 0) return origin.source.empty() ? "default" : origin.source;
+  return origin.source + ":" + std::to_string(origin.line) + ":" + std::to_string(origin.column);
+}
+
+void throw_if_problems(std::vector<Problem> problems) {
+  if (problems.empty()) return;
+  // File problems by position, then --set problems in command-line order.
+  std::stable_sort(problems.begin(), problems.end(), [](const Problem& a, const Problem& b) {
+    return std::make_tuple(a.where.from_set, a.where.line, a.where.column) <
+           std::make_tuple(b.where.from_set, b.where.line, b.where.column);
+  });
+  std::string text;
+  if (problems.size() > 1) text = std::to_string(problems.size()) + " problems in the config:\n";
+  for (size_t i = 0; i < problems.size(); ++i) {
+    if (problems.size() > 1) text += "  ";
+    text += describe(problems[i].where) + ": " + problems[i].message;
+    if (i + 1 < problems.size()) text += "\n";
+  }
+  throw Error(ExitCode::kBadConfig, text);
+}
+
+std::string format_number(double value) {
+  // The shortest text that reads back to the same double, so a written config round-trips.
+  char buffer[64];
+  for (int precision = 6; precision <= 17; ++precision) {
+    std::snprintf(buffer, sizeof(buffer), "%.*g", precision, value);
+    if (std::strtod(buffer, nullptr) == value) break;
+  }
+  std::string text = buffer;
+  // Keep a number-looking number: "2" -> "2.0", so the YAML says "a float was meant".
+  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
+  return text;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> previous(b.size() + 1), current(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) previous[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    current[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t substitute = previous[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      current[j] = std::min({previous[j] + 1, current[j - 1] + 1, substitute});
+    }
+    std::swap(previous, current);
+  }
+  return previous[b.size()];
+}
+
+namespace {
+
+std::string join_path(const std::string& prefix, const std::string& key) {
+  return prefix.empty() ? key : prefix + "." + key;
+}
+
+std::string last_component(const std::string& path) {
+  size_t dot = path.rfind('.');
+  return dot == std::string::npos ? path : path.substr(dot + 1);
+}
+
+std::string quoted_list(const std::vector<std::string>& items, const char* separator) {
+  std::string text;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (i > 0) text += separator;
+    text += "`" + items[i] + "`";
+  }
+  return text;
+}
+
+// Collects every key path of the schema.
+struct PathCollector {
+  std::vector<std::string> paths;
+  std::string prefix;
+  template <class T>
+  void field(const char* key, T&) {
+    paths.push_back(join_path(prefix, key));
+  }
+  template <class S>
+  void section(const char* key, S& value) {
+    std::string saved = prefix;
+    prefix = join_path(prefix, key);
+    paths.push_back(prefix);
+    config_schema::visit_fields(*this, value);
+    prefix = saved;
+  }
+};
+
+}  // namespace
+
+const std::vector<std::string>& all_key_paths() {
+  static const std::vector<std::string> paths = [] {
+    Config defaults;
+    PathCollector collector;
+    config_schema::visit_fields(collector, defaults);
+    return collector.paths;
+  }();
+  return paths;
+}
+
+std::string unknown_key_hint(const std::string& level_path, const std::string& key,
+                             const std::vector<std::string>& known) {
+  size_t best_distance = std::string::npos;
+  std::string best;
+  for (const std::string& candidate : known) {
+    size_t d = edit_distance(key, candidate);
+    if (d < best_distance) best_distance = d, best = candidate;
+  }
+  // A one-letter slip at this level is the likeliest story; next, a right name at the wrong
+  // level (`model.top_k` for `model.moe.top_k`); next, a bigger slip at this level.
+  if (best_distance <= 1) return " (did you mean `" + join_path(level_path, best) + "`?)";
+  std::vector<std::string> elsewhere;
+  for (const std::string& path : all_key_paths()) {
+    if (last_component(path) == key) elsewhere.push_back(path);
+  }
+  if (!elsewhere.empty()) return " (did you mean " + quoted_list(elsewhere, " or ") + "?)";
+  size_t threshold = std::max<size_t>(2, key.size() / 3);
+  if (best_distance <= threshold) return " (did you mean `" + join_path(level_path, best) + "`?)";
+  return " (valid keys " + (level_path.empty() ? std::string("at the top level") : "in `" + level_path + "`") +
+         ": " + quoted_list(known, ", ") + ")";
+}
+
+namespace {
+
+// How a node reads in a message: "a map", "a list", "null", "the quoted string \"8\"", "`abc`".
+std::string describe_node(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: return "a map";
+    case YAML::NodeType::Sequence: return "a list";
+    case YAML::NodeType::Null: return "null";
+    case YAML::NodeType::Scalar:
+      if (node.Tag() == "!") return "the quoted string \"" + node.Scalar() + "\"";
+      return "`" + node.Scalar() + "`";
+    default: return "nothing";
+  }
+}
+
+bool is_plain_scalar(const YAML::Node& node) { return node.IsScalar() && node.Tag() != "!"; }
+
+// YAML 1.2 core-schema integers in decimal only: 010 is ten, not eight (yaml-cpp's own
+// conversion would read it as octal).
+bool parse_integer(const std::string& text, int64_t* value, bool* overflow) {
+  size_t start = (!text.empty() && (text[0] == '-' || text[0] == '+')) ? 1 : 0;
+  if (start == text.size()) return false;
+  for (size_t i = start; i < text.size(); ++i) {
+    if (text[i] < '0' || text[i] > '9') return false;
+  }
+  errno = 0;
+  long long parsed = std::strtoll(text.c_str(), nullptr, 10);
+  *overflow = errno == ERANGE;
+  *value = parsed;
+  return true;
+}
+
+// Decimal numbers with optional fraction and exponent ("2e-4", "0.5", "3", ".5"); no hex,
+// inf or nan (strtod alone would take those).
+bool parse_number(const std::string& text, double* value) {
+  size_t i = 0, n = text.size();
+  if (i < n && (text[i] == '-' || text[i] == '+')) ++i;
+  size_t digits = 0;
+  while (i < n && text[i] >= '0' && text[i] <= '9') ++i, ++digits;
+  if (i < n && text[i] == '.') {
+    ++i;
+    while (i < n && text[i] >= '0' && text[i] <= '9') ++i, ++digits;
+  }
+  if (digits == 0) return false;
+  if (i < n && (text[i] == 'e' || text[i] == 'E')) {
+    ++i;
+    if (i < n && (text[i] == '-' || text[i] == '+')) ++i;
+    size_t exponent_digits = 0;
+    while (i < n && text[i] >= '0' && text[i] <= '9') ++i, ++exponent_digits;
+    if (exponent_digits == 0) return false;
+  }
+  if (i != n) return false;
+  *value = std::strtod(text.c_str(), nullptr);
+  return true;
+}
+
+// Applies a YAML map onto a Config, one level of nesting per `Level`.
+class YamlApplier {
+ public:
+  YamlApplier(ReadState& state, const KeyOrigin& source) : state_(state), source_(source) {}
+
+  void apply(Config& config, const YAML::Node& root) {
+    if (root.IsNull()) return;  // an empty file or `--set x=` at the top: nothing to apply
+    if (!root.IsMap()) {
+      add_problem(origin_of(root), "the config must be a map of sections (model:, lora:, ...), got " +
+                                       describe_node(root));
+      return;
+    }
+    levels_.push_back({"", root, {}});
+    config_schema::visit_fields(*this, config);
+    check_keys(levels_.back());
+    levels_.pop_back();
+  }
+
+  template <class T>
+  void field(const char* key, T& value) {
+    levels_.back().known.push_back(key);
+    YAML::Node node;
+    KeyOrigin where;
+    if (!find(key, &node, &where)) return;
+    std::string path = join_path(levels_.back().path, key);
+    if (read_value(path, node, where, value)) state_.origins[path] = where;
+  }
+
+  template <class S>
+  void section(const char* key, S& value) {
+    levels_.back().known.push_back(key);
+    YAML::Node node;
+    KeyOrigin where;
+    if (!find(key, &node, &where)) return;
+    std::string path = join_path(levels_.back().path, key);
+    if (node.IsNull()) return;  // `mla:` with nothing under it keeps every default
+    if (!node.IsMap()) {
+      add_problem(where, "`" + path + "` is a section: expected a map of keys, got " + describe_node(node));
+      return;
+    }
+    levels_.push_back({path, node, {}});
+    config_schema::visit_fields(*this, value);
+    check_keys(levels_.back());
+    levels_.pop_back();
+  }
+
+ private:
+  struct Level {
+    std::string path;
+    YAML::Node map;
+    std::vector<std::string> known;
+  };
+
+  KeyOrigin origin_of(const YAML::Node& node) const {
+    KeyOrigin where = source_;
+    if (!source_.from_set) {
+      where.line = node.Mark().line + 1;
+      where.column = node.Mark().column + 1;
+    }
+    return where;
+  }
+
+  void add_problem(const KeyOrigin& where, const std::string& message) {
+    state_.problems.push_back({where, message});
+  }
+
+  // The value of `key` in the current map and where its key stands; the last one if repeated
+  // (check_keys reports the repetition).
+  bool find(const char* key, YAML::Node* value, KeyOrigin* where) const {
+    bool found = false;
+    for (const auto& entry : levels_.back().map) {
+      if (entry.first.IsScalar() && entry.first.Scalar() == key) {
+        *value = entry.second;
+        *where = origin_of(entry.first);
+        found = true;
+      }
+    }
+    return found;
+  }
+
+  void check_keys(const Level& level) {
+    std::set<std::string> seen;
+    for (const auto& entry : level.map) {
+      KeyOrigin where = origin_of(entry.first);
+      if (!entry.first.IsScalar()) {
+        add_problem(where, "a key must be a name, got " + describe_node(entry.first) +
+                               (level.path.empty() ? "" : " in `" + level.path + "`"));
+        continue;
+      }
+      const std::string& key = entry.first.Scalar();
+      std::string path = join_path(level.path, key);
+      if (std::find(level.known.begin(), level.known.end(), key) == level.known.end()) {
+        add_problem(where, "unknown key `" + path + "`" + unknown_key_hint(level.path, key, level.known));
+      } else if (!seen.insert(key).second) {
+        add_problem(where, "`" + path + "` is set more than once in the same map: keep one");
+      }
+    }
+  }
+
+  bool type_problem(const std::string& path, const YAML::Node& node, const KeyOrigin& where,
+                    const std::string& expected, bool nullable = false) {
+    std::string got = describe_node(node);
+    std::string message = "`" + path + "` expects " + expected + (nullable ? " or null" : "") + ", got " + got;
+    if (node.IsNull()) message += " (only optional keys may be null)";
+    else if (node.IsScalar() && node.Tag() == "!") message += " (remove the quotes)";
+    add_problem(where, message);
+    return false;
+  }
+
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where, int64_t& value,
+                  bool nullable = false) {
+    int64_t parsed = 0;
+    bool overflow = false;
+    if (!is_plain_scalar(node) || !parse_integer(node.Scalar(), &parsed, &overflow)) {
+      return type_problem(path, node, where, "an integer", nullable);
+    }
+    if (overflow) {
+      add_problem(where, "`" + path + "` = " + node.Scalar() + " is out of the 64-bit integer range");
+      return false;
+    }
+    value = parsed;
+    return true;
+  }
+
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where, double& value,
+                  bool nullable = false) {
+    if (!is_plain_scalar(node) || !parse_number(node.Scalar(), &value)) {
+      return type_problem(path, node, where, "a number", nullable);
+    }
+    if (!std::isfinite(value)) {
+      add_problem(where, "`" + path + "` = " + node.Scalar() + " is out of the double-precision range");
+      return false;
+    }
+    return true;
+  }
+
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where, bool& value,
+                  bool nullable = false) {
+    static const std::set<std::string> truthy = {"true", "True", "TRUE"};
+    static const std::set<std::string> falsy = {"false", "False", "FALSE"};
+    if (is_plain_scalar(node) && truthy.count(node.Scalar())) return value = true, true;
+    if (is_plain_scalar(node) && falsy.count(node.Scalar())) return value = false, true;
+    return type_problem(path, node, where, "a boolean (true or false)", nullable);
+  }
+
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where, std::string& value,
+                  bool nullable = false) {
+    if (!node.IsScalar()) return type_problem(path, node, where, "a string", nullable);
+    value = node.Scalar();
+    return true;
+  }
+
+  template <class T>
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where,
+                  std::optional<T>& value) {
+    if (node.IsNull()) {
+      value.reset();
+      return true;
+    }
+    T parsed{};
+    if (!read_value(path, node, where, parsed, /*nullable=*/true)) return false;
+    value = parsed;
+    return true;
+  }
+
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where,
+                  std::vector<std::string>& value) {
+    if (!node.IsSequence()) return type_problem(path, node, where, "a list of strings, like [a, b]");
+    std::vector<std::string> items;
+    bool ok = true;
+    for (size_t i = 0; i < node.size(); ++i) {
+      const YAML::Node item = node[i];
+      if (!item.IsScalar()) {
+        KeyOrigin item_where = item.IsNull() ? where : origin_of(item);
+        type_problem(path + "[" + std::to_string(i) + "]", item, item_where, "a string");
+        ok = false;
+        continue;
+      }
+      items.push_back(item.Scalar());
+    }
+    if (ok) value = items;
+    return ok;
+  }
+
+  ReadState& state_;
+  KeyOrigin source_;
+  std::vector<Level> levels_;
+};
+
+}  // namespace
+
+void apply_yaml(Config& config, ReadState& state, const YAML::Node& root, const KeyOrigin& source) {
+  YamlApplier applier(state, source);
+  applier.apply(config, root);
+}
+
+}  // namespace moetrain::config_detail

@@ -1,0 +1,321 @@
+#include "core/config/config_rules.h"
+
+#include <algorithm>
+#include <initializer_list>
+#include <set>
+
+namespace moetrain::config_detail {
+namespace {
+
+const std::vector<std::string> kMixers = {"mla", "kda", "dsa"};
+const std::vector<std::string> kAttentionGates = {"none", "headwise", "elementwise"};
+const std::vector<std::string> kRopeScalingTypes = {"none", "yarn"};
+const std::vector<std::string> kScorings = {"sigmoid", "softmax"};
+const std::vector<std::string> kAuxLossTypes = {"sequence", "batch"};
+const std::vector<std::string> kSchedules = {"cosine", "linear", "constant"};
+const std::vector<std::string> kDevices = {"auto", "cpu", "cuda"};
+const std::vector<std::string> kLogLevels = {"debug", "info", "warn", "error", "off"};
+// Module names LoRA can wrap (PEFT's names for DeepSeek/Kimi modules). `experts` means every
+// routed expert's gate/up/down projections, `shared_experts` the shared experts'.
+const std::vector<std::string> kLoraTargets = {
+    "q_a_proj", "q_b_proj", "q_proj",    "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+    "gate_proj", "up_proj", "down_proj", "shared_experts",     "experts"};
+
+std::string join(const std::vector<std::string>& items, const char* separator) {
+  std::string text;
+  for (size_t i = 0; i < items.size(); ++i) text += (i ? separator : "") + items[i];
+  return text;
+}
+
+std::string show(int64_t value) { return std::to_string(value); }
+std::string show(double value) { return format_number(value); }
+
+class Rules {
+ public:
+  Rules(const RuleContext& context, std::vector<Problem>* problems) : context_(context), problems_(problems) {}
+
+  // False when a model key's final value is not known yet (see RuleContext).
+  bool known(std::initializer_list<const char*> keys) const {
+    if (!context_.model_from_hf_pending) return true;
+    for (const char* key : keys) {
+      std::string path = key;
+      if (path.rfind("model.", 0) == 0 && !is_set(path)) return false;
+    }
+    return true;
+  }
+
+  bool is_set(const std::string& path) const {
+    return context_.origins != nullptr && context_.origins->count(path) > 0;
+  }
+
+  // Records a failed rule, located at the first of `keys` that the config set.
+  void fail(std::initializer_list<std::string> keys, const std::string& message) {
+    KeyOrigin where;
+    where.source = context_.source;
+    for (const std::string& key : keys) {
+      // "model.layers[3]" is located where model.layers is.
+      std::string path = key.substr(0, key.find('['));
+      if (is_set(path)) {
+        where = context_.origins->at(path);
+        break;
+      }
+    }
+    problems_->push_back({where, message});
+  }
+
+  template <class T>
+  void at_least(const std::string& key, T value, T minimum, const std::string& why = "") {
+    if (value < minimum) {
+      fail({key}, "`" + key + "` = " + show(value) + " must be >= " + show(minimum) + why);
+    }
+  }
+
+  void positive(const std::string& key, int64_t value) {
+    if (value <= 0) fail({key}, "`" + key + "` = " + show(value) + " must be > 0");
+  }
+
+  void positive(const std::string& key, double value) {
+    if (!(value > 0)) fail({key}, "`" + key + "` = " + show(value) + " must be > 0");
+  }
+
+  void non_negative(const std::string& key, double value) {
+    if (value < 0) fail({key}, "`" + key + "` = " + show(value) + " must be >= 0");
+  }
+
+  // lo <= value < hi (hi_inclusive: <= hi).
+  void in_range(const std::string& key, double value, double lo, double hi, bool hi_inclusive) {
+    bool ok = value >= lo && (hi_inclusive ? value <= hi : value < hi);
+    if (!ok) {
+      fail({key}, "`" + key + "` = " + show(value) + " must be in [" + show(lo) + ", " + show(hi) +
+                      (hi_inclusive ? "]" : ")"));
+    }
+  }
+
+  void one_of(const std::string& key, const std::string& value, const std::vector<std::string>& allowed) {
+    if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
+      fail({key}, "`" + key + "` = `" + value + "` is not allowed: use one of " + join(allowed, " | "));
+    }
+  }
+
+  void not_empty(const std::string& key, const std::string& value) {
+    if (value.empty()) fail({key}, "`" + key + "` must not be empty");
+  }
+
+ private:
+  const RuleContext& context_;
+  std::vector<Problem>* problems_;
+};
+
+void check_required(const Config& c, const RuleContext& context, Rules& r) {
+  if (!context.check_required_keys || c.model.hf_dir) return;
+  // Without a Hugging Face directory the file must state the model's shape: silently training
+  // the built-in toy default because a key was forgotten would waste a job.
+  for (const char* key : {"model.vocab_size", "model.hidden_size", "model.num_layers"}) {
+    if (!r.is_set(key)) {
+      r.fail({key}, std::string("missing required key `") + key +
+                        "`: set it, or set `model.hf_dir` to take the model's shape from config.json");
+    }
+  }
+}
+
+void check_mla(const MlaConfig& m, Rules& r) {
+  r.positive("model.mla.num_heads", m.num_heads);
+  if (m.q_lora_rank) r.positive("model.mla.q_lora_rank", *m.q_lora_rank);
+  r.positive("model.mla.kv_lora_rank", m.kv_lora_rank);
+  r.at_least<int64_t>("model.mla.qk_nope_head_dim", m.qk_nope_head_dim, 0);
+  r.at_least<int64_t>("model.mla.qk_rope_head_dim", m.qk_rope_head_dim, 0);
+  r.positive("model.mla.v_head_dim", m.v_head_dim);
+  r.positive("model.mla.rope_theta", m.rope_theta);
+  if (r.known({"model.mla.qk_nope_head_dim", "model.mla.qk_rope_head_dim"}) &&
+      m.qk_nope_head_dim + m.qk_rope_head_dim <= 0) {
+    r.fail({"model.mla.qk_nope_head_dim", "model.mla.qk_rope_head_dim"},
+           "`model.mla.qk_nope_head_dim` + `model.mla.qk_rope_head_dim` must be > 0: a query head needs dimensions");
+  }
+  // use_rope false with qk_rope_head_dim > 0 is legal: Kimi-Linear and K3 keep the 64 "rope"
+  // dimensions in their weights but never rotate them (mla_use_nope).
+  if (r.known({"model.mla.use_rope", "model.mla.qk_rope_head_dim"}) && m.use_rope) {
+    if (m.qk_rope_head_dim == 0) {
+      r.fail({"model.mla.qk_rope_head_dim", "model.mla.use_rope"},
+             "`model.mla.use_rope` is true but `model.mla.qk_rope_head_dim` is 0: give the rotary part "
+             "dimensions (e.g. 64) or set use_rope: false");
+    } else if (m.qk_rope_head_dim % 2 != 0) {
+      r.fail({"model.mla.qk_rope_head_dim"}, "`model.mla.qk_rope_head_dim` = " + show(m.qk_rope_head_dim) +
+                                                 " must be even: rotary embedding turns pairs of dimensions");
+    }
+  }
+  const RopeScalingConfig& s = m.rope_scaling;
+  r.one_of("model.mla.rope_scaling.type", s.type, kRopeScalingTypes);
+  r.positive("model.mla.rope_scaling.factor", s.factor);
+  r.positive("model.mla.rope_scaling.original_max_position_embeddings", s.original_max_position_embeddings);
+  r.non_negative("model.mla.rope_scaling.mscale", s.mscale);
+  r.non_negative("model.mla.rope_scaling.mscale_all_dim", s.mscale_all_dim);
+  if (s.type == "yarn") {
+    r.at_least("model.mla.rope_scaling.factor", s.factor, 1.0, ": YaRN stretches the original context");
+    if (!(s.beta_slow > 0 && s.beta_fast > s.beta_slow)) {
+      r.fail({"model.mla.rope_scaling.beta_fast", "model.mla.rope_scaling.beta_slow"},
+             "YaRN needs 0 < `model.mla.rope_scaling.beta_slow` < `model.mla.rope_scaling.beta_fast`, got " +
+                 show(s.beta_slow) + " and " + show(s.beta_fast));
+    }
+    if (r.known({"model.mla.use_rope"}) && !m.use_rope) {
+      r.fail({"model.mla.rope_scaling.type", "model.mla.use_rope"},
+             "`model.mla.rope_scaling.type` is yarn but `model.mla.use_rope` is false: there is no rotation "
+             "to scale; set rope_scaling.type: none");
+    }
+  }
+}
+
+void check_moe(const MoeConfig& e, Rules& r) {
+  r.positive("model.moe.num_experts", e.num_experts);
+  r.positive("model.moe.top_k", e.top_k);
+  r.at_least<int64_t>("model.moe.num_shared_experts", e.num_shared_experts, 0);
+  r.positive("model.moe.expert_intermediate_size", e.expert_intermediate_size);
+  r.one_of("model.moe.scoring", e.scoring, kScorings);
+  r.positive("model.moe.num_groups", e.num_groups);
+  r.positive("model.moe.topk_groups", e.topk_groups);
+  r.positive("model.moe.routed_scaling_factor", e.routed_scaling_factor);
+  r.non_negative("model.moe.aux_loss_coef", e.aux_loss_coef);
+  r.one_of("model.moe.aux_loss_type", e.aux_loss_type, kAuxLossTypes);
+  r.non_negative("model.moe.router_noise", e.router_noise);
+  r.non_negative("model.moe.bias_update_rate", e.bias_update_rate);
+  if (e.num_experts <= 0 || e.top_k <= 0 || e.num_groups <= 0 || e.topk_groups <= 0) return;
+
+  if (r.known({"model.moe.top_k", "model.moe.num_experts"}) && e.top_k > e.num_experts) {
+    r.fail({"model.moe.top_k", "model.moe.num_experts"},
+           "`model.moe.top_k` = " + show(e.top_k) + " must be <= `model.moe.num_experts` = " + show(e.num_experts) +
+               ": a token cannot pick more experts than exist");
+  }
+  if (r.known({"model.moe.num_experts", "model.moe.num_groups"}) && e.num_experts % e.num_groups != 0) {
+    r.fail({"model.moe.num_groups", "model.moe.num_experts"},
+           "`model.moe.num_experts` = " + show(e.num_experts) + " is not divisible by `model.moe.num_groups` = " +
+               show(e.num_groups) + ": expert groups must be equal in size");
+    return;
+  }
+  if (r.known({"model.moe.topk_groups", "model.moe.num_groups"}) && e.topk_groups > e.num_groups) {
+    r.fail({"model.moe.topk_groups", "model.moe.num_groups"},
+           "`model.moe.topk_groups` = " + show(e.topk_groups) + " must be <= `model.moe.num_groups` = " +
+               show(e.num_groups));
+    return;
+  }
+  int64_t reachable = e.topk_groups * (e.num_experts / e.num_groups);
+  if (r.known({"model.moe.top_k", "model.moe.topk_groups", "model.moe.num_experts", "model.moe.num_groups"}) &&
+      e.top_k > reachable) {
+    r.fail({"model.moe.top_k", "model.moe.topk_groups"},
+           "`model.moe.top_k` = " + show(e.top_k) + " is more than the " + show(reachable) +
+               " experts in the `model.moe.topk_groups` = " + show(e.topk_groups) +
+               " selected groups (num_experts / num_groups each): raise topk_groups or lower top_k");
+  }
+}
+
+void check_model(const ModelConfig& m, Rules& r) {
+  if (m.hf_dir) r.not_empty("model.hf_dir", *m.hf_dir);
+  r.not_empty("model.model_type", m.model_type);
+  r.positive("model.vocab_size", m.vocab_size);
+  r.positive("model.hidden_size", m.hidden_size);
+  r.positive("model.num_layers", m.num_layers);
+  r.positive("model.intermediate_size", m.intermediate_size);
+  r.at_least<int64_t>("model.first_k_dense", m.first_k_dense, 0);
+  r.positive("model.rms_norm_eps", m.rms_norm_eps);
+  r.positive("model.max_position_embeddings", m.max_position_embeddings);
+  r.one_of("model.attention_gate", m.attention_gate, kAttentionGates);
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    r.one_of("model.layers[" + std::to_string(i) + "]", m.layers[i], kMixers);
+  }
+  if (!m.layers.empty() && r.known({"model.layers", "model.num_layers"}) &&
+      static_cast<int64_t>(m.layers.size()) != m.num_layers) {
+    r.fail({"model.layers", "model.num_layers"},
+           "`model.layers` lists " + std::to_string(m.layers.size()) + " mixers but `model.num_layers` = " +
+               show(m.num_layers) + ": give one entry per layer, or leave layers out (all mla)");
+  }
+  if (r.known({"model.first_k_dense", "model.num_layers"}) && m.first_k_dense > m.num_layers) {
+    r.fail({"model.first_k_dense", "model.num_layers"},
+           "`model.first_k_dense` = " + show(m.first_k_dense) + " must be <= `model.num_layers` = " +
+               show(m.num_layers));
+  }
+  check_mla(m.mla, r);
+  check_moe(m.moe, r);
+}
+
+void check_lora(const LoraConfig& l, Rules& r) {
+  r.positive("lora.rank", l.rank);
+  r.positive("lora.alpha", l.alpha);
+  if (l.targets.empty()) {
+    r.fail({"lora.targets"}, "`lora.targets` is empty: name at least one module, from " + join(kLoraTargets, " | "));
+  }
+  std::set<std::string> seen;
+  for (size_t i = 0; i < l.targets.size(); ++i) {
+    std::string key = "lora.targets[" + std::to_string(i) + "]";
+    r.one_of(key, l.targets[i], kLoraTargets);
+    if (!seen.insert(l.targets[i]).second) r.fail({key}, "`" + key + "` = `" + l.targets[i] + "` is listed twice");
+  }
+}
+
+void check_training(const Config& c, Rules& r) {
+  const ParallelConfig& p = c.parallel;
+  r.positive("parallel.fsdp", p.fsdp);
+  r.positive("parallel.ep", p.ep);
+  r.at_least<int64_t>("parallel.prefetch", p.prefetch, 0);
+  if (p.ep > 0 && r.known({"model.moe.num_experts"}) && p.ep > c.model.moe.num_experts) {
+    r.fail({"parallel.ep", "model.moe.num_experts"},
+           "`parallel.ep` = " + show(p.ep) + " must be <= `model.moe.num_experts` = " +
+               show(c.model.moe.num_experts) + ": every expert-parallel rank needs at least one expert");
+  }
+
+  const DataConfig& d = c.data;
+  r.not_empty("data.source", d.source);
+  r.at_least<int64_t>("data.seq_len", d.seq_len, 2, ": next-token prediction needs two tokens");
+  r.positive("data.micro_batch", d.micro_batch);
+  r.positive("data.grad_accum", d.grad_accum);
+  r.at_least<int64_t>("data.seed", d.seed, 0);
+  if (r.known({"model.max_position_embeddings"}) && d.seq_len > c.model.max_position_embeddings) {
+    r.fail({"data.seq_len", "model.max_position_embeddings"},
+           "`data.seq_len` = " + show(d.seq_len) + " is longer than `model.max_position_embeddings` = " +
+               show(c.model.max_position_embeddings) + ": shorten the windows or raise the model's limit");
+  }
+
+  const TrainConfig& t = c.train;
+  r.positive("train.steps", t.steps);
+  r.positive("train.lr", t.lr);
+  r.at_least<int64_t>("train.warmup_steps", t.warmup_steps, 0);
+  if (t.warmup_steps > t.steps) {
+    r.fail({"train.warmup_steps", "train.steps"}, "`train.warmup_steps` = " + show(t.warmup_steps) +
+                                                      " must be <= `train.steps` = " + show(t.steps));
+  }
+  r.one_of("train.schedule", t.schedule, kSchedules);
+  r.in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0, true);
+  r.non_negative("train.weight_decay", t.weight_decay);
+  r.in_range("train.beta1", t.beta1, 0.0, 1.0, false);
+  r.in_range("train.beta2", t.beta2, 0.0, 1.0, false);
+  r.positive("train.eps", t.eps);
+  r.non_negative("train.grad_clip", t.grad_clip);
+  r.at_least<int64_t>("train.seed", t.seed, 0);
+  r.one_of("train.device", t.device, kDevices);
+
+  const CheckpointConfig& k = c.checkpoint;
+  if (k.dir) r.not_empty("checkpoint.dir", *k.dir);
+  r.at_least<int64_t>("checkpoint.every", k.every, 0);
+  r.positive("checkpoint.keep_last", k.keep_last);
+  if (k.every > 0 && k.keep_last < 2) {
+    r.fail({"checkpoint.keep_last", "checkpoint.every"},
+           "`checkpoint.keep_last` = " + show(k.keep_last) +
+               " must be >= 2 when `checkpoint.every` > 0: the previous checkpoint must survive until the "
+               "next one is complete");
+  }
+  r.not_empty("checkpoint.resume", k.resume);
+
+  const LoggingConfig& g = c.logging;
+  r.not_empty("logging.run_dir", g.run_dir);
+  r.positive("logging.every", g.every);
+  r.one_of("logging.level", g.level, kLogLevels);
+}
+
+}  // namespace
+
+void check_rules(const Config& config, const RuleContext& context, std::vector<Problem>* problems) {
+  Rules rules(context, problems);
+  check_required(config, context, rules);
+  check_model(config.model, rules);
+  check_lora(config.lora, rules);
+  check_training(config, rules);
+}
+
+}  // namespace moetrain::config_detail

@@ -1,0 +1,145 @@
+// The one list of config keys. Reading YAML, applying --set overrides, writing the resolved
+// config and comparing two configs all walk the structs through these functions, so a field
+// added here is known to all of them at once (and a field missing here is unknown to all of
+// them, which the round-trip test notices).
+//
+// A visitor provides
+//   template <class T> void field(const char* key, T& value);   // a leaf
+//   template <class S> void section(const char* key, S& value); // a nested struct
+// where `section` calls visit_fields(*this, value) when it wants to descend.
+// Internal to core/config: not part of the public config.h.
+#pragma once
+
+#include "core/config/config.h"
+
+namespace moetrain::config_schema {
+
+template <class V>
+void visit_fields(V& v, RopeScalingConfig& c) {
+  v.field("type", c.type);
+  v.field("factor", c.factor);
+  v.field("original_max_position_embeddings", c.original_max_position_embeddings);
+  v.field("beta_fast", c.beta_fast);
+  v.field("beta_slow", c.beta_slow);
+  v.field("mscale", c.mscale);
+  v.field("mscale_all_dim", c.mscale_all_dim);
+}
+
+template <class V>
+void visit_fields(V& v, MlaConfig& c) {
+  v.field("num_heads", c.num_heads);
+  v.field("q_lora_rank", c.q_lora_rank);
+  v.field("kv_lora_rank", c.kv_lora_rank);
+  v.field("qk_nope_head_dim", c.qk_nope_head_dim);
+  v.field("qk_rope_head_dim", c.qk_rope_head_dim);
+  v.field("v_head_dim", c.v_head_dim);
+  v.field("use_rope", c.use_rope);
+  v.field("rope_theta", c.rope_theta);
+  v.section("rope_scaling", c.rope_scaling);
+}
+
+template <class V>
+void visit_fields(V& v, MoeConfig& c) {
+  v.field("num_experts", c.num_experts);
+  v.field("top_k", c.top_k);
+  v.field("num_shared_experts", c.num_shared_experts);
+  v.field("expert_intermediate_size", c.expert_intermediate_size);
+  v.field("scoring", c.scoring);
+  v.field("num_groups", c.num_groups);
+  v.field("topk_groups", c.topk_groups);
+  v.field("normalize_topk", c.normalize_topk);
+  v.field("routed_scaling_factor", c.routed_scaling_factor);
+  v.field("score_correction_bias", c.score_correction_bias);
+  v.field("aux_loss_coef", c.aux_loss_coef);
+  v.field("aux_loss_type", c.aux_loss_type);
+  v.field("router_noise", c.router_noise);
+  v.field("bias_update_rate", c.bias_update_rate);
+}
+
+template <class V>
+void visit_fields(V& v, ModelConfig& c) {
+  v.field("hf_dir", c.hf_dir);
+  v.field("model_type", c.model_type);
+  v.field("vocab_size", c.vocab_size);
+  v.field("hidden_size", c.hidden_size);
+  v.field("num_layers", c.num_layers);
+  v.field("layers", c.layers);
+  v.field("intermediate_size", c.intermediate_size);
+  v.field("first_k_dense", c.first_k_dense);
+  v.field("rms_norm_eps", c.rms_norm_eps);
+  v.field("tie_word_embeddings", c.tie_word_embeddings);
+  v.field("max_position_embeddings", c.max_position_embeddings);
+  v.field("attention_gate", c.attention_gate);
+  v.section("mla", c.mla);
+  v.section("moe", c.moe);
+}
+
+template <class V>
+void visit_fields(V& v, LoraConfig& c) {
+  v.field("rank", c.rank);
+  v.field("alpha", c.alpha);
+  v.field("rslora", c.rslora);
+  v.field("targets", c.targets);
+}
+
+template <class V>
+void visit_fields(V& v, ParallelConfig& c) {
+  v.field("fsdp", c.fsdp);
+  v.field("ep", c.ep);
+  v.field("prefetch", c.prefetch);
+  v.field("recompute", c.recompute);
+}
+
+template <class V>
+void visit_fields(V& v, DataConfig& c) {
+  v.field("source", c.source);
+  v.field("seq_len", c.seq_len);
+  v.field("micro_batch", c.micro_batch);
+  v.field("grad_accum", c.grad_accum);
+  v.field("seed", c.seed);
+}
+
+template <class V>
+void visit_fields(V& v, TrainConfig& c) {
+  v.field("steps", c.steps);
+  v.field("lr", c.lr);
+  v.field("warmup_steps", c.warmup_steps);
+  v.field("schedule", c.schedule);
+  v.field("min_lr_ratio", c.min_lr_ratio);
+  v.field("weight_decay", c.weight_decay);
+  v.field("beta1", c.beta1);
+  v.field("beta2", c.beta2);
+  v.field("eps", c.eps);
+  v.field("grad_clip", c.grad_clip);
+  v.field("seed", c.seed);
+  v.field("device", c.device);
+}
+
+template <class V>
+void visit_fields(V& v, CheckpointConfig& c) {
+  v.field("dir", c.dir);
+  v.field("every", c.every);
+  v.field("keep_last", c.keep_last);
+  v.field("resume", c.resume);
+}
+
+template <class V>
+void visit_fields(V& v, LoggingConfig& c) {
+  v.field("run_dir", c.run_dir);
+  v.field("every", c.every);
+  v.field("level", c.level);
+}
+
+// The top level. source_path and explicit_model_keys are bookkeeping, not keys.
+template <class V>
+void visit_fields(V& v, Config& c) {
+  v.section("model", c.model);
+  v.section("lora", c.lora);
+  v.section("parallel", c.parallel);
+  v.section("data", c.data);
+  v.section("train", c.train);
+  v.section("checkpoint", c.checkpoint);
+  v.section("logging", c.logging);
+}
+
+}  // namespace moetrain::config_schema
