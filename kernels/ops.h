@@ -18,6 +18,8 @@
 //   backward is deterministic.
 // - Statistics saved for backward (rstd, lse) use the accumulation dtype: F64 when the
 //   compute dtype is F64, otherwise F32.
+// - An optional operand ("may be empty") is left out by passing a default TensorView
+//   (data == nullptr).
 #pragma once
 
 #include <cstdint>
@@ -101,7 +103,8 @@ struct RopeArgs {
 
 // Causal softmax attention within each segment of cu_seqlens. Per head h and query t:
 // out[t, h] = sum_s softmax_s(scale * q[t, h] . k[s, h]) v[s, h], s <= t in t's segment.
-// q, k: [tokens, heads, qk_dim]; v, out: [tokens, heads, v_dim]; lse: [tokens, heads].
+// q, k: [tokens, heads, qk_dim]; v, out: [tokens, heads, v_dim]; lse: [tokens, heads],
+// lse[t, h] = log sum_s exp(scale * q[t, h] . k[s, h]) (natural log, scale included).
 // Softmax in fp32 (or f64) whatever the storage dtype.
 struct AttentionArgs {
   TensorView out;
@@ -135,9 +138,12 @@ struct SwigluBackwardArgs {
 
 // MoE routing (DeepSeek-V3 / Kimi): scores = sigmoid(logits) or softmax(logits);
 // selection uses scores + bias (+ noise), restricted to the best `topk_groups` of `num_groups`
-// expert groups (a group's score: the sum of its two best selection scores for sigmoid
-// routing, its best one for softmax); weights are the unbiased scores of the chosen experts,
-// divided by their sum when `normalize`, times `scaling`. Ties go to the lower expert index.
+// expert groups (a group's score: the sum of its two best selection scores, for sigmoid and
+// softmax alike, as transformers' DeepSeek-V3 and Kimi-Linear gates do); experts of the other
+// groups are never chosen (transformers fills them with 0.0, which differs only when a kept
+// expert's selection score is negative). Weights are the unbiased scores of the chosen experts,
+// divided by (their sum + 1e-20) when `normalize`, times `scaling`. Ties go to the lower expert
+// (and group) index.
 enum class RouterScoring { kSigmoid, kSoftmax };
 struct RouterArgs {
   TensorView scores;        // [tokens, experts] out, saved for backward

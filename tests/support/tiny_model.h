@@ -1,0 +1,80 @@
+// Tiny MLA + MoE models and packed batches for whole-model tests.
+#pragma once
+
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/model/model_spec.h"
+#include "core/train/batch.h"
+
+namespace moetrain::testing {
+
+// 3 layers: a dense first layer, then MoE layers with grouped routing and a shared expert.
+inline Config tiny_model_config(bool q_lora) {
+  Config c;
+  ModelConfig& m = c.model;
+  m.vocab_size = 37;
+  m.hidden_size = 16;
+  m.num_layers = 3;
+  m.layers = {"mla", "mla", "mla"};
+  m.intermediate_size = 24;
+  m.first_k_dense = 1;
+  m.max_position_embeddings = 32;
+  m.mla.num_heads = 2;
+  if (q_lora) m.mla.q_lora_rank = 12;
+  else m.mla.q_lora_rank.reset();
+  m.mla.kv_lora_rank = 8;
+  m.mla.qk_nope_head_dim = 6;
+  m.mla.qk_rope_head_dim = 4;
+  m.mla.v_head_dim = 5;
+  m.mla.rope_scaling.type = "yarn";
+  m.mla.rope_scaling.factor = 4.0;
+  m.mla.rope_scaling.original_max_position_embeddings = 8;
+  m.mla.rope_scaling.mscale = 1.0;
+  m.mla.rope_scaling.mscale_all_dim = 1.0;
+  m.moe.num_experts = 6;
+  m.moe.top_k = 2;
+  m.moe.num_shared_experts = 1;
+  m.moe.expert_intermediate_size = 8;
+  m.moe.num_groups = 2;
+  m.moe.topk_groups = 1;
+  m.moe.routed_scaling_factor = 2.5;
+  return c;
+}
+
+inline std::vector<std::string> all_lora_targets(bool q_lora) {
+  std::vector<std::string> t = {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj", "shared_experts", "experts"};
+  if (q_lora) {
+    t.push_back("q_a_proj");
+    t.push_back("q_b_proj");
+  } else {
+    t.push_back("q_proj");
+  }
+  return t;
+}
+
+// Two windows of 8 tokens; the first holds documents of 5 and 3 tokens, the second one
+// document of 8. Labels are next tokens within a document, -1 at each document's end and at
+// one masked position.
+inline Batch tiny_batch(int64_t vocab, uint64_t seed) {
+  Batch b;
+  b.batch_size = 2;
+  b.seq_len = 8;
+  b.cu_seqlens = {0, 5, 8, 16};
+  uint64_t state = seed;
+  for (int64_t t = 0; t < 16; ++t) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    b.input_ids.push_back(static_cast<int32_t>((state >> 33) % static_cast<uint64_t>(vocab)));
+  }
+  for (size_t s = 0; s + 1 < b.cu_seqlens.size(); ++s) {
+    for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) {
+      b.positions.push_back(t - b.cu_seqlens[s]);
+      b.labels.push_back(t + 1 < b.cu_seqlens[s + 1] ? b.input_ids[t + 1] : -1);
+    }
+  }
+  b.labels[10] = -1;  // a masked prompt token
+  return b;
+}
+
+}  // namespace moetrain::testing
