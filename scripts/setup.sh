@@ -11,8 +11,15 @@ packages=(
   catch2 nlohmann-json3-dev zlib1g-dev
 )
 
+# Build tools that may come from elsewhere (pip, a venv): a command on PATH is enough.
+declare -A provided_by_command=([cmake]=cmake [ninja-build]=ninja)
+
 missing=()
 for package in "${packages[@]}"; do
+  command_name="${provided_by_command[$package]:-}"
+  if [[ -n "$command_name" ]] && command -v "$command_name" >/dev/null; then
+    continue
+  fi
   # `dpkg -s` also succeeds for removed packages whose config files remain: check the status.
   status="$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null || true)"
   [[ "$status" == "install ok installed" ]] || missing+=("$package")
