@@ -183,6 +183,7 @@ void check_moe(const MoeConfig& e, Rules& r) {
     r.fail({"model.moe.top_k", "model.moe.num_experts"},
            "`model.moe.top_k` = " + show(e.top_k) + " must be <= `model.moe.num_experts` = " + show(e.num_experts) +
                ": a token cannot pick more experts than exist");
+    return;  // the group rules below would only restate it
   }
   if (r.known({"model.moe.num_experts", "model.moe.num_groups"}) && e.num_experts % e.num_groups != 0) {
     r.fail({"model.moe.num_groups", "model.moe.num_experts"},
