@@ -130,6 +130,13 @@ TEST_CASE("unknown keys name the full path, the line and the closest key", "[con
     CHECK(has(message, "unknown key `model.top_k`"));
     CHECK(has(message, "did you mean `model.moe.top_k`?"));
   }
+  SECTION("a name used in several sections: all are offered") {
+    std::vector<std::string> lines = kTinyLines;
+    lines.insert(lines.begin() + 4, "  seed: 3");  // line 5
+    std::string message = parse_error(lines);
+    INFO(message);
+    CHECK(has(message, "test.yaml:5:3: unknown key `model.seed` (did you mean `data.seed` or `train.seed`?)"));
+  }
   SECTION("a misspelt section") {
     std::string message = parse_error({"modle:", "  vocab_size: 64"});
     INFO(message);
