@@ -20,6 +20,7 @@
 #include "core/base/error.h"
 #include "core/base/log.h"
 #include "core/config/config.h"
+#include "core/train/run_training.h"
 #include "parallel/runtime.h"
 
 namespace moetrain {
@@ -105,14 +106,6 @@ Config load_checked_config(const CommandLine& cli, int world) {
 void print_resolved(const Runtime& runtime, const Config& config) {
   if (!runtime.is_root()) return;
   std::cout << config_to_yaml(config) << std::flush;
-}
-
-// THE place where training starts: the train loop plugs in here (model, data, trainer,
-// checkpoints). Returns the process exit code.
-int run_training(Runtime& runtime, const Config& config) {
-  log::error("training is not implemented yet: the config is valid, but this build cannot train "
-             "(the training loop arrives with a later issue)");
-  return static_cast<int>(ExitCode::kInternal);
 }
 
 int run_command(Runtime& runtime, int argc, char** argv) {

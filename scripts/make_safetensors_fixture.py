@@ -101,6 +101,7 @@ def build_with_numpy(np):
 
 def write_with_library(path):
     import safetensors
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     metadata = {"formula": FORMULA_NOTE}
     try:
         import torch

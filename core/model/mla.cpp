@@ -18,14 +18,17 @@ MlaAttention::MlaAttention(const ModelSpec& spec, int64_t layer, const LayerCont
   const MlaConfig& mla = m.mla;
   heads_ = mla.num_heads;
   nope_ = mla.qk_nope_head_dim;
-  rope_dim_ = mla.use_rope ? mla.qk_rope_head_dim : 0;
+  rope_dim_ = mla.qk_rope_head_dim;  // kept in the shapes even when not rotated (Kimi's NoPE MLA)
+  use_rope_ = mla.use_rope;
   v_dim_ = mla.v_head_dim;
   kv_rank_ = mla.kv_lora_rank;
   q_lora_rank_ = mla.q_lora_rank.value_or(0);
-  eps_ = m.rms_norm_eps;
+  // transformers builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps, so they
+  // always use 1e-6; checkpoints were trained that way.
+  eps_ = 1e-6;
   softmax_scale_ = mla_softmax_scale(mla);
   prefix_ = "model.layers." + std::to_string(layer) + ".self_attn.";
-  MOETRAIN_ASSERT(rope_dim_ == 0 || rope_ != nullptr, "MLA with RoPE needs rope tables");
+  MOETRAIN_ASSERT(!use_rope_ || rope_ != nullptr, "MLA with RoPE needs rope tables");
 
   const int64_t hidden = m.hidden_size;
   const int64_t qk = nope_ + rope_dim_;
@@ -97,12 +100,14 @@ void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   TensorView k_rows = s.k.view().reshaped({n * heads_, qk});
   be.copy_columns(CopyColumnsArgs{k_rows, kv, 0, 0, nope_, 1, false});
   if (rope_dim_ > 0) {
-    RopeArgs q_rope{s.q.view().reshaped({n * heads_, qk}), s.q.view().reshaped({n * heads_, qk}),
-                    ctx.batch.positions, rope_->cos, rope_->sin, heads_, nope_, rope_dim_};
-    be.rope(q_rope);
     Tensor k_pe = ctx.alloc({n, rope_dim_});
     be.copy_columns(CopyColumnsArgs{k_pe, compressed, 0, kv_rank_, rope_dim_, 1, false});
-    be.rope(RopeArgs{k_pe, k_pe, ctx.batch.positions, rope_->cos, rope_->sin, 1, 0, rope_dim_});
+    if (use_rope_) {
+      TensorView q_rows_by_head = s.q.view().reshaped({n * heads_, qk});
+      be.rope(RopeArgs{q_rows_by_head, q_rows_by_head, ctx.batch.positions, rope_->cos, rope_->sin, heads_, nope_,
+                       rope_dim_});
+      be.rope(RopeArgs{k_pe, k_pe, ctx.batch.positions, rope_->cos, rope_->sin, 1, 0, rope_dim_});
+    }
     be.copy_columns(CopyColumnsArgs{k_rows, k_pe, nope_, 0, rope_dim_, heads_, false});
   }
   s.v = ctx.alloc({n, heads_, v_dim_});
@@ -142,14 +147,16 @@ void MlaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
                                     rope_dim_, 1, false});
     Tensor dk_pe = ctx.alloc({n, rope_dim_});
     be.sum_over_heads(dk_pe, dk_pe_heads);
-    RopeArgs k_back{dk_pe, dk_pe, ctx.batch.positions, rope_->cos, rope_->sin, 1, 0, rope_dim_};
-    k_back.inverse = true;
-    be.rope(k_back);
+    if (use_rope_) {
+      RopeArgs k_back{dk_pe, dk_pe, ctx.batch.positions, rope_->cos, rope_->sin, 1, 0, rope_dim_};
+      k_back.inverse = true;
+      be.rope(k_back);
+      TensorView dq_rows = dq.view().reshaped({n * heads_, qk});
+      RopeArgs q_back{dq_rows, dq_rows, ctx.batch.positions, rope_->cos, rope_->sin, heads_, nope_, rope_dim_};
+      q_back.inverse = true;
+      be.rope(q_back);
+    }
     be.copy_columns(CopyColumnsArgs{dcompressed, dk_pe, kv_rank_, 0, rope_dim_, 1, false});
-    TensorView dq_rows = dq.view().reshaped({n * heads_, qk});
-    RopeArgs q_back{dq_rows, dq_rows, ctx.batch.positions, rope_->cos, rope_->sin, heads_, nope_, rope_dim_};
-    q_back.inverse = true;
-    be.rope(q_back);
   }
   Tensor dkv_normed = ctx.alloc({n, kv_rank_});
   kv_b_proj.backward(ctx, dkv_normed, dkv.view().reshaped({n, heads_ * (nope_ + v_dim_)}), s.kv_normed, false);

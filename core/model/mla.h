@@ -24,7 +24,7 @@ struct RopeDeviceTables {
 
 class MlaAttention final : public Mixer {
  public:
-  // `rope` may be null when the model uses no rotary embedding (NoPE).
+  // `rope` may be null when the model rotates nothing (NoPE: model.mla.use_rope false).
   MlaAttention(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, const RopeDeviceTables* rope);
 
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
@@ -49,7 +49,8 @@ class MlaAttention final : public Mixer {
 
  private:
   int64_t heads_, nope_, rope_dim_, v_dim_, kv_rank_, q_lora_rank_;
-  double eps_, softmax_scale_;
+  bool use_rope_;  // false: the rope part of q and k is kept but not rotated (NoPE)
+  double eps_, softmax_scale_;  // eps_: of the q_a / kv_a latent norms
   const RopeDeviceTables* rope_;
   std::string prefix_;
 

@@ -55,6 +55,7 @@ class Model final : public TrainableModel {
   Tensor logits(const Batch& batch);
 
   const ModelSpec& spec() const { return spec_; }
+  const ModelOptions& options() const { return options_; }
   std::vector<WeightSlot> weight_slots();
   // Every LoRA-capable projection, by HF module name (tests and adapter import/export).
   std::vector<std::pair<std::string, LoraLinear*>> linear_modules();

@@ -120,7 +120,8 @@ class HfJson {
   const std::string& source_;
 };
 
-RopeScalingConfig rope_scaling_from_hf(const Json& scaling, const std::string& source) {
+RopeScalingConfig rope_scaling_from_hf(const Json& scaling, int64_t max_position_embeddings,
+                                        const std::string& source) {
   RopeScalingConfig rope;
   if (scaling.is_null()) return rope;
   HfJson s(scaling, source);
@@ -129,8 +130,11 @@ RopeScalingConfig rope_scaling_from_hf(const Json& scaling, const std::string& s
   MOETRAIN_CHECK(type == "yarn", ExitCode::kBadConfig,
                  fmt::format("{}: rope scaling type \"{}\" is not supported (supported: yarn, default)", source, type));
   rope.type = "yarn";
-  rope.factor = s.get_or<double>("factor", 1.0);
-  rope.original_max_position_embeddings = s.get_or<int64_t>("original_max_position_embeddings", 4096);
+  rope.original_max_position_embeddings =
+      s.get_or<int64_t>("original_max_position_embeddings", max_position_embeddings);
+  // Without an explicit factor, YaRN stretches the original context to the configured one.
+  rope.factor = s.get_or<double>("factor", static_cast<double>(max_position_embeddings) /
+                                               static_cast<double>(rope.original_max_position_embeddings));
   rope.beta_fast = s.get_or<double>("beta_fast", 32.0);
   rope.beta_slow = s.get_or<double>("beta_slow", 1.0);
   rope.mscale = s.get_or<double>("mscale", 1.0);
@@ -172,16 +176,16 @@ ModelConfig model_config_from_hf_json(const std::string& json_text, const std::s
   mla.qk_nope_head_dim = hf.get<int64_t>("qk_nope_head_dim");
   mla.qk_rope_head_dim = hf.get<int64_t>("qk_rope_head_dim");
   mla.v_head_dim = hf.get<int64_t>("v_head_dim");
-  mla.use_rope = mla.qk_rope_head_dim > 0;
+  mla.use_rope = mla.qk_rope_head_dim > 0;  // DeepSeek rotates; Kimi's mla_use_nope would not
   // transformers 5 keeps rope settings in `rope_parameters`; older files use rope_theta +
   // rope_scaling at the top level.
   if (json.contains("rope_parameters") && json["rope_parameters"].is_object()) {
     const Json& rp = json["rope_parameters"];
     mla.rope_theta = HfJson(rp, source_name).get_or<double>("rope_theta", 10000.0);
-    mla.rope_scaling = rope_scaling_from_hf(rp, source_name);
+    mla.rope_scaling = rope_scaling_from_hf(rp, m.max_position_embeddings, source_name);
   } else {
     mla.rope_theta = hf.get_or<double>("rope_theta", 10000.0);
-    mla.rope_scaling = rope_scaling_from_hf(json.value("rope_scaling", Json()), source_name);
+    mla.rope_scaling = rope_scaling_from_hf(json.value("rope_scaling", Json()), m.max_position_embeddings, source_name);
   }
 
   MoeConfig& moe = m.moe;
@@ -228,8 +232,10 @@ ModelSpec resolve_model_spec(const Config& config) {
     spec.mixers.push_back(MixerKind::kMla);
     spec.ffns.push_back(static_cast<int64_t>(i) < m.first_k_dense ? FfnKind::kDense : FfnKind::kMoe);
   }
-  MOETRAIN_CHECK(m.mla.use_rope == (m.mla.qk_rope_head_dim > 0), ExitCode::kBadConfig,
-                 "model.mla.use_rope must be true exactly when model.mla.qk_rope_head_dim > 0");
+  // The merged model section must satisfy the same rules as one written in YAML.
+  Config merged_config = config;
+  merged_config.model = m;
+  validate_config(merged_config);
   return spec;
 }
 

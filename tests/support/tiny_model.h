@@ -20,6 +20,7 @@ inline Config tiny_model_config(bool q_lora) {
   m.intermediate_size = 24;
   m.first_k_dense = 1;
   m.max_position_embeddings = 32;
+  c.data.seq_len = 8;
   m.mla.num_heads = 2;
   if (q_lora) m.mla.q_lora_rank = 12;
   else m.mla.q_lora_rank.reset();

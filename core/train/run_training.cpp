@@ -1,0 +1,94 @@
+#include "core/train/run_training.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include "core/base/log.h"
+#include "core/io/hf_index.h"
+#include "core/model/model.h"
+#include "core/train/metrics.h"
+#include "core/train/synthetic_data.h"
+#include "core/train/trainer.h"
+#include "kernels/ops.h"
+
+namespace moetrain {
+namespace {
+
+std::unique_ptr<kernels::Backend> make_backend(const Config& config) {
+  const std::string& device = config.train.device;
+  MOETRAIN_CHECK(device != "cuda", ExitCode::kBadConfig,
+                 "train.device is cuda, but the CUDA training backend is not implemented yet in this build; "
+                 "use train.device=cpu (or auto)");
+  if (device == "auto") log::info("train.device auto: training on the CPU reference backend");
+  return kernels::make_cpu_backend();
+}
+
+void write_resolved_config(const Config& config) {
+  std::filesystem::path dir(config.logging.run_dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  MOETRAIN_CHECK(!ec, ExitCode::kBadConfig,
+                 fmt::format("logging.run_dir: cannot create {} ({})", dir.string(), ec.message()));
+  std::ofstream out(dir / "config.yaml");
+  out << config_to_yaml(config);
+  MOETRAIN_CHECK(out.good(), ExitCode::kBadConfig,
+                 fmt::format("logging.run_dir: cannot write {}", (dir / "config.yaml").string()));
+}
+
+}  // namespace
+
+int run_training(Runtime& runtime, const Config& config) {
+  MOETRAIN_CHECK(runtime.world() == 1, ExitCode::kBadConfig,
+                 fmt::format("this build trains on one rank only (distributed training is not implemented yet), "
+                             "but the job has {} ranks: run without mpirun/srun or with one process",
+                             runtime.world()));
+  MOETRAIN_CHECK(config.data.source == "synthetic", ExitCode::kBadConfig,
+                 fmt::format("data.source \"{}\": only the built-in synthetic data is supported so far; "
+                             "use data.source=synthetic",
+                             config.data.source));
+  ModelSpec spec = resolve_model_spec(config);
+  std::unique_ptr<kernels::Backend> backend = make_backend(config);
+
+  ModelOptions options;
+  options.dtype = DType::kF32;
+  options.recompute = config.parallel.recompute;
+  options.seed = static_cast<uint64_t>(config.train.seed);
+  options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
+  options.lora_targets = config.lora.targets;
+  options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum);
+  Model model(spec, *backend, options);
+  if (spec.config.hf_dir) {
+    HfCheckpoint checkpoint(*spec.config.hf_dir);
+    model.load_weights(checkpoint);
+    log::info(fmt::format("loaded base weights from {}", *spec.config.hf_dir));
+  } else {
+    model.init_random_weights();
+    log::info("no model.hf_dir: base weights are random (seed train.seed)");
+  }
+  int64_t trainable = 0;
+  for (Parameter* p : model.parameters()) trainable += p->value.numel();
+  log::info(fmt::format("model: {} layers, hidden {}, {} experts top-{}; {} LoRA tensors, {} trainable parameters",
+                        spec.config.num_layers, spec.config.hidden_size, spec.config.moe.num_experts,
+                        spec.config.moe.top_k, model.parameters().size(), trainable));
+
+  SyntheticData data(config.data, spec.config.vocab_size, runtime.rank(), runtime.world());
+  write_resolved_config(config);
+  MetricsWriter metrics(config.logging.run_dir);
+  TrainerOptions trainer_options;
+  trainer_options.train = config.train;
+  trainer_options.data = config.data;
+  trainer_options.logging = config.logging;
+  trainer_options.loss_floor = data.entropy_floor_nats();
+  Trainer trainer(trainer_options, model, [&data] { return data.next(); }, &metrics);
+  std::vector<double> losses = trainer.run();
+  if (!losses.empty()) {
+    log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps (data entropy floor {:.4f}); metrics in {}",
+                          losses.front(), losses.back(), losses.size(), data.entropy_floor_nats(), metrics.path()));
+  }
+  return 0;
+}
+
+}  // namespace moetrain
