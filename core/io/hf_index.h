@@ -2,7 +2,7 @@
 // `model.safetensors.index.json`:
 //   {"metadata": {"total_size": 123, ...}, "weight_map": {"<tensor name>": "model-00001-of-00002.safetensors", ...}}
 // Shards are opened (mmapped and validated) lazily, each at most once, so a rank that needs a
-// few tensors opens only the shards holding them.
+// few tensors opens only the shards holding them; a lone model.safetensors is opened at once.
 #pragma once
 
 #include <map>

@@ -464,7 +464,6 @@ TEST_CASE("bad files are Errors naming the file, the tensor and the offset", "[s
     std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                          R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
     std::vector<uint8_t> bytes = raw_file(header, 12);
-    std::string data_start = std::to_string(8 + header.size());
     require_bad_file(dir, bytes, {"'a'", "'b'", "overlap", "byte offset " + std::to_string(8 + header.size() + 4)});
     // An empty tensor inside another one's bytes counts too (Python's safetensors rejects it).
     std::string inside = R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},)"
