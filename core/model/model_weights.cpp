@@ -86,14 +86,20 @@ void Model::init_random_weights() {
     } else if (is_bias(slot.name)) {
       for (int64_t i = 0; i < n; ++i) values[i] = 0.0;
     } else {
-      // N(0, 0.02^2) by Box-Muller on a generator seeded per tensor name, so a tensor's values
-      // do not depend on which other tensors exist or on the standard library.
+      // N(0, 1/fan_in) (embeddings N(0, 1)), so every projection keeps activations at unit
+      // scale and the frozen head can express confident predictions once the adapters learn;
+      // 0.02 (a pretraining init) leaves logits too small for LoRA to ever reach a low loss.
+      // Box-Muller on a generator seeded per tensor name: a tensor's values do not depend on
+      // which other tensors exist or on the standard library.
       uint64_t hash = 1469598103934665603ull;
       for (char c : slot.name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
       std::mt19937_64 rng(options_.seed ^ hash ^ static_cast<uint64_t>(slot.layout));
       auto unit = [&] { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
+      const bool embedding = slot.name == "model.embed_tokens.weight";
+      const Shape& shape = slot.tensor->shape();
+      const double stddev = embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(shape[shape.ndim() - 1]));
       for (int64_t i = 0; i < n; i += 2) {
-        double radius = 0.02 * std::sqrt(-2.0 * std::log(unit()));
+        double radius = stddev * std::sqrt(-2.0 * std::log(unit()));
         double angle = 6.283185307179586 * unit();
         values[i] = radius * std::cos(angle);
         if (i + 1 < n) values[i + 1] = radius * std::sin(angle);
