@@ -11,8 +11,15 @@
 //   sequences laid end to end ("packed"); `cu_seqlens` ([num_seqs + 1] int32 prefix sums)
 //   marks the segments that attention, convolutions and recurrent state must not cross.
 // - Compute dtype: F32 or F64 on the CPU (every operand of one call has the same dtype, except
-//   integer indices); on CUDA, BF16 activations/weights with F32 accumulation (the CUDA backend
-//   documents which operands may be F32).
+//   integer indices). On CUDA, two classes of operand:
+//     activations and frozen weights: BF16 (F32 also accepted, for tests and sensitive spots);
+//     "accumulation" operands: F32 always: LoRA parameters and all gradients of parameters,
+//     Adam moments, saved statistics (rstd, lse), router logits/scores/top-k weights and their
+//     gradients, aux and cross-entropy losses, cos/sin tables.
+//   Every op accumulates in F32. gemm/grouped_gemm take each of a, b, c as BF16 or F32
+//   independently; an F32 input operand is rounded to BF16 before the tensor-core product (as
+//   autocast does), c is written in its own dtype. Elementwise ops take BF16 or F32 for each
+//   activation operand independently (e.g. moe_combine: rows BF16, weight F32, out BF16).
 // - Gradients are `d`-prefixed. Unless an argument says `accumulate`, a backward op
 //   overwrites (`=`) its gradient outputs. Nothing uses atomics for gradient sums: every
 //   backward is deterministic.
@@ -316,5 +323,10 @@ class Backend {
 
 // The CPU reference backend (always built).
 std::unique_ptr<Backend> make_cpu_backend();
+
+// The CUDA backend on the current device (only in builds with MOETRAIN_HAVE_CUDA; callers
+// guard with it). Work is queued on the backend's own stream; copies to or from host tensors
+// synchronize it.
+std::unique_ptr<Backend> make_cuda_backend();
 
 }  // namespace moetrain::kernels
