@@ -19,11 +19,16 @@ struct BatchTensors {
 
 struct LayerContext {
   kernels::Backend& backend;
-  DType dtype;                  // compute dtype of activations (F32/F64 on CPU, BF16 on CUDA)
+  DType dtype;                  // activations and frozen weights (F32/F64 on CPU, BF16 on CUDA)
   const BatchTensors& batch;
+
+  // The "accumulation" dtype of kernels/ops.h: LoRA parameters and gradients, statistics,
+  // router logits/scores/weights, losses. F64 when computing in F64, else F32.
+  DType accum() const { return dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
 
   Tensor alloc(Shape shape) const { return Tensor(shape, dtype, backend.allocator()); }
   Tensor alloc(Shape shape, DType type) const { return Tensor(shape, type, backend.allocator()); }
+  Tensor alloc_accum(Shape shape) const { return alloc(shape, accum()); }
 };
 
 }  // namespace moetrain

@@ -69,7 +69,6 @@ void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   const int64_t n = x.size(0);
   const int64_t qk = nope_ + rope_dim_;
   Saved& s = saved_;
-  DType stat_dtype = ctx.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
 
   // Queries.
   s.q = ctx.alloc({n, heads_, qk});
@@ -77,7 +76,7 @@ void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   if (q_lora_rank_ > 0) {
     s.q_a = ctx.alloc({n, q_lora_rank_});
     q_a_proj.forward(ctx, s.q_a, x);
-    s.q_a_rstd = ctx.alloc({n}, stat_dtype);
+    s.q_a_rstd = ctx.alloc_accum({n});
     s.q_a_normed = ctx.alloc({n, q_lora_rank_});
     be.rmsnorm_forward(RmsNormArgs{s.q_a_normed, s.q_a_rstd, s.q_a, q_a_norm, eps_});
     q_b_proj.forward(ctx, q_rows, s.q_a_normed);
@@ -90,7 +89,7 @@ void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   kv_a_proj.forward(ctx, compressed, x);
   s.kv_latent = ctx.alloc({n, kv_rank_});
   be.copy_columns(CopyColumnsArgs{s.kv_latent, compressed, 0, 0, kv_rank_, 1, false});
-  s.kv_rstd = ctx.alloc({n}, stat_dtype);
+  s.kv_rstd = ctx.alloc_accum({n});
   s.kv_normed = ctx.alloc({n, kv_rank_});
   be.rmsnorm_forward(RmsNormArgs{s.kv_normed, s.kv_rstd, s.kv_latent, kv_a_norm, eps_});
   Tensor kv = ctx.alloc({n * heads_, nope_ + v_dim_});
@@ -114,7 +113,7 @@ void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   be.copy_columns(CopyColumnsArgs{s.v.view().reshaped({n * heads_, v_dim_}), kv, 0, nope_, v_dim_, 1, false});
 
   s.attn = ctx.alloc({n, heads_, v_dim_});
-  s.lse = ctx.alloc({n, heads_}, stat_dtype);
+  s.lse = ctx.alloc_accum({n, heads_});
   be.attention_forward(AttentionArgs{s.attn, s.lse, s.q, s.k, s.v, ctx.batch.cu_seqlens, softmax_scale_});
   o_proj.forward(ctx, out, s.attn.view().reshaped({n, heads_ * v_dim_}));
 }

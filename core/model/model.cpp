@@ -18,8 +18,6 @@ using kernels::RmsNormBackwardArgs;
 
 namespace {
 
-DType stat_dtype(DType compute) { return compute == DType::kF64 ? DType::kF64 : DType::kF32; }
-
 // Host tensor (any floating dtype) -> a new tensor of `dtype` on the backend's device.
 Tensor to_device(kernels::Backend& backend, const TensorView& host, DType dtype) {
   Tensor staged(host.shape, dtype);
@@ -59,8 +57,8 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     Tensor sin_host({tables.positions, tables.half_dim}, DType::kF64);
     std::copy(tables.cos.begin(), tables.cos.end(), cos_host.ptr<double>());
     std::copy(tables.sin.begin(), tables.sin.end(), sin_host.ptr<double>());
-    rope_.cos = to_device(backend_, cos_host, options_.dtype);
-    rope_.sin = to_device(backend_, sin_host, options_.dtype);
+    rope_.cos = to_device(backend_, cos_host, ctx.accum());
+    rope_.sin = to_device(backend_, sin_host, ctx.accum());
   }
 
   for (int64_t i = 0; i < m.num_layers; ++i) {
@@ -112,7 +110,7 @@ void Model::attach_lora() {
     matched.insert(short_name);
     auto rng = rng_for(name);
     linear->lora = make_lora_adapter(name, linear->in_features(), linear->out_features(), options_.lora,
-                                     options_.dtype, backend_.allocator(), backend_, rng);
+                                     parameter_dtype(), backend_.allocator(), backend_, rng);
   }
   auto attach_swiglu = [&](SwigluExperts& mlp, bool all_projections, const char* group_target) {
     for (auto p : {SwigluExperts::kGate, SwigluExperts::kUp, SwigluExperts::kDown}) {
@@ -122,7 +120,7 @@ void Model::attach_lora() {
       if (!by_projection && !by_group) continue;
       matched.insert(by_group ? group_target : projection);
       auto rng = rng_for(mlp.prefix() + "." + projection);
-      mlp.add_lora(p, options_.lora, options_.dtype, backend_, rng);
+      mlp.add_lora(p, options_.lora, parameter_dtype(), backend_, rng);
     }
   };
   for (DecoderLayer& layer : layers_) {
@@ -208,7 +206,7 @@ void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorVie
     moe->set_noise_seed(options_.seed ^ (forward_count_ * 1000003ull + index));
   }
   s.normed_in = ctx.alloc({n, d});
-  s.rstd_in = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  s.rstd_in = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{s.normed_in, s.rstd_in, x, layer.input_norm, eps});
   Tensor mixed = ctx.alloc({n, d});
   layer.mixer->forward(ctx, mixed, s.normed_in);
@@ -216,7 +214,7 @@ void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorVie
   be.copy(s.hidden, x);
   be.axpby(s.hidden, mixed, 1.0, 1.0);
   s.normed_mid = ctx.alloc({n, d});
-  s.rstd_mid = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  s.rstd_mid = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{s.normed_mid, s.rstd_mid, s.hidden, layer.post_attention_norm, eps});
   Tensor ffn_out = ctx.alloc({n, d});
   layer.ffn->forward(ctx, ffn_out, s.normed_mid);
@@ -259,9 +257,9 @@ double Model::loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, c
   // Row chunks: at most loss_chunk_rows x vocab logits exist at once, whatever the sequence.
   for (int64_t begin = 0; begin < n; begin += options_.loss_chunk_rows) {
     int64_t end = std::min(n, begin + options_.loss_chunk_rows);
-    Tensor logits = ctx.alloc({end - begin, vocab});
+    Tensor logits = ctx.alloc_accum({end - begin, vocab});  // softmax statistics want F32
     be.gemm(GemmArgs{logits, final_hidden.slice_rows(begin, end), head, false, true, 1.0, 0.0});
-    Tensor losses = ctx.alloc({end - begin});
+    Tensor losses = ctx.alloc_accum({end - begin});
     be.cross_entropy(kernels::CrossEntropyArgs{losses, logits, logits, ctx.batch.labels.view().slice_rows(begin, end),
                                                grad_scale});
     be.gemm(GemmArgs{dfinal.slice_rows(begin, end), logits, head, false, false, 1.0, 0.0});
@@ -292,7 +290,7 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
     if (options_.recompute) release_layer(i);
   }
   Tensor final_hidden = ctx.alloc({n, d});
-  final_rstd_ = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  final_rstd_ = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{final_hidden, final_rstd_, inputs[num_layers], final_norm_, spec_.config.rms_norm_eps});
 
   StepResult result;
@@ -340,10 +338,10 @@ Tensor Model::logits(const Batch& batch) {
     x = std::move(next);
   }
   Tensor normed = ctx.alloc({n, d});
-  Tensor rstd = ctx.alloc({n}, stat_dtype(ctx.dtype));
+  Tensor rstd = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{normed, rstd, x, final_norm_, spec_.config.rms_norm_eps});
   const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
-  Tensor logits = ctx.alloc({n, spec_.config.vocab_size});
+  Tensor logits = ctx.alloc_accum({n, spec_.config.vocab_size});
   be.gemm(GemmArgs{logits, normed, head, false, true, 1.0, 0.0});
   Tensor staged(logits.shape(), logits.dtype());
   be.copy(staged, logits);

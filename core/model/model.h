@@ -20,7 +20,8 @@ namespace moetrain {
 class HfCheckpoint;
 
 struct ModelOptions {
-  DType dtype = DType::kF32;         // compute dtype (F64 for gradient checks)
+  DType dtype = DType::kF32;         // activations and base weights: F32 (F64 for gradient checks) on
+                                     // the CPU, BF16 on CUDA; LoRA parameters are F32 (F64)
   bool recompute = false;
   uint64_t seed = 1234;              // LoRA init and random base weights
   LoraSettings lora;
@@ -63,6 +64,7 @@ class Model final : public TrainableModel {
  private:
   BatchTensors upload(const Batch& batch);
   LayerContext context(const BatchTensors& batch) { return LayerContext{backend_, options_.dtype, batch}; }
+  DType parameter_dtype() const { return options_.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
   // x_out = layer(x_in); saves the layer's internals (and the norms' outputs) in `saved`.
   struct LayerSaved {
     Tensor normed_in, rstd_in, hidden, normed_mid, rstd_mid;

@@ -46,7 +46,7 @@ MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx)
   const int64_t e = moe_.num_experts;
   const int64_t f = moe_.expert_intermediate_size;
   router_weight = ctx.alloc({e, hidden_});
-  score_bias = ctx.alloc({e});
+  score_bias = ctx.alloc_accum({e});
   ctx.backend.fill(score_bias, 0.0);
   experts.gate_up = ctx.alloc({e, 2 * f, hidden_});
   experts.down = ctx.alloc({e, hidden_, f});
@@ -76,20 +76,20 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
   Saved& s = saved_;
 
   // Route.
-  Tensor logits = ctx.alloc({n, e});
+  Tensor logits = ctx.alloc_accum({n, e});  // routing in F32, as transformers does
   be.gemm(GemmArgs{logits, x, router_weight, false, true, 1.0, 0.0});
   Tensor noise;
   if (moe_.router_noise > 0.0) {
     Tensor host({n, e}, DType::kF64);
     fill_gaussian(host.ptr<double>(), host.numel(), moe_.router_noise, noise_seed_);
-    Tensor staged({n, e}, ctx.dtype);
+    Tensor staged({n, e}, ctx.accum());
     convert_host(staged, host);
-    noise = ctx.alloc({n, e});
+    noise = ctx.alloc_accum({n, e});
     be.copy(noise, staged);
   }
-  s.scores = ctx.alloc({n, e});
+  s.scores = ctx.alloc_accum({n, e});
   s.topk_index = ctx.alloc({n, k}, DType::kI32);
-  s.topk_weight = ctx.alloc({n, k});
+  s.topk_weight = ctx.alloc_accum({n, k});
   RouterArgs route;
   route.scores = s.scores;
   route.topk_index = s.topk_index;
@@ -134,8 +134,8 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
   stats_.aux_loss = 0.0;
   s.aux_dscores.reset();
   if (moe_.aux_loss_coef > 0.0) {
-    Tensor loss = ctx.alloc({1});
-    s.aux_dscores = ctx.alloc({n, e});
+    Tensor loss = ctx.alloc_accum({1});
+    s.aux_dscores = ctx.alloc_accum({n, e});
     AuxLossArgs aux;
     aux.loss = loss;
     aux.dscores = s.aux_dscores;
@@ -145,7 +145,7 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
     aux.coef = moe_.aux_loss_coef;
     be.aux_loss(aux);
     be.axpby(s.aux_dscores, s.aux_dscores, 0.0, aux_loss_weight_);
-    Tensor staged({1}, ctx.dtype);
+    Tensor staged({1}, ctx.accum());
     be.copy(staged, loss);
     Tensor value({1}, DType::kF64);
     convert_host(value, staged);
@@ -164,14 +164,14 @@ void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const Tenso
   else be.fill(dx, 0.0);
 
   Tensor drouted_out = ctx.alloc({n * k, hidden_});
-  Tensor dtopk_weight = ctx.alloc({n, k});
+  Tensor dtopk_weight = ctx.alloc_accum({n, k});
   be.moe_combine_backward(
       MoeCombineBackwardArgs{drouted_out, dtopk_weight, dout, s.routed_out, s.topk_weight, s.pair_row});
   Tensor drouted_x = ctx.alloc({n * k, hidden_});
   experts.backward(ctx, drouted_x, drouted_out, s.routed_x, s.expert_offsets, false);
   be.moe_unpermute_sum(dx, drouted_x, s.pair_row, k, true);
 
-  Tensor dlogits = ctx.alloc({n, e});
+  Tensor dlogits = ctx.alloc_accum({n, e});
   RouterBackwardArgs back;
   back.dlogits = dlogits;
   back.dtopk_weight = dtopk_weight;
