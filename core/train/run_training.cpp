@@ -17,12 +17,26 @@
 namespace moetrain {
 namespace {
 
-std::unique_ptr<kernels::Backend> make_backend(const Config& config) {
+// auto: CUDA when this build has the CUDA backend and a GPU is visible, else the CPU reference.
+std::unique_ptr<kernels::Backend> make_backend(const Config& config, const Runtime& runtime) {
   const std::string& device = config.train.device;
+#if MOETRAIN_HAVE_CUDA
+  bool gpu = runtime.info().device >= 0;
+  MOETRAIN_CHECK(gpu || device != "cuda", ExitCode::kBadConfig,
+                 "train.device is cuda, but rank " + std::to_string(runtime.rank()) +
+                     " sees no GPU: check CUDA_VISIBLE_DEVICES and the driver, or use train.device=cpu");
+  if (gpu && device != "cpu") {
+    log::info(fmt::format("training on CUDA device {} (bf16 activations, fp32 adapters and optimizer)",
+                          runtime.info().device));
+    return kernels::make_cuda_backend();
+  }
+#else
   MOETRAIN_CHECK(device != "cuda", ExitCode::kBadConfig,
-                 "train.device is cuda, but the CUDA training backend is not implemented yet in this build; "
-                 "use train.device=cpu (or auto)");
-  if (device == "auto") log::info("train.device auto: training on the CPU reference backend");
+                 "train.device is cuda, but this build has no CUDA backend (nvcc was not found at configure "
+                 "time): rebuild with -DMOETRAIN_CUDA=ON, or use train.device=cpu");
+  (void)runtime;
+#endif
+  log::info("training on the CPU reference backend (fp32)");
   return kernels::make_cpu_backend();
 }
 
@@ -50,10 +64,10 @@ int run_training(Runtime& runtime, const Config& config) {
                              "use data.source=synthetic",
                              config.data.source));
   ModelSpec spec = resolve_model_spec(config);
-  std::unique_ptr<kernels::Backend> backend = make_backend(config);
+  std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
 
   ModelOptions options;
-  options.dtype = DType::kF32;
+  options.dtype = backend->device() == Device::kCUDA ? DType::kBF16 : DType::kF32;
   options.recompute = config.parallel.recompute;
   options.seed = static_cast<uint64_t>(config.train.seed);
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
