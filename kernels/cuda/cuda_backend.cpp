@@ -1,0 +1,657 @@
+// The CUDA backend: the public entry of every op on the GPU. Each method checks its arguments
+// (device placement, dtypes under the CUDA dtype policy of kernels/ops.h, shapes: a failed check
+// is a bug in the caller, Error(kInternal) naming the op, the argument and its shape), then
+// calls the op family's launcher on the backend's stream.
+//
+// File convention, shared by every op family of kernels/cuda:
+//   kernels/cuda/<family>.h   declarations of the launchers (may include <cuda_runtime.h>);
+//   kernels/cuda/<family>.cu  file-static kernels -> launchers;
+//   launchers: namespace moetrain::kernels::cuda_ops {
+//                void <backend_method_name>(const <Args>& args, cudaStream_t stream); }
+//   (methods with plain arguments: the same parameters, then the stream; launchers that need
+//   backend resources, such as cuBLAS handles or scratch, take them before the stream).
+// Launchers assume checked arguments; they return at once on empty work and check every launch.
+//
+// Index tensors that stay on the device (rope positions, labels, expert indices) are not read
+// back for checks; the kernels never read or write out of bounds because of them (see each
+// family's header for what they do instead). Token ids (embedding) and group offsets
+// (grouped_gemm) are copied to the host and checked, as the CPU backend does, which waits for
+// the stream.
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/adamw.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cross_entropy.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/dense.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/memory.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/rmsnorm.h"
+#include "kernels/cuda/rope.h"
+#include "kernels/cuda/router.h"
+#include "kernels/cuda/scratch.h"
+#include "kernels/cuda/swiglu.h"
+#include "kernels/ops.h"
+
+namespace moetrain::kernels {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks
+
+[[noreturn]] void fail(const char* op, const std::string& what) {
+  throw Error(ExitCode::kInternal, std::string("cuda backend: ") + op + ": " + what);
+}
+
+void expect(bool condition, const char* op, const std::string& what) {
+  if (!condition) fail(op, what);
+}
+
+bool given(const TensorView& t) { return t.data != nullptr; }
+
+std::string describe(const char* name, const TensorView& t) {
+  return std::string(name) + " " + t.shape.str() + " " + dtype_name(t.dtype);
+}
+
+// On the GPU, with memory unless it has no elements.
+void expect_device(const char* op, const char* name, const TensorView& t) {
+  expect(t.device == Device::kCUDA, op, std::string(name) + " is on " + device_name(t.device) + ", not the GPU");
+  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
+}
+
+void expect_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
+  expect_device(op, name, t);
+  expect(t.dtype == dtype, op,
+         std::string(name) + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
+}
+
+// An activation/weight operand: BF16 or F32.
+void expect_float(const char* op, const char* name, const TensorView& t) {
+  expect_device(op, name, t);
+  expect(t.dtype == DType::kBF16 || t.dtype == DType::kF32, op,
+         std::string(name) + " is " + dtype_name(t.dtype) + ", expected BF16 or F32");
+}
+
+// An accumulation operand (parameter gradients, statistics, losses, optimizer state): F32.
+void expect_f32(const char* op, const char* name, const TensorView& t) { expect_dtype(op, name, t, DType::kF32); }
+
+void expect_shape(const char* op, const char* name, const TensorView& t, const Shape& shape) {
+  expect(t.shape == shape, op, describe(name, t) + ", expected shape " + shape.str());
+}
+
+void expect_numel(const char* op, const char* name, const TensorView& t, int64_t numel) {
+  expect(t.numel() == numel, op,
+         describe(name, t) + " has " + std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
+}
+
+void expect_ndim(const char* op, const char* name, const TensorView& t, int ndim) {
+  expect(t.ndim() == ndim, op, describe(name, t) + " should have " + std::to_string(ndim) + " dimensions");
+}
+
+int64_t last_dim(const char* op, const char* name, const TensorView& t) {
+  expect(t.ndim() >= 1, op, describe(name, t) + " needs at least one dimension");
+  return t.size(-1);
+}
+int64_t rows_of(const TensorView& t) {
+  const int64_t width = t.size(-1);
+  return width == 0 ? 0 : t.numel() / width;
+}
+
+// An in-place call (the same memory for an output and an input) needs one dtype for both.
+void expect_alias_same_dtype(const char* op, const char* out_name, const TensorView& out, const char* in_name,
+                             const TensorView& in) {
+  expect(out.data != in.data || out.data == nullptr || out.dtype == in.dtype, op,
+         describe(out_name, out) + " aliases " + describe(in_name, in) + " with another dtype");
+}
+
+// int32 prefix sums on the host: 0 first, non-decreasing, `total` last.
+void expect_offsets(const char* op, const char* name, const std::vector<int32_t>& p, int64_t total) {
+  expect(!p.empty(), op, std::string(name) + " should be [count + 1]");
+  expect(p[0] == 0, op, std::string(name) + "[0] = " + std::to_string(p[0]) + ", expected 0");
+  for (size_t i = 1; i < p.size(); ++i)
+    expect(p[i] >= p[i - 1], op, std::string(name) + " decreases at " + std::to_string(i));
+  expect(p.back() == total, op,
+         std::string(name) + " ends at " + std::to_string(p.back()) + ", expected " + std::to_string(total));
+}
+
+// An int32 device tensor read back to the host (waits for the stream).
+std::vector<int32_t> download_i32(const TensorView& t, cudaStream_t stream) {
+  std::vector<int32_t> host(static_cast<size_t>(t.numel()));
+  if (!host.empty()) {
+    CUDA_CHECK(cudaMemcpyAsync(host.data(), t.data, host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  return host;
+}
+
+// cuBLASLt's recommended workspace on Hopper.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+// ---------------------------------------------------------------------------------------------
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasLtCreate(&blas_.lt));
+    CUBLAS_CHECK(cublasCreate(&blas_.blas));
+    CUBLAS_CHECK(cublasSetStream(blas_.blas, stream_));
+    CUDA_CHECK(cudaMalloc(&blas_.workspace, kCublasWorkspaceBytes));
+    blas_.workspace_bytes = kCublasWorkspaceBytes;
+    blas_.scratch = &gemm_scratch_;
+  }
+
+  ~CudaBackend() override {
+    // Destructors must not throw: errors here are left (the process is usually ending).
+    cudaStreamSynchronize(stream_);
+    if (blas_.workspace) cudaFree(blas_.workspace);
+    if (blas_.blas) cublasDestroy(blas_.blas);
+    if (blas_.lt) cublasLtDestroy(blas_.lt);
+    cudaStreamDestroy(stream_);
+  }
+
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  Device device() const override { return Device::kCUDA; }
+  const char* name() const override { return "cuda"; }
+  Allocator& allocator() override { return cuda::device_allocator(); }
+  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  void copy(const TensorView& dst, const TensorView& src) override {
+    const char* op = "copy";
+    expect(dst.data != nullptr || dst.numel() == 0, op, describe("dst", dst) + " has no data");
+    expect(src.data != nullptr || src.numel() == 0, op, describe("src", src) + " has no data");
+    expect(src.dtype == dst.dtype, op, describe("src", src) + " and " + describe("dst", dst) + " differ in dtype");
+    expect_numel(op, "src", src, dst.numel());
+    if (dst.nbytes() == 0 || dst.data == src.data) return;
+    const bool host_src = src.device == Device::kCPU, host_dst = dst.device == Device::kCPU;
+    const cudaMemcpyKind kind = host_src ? (host_dst ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
+                                         : (host_dst ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
+    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), kind, stream_));
+    // Host memory involved: the caller may read or reuse it as soon as we return.
+    if (host_src || host_dst) synchronize();
+  }
+
+  void convert(const TensorView& dst, const TensorView& src) override {
+    const char* op = "convert";
+    expect_device(op, "dst", dst);
+    expect_device(op, "src", src);
+    expect_numel(op, "src", src, dst.numel());
+    auto floating = [](DType d) { return d == DType::kF32 || d == DType::kF64 || d == DType::kBF16 || d == DType::kF16; };
+    auto integer = [](DType d) { return d == DType::kI32 || d == DType::kI64; };
+    expect(src.dtype == dst.dtype || (floating(src.dtype) && floating(dst.dtype)) ||
+               (integer(src.dtype) && integer(dst.dtype)),
+           op, "from " + describe("src", src) + " to " + describe("dst", dst) +
+                   ": the GPU converts among F32/F64/BF16/F16 and between I32/I64 only");
+    cuda_ops::convert(dst, src, stream_);
+  }
+
+  void fill(const TensorView& dst, double value) override {
+    expect_device("fill", "dst", dst);
+    if (dst.numel() == 0) return;
+    // The element's bytes come from the CPU reference's fill (the spec of the rounding).
+    Tensor one(Shape{1}, dst.dtype);
+    cpu_->fill(one.view(), value);
+    uint64_t pattern = 0;
+    std::memcpy(&pattern, one.data(), dtype_size(dst.dtype));
+    cuda_ops::fill_pattern(dst, pattern, stream_);
+  }
+
+  void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override {
+    const char* op = "axpby";
+    expect_float(op, "y", y);
+    expect_float(op, "x", x);
+    expect_numel(op, "x", x, y.numel());
+    expect_alias_same_dtype(op, "y", y, "x", x);
+    cuda_ops::axpby(y, x, alpha, beta, stream_);
+  }
+
+  double sum_squares(const TensorView& x) override {
+    expect_float("sum_squares", "x", x);
+    return cuda_ops::sum_squares(x, scratch_, stream_);
+  }
+
+  void copy_columns(const CopyColumnsArgs& args) override {
+    const char* op = "copy_columns";
+    expect_float(op, "dst", args.dst);
+    expect_float(op, "src", args.src);
+    const int64_t dst_width = last_dim(op, "dst", args.dst), src_width = last_dim(op, "src", args.src);
+    expect(args.cols >= 0 && args.dst_col >= 0 && args.src_col >= 0 && args.src_row_repeat >= 1, op,
+           "negative cols/offsets or src_row_repeat < 1");
+    expect(args.dst_col + args.cols <= dst_width, op,
+           "dst columns [" + std::to_string(args.dst_col) + ", " + std::to_string(args.dst_col + args.cols) +
+               ") exceed its width " + std::to_string(dst_width));
+    expect(args.src_col + args.cols <= src_width, op,
+           "src columns [" + std::to_string(args.src_col) + ", " + std::to_string(args.src_col + args.cols) +
+               ") exceed its width " + std::to_string(src_width));
+    expect(rows_of(args.dst) == rows_of(args.src) * args.src_row_repeat, op,
+           describe("dst", args.dst) + " needs " + std::to_string(args.src_row_repeat) + " rows per row of " +
+               describe("src", args.src));
+    expect(args.dst.data != args.src.data || args.dst.data == nullptr, op, "dst and src are the same memory");
+    cuda_ops::copy_columns(args, stream_);
+  }
+
+  void sum_over_heads(const TensorView& dst, const TensorView& src) override {
+    const char* op = "sum_over_heads";
+    expect_float(op, "dst", dst);
+    expect_float(op, "src", src);
+    const int64_t dim = last_dim(op, "dst", dst);
+    expect(last_dim(op, "src", src) == dim, op,
+           describe("src", src) + " and " + describe("dst", dst) + " differ in the last dimension");
+    const int64_t tokens = rows_of(dst);
+    expect(tokens == 0 ? src.numel() == 0 : rows_of(src) % tokens == 0, op,
+           describe("src", src) + " is not [tokens, heads, dim] for " + describe("dst", dst));
+    cuda_ops::sum_over_heads(dst, src, stream_);
+  }
+
+  void gemm(const GemmArgs& args) override {
+    const char* op = "gemm";
+    expect_float(op, "c", args.c);
+    expect_float(op, "a", args.a);
+    expect_float(op, "b", args.b);
+    expect_ndim(op, "c", args.c, 2);
+    expect_ndim(op, "a", args.a, 2);
+    expect_ndim(op, "b", args.b, 2);
+    const int64_t m = args.transpose_a ? args.a.size(1) : args.a.size(0);
+    const int64_t k = args.transpose_a ? args.a.size(0) : args.a.size(1);
+    const int64_t k_b = args.transpose_b ? args.b.size(1) : args.b.size(0);
+    const int64_t n = args.transpose_b ? args.b.size(0) : args.b.size(1);
+    expect(k == k_b, op, describe("a", args.a) + (args.transpose_a ? "^T" : "") + " . " + describe("b", args.b) +
+                             (args.transpose_b ? "^T" : "") + ": inner dimensions differ");
+    expect_shape(op, "c", args.c, Shape{m, n});
+    cuda_ops::gemm(args, blas_, stream_);
+  }
+
+  void grouped_gemm(const GroupedGemmArgs& args) override {
+    const char* op = "grouped_gemm";
+    expect_float(op, "c", args.c);
+    expect_float(op, "a", args.a);
+    expect_float(op, "b", args.b);
+    expect_ndim(op, "a", args.a, 2);
+    expect_dtype(op, "group_offsets", args.group_offsets, DType::kI32);
+    expect(args.group_offsets.ndim() == 1 && args.group_offsets.numel() >= 1, op,
+           describe("group_offsets", args.group_offsets) + " should be [groups + 1]");
+    const int64_t rows = args.a.size(0);
+    const int64_t groups = args.group_offsets.numel() - 1;
+    if (args.kind == GroupedGemmKind::kMGrouped) {
+      expect_ndim(op, "b", args.b, 3);
+      expect(args.b.size(0) == groups, op, describe("b", args.b) + " for " + std::to_string(groups) + " groups");
+      const int64_t k = args.a.size(1);
+      const int64_t k_b = args.transpose_b ? args.b.size(2) : args.b.size(1);
+      const int64_t n = args.transpose_b ? args.b.size(1) : args.b.size(2);
+      expect(k == k_b, op, describe("a", args.a) + " . " + describe("b", args.b) + ": inner dimensions differ");
+      expect_shape(op, "c", args.c, Shape{rows, n});
+    } else {
+      expect_ndim(op, "b", args.b, 2);
+      expect(args.b.size(0) == rows, op, describe("b", args.b) + " and " + describe("a", args.a) + " differ in rows");
+      expect_shape(op, "c", args.c, Shape{groups, args.a.size(1), args.b.size(1)});
+    }
+    const std::vector<int32_t> offsets = download_i32(args.group_offsets, stream_);
+    expect_offsets(op, "group_offsets", offsets, rows);
+    cuda_ops::grouped_gemm(args, offsets, blas_, stream_);
+  }
+
+  void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override {
+    const char* op = "embedding_forward";
+    expect_float(op, "out", out);
+    expect_float(op, "table", table);
+    check_embedding(op, out, table, ids);
+    check_token_ids(download_i32(ids, stream_), table.size(0));
+    cuda_ops::embedding_forward(out, table, ids, stream_);
+  }
+
+  void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) override {
+    const char* op = "embedding_backward";
+    expect_float(op, "dtable", dtable);
+    expect_float(op, "dout", dout);
+    check_embedding(op, dout, dtable, ids);
+    const std::vector<int32_t> host_ids = download_i32(ids, stream_);
+    check_token_ids(host_ids, dtable.size(0));
+    cuda_ops::embedding_backward(dtable, dout, host_ids, scratch_, stream_);
+  }
+
+  void rmsnorm_forward(const RmsNormArgs& args) override {
+    const char* op = "rmsnorm_forward";
+    expect_float(op, "y", args.y);
+    expect_float(op, "x", args.x);
+    expect_float(op, "weight", args.weight);
+    expect_f32(op, "rstd", args.rstd);
+    const int64_t dim = last_dim(op, "x", args.x);
+    expect_numel(op, "weight", args.weight, dim);
+    expect_shape(op, "y", args.y, args.x.shape);
+    expect_numel(op, "rstd", args.rstd, rows_of(args.x));
+    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    cuda_ops::rmsnorm_forward(args, stream_);
+  }
+
+  void rmsnorm_backward(const RmsNormBackwardArgs& args) override {
+    const char* op = "rmsnorm_backward";
+    expect_float(op, "dx", args.dx);
+    expect_float(op, "dy", args.dy);
+    expect_float(op, "x", args.x);
+    expect_float(op, "weight", args.weight);
+    expect_f32(op, "rstd", args.rstd);
+    const int64_t dim = last_dim(op, "x", args.x);
+    expect_numel(op, "weight", args.weight, dim);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dy", args.dy, args.x.shape);
+    expect_numel(op, "rstd", args.rstd, rows_of(args.x));
+    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
+    if (given(args.dweight)) {
+      expect_f32(op, "dweight", args.dweight);
+      expect_numel(op, "dweight", args.dweight, dim);
+      // dweight is summed after dx is written, from dy and x.
+      expect(args.dx.data != args.dy.data && args.dx.data != args.x.data, op,
+             "dx must not overwrite dy or x when dweight is wanted");
+    }
+    cuda_ops::rmsnorm_backward(args, scratch_, stream_);
+  }
+
+  void rope(const RopeArgs& args) override {
+    const char* op = "rope";
+    expect_float(op, "out", args.out);
+    expect_float(op, "x", args.x);
+    expect_f32(op, "cos", args.cos);
+    expect_f32(op, "sin", args.sin);
+    expect_dtype(op, "positions", args.positions, DType::kI32);
+    expect_shape(op, "out", args.out, args.x.shape);
+    expect_alias_same_dtype(op, "out", args.out, "x", args.x);
+    const int64_t width = last_dim(op, "x", args.x);
+    expect(args.rope_dim > 0 && args.rope_dim % 2 == 0 && args.rope_dim <= cuda_ops::kMaxRopeDim, op,
+           "rope_dim " + std::to_string(args.rope_dim) + " must be positive, even and at most " +
+               std::to_string(cuda_ops::kMaxRopeDim));
+    expect(args.col_offset >= 0 && args.col_offset + args.rope_dim <= width, op,
+           "columns [" + std::to_string(args.col_offset) + ", " + std::to_string(args.col_offset + args.rope_dim) +
+               ") exceed " + describe("x", args.x));
+    expect(args.heads >= 1 && rows_of(args.x) == args.positions.numel() * args.heads, op,
+           describe("x", args.x) + " should have tokens * heads = " + std::to_string(args.positions.numel()) +
+               " * " + std::to_string(args.heads) + " rows");
+    expect_ndim(op, "cos", args.cos, 2);
+    expect(args.cos.size(1) == args.rope_dim / 2, op, describe("cos", args.cos) + " should be [positions, rope_dim / 2]");
+    expect_shape(op, "sin", args.sin, args.cos.shape);
+    cuda_ops::rope(args, stream_);
+  }
+
+  void attention_forward(const AttentionArgs& args) override {
+    const char* op = "attention_forward";
+    expect_float(op, "out", args.out);
+    expect_float(op, "q", args.q);
+    expect_float(op, "k", args.k);
+    expect_float(op, "v", args.v);
+    expect_f32(op, "lse", args.lse);
+    check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens);
+    cuda_ops::attention_forward(args, stream_);
+  }
+
+  void attention_backward(const AttentionBackwardArgs& args) override {
+    const char* op = "attention_backward";
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &args.dq},
+                                  {"dk", &args.dk}, {"dv", &args.dv}, {"dout", &args.dout}, {"q", &args.q},
+                                  {"k", &args.k}, {"v", &args.v}, {"out", &args.out}})
+      expect_float(op, name, *t);
+    expect_f32(op, "lse", args.lse);
+    check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens);
+    expect_shape(op, "dq", args.dq, args.q.shape);
+    expect_shape(op, "dk", args.dk, args.k.shape);
+    expect_shape(op, "dv", args.dv, args.v.shape);
+    expect_shape(op, "dout", args.dout, args.out.shape);
+    cuda_ops::attention_backward(args, stream_);
+  }
+
+  void swiglu_forward(const TensorView& h, const TensorView& gate_up) override {
+    const char* op = "swiglu_forward";
+    expect_float(op, "h", h);
+    expect_float(op, "gate_up", gate_up);
+    check_swiglu(op, h, gate_up);
+    cuda_ops::swiglu_forward(h, gate_up, stream_);
+  }
+
+  void swiglu_backward(const SwigluBackwardArgs& args) override {
+    const char* op = "swiglu_backward";
+    expect_float(op, "dgate_up", args.dgate_up);
+    expect_float(op, "dh", args.dh);
+    expect_float(op, "gate_up", args.gate_up);
+    check_swiglu(op, args.dh, args.gate_up);
+    expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
+    expect_alias_same_dtype(op, "dgate_up", args.dgate_up, "gate_up", args.gate_up);
+    cuda_ops::swiglu_backward(args, stream_);
+  }
+
+  void router_forward(const RouterArgs& args) override {
+    const char* op = "router_forward";
+    expect_f32(op, "logits", args.logits);
+    expect_f32(op, "scores", args.scores);
+    expect_f32(op, "topk_weight", args.topk_weight);
+    expect_ndim(op, "logits", args.logits, 2);
+    const int64_t tokens = args.logits.size(0), experts = args.logits.size(1);
+    expect_shape(op, "scores", args.scores, args.logits.shape);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_shape(op, "topk_index", args.topk_index, Shape{tokens, args.top_k});
+    expect_shape(op, "topk_weight", args.topk_weight, Shape{tokens, args.top_k});
+    if (given(args.bias)) {
+      expect_float(op, "bias", args.bias);
+      expect_numel(op, "bias", args.bias, experts);
+    }
+    if (given(args.noise)) {
+      expect_float(op, "noise", args.noise);
+      expect_shape(op, "noise", args.noise, args.logits.shape);
+    }
+    expect(args.num_groups >= 1 && experts % args.num_groups == 0, op,
+           std::to_string(experts) + " experts do not split into " + std::to_string(args.num_groups) + " groups");
+    expect(args.topk_groups >= 1 && args.topk_groups <= args.num_groups, op,
+           "topk_groups " + std::to_string(args.topk_groups) + " not in [1, " + std::to_string(args.num_groups) + "]");
+    expect(args.top_k >= 1 && args.top_k <= args.topk_groups * (experts / args.num_groups), op,
+           "top_k " + std::to_string(args.top_k) + " exceeds the experts in the " +
+               std::to_string(args.topk_groups) + " selected groups");
+    cuda_ops::router_forward(args, stream_);
+  }
+
+  void router_backward(const RouterBackwardArgs& args) override {
+    const char* op = "router_backward";
+    expect_f32(op, "dlogits", args.dlogits);
+    expect_f32(op, "dtopk_weight", args.dtopk_weight);
+    expect_f32(op, "scores", args.scores);
+    expect_ndim(op, "scores", args.scores, 2);
+    const int64_t tokens = args.scores.size(0);
+    expect_shape(op, "dlogits", args.dlogits, args.scores.shape);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_ndim(op, "topk_index", args.topk_index, 2);
+    expect(args.topk_index.size(0) == tokens, op,
+           describe("topk_index", args.topk_index) + " for " + std::to_string(tokens) + " tokens");
+    expect_shape(op, "dtopk_weight", args.dtopk_weight, args.topk_index.shape);
+    if (given(args.dscores_extra)) {
+      expect_f32(op, "dscores_extra", args.dscores_extra);
+      expect_shape(op, "dscores_extra", args.dscores_extra, args.scores.shape);
+    }
+    cuda_ops::router_backward(args, stream_);
+  }
+
+  void aux_loss(const AuxLossArgs& args) override {
+    const char* op = "aux_loss";
+    expect_f32(op, "loss", args.loss);
+    expect_f32(op, "dscores", args.dscores);
+    expect_f32(op, "scores", args.scores);
+    expect_ndim(op, "scores", args.scores, 2);
+    const int64_t tokens = args.scores.size(0);
+    expect_numel(op, "loss", args.loss, 1);
+    expect_shape(op, "dscores", args.dscores, args.scores.shape);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_ndim(op, "topk_index", args.topk_index, 2);
+    expect(args.topk_index.size(0) == tokens, op,
+           describe("topk_index", args.topk_index) + " for " + std::to_string(tokens) + " tokens");
+    expect(args.tokens_per_segment >= 1 && tokens % args.tokens_per_segment == 0, op,
+           std::to_string(tokens) + " tokens do not split into segments of " + std::to_string(args.tokens_per_segment));
+    cuda_ops::aux_loss(args, stream_);
+  }
+
+  void moe_permutation(const MoePermutationArgs& args) override {
+    const char* op = "moe_permutation";
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_ndim(op, "topk_index", args.topk_index, 2);
+    const int64_t pairs = args.topk_index.numel();
+    expect(args.num_experts >= 1, op, "num_experts " + std::to_string(args.num_experts));
+    expect_dtype(op, "expert_offsets", args.expert_offsets, DType::kI32);
+    expect_numel(op, "expert_offsets", args.expert_offsets, args.num_experts + 1);
+    expect_dtype(op, "sorted_pair", args.sorted_pair, DType::kI32);
+    expect_numel(op, "sorted_pair", args.sorted_pair, pairs);
+    expect_dtype(op, "pair_row", args.pair_row, DType::kI32);
+    expect_numel(op, "pair_row", args.pair_row, pairs);
+    cuda_ops::moe_permutation(args, stream_);
+  }
+
+  void moe_permute(const TensorView& out, const TensorView& x, const TensorView& sorted_pair,
+                   int64_t top_k) override {
+    const char* op = "moe_permute";
+    expect_float(op, "out", out);
+    expect_float(op, "x", x);
+    expect(top_k >= 1, op, "top_k " + std::to_string(top_k));
+    expect_dtype(op, "sorted_pair", sorted_pair, DType::kI32);
+    expect(out.ndim() >= 1 && x.ndim() >= 1, op, describe("out", out) + " and " + describe("x", x) + " need rows");
+    expect_numel(op, "sorted_pair", sorted_pair, out.size(0));
+    expect(out.numel() == sorted_pair.numel() * (x.size(0) == 0 ? 0 : x.numel() / x.size(0)), op,
+           describe("out", out) + " should have one row of " + describe("x", x) + " per sorted pair");
+    cuda_ops::moe_permute(out, x, sorted_pair, top_k, stream_);
+  }
+
+  void moe_unpermute_sum(const TensorView& dx, const TensorView& drows, const TensorView& pair_row, int64_t top_k,
+                         bool accumulate) override {
+    const char* op = "moe_unpermute_sum";
+    expect_float(op, "dx", dx);
+    expect_float(op, "drows", drows);
+    expect(top_k >= 1, op, "top_k " + std::to_string(top_k));
+    expect(dx.ndim() >= 1 && drows.ndim() >= 1, op,
+           describe("dx", dx) + " and " + describe("drows", drows) + " need rows");
+    expect_dtype(op, "pair_row", pair_row, DType::kI32);
+    expect_numel(op, "pair_row", pair_row, dx.size(0) * top_k);
+    expect(drows.numel() * dx.size(0) == dx.numel() * drows.size(0), op,
+           describe("drows", drows) + " and " + describe("dx", dx) + " differ in row width");
+    cuda_ops::moe_unpermute_sum(dx, drows, pair_row, top_k, accumulate, stream_);
+  }
+
+  void moe_combine(const MoeCombineArgs& args) override {
+    const char* op = "moe_combine";
+    expect_float(op, "out", args.out);
+    expect_float(op, "rows", args.rows);
+    expect_float(op, "weight", args.weight);
+    check_combine(op, args.out, args.rows, args.weight, args.pair_row);
+    cuda_ops::moe_combine(args, stream_);
+  }
+
+  void moe_combine_backward(const MoeCombineBackwardArgs& args) override {
+    const char* op = "moe_combine_backward";
+    expect_float(op, "drows", args.drows);
+    expect_float(op, "dweight", args.dweight);
+    expect_float(op, "dout", args.dout);
+    expect_float(op, "rows", args.rows);
+    expect_float(op, "weight", args.weight);
+    check_combine(op, args.dout, args.rows, args.weight, args.pair_row);
+    expect_shape(op, "drows", args.drows, args.rows.shape);
+    expect_shape(op, "dweight", args.dweight, args.weight.shape);
+    cuda_ops::moe_combine_backward(args, stream_);
+  }
+
+  void cross_entropy(const CrossEntropyArgs& args) override {
+    const char* op = "cross_entropy";
+    expect_float(op, "logits", args.logits);
+    expect_f32(op, "loss", args.loss);
+    expect_ndim(op, "logits", args.logits, 2);
+    const int64_t rows = args.logits.size(0);
+    expect(args.logits.size(1) >= 1, op, describe("logits", args.logits) + " has no vocabulary");
+    expect_dtype(op, "labels", args.labels, DType::kI32);
+    expect_numel(op, "labels", args.labels, rows);
+    expect_numel(op, "loss", args.loss, rows);
+    if (given(args.dlogits)) {
+      expect_dtype(op, "dlogits", args.dlogits, args.logits.dtype);
+      expect_shape(op, "dlogits", args.dlogits, args.logits.shape);
+    }
+    cuda_ops::cross_entropy(args, stream_);
+  }
+
+  void adamw(const AdamWArgs& args) override {
+    const char* op = "adamw";
+    expect_f32(op, "param", args.param);
+    expect_f32(op, "grad", args.grad);
+    expect_f32(op, "exp_avg", args.exp_avg);
+    expect_f32(op, "exp_avg_sq", args.exp_avg_sq);
+    expect_numel(op, "grad", args.grad, args.param.numel());
+    expect_numel(op, "exp_avg", args.exp_avg, args.param.numel());
+    expect_numel(op, "exp_avg_sq", args.exp_avg_sq, args.param.numel());
+    expect(args.step >= 1, op, "step " + std::to_string(args.step) + " (steps are 1-based)");
+    cuda_ops::adamw(args, stream_);
+  }
+
+ private:
+  // out/dout [tokens, dim] against table [rows, dim] and ids int32 [tokens].
+  static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
+                              const TensorView& ids) {
+    expect_ndim(op, "table", table, 2);
+    expect_dtype(op, "ids", ids, DType::kI32);
+    expect(last_dim(op, "out", rows_out) == table.size(1) && rows_of(rows_out) == ids.numel(), op,
+           describe("out", rows_out) + " should be [" + std::to_string(ids.numel()) + " tokens, " +
+               std::to_string(table.size(1)) + "] for " + describe("table", table));
+  }
+
+  // The one user-data error of the backend, as on the CPU: ids from another tokenizer.
+  static void check_token_ids(const std::vector<int32_t>& ids, int64_t rows) {
+    for (size_t t = 0; t < ids.size(); ++t) {
+      MOETRAIN_CHECK(ids[t] >= 0 && ids[t] < rows, ExitCode::kBadData,
+                     "token id " + std::to_string(ids[t]) + " at token position " + std::to_string(t) +
+                         " is outside the embedding table's " + std::to_string(rows) +
+                         " rows: the data was tokenised for another vocabulary, or vocab_size is too small");
+    }
+  }
+
+  static void check_attention(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const TensorView& lse, const TensorView& cu_seqlens) {
+    expect_ndim(op, "q", q, 3);
+    expect_shape(op, "k", k, q.shape);
+    expect_ndim(op, "v", v, 3);
+    expect(v.size(0) == q.size(0) && v.size(1) == q.size(1), op,
+           describe("v", v) + " and " + describe("q", q) + " differ in tokens or heads");
+    expect_shape(op, "out", out, v.shape);
+    expect_numel(op, "lse", lse, q.size(0) * q.size(1));
+    expect_dtype(op, "cu_seqlens", cu_seqlens, DType::kI32);
+    expect(cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 1, op,
+           describe("cu_seqlens", cu_seqlens) + " should be [sequences + 1]");
+  }
+
+  static void check_swiglu(const char* op, const TensorView& h, const TensorView& gate_up) {
+    const int64_t width = last_dim(op, "h", h);
+    expect(last_dim(op, "gate_up", gate_up) == 2 * width && rows_of(gate_up) == rows_of(h), op,
+           describe("gate_up", gate_up) + " should be [rows, 2 * width] for " + describe("h", h));
+  }
+
+  static void check_combine(const char* op, const TensorView& out, const TensorView& rows, const TensorView& weight,
+                            const TensorView& pair_row) {
+    expect_ndim(op, "weight", weight, 2);
+    const int64_t tokens = weight.size(0), top_k = weight.size(1);
+    expect(out.ndim() >= 1 && out.size(0) == tokens, op, describe("out", out) + " for " + describe("weight", weight));
+    expect(rows.ndim() >= 1 && rows.numel() * tokens == out.numel() * rows.size(0), op,
+           describe("rows", rows) + " and " + describe("out", out) + " differ in row width");
+    expect_dtype(op, "pair_row", pair_row, DType::kI32);
+    expect_numel(op, "pair_row", pair_row, tokens * top_k);
+  }
+
+  cudaStream_t stream_ = nullptr;
+  cuda_ops::BlasContext blas_;
+  cuda_ops::DeviceScratch gemm_scratch_;  // BF16 copies of F32 GEMM operands
+  cuda_ops::DeviceScratch scratch_;       // everything else (partials, index tables)
+  std::unique_ptr<Backend> cpu_ = make_cpu_backend();  // fill's element encoding
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+
+}  // namespace moetrain::kernels
