@@ -4,7 +4,11 @@
 
 #include <cmath>
 #include <cstring>
-#include <random>
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "core/base/bf16.h"
 
 #include "core/base/host_convert.h"
 #include "core/io/hf_index.h"
@@ -15,6 +19,53 @@ namespace {
 
 bool is_norm_weight(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
 bool is_bias(const std::string& name) { return name.find("e_score_correction_bias") != std::string::npos; }
+
+uint64_t name_hash(const std::string& name) {
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  for (char c : name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return hash;
+}
+
+// splitmix64 of a counter: element i's value depends only on (seed, i), so the fill is the same
+// whatever the thread count, the order of tensors, or the standard library.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A constant, or uniform values with the given standard deviation (uniform rather than normal:
+// cheap enough to fill a hundred-gigabyte model on the host in seconds).
+struct RandomFill {
+  double constant = 0.0;
+  double stddev = 0.0;  // > 0: random
+  uint64_t seed = 0;
+};
+
+void fill_random(const Tensor& host, const RandomFill& fill) {
+  const int64_t n = host.numel();
+  const double half_width = fill.stddev * std::sqrt(3.0);
+  auto fill_range = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      double v = fill.constant;
+      if (fill.stddev > 0) {
+        double unit = static_cast<double>(splitmix64(fill.seed + static_cast<uint64_t>(i)) >> 11) * 0x1.0p-53;
+        v = (2.0 * unit - 1.0) * half_width;
+      }
+      switch (host.dtype()) {
+        case DType::kF64: host.ptr<double>()[i] = v; break;
+        case DType::kF32: host.ptr<float>()[i] = static_cast<float>(v); break;
+        case DType::kBF16: host.view().ptr_u16()[i] = float_to_bf16(static_cast<float>(v)); break;
+        default: MOETRAIN_ASSERT(false, std::string("random weights of dtype ") + dtype_name(host.dtype()));
+      }
+    }
+  };
+  const int64_t threads = std::clamp<int64_t>(n / (1 << 20), 1, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> workers;
+  for (int64_t t = 0; t < threads; ++t) workers.emplace_back(fill_range, n * t / threads, n * (t + 1) / threads);
+  for (std::thread& w : workers) w.join();
+}
 
 void upload_weight(kernels::Backend& backend, Tensor& dst, const TensorView& host_f64) {
   Tensor staged(dst.shape(), dst.dtype());
@@ -78,34 +129,23 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
 
 void Model::init_random_weights() {
   for (const WeightSlot& slot : weight_slots()) {
-    Tensor host(slot.tensor->shape(), DType::kF64);
-    double* values = host.ptr<double>();
-    const int64_t n = host.numel();
+    Tensor host(slot.tensor->shape(), slot.tensor->dtype());
+    const Shape& shape = slot.tensor->shape();
+    RandomFill fill;
     if (is_norm_weight(slot.name)) {
-      for (int64_t i = 0; i < n; ++i) values[i] = 1.0;
+      fill.constant = 1.0;
     } else if (is_bias(slot.name)) {
-      for (int64_t i = 0; i < n; ++i) values[i] = 0.0;
+      fill.constant = 0.0;
     } else {
-      // N(0, 1/fan_in) (embeddings N(0, 1)), so every projection keeps activations at unit
-      // scale and the frozen head can express confident predictions once the adapters learn;
-      // 0.02 (a pretraining init) leaves logits too small for LoRA to ever reach a low loss.
-      // Box-Muller on a generator seeded per tensor name: a tensor's values do not depend on
-      // which other tensors exist or on the standard library.
-      uint64_t hash = 1469598103934665603ull;
-      for (char c : slot.name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-      std::mt19937_64 rng(options_.seed ^ hash ^ static_cast<uint64_t>(slot.layout));
-      auto unit = [&] { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
+      // Variance 1/fan_in (embeddings 1), so every projection keeps activations at unit scale
+      // and the frozen head can express confident predictions once the adapters learn; 0.02 (a
+      // pretraining init) leaves logits too small for LoRA to ever reach a low loss.
       const bool embedding = slot.name == "model.embed_tokens.weight";
-      const Shape& shape = slot.tensor->shape();
-      const double stddev = embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(shape[shape.ndim() - 1]));
-      for (int64_t i = 0; i < n; i += 2) {
-        double radius = stddev * std::sqrt(-2.0 * std::log(unit()));
-        double angle = 6.283185307179586 * unit();
-        values[i] = radius * std::cos(angle);
-        if (i + 1 < n) values[i + 1] = radius * std::sin(angle);
-      }
+      fill.stddev = embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(shape[shape.ndim() - 1]));
+      fill.seed = options_.seed ^ name_hash(slot.name) ^ static_cast<uint64_t>(slot.layout);
     }
-    upload_weight(backend_, *slot.tensor, host);
+    fill_random(host, fill);
+    backend_.copy(*slot.tensor, host);
   }
 }
 
