@@ -1,0 +1,177 @@
+// Helpers of the CUDA op tests: each op runs on the GPU and on the CPU reference (in F64) from
+// the same input values, and the outputs are compared with a tolerance for the output dtype.
+//   - Inputs: random values of magnitude [lo, hi] with random signs (never zero), rounded to
+//     what the device dtype holds, so that both backends start from identical numbers.
+//   - Outputs: device tensors filled with all-ones bytes (NaN in every floating dtype) before
+//     the op runs: an element the op forgets to write fails the comparison.
+//   - Comparison: no NaN anywhere, relative L2 error ||a - e|| / ||e|| under `rel_l2`, and every
+//     element within atol + rtol * |e|, atol a fraction of max |e|.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "catch.h"
+#include "core/base/host_convert.h"
+#include "core/base/tensor.h"
+#include "gradcheck.h"
+#include "kernels/cuda/device.h"
+#include "kernels/ops.h"
+
+namespace moetrain::cuda_test {
+
+inline kernels::Backend& gpu() {
+  static std::unique_ptr<kernels::Backend> backend = kernels::make_cuda_backend();
+  return *backend;
+}
+inline kernels::Backend& cpu() {
+  static std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  return *backend;
+}
+
+// Host values as the dtype holds them: F64 -> dtype -> F64, in place.
+inline void round_host(const TensorView& host64, DType dtype) {
+  if (dtype == DType::kF64) return;
+  Tensor narrow(host64.shape, dtype);
+  convert_host(narrow.view(), host64);
+  convert_host(host64, narrow.view());
+}
+
+// A device tensor of `dtype` holding the values of the F64 (or I32) host tensor.
+inline Tensor upload(const TensorView& host, DType dtype) {
+  Tensor converted(host.shape, dtype);
+  if (dtype == host.dtype) {
+    std::copy(static_cast<const char*>(host.data), static_cast<const char*>(host.data) + host.nbytes(),
+              static_cast<char*>(converted.data()));
+  } else {
+    convert_host(converted.view(), host);
+  }
+  Tensor device(host.shape, dtype, cuda::device_allocator());
+  if (device.nbytes() > 0) cuda::copy_host_to_device(device.data(), converted.data(), device.nbytes());
+  return device;
+}
+
+// The device tensor's values as an F64 host tensor (I32/I64 come back as I32/I64).
+inline Tensor download(const TensorView& device) {
+  gpu().synchronize();
+  Tensor raw(device.shape, device.dtype);
+  if (raw.nbytes() > 0) cuda::copy_device_to_host(raw.data(), device.data, raw.nbytes());
+  if (device.dtype == DType::kI32 || device.dtype == DType::kI64 || device.dtype == DType::kF64) return raw;
+  Tensor wide(device.shape, DType::kF64);
+  convert_host(wide.view(), raw.view());
+  return wide;
+}
+
+// A device tensor whose every byte is 0xff: NaN for F32, BF16 and F16.
+inline Tensor poisoned(Shape shape, DType dtype) {
+  Tensor device(shape, dtype, cuda::device_allocator());
+  std::vector<unsigned char> ones(device.nbytes(), 0xff);
+  if (!ones.empty()) cuda::copy_host_to_device(device.data(), ones.data(), ones.size());
+  return device;
+}
+
+// One operand on both backends: `host` F64 (the values), `dev` the device tensor.
+struct Operand {
+  Tensor host;
+  Tensor dev;
+};
+
+// Random input: host values rounded to `dtype`, uploaded in `dtype`.
+inline Operand random_operand(Shape shape, DType dtype, uint64_t seed, double lo = 0.1, double hi = 1.0) {
+  Operand op;
+  op.host = testing::random_tensor(shape, DType::kF64, seed, lo, hi);
+  round_host(op.host.view(), dtype);
+  op.dev = upload(op.host.view(), dtype);
+  return op;
+}
+
+// Output: host zeros (the CPU reference writes them), device poisoned.
+inline Operand output_operand(Shape shape, DType dtype) {
+  return Operand{Tensor::zeros(shape, DType::kF64), poisoned(shape, dtype)};
+}
+
+// Integer operand (I32) with the same values on both sides.
+inline Operand int_operand(const std::vector<int32_t>& values, Shape shape) {
+  Operand op;
+  op.host = Tensor(shape, DType::kI32);
+  std::copy(values.begin(), values.end(), op.host.ptr<int32_t>());
+  op.dev = upload(op.host.view(), DType::kI32);
+  return op;
+}
+
+struct Tolerance {
+  double rel_l2;
+  double rtol;
+  double atol_fraction;  // atol = atol_fraction * max |expected|
+};
+
+// The tolerance for an output stored in `dtype` (computed in F32 on the GPU).
+inline Tolerance tolerance_for(DType dtype) {
+  // BF16: one rounding of 2^-9 relative at most (~1e-3 RMS); F32: F32 arithmetic vs F64.
+  if (dtype == DType::kBF16) return {5e-3, 1.6e-2, 2e-3};
+  return {2e-5, 2e-4, 2e-5};
+}
+
+struct Result {
+  bool ok = true;
+  std::string message;
+};
+
+inline Result compare(const TensorView& actual, const TensorView& expected, Tolerance tol, const std::string& name) {
+  Result r;
+  std::ostringstream os;
+  os.precision(8);
+  if (actual.numel() != expected.numel()) {
+    r.ok = false;
+    os << name << ": " << actual.numel() << " elements, expected " << expected.numel();
+    r.message = os.str();
+    return r;
+  }
+  double max_expected = 0.0, diff2 = 0.0, ref2 = 0.0, worst_excess = -1.0;
+  int64_t nans = 0, outside = 0, worst = -1;
+  for (int64_t i = 0; i < expected.numel(); ++i) max_expected = std::max(max_expected, std::fabs(testing::get_element(expected, i)));
+  const double atol = tol.atol_fraction * max_expected;
+  for (int64_t i = 0; i < expected.numel(); ++i) {
+    const double a = testing::get_element(actual, i), e = testing::get_element(expected, i);
+    if (std::isnan(a) || std::isnan(e)) {
+      if (nans++ == 0) worst = i;
+      continue;
+    }
+    diff2 += (a - e) * (a - e);
+    ref2 += e * e;
+    const double excess = std::fabs(a - e) - (atol + tol.rtol * std::fabs(e));
+    if (excess > 0) ++outside;
+    if (nans == 0 && excess > worst_excess) {
+      worst_excess = excess;
+      worst = i;
+    }
+  }
+  const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  r.ok = nans == 0 && outside == 0 && rel <= tol.rel_l2;
+  os << name << " " << actual.shape.str() << ": rel L2 " << rel << " (limit " << tol.rel_l2 << "), " << nans
+     << " NaN, " << outside << " outside atol " << atol << " + rtol " << tol.rtol;
+  if (worst >= 0)
+    os << "; worst at " << worst << ": got " << testing::get_element(actual, worst) << ", expected "
+       << testing::get_element(expected, worst);
+  r.message = os.str();
+  return r;
+}
+
+// Downloads a device output and compares it with the CPU's F64 result.
+#define CUDA_TEST_EXPECT_CLOSE(device_tensor, host_expected, tolerance, name)                                   \
+  do {                                                                                                        \
+    const Tensor cuda_test_actual_ = ::moetrain::cuda_test::download(device_tensor);                          \
+    const ::moetrain::cuda_test::Result cuda_test_result_ =                                                  \
+        ::moetrain::cuda_test::compare(cuda_test_actual_.view(), host_expected, tolerance, name);              \
+    INFO(cuda_test_result_.message);                                                                          \
+    CHECK(cuda_test_result_.ok);                                                                              \
+  } while (0)
+
+inline const char* dtype_label(DType dtype) { return dtype_name(dtype); }
+
+}  // namespace moetrain::cuda_test

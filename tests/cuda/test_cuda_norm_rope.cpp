@@ -1,0 +1,224 @@
+// CUDA rmsnorm, rope, embedding and swiglu against the CPU reference (F64), in F32 and BF16,
+// at widths that take the vector path (multiples of 8) and ones that do not.
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.h"
+
+namespace moetrain::cuda_test {
+namespace {
+
+TEST_CASE("cuda rmsnorm forward and backward match the CPU") {
+  uint64_t seed = 2000;
+  for (int64_t dim : {int64_t{37}, int64_t{64}, int64_t{1536}})
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const int64_t rows = 19;
+      const Operand x = random_operand({rows, dim}, dtype, ++seed);
+      const Operand weight = random_operand({dim}, dtype, ++seed, 0.5, 1.5);
+      Operand y = output_operand({rows, dim}, dtype);
+      Operand rstd = output_operand({rows}, DType::kF32);
+      kernels::RmsNormArgs forward;
+      forward.eps = 1e-5;
+      forward.y = y.dev;
+      forward.rstd = rstd.dev;
+      forward.x = x.dev;
+      forward.weight = weight.dev;
+      gpu().rmsnorm_forward(forward);
+      forward.y = y.host;
+      forward.rstd = rstd.host;
+      forward.x = x.host;
+      forward.weight = weight.host;
+      cpu().rmsnorm_forward(forward);
+      const std::string tag = std::string(dtype_name(dtype)) + " dim " + std::to_string(dim);
+      CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "rmsnorm y " + tag);
+      CUDA_TEST_EXPECT_CLOSE(rstd.dev, rstd.host.view(), tolerance_for(DType::kF32), "rmsnorm rstd " + tag);
+
+      for (bool accumulate : {false, true})
+        for (bool with_dweight : {true, false}) {
+          const Operand dy = random_operand({rows, dim}, dtype, ++seed);
+          Operand dx = accumulate ? random_operand({rows, dim}, dtype, ++seed) : output_operand({rows, dim}, dtype);
+          Operand dweight = output_operand({dim}, DType::kF32);
+          kernels::RmsNormBackwardArgs backward;
+          backward.accumulate = accumulate;
+          // The GPU gets the rstd it computed (F32); the CPU its own (F64).
+          backward.dx = dx.dev;
+          backward.dweight = with_dweight ? dweight.dev.view() : TensorView{};
+          backward.dy = dy.dev;
+          backward.x = x.dev;
+          backward.weight = weight.dev;
+          backward.rstd = rstd.dev;
+          gpu().rmsnorm_backward(backward);
+          backward.dx = dx.host;
+          backward.dweight = with_dweight ? dweight.host.view() : TensorView{};
+          backward.dy = dy.host;
+          backward.x = x.host;
+          backward.weight = weight.host;
+          backward.rstd = rstd.host;
+          cpu().rmsnorm_backward(backward);
+          const std::string btag = tag + (accumulate ? " +=" : "");
+          CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "rmsnorm dx " + btag);
+          if (with_dweight)
+            CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "rmsnorm dweight " + btag);
+        }
+    }
+}
+
+TEST_CASE("cuda rmsnorm dweight over many rows (several reduction chunks) matches the CPU") {
+  const int64_t rows = 1000, dim = 24;
+  const Operand x = random_operand({rows, dim}, DType::kBF16, 1);
+  const Operand weight = random_operand({dim}, DType::kBF16, 2);
+  const Operand dy = random_operand({rows, dim}, DType::kBF16, 3);
+  const Operand rstd = random_operand({rows}, DType::kF32, 4, 0.5, 2.0);
+  Operand dx = output_operand({rows, dim}, DType::kBF16);
+  Operand dweight = output_operand({dim}, DType::kF32);
+  kernels::RmsNormBackwardArgs args;
+  args.dx = dx.dev;
+  args.dweight = dweight.dev;
+  args.dy = dy.dev;
+  args.x = x.dev;
+  args.weight = weight.dev;
+  args.rstd = rstd.dev;
+  gpu().rmsnorm_backward(args);
+  args.dx = dx.host;
+  args.dweight = dweight.host;
+  args.dy = dy.host;
+  args.x = x.host;
+  args.weight = weight.host;
+  args.rstd = rstd.host;
+  cpu().rmsnorm_backward(args);
+  CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "rmsnorm dweight 1000 rows");
+  CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(DType::kBF16), "rmsnorm dx 1000 rows");
+}
+
+// cos/sin tables [positions, half] of a plain rope (any angles do for the comparison).
+void rope_tables(Operand& cos, Operand& sin, int64_t positions, int64_t half) {
+  cos.host = Tensor({positions, half}, DType::kF64);
+  sin.host = Tensor({positions, half}, DType::kF64);
+  for (int64_t p = 0; p < positions; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(p) * std::pow(10000.0, -static_cast<double>(i) / static_cast<double>(half));
+      cos.host.ptr<double>()[p * half + i] = std::cos(angle);
+      sin.host.ptr<double>()[p * half + i] = std::sin(angle);
+    }
+  round_host(cos.host.view(), DType::kF32);
+  round_host(sin.host.view(), DType::kF32);
+  cos.dev = upload(cos.host.view(), DType::kF32);
+  sin.dev = upload(sin.host.view(), DType::kF32);
+}
+
+TEST_CASE("cuda rope matches the CPU: both layouts, inverse, in place and not") {
+  const int64_t tokens = 11, heads = 3, max_positions = 40;
+  std::vector<int32_t> position_values;
+  for (int64_t t = 0; t < tokens; ++t) position_values.push_back(static_cast<int32_t>((t * 7) % max_positions));
+  const Operand positions = int_operand(position_values, {tokens});
+  struct Case {
+    int64_t width, col_offset, rope_dim;
+  };
+  uint64_t seed = 3000;
+  for (Case k : {Case{64, 0, 64}, Case{40, 8, 16}, Case{23, 5, 6}})
+    for (DType dtype : {DType::kF32, DType::kBF16})
+      for (auto layout : {kernels::RopeLayout::kInterleaved, kernels::RopeLayout::kHalfSplit})
+        for (bool inverse : {false, true})
+          for (bool in_place : {false, true}) {
+            Operand cos, sin;
+            rope_tables(cos, sin, max_positions, k.rope_dim / 2);
+            const Operand x = random_operand({tokens * heads, k.width}, dtype, ++seed);
+            Operand out = in_place ? random_operand({tokens * heads, k.width}, dtype, 0) : output_operand({tokens * heads, k.width}, dtype);
+            if (in_place) {  // out holds x's values and is rotated where it stands
+              out.host = Tensor(x.host.shape(), DType::kF64);
+              std::copy(x.host.ptr<double>(), x.host.ptr<double>() + x.host.numel(), out.host.ptr<double>());
+              out.dev = upload(x.host.view(), dtype);
+            }
+            kernels::RopeArgs args;
+            args.heads = heads;
+            args.col_offset = k.col_offset;
+            args.rope_dim = k.rope_dim;
+            args.layout = layout;
+            args.inverse = inverse;
+            args.out = out.dev;
+            args.x = in_place ? out.dev.view() : x.dev.view();
+            args.positions = positions.dev;
+            args.cos = cos.dev;
+            args.sin = sin.dev;
+            gpu().rope(args);
+            args.out = out.host;
+            args.x = in_place ? out.host.view() : x.host.view();
+            args.positions = positions.host;
+            args.cos = cos.host;
+            args.sin = sin.host;
+            cpu().rope(args);
+            CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tolerance_for(dtype),
+                                   std::string("rope ") + dtype_name(dtype) + " width " + std::to_string(k.width) +
+                                       (layout == kernels::RopeLayout::kInterleaved ? " interleaved" : " half-split") +
+                                       (inverse ? " inverse" : "") + (in_place ? " in place" : ""));
+          }
+}
+
+TEST_CASE("cuda embedding forward and backward match the CPU, repeated ids in token order") {
+  const int64_t vocab = 29, tokens = 50;
+  std::vector<int32_t> id_values;
+  for (int64_t t = 0; t < tokens; ++t) id_values.push_back(static_cast<int32_t>((t * t + 3) % 13));  // repeats
+  const Operand ids = int_operand(id_values, {tokens});
+  uint64_t seed = 4000;
+  for (int64_t dim : {int64_t{17}, int64_t{32}})
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const Operand table = random_operand({vocab, dim}, dtype, ++seed);
+      Operand out = output_operand({tokens, dim}, dtype);
+      gpu().embedding_forward(out.dev, table.dev, ids.dev);
+      cpu().embedding_forward(out.host, table.host, ids.host);
+      const std::string tag = std::string(dtype_name(dtype)) + " dim " + std::to_string(dim);
+      CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tolerance_for(dtype), "embedding forward " + tag);
+
+      // dtable accumulates (+=): start from random values, F32 as a parameter gradient.
+      Operand dtable = random_operand({vocab, dim}, DType::kF32, ++seed);
+      const Operand dout = random_operand({tokens, dim}, dtype, ++seed);
+      gpu().embedding_backward(dtable.dev, dout.dev, ids.dev);
+      cpu().embedding_backward(dtable.host, dout.host, ids.host);
+      CUDA_TEST_EXPECT_CLOSE(dtable.dev, dtable.host.view(), tolerance_for(DType::kF32), "embedding backward " + tag);
+    }
+  const Operand bad = int_operand({0, 29}, {2});
+  const Operand table = random_operand({vocab, 8}, DType::kF32, 1);
+  Operand out = output_operand({2, 8}, DType::kF32);
+  CHECK(testing::contains(testing::error_message([&] { gpu().embedding_forward(out.dev, table.dev, bad.dev); }),
+                          "token id 29 at token position 1"));
+}
+
+TEST_CASE("cuda swiglu forward and backward match the CPU") {
+  uint64_t seed = 5000;
+  for (int64_t width : {int64_t{13}, int64_t{64}})
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const int64_t rows = 21;
+      // Gates over a wide range, so that the sigmoid's tails are exercised.
+      const Operand gate_up = random_operand({rows, 2 * width}, dtype, ++seed, 0.05, 6.0);
+      Operand h = output_operand({rows, width}, dtype);
+      gpu().swiglu_forward(h.dev, gate_up.dev);
+      cpu().swiglu_forward(h.host, gate_up.host);
+      const std::string tag = std::string(dtype_name(dtype)) + " width " + std::to_string(width);
+      CUDA_TEST_EXPECT_CLOSE(h.dev, h.host.view(), tolerance_for(dtype), "swiglu forward " + tag);
+
+      const Operand dh = random_operand({rows, width}, dtype, ++seed);
+      Operand dgate_up = output_operand({rows, 2 * width}, dtype);
+      kernels::SwigluBackwardArgs args;
+      args.dgate_up = dgate_up.dev;
+      args.dh = dh.dev;
+      args.gate_up = gate_up.dev;
+      gpu().swiglu_backward(args);
+      args.dgate_up = dgate_up.host;
+      args.dh = dh.host;
+      args.gate_up = gate_up.host;
+      cpu().swiglu_backward(args);
+      CUDA_TEST_EXPECT_CLOSE(dgate_up.dev, dgate_up.host.view(), tolerance_for(dtype), "swiglu backward " + tag);
+
+      // In place: dgate_up over gate_up.
+      Operand inplace = random_operand({rows, 2 * width}, dtype, 0);
+      inplace.dev = upload(gate_up.host.view(), dtype);
+      args.dgate_up = inplace.dev;
+      args.dh = dh.dev;
+      args.gate_up = inplace.dev;
+      gpu().swiglu_backward(args);
+      CUDA_TEST_EXPECT_CLOSE(inplace.dev, dgate_up.host.view(), tolerance_for(dtype), "swiglu backward in place " + tag);
+    }
+}
+
+}  // namespace
+}  // namespace moetrain::cuda_test
