@@ -2,6 +2,8 @@
 //
 //   moetrain validate --config FILE [--set key.path=value]... [--world N]
 //   moetrain train    --config FILE [--set key.path=value]... [--resume auto|none|PATH]
+//                     [--init-adapter PEFT_DIR]
+//   moetrain export   --checkpoint DIR --out ADAPTER_DIR
 //
 // Both load the config strictly, apply the overrides, check it against the job's world size
 // and print the resolved config on stdout. Exit codes: 0 done, 1 internal error, 2 bad config
@@ -19,6 +21,7 @@
 
 #include "core/base/error.h"
 #include "core/base/log.h"
+#include "core/checkpoint/adapter_export.h"
 #include "core/config/config.h"
 #include "core/train/run_training.h"
 #include "parallel/runtime.h"
@@ -30,8 +33,10 @@ const char* const kUsage =
     "usage:\n"
     "  moetrain validate --config FILE [--set key.path=value]... [--world N]\n"
     "      check the config (for a job of N ranks; default: this job's size) and print it resolved\n"
-    "  moetrain train --config FILE [--set key.path=value]... [--resume auto|none|PATH]\n"
-    "      train as the config says\n"
+    "  moetrain train --config FILE [--set key.path=value]... [--resume auto|none|PATH] [--init-adapter DIR]\n"
+    "      train as the config says (--init-adapter: start the LoRA weights from a PEFT adapter)\n"
+    "  moetrain export --checkpoint DIR --out ADAPTER_DIR\n"
+    "      write a checkpoint's LoRA weights as a PEFT adapter (DIR: a step_<N> or a checkpoint root)\n"
     "  moetrain help\n"
     "--set takes a YAML value and may repeat: --set train.lr=1e-4 --set model.layers=[mla,kda]\n";
 
@@ -41,6 +46,8 @@ struct CommandLine {
   std::vector<std::string> overrides;   // "key.path=value", in order
   std::optional<std::string> resume;    // train only
   std::optional<int> world;             // validate only
+  std::optional<std::string> init_adapter;  // train only
+  std::string checkpoint, out;          // export only
 };
 
 // Prints the usage (first rank only, so a launch of many ranks prints it once) and throws the
@@ -58,8 +65,8 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
     cli.command = "help";
     return cli;
   }
-  if (cli.command != "validate" && cli.command != "train") {
-    usage_error(runtime, "unknown command `" + cli.command + "` (commands: validate, train, help)");
+  if (cli.command != "validate" && cli.command != "train" && cli.command != "export") {
+    usage_error(runtime, "unknown command `" + cli.command + "` (commands: validate, train, export, help)");
   }
 
   // The command stands in for the program name, so cxxopts sees only its flags.
@@ -69,7 +76,11 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
       ("set", "override one key: key.path=value (repeatable)", cxxopts::value<std::vector<std::string>>())
       ("h,help", "print the usage");
   if (cli.command == "train") {
-    options.add_options()("resume", "auto | none | a checkpoint path", cxxopts::value<std::string>());
+    options.add_options()("resume", "auto | none | a checkpoint path", cxxopts::value<std::string>())(
+        "init-adapter", "a PEFT adapter directory to start from", cxxopts::value<std::string>());
+  } else if (cli.command == "export") {
+    options.add_options()("checkpoint", "a checkpoint directory", cxxopts::value<std::string>())(
+        "out", "the adapter directory to write", cxxopts::value<std::string>());
   } else {
     options.add_options()("world", "check for a job of this many ranks", cxxopts::value<int>());
   }
@@ -80,11 +91,20 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
       return cli;
     }
     if (!result.unmatched().empty()) usage_error(runtime, "unexpected argument `" + result.unmatched().front() + "`");
+    if (cli.command == "export") {
+      if (!result.count("checkpoint") || !result.count("out")) {
+        usage_error(runtime, "`moetrain export` needs --checkpoint DIR and --out ADAPTER_DIR");
+      }
+      cli.checkpoint = result["checkpoint"].as<std::string>();
+      cli.out = result["out"].as<std::string>();
+      return cli;
+    }
     if (!result.count("config")) usage_error(runtime, "`moetrain " + cli.command + "` needs --config FILE");
     cli.config_path = result["config"].as<std::string>();
     if (result.count("set")) cli.overrides = result["set"].as<std::vector<std::string>>();
     if (result.count("resume")) cli.resume = result["resume"].as<std::string>();
     if (result.count("world")) cli.world = result["world"].as<int>();
+    if (result.count("init-adapter")) cli.init_adapter = result["init-adapter"].as<std::string>();
   } catch (const cxxopts::exceptions::exception& e) {
     usage_error(runtime, e.what());
   }
@@ -97,6 +117,7 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
 Config load_checked_config(const CommandLine& cli, int world) {
   Config config = load_config(cli.config_path, cli.overrides);
   if (cli.resume) config.checkpoint.resume = *cli.resume;
+  if (cli.init_adapter) config.checkpoint.init_adapter = *cli.init_adapter;
   validate_for_world(config, world);
   log::Level level = log::Level::kInfo;
   if (log::parse_level(config.logging.level, &level)) log::set_level(level);
@@ -112,6 +133,10 @@ int run_command(Runtime& runtime, int argc, char** argv) {
   CommandLine cli = parse_command_line(runtime, argc, argv);
   if (cli.command == "help") {
     if (runtime.is_root()) std::cout << kUsage;
+    return 0;
+  }
+  if (cli.command == "export") {
+    if (runtime.is_root()) export_checkpoint_adapter(cli.checkpoint, cli.out);
     return 0;
   }
   const int world = cli.world.value_or(runtime.world());

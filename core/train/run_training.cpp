@@ -7,8 +7,11 @@
 #include <memory>
 
 #include "core/base/log.h"
+#include "core/checkpoint/checkpoint_group.h"
+#include "core/checkpoint/checkpoint_session.h"
 #include "core/io/hf_index.h"
 #include "core/model/model.h"
+#include "core/model/peft_adapter.h"
 #include "core/train/metrics.h"
 #include "core/train/synthetic_data.h"
 #include "core/train/trainer.h"
@@ -82,6 +85,11 @@ int run_training(Runtime& runtime, const Config& config) {
     model.init_random_weights();
     log::info("no model.hf_dir: base weights are random (seed train.seed)");
   }
+  if (config.checkpoint.init_adapter) {
+    // A resumed checkpoint (below) overrides these values: the adapter only seeds a fresh run.
+    load_peft_adapter(model, *config.checkpoint.init_adapter);
+    log::info(fmt::format("LoRA weights initialised from the PEFT adapter {}", *config.checkpoint.init_adapter));
+  }
   int64_t trainable = 0;
   for (Parameter* p : model.parameters()) trainable += p->value.numel();
   log::info(fmt::format("model: {} layers, hidden {}, {} experts top-{}; {} LoRA tensors, {} trainable parameters",
@@ -97,7 +105,14 @@ int run_training(Runtime& runtime, const Config& config) {
   trainer_options.logging = config.logging;
   trainer_options.loss_floor = data.entropy_floor_nats();
   Trainer trainer(trainer_options, model, [&data] { return data.next(); }, &metrics);
+  std::unique_ptr<CheckpointGroup> group =
+      runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
+  DataCursorAccess cursor{[&data] { return data.cursor(); }, [&data](uint64_t c) { data.seek(c); }, {}, {}};
+  CheckpointSession checkpoints(config, *group, trainer, *backend, cursor);
+  checkpoints.resume();
+  trainer.set_after_step([&checkpoints](const StepRecord&) { checkpoints.after_step(); });
   std::vector<double> losses = trainer.run();
+  checkpoints.finish();
   if (!losses.empty()) {
     log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps (data entropy floor {:.4f}); metrics in {}",
                           losses.front(), losses.back(), losses.size(), data.entropy_floor_nats(), metrics.path()));

@@ -1,0 +1,44 @@
+// Export of the trained LoRA weights as a PEFT adapter directory that PEFT
+// (PeftModel.from_pretrained) and vLLM load, and that load_peft_adapter reads back:
+//
+//   adapter_config.json        peft_type LORA, r, lora_alpha, use_rslora, target_modules,
+//                              base_model_name_or_path, task_type CAUSAL_LM
+//   adapter_model.safetensors  base_model.model.<module>.lora_{A,B}.weight, F32;
+//                              routed experts split into per-expert 2-D keys:
+//                              base_model.model.model.layers.L.mlp.experts.<e>.gate_proj.lora_A.weight
+//
+// target_modules lists the projections' short names (q_proj, o_proj, gate_proj, ...), as PEFT
+// configs usually do. Where such a name also matches a module moetrain did not adapt (e.g.
+// gate_proj of a dense MLP when only `experts` were targeted), PEFT adds a LoRA there with
+// B = 0, which changes no output.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/base/tensor.h"
+#include "core/config/config.h"
+
+namespace moetrain {
+
+struct AdapterExportSettings {
+  int64_t rank = 8;
+  double alpha = 16.0;
+  bool rslora = false;
+  std::optional<std::string> base_model;  // base_model_name_or_path (model.hf_dir), null if none
+};
+
+AdapterExportSettings adapter_export_settings(const Config& config);
+
+// Writes the adapter from host tensors named by Parameter name (2-D, or the stacked 3-D
+// routed-expert adapters). Files are replaced atomically; the directory is created.
+void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<std::string, TensorView>>& params,
+                        const AdapterExportSettings& settings);
+
+// `moetrain export`: the adapter of a committed checkpoint (or a root's newest one), whatever
+// the world size that saved it. The LoRA settings come from the checkpoint's resolved config.
+void export_checkpoint_adapter(const std::string& checkpoint, const std::string& out_dir);
+
+}  // namespace moetrain

@@ -1,0 +1,76 @@
+// Checkpointing for one training run, as `moetrain train` uses it (core/train/run_training.cpp):
+//
+//   CheckpointSession session(config, group, trainer, backend, data);
+//   session.resume();                                   // --resume auto | none | PATH
+//   trainer.set_after_step([&](const StepRecord&) { session.after_step(); });
+//   trainer.run();
+//   session.finish();                                   // final save, adapter export
+//
+// after_step saves every checkpoint.every steps and handles preemption: when any rank has
+// received SIGTERM/SIGUSR1 (the ranks agree at the step boundary), it saves and throws
+// Error(kPreempted) so every rank exits with 75.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/checkpoint/checkpoint_group.h"
+#include "core/checkpoint/training_state.h"
+#include "core/config/config.h"
+#include "core/train/trainer.h"
+#include "kernels/ops.h"
+
+namespace moetrain {
+
+// The data source, seen through its cursor (whatever the source counts in: a uint64 that seek()
+// turns back into the same stream position).
+// The optional rng pair is the model's random stream position (router noise draws), saved per
+// rank; leave it empty while the model has none to restore.
+struct DataCursorAccess {
+  std::function<uint64_t()> cursor;
+  std::function<void(uint64_t)> seek;
+  std::function<uint64_t()> rng_state;
+  std::function<void(uint64_t)> set_rng_state;
+};
+
+class CheckpointSession {
+ public:
+  CheckpointSession(const Config& config, CheckpointGroup& group, Trainer& trainer, kernels::Backend& backend,
+                    DataCursorAccess data, ParameterLayout layout = {});
+
+  // <checkpoint.dir>, or <logging.run_dir>/checkpoints.
+  const std::string& root() const { return root_; }
+
+  // Applies checkpoint.resume: "none" starts fresh; "auto" the newest committed checkpoint
+  // under root() (fresh when there is none); anything else is a checkpoint or root path.
+  // Leftover step_*.tmp directories are removed first. Returns true when state was restored.
+  bool resume();
+
+  // Call after every optimizer step (Trainer::set_after_step).
+  void after_step();
+
+  // After the last step: saves the final state when checkpointing is on and it is not saved
+  // yet, and exports the adapter when checkpoint.export_adapter asks for it.
+  void finish();
+
+  // Saves the current state now (all ranks); returns the committed directory.
+  std::string save_now();
+
+  // checkpoint.export_adapter resolved: empty when off.
+  std::string export_dir() const;
+
+ private:
+  void check_resumed_config(const std::string& saved_yaml, const std::string& source) const;
+
+  Config config_;
+  CheckpointGroup& group_;
+  Trainer& trainer_;
+  kernels::Backend& backend_;
+  DataCursorAccess data_;
+  ParameterLayout layout_;
+  std::string root_;
+  int64_t last_saved_step_ = -1;
+};
+
+}  // namespace moetrain

@@ -1,0 +1,102 @@
+#include "core/checkpoint/training_state.h"
+
+#include <fmt/format.h>
+
+#include <set>
+
+#include "core/base/error.h"
+#include "core/base/log.h"
+
+namespace moetrain {
+namespace {
+
+TensorSlice slice_of(const ParameterLayout& layout, size_t index, const Shape& local_shape) {
+  if (layout.slices.empty()) return TensorSlice{local_shape, 0};
+  MOETRAIN_ASSERT(index < layout.slices.size(), "parameter layout shorter than the parameter list");
+  return layout.slices[index];
+}
+
+ShardTensor host_copy(const std::string& key, const TensorView& device_value, const TensorSlice& slice,
+                      kernels::Backend& backend, std::vector<Tensor>* storage) {
+  storage->emplace_back(device_value.shape, device_value.dtype);
+  backend.copy(storage->back(), device_value);
+  return ShardTensor{key, storage->back().view(), slice};
+}
+
+void restore_one(const CheckpointReader& checkpoint, const std::string& key, const TensorView& dst,
+                 const TensorSlice& slice, kernels::Backend& backend) {
+  MOETRAIN_CHECK(checkpoint.has(key), ExitCode::kBadCheckpoint,
+                 fmt::format("{}: no tensor \"{}\", which this run trains (lora.targets, lora.rank or the model "
+                             "differ from the run that saved it; resume with the same settings)",
+                             checkpoint.path(), key));
+  const Shape& global = checkpoint.global_shape(key);
+  MOETRAIN_CHECK(global == slice.global_shape, ExitCode::kBadCheckpoint,
+                 fmt::format("{}: tensor \"{}\" has shape {} but this run's is {} (lora.rank or the model's "
+                             "dimensions differ from the run that saved it)",
+                             checkpoint.path(), key, global.str(), slice.global_shape.str()));
+  Tensor host = checkpoint.read_rows(key, slice.offset, slice.offset + dst.shape[0], dst.dtype);
+  backend.copy(dst, host);
+}
+
+}  // namespace
+
+RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
+                                 std::vector<Tensor>* storage) {
+  RankShard shard;
+  const std::vector<Parameter*>& params = optimizer.parameters();
+  std::vector<AdamWStateView> moments = optimizer.state();
+  MOETRAIN_ASSERT(moments.size() == params.size(), "optimizer state and parameters disagree");
+  // Reserve so the views into `storage` stay valid while it grows.
+  storage->reserve(storage->size() + 3 * params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Parameter& p = *params[i];
+    MOETRAIN_ASSERT(moments[i].name == p.name, "optimizer state order differs from the parameters'");
+    TensorSlice slice = slice_of(layout, i, p.value.shape());
+    shard.tensors.push_back(host_copy(kParamKind + p.name, p.value, slice, backend, storage));
+    shard.tensors.push_back(host_copy(kExpAvgKind + p.name, moments[i].exp_avg, slice, backend, storage));
+    shard.tensors.push_back(host_copy(kExpAvgSqKind + p.name, moments[i].exp_avg_sq, slice, backend, storage));
+  }
+  return shard;
+}
+
+void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
+                            const CheckpointReader& checkpoint) {
+  const std::vector<Parameter*>& params = optimizer.parameters();
+  std::vector<AdamWStateView> moments = optimizer.state();
+  std::set<std::string> used;
+  for (size_t i = 0; i < params.size(); ++i) {
+    Parameter& p = *params[i];
+    TensorSlice slice = slice_of(layout, i, p.value.shape());
+    for (const auto& [kind, dst] : {std::pair<const char*, TensorView>{kParamKind, p.value.view()},
+                                    {kExpAvgKind, moments[i].exp_avg},
+                                    {kExpAvgSqKind, moments[i].exp_avg_sq}}) {
+      std::string key = kind + p.name;
+      restore_one(checkpoint, key, dst, slice, backend);
+      used.insert(key);
+    }
+  }
+  for (const std::string& key : checkpoint.keys()) {
+    if (key.rfind(kBufferKind, 0) == 0) continue;  // buffers are restored by their owners
+    MOETRAIN_CHECK(used.count(key), ExitCode::kBadCheckpoint,
+                   fmt::format("{}: tensor \"{}\" matches no trainable parameter of this run (lora.targets or the "
+                               "model differ from the run that saved it)",
+                               checkpoint.path(), key));
+  }
+  optimizer.set_step_count(checkpoint.manifest().optimizer_steps);
+}
+
+uint64_t resumed_data_cursor(const Manifest& manifest, int rank, int world) {
+  MOETRAIN_ASSERT(rank >= 0 && rank < world, "rank outside the world");
+  if (manifest.world == world) return manifest.ranks[static_cast<size_t>(rank)].data_cursor;
+  uint64_t consumed = 0;
+  for (const RankProgress& r : manifest.ranks) consumed += r.data_cursor;
+  if (consumed % static_cast<uint64_t>(world) != 0 && rank == 0) {
+    log::warn(fmt::format("resuming {} ranks from a checkpoint of {}: {} windows consumed do not split evenly; "
+                          "the last {} are skipped",
+                          world, manifest.world, consumed, consumed % static_cast<uint64_t>(world)));
+  }
+  // Round up so no window is read twice.
+  return (consumed + static_cast<uint64_t>(world) - 1) / static_cast<uint64_t>(world);
+}
+
+}  // namespace moetrain

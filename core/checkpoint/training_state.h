@@ -1,0 +1,46 @@
+// What a rank's training state is, in checkpoint terms: the trainable values, their AdamW
+// moments (by parameter name), the step counters, the data cursor and the random stream.
+//
+// Keys are "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>" with the Parameter's name
+// (its module path, e.g. "model.layers.1.mlp.experts.gate_proj.lora_A.weight" for the stacked
+// routed-expert adapter [E, r, in]). Today every rank holds whole tensors (offset 0); when the
+// distributed trainer shards a parameter along dimension 0 (FSDP shards, expert ranges under
+// ep), its slice goes into ShardTensor::slice and restore_training_state reads exactly its rows.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/checkpoint/checkpoint_reader.h"
+#include "core/checkpoint/checkpoint_writer.h"
+#include "core/train/trainer.h"
+#include "kernels/ops.h"
+
+namespace moetrain {
+
+// Where this rank's parameters sit in the global tensors: the row offset of parameter i along
+// dimension 0 and its global shape. Empty: every parameter is whole (world 1, or replicated).
+struct ParameterLayout {
+  std::vector<TensorSlice> slices;  // one per optimizer parameter, same order
+};
+
+// Copies every parameter value and moment to the host (into `storage`, which must outlive the
+// returned shard) and fills the progress fields.
+RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
+                                 std::vector<Tensor>* storage);
+
+// Writes the checkpoint's values and moments into the optimizer's parameters (this rank's rows
+// of each global tensor), and its step count. A parameter or moment missing from the
+// checkpoint, of another global shape, or a checkpoint tensor the model has no parameter for,
+// is Error(kBadCheckpoint) naming the key (usually: lora.targets or lora.rank changed).
+void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
+                            const CheckpointReader& checkpoint);
+
+// This rank's data cursor after resuming a checkpoint saved by manifest.world ranks, for a job
+// of `world` ranks. Same world: the rank's own cursor. Another world: every rank of the saving
+// job read cursor windows of a stream dealt round-robin (rank r reads r, r + W, ...), so the
+// job consumed the sum of the cursors; each new rank continues at sum / world (a warning when
+// that does not divide, the remainder's windows are skipped).
+uint64_t resumed_data_cursor(const Manifest& manifest, int rank, int world);
+
+}  // namespace moetrain
