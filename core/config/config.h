@@ -112,6 +112,9 @@ struct CheckpointConfig {
   int64_t every = 0;                     // 0: no periodic saves
   int64_t keep_last = 2;
   std::string resume = "auto";           // auto | none | a checkpoint path
+  bool save_on_signal = true;            // SIGTERM/SIGUSR1: save at the next step boundary, exit 75
+  std::string export_adapter = "true";   // PEFT adapter at the end: true (<run_dir>/adapter) | false | a dir
+  std::optional<std::string> init_adapter;  // a PEFT adapter directory to start the LoRA weights from
 };
 
 struct LoggingConfig {

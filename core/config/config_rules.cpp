@@ -302,6 +302,8 @@ void check_training(const Config& c, Rules& r) {
                "next one is complete");
   }
   r.not_empty("checkpoint.resume", k.resume);
+  r.not_empty("checkpoint.export_adapter", k.export_adapter);
+  if (k.init_adapter) r.not_empty("checkpoint.init_adapter", *k.init_adapter);
 
   const LoggingConfig& g = c.logging;
   r.not_empty("logging.run_dir", g.run_dir);

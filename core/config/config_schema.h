@@ -121,6 +121,9 @@ void visit_fields(V& v, CheckpointConfig& c) {
   v.field("every", c.every);
   v.field("keep_last", c.keep_last);
   v.field("resume", c.resume);
+  v.field("save_on_signal", c.save_on_signal);
+  v.field("export_adapter", c.export_adapter);
+  v.field("init_adapter", c.init_adapter);
 }
 
 template <class V>
