@@ -28,6 +28,7 @@ struct WeightSlot {
   std::string name;
   Tensor* tensor;  // allocated with its final shape and dtype
   WeightLayout layout = WeightLayout::kPlain;
+  int64_t first_group = 0;  // routed experts: the global id of the tensor's first expert
 };
 
 class Mixer {

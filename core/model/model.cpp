@@ -18,6 +18,12 @@ using kernels::RmsNormBackwardArgs;
 
 namespace {
 
+uint64_t name_hash(const std::string& name) {
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  for (char c : name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return hash;
+}
+
 // Host tensor (any floating dtype) -> a new tensor of `dtype` on the backend's device.
 Tensor to_device(kernels::Backend& backend, const TensorView& host, DType dtype) {
   Tensor staged(host.shape, dtype);
@@ -69,7 +75,7 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     if (spec_.ffns[i] == FfnKind::kDense) {
       layer.ffn = std::make_unique<DenseFfn>("model.layers." + std::to_string(i) + ".mlp", d, m.intermediate_size, ctx);
     } else {
-      auto moe = std::make_unique<MoeFfn>(spec_, i, ctx);
+      auto moe = std::make_unique<MoeFfn>(spec_, i, ctx, options_.parallel);
       moe->set_aux_loss_weight(options_.aux_loss_weight);
       layer.ffn = std::move(moe);
     }
@@ -77,6 +83,52 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
   }
   saved_.resize(layers_.size());
   attach_lora();
+  if (options_.parallel && options_.parallel->expert_parallel()) {
+    for (Parameter* p : parameters()) p->expert_partitioned = p->value.shape().ndim() == 3;
+  }
+}
+
+namespace {
+
+// A scalar summed over a group, staged through the communicator's memory.
+double sum_over(Communicator& comm, kernels::Backend& backend, double local) {
+  Tensor host({1}, DType::kF64);
+  host.ptr<double>()[0] = local;
+  if (comm.device() == Device::kCPU) {
+    comm.all_reduce(host.view());
+    return host.ptr<double>()[0];
+  }
+  Tensor device({1}, DType::kF64, backend.allocator());
+  backend.copy(device, host);
+  comm.all_reduce(device.view());
+  comm.synchronize();
+  backend.copy(host, device);
+  return host.ptr<double>()[0];
+}
+
+}  // namespace
+
+double Model::sum_over_data_ranks(double local) {
+  const ParallelGroups* p = options_.parallel;
+  return p && p->data && p->data->size() > 1 ? sum_over(*p->data, backend_, local) : local;
+}
+
+double Model::sum_over_expert_blocks(double local) {
+  const ParallelGroups* p = options_.parallel;
+  return p && p->expert_parallel() ? sum_over(*p->ep, backend_, local) : local;
+}
+
+// Data parallelism: every rank's gradient is its tokens' share of the global mean (the trainer
+// scaled by the global target count), so the step's gradient is the sum over ranks. Routed-
+// expert adapters live on one expert block: they sum over the ranks holding the same experts.
+void Model::reduce_gradients() {
+  const ParallelGroups* p = options_.parallel;
+  if (!p) return;
+  for (Parameter* param : parameters()) {
+    Communicator* group = param->value.shape().ndim() == 3 && p->expert_parallel() ? p->expert_replica : p->data;
+    if (group && group->size() > 1) group->all_reduce(param->grad.view());
+  }
+  if (p->data) p->data->synchronize();
 }
 
 Model::~Model() = default;
@@ -99,11 +151,9 @@ std::vector<std::pair<std::string, LoraLinear*>> Model::linear_modules() {
 void Model::attach_lora() {
   std::set<std::string> targets(options_.lora_targets.begin(), options_.lora_targets.end());
   std::set<std::string> matched;
-  auto rng_for = [&](const std::string& name) {
-    uint64_t hash = 1469598103934665603ull;  // FNV-1a: per-module streams, independent of order
-    for (char c : name) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    return std::mt19937_64(options_.seed ^ hash);
-  };
+  // Per-module generators: a module's initial adapter does not depend on which others exist.
+  auto rng_for = [&](const std::string& name) { return std::mt19937_64(options_.seed ^ name_hash(name)); };
+
   for (auto& [name, linear] : linear_modules()) {
     std::string short_name = name.substr(name.rfind('.') + 1);
     if (!targets.count(short_name)) continue;
@@ -119,8 +169,8 @@ void Model::attach_lora() {
       bool by_group = group_target && targets.count(group_target);
       if (!by_projection && !by_group) continue;
       matched.insert(by_group ? group_target : projection);
-      auto rng = rng_for(mlp.prefix() + "." + projection);
-      mlp.add_lora(p, options_.lora, parameter_dtype(), backend_, rng);
+      mlp.add_lora(p, options_.lora, parameter_dtype(), backend_,
+                   options_.seed ^ name_hash(mlp.prefix() + "." + projection));
     }
   };
   for (DecoderLayer& layer : layers_) {

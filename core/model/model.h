@@ -13,6 +13,7 @@
 #include "core/model/lora_linear.h"
 #include "core/model/mla.h"
 #include "core/model/model_spec.h"
+#include "core/model/parallel_groups.h"
 #include "core/train/trainer.h"
 
 namespace moetrain {
@@ -26,8 +27,11 @@ struct ModelOptions {
   uint64_t seed = 1234;              // LoRA init and random base weights
   LoraSettings lora;
   std::vector<std::string> lora_targets;
-  double aux_loss_weight = 1.0;      // per micro-batch (1 / grad_accum)
+  // The aux loss is a mean over the step's sequences: each micro-batch's share is
+  // 1 / (grad_accum x data-parallel ranks).
+  double aux_loss_weight = 1.0;
   int64_t loss_chunk_rows = 1024;    // rows of logits alive at once in the loss
+  const ParallelGroups* parallel = nullptr;  // null: this rank is the whole job
 };
 
 struct DecoderLayer {
@@ -51,6 +55,9 @@ class Model final : public TrainableModel {
   std::vector<Parameter*> parameters() override;
   StepResult forward_backward(const Batch& batch, double grad_scale) override;
   kernels::Backend& backend() override { return backend_; }
+  double sum_over_data_ranks(double local) override;
+  double sum_over_expert_blocks(double local) override;
+  void reduce_gradients() override;
 
   // Forward only, returning the logits [tokens, vocab] as a host F64 tensor (tests).
   Tensor logits(const Batch& batch);

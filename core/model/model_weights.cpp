@@ -41,6 +41,7 @@ struct RandomFill {
   double constant = 0.0;
   double stddev = 0.0;  // > 0: random
   uint64_t seed = 0;
+  uint64_t first_element = 0;  // the tensor is a slice starting here (a rank's experts)
 };
 
 void fill_random(const Tensor& host, const RandomFill& fill) {
@@ -50,7 +51,8 @@ void fill_random(const Tensor& host, const RandomFill& fill) {
     for (int64_t i = begin; i < end; ++i) {
       double v = fill.constant;
       if (fill.stddev > 0) {
-        double unit = static_cast<double>(splitmix64(fill.seed + static_cast<uint64_t>(i)) >> 11) * 0x1.0p-53;
+        uint64_t counter = fill.seed + fill.first_element + static_cast<uint64_t>(i);
+        double unit = static_cast<double>(splitmix64(counter) >> 11) * 0x1.0p-53;
         v = (2.0 * unit - 1.0) * half_width;
       }
       switch (host.dtype()) {
@@ -96,12 +98,21 @@ void read_swiglu(const HfCheckpoint& checkpoint, const WeightSlot& slot, double*
   const bool routed = slot.name.size() >= 8 && slot.name.compare(slot.name.size() - 8, 8, ".experts") == 0;
   const std::string fused = slot.name + (gate_up ? ".gate_up_proj" : ".down_proj");
   if (routed && checkpoint.has(fused)) {
-    read_into(checkpoint, fused, shape, dst);
+    // This rank's experts only: a slice along the expert dimension, the rest is never read.
+    const SafetensorsTensorInfo& info = checkpoint.info(fused);
+    Shape expected = shape;
+    expected[0] = info.shape[0];
+    MOETRAIN_CHECK(info.shape == expected && slot.first_group + groups <= info.shape[0], ExitCode::kBadCheckpoint,
+                   fmt::format("{}: tensor \"{}\" in {} has shape {} but config.json implies [{}, {}, {}]",
+                               checkpoint.dir(), fused, checkpoint.file_of(fused), info.shape.str(),
+                               slot.first_group + groups, shape[1], shape[2]));
+    Tensor values = checkpoint.read_rows_as(fused, slot.first_group, slot.first_group + groups, DType::kF64);
+    std::memcpy(dst, values.data(), values.nbytes());
     return;
   }
   const int64_t per_group = shape.numel() / groups;
   for (int64_t g = 0; g < groups; ++g) {
-    std::string module = routed ? slot.name + "." + std::to_string(g) : slot.name;
+    std::string module = routed ? slot.name + "." + std::to_string(slot.first_group + g) : slot.name;
     double* group = dst + g * per_group;
     if (gate_up) {
       const int64_t half = shape[1] / 2;
@@ -143,6 +154,7 @@ void Model::init_random_weights() {
       const bool embedding = slot.name == "model.embed_tokens.weight";
       fill.stddev = embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(shape[shape.ndim() - 1]));
       fill.seed = options_.seed ^ name_hash(slot.name) ^ static_cast<uint64_t>(slot.layout);
+      fill.first_element = static_cast<uint64_t>(slot.first_group * (host.numel() / shape[0]));
     }
     fill_random(host, fill);
     backend_.copy(*slot.tensor, host);

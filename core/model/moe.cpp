@@ -37,19 +37,24 @@ void fill_gaussian(double* out, int64_t n, double stddev, uint64_t seed) {
 
 }  // namespace
 
-MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx)
-    : experts("model.layers." + std::to_string(layer) + ".mlp.experts", spec.config.moe.num_experts,
-              spec.config.hidden_size, spec.config.moe.expert_intermediate_size),
+MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, const ParallelGroups* parallel)
+    : experts("model.layers." + std::to_string(layer) + ".mlp.experts",
+              parallel ? parallel->local_experts() : spec.config.moe.num_experts, spec.config.hidden_size,
+              spec.config.moe.expert_intermediate_size, /*routed=*/true, parallel ? parallel->first_expert() : 0),
       moe_(spec.config.moe),
       hidden_(spec.config.hidden_size),
       prefix_("model.layers." + std::to_string(layer) + ".mlp") {
   const int64_t e = moe_.num_experts;
+  const int64_t local = experts.groups();
   const int64_t f = moe_.expert_intermediate_size;
   router_weight = ctx.alloc({e, hidden_});
   score_bias = ctx.alloc_accum({e});
   ctx.backend.fill(score_bias, 0.0);
-  experts.gate_up = ctx.alloc({e, 2 * f, hidden_});
-  experts.down = ctx.alloc({e, hidden_, f});
+  experts.gate_up = ctx.alloc({local, 2 * f, hidden_});
+  experts.down = ctx.alloc({local, hidden_, f});
+  if (parallel && parallel->expert_parallel()) {
+    dispatch_ = std::make_unique<ExpertDispatch>(*parallel->ep, e, local);
+  }
   if (moe_.num_shared_experts > 0) {
     shared = std::make_unique<DenseFfn>(prefix_ + ".shared_experts", hidden_, f * moe_.num_shared_experts, ctx);
   }
@@ -63,8 +68,8 @@ void MoeFfn::collect_parameters(std::vector<Parameter*>& out) {
 void MoeFfn::collect_weights(std::vector<WeightSlot>& out) {
   out.push_back({prefix_ + ".gate.weight", &router_weight});
   if (moe_.score_correction_bias) out.push_back({prefix_ + ".gate.e_score_correction_bias", &score_bias});
-  out.push_back({experts.prefix(), &experts.gate_up, WeightLayout::kSwigluGateUp});
-  out.push_back({experts.prefix(), &experts.down, WeightLayout::kSwigluDown});
+  out.push_back({experts.prefix(), &experts.gate_up, WeightLayout::kSwigluGateUp, experts.first_group()});
+  out.push_back({experts.prefix(), &experts.down, WeightLayout::kSwigluDown, experts.first_group()});
   if (shared) shared->collect_weights(out);
 }
 
@@ -112,10 +117,22 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
   be.moe_permutation(MoePermutationArgs{s.expert_offsets, s.sorted_pair, s.pair_row, s.topk_index, e});
   s.routed_x = ctx.alloc({n * k, hidden_});
   be.moe_permute(s.routed_x, x, s.sorted_pair, k);
+  Tensor offsets_host({e + 1}, DType::kI32);
+  be.copy(offsets_host, s.expert_offsets);
+  const int32_t* offsets = offsets_host.ptr<int32_t>();
 
-  // Experts, then combine.
+  // Experts (on the ranks that hold them), then combine.
   s.routed_out = ctx.alloc({n * k, hidden_});
-  experts.forward(ctx, s.routed_out, s.routed_x, s.expert_offsets);
+  if (dispatch_) {
+    s.local_offsets = dispatch_->plan(ctx, offsets);
+    s.local_x = ctx.alloc({dispatch_->local_rows(), hidden_});
+    dispatch_->to_experts(ctx, s.local_x, s.routed_x);
+    Tensor local_out = ctx.alloc({dispatch_->local_rows(), hidden_});
+    experts.forward(ctx, local_out, s.local_x, s.local_offsets);
+    dispatch_->from_experts(ctx, s.routed_out, local_out);
+  } else {
+    experts.forward(ctx, s.routed_out, s.routed_x, s.expert_offsets);
+  }
   be.moe_combine(MoeCombineArgs{out, s.routed_out, s.topk_weight, s.pair_row});
   if (shared) {
     Tensor shared_out = ctx.alloc({n, hidden_});
@@ -124,9 +141,6 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
   }
 
   // Load statistics: max over experts of (tokens routed / mean tokens per expert).
-  Tensor offsets_host({e + 1}, DType::kI32);
-  be.copy(offsets_host, s.expert_offsets);
-  const int32_t* offsets = offsets_host.ptr<int32_t>();
   int64_t max_count = 0;
   for (int64_t i = 0; i < e; ++i) max_count = std::max<int64_t>(max_count, offsets[i + 1] - offsets[i]);
   stats_.max_expert_load = n > 0 ? static_cast<double>(max_count) * e / static_cast<double>(n * k) : 0.0;
@@ -168,7 +182,16 @@ void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const Tenso
   be.moe_combine_backward(
       MoeCombineBackwardArgs{drouted_out, dtopk_weight, dout, s.routed_out, s.topk_weight, s.pair_row});
   Tensor drouted_x = ctx.alloc({n * k, hidden_});
-  experts.backward(ctx, drouted_x, drouted_out, s.routed_x, s.expert_offsets, false);
+  if (dispatch_) {
+    // The gradients retrace the rows' journey: to the experts' ranks, through the experts, back.
+    Tensor dlocal_out = ctx.alloc({dispatch_->local_rows(), hidden_});
+    dispatch_->to_experts(ctx, dlocal_out, drouted_out);
+    Tensor dlocal_x = ctx.alloc({dispatch_->local_rows(), hidden_});
+    experts.backward(ctx, dlocal_x, dlocal_out, s.local_x, s.local_offsets, false);
+    dispatch_->from_experts(ctx, drouted_x, dlocal_x);
+  } else {
+    experts.backward(ctx, drouted_x, drouted_out, s.routed_x, s.expert_offsets, false);
+  }
   be.moe_unpermute_sum(dx, drouted_x, s.pair_row, k, true);
 
   Tensor dlogits = ctx.alloc_accum({n, e});

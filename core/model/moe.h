@@ -12,7 +12,9 @@
 #include <random>
 
 #include "core/model/dense_ffn.h"
+#include "core/model/expert_dispatch.h"
 #include "core/model/layer.h"
+#include "core/model/parallel_groups.h"
 #include "core/model/model_spec.h"
 #include "core/model/swiglu_experts.h"
 
@@ -20,7 +22,8 @@ namespace moetrain {
 
 class MoeFfn final : public FeedForward {
  public:
-  MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx);
+  // `parallel` (may be null: one rank) decides which experts this rank holds.
+  MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, const ParallelGroups* parallel);
 
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
@@ -37,7 +40,7 @@ class MoeFfn final : public FeedForward {
 
   Tensor router_weight;  // [E, D], frozen (mlp.gate.weight)
   Tensor score_bias;     // [E] (mlp.gate.e_score_correction_bias), selection only
-  SwigluExperts experts;
+  SwigluExperts experts;             // this rank's experts (all of them without expert parallelism)
   std::unique_ptr<DenseFfn> shared;  // null without shared experts
 
  private:
@@ -47,11 +50,13 @@ class MoeFfn final : public FeedForward {
   uint64_t noise_seed_ = 0;
   double aux_loss_weight_ = 1.0;
   FeedForwardStats stats_;
+  std::unique_ptr<ExpertDispatch> dispatch_;  // null without expert parallelism
 
   struct Saved {
     Tensor scores, topk_index, topk_weight;
     Tensor expert_offsets, sorted_pair, pair_row;
     Tensor routed_x, routed_out;  // [tokens * top_k, D], expert order
+    Tensor local_x, local_offsets;  // under expert parallelism: the rows this rank's experts ran
     Tensor aux_dscores;           // dL_aux/dscores, already weighted; empty without aux loss
   } saved_;
 };

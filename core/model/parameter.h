@@ -14,6 +14,9 @@ struct Parameter {
   Tensor value;
   Tensor grad;            // accumulated over micro-batches; zeroed by the optimizer step
   bool weight_decay = true;
+  // Held by this rank's expert block only (routed-expert adapters under expert parallelism):
+  // global sums over parameters (the gradient norm) add the other blocks' parts.
+  bool expert_partitioned = false;
 };
 
 }  // namespace moetrain

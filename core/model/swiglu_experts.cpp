@@ -47,16 +47,17 @@ const char* SwigluExperts::projection_name(Projection p) {
 }
 
 void SwigluExperts::add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend,
-                             std::mt19937_64& rng) {
+                             uint64_t seed) {
   int64_t in = p == kDown ? width_ : hidden_;
   int64_t out = p == kDown ? hidden_ : width_;
   std::string name = prefix_ + "." + projection_name(p);
-  if (groups_ == 1) {
+  auto group_rng = [&](int64_t g) { return std::mt19937_64(seed ^ (0x9e3779b97f4a7c15ull * (first_group_ + g + 1))); };
+  if (!routed_) {
+    auto rng = group_rng(0);
     lora[p] = make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
     return;
   }
-  // Stacked: one adapter per expert, drawn expert by expert so expert e's initial A is the
-  // same whatever the number of experts a rank holds.
+  // Stacked: one adapter per expert.
   auto adapter = std::make_unique<LoraAdapter>();
   adapter->scale = settings.scale();
   adapter->a.name = name + ".lora_A.weight";
@@ -66,6 +67,7 @@ void SwigluExperts::add_lora(Projection p, const LoraSettings& settings, DType d
   adapter->a.grad = Tensor({groups_, settings.rank, in}, dtype, backend.allocator());
   adapter->b.grad = Tensor({groups_, out, settings.rank}, dtype, backend.allocator());
   for (int64_t g = 0; g < groups_; ++g) {
+    auto rng = group_rng(g);
     auto one = make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
     backend.copy(adapter->a.value.view().slice_rows(g, g + 1).reshaped({settings.rank, in}), one->a.value);
   }

@@ -24,20 +24,27 @@ class SwigluExperts {
   enum Projection { kGate = 0, kUp = 1, kDown = 2 };
   static const char* projection_name(Projection p);
 
-  SwigluExperts(std::string prefix, int64_t groups, int64_t hidden, int64_t width)
-      : prefix_(std::move(prefix)), groups_(groups), hidden_(hidden), width_(width) {}
+  // `routed`: the groups are routed experts [first_group, first_group + groups) of the model,
+  // whose adapters are always stacked 3-D tensors (also when a rank holds a single expert).
+  SwigluExperts(std::string prefix, int64_t groups, int64_t hidden, int64_t width, bool routed = false,
+                int64_t first_group = 0)
+      : prefix_(std::move(prefix)), groups_(groups), hidden_(hidden), width_(width), routed_(routed),
+        first_group_(first_group) {}
 
   const std::string& prefix() const { return prefix_; }  // e.g. model.layers.1.mlp.experts
   int64_t groups() const { return groups_; }
   int64_t hidden() const { return hidden_; }
   int64_t width() const { return width_; }
+  bool routed() const { return routed_; }
+  int64_t first_group() const { return first_group_; }
 
   Tensor gate_up;  // [G, 2F, D], frozen
   Tensor down;     // [G, D, F], frozen
   std::array<std::unique_ptr<LoraAdapter>, 3> lora;  // per projection; null: none
 
-  void add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend,
-                std::mt19937_64& rng);
+  // Adapters on projection p, initialised as PEFT does; group g's A is drawn from a generator
+  // seeded by (seed, first_group + g), so an expert starts the same whichever rank holds it.
+  void add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend, uint64_t seed);
 
   // out [R, D] = FFN(x [R, D]) per group; group_offsets int32 [G + 1] on the device.
   // Saves what backward needs (the gate/up pre-activations and the SwiGLU output).
@@ -58,6 +65,8 @@ class SwigluExperts {
   int64_t groups_;
   int64_t hidden_;
   int64_t width_;
+  bool routed_;
+  int64_t first_group_;
   Tensor saved_gate_up_;  // [R, 2F] pre-activations
   Tensor saved_hidden_;   // [R, F] SwiGLU output
 };

@@ -27,9 +27,14 @@ AdamW::AdamW(const std::vector<Parameter*>& params, const AdamWOptions& options,
 }
 
 double AdamW::global_grad_norm() {
-  double sum = 0.0;
-  for (Parameter* param : params_) sum += backend_.sum_squares(param->grad);
-  return std::sqrt(sum);
+  double replicated = 0.0, partitioned = 0.0;
+  for (Parameter* param : params_) {
+    (param->expert_partitioned ? partitioned : replicated) += backend_.sum_squares(param->grad);
+  }
+  // Under expert parallelism each rank holds one block of the expert adapters: their squares
+  // add up over the blocks (the identity on one rank).
+  if (sum_over_expert_blocks_) partitioned = sum_over_expert_blocks_(partitioned);
+  return std::sqrt(replicated + partitioned);
 }
 
 double AdamW::clip_gradients(double max_norm) {

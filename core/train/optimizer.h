@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,8 +38,12 @@ class AdamW {
   // defined grad of the value's shape and dtype and unique names (checked: a bug otherwise).
   AdamW(const std::vector<Parameter*>& params, const AdamWOptions& options, kernels::Backend& backend);
 
-  // sqrt(sum over parameters of sum(grad^2)), in parameter order.
+  // sqrt(sum over parameters of sum(grad^2)), in parameter order; the expert_partitioned
+  // parameters' part goes through `sum_over_expert_blocks` when set (expert parallelism).
   double global_grad_norm();
+  void set_expert_block_sum(std::function<double(double)> sum_over_expert_blocks) {
+    sum_over_expert_blocks_ = std::move(sum_over_expert_blocks);
+  }
 
   // Scales every grad by max_norm / norm when the global norm exceeds max_norm. Returns the
   // norm before clipping. max_norm <= 0 disables the scaling (the norm is still returned). A
@@ -61,6 +66,7 @@ class AdamW {
   const AdamWOptions& options() const { return options_; }
 
  private:
+  std::function<double(double)> sum_over_expert_blocks_;
   struct Moments {
     Tensor exp_avg;
     Tensor exp_avg_sq;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -13,7 +14,7 @@
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "core/train/metrics.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/data_source.h"
 #include "core/train/trainer.h"
 #include "kernels/ops.h"
 
@@ -62,10 +63,6 @@ int run_training(Runtime& runtime, const Config& config) {
                  fmt::format("this build trains on one rank only (distributed training is not implemented yet), "
                              "but the job has {} ranks: run without mpirun/srun or with one process",
                              runtime.world()));
-  MOETRAIN_CHECK(config.data.source == "synthetic", ExitCode::kBadConfig,
-                 fmt::format("data.source \"{}\": only the built-in synthetic data is supported so far; "
-                             "use data.source=synthetic",
-                             config.data.source));
   ModelSpec spec = resolve_model_spec(config);
   std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
 
@@ -75,7 +72,7 @@ int run_training(Runtime& runtime, const Config& config) {
   options.seed = static_cast<uint64_t>(config.train.seed);
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
   options.lora_targets = config.lora.targets;
-  options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum);
+  options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum * runtime.world());
   Model model(spec, *backend, options);
   if (spec.config.hf_dir) {
     HfCheckpoint checkpoint(*spec.config.hf_dir);
@@ -96,26 +93,31 @@ int run_training(Runtime& runtime, const Config& config) {
                         spec.config.num_layers, spec.config.hidden_size, spec.config.moe.num_experts,
                         spec.config.moe.top_k, model.parameters().size(), trainable));
 
-  SyntheticData data(config.data, spec.config.vocab_size, runtime.rank(), runtime.world());
+  // data.source: synthetic, a dataset prefix or a mixture (core/data/data_source.h, docs/DATA.md).
+  std::unique_ptr<DataSource> data = make_data_source(config.data, spec.config.vocab_size, runtime.rank(),
+                                                      runtime.world());
+  log::info("data: " + data->describe());
   write_resolved_config(config);
   MetricsWriter metrics(config.logging.run_dir);
   TrainerOptions trainer_options;
   trainer_options.train = config.train;
   trainer_options.data = config.data;
   trainer_options.logging = config.logging;
-  trainer_options.loss_floor = data.entropy_floor_nats();
-  Trainer trainer(trainer_options, model, [&data] { return data.next(); }, &metrics);
+  trainer_options.loss_floor = data->loss_floor();
+  Trainer trainer(trainer_options, model, [&data] { return data->next(); }, &metrics);
   std::unique_ptr<CheckpointGroup> group =
       runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
-  DataCursorAccess cursor{[&data] { return data.cursor(); }, [&data](uint64_t c) { data.seek(c); }, {}, {}};
+  DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); }, {}, {}};
   CheckpointSession checkpoints(config, *group, trainer, *backend, cursor);
   checkpoints.resume();
   trainer.set_after_step([&checkpoints](const StepRecord&) { checkpoints.after_step(); });
   std::vector<double> losses = trainer.run();
   checkpoints.finish();
   if (!losses.empty()) {
-    log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps (data entropy floor {:.4f}); metrics in {}",
-                          losses.front(), losses.back(), losses.size(), data.entropy_floor_nats(), metrics.path()));
+    const double floor = data->loss_floor();
+    log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}; metrics in {}", losses.front(), losses.back(),
+                          losses.size(), std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor),
+                          metrics.path()));
   }
   return 0;
 }

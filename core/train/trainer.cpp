@@ -24,6 +24,7 @@ Trainer::Trainer(const TrainerOptions& options, TrainableModel& model, BatchSour
   adamw.eps = options_.train.eps;
   adamw.weight_decay = options_.train.weight_decay;
   optimizer_ = std::make_unique<AdamW>(model_.parameters(), adamw, model_.backend());
+  optimizer_->set_expert_block_sum([this](double local) { return model_.sum_over_expert_blocks(local); });
 }
 
 std::vector<double> Trainer::run() {
@@ -55,6 +56,9 @@ StepRecord Trainer::train_step() {
     record.tokens += batches.back().num_tokens();
   }
 
+  // Every target token of the step weighs the same on every data-parallel rank.
+  record.targets = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.targets)));
+  record.tokens = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.tokens)));
   const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
   double loss_sum = 0.0;
   for (const Batch& batch : batches) {
@@ -63,6 +67,8 @@ StepRecord Trainer::train_step() {
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     record.aux_loss += result.aux_loss / static_cast<double>(batches.size());
   }
+  model_.reduce_gradients();
+  loss_sum = model_.sum_over_data_ranks(loss_sum);
   record.loss = record.targets > 0 ? loss_sum / static_cast<double>(record.targets) : 0.0;
   record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);
 

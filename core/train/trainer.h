@@ -46,6 +46,13 @@ class TrainableModel {
   // to every parameter's grad (plus the aux loss's gradient, by the model's own scaling).
   virtual StepResult forward_backward(const Batch& batch, double grad_scale) = 0;
   virtual kernels::Backend& backend() = 0;
+
+  // Data parallelism (each is the identity on one rank): a value summed over all data-parallel
+  // ranks; a value summed over the expert blocks (parameters with expert_partitioned); and the
+  // reduction of the step's gradients across ranks, after the last micro-batch's backward.
+  virtual double sum_over_data_ranks(double local) { return local; }
+  virtual double sum_over_expert_blocks(double local) { return local; }
+  virtual void reduce_gradients() {}
 };
 
 struct TrainerOptions {

@@ -1,0 +1,188 @@
+// Distributed training equals single-rank training (DESIGN.md §4): run under mpirun with a
+// (fsdp, ep) layout, every rank trains the tiny MLA + MoE model on its share of the data for 3
+// optimizer steps, and checks against a single-process run of the same model on all ranks'
+// data together (computed locally on each rank, no communication):
+//   - the first step's adapter gradients (after the cross-rank reduction), every tensor, and
+//   - the loss of every step,
+// to 1e-5 relative (reduction order differs). Routing cases:
+//   natural     the router as initialised
+//   one_expert  a large selection bias on expert 0: every token picks it first, so under expert
+//               parallelism the other blocks get far fewer rows and some get none at all.
+//
+//   mpirun -np W distributed_equivalence FSDP EP natural|one_expert
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "core/base/log.h"
+#include "core/model/model.h"
+#include "core/train/optimizer.h"
+#include "core/train/synthetic_data.h"
+#include "kernels/ops.h"
+#include "parallel/comm.h"
+#include "parallel/mesh.h"
+#include "parallel/runtime.h"
+#include "tiny_model.h"
+
+namespace moetrain {
+namespace {
+
+constexpr int kSteps = 3;
+constexpr double kTolerance = 1e-5;
+
+Config test_config(int64_t micro_batch) {
+  Config config = testing::tiny_model_config(/*q_lora=*/true);
+  config.model.moe.num_experts = 8;  // divisible by every ep of the test matrix
+  config.model.moe.num_groups = 2;
+  config.model.moe.aux_loss_coef = 0.01;
+  config.data.seq_len = 8;
+  config.data.micro_batch = micro_batch;
+  return config;
+}
+
+ModelOptions model_options(const ParallelGroups* parallel, int world) {
+  ModelOptions options;
+  options.aux_loss_weight = 1.0 / world;  // the aux loss is a mean over every rank's sequences
+  options.dtype = DType::kF64;
+  options.lora = LoraSettings{4, 8.0, false};
+  options.lora_targets = testing::all_lora_targets(true);
+  options.parallel = parallel;
+  return options;
+}
+
+// Non-zero adapters everywhere (B = 0 would hide most gradient paths), identical on every rank
+// for the same global expert.
+void prepare(Model& model, const std::string& routing) {
+  model.init_random_weights();
+  kernels::Backend& be = model.backend();
+  for (Parameter* p : model.parameters()) {
+    Tensor host(p->value.shape(), DType::kF64);
+    const int64_t per_group = p->value.shape().ndim() == 3 ? host.numel() / p->value.size(0) : host.numel();
+    const int64_t first = p->value.shape().ndim() == 3 && model.options().parallel
+                              ? model.options().parallel->first_expert() * per_group
+                              : 0;
+    for (int64_t i = 0; i < host.numel(); ++i) {
+      uint64_t x = std::hash<std::string>{}(p->name) ^ static_cast<uint64_t>(first + i) * 0x9e3779b97f4a7c15ull;
+      x ^= x >> 31;
+      x *= 0xbf58476d1ce4e5b9ull;
+      x ^= x >> 29;
+      host.ptr<double>()[i] = 0.05 + 0.25 * static_cast<double>(x % 1000) / 1000.0 * (x & 1 ? 1 : -1);
+    }
+    be.copy(p->value, host);
+  }
+  if (routing == "one_expert") {
+    for (const WeightSlot& slot : model.weight_slots()) {
+      if (slot.name.find("e_score_correction_bias") == std::string::npos) continue;
+      Tensor bias(slot.tensor->shape(), DType::kF64);
+      for (int64_t e = 0; e < bias.numel(); ++e) bias.ptr<double>()[e] = e == 0 ? 10.0 : 0.0;
+      be.copy(*slot.tensor, bias);
+    }
+  }
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<Tensor> first_grads;  // host F64, after the step's reduction
+};
+
+// The trainer's step, written out so the gradients can be read before the update.
+Run train(Model& model, SyntheticData& data) {
+  Run run;
+  AdamW optimizer(model.parameters(), AdamWOptions{}, model.backend());
+  optimizer.set_expert_block_sum([&](double local) { return model.sum_over_expert_blocks(local); });
+  for (int step = 0; step < kSteps; ++step) {
+    Batch batch = data.next();
+    double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
+    StepResult result = model.forward_backward(batch, 1.0 / targets);
+    model.reduce_gradients();
+    run.losses.push_back(model.sum_over_data_ranks(result.loss_sum) / targets);
+    if (step == 0) {
+      for (Parameter* p : model.parameters()) {
+        Tensor g(p->grad.shape(), DType::kF64);
+        model.backend().copy(g, p->grad);
+        run.first_grads.push_back(std::move(g));
+      }
+    }
+    optimizer.clip_gradients(1.0);
+    optimizer.step(1e-2);
+  }
+  return run;
+}
+
+double relative_error(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-12); }
+
+int run_test(Runtime& runtime, int argc, char** argv) {
+  MOETRAIN_CHECK(argc == 4, ExitCode::kBadConfig, "usage: distributed_equivalence FSDP EP natural|one_expert");
+  ParallelConfig parallel;
+  parallel.fsdp = std::stoi(argv[1]);
+  parallel.ep = std::stoi(argv[2]);
+  const std::string routing = argv[3];
+  const int world = runtime.world();
+
+  // The distributed run: one window per rank per step.
+  Config config = test_config(1);
+  ModelSpec spec = resolve_model_spec(config);
+  MeshLayout layout(world, parallel, spec.config.moe.num_experts);
+  DeviceMesh mesh(layout);
+  MpiCommunicator data_comm(mesh.world_comm()), ep_comm(mesh.ep_comm()), replica_comm(mesh.expert_replica_comm());
+  ParallelGroups groups;
+  groups.coordinates = mesh.coordinates();
+  groups.data = &data_comm;
+  groups.ep = &ep_comm;
+  groups.expert_replica = &replica_comm;
+  auto backend = kernels::make_cpu_backend();
+  Model model(spec, *backend, model_options(&groups, world));
+  prepare(model, routing);
+  SyntheticData data(config.data, spec.config.vocab_size, runtime.rank(), world);
+  Run distributed = train(model, data);
+
+  // The reference: one process, every rank's windows in one batch.
+  Config reference_config = test_config(world);
+  Model reference(spec, *backend, model_options(nullptr, 1));
+  prepare(reference, routing);
+  SyntheticData reference_data(reference_config.data, spec.config.vocab_size, 0, 1);
+  Run single = train(reference, reference_data);
+
+  int failures = 0;
+  for (int s = 0; s < kSteps; ++s) {
+    double err = relative_error(distributed.losses[s], single.losses[s]);
+    if (err > kTolerance) {
+      ++failures;
+      log::error(fmt::format("step {} loss {:.12g} vs single-rank {:.12g} (relative error {:.2e})", s + 1,
+                             distributed.losses[s], single.losses[s], err));
+    }
+  }
+  std::vector<Parameter*> params = model.parameters();
+  std::vector<Parameter*> reference_params = reference.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& ours = distributed.first_grads[i];
+    const Tensor& full = single.first_grads[i];
+    // A routed-expert adapter holds this rank's experts only: compare with that slice.
+    int64_t offset = 0;
+    if (ours.shape().ndim() == 3) offset = groups.first_expert() * (ours.numel() / ours.size(0));
+    double scale = 0.0, worst = 0.0;
+    for (int64_t j = 0; j < full.numel(); ++j) scale = std::max(scale, std::fabs(full.ptr<double>()[j]));
+    for (int64_t j = 0; j < ours.numel(); ++j)
+      worst = std::max(worst, std::fabs(ours.ptr<double>()[j] - full.ptr<double>()[offset + j]));
+    if (!(worst <= kTolerance * scale) || scale == 0.0) {
+      ++failures;
+      log::error(fmt::format("gradient of {} differs: max |diff| {:.3e} vs scale {:.3e}", params[i]->name, worst, scale));
+    }
+  }
+  const int total_failures = static_cast<int>(model.sum_over_data_ranks(failures));
+  if (runtime.is_root()) {
+    std::printf("distributed_equivalence world %d fsdp %lld ep %lld %s: %d parameters, %d steps: %s (losses %.10f %.10f %.10f)\n",
+                world, static_cast<long long>(parallel.fsdp), static_cast<long long>(parallel.ep), routing.c_str(),
+                static_cast<int>(params.size()), kSteps, total_failures == 0 ? "EQUAL" : "DIFFERENT",
+                distributed.losses[0], distributed.losses[1], distributed.losses[2]);
+  }
+  return total_failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace moetrain
+
+int main(int argc, char** argv) { return moetrain::run_main(argc, argv, moetrain::run_test); }
