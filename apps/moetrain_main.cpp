@@ -4,6 +4,7 @@
 //   moetrain train    --config FILE [--set key.path=value]... [--resume auto|none|PATH]
 //                     [--init-adapter PEFT_DIR]
 //   moetrain export   --checkpoint DIR --out ADAPTER_DIR
+//   moetrain plan     --config FILE --world N [--set ...] [--json] [--gpu-gb G]  (core/plan)
 //
 // Both load the config strictly, apply the overrides, check it against the job's world size
 // and print the resolved config on stdout. Exit codes: 0 done, 1 internal error, 2 bad config
@@ -23,6 +24,8 @@
 #include "core/base/log.h"
 #include "core/checkpoint/adapter_export.h"
 #include "core/config/config.h"
+#include "core/data/data_stats.h"
+#include "core/plan/memory_plan.h"
 #include "core/train/run_training.h"
 #include "parallel/runtime.h"
 
@@ -37,6 +40,10 @@ const char* const kUsage =
     "      train as the config says (--init-adapter: start the LoRA weights from a PEFT adapter)\n"
     "  moetrain export --checkpoint DIR --out ADAPTER_DIR\n"
     "      write a checkpoint's LoRA weights as a PEFT adapter (DIR: a step_<N> or a checkpoint root)\n"
+    "  moetrain plan --config FILE --world N [--set key.path=value]... [--json] [--gpu-gb G]\n"
+    "      per-rank memory and communication of the config on N ranks, without a GPU\n"
+    "  moetrain data-stats FILE_PREFIX\n"
+    "      documents, tokens, loss-mask ratio and length histogram of a dataset (FILE_PREFIX.bin/.idx)\n"
     "  moetrain help\n"
     "--set takes a YAML value and may repeat: --set train.lr=1e-4 --set model.layers=[mla,kda]\n";
 
@@ -48,6 +55,8 @@ struct CommandLine {
   std::optional<int> world;             // validate only
   std::optional<std::string> init_adapter;  // train only
   std::string checkpoint, out;          // export only
+  bool json = false;                    // plan only: JSON instead of the table
+  double gpu_gb = 141.0;                // plan only: memory of one GPU
 };
 
 // Prints the usage (first rank only, so a launch of many ranks prints it once) and throws the
@@ -65,8 +74,8 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
     cli.command = "help";
     return cli;
   }
-  if (cli.command != "validate" && cli.command != "train" && cli.command != "export") {
-    usage_error(runtime, "unknown command `" + cli.command + "` (commands: validate, train, export, help)");
+  if (cli.command != "validate" && cli.command != "train" && cli.command != "export" && cli.command != "plan") {
+    usage_error(runtime, "unknown command `" + cli.command + "` (commands: validate, train, export, plan, help)");
   }
 
   // The command stands in for the program name, so cxxopts sees only its flags.
@@ -81,6 +90,9 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
   } else if (cli.command == "export") {
     options.add_options()("checkpoint", "a checkpoint directory", cxxopts::value<std::string>())(
         "out", "the adapter directory to write", cxxopts::value<std::string>());
+  } else if (cli.command == "plan") {
+    options.add_options()("world", "plan for a job of this many ranks", cxxopts::value<int>())(
+        "json", "print JSON instead of the table")("gpu-gb", "memory of one GPU in GB", cxxopts::value<double>());
   } else {
     options.add_options()("world", "check for a job of this many ranks", cxxopts::value<int>());
   }
@@ -105,6 +117,12 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
     if (result.count("resume")) cli.resume = result["resume"].as<std::string>();
     if (result.count("world")) cli.world = result["world"].as<int>();
     if (result.count("init-adapter")) cli.init_adapter = result["init-adapter"].as<std::string>();
+    if (cli.command == "plan") {
+      if (!result.count("world")) usage_error(runtime, "`moetrain plan` needs --world N");
+      cli.json = result.count("json") > 0;
+      if (result.count("gpu-gb")) cli.gpu_gb = result["gpu-gb"].as<double>();
+      if (!(cli.gpu_gb > 0)) usage_error(runtime, "--gpu-gb must be positive");
+    }
   } catch (const cxxopts::exceptions::exception& e) {
     usage_error(runtime, e.what());
   }
@@ -130,6 +148,8 @@ void print_resolved(const Runtime& runtime, const Config& config) {
 }
 
 int run_command(Runtime& runtime, int argc, char** argv) {
+  // data-stats takes a dataset, not a config: core/data/data_stats.h parses its arguments.
+  if (argc >= 2 && std::string(argv[1]) == "data-stats") return data_stats_command(argc - 1, argv + 1);
   CommandLine cli = parse_command_line(runtime, argc, argv);
   if (cli.command == "help") {
     if (runtime.is_root()) std::cout << kUsage;
@@ -141,6 +161,14 @@ int run_command(Runtime& runtime, int argc, char** argv) {
   }
   const int world = cli.world.value_or(runtime.world());
   Config config = load_checked_config(cli, world);
+  if (cli.command == "plan") {
+    PlanOptions options;
+    options.world = world;
+    options.gpu_bytes = cli.gpu_gb * 1e9;
+    MemoryPlan plan = make_memory_plan(config, options);
+    if (runtime.is_root()) std::cout << (cli.json ? plan_to_json(plan) + "\n" : format_plan(plan)) << std::flush;
+    return 0;
+  }
   print_resolved(runtime, config);
   if (cli.command == "validate") {
     log::info("config " + cli.config_path + " is valid for a job of " + std::to_string(world) +

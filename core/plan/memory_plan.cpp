@@ -1,0 +1,237 @@
+// The numbers of `moetrain plan` (formulas explained in docs/PLAN.md).
+#include "core/plan/memory_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "parallel/mesh.h"
+
+namespace moetrain {
+namespace {
+
+constexpr double kBf16 = 2.0;
+constexpr double kF32 = 4.0;
+constexpr double kI32 = 4.0;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bytes per token a layer's forward saves for its backward, from what the model code keeps
+// (Model::LayerSaved, MlaAttention::Saved, MoeFfn::Saved, SwigluExperts); `a` is the
+// activation dtype size, statistics (rstd, lse) are F32, indices I32.
+struct LayerActivation {
+  double bytes = 0;
+  bool estimated = false;
+};
+
+LayerActivation layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity,
+                                      const UnbuiltShapes& u) {
+  const ModelConfig& m = spec.config;
+  const MlaConfig& mla = m.mla;
+  const double d = static_cast<double>(m.hidden_size);
+  const double h = static_cast<double>(mla.num_heads);
+  const double qk = static_cast<double>(mla.qk_nope_head_dim + mla.qk_rope_head_dim);
+  const double v = static_cast<double>(mla.v_head_dim);
+  LayerActivation out;
+  // Layer: normed_in, hidden, normed_mid [D] and two rstd.
+  out.bytes = 3 * d * a + 2 * kF32;
+  if (spec.mixers[i] == MixerKind::kKda) {
+    // Estimate: q, k, v before and after the conv, the decay g [H d], beta [H], the gate and the
+    // pre-norm output [H d], plus the chunk states (one H x d x d F32 state per 64-token chunk).
+    out.bytes += 9 * h * v * a + h * a + h * v * v * kF32 / 64.0;
+    out.estimated = true;
+  } else {
+    const double q_rank = static_cast<double>(mla.q_lora_rank.value_or(0));
+    const double kv_rank = static_cast<double>(mla.kv_lora_rank);
+    if (q_rank > 0) out.bytes += 2 * q_rank * a + kF32;  // q_a, q_a_normed, rstd
+    out.bytes += 2 * kv_rank * a + kF32;                 // kv_latent, kv_normed, rstd
+    out.bytes += 2 * h * qk * a + 2 * h * v * a + h * kF32;  // q, k, v, attn, lse
+    if (m.attention_gate != "none") {
+      out.bytes += (m.attention_gate == "headwise" ? h : h * v) * a;
+      out.estimated = true;
+    }
+    if (spec.mixers[i] == MixerKind::kDsa) {
+      // Estimate: indexer q [Hi di], k [di], head weights [Hi], the selected key indices.
+      out.bytes += (static_cast<double>(u.dsa_indexer_heads * u.dsa_indexer_head_dim + u.dsa_indexer_head_dim +
+                                        u.dsa_indexer_heads)) * a +
+                   static_cast<double>(u.dsa_top_k) * kI32;
+      out.estimated = true;
+    }
+  }
+  if (spec.ffns[i] == FfnKind::kDense) {
+    out.bytes += 3 * static_cast<double>(m.intermediate_size) * a;  // gate_up pre-activations, SwiGLU output
+  } else {
+    const MoeConfig& moe = m.moe;
+    const double e = static_cast<double>(moe.num_experts);
+    const double k = static_cast<double>(moe.top_k);
+    const double f = static_cast<double>(moe.expert_intermediate_size);
+    out.bytes += e * a + k * a + k * kI32 * 3;  // scores, topk weight, topk index, sorted_pair, pair_row
+    if (moe.aux_loss_coef > 0) out.bytes += e * a;
+    // Routed rows (received from the EP group): routed_x, routed_out, gate_up, SwiGLU output.
+    out.bytes += capacity * k * (2 * d + 3 * f) * a;
+    out.bytes += 3 * f * static_cast<double>(moe.num_shared_experts) * a;
+  }
+  return out;
+}
+
+void add(std::vector<PlanItem>& items, std::string name, double bytes, std::string formula, bool estimated = false) {
+  items.push_back(PlanItem{std::move(name), bytes, std::move(formula), estimated});
+}
+
+double sum(const std::vector<PlanItem>& items) {
+  double total = 0;
+  for (const PlanItem& item : items) total += item.bytes;
+  return total;
+}
+
+}  // namespace
+
+double MemoryPlan::fixed_bytes() const { return sum(fixed); }
+double MemoryPlan::per_token_bytes(bool with_recompute) const {
+  return sum(with_recompute ? per_token_recompute : per_token_full);
+}
+double MemoryPlan::peak_bytes(bool with_recompute) const {
+  return fixed_bytes() + per_token_bytes(with_recompute) * static_cast<double>(tokens_per_micro_batch);
+}
+int64_t MemoryPlan::max_tokens(bool with_recompute) const {
+  const double room = usable_bytes - fixed_bytes();
+  if (room <= 0) return 0;
+  return static_cast<int64_t>(std::floor(room / per_token_bytes(with_recompute)));
+}
+double MemoryPlan::communication_bytes() const { return sum(communication); }
+
+MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
+  const ModelSpec spec = plan_model_spec(config.model);
+  const ModelConfig& m = spec.config;
+  const MeshLayout mesh(options.world, config.parallel, m.moe.num_experts,
+                        config.source_path.empty() ? "config" : config.source_path);
+  const UnbuiltShapes unbuilt;
+  const double a = static_cast<double>(options.activation_bytes);
+
+  MemoryPlan plan;
+  plan.world = mesh.world();
+  plan.fsdp = mesh.fsdp();
+  plan.ep = mesh.ep();
+  plan.replicate = mesh.replicate();
+  plan.prefetch = static_cast<int>(config.parallel.prefetch);
+  plan.recompute = config.parallel.recompute;
+  plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len;
+  plan.micro_batches = config.data.grad_accum;
+  plan.local_experts = mesh.experts_per_rank();
+  plan.params = count_model_parameters(spec, unbuilt);
+  plan.lora = count_lora_parameters(spec, config.lora);
+  plan.gpu_bytes = options.gpu_bytes;
+  plan.usable_bytes = options.gpu_bytes * (1.0 - options.reserve_fraction);
+  const ModelParameterCount& p = plan.params;
+  const LoraParameterCount& lora = plan.lora;
+  const int64_t fsdp = plan.fsdp;
+  const int64_t moe_layers = lora.num_moe_layers;
+  const bool any_estimate = p.estimated() > 0;
+
+  // FSDP buckets: one per layer (its non-expert weights), plus the embedding, the head and the
+  // final norm; each padded to a multiple of fsdp.
+  std::vector<int64_t> buckets = {p.embedding, p.lm_head + p.final_norm};
+  int64_t largest_layer = 0;
+  for (const LayerParameterCount& l : p.layers) {
+    buckets.push_back(l.non_expert());
+    largest_layer = std::max(largest_layer, l.non_expert());
+  }
+  int64_t shard_elements = 0;
+  for (int64_t b : buckets) shard_elements += ceil_div(b, fsdp);
+  add(plan.fixed, "frozen weight shards (bf16)", shard_elements * kBf16,
+      fmt::format("sum over {} buckets of ceil(bucket / fsdp {}) x 2 B; non-expert weights {:.3g}", buckets.size(),
+                  fsdp, static_cast<double>(p.non_expert())),
+      any_estimate);
+  const int64_t largest_edge = std::max(p.embedding, p.lm_head);
+  const int64_t gathered = std::max((plan.prefetch + 1) * largest_layer, largest_edge);
+  add(plan.fixed, "gathered weights (bf16)", fsdp > 1 ? gathered * kBf16 : 0.0,
+      fmt::format("max((prefetch {} + 1) x largest layer {:.3g}, embedding/head {:.3g}) x 2 B; 0 when fsdp = 1",
+                  plan.prefetch, static_cast<double>(largest_layer), static_cast<double>(largest_edge)),
+      any_estimate);
+  const int64_t expert_elements = p.routed_expert_per_layer() / std::max<int64_t>(1, m.moe.num_experts);
+  const double expert_bytes = static_cast<double>(plan.local_experts * moe_layers * expert_elements) * kBf16;
+  add(plan.fixed, "routed experts (bf16)", expert_bytes,
+      fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x 2 B (MXFP4 would be ~{:.1f} GB)",
+                  plan.local_experts, moe_layers, static_cast<double>(expert_elements), expert_bytes * 4.25 / 16 / 1e9));
+
+  // Adapters: FP32 value, gradient and two Adam moments = 16 B per parameter.
+  int64_t lora_shard = 0;
+  int64_t largest_layer_lora = 0;
+  for (int64_t l : lora.layer_non_expert) {
+    lora_shard += ceil_div(l, fsdp);
+    largest_layer_lora = std::max(largest_layer_lora, l);
+  }
+  add(plan.fixed, "adapters + grads + Adam (fp32, sharded)", lora_shard * 4 * kF32,
+      fmt::format("non-expert LoRA {:.3g} params / fsdp x 16 B", static_cast<double>(lora.non_expert())),
+      lora.estimated > 0);
+  add(plan.fixed, "gathered adapters + their grads (fp32)",
+      fsdp > 1 ? (plan.prefetch + 1) * largest_layer_lora * 2 * kF32 : 0.0,
+      "(prefetch + 1) x largest layer's LoRA x 8 B; 0 when fsdp = 1");
+  const double expert_lora = static_cast<double>(lora.routed_expert_per_layer) /
+                             static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
+                             static_cast<double>(plan.local_experts * moe_layers);
+  add(plan.fixed, "expert adapters + grads + Adam (fp32)", expert_lora * 4 * kF32,
+      fmt::format("{:.3g} params of the local experts x 16 B (replicated over {} expert replicas)", expert_lora,
+                  mesh.expert_replicas()));
+  add(plan.fixed, "loss chunk (fp32 logits)",
+      static_cast<double>(std::min(options.loss_chunk_rows, plan.tokens_per_micro_batch) * m.vocab_size) * kF32,
+      fmt::format("min({}, tokens) x vocab {} x 4 B", options.loss_chunk_rows, m.vocab_size));
+
+  // Per token: activations and EP buffers.
+  double checkpoint = (static_cast<double>(m.num_layers) + 1) * static_cast<double>(m.hidden_size) * a;
+  double saved_sum = 0, saved_max = 0;
+  bool saved_estimated = false;
+  for (size_t i = 0; i < spec.mixers.size(); ++i) {
+    LayerActivation layer = layer_saved_per_token(spec, i, a, options.capacity_factor, unbuilt);
+    saved_sum += layer.bytes;
+    saved_max = std::max(saved_max, layer.bytes);
+    saved_estimated = saved_estimated || layer.estimated;
+  }
+  const double final_part = 2 * static_cast<double>(m.hidden_size) * a + kF32;  // final_hidden, dfinal, rstd
+  const double k = static_cast<double>(m.moe.top_k);
+  const double d = static_cast<double>(m.hidden_size);
+  const double ep_buffers = moe_layers > 0 && plan.ep > 1 ? k * d * a * (1 + options.capacity_factor) : 0.0;
+  plan.ep_receive_worst_case_per_token =
+      plan.ep > 1 ? static_cast<double>(plan.ep) * std::min<double>(k, static_cast<double>(plan.local_experts)) * d * a
+                  : 0.0;
+  for (bool recompute : {true, false}) {
+    std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
+    add(items, "layer inputs (checkpoints)", checkpoint, "(layers + 1) x D x a");
+    if (recompute) {
+      add(items, "one layer's saved tensors (re-run)", saved_max, "max over layers of the saved set", saved_estimated);
+    } else {
+      add(items, "every layer's saved tensors", saved_sum, "sum over layers of the saved set", saved_estimated);
+    }
+    add(items, "backward temporaries of one layer", saved_max, "~ the largest layer's saved set", saved_estimated);
+    add(items, "final norm, its gradient", final_part, "2 x D x a + 4 B");
+    add(items, "EP dispatch buffers", ep_buffers, "top_k x D x a x (send 1 + receive capacity)");
+  }
+
+  // Communication per rank per optimizer step (bytes sent; ring collectives send (n-1)/n).
+  const double fsdp_frac = static_cast<double>(fsdp - 1) / static_cast<double>(fsdp);
+  const double micro = static_cast<double>(plan.micro_batches);
+  add(plan.communication, "FSDP all-gather of frozen weights",
+      micro * 2 * static_cast<double>(p.non_expert()) * kBf16 * fsdp_frac,
+      "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp", any_estimate);
+  add(plan.communication, "reduce-scatter of LoRA grads",
+      micro * static_cast<double>(lora.non_expert()) * kF32 * fsdp_frac,
+      "grad_accum x non-expert LoRA x 4 B x (fsdp-1)/fsdp");
+  add(plan.communication, "all-gather of updated LoRA", static_cast<double>(lora.non_expert()) * kF32 * fsdp_frac,
+      "non-expert LoRA x 4 B x (fsdp-1)/fsdp, once per step");
+  const double rep = static_cast<double>(plan.replicate);
+  add(plan.communication, "all-reduce of LoRA shards over replicas",
+      2 * (rep - 1) / rep * static_cast<double>(lora_shard) * kF32, "2 (r-1)/r x LoRA shard x 4 B, r = replicate");
+  const double replicas = static_cast<double>(mesh.expert_replicas());
+  add(plan.communication, "all-reduce of expert-adapter grads", 2 * (replicas - 1) / replicas * expert_lora * kF32,
+      "2 (r-1)/r x local expert LoRA x 4 B, r = world / ep");
+  const double passes = plan.recompute ? 6 : 4;
+  const double ep_frac = static_cast<double>(plan.ep - 1) / static_cast<double>(plan.ep);
+  add(plan.communication, "EP all-to-all (dispatch + combine)",
+      micro * passes * static_cast<double>(moe_layers) * static_cast<double>(plan.tokens_per_micro_batch) * k * d * a *
+          ep_frac,
+      fmt::format("grad_accum x {} passes x MoE layers x tokens x top_k x D x a x (ep-1)/ep", passes));
+  return plan;
+}
+
+}  // namespace moetrain

@@ -1,0 +1,66 @@
+// `moetrain plan`: per-rank memory and per-step communication of a config on a given world
+// size, computed from the shapes alone (no GPU, no weights). docs/PLAN.md gives every formula.
+//
+// Memory splits into what does not depend on the tokens a rank processes (weight shards,
+// gathered buffers, experts, adapters and optimizer state, the loss chunk) and bytes per token
+// (activations, EP buffers), so the plan can say how many tokens per micro-batch fit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/plan/param_count.h"
+
+namespace moetrain {
+
+struct PlanOptions {
+  int world = 1;
+  double gpu_bytes = 141e9;        // H200: 141 GB
+  double reserve_fraction = 0.08;  // CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
+  double capacity_factor = 1.0;    // routed rows a rank receives / its balanced share
+  int64_t activation_bytes = 2;    // BF16 activations (the CUDA backend's policy)
+  int64_t loss_chunk_rows = 1024;  // ModelOptions::loss_chunk_rows
+};
+
+struct PlanItem {
+  std::string name;
+  double bytes = 0;         // memory: bytes on one rank; communication: bytes one rank sends per step
+  std::string formula;      // how it was computed, in words and symbols
+  bool estimated = false;   // depends on parts the model does not implement yet (kda, dsa, gate)
+};
+
+struct MemoryPlan {
+  // The job.
+  int world = 1, fsdp = 1, ep = 1, replicate = 1, prefetch = 1;
+  bool recompute = true;
+  int64_t tokens_per_micro_batch = 0;  // data.micro_batch x data.seq_len
+  int64_t micro_batches = 1;           // data.grad_accum
+  int64_t local_experts = 0;
+  ModelParameterCount params;
+  LoraParameterCount lora;
+
+  std::vector<PlanItem> fixed;                // per rank, independent of tokens
+  std::vector<PlanItem> per_token_recompute;  // bytes per token of the micro-batch
+  std::vector<PlanItem> per_token_full;       // the same without recompute
+  std::vector<PlanItem> communication;        // bytes sent per rank per optimizer step
+  double ep_receive_worst_case_per_token = 0; // if every peer routed its tokens to this rank
+
+  double gpu_bytes = 0, usable_bytes = 0;
+
+  double fixed_bytes() const;
+  double per_token_bytes(bool with_recompute) const;
+  double peak_bytes(bool with_recompute) const;          // at tokens_per_micro_batch
+  int64_t max_tokens(bool with_recompute) const;          // per micro-batch that fit usable_bytes
+  double communication_bytes() const;
+  bool fits() const { return peak_bytes(recompute) <= usable_bytes; }
+};
+
+// Throws Error(kBadConfig) when the config does not fit the world (mesh rules).
+MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options);
+
+std::string format_plan(const MemoryPlan& plan);       // a readable table
+std::string plan_to_json(const MemoryPlan& plan);      // the same numbers as one JSON object
+
+}  // namespace moetrain

@@ -1,0 +1,198 @@
+#include "core/plan/param_count.h"
+
+#include <fmt/format.h>
+
+#include <set>
+#include <string>
+
+#include "core/base/error.h"
+
+namespace moetrain {
+namespace {
+
+// MLA as core/model/mla.cpp builds it: q (direct, or q_a -> norm -> q_b), kv_a_proj_with_mqa,
+// kv_a norm, kv_b_proj, o_proj.
+int64_t mla_weights(const ModelConfig& m) {
+  const MlaConfig& a = m.mla;
+  const int64_t d = m.hidden_size;
+  const int64_t qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
+  int64_t n = 0;
+  if (a.q_lora_rank) {
+    n += *a.q_lora_rank * d + a.num_heads * qk * *a.q_lora_rank + *a.q_lora_rank;
+  } else {
+    n += a.num_heads * qk * d;
+  }
+  n += (a.kv_lora_rank + a.qk_rope_head_dim) * d + a.kv_lora_rank;
+  n += a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank;
+  n += d * a.num_heads * a.v_head_dim;
+  return n;
+}
+
+// The sigmoid output gate before o_proj (estimate: not in the model yet).
+int64_t attention_gate_weights(const ModelConfig& m) {
+  if (m.attention_gate == "headwise") return m.mla.num_heads * m.hidden_size;
+  if (m.attention_gate == "elementwise") return m.mla.num_heads * m.mla.v_head_dim * m.hidden_size;
+  return 0;
+}
+
+// KDA (estimate), Kimi-Linear's layout with H = mla.num_heads heads of d = mla.v_head_dim:
+// q/k/v projections, their depthwise convs, A_log [H], dt_bias [H d], the low-rank decay
+// projection f_a [d, D] f_b [H d, d], beta b_proj [H, D], the low-rank output gate g_a/g_b,
+// the head-wise output norm [d], o_proj.
+int64_t kda_weights(const ModelConfig& m, const UnbuiltShapes& u) {
+  const int64_t d_model = m.hidden_size;
+  const int64_t h = m.mla.num_heads;
+  const int64_t d = m.mla.v_head_dim;
+  const int64_t width = h * d;
+  return 3 * width * d_model + 3 * width * u.kda_conv_width + h + width + (d * d_model + width * d) +
+         h * d_model + (d * d_model + width * d) + d + d_model * width;
+}
+
+// DSA's lightning indexer on top of MLA (estimate): wq_b [Hi di, q_lora_rank (or D)],
+// wk [di, D], its LayerNorm (weight + bias) and the per-head weights_proj [Hi, D].
+int64_t dsa_indexer_weights(const ModelConfig& m, const UnbuiltShapes& u) {
+  const int64_t q_in = m.mla.q_lora_rank.value_or(m.hidden_size);
+  const int64_t hi = u.dsa_indexer_heads;
+  const int64_t di = u.dsa_indexer_head_dim;
+  return hi * di * q_in + di * m.hidden_size + 2 * di + hi * m.hidden_size;
+}
+
+int64_t swiglu_weights(int64_t hidden, int64_t width) { return 3 * hidden * width; }
+
+int64_t lora_pair(int64_t rank, int64_t in, int64_t out) { return rank * (in + out); }
+
+}  // namespace
+
+int64_t ModelParameterCount::non_expert() const {
+  int64_t n = embedding + lm_head + final_norm;
+  for (const LayerParameterCount& l : layers) n += l.non_expert();
+  return n;
+}
+
+int64_t ModelParameterCount::routed_experts() const {
+  int64_t n = 0;
+  for (const LayerParameterCount& l : layers) n += l.routed_experts;
+  return n;
+}
+
+int64_t ModelParameterCount::estimated() const {
+  int64_t n = 0;
+  for (const LayerParameterCount& l : layers) n += l.mixer_estimated;
+  return n;
+}
+
+int64_t ModelParameterCount::routed_expert_per_layer() const {
+  for (const LayerParameterCount& l : layers) {
+    if (l.routed_experts > 0) return l.routed_experts;
+  }
+  return 0;
+}
+
+int64_t LoraParameterCount::non_expert() const {
+  int64_t n = 0;
+  for (int64_t l : layer_non_expert) n += l;
+  return n;
+}
+
+ModelSpec plan_model_spec(const ModelConfig& model) {
+  ModelSpec spec;
+  spec.config = model;
+  std::vector<std::string>& layers = spec.config.layers;
+  if (layers.empty()) layers.assign(static_cast<size_t>(model.num_layers), "mla");
+  MOETRAIN_CHECK(static_cast<int64_t>(layers.size()) == model.num_layers, ExitCode::kBadConfig,
+                 fmt::format("model.layers has {} entries but model.num_layers is {}", layers.size(),
+                             model.num_layers));
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::string& kind = layers[i];
+    MOETRAIN_CHECK(kind == "mla" || kind == "kda" || kind == "dsa", ExitCode::kBadConfig,
+                   fmt::format("model.layers[{}] is \"{}\"; expected mla, kda or dsa", i, kind));
+    spec.mixers.push_back(kind == "mla" ? MixerKind::kMla : kind == "kda" ? MixerKind::kKda : MixerKind::kDsa);
+    spec.ffns.push_back(static_cast<int64_t>(i) < model.first_k_dense ? FfnKind::kDense : FfnKind::kMoe);
+  }
+  return spec;
+}
+
+ModelParameterCount count_model_parameters(const ModelSpec& spec, const UnbuiltShapes& unbuilt) {
+  const ModelConfig& m = spec.config;
+  const int64_t d = m.hidden_size;
+  const MoeConfig& moe = m.moe;
+  ModelParameterCount count;
+  count.embedding = m.vocab_size * d;
+  count.lm_head = m.tie_word_embeddings ? 0 : m.vocab_size * d;
+  count.final_norm = d;
+  for (size_t i = 0; i < spec.mixers.size(); ++i) {
+    LayerParameterCount layer;
+    layer.mixer_kind = spec.mixers[i];
+    layer.ffn_kind = spec.ffns[i];
+    layer.norms = 2 * d;
+    if (layer.mixer_kind == MixerKind::kKda) {
+      layer.mixer_estimated = kda_weights(m, unbuilt);
+      layer.mixer = layer.mixer_estimated;
+    } else {
+      layer.mixer_estimated = attention_gate_weights(m);
+      if (spec.mixers[i] == MixerKind::kDsa) layer.mixer_estimated += dsa_indexer_weights(m, unbuilt);
+      layer.mixer = mla_weights(m) + layer.mixer_estimated;
+    }
+    if (layer.ffn_kind == FfnKind::kDense) {
+      layer.dense_ffn = swiglu_weights(d, m.intermediate_size);
+    } else {
+      layer.router = moe.num_experts * d + (moe.score_correction_bias ? moe.num_experts : 0);
+      layer.dense_ffn = swiglu_weights(d, moe.expert_intermediate_size * moe.num_shared_experts);
+      layer.routed_experts = moe.num_experts * swiglu_weights(d, moe.expert_intermediate_size);
+    }
+    count.layers.push_back(layer);
+  }
+  return count;
+}
+
+LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig& lora) {
+  const ModelConfig& m = spec.config;
+  const MlaConfig& a = m.mla;
+  const int64_t d = m.hidden_size;
+  const int64_t r = lora.rank;
+  const int64_t qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
+  const std::set<std::string> targets(lora.targets.begin(), lora.targets.end());
+  auto on = [&](const char* name) { return targets.count(name) > 0; };
+  // A SwiGLU block's adapters (gate, up: D -> F; down: F -> D), one group.
+  auto swiglu = [&](int64_t width, bool all) {
+    int64_t n = 0;
+    if (all || on("gate_proj")) n += lora_pair(r, d, width);
+    if (all || on("up_proj")) n += lora_pair(r, d, width);
+    if (all || on("down_proj")) n += lora_pair(r, width, d);
+    return n;
+  };
+  LoraParameterCount count;
+  for (size_t i = 0; i < spec.mixers.size(); ++i) {
+    int64_t n = 0;
+    if (spec.mixers[i] == MixerKind::kKda) {
+      // KDA's q_proj and o_proj carry PEFT's names too (estimate).
+      const int64_t width = a.num_heads * a.v_head_dim;
+      int64_t kda = (on("q_proj") ? lora_pair(r, d, width) : 0) + (on("o_proj") ? lora_pair(r, width, d) : 0);
+      count.estimated += kda;
+      n += kda;
+    } else {
+      if (a.q_lora_rank) {
+        if (on("q_a_proj")) n += lora_pair(r, d, *a.q_lora_rank);
+        if (on("q_b_proj")) n += lora_pair(r, *a.q_lora_rank, a.num_heads * qk);
+      } else if (on("q_proj")) {
+        n += lora_pair(r, d, a.num_heads * qk);
+      }
+      if (on("kv_a_proj_with_mqa")) n += lora_pair(r, d, a.kv_lora_rank + a.qk_rope_head_dim);
+      if (on("kv_b_proj")) n += lora_pair(r, a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim));
+      if (on("o_proj")) n += lora_pair(r, a.num_heads * a.v_head_dim, d);
+    }
+    if (spec.ffns[i] == FfnKind::kDense) {
+      n += swiglu(m.intermediate_size, false);
+    } else {
+      ++count.num_moe_layers;
+      if (m.moe.num_shared_experts > 0) {
+        n += swiglu(m.moe.expert_intermediate_size * m.moe.num_shared_experts, on("shared_experts"));
+      }
+      if (on("experts")) count.routed_expert_per_layer = m.moe.num_experts * swiglu(m.moe.expert_intermediate_size, true);
+    }
+    count.layer_non_expert.push_back(n);
+  }
+  return count;
+}
+
+}  // namespace moetrain

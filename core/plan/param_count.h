@@ -1,0 +1,68 @@
+// Parameter counts of a model from its ModelSpec alone (no tensors allocated): every frozen
+// weight and every LoRA adapter, split the way the parallel plan shards them (non-expert
+// weights over FSDP, routed experts over EP).
+//
+// For mixers and gates the model code does not implement yet (kda, dsa's indexer, the attention
+// output gate) the counts follow DESIGN.md §1's description and are flagged `estimated`; for
+// everything Model builds they equal Model::weight_slots() / Model::parameters() exactly (tested).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/model/model_spec.h"
+
+namespace moetrain {
+
+// Assumed shapes of the parts that exist only on paper so far (DESIGN.md §1).
+struct UnbuiltShapes {
+  int64_t kda_conv_width = 4;          // causal depthwise conv on q, k, v
+  int64_t dsa_indexer_heads = 64;      // lightning indexer: 64 heads x 128
+  int64_t dsa_indexer_head_dim = 128;
+  int64_t dsa_top_k = 2048;            // keys selected per query
+};
+
+struct LayerParameterCount {
+  MixerKind mixer_kind = MixerKind::kMla;
+  FfnKind ffn_kind = FfnKind::kDense;
+  int64_t norms = 0;            // input + post-attention RMSNorm
+  int64_t mixer = 0;            // attention projections and their norms (+ gate, indexer)
+  int64_t mixer_estimated = 0;  // the part of `mixer` that is an estimate
+  int64_t router = 0;           // router weight + score-correction bias
+  int64_t dense_ffn = 0;        // dense MLP (dense layers) or the shared experts (MoE layers)
+  int64_t routed_experts = 0;   // all routed experts of the layer (E x 3 x D x F)
+  int64_t non_expert() const { return norms + mixer + router + dense_ffn; }
+};
+
+struct ModelParameterCount {
+  int64_t embedding = 0;
+  int64_t lm_head = 0;  // 0 when tied to the embedding
+  int64_t final_norm = 0;
+  std::vector<LayerParameterCount> layers;
+
+  int64_t non_expert() const;      // FSDP-sharded frozen weights
+  int64_t routed_experts() const;  // EP-sharded frozen weights
+  int64_t estimated() const;
+  int64_t total() const { return non_expert() + routed_experts(); }
+  int64_t routed_expert_per_layer() const;  // of one MoE layer (0 without MoE layers)
+};
+
+struct LoraParameterCount {
+  std::vector<int64_t> layer_non_expert;  // per layer: attention, dense MLP, shared experts
+  int64_t routed_expert_per_layer = 0;    // all experts of one MoE layer (0 unless targeted)
+  int64_t num_moe_layers = 0;
+  int64_t estimated = 0;                  // adapters on KDA projections
+  int64_t non_expert() const;
+  int64_t routed_experts() const { return routed_expert_per_layer * num_moe_layers; }
+  int64_t total() const { return non_expert() + routed_experts(); }
+};
+
+// Per-layer mixer and FFN kinds from a model section, accepting every mixer the config
+// allows (kda, dsa too, unlike resolve_model_spec): `layers` empty means all mla.
+ModelSpec plan_model_spec(const ModelConfig& model);
+
+ModelParameterCount count_model_parameters(const ModelSpec& spec, const UnbuiltShapes& unbuilt = {});
+LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig& lora);
+
+}  // namespace moetrain
