@@ -142,7 +142,9 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 class CudaBackend final : public Backend {
  public:
   CudaBackend() {
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    // A blocking stream: work on the legacy default stream (cuda::copy_host_to_device and other
+    // plain cudaMemcpy calls) stays ordered with the backend's work.
+    CUDA_CHECK(cudaStreamCreate(&stream_));
     CUBLAS_CHECK(cublasLtCreate(&blas_.lt));
     CUBLAS_CHECK(cublasCreate(&blas_.blas));
     CUBLAS_CHECK(cublasSetStream(blas_.blas, stream_));

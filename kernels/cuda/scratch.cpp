@@ -12,7 +12,8 @@ namespace moetrain::kernels::cuda_ops {
 DeviceScratch::~DeviceScratch() {
   if (data_ != nullptr) {
     const cudaError_t status = cudaFree(data_);
-    if (status != cudaSuccess) std::fprintf(stderr, "moetrain: cudaFree(scratch) failed: %s\n", cudaGetErrorString(status));
+    // At process exit the runtime may already be gone (cudaErrorCudartUnloading): nothing to free.
+    if (status != cudaSuccess && status != cudaErrorCudartUnloading) std::fprintf(stderr, "moetrain: cudaFree(scratch) failed: %s\n", cudaGetErrorString(status));
   }
 }
 

@@ -52,15 +52,14 @@ inline Tensor upload(const TensorView& host, DType dtype) {
     convert_host(converted.view(), host);
   }
   Tensor device(host.shape, dtype, cuda::device_allocator());
-  if (device.nbytes() > 0) cuda::copy_host_to_device(device.data(), converted.data(), device.nbytes());
+  gpu().copy(device, converted);  // on the backend's stream, so ordered with its kernels
   return device;
 }
 
 // The device tensor's values as an F64 host tensor (I32/I64 come back as I32/I64).
 inline Tensor download(const TensorView& device) {
-  gpu().synchronize();
   Tensor raw(device.shape, device.dtype);
-  if (raw.nbytes() > 0) cuda::copy_device_to_host(raw.data(), device.data, raw.nbytes());
+  gpu().copy(raw, device);  // waits for the backend's stream
   if (device.dtype == DType::kI32 || device.dtype == DType::kI64 || device.dtype == DType::kF64) return raw;
   Tensor wide(device.shape, DType::kF64);
   convert_host(wide.view(), raw.view());
@@ -69,9 +68,10 @@ inline Tensor download(const TensorView& device) {
 
 // A device tensor whose every byte is 0xff: NaN for F32, BF16 and F16.
 inline Tensor poisoned(Shape shape, DType dtype) {
+  Tensor ones(shape, dtype);
+  std::fill(static_cast<unsigned char*>(ones.data()), static_cast<unsigned char*>(ones.data()) + ones.nbytes(), 0xff);
   Tensor device(shape, dtype, cuda::device_allocator());
-  std::vector<unsigned char> ones(device.nbytes(), 0xff);
-  if (!ones.empty()) cuda::copy_host_to_device(device.data(), ones.data(), ones.size());
+  gpu().copy(device, ones);
   return device;
 }
 

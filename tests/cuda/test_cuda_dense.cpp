@@ -23,6 +23,13 @@ Operand gemm_input(Shape shape, DType dtype, uint64_t seed) {
   return op;
 }
 
+// Tensor-core accumulation is F32 but not necessarily in the CPU's order or rounding (Hopper's
+// MMA may truncate partial sums), so F32 GEMM outputs get a looser bound than elementwise F32.
+Tolerance gemm_tolerance(DType c_dtype) {
+  if (c_dtype == DType::kBF16) return tolerance_for(c_dtype);
+  return {1e-4, 1e-3, 1e-4};
+}
+
 struct DtypeCase {
   DType a, b, c;
 };
@@ -63,7 +70,7 @@ TEST_CASE("cuda gemm matches the CPU for every transpose, dtype mix and beta") {
                                    dtype_name(dt.c) + " m" + std::to_string(d.m) + " n" + std::to_string(d.n) + " k" +
                                    std::to_string(d.k) + (ta ? " aT" : "") + (tb ? " bT" : "") + " beta " +
                                    std::to_string(beta);
-          CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(dt.c), name);
+          CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(dt.c), name);
         }
 }
 
@@ -83,7 +90,7 @@ TEST_CASE("cuda gemm with k = 0 writes beta * c") {
       args.b = b.host;
       args.c = c.host;
       cpu().gemm(args);
-      CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(c_dtype), "gemm k=0 beta " + std::to_string(beta));
+      CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(c_dtype), "gemm k=0 beta " + std::to_string(beta));
     }
   }
 }
@@ -122,7 +129,7 @@ TEST_CASE("cuda grouped_gemm M-grouped matches the CPU, with empty groups") {
         args.c = c.host;
         args.group_offsets = group_offsets.host;
         cpu().grouped_gemm(args);
-        CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(dt.c),
+        CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(dt.c),
                                std::string("grouped M ") + dtype_name(dt.a) + "->" + dtype_name(dt.c) +
                                    (tb ? " bT" : "") + " beta " + std::to_string(beta));
       }
@@ -154,7 +161,7 @@ TEST_CASE("cuda grouped_gemm K-grouped matches the CPU; empty groups get beta * 
       args.c = c.host;
       args.group_offsets = group_offsets.host;
       cpu().grouped_gemm(args);
-      CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(dt.c),
+      CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(dt.c),
                              std::string("grouped K ") + dtype_name(dt.a) + "->" + dtype_name(dt.c) + " beta " +
                                  std::to_string(beta));
     }
