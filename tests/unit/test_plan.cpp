@@ -1,0 +1,185 @@
+// core/plan: the parameter counts agree exactly with the tensors Model allocates, and the
+// memory plan's numbers follow their formulas on a small config worked out by hand.
+#include <memory>
+#include <string>
+
+#include "catch.h"
+#include "core/base/error.h"
+#include "core/model/model.h"
+#include "core/plan/memory_plan.h"
+#include "core/plan/param_count.h"
+#include "kernels/ops.h"
+#include "tiny_model.h"
+
+using namespace moetrain;
+
+namespace {
+
+int64_t slot_elements(Model& model) {
+  int64_t n = 0;
+  for (const WeightSlot& slot : model.weight_slots()) n += slot.tensor->numel();
+  return n;
+}
+
+int64_t routed_expert_elements(Model& model) {
+  int64_t n = 0;
+  for (const WeightSlot& slot : model.weight_slots()) {
+    const std::string& name = slot.name;
+    if (name.size() >= 8 && name.compare(name.size() - 8, 8, ".experts") == 0) n += slot.tensor->numel();
+  }
+  return n;
+}
+
+int64_t parameter_elements(Model& model) {
+  int64_t n = 0;
+  for (Parameter* p : model.parameters()) n += p->value.numel();
+  return n;
+}
+
+struct Variant {
+  const char* name;
+  bool q_lora;
+  bool tied;
+  int64_t shared;
+  bool bias;
+  int64_t first_k_dense;
+};
+
+}  // namespace
+
+TEST_CASE("parameter counts equal Model::weight_slots and Model::parameters") {
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  const Variant variants[] = {
+      {"q LoRA, shared expert", true, false, 1, true, 1},
+      {"direct q, tied, no shared, no bias", false, true, 0, false, 1},
+      {"two shared experts, all MoE", true, false, 2, true, 0},
+      {"all dense", false, false, 1, true, 3},
+  };
+  for (const Variant& v : variants) {
+    SECTION(v.name) {
+      Config config = testing::tiny_model_config(v.q_lora);
+      config.model.tie_word_embeddings = v.tied;
+      config.model.moe.num_shared_experts = v.shared;
+      config.model.moe.score_correction_bias = v.bias;
+      config.model.first_k_dense = v.first_k_dense;
+      ModelSpec spec = resolve_model_spec(config);
+      ModelOptions options;
+      options.lora = LoraSettings{4, 8.0, false};
+      std::vector<std::string> targets = testing::all_lora_targets(v.q_lora);
+      if (v.shared == 0 || v.first_k_dense != 1) {
+        // Targets that match no module are rejected by the model; keep the ones that exist.
+        // Without a dense layer, gate/up/down_proj only match when they select the shared
+        // experts' projections by name (the model credits a match to `shared_experts` otherwise).
+        std::vector<std::string> kept;
+        for (const std::string& t : targets) {
+          if ((v.shared == 0 || v.first_k_dense == 0) && t == "shared_experts") continue;
+          if (v.first_k_dense == 3 && (t == "experts" || t == "shared_experts")) continue;
+          kept.push_back(t);
+        }
+        targets = kept;
+      }
+      options.lora_targets = targets;
+      Model model(spec, *backend, options);
+
+      ModelParameterCount count = count_model_parameters(spec);
+      CHECK(count.estimated() == 0);
+      CHECK(count.total() == slot_elements(model));
+      CHECK(count.routed_experts() == routed_expert_elements(model));
+
+      LoraConfig lora;
+      lora.rank = 4;
+      lora.targets = targets;
+      LoraParameterCount lora_count = count_lora_parameters(spec, lora);
+      CHECK(lora_count.estimated == 0);
+      CHECK(lora_count.total() == parameter_elements(model));
+    }
+  }
+}
+
+TEST_CASE("a target subset counts only its adapters") {
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  Config config = testing::tiny_model_config(true);
+  ModelSpec spec = resolve_model_spec(config);
+  for (std::vector<std::string> targets :
+       {std::vector<std::string>{"o_proj"}, {"experts"}, {"q_b_proj", "down_proj"}, {"shared_experts", "up_proj"}}) {
+    ModelOptions options;
+    options.lora = LoraSettings{3, 6.0, false};
+    options.lora_targets = targets;
+    Model model(spec, *backend, options);
+    LoraConfig lora;
+    lora.rank = 3;
+    lora.targets = targets;
+    CHECK(count_lora_parameters(spec, lora).total() == parameter_elements(model));
+  }
+}
+
+TEST_CASE("kda and dsa layers are counted as labelled estimates") {
+  Config config = testing::tiny_model_config(true);
+  config.model.layers = {"mla", "kda", "dsa"};
+  ModelSpec spec = plan_model_spec(config.model);
+  ModelParameterCount count = count_model_parameters(spec);
+  REQUIRE(count.layers.size() == 3);
+  CHECK(count.layers[0].mixer_estimated == 0);
+  CHECK(count.layers[1].mixer_estimated == count.layers[1].mixer);
+  CHECK(count.layers[1].mixer > 0);
+  // DSA = MLA + the indexer: the estimate is the difference to the MLA layer.
+  CHECK(count.layers[2].mixer - count.layers[2].mixer_estimated == count.layers[0].mixer);
+  // Indexer by hand: wq_b 64*128 x q_lora 12, wk 128 x D 16, LayerNorm 2*128, weights_proj 64 x 16.
+  CHECK(count.layers[2].mixer_estimated == 64 * 128 * 12 + 128 * 16 + 2 * 128 + 64 * 16);
+  CHECK(count.estimated() == count.layers[1].mixer + count.layers[2].mixer_estimated);
+}
+
+TEST_CASE("memory plan numbers by hand on a small config") {
+  // hidden 16, vocab 37, 3 layers (dense first), 6 experts of width 8, top 2, one shared expert.
+  Config config = testing::tiny_model_config(false);
+  config.parallel.fsdp = 4;
+  config.parallel.ep = 2;
+  config.parallel.prefetch = 1;
+  config.data.micro_batch = 2;
+  config.data.seq_len = 8;
+  config.data.grad_accum = 3;
+  config.lora.rank = 4;
+  config.lora.targets = {"o_proj", "experts"};
+  PlanOptions options;
+  options.world = 4;
+  MemoryPlan plan = make_memory_plan(config, options);
+  CHECK(plan.local_experts == 3);
+  CHECK(plan.replicate == 1);
+  CHECK(plan.tokens_per_micro_batch == 16);
+
+  // Experts: 3 local x 2 MoE layers x (3 x 16 x 8) x 2 bytes.
+  const PlanItem& experts = plan.fixed[2];
+  CHECK(experts.name == "routed experts (bf16)");
+  CHECK(experts.bytes == 3.0 * 2 * 384 * 2);
+  // Expert adapters: per expert (gate 4*(16+8) + up 4*(16+8) + down 4*(8+16)) = 288, x 3 x 2 x 16 B.
+  const PlanItem& expert_lora = plan.fixed[5];
+  CHECK(expert_lora.name == "expert adapters + grads + Adam (fp32)");
+  CHECK(expert_lora.bytes == 288.0 * 3 * 2 * 16);
+  // Shards: each bucket padded to a multiple of 4: embedding 592 -> 148 per rank; head + final
+  // norm 608 -> 152; layers as counted.
+  ModelParameterCount count = count_model_parameters(plan_model_spec(config.model));
+  int64_t shard = 148 + 152;
+  for (const LayerParameterCount& l : count.layers) shard += (l.non_expert() + 3) / 4;
+  CHECK(plan.fixed[0].bytes == 2.0 * shard);
+  // EP all-to-all: 3 micro-batches x 6 passes (recompute) x 2 MoE layers x 16 tokens x top 2
+  // x hidden 16 x 2 bytes x (2-1)/2.
+  const PlanItem& ep = plan.communication.back();
+  CHECK(ep.bytes == 3.0 * 6 * 2 * 16 * 2 * 16 * 2 * 0.5);
+  // More tokens never fit in less memory, and the peak grows linearly in tokens.
+  CHECK(plan.max_tokens(true) >= plan.max_tokens(false));
+  CHECK(plan.peak_bytes(true) == plan.fixed_bytes() + 16 * plan.per_token_bytes(true));
+}
+
+TEST_CASE("the plan refuses a world the mesh does not fit") {
+  Config config = testing::tiny_model_config(false);
+  config.parallel.fsdp = 3;
+  PlanOptions options;
+  options.world = 4;
+  try {
+    make_memory_plan(config, options);
+    FAIL("no error");
+  } catch (const moetrain::Error& e) {
+    CHECK(e.code() == ExitCode::kBadConfig);
+    CHECK(std::string(e.what()).find("`parallel.fsdp` = 3 does not divide the world size") != std::string::npos);
+  }
+}
