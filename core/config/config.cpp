@@ -120,6 +120,15 @@ std::string yaml_value(const std::vector<std::string>& values) {
   for (const std::string& value : values) items.push_back(yaml_string(value));
   return "[" + join(items, ", ") + "]";
 }
+// data.source: the string, or the mixture as a flow list the reader takes back.
+std::string yaml_value(const config_schema::DataSourceField& source) {
+  if (source.mixture.empty()) return yaml_string(source.selector);
+  std::vector<std::string> items;
+  for (const DataSourceSpec& entry : source.mixture) {
+    items.push_back("{path: " + yaml_string(entry.path) + ", weight: " + yaml_value(entry.weight) + "}");
+  }
+  return "[" + join(items, ", ") + "]";
+}
 
 // Writes every field, sections as nested blocks.
 struct YamlWriter {

@@ -84,8 +84,23 @@ struct ParallelConfig {
   bool recompute = true;
 };
 
+// One dataset of a data mixture (docs/DATA.md): a path prefix (`dir/name` for dir/name.bin +
+// dir/name.idx) and its sampling weight (> 0; weights need not sum to 1).
+struct DataSourceSpec {
+  std::string path;
+  double weight = 1.0;
+  bool operator==(const DataSourceSpec& other) const { return path == other.path && weight == other.weight; }
+};
+
+// data.source's value when the YAML gives a list of {path, weight}: the list is in `mixture`.
+inline constexpr const char* kDataSourceMixture = "mixture";
+
 struct DataConfig {
-  std::string source = "synthetic";      // synthetic, or a dataset path prefix (later issues)
+  // `synthetic` (the built-in data), a dataset path prefix, or kDataSourceMixture when the YAML
+  // value of `source` is a list of {path, weight} (then held in `mixture`). One YAML key, two
+  // fields: the schema reads and writes them together.
+  std::string source = "synthetic";
+  std::vector<DataSourceSpec> mixture;   // empty unless source is a list
   int64_t seq_len = 256;
   int64_t micro_batch = 2;
   int64_t grad_accum = 1;

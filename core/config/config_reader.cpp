@@ -375,6 +375,60 @@ class YamlApplier {
     return ok;
   }
 
+  // data.source: `synthetic` or a path prefix, or a list of {path: prefix, weight: number}.
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where,
+                  config_schema::DataSourceField& value) {
+    const char* expected = "a string (synthetic or a dataset path prefix) or a list of {path, weight}";
+    if (node.IsScalar()) {
+      value.selector = node.Scalar();
+      value.mixture.clear();
+      return true;
+    }
+    if (!node.IsSequence() || node.size() == 0) return type_problem(path, node, where, expected);
+    std::vector<DataSourceSpec> entries;
+    bool ok = true;
+    for (size_t i = 0; i < node.size(); ++i) {
+      const YAML::Node item = node[i];
+      const std::string item_path = path + "[" + std::to_string(i) + "]";
+      const KeyOrigin item_where = item.IsNull() ? where : origin_of(item);
+      if (!item.IsMap()) {
+        ok = type_problem(item_path, item, item_where, "a map {path: prefix, weight: number}");
+        continue;
+      }
+      DataSourceSpec entry;
+      bool has_path = false;
+      std::set<std::string> seen;
+      for (const auto& key_value : item) {
+        const KeyOrigin key_where = origin_of(key_value.first);
+        const std::string key = key_value.first.IsScalar() ? key_value.first.Scalar() : "";
+        if (key != "path" && key != "weight") {
+          add_problem(key_where, "unknown key `" + key + "` in `" + item_path + "`" +
+                                     unknown_key_hint(item_path, key, {"path", "weight"}));
+          ok = false;
+        } else if (!seen.insert(key).second) {
+          add_problem(key_where, "`" + item_path + "." + key + "` is set more than once in the same map: keep one");
+          ok = false;
+        } else if (key == "path") {
+          const YAML::Node& text = key_value.second;
+          if (!text.IsScalar()) ok = type_problem(item_path + ".path", text, key_where, "a string");
+          else entry.path = text.Scalar(), has_path = true;
+        } else {
+          ok = read_value(item_path + ".weight", key_value.second, key_where, entry.weight) && ok;
+        }
+      }
+      if (!has_path && item.IsMap() && !seen.count("path")) {
+        add_problem(item_where, "`" + item_path + "` needs a `path` (the dataset's prefix, dir/name for "
+                                "dir/name.bin + dir/name.idx)");
+        ok = false;
+      }
+      entries.push_back(entry);
+    }
+    if (!ok) return false;
+    value.selector = kDataSourceMixture;
+    value.mixture = entries;
+    return true;
+  }
+
   ReadState& state_;
   KeyOrigin source_;
   std::vector<Level> levels_;

@@ -263,6 +263,24 @@ void check_training(const Config& c, Rules& r) {
 
   const DataConfig& d = c.data;
   r.not_empty("data.source", d.source);
+  if (d.source == kDataSourceMixture && d.mixture.empty()) {
+    r.fail({"data.source"}, "`data.source` = `mixture` needs the list form: source: [{path: dir/a, weight: 2}, "
+                            "{path: dir/b, weight: 1}] (a dataset named `mixture` is written ./mixture)");
+  }
+  if (!d.mixture.empty() && d.source != kDataSourceMixture) {
+    r.fail({"data.source"}, "`data.source` = `" + d.source + "` while a mixture list is set: use one or the other");
+  }
+  for (size_t i = 0; i < d.mixture.size(); ++i) {
+    const std::string entry = "data.source[" + std::to_string(i) + "]";
+    if (d.mixture[i].path.empty()) r.fail({"data.source"}, "`" + entry + ".path` must not be empty");
+    if (d.mixture[i].path == "synthetic") {
+      r.fail({"data.source"}, "`" + entry + ".path` = `synthetic`: the built-in data cannot be mixed with datasets "
+                              "(a dataset named `synthetic` is written ./synthetic)");
+    }
+    if (!(d.mixture[i].weight > 0)) {
+      r.fail({"data.source"}, "`" + entry + ".weight` = " + show(d.mixture[i].weight) + " must be > 0");
+    }
+  }
   r.at_least<int64_t>("data.seq_len", d.seq_len, 2, ": next-token prediction needs two tokens");
   r.positive("data.micro_batch", d.micro_batch);
   r.positive("data.grad_accum", d.grad_accum);

@@ -90,9 +90,18 @@ void visit_fields(V& v, ParallelConfig& c) {
   v.field("recompute", c.recompute);
 }
 
+// `data.source` is one key over two fields: a string (synthetic or a path prefix) or a list of
+// {path, weight} (source = kDataSourceMixture, the list in mixture). Visitors that read or write
+// values overload on this type; the others treat it as any leaf.
+struct DataSourceField {
+  std::string& selector;
+  std::vector<DataSourceSpec>& mixture;
+};
+
 template <class V>
 void visit_fields(V& v, DataConfig& c) {
-  v.field("source", c.source);
+  DataSourceField source{c.source, c.mixture};
+  v.field("source", source);
   v.field("seq_len", c.seq_len);
   v.field("micro_batch", c.micro_batch);
   v.field("grad_accum", c.grad_accum);

@@ -193,7 +193,8 @@ TEST_CASE("wrong types name the key, the expected type and the line", "[config]"
       {12, "lora: {rslora: yes}", "`lora.rslora` expects a boolean (true or false), got `yes`"},
       {12, "lora: {targets: q_proj}", "`lora.targets` expects a list of strings, like [a, b], got `q_proj`"},
       {12, "lora: {targets: [q_proj, [o_proj]]}", "test.yaml:12:26: `lora.targets[1]` expects a string, got a list"},
-      {12, "data: {source: [a]}", "`data.source` expects a string, got a list"},
+      {12, "data: {source: {a: b}}", "`data.source` expects a string (synthetic or a dataset path prefix) or a "
+                                      "list of {path, weight}, got a map"},
       {12, "checkpoint: {dir: {a: b}}", "`checkpoint.dir` expects a string or null, got a map"},
   };
   for (const Case& c : cases) {

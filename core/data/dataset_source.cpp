@@ -1,0 +1,116 @@
+#include "core/data/dataset_source.h"
+
+#include <fmt/format.h>
+
+#include "core/base/error.h"
+#include "core/data/packing.h"
+
+namespace moetrain {
+namespace {
+
+std::vector<double> weights_of(const std::vector<DatasetEntry>& entries) {
+  std::vector<double> weights;
+  for (const DatasetEntry& e : entries) weights.push_back(e.weight);
+  return weights;
+}
+
+}  // namespace
+
+DatasetSource::DatasetSource(const std::vector<DatasetEntry>& entries, const DataConfig& config, int64_t vocab_size,
+                             int rank, int world)
+    : entries_(entries),
+      schedule_(weights_of(entries)),
+      seq_len_(config.seq_len),
+      micro_batch_(config.micro_batch),
+      seed_(static_cast<uint64_t>(config.seed)),
+      vocab_size_(vocab_size),
+      rank_(rank),
+      world_(world) {
+  MOETRAIN_ASSERT(world >= 1 && rank >= 0 && rank < world, "rank out of range");
+  MOETRAIN_CHECK(seq_len_ >= 1 && micro_batch_ >= 1, ExitCode::kBadConfig,
+                 "data.seq_len and data.micro_batch must be at least 1");
+  for (const DatasetEntry& entry : entries_) {
+    datasets_.push_back(std::make_unique<IndexedDataset>(entry.path));
+    const IndexedDataset& d = *datasets_.back();
+    MOETRAIN_CHECK(d.num_tokens() > 0, ExitCode::kBadData,
+                   fmt::format("{}: the dataset holds no tokens ({} documents)", d.idx_path(), d.num_documents()));
+    windows_.push_back(moetrain::windows_per_epoch(d.num_tokens(), seq_len_));
+  }
+  plans_.resize(datasets_.size());
+}
+
+std::string DatasetSource::describe() const {
+  std::string text;
+  for (size_t j = 0; j < datasets_.size(); ++j) {
+    const IndexedDataset& d = *datasets_[j];
+    text += fmt::format("{}{} ({} documents, {} tokens, {} windows of {} per epoch{}{})", j ? "; " : "", d.prefix(),
+                        d.num_documents(), d.num_tokens(), windows_[j], seq_len_,
+                        d.has_loss_mask() ? ", loss mask" : "",
+                        datasets_.size() > 1 ? fmt::format(", weight {}", entries_[j].weight) : "");
+  }
+  return text;
+}
+
+SampleLocation DatasetSource::locate(uint64_t global_sample) const {
+  const auto [dataset, local] = schedule_.locate(global_sample);
+  const uint64_t windows = static_cast<uint64_t>(windows_[static_cast<size_t>(dataset)]);
+  SampleLocation where;
+  where.dataset = dataset;
+  where.epoch = static_cast<int64_t>(local / windows);
+  where.window = static_cast<int64_t>(local % windows);  // the position in the epoch's window order
+  return where;
+}
+
+const EpochPlan& DatasetSource::plan(int dataset, int64_t epoch) {
+  std::optional<EpochPlan>& cached = plans_[static_cast<size_t>(dataset)];
+  if (!cached || cached->epoch != epoch) {
+    cached = make_epoch_plan(datasets_[static_cast<size_t>(dataset)]->document_lengths(), seq_len_, seed_, dataset,
+                             epoch);
+  }
+  return *cached;
+}
+
+void DatasetSource::pack_sample(const WindowOut& out, std::vector<int32_t>& segments, uint64_t global_sample) {
+  SampleLocation where = locate(global_sample);
+  const EpochPlan& p = plan(where.dataset, where.epoch);
+  pack_window(out, segments, *datasets_[static_cast<size_t>(where.dataset)], p,
+              p.window_order[static_cast<size_t>(where.window)], seq_len_, vocab_size_);
+}
+
+Batch DatasetSource::next() {
+  Batch batch;
+  batch.batch_size = micro_batch_;
+  batch.seq_len = seq_len_;
+  const size_t tokens = static_cast<size_t>(micro_batch_ * seq_len_);
+  batch.input_ids.resize(tokens);
+  batch.labels.resize(tokens);
+  batch.positions.resize(tokens);
+  std::vector<int32_t> segments;
+  const uint64_t first = first_sample_of_rank(cursor_, micro_batch_, rank_);
+  for (int64_t b = 0; b < micro_batch_; ++b) {
+    const size_t offset = static_cast<size_t>(b * seq_len_);
+    WindowOut out{batch.input_ids.data() + offset, batch.labels.data() + offset, batch.positions.data() + offset};
+    pack_sample(out, segments, first + static_cast<uint64_t>(b));
+  }
+  cursor_ += static_cast<uint64_t>(world_) * static_cast<uint64_t>(micro_batch_);
+  batch.cu_seqlens.reserve(segments.size() + 1);
+  batch.cu_seqlens.push_back(0);
+  for (int32_t length : segments) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + length);
+  return batch;
+}
+
+Batch DatasetSource::sample(uint64_t global_sample) {
+  Batch batch;
+  batch.batch_size = 1;
+  batch.seq_len = seq_len_;
+  batch.input_ids.resize(static_cast<size_t>(seq_len_));
+  batch.labels.resize(static_cast<size_t>(seq_len_));
+  batch.positions.resize(static_cast<size_t>(seq_len_));
+  std::vector<int32_t> segments;
+  pack_sample(WindowOut{batch.input_ids.data(), batch.labels.data(), batch.positions.data()}, segments, global_sample);
+  batch.cu_seqlens.push_back(0);
+  for (int32_t length : segments) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + length);
+  return batch;
+}
+
+}  // namespace moetrain

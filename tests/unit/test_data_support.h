@@ -1,0 +1,53 @@
+// Shared helpers of the test_data_* tests: scratch directories and small datasets on disk.
+#pragma once
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/data/indexed_dataset_writer.h"
+
+namespace moetrain::testing {
+
+struct DataScratchDir {
+  std::filesystem::path path;
+  explicit DataScratchDir(const std::string& tag) {
+    path = std::filesystem::temp_directory_path() / ("moetrain_data_" + tag + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~DataScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Documents whose tokens are all distinct: token k of the whole dataset (in file order) is
+// first_id + k, so any token seen in a batch says exactly where it came from.
+inline IndexedDatasetContents numbered_documents(const std::vector<int64_t>& lengths, int64_t first_id = 1) {
+  IndexedDatasetContents contents;
+  contents.dtype_code = 4;
+  int64_t next = first_id;
+  for (int64_t length : lengths) {
+    std::vector<int64_t> doc;
+    for (int64_t i = 0; i < length; ++i) doc.push_back(next++);
+    contents.documents.push_back(doc);
+  }
+  return contents;
+}
+
+}  // namespace moetrain::testing
