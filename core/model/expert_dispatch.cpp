@@ -83,6 +83,7 @@ Tensor ExpertDispatch::plan(const LayerContext& ctx, const int32_t* expert_offse
 void ExpertDispatch::to_experts(const LayerContext& ctx, const TensorView& local, const TensorView& routed) const {
   const int64_t hidden = routed.size(1);
   Tensor received = ctx.alloc({local_rows_, hidden}, routed.dtype);
+  ctx.backend.synchronize();  // the rows are final before another stream sends them
   ep_.all_to_all_v(received.view(), routed, AllToAllLayout::packed(send_rows_, recv_rows_, hidden));
   ep_.synchronize();
   ctx.backend.moe_permute(local, received, regroup_, 1);
@@ -92,6 +93,7 @@ void ExpertDispatch::from_experts(const LayerContext& ctx, const TensorView& rou
   const int64_t hidden = local.size(1);
   Tensor source_major = ctx.alloc({local_rows_, hidden}, local.dtype);
   ctx.backend.moe_permute(source_major, local, ungroup_, 1);
+  ctx.backend.synchronize();
   ep_.all_to_all_v(routed, source_major.view(),
                    reversed(AllToAllLayout::packed(send_rows_, recv_rows_, hidden)));
   ep_.synchronize();

@@ -124,6 +124,7 @@ double Model::sum_over_expert_blocks(double local) {
 void Model::reduce_gradients() {
   const ParallelGroups* p = options_.parallel;
   if (!p) return;
+  backend_.synchronize();  // the gradients are final before the communicators read them
   for (Parameter* param : parameters()) {
     Communicator* group = param->value.shape().ndim() == 3 && p->expert_parallel() ? p->expert_replica : p->data;
     if (group && group->size() > 1) group->all_reduce(param->grad.view());

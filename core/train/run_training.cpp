@@ -17,6 +17,11 @@
 #include "core/data/data_source.h"
 #include "core/train/trainer.h"
 #include "kernels/ops.h"
+#include "parallel/comm.h"
+#include "parallel/mesh.h"
+#if MOETRAIN_HAVE_CUDA
+#include "parallel/nccl_comm.h"
+#endif
 
 namespace moetrain {
 namespace {
@@ -59,12 +64,37 @@ void write_resolved_config(const Config& config) {
 }  // namespace
 
 int run_training(Runtime& runtime, const Config& config) {
-  MOETRAIN_CHECK(runtime.world() == 1, ExitCode::kBadConfig,
-                 fmt::format("this build trains on one rank only (distributed training is not implemented yet), "
-                             "but the job has {} ranks: run without mpirun/srun or with one process",
-                             runtime.world()));
   ModelSpec spec = resolve_model_spec(config);
   std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
+
+  // Several ranks: the device mesh and its communicators (MPI on the CPU backend, NCCL on CUDA).
+  std::unique_ptr<DeviceMesh> mesh;
+  std::vector<std::unique_ptr<Communicator>> communicators;
+  ParallelGroups groups;
+  if (runtime.world() > 1) {
+    mesh = std::make_unique<DeviceMesh>(
+        MeshLayout(runtime.world(), config.parallel, spec.config.moe.num_experts, config.source_path));
+    auto communicator = [&](MPI_Comm comm) -> Communicator* {
+#if MOETRAIN_HAVE_CUDA
+      if (backend->device() == Device::kCUDA) {
+        communicators.push_back(std::make_unique<NcclCommunicator>(comm));
+        return communicators.back().get();
+      }
+#endif
+      communicators.push_back(std::make_unique<MpiCommunicator>(comm));
+      return communicators.back().get();
+    };
+    groups.coordinates = mesh->coordinates();
+    groups.data = communicator(mesh->world_comm());
+    groups.ep = communicator(mesh->ep_comm());
+    groups.expert_replica = communicator(mesh->expert_replica_comm());
+    log::info(fmt::format("{} ranks: data parallel over all, expert parallel ep={} ({} experts per rank)",
+                          runtime.world(), config.parallel.ep, groups.local_experts()));
+    if (config.parallel.fsdp > 1) {
+      log::warn("parallel.fsdp > 1: this build keeps a full copy of the frozen non-expert weights on every rank "
+                "(FSDP sharding of the base weights is not implemented yet); results are unaffected");
+    }
+  }
 
   ModelOptions options;
   options.dtype = backend->device() == Device::kCUDA ? DType::kBF16 : DType::kF32;
@@ -73,6 +103,7 @@ int run_training(Runtime& runtime, const Config& config) {
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
   options.lora_targets = config.lora.targets;
   options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum * runtime.world());
+  if (runtime.world() > 1) options.parallel = &groups;
   Model model(spec, *backend, options);
   if (spec.config.hf_dir) {
     HfCheckpoint checkpoint(*spec.config.hf_dir);
