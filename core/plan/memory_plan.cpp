@@ -102,7 +102,8 @@ int64_t MemoryPlan::max_tokens(bool with_recompute) const {
 double MemoryPlan::communication_bytes() const { return sum(communication); }
 
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
-  const ModelSpec spec = plan_model_spec(config.model);
+  // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
+  const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
   const ModelConfig& m = spec.config;
   const MeshLayout mesh(options.world, config.parallel, m.moe.num_experts,
                         config.source_path.empty() ? "config" : config.source_path);
