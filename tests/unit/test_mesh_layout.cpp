@@ -101,7 +101,6 @@ TEST_CASE("mesh rules: bad sizes are config errors naming the keys and the world
   CHECK(has(fsdp, "one of 1, 2, 3, 6"));
   std::string ep = config_error([] { MeshLayout(8, parallel(8, 3), 9); });
   CHECK(has(ep, "set parallel.ep to one of 1"));
-  CHECK(has(ep, "one of 1\n") || has(ep, "one of 1"));
   CHECK(has(config_error([] { MeshLayout(8, parallel(8, 4), 6); }), "one of 1, 2"));
   CHECK(has(config_error([] { MeshLayout(4, parallel(0, 1), 4); }), "`parallel.fsdp` = 0 must be >= 1"));
   CHECK(config_error([] { MeshLayout(4, parallel(2, 2), 4); }).empty());
