@@ -45,7 +45,35 @@ echo "== tests"
 ctest_status=0
 (cd "$build_dir" && ctest --output-on-failure) >>"$log" 2>&1 || ctest_status=$?
 
-# benchmarks: added with moetrain-bench
+# Benchmarks and the single-GPU training run (issue 4). Their output goes to the log and, as
+# short summaries, to the end of this script's output.
+#   MOETRAIN_BENCH=0           skip moetrain-bench
+#   MOETRAIN_TRAIN_STEPS=N     steps of the configs/h200-kimi-dims-mla.yaml run (0 skips it; default 200)
+bench_summary=""
+if [[ "${MOETRAIN_BENCH:-1}" != 0 && -x "$build_dir/apps/moetrain-bench" ]]; then
+  echo "== moetrain-bench ops"
+  "$build_dir/apps/moetrain-bench" ops >"$log_dir/bench_ops.log" 2>&1 || echo "gpu_check: moetrain-bench ops FAILED"
+  cat "$log_dir/bench_ops.log" >>"$log"
+  echo "== moetrain-bench step"
+  "$build_dir/apps/moetrain-bench" step --config "$repo/configs/h200-kimi-dims-mla.yaml" \
+    >"$log_dir/bench_step.log" 2>&1 || echo "gpu_check: moetrain-bench step FAILED"
+  cat "$log_dir/bench_step.log" >>"$log"
+  bench_summary="$(sed -n '/^benchmark /,$p' "$log_dir/bench_ops.log"; grep '^step:' "$log_dir/bench_step.log")"
+fi
+train_summary=""
+steps="${MOETRAIN_TRAIN_STEPS:-200}"
+if ((steps > 0)); then
+  echo "== training run: configs/h200-kimi-dims-mla.yaml, $steps steps"
+  run_dir="$log_dir/train_run"
+  if "$build_dir/apps/moetrain" train --config "$repo/configs/h200-kimi-dims-mla.yaml" --set "train.steps=$steps" \
+       --set "train.warmup_steps=$((steps / 10))" --set "logging.run_dir=$run_dir" --set checkpoint.every=0 \
+       >"$log_dir/train_run.log" 2>&1; then
+    train_summary="$(grep -E 'step +[0-9]+/|done:' "$log_dir/train_run.log" | sed -n '1p;$p;' )"
+  else
+    train_summary="training run FAILED (see $log_dir/train_run.log): $(tail -n 3 "$log_dir/train_run.log")"
+  fi
+  cat "$log_dir/train_run.log" >>"$log"
+fi
 
 # The table: one row per test from ctest's progress lines ("  3/14 Test  #3: name ....   Passed").
 echo "== results (full log: $log)"
@@ -58,6 +86,8 @@ while read -r name result; do
   esac
   printf '%-40s %s\n' "$name" "$verdict"
 done < <(sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.*( |\*)+([A-Za-z*][^ ]*( [A-Za-z]+)?) .*/\1 \3/p' "$log")
+[[ -n "$bench_summary" ]] && printf '%s\n' "$bench_summary"
+[[ -n "$train_summary" ]] && printf 'train: %s\n' "$train_summary"
 if ((ctest_status != 0 || failures != 0)); then
   echo "gpu_check: FAILED ($failures test(s) failed or skipped, ctest exit $ctest_status)"
   exit 1

@@ -169,7 +169,8 @@ void Model::attach_lora() {
       bool by_projection = !all_projections && targets.count(projection);
       bool by_group = group_target && targets.count(group_target);
       if (!by_projection && !by_group) continue;
-      matched.insert(by_group ? group_target : projection);
+      if (by_projection) matched.insert(projection);
+      if (by_group) matched.insert(group_target);
       mlp.add_lora(p, options_.lora, parameter_dtype(), backend_,
                    options_.seed ^ name_hash(mlp.prefix() + "." + projection));
     }
