@@ -1,0 +1,343 @@
+// moetrain-bench: times the CUDA backend's ops and whole training steps on one GPU and states
+// each result against the H200 ceilings and peer baselines of docs/PERF.md:
+//   ops      GEMM, the MoE expert block (grouped GEMM), attention, memory-bound kernels
+//   step     forward + backward of a model config (tokens/s, MFU)
+// Each timing is the median of `--reps` runs after warm-up, each run bracketed by a device
+// synchronize (the ops timed here run for a millisecond or more, so the synchronize is noise).
+// Inputs are random (never zeros: zeros make matrix units run faster than real data).
+//
+//   moetrain-bench ops [--reps N]
+//   moetrain-bench step --config FILE [--set k=v]... [--steps N]
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <cxxopts.hpp>
+
+#include "core/base/log.h"
+#include "core/config/config.h"
+#include "core/model/model.h"
+#include "core/train/synthetic_data.h"
+#include "kernels/cuda/device.h"
+#include "kernels/ops.h"
+#include "parallel/runtime.h"
+
+namespace moetrain {
+namespace {
+
+using kernels::Backend;
+
+// Ceilings measured on one H200 (../shared/GPU.md; docs/PERF.md keeps this run's own copy).
+constexpr double kMatrixCeilingTflops = 771.0;
+constexpr double kMemoryCeilingTbps = 4.2;
+constexpr double kDatasheetBf16Tflops = 989.0;  // dense BF16, for MFU
+
+struct Row {
+  std::string name;
+  double ms = 0;
+  double tflops = 0;  // 0: not a matrix op
+  double tbps = 0;    // 0: not a memory op
+  std::string versus;  // the target or baseline, and our ratio to it
+};
+
+double median_ms(Backend& backend, const std::function<void()>& op, int reps) {
+  for (int i = 0; i < 3; ++i) op();
+  backend.synchronize();
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    op();
+    backend.synchronize();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// A device tensor filled from a host buffer of uniform values in +-[0.1, 1] (random signs).
+Tensor random_device(Backend& backend, Shape shape, DType dtype, uint64_t seed, double scale = 1.0) {
+  Tensor host(shape, DType::kF32);
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  float* p = host.ptr<float>();
+  for (int64_t i = 0; i < host.numel(); ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    double u = 0.1 + 0.9 * static_cast<double>(x >> 11) * 0x1.0p-53;
+    p[i] = static_cast<float>((x & 1 ? u : -u) * scale);
+  }
+  Tensor staged(shape, DType::kF32, backend.allocator());
+  backend.copy(staged, host);
+  Tensor out(shape, dtype, backend.allocator());
+  backend.convert(out, staged);
+  return out;
+}
+
+Tensor int_device(Backend& backend, const std::vector<int32_t>& values) {
+  Tensor host({static_cast<int64_t>(values.size())}, DType::kI32);
+  std::copy(values.begin(), values.end(), host.ptr<int32_t>());
+  Tensor out(host.shape(), DType::kI32, backend.allocator());
+  backend.copy(out, host);
+  return out;
+}
+
+std::string ratio(double value, double target, const char* what) {
+  return fmt::format("{:.2f}x {}", value / target, what);
+}
+
+void bench_gemm(Backend& be, int reps, std::vector<Row>& rows) {
+  const int64_t n = 8192;
+  Tensor a = random_device(be, {n, n}, DType::kBF16, 1), b = random_device(be, {n, n}, DType::kBF16, 2);
+  Tensor c({n, n}, DType::kBF16, be.allocator());
+  double ms = median_ms(be, [&] { be.gemm({c, a, b, false, true, 1.0, 0.0}); }, reps);
+  double tflops = 2.0 * n * n * n / (ms * 1e9);
+  rows.push_back({"gemm bf16 8192^3 (x W^T)", ms, tflops, 0,
+                  ratio(tflops, kMatrixCeilingTflops, "of the 771 TFLOP/s ceiling (target >= 0.90)")});
+}
+
+// The MoE expert block of issue 4: 131072 routed rows, 64 experts, hidden 2304, width 1024.
+void bench_experts(Backend& be, int reps, std::vector<Row>& rows) {
+  const int64_t rows_total = 131072, experts = 64, d = 2304, f = 1024;
+  std::vector<int32_t> offsets;
+  for (int64_t e = 0; e <= experts; ++e) offsets.push_back(static_cast<int32_t>(e * rows_total / experts));
+  Tensor group_offsets = int_device(be, offsets);
+  Tensor x = random_device(be, {rows_total, d}, DType::kBF16, 3);
+  Tensor w_gate_up = random_device(be, {experts, 2 * f, d}, DType::kBF16, 4, 0.02);
+  Tensor w_down = random_device(be, {experts, d, f}, DType::kBF16, 5, 0.03);
+  Tensor gate_up({rows_total, 2 * f}, DType::kBF16, be.allocator());
+  Tensor h({rows_total, f}, DType::kBF16, be.allocator());
+  Tensor out({rows_total, d}, DType::kBF16, be.allocator());
+  Tensor dh({rows_total, f}, DType::kBF16, be.allocator());
+  Tensor dgate_up({rows_total, 2 * f}, DType::kBF16, be.allocator());
+  Tensor dx({rows_total, d}, DType::kBF16, be.allocator());
+  auto mgrouped = [&](const Tensor& c, const Tensor& a, const Tensor& b, bool transpose_b) {
+    kernels::GroupedGemmArgs args;
+    args.c = c;
+    args.a = a;
+    args.b = b;
+    args.group_offsets = group_offsets;
+    args.transpose_b = transpose_b;
+    be.grouped_gemm(args);
+  };
+  auto forward = [&] {
+    mgrouped(gate_up, x, w_gate_up, true);
+    be.swiglu_forward(h, gate_up);
+    mgrouped(out, h, w_down, true);
+  };
+  auto input_grad = [&] {
+    mgrouped(dh, out, w_down, false);  // out stands in for dout: same shape, random-like values
+    be.swiglu_backward({dgate_up, dh, gate_up});
+    mgrouped(dx, dgate_up, w_gate_up, false);
+  };
+  const double flops = 6.0 * rows_total * d * f;
+  double fwd = median_ms(be, forward, reps);
+  rows.push_back({"experts fwd (131072 rows, 64 experts)", fwd, flops / (fwd * 1e9), 0,
+                  ratio(3.43, fwd, "the speed of torch._grouped_mm (3.43 ms; target >= 1)")});
+  double both = median_ms(be, [&] { forward(); input_grad(); }, reps);
+  rows.push_back({"experts fwd + input-grad", both, 2 * flops / (both * 1e9), 0,
+                  ratio(8.0, both, "the speed of torch._grouped_mm (8.0 ms; target >= 1)")});
+}
+
+void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
+  const int64_t t = 8192, heads = 32, dim = 128;
+  Tensor q = random_device(be, {t, heads, dim}, DType::kBF16, 6);
+  Tensor k = random_device(be, {t, heads, dim}, DType::kBF16, 7);
+  Tensor v = random_device(be, {t, heads, dim}, DType::kBF16, 8);
+  Tensor out({t, heads, dim}, DType::kBF16, be.allocator());
+  Tensor lse({t, heads}, DType::kF32, be.allocator());
+  Tensor dout = random_device(be, {t, heads, dim}, DType::kBF16, 9);
+  Tensor dq({t, heads, dim}, DType::kBF16, be.allocator()), dk({t, heads, dim}, DType::kBF16, be.allocator()),
+      dv({t, heads, dim}, DType::kBF16, be.allocator());
+  Tensor cu = int_device(be, {0, static_cast<int32_t>(t)});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  auto forward = [&] { be.attention_forward({out, lse, q, k, v, cu, scale}); };
+  auto backward = [&] { be.attention_backward({dq, dk, dv, dout, q, k, v, out, lse, cu, scale}); };
+  const double fwd_flops = 4.0 * t * t * heads * dim / 2;  // causal: half of the score matrix
+  double fwd = median_ms(be, forward, reps);
+  rows.push_back({"attention fwd causal T8192 H32 D128", fwd, fwd_flops / (fwd * 1e9), 0,
+                  ratio(0.91, fwd, "the speed of FlashAttention (0.91 ms)")});
+  double both = median_ms(be, [&] { forward(); backward(); }, reps);
+  rows.push_back({"attention fwd+bwd", both, 3.5 * fwd_flops / (both * 1e9), 0,
+                  ratio(3.65 * 2, both, "of the target time 2 x FlashAttention (7.3 ms; target >= 1)")});
+}
+
+void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {
+  auto add = [&](const std::string& name, double bytes, const std::function<void()>& op) {
+    double ms = median_ms(be, op, reps);
+    double tbps = bytes / (ms * 1e9);
+    rows.push_back({name, ms, 0, tbps, ratio(tbps, kMemoryCeilingTbps, "of 4.2 TB/s (target >= 0.70)")});
+  };
+  const int64_t copy_elems = int64_t{1} << 29;  // 1 GiB of bf16
+  Tensor src = random_device(be, {copy_elems}, DType::kBF16, 10), dst({copy_elems}, DType::kBF16, be.allocator());
+  add("copy 1 GiB (device to device)", 2.0 * src.nbytes(), [&] { be.copy(dst, src); });
+
+  const int64_t n = 65536, d = 4096;  // 512 MiB of bf16 rows
+  Tensor x = random_device(be, {n, d}, DType::kBF16, 11), y({n, d}, DType::kBF16, be.allocator());
+  Tensor w = random_device(be, {d}, DType::kBF16, 12), rstd({n}, DType::kF32, be.allocator());
+  Tensor dx({n, d}, DType::kBF16, be.allocator());
+  add("rmsnorm fwd [65536, 4096]", 2.0 * x.nbytes(), [&] { be.rmsnorm_forward({y, rstd, x, w, 1e-6}); });
+  add("rmsnorm bwd (dx only)", 3.0 * x.nbytes(),
+      [&] { be.rmsnorm_backward({dx, {}, y, x, w, rstd, false}); });
+  Tensor gate_up = random_device(be, {n, 2 * 2048}, DType::kBF16, 13), h({n, 2048}, DType::kBF16, be.allocator());
+  add("swiglu fwd [65536, 2x2048]", 1.5 * gate_up.nbytes(), [&] { be.swiglu_forward(h, gate_up); });
+  // RoPE over the rope part of MLA queries: [tokens*heads, 192] with 64 rotated columns.
+  const int64_t tokens = 16384, heads = 32;
+  Tensor q = random_device(be, {tokens * heads, 192}, DType::kBF16, 14);
+  std::vector<int32_t> positions(tokens);
+  for (int64_t i = 0; i < tokens; ++i) positions[i] = static_cast<int32_t>(i);
+  Tensor pos = int_device(be, positions);
+  Tensor cos = random_device(be, {tokens, 32}, DType::kF32, 15), sin = random_device(be, {tokens, 32}, DType::kF32, 16);
+  add("rope in place (64 of 192 columns, 16384 tok x 32 heads)", 2.0 * tokens * heads * 64 * 2,
+      [&] { be.rope({q, q, pos, cos, sin, heads, 128, 64}); });
+  // Permute: gather 8 copies of each of 16384 tokens of 4096 bf16.
+  const int64_t top_k = 8;
+  Tensor tok = random_device(be, {tokens, d}, DType::kBF16, 17), routed({tokens * top_k, d}, DType::kBF16, be.allocator());
+  std::vector<int32_t> pairs(tokens * top_k);
+  for (int64_t p = 0; p < tokens * top_k; ++p) pairs[p] = static_cast<int32_t>((p * 7919) % (tokens * top_k));
+  Tensor sorted_pair = int_device(be, pairs);
+  add("moe_permute (16384 tok x top-8, 4096)", 2.0 * routed.nbytes(), [&] { be.moe_permute(routed, tok, sorted_pair, top_k); });
+  const int64_t params = int64_t{1} << 26;  // 64M fp32 adapter values
+  Tensor p = random_device(be, {params}, DType::kF32, 18, 0.01), g = random_device(be, {params}, DType::kF32, 19, 0.001);
+  Tensor m = random_device(be, {params}, DType::kF32, 20, 0.001), v = random_device(be, {params}, DType::kF32, 21, 1e-6);
+  be.fill(v, 1e-6);  // a second moment is positive
+  add("adamw (64M fp32 parameters)", 28.0 * params,
+      [&] { be.adamw({p, g, m, v, 1e-4, 0.9, 0.999, 1e-8, 0.0, 10}); });
+}
+
+void print_rows(const std::vector<Row>& rows) {
+  std::printf("\n%-58s %10s %10s %9s  %s\n", "benchmark", "ms", "TFLOP/s", "TB/s", "versus");
+  for (const Row& r : rows) {
+    std::printf("%-58s %10.3f %10s %9s  %s\n", r.name.c_str(), r.ms,
+                r.tflops > 0 ? fmt::format("{:.1f}", r.tflops).c_str() : "-",
+                r.tbps > 0 ? fmt::format("{:.2f}", r.tbps).c_str() : "-", r.versus.c_str());
+  }
+}
+
+// Model FLOPs of one forward + backward step (defined in docs/PERF.md): every frozen matmul
+// counts 2 FLOPs per weight per token forward and 2 again for its input gradient; LoRA adapters
+// 6 per adapter weight per token (forward, input grad, weight grad; a routed expert's adapters
+// weigh top_k / num_experts); causal attention 2 (d_qk + d_v) per head per (query, key <= query)
+// pair within each segment forward and 2.5x that backward; the router and the LM head as
+// matmuls. Recomputation is not counted (model FLOPs, not hardware FLOPs).
+double step_flops(const ModelSpec& spec, const Batch& batch, double lora_weights_per_token) {
+  const ModelConfig& m = spec.config;
+  const MlaConfig& a = m.mla;
+  const double d = static_cast<double>(m.hidden_size);
+  const double qk = static_cast<double>(a.qk_nope_head_dim + a.qk_rope_head_dim);
+  const double q_weights = a.q_lora_rank ? d * *a.q_lora_rank + *a.q_lora_rank * a.num_heads * qk : d * a.num_heads * qk;
+  const double attention_weights = q_weights + d * (a.kv_lora_rank + a.qk_rope_head_dim) +
+                                   static_cast<double>(a.kv_lora_rank) * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) +
+                                   static_cast<double>(a.num_heads) * a.v_head_dim * d;
+  double weights_per_token = d * m.vocab_size;
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    weights_per_token += attention_weights;
+    weights_per_token += spec.ffns[l] == FfnKind::kDense
+                             ? 3.0 * d * m.intermediate_size
+                             : 3.0 * d * m.moe.expert_intermediate_size * (m.moe.top_k + m.moe.num_shared_experts) +
+                                   d * m.moe.num_experts;
+  }
+  double pairs = 0;  // causal (query, key) pairs over the batch's segments
+  for (size_t s = 0; s + 1 < batch.cu_seqlens.size(); ++s) {
+    double len = batch.cu_seqlens[s + 1] - batch.cu_seqlens[s];
+    pairs += len * (len + 1) / 2;
+  }
+  const double tokens = static_cast<double>(batch.num_tokens());
+  const double attention_forward = 2.0 * (qk + a.v_head_dim) * a.num_heads * pairs * m.num_layers;
+  return 4.0 * weights_per_token * tokens + 6.0 * lora_weights_per_token * tokens + 3.5 * attention_forward;
+}
+
+int bench_step(Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides,
+               int steps) {
+  Config config = load_config(config_path, overrides);
+  validate_for_world(config, 1);
+  ModelSpec spec = resolve_model_spec(config);
+  auto backend = kernels::make_cuda_backend();
+  ModelOptions options;
+  options.dtype = DType::kBF16;
+  options.recompute = config.parallel.recompute;
+  options.seed = static_cast<uint64_t>(config.train.seed);
+  options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
+  options.lora_targets = config.lora.targets;
+  auto build_start = std::chrono::steady_clock::now();
+  Model model(spec, *backend, options);
+  model.init_random_weights();
+  backend->synchronize();
+  log::info(fmt::format("model built and initialised in {:.1f} s", std::chrono::duration<double>(
+                                                                       std::chrono::steady_clock::now() - build_start)
+                                                                       .count()));
+  SyntheticData data(config.data, spec.config.vocab_size, 0, 1);
+  double lora_weights_per_token = 0;
+  for (Parameter* p : model.parameters()) {
+    bool routed = p->value.shape().ndim() == 3;  // stacked per-expert adapters
+    lora_weights_per_token += routed ? static_cast<double>(p->value.numel()) * spec.config.moe.top_k /
+                                           static_cast<double>(spec.config.moe.num_experts)
+                                     : static_cast<double>(p->value.numel());
+  }
+  Batch last_batch;
+  std::vector<double> times;
+  double loss = 0;
+  for (int s = 0; s < steps + 2; ++s) {
+    Batch batch = data.next();
+    auto start = std::chrono::steady_clock::now();
+    StepResult r = model.forward_backward(batch, 1.0 / std::max<int64_t>(1, batch.num_targets()));
+    backend->synchronize();
+    if (s >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    loss = r.loss_sum / std::max<int64_t>(1, r.targets);
+    last_batch = std::move(batch);
+  }
+  std::sort(times.begin(), times.end());
+  const double seconds = times[times.size() / 2];
+  const int64_t tokens = config.data.micro_batch * config.data.seq_len;
+  const double flops = step_flops(spec, last_batch, lora_weights_per_token);
+  std::printf("\nstep: %lld layers, hidden %lld, %lld experts top-%lld, %lld tokens (seq %lld), recompute %s\n",
+              static_cast<long long>(spec.config.num_layers), static_cast<long long>(spec.config.hidden_size),
+              static_cast<long long>(spec.config.moe.num_experts), static_cast<long long>(spec.config.moe.top_k),
+              static_cast<long long>(tokens), static_cast<long long>(config.data.seq_len),
+              config.parallel.recompute ? "on" : "off");
+  std::printf("step: median %.1f ms, %.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of %.0f (%.1f%% of the measured "
+              "771), last loss %.4f\n",
+              seconds * 1e3, tokens / seconds, flops / seconds / 1e12, 100.0 * flops / seconds / 1e12 / kDatasheetBf16Tflops,
+              kDatasheetBf16Tflops, 100.0 * flops / seconds / 1e12 / kMatrixCeilingTflops, loss);
+  (void)runtime;
+  return 0;
+}
+
+int run(Runtime& runtime, int argc, char** argv) {
+  cxxopts::Options options("moetrain-bench", "time the CUDA backend against the H200 ceilings");
+  options.add_options()("mode", "ops | step", cxxopts::value<std::string>()->default_value("ops"))(
+      "config", "model config for `step`", cxxopts::value<std::string>())(
+      "set", "config override key.path=value", cxxopts::value<std::vector<std::string>>())(
+      "steps", "timed steps", cxxopts::value<int>()->default_value("5"))(
+      "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"));
+  options.parse_positional({"mode"});
+  auto result = options.parse(argc, argv);
+  MOETRAIN_CHECK(cuda::device_count() > 0, ExitCode::kBadConfig, "moetrain-bench needs a CUDA device");
+  const std::string mode = result["mode"].as<std::string>();
+  if (mode == "step") {
+    MOETRAIN_CHECK(result.count("config"), ExitCode::kBadConfig, "moetrain-bench step needs --config FILE");
+    std::vector<std::string> overrides;
+    if (result.count("set")) overrides = result["set"].as<std::vector<std::string>>();
+    return bench_step(runtime, result["config"].as<std::string>(), overrides, result["steps"].as<int>());
+  }
+  MOETRAIN_CHECK(mode == "ops", ExitCode::kBadConfig, "unknown mode " + mode + " (ops | step)");
+  auto backend = kernels::make_cuda_backend();
+  const int reps = result["reps"].as<int>();
+  std::vector<Row> rows;
+  bench_gemm(*backend, reps, rows);
+  bench_experts(*backend, reps, rows);
+  bench_attention(*backend, reps, rows);
+  bench_memory(*backend, reps, rows);
+  print_rows(rows);
+  return 0;
+}
+
+}  // namespace
+}  // namespace moetrain
+
+int main(int argc, char** argv) { return moetrain::run_main(argc, argv, moetrain::run); }
