@@ -146,7 +146,7 @@ std::string save_checkpoint(CheckpointGroup& group, const SaveRequest& request, 
     write_text_durably((fs::path(request.root) / kLatestName).string(), checkpoint_dir_name(request.step) + "\n");
     prune_checkpoints(request.root, request.keep_last, rank);
   });
-  log::info(fmt::format("checkpoint saved: {} (step {}, {} rank shard(s))", final_dir, request.step, group.world()));
+  if (group.is_root()) log::info(fmt::format("checkpoint saved: {} (step {}, {} rank shard(s))", final_dir, request.step, group.world()));
   return final_dir;
 }
 

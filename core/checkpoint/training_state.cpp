@@ -51,6 +51,7 @@ RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, co
   for (size_t i = 0; i < params.size(); ++i) {
     const Parameter& p = *params[i];
     MOETRAIN_ASSERT(moments[i].name == p.name, "optimizer state order differs from the parameters'");
+    if (!layout.save.empty() && !layout.save[i]) continue;
     TensorSlice slice = slice_of(layout, i, p.value.shape());
     shard.tensors.push_back(host_copy(kParamKind + p.name, p.value, slice, backend, storage));
     shard.tensors.push_back(host_copy(kExpAvgKind + p.name, moments[i].exp_avg, slice, backend, storage));
@@ -83,6 +84,20 @@ void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const P
                                checkpoint.path(), key));
   }
   optimizer.set_step_count(checkpoint.manifest().optimizer_steps);
+}
+
+ParameterLayout expert_parallel_layout(const std::vector<Parameter*>& params, int64_t num_experts,
+                                       int64_t first_expert, int rank, bool first_expert_replica) {
+  ParameterLayout layout;
+  for (const Parameter* p : params) {
+    const Shape& shape = p->value.shape();
+    bool expert_slice = shape.ndim() == 3 && p->name.find(".mlp.experts.") != std::string::npos;
+    Shape global = shape;
+    if (expert_slice) global[0] = num_experts;
+    layout.slices.push_back(TensorSlice{global, expert_slice ? first_expert : 0});
+    layout.save.push_back(expert_slice ? first_expert_replica : rank == 0);
+  }
+  return layout;
 }
 
 uint64_t resumed_data_cursor(const Manifest& manifest, int rank, int world) {

@@ -20,9 +20,19 @@ namespace moetrain {
 
 // Where this rank's parameters sit in the global tensors: the row offset of parameter i along
 // dimension 0 and its global shape. Empty: every parameter is whole (world 1, or replicated).
+// `save` says which rank writes a tensor held by several (replicated LoRA factors: rank 0;
+// an expert slice: the first of its expert replicas), so each global row is saved once.
 struct ParameterLayout {
   std::vector<TensorSlice> slices;  // one per optimizer parameter, same order
+  std::vector<bool> save;           // one per optimizer parameter; empty: save all
 };
+
+// The layout under expert parallelism: stacked routed-expert adapters ([local experts, ...],
+// names "...mlp.experts.<proj>.lora_<A|B>.weight") are rows [first_expert, first_expert +
+// local) of [num_experts, ...] and saved by the first replica of that expert block; every
+// other parameter is whole and saved by rank 0.
+ParameterLayout expert_parallel_layout(const std::vector<Parameter*>& params, int64_t num_experts,
+                                       int64_t first_expert, int rank, bool first_expert_replica);
 
 // Copies every parameter value and moment to the host (into `storage`, which must outlive the
 // returned shard) and fills the progress fields.

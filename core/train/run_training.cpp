@@ -139,7 +139,12 @@ int run_training(Runtime& runtime, const Config& config) {
   std::unique_ptr<CheckpointGroup> group =
       runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
   DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); }, {}, {}};
-  CheckpointSession checkpoints(config, *group, trainer, *backend, cursor);
+  ParameterLayout layout;  // world 1: every tensor whole
+  if (runtime.world() > 1) {
+    layout = expert_parallel_layout(model.parameters(), spec.config.moe.num_experts, groups.first_expert(),
+                                    runtime.rank(), groups.coordinates.expert_replica.index == 0);
+  }
+  CheckpointSession checkpoints(config, *group, trainer, *backend, cursor, layout);
   checkpoints.resume();
   trainer.set_after_step([&checkpoints](const StepRecord&) { checkpoints.after_step(); });
   std::vector<double> losses = trainer.run();
