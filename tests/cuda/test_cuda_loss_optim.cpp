@@ -1,4 +1,5 @@
 // CUDA cross-entropy and AdamW against the CPU reference (F64).
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -54,7 +55,12 @@ TEST_CASE("cuda adamw matches the CPU over several steps") {
   for (int64_t n : {int64_t{1001}, int64_t{4096}}) {
     Operand param = random_operand({n}, DType::kF32, ++seed);
     Operand exp_avg = random_operand({n}, DType::kF32, ++seed, 1e-3, 0.1);
-    Operand exp_avg_sq = random_operand({n}, DType::kF32, ++seed, 1e-4, 1e-2);
+    // A second moment is never negative (random_operand draws both signs).
+    Operand exp_avg_sq;
+    exp_avg_sq.host = testing::random_tensor({n}, DType::kF64, ++seed, 1e-4, 1e-2);
+    for (int64_t i = 0; i < n; ++i) exp_avg_sq.host.ptr<double>()[i] = std::fabs(exp_avg_sq.host.ptr<double>()[i]);
+    round_host(exp_avg_sq.host.view(), DType::kF32);
+    exp_avg_sq.dev = upload(exp_avg_sq.host.view(), DType::kF32);
     for (int64_t step = 1; step <= 3; ++step) {
       const Operand grad = random_operand({n}, DType::kF32, ++seed);
       kernels::AdamWArgs args;
