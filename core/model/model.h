@@ -63,6 +63,10 @@ class Model final : public TrainableModel {
   Tensor logits(const Batch& batch);
 
   const ModelSpec& spec() const { return spec_; }
+  // Forward passes run so far: the position of the router-noise stream (checkpoints save it,
+  // so a resumed run draws the noise the uninterrupted one would have).
+  uint64_t forward_count() const { return forward_count_; }
+  void set_forward_count(uint64_t count) { forward_count_ = count; }
   const ModelOptions& options() const { return options_; }
   std::vector<WeightSlot> weight_slots();
   // Every LoRA-capable projection, by HF module name (tests and adapter import/export).

@@ -138,7 +138,9 @@ int run_training(Runtime& runtime, const Config& config) {
   Trainer trainer(trainer_options, model, [&data] { return data->next(); }, &metrics);
   std::unique_ptr<CheckpointGroup> group =
       runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
-  DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); }, {}, {}};
+  DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); },
+                          [&model] { return model.forward_count(); },
+                          [&model](uint64_t count) { model.set_forward_count(count); }};
   ParameterLayout layout;  // world 1: every tensor whole
   if (runtime.world() > 1) {
     layout = expert_parallel_layout(model.parameters(), spec.config.moe.num_experts, groups.first_expert(),
