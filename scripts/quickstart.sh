@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job from a fresh clone: installs missing packages, builds moetrain, and fine-tunes the
 # quickstart model (configs/quickstart.yaml: a tiny MLA + MoE model with LoRA on synthetic data).
-# It trains on the CPU reference backend, so it runs on any machine; expect about a minute.
+# train.device is auto: the GPU when the build has CUDA and one is visible, else the CPU reference
+# backend, so it runs on any machine; expect about a minute on a CPU.
 # Extra arguments go to `moetrain train`, e.g. scripts/quickstart.sh --set train.steps=20
 #   BUILD_DIR=...          build directory (default: <repo>/build)
 #   MOETRAIN_SKIP_SETUP=1  do not check system packages
