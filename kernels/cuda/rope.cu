@@ -1,7 +1,14 @@
-// Rope: each block owns `rows_per_block` whole rows. It stages their rope columns in shared
-// memory (as F32), waits, then writes the rotated pairs, so the interleaved layout (whose
-// outputs land on other pairs' inputs) is safe in place. Out of place, the block also copies
-// the row's other columns.
+// Rope has two kernels.
+// The vector kernel (rope_dim a multiple of 16 up to 512, rows and columns 16-byte aligned: the
+// MLA case): each thread owns 8 rotation pairs i = 8k .. 8k+7 of one row, so a row takes
+// rope_dim / 16 threads of one warp. It loads its inputs (two 16-byte chunks), the 8 cos and 8
+// sin values of its pairs (L1 hits for the row's other heads: adjacent rows share the token), and
+// writes its outputs as two 16-byte chunks. In place with the interleaved layout, its outputs land
+// on other threads' inputs of the same row: every thread loads first, __syncwarp, then stores.
+// The staged kernel covers every other shape: each block owns `rows_per_block` whole rows. It
+// stages their rope columns in shared memory (as F32), waits, then writes the rotated pairs, so
+// the interleaved layout is safe in place. Out of place, both kernels also copy the row's other
+// columns.
 #include "kernels/cuda/rope.h"
 
 #include <cmath>
@@ -19,7 +26,7 @@ struct RopeShape {
   bool interleaved, inverse, in_place;
 };
 
-__global__ void rope_kernel(MutOperand out, ConstOperand x, const int32_t* __restrict__ positions,
+__global__ void rope_staged_kernel(MutOperand out, ConstOperand x, const int32_t* __restrict__ positions,
                             const float* __restrict__ cos_table, const float* __restrict__ sin_table, RopeShape s) {
   extern __shared__ float staged[];  // [rows_per_block, rope_dim]
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * s.rows_per_block;
@@ -73,6 +80,90 @@ __global__ void rope_kernel(MutOperand out, ConstOperand x, const int32_t* __res
   }
 }
 
+// The vector kernel; kSets = rope_dim / 16 threads per row, a power of two up to 32 (so a row
+// never straddles warps).
+template <int kSets>
+__global__ void __launch_bounds__(kThreads)
+    rope_vector_kernel(MutOperand out, ConstOperand x, const int32_t* __restrict__ positions,
+                       const float* __restrict__ cos_table, const float* __restrict__ sin_table, RopeShape s) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = g / kSets;
+  const int k = static_cast<int>(g % kSets);
+  const bool valid = row < s.rows;
+  const int64_t half = s.rope_dim / 2;
+  const int64_t base = row * s.width + s.col_offset;
+  const bool interleaved_in = s.interleaved && !s.inverse, interleaved_out = s.interleaved && s.inverse;
+  // a[e], b[e]: the pair 8k + e (forward: (x[2i], x[2i+1]) or (x[i], x[i + half]); inverse: the
+  // rotated values at i and i + half).
+  float a[8], b[8], c[8], sn[8];
+  bool position_ok = false;
+  if (valid) {
+    if (interleaved_in) {
+      float lo[8], hi[8];
+      load_chunk<8>(lo, x, base + 16 * k);
+      load_chunk<8>(hi, x, base + 16 * k + 8);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        a[e] = lo[2 * e], b[e] = lo[2 * e + 1];
+        a[4 + e] = hi[2 * e], b[4 + e] = hi[2 * e + 1];
+      }
+    } else {
+      load_chunk<8>(a, x, base + 8 * k);
+      load_chunk<8>(b, x, base + half + 8 * k);
+    }
+    const int64_t token = row / s.heads;
+    const int32_t position = positions[token];
+    position_ok = position >= 0 && position < s.max_position;
+    if (position_ok) {
+      const int64_t at = static_cast<int64_t>(position) * half + 8 * k;
+      const float4* cos4 = reinterpret_cast<const float4*>(cos_table + at);
+      const float4* sin4 = reinterpret_cast<const float4*>(sin_table + at);
+      const float4 c0 = __ldg(cos4), c1 = __ldg(cos4 + 1), s0 = __ldg(sin4), s1 = __ldg(sin4 + 1);
+      c[0] = c0.x, c[1] = c0.y, c[2] = c0.z, c[3] = c0.w, c[4] = c1.x, c[5] = c1.y, c[6] = c1.z, c[7] = c1.w;
+      sn[0] = s0.x, sn[1] = s0.y, sn[2] = s0.z, sn[3] = s0.w, sn[4] = s1.x, sn[5] = s1.y, sn[6] = s1.z, sn[7] = s1.w;
+    }
+  }
+  // Every lane of the warp gets here (no early return above): the row's loads are done before
+  // any of its stores, which in place may overwrite another thread's inputs.
+  __syncwarp();
+  if (!valid) return;
+  float first[8], second[8];  // the values for pair slot i and i + half (or 2i and 2i + 1)
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    if (!position_ok) {
+      first[e] = second[e] = nanf("");
+    } else if (!s.inverse) {
+      first[e] = a[e] * c[e] - b[e] * sn[e];
+      second[e] = b[e] * c[e] + a[e] * sn[e];
+    } else {
+      first[e] = a[e] * c[e] + b[e] * sn[e];
+      second[e] = b[e] * c[e] - a[e] * sn[e];
+    }
+  }
+  if (interleaved_out) {
+    float lo[8], hi[8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      lo[2 * e] = first[e], lo[2 * e + 1] = second[e];
+      hi[2 * e] = first[4 + e], hi[2 * e + 1] = second[4 + e];
+    }
+    store_chunk<8>(out, base + 16 * k, lo);
+    store_chunk<8>(out, base + 16 * k + 8, hi);
+  } else {
+    store_chunk<8>(out, base + 8 * k, first);
+    store_chunk<8>(out, base + half + 8 * k, second);
+  }
+  if (!s.in_place) {  // the columns rope leaves alone, 8 at a time (the rope columns are whole chunks)
+    const int64_t row_base = row * s.width;
+    for (int64_t col = 8 * static_cast<int64_t>(k); col < s.width; col += 8 * kSets) {
+      if (col >= s.col_offset && col < s.col_offset + s.rope_dim) continue;
+      float v[8];
+      load_chunk<8>(v, x, row_base + col);
+      store_chunk<8>(out, row_base + col, v);
+    }
+  }
+}
+
 ElemKind kind_of(DType dtype) { return dtype == DType::kBF16 ? ElemKind::kBF16 : ElemKind::kF32; }
 
 }  // namespace
@@ -89,16 +180,35 @@ void rope(const RopeArgs& args, cudaStream_t stream) {
   s.interleaved = args.layout == RopeLayout::kInterleaved;
   s.inverse = args.inverse;
   s.in_place = args.out.data == args.x.data;
+  const MutOperand out{args.out.data, kind_of(args.out.dtype)};
+  const ConstOperand x{args.x.data, kind_of(args.x.dtype)};
+  const auto* positions = static_cast<const int32_t*>(args.positions.data);
+  const auto* cos_table = static_cast<const float*>(args.cos.data);
+  const auto* sin_table = static_cast<const float*>(args.sin.data);
+  const int64_t sets = s.rope_dim % 16 == 0 ? s.rope_dim / 16 : 0;
+  const bool vector = sets > 0 && sets <= 32 && (sets & (sets - 1)) == 0 && s.width % 8 == 0 &&
+                      s.col_offset % 8 == 0 && aligned16(out.data) && aligned16(x.data) && aligned16(cos_table) &&
+                      aligned16(sin_table);
+  if (vector) {
+    const unsigned int blocks = static_cast<unsigned int>((s.rows * sets + kThreads - 1) / kThreads);
+    switch (sets) {
+      case 1: rope_vector_kernel<1><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
+      case 2: rope_vector_kernel<2><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
+      case 4: rope_vector_kernel<4><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
+      case 8: rope_vector_kernel<8><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
+      case 16: rope_vector_kernel<16><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
+      default: rope_vector_kernel<32><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
+    }
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   // About 16 KiB of staging per block.
   s.rows_per_block = 4096 / s.rope_dim;
   if (s.rows_per_block < 1) s.rows_per_block = 1;
   if (s.rows_per_block > 32) s.rows_per_block = 32;
   const size_t shared_bytes = sizeof(float) * static_cast<size_t>(s.rows_per_block * s.rope_dim);
   const unsigned int blocks = static_cast<unsigned int>((s.rows + s.rows_per_block - 1) / s.rows_per_block);
-  rope_kernel<<<blocks, kThreads, shared_bytes, stream>>>(
-      MutOperand{args.out.data, kind_of(args.out.dtype)}, ConstOperand{args.x.data, kind_of(args.x.dtype)},
-      static_cast<const int32_t*>(args.positions.data), static_cast<const float*>(args.cos.data),
-      static_cast<const float*>(args.sin.data), s);
+  rope_staged_kernel<<<blocks, kThreads, shared_bytes, stream>>>(out, x, positions, cos_table, sin_table, s);
   CUDA_CHECK_LAUNCH();
 }
 
