@@ -5,7 +5,6 @@
 #include <set>
 
 #include "core/base/error.h"
-#include "core/base/log.h"
 
 namespace moetrain {
 namespace {
@@ -102,16 +101,18 @@ ParameterLayout expert_parallel_layout(const std::vector<Parameter*>& params, in
 
 uint64_t resumed_data_cursor(const Manifest& manifest, int rank, int world) {
   MOETRAIN_ASSERT(rank >= 0 && rank < world, "rank outside the world");
-  if (manifest.world == world) return manifest.ranks[static_cast<size_t>(rank)].data_cursor;
-  uint64_t consumed = 0;
-  for (const RankProgress& r : manifest.ranks) consumed += r.data_cursor;
-  if (consumed % static_cast<uint64_t>(world) != 0 && rank == 0) {
-    log::warn(fmt::format("resuming {} ranks from a checkpoint of {}: {} windows consumed do not split evenly; "
-                          "the last {} are skipped",
-                          world, manifest.world, consumed, consumed % static_cast<uint64_t>(world)));
+  MOETRAIN_CHECK(!manifest.ranks.empty(), ExitCode::kBadCheckpoint, "manifest.json lists no ranks");
+  // Job-wide: every saving rank recorded the same count (summing them, as if they were per-rank
+  // counts, would jump ahead by the saved world size when resharding).
+  const uint64_t cursor = manifest.ranks.front().data_cursor;
+  for (size_t r = 1; r < manifest.ranks.size(); ++r) {
+    MOETRAIN_CHECK(manifest.ranks[r].data_cursor == cursor, ExitCode::kBadCheckpoint,
+                   fmt::format("manifest.json: rank {} saved data cursor {} but rank 0 saved {}; the data cursor "
+                               "counts the samples of the whole job and must be the same on every rank (was the "
+                               "checkpoint written by an older moetrain?)",
+                               r, manifest.ranks[r].data_cursor, cursor));
   }
-  // Round up so no window is read twice.
-  return (consumed + static_cast<uint64_t>(world) - 1) / static_cast<uint64_t>(world);
+  return cursor;
 }
 
 }  // namespace moetrain

@@ -46,11 +46,10 @@ RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, co
 void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
                             const CheckpointReader& checkpoint);
 
-// This rank's data cursor after resuming a checkpoint saved by manifest.world ranks, for a job
-// of `world` ranks. Same world: the rank's own cursor. Another world: every rank of the saving
-// job read cursor windows of a stream dealt round-robin (rank r reads r, r + W, ...), so the
-// job consumed the sum of the cursors; each new rank continues at sum / world (a warning when
-// that does not divide, the remainder's windows are skipped).
+// The data cursor to continue from after resuming a checkpoint saved by manifest.world ranks,
+// for `rank` of a job of `world` ranks. The cursor is job-wide (global samples the whole job has
+// consumed, the same number on every rank: core/data/data_source.h), so it carries over to any
+// world size unchanged; ranks that saved different cursors are Error(kBadCheckpoint).
 uint64_t resumed_data_cursor(const Manifest& manifest, int rank, int world);
 
 }  // namespace moetrain

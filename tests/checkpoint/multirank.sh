@@ -1,0 +1,182 @@
+#!/bin/bash
+# Multi-rank checkpoint scenarios through `moetrain train` under mpirun (CMakeLists.txt):
+#   resume_w1, resume_w4   10 steps straight vs the same run resumed from its step-5 checkpoint:
+#                          steps 6..10 have exactly the same losses (world 4: fsdp 4, ep 2)
+#   reshard                save at world 4 (fsdp 4, ep 2) at step 5, resume at world 2 (ep 1) and
+#                          world 1: step 6's loss equals world 4's within relative 1e-5
+#   signal_w2              SIGTERM to rank 1 of a world-2 run: every rank saves, exit 75, and the
+#                          resumed run's losses equal an uninterrupted run's exactly
+#   signal_all_w2          the same with SIGTERM to both ranks
+# The global batch is the same at every world size (micro_batch x world = 4), so the runs see
+# the same samples per step. Losses are compared as written in metrics.jsonl (17 digits).
+#
+# usage: multirank.sh SCENARIO MOETRAIN MPIEXEC CONFIG WORK [MPIEXEC FLAGS...]
+set -u
+scenario=$1 moetrain=$2 mpiexec=$3 config=$4 work=$5
+shift 5
+mpi_flags=("$@")
+here=$(cd "$(dirname "$0")" && pwd)
+rm -rf "$work" && mkdir -p "$work" || exit 1
+
+fail() {
+  echo "FAIL ($scenario): $*" >&2
+  exit 1
+}
+
+# train NAME WORLD FSDP EP MICRO_BATCH [--set ...]: a run whose rank R logs to $work/NAME/rankR.
+# Sets $rc; the output goes to $work/NAME.log.
+train() {
+  local name=$1 world=$2 fsdp=$3 ep=$4 micro_batch=$5
+  shift 5
+  local args=(train --config "$config" --set "parallel.fsdp=$fsdp" --set "parallel.ep=$ep"
+              --set "data.micro_batch=$micro_batch" --set checkpoint.export_adapter=false "$@")
+  if [ "$world" -eq 1 ]; then
+    "$here/rank_exec.sh" "$work/$name" "$moetrain" "${args[@]}" >"$work/$name.log" 2>&1
+  else
+    "$mpiexec" -np "$world" "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/$name" "$moetrain" "${args[@]}" \
+      >"$work/$name.log" 2>&1
+  fi
+  rc=$?
+}
+
+expect_exit() {  # NAME EXPECTED
+  [ "$rc" -eq "$2" ] || fail "$1: expected exit $2, got $rc:
+$(tail -n 30 "$work/$1.log")"
+}
+
+# losses NAME [RANK]: "step loss" lines of a rank's metrics.jsonl, the loss as written.
+losses() {
+  sed -n 's/^{"step":\([0-9]*\),"loss":\([^,}]*\)[,}].*/\1 \2/p' "$work/$1/rank${2:-0}/metrics.jsonl"
+}
+
+# The loss reductions span all ranks, so every rank must log the same losses.
+expect_ranks_agree() {  # NAME WORLD
+  local r
+  for ((r = 1; r < $2; ++r)); do
+    [ "$(losses "$1" $r)" == "$(losses "$1" 0)" ] || fail "$1: rank $r logged other losses than rank 0"
+  done
+}
+
+# expect_steps_equal A B FIRST LAST: steps FIRST..LAST of runs A and B have identical losses.
+expect_steps_equal() {
+  local a b
+  a=$(losses "$1" | awk -v f="$3" -v l="$4" '$1 >= f && $1 <= l')
+  b=$(losses "$2" | awk -v f="$3" -v l="$4" '$1 >= f && $1 <= l')
+  [ "$(echo "$a" | grep -c .)" -eq $(($4 - $3 + 1)) ] || fail "$1 does not have steps $3..$4:
+$(losses "$1")"
+  [ "$a" == "$b" ] || fail "steps $3..$4: $1 and $2 differ:
+$1:
+$a
+$2:
+$b"
+}
+
+# expect_step_close A B STEP: the losses at STEP agree within relative 1e-5 (reduction order).
+expect_step_close() {
+  local a b
+  a=$(losses "$1" | awk -v s="$3" '$1 == s { print $2 }')
+  b=$(losses "$2" | awk -v s="$3" '$1 == s { print $2 }')
+  [ -n "$a" ] && [ -n "$b" ] || fail "step $3 missing: $1 '$a', $2 '$b'"
+  awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; m = (a < 0 ? -a : a);
+                                    exit !(a == a && b == b && d <= 1e-5 * m) }' ||
+    fail "step $3: $1 loss $a, $2 loss $b: not within relative 1e-5"
+  echo "step $3: $1 $a, $2 $b"
+}
+
+expect_checkpoint() {  # DIR WORLD: committed, with one shard per rank of a WORLD-rank job
+  [ -f "$1/manifest.json" ] || fail "$1 is not a committed checkpoint"
+  local r
+  for ((r = 0; r < $2; ++r)); do
+    local shard
+    shard=$(printf 'rank_%05d.safetensors' $r)
+    [ -f "$1/$shard" ] || fail "$1 has no $shard"
+    grep -q "\"$shard\"" "$1/manifest.json" || fail "$1/manifest.json does not list $shard"
+  done
+}
+
+case $scenario in
+  resume_w1 | resume_w4)
+    if [ "$scenario" == resume_w1 ]; then layout=(1 1 1 4); else layout=(4 4 2 1); fi
+    world=${layout[0]}
+    # Straight: 10 steps, saving at 5 (and 10); saving does not change the run.
+    train straight "${layout[@]}" --set train.steps=10 --set checkpoint.every=5 --set checkpoint.dir="$work/ckpt"
+    expect_exit straight 0
+    expect_checkpoint "$work/ckpt/step_5" "$world"
+    expect_ranks_agree straight "$world"
+    # Resumed from step 5 into a checkpoint directory of its own: 5 more steps.
+    train resumed "${layout[@]}" --set train.steps=10 --set checkpoint.every=0 \
+      --set checkpoint.resume="$work/ckpt/step_5" --set checkpoint.dir="$work/ckpt_resumed"
+    expect_exit resumed 0
+    expect_ranks_agree resumed "$world"
+    [ "$(losses resumed | head -n 1 | cut -d' ' -f1)" == 6 ] || fail "the resumed run did not start at step 6"
+    expect_steps_equal resumed straight 6 10
+    ;;
+
+  reshard)
+    # World 4 saves at step 5 and continues to step 6: the reference.
+    train w4 4 4 2 1 --set train.steps=6 --set checkpoint.every=5 --set checkpoint.dir="$work/ckpt"
+    expect_exit w4 0
+    expect_checkpoint "$work/ckpt/step_5" 4
+    # Adapters and Adam moments of the experts were saved in 2 EP slices, the rest once.
+    train w2 2 2 1 2 --set train.steps=6 --set checkpoint.every=0 \
+      --set checkpoint.resume="$work/ckpt/step_5" --set checkpoint.dir="$work/ckpt_w2"
+    expect_exit w2 0
+    expect_ranks_agree w2 2
+    train w1 1 1 1 4 --set train.steps=6 --set checkpoint.every=0 \
+      --set checkpoint.resume="$work/ckpt/step_5" --set checkpoint.dir="$work/ckpt_w1"
+    expect_exit w1 0
+    [ "$(losses w2 | cut -d' ' -f1)" == 6 ] || fail "the world-2 run did not train exactly step 6"
+    [ "$(losses w1 | cut -d' ' -f1)" == 6 ] || fail "the world-1 run did not train exactly step 6"
+    expect_step_close w2 w4 6
+    expect_step_close w1 w4 6
+    # A sanity check that the comparison can fail: step 6 is not step 5.
+    a=$(losses w4 | awk '$1 == 5 { print $2 }')
+    b=$(losses w4 | awk '$1 == 6 { print $2 }')
+    [ "$a" != "$b" ] || fail "steps 5 and 6 have the same loss: the data or the update does not move"
+    ;;
+
+  signal_w2 | signal_all_w2)
+    # A constant schedule, so the learning rate does not depend on train.steps: the signalled
+    # run may be long and the comparison runs end just after its checkpoint.
+    common=(--set train.schedule=constant --set checkpoint.every=0)
+    train_args=(train --config "$config" --set parallel.fsdp=2 --set parallel.ep=2 --set data.micro_batch=2
+                --set checkpoint.export_adapter=false "${common[@]}" --set train.steps=100000
+                --set checkpoint.dir="$work/ckpt")
+    "$mpiexec" -np 2 "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/signalled" "$moetrain" "${train_args[@]}" \
+      >"$work/signalled.log" 2>&1 &
+    job=$!
+    # After rank 0 logged two steps, SIGTERM rank 1 (signal_w2) or both ranks.
+    for ((i = 0; i < 1200; ++i)); do
+      [ -f "$work/signalled/rank0/metrics.jsonl" ] && [ "$(grep -c . "$work/signalled/rank0/metrics.jsonl")" -ge 2 ] && break
+      sleep 0.05
+    done
+    [ -f "$work/signalled/pid.0" ] && [ -f "$work/signalled/pid.1" ] || { kill "$job"; fail "the ranks never started"; }
+    if [ "$scenario" == signal_w2 ]; then victims=(1); else victims=(0 1); fi
+    for r in "${victims[@]}"; do kill -TERM "$(cat "$work/signalled/pid.$r")"; done
+    wait "$job"
+    rc=$?
+    expect_exit signalled 75
+    grep -q "\[rank 1/2\] stopped by SIGTERM" "$work/signalled.log" || fail "rank 1 did not report the SIGTERM"
+    if [ "$scenario" == signal_w2 ]; then
+      grep -q "\[rank 0/2\] stopped by a signal on another rank" "$work/signalled.log" ||
+        fail "rank 0 did not stop for rank 1's signal:
+$(tail -n 30 "$work/signalled.log")"
+    fi
+    last=$(losses signalled | tail -n 1 | cut -d' ' -f1)
+    expect_checkpoint "$work/ckpt/step_$last" 2
+    [ "$(ls -d "$work"/ckpt/step_* | wc -l)" -eq 1 ] || fail "expected one checkpoint: $(ls "$work/ckpt")"
+    expect_ranks_agree signalled 2
+    end=$((last + 3))
+    train reference 2 2 2 2 "${common[@]}" --set train.steps=$end --set checkpoint.dir="$work/ckpt_reference"
+    expect_exit reference 0
+    train resumed 2 2 2 2 "${common[@]}" --set train.steps=$end --set checkpoint.dir="$work/ckpt"
+    expect_exit resumed 0
+    expect_ranks_agree resumed 2
+    expect_steps_equal signalled reference 1 "$last"
+    expect_steps_equal resumed reference $((last + 1)) "$end"
+    echo "signalled after step $last; resumed steps $((last + 1))..$end equal the uninterrupted run"
+    ;;
+
+  *) fail "unknown scenario" ;;
+esac
+echo "PASS ($scenario)"
