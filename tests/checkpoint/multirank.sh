@@ -7,6 +7,9 @@
 #   signal_w2              SIGTERM to rank 1 of a world-2 run: every rank saves, exit 75, and the
 #                          resumed run's losses equal an uninterrupted run's exactly
 #   signal_all_w2          the same with SIGTERM to both ranks
+#   fault_w4_R_PHASE       kill -9 rank R of a world-4 run during its second save (MOETRAIN_FAULT,
+#                          docs/CHECKPOINTS.md): the job exits, the first checkpoint survives, and
+#                          the resumed run ends equal to the uninterrupted one
 # The global batch is the same at every world size (micro_batch x world = 4), so the runs see
 # the same samples per step. Losses are compared as written in metrics.jsonl (17 digits).
 #
@@ -15,6 +18,7 @@ set -u
 scenario=$1 moetrain=$2 mpiexec=$3 config=$4 work=$5
 shift 5
 mpi_flags=("$@")
+launcher=()  # a prefix of the moetrain command (env VAR=...), set by a scenario
 here=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$work" && mkdir -p "$work" || exit 1
 
@@ -31,9 +35,9 @@ train() {
   local args=(train --config "$config" --set "parallel.fsdp=$fsdp" --set "parallel.ep=$ep"
               --set "data.micro_batch=$micro_batch" --set checkpoint.export_adapter=false "$@")
   if [ "$world" -eq 1 ]; then
-    "$here/rank_exec.sh" "$work/$name" "$moetrain" "${args[@]}" >"$work/$name.log" 2>&1
+    "$here/rank_exec.sh" "$work/$name" "${launcher[@]}" "$moetrain" "${args[@]}" >"$work/$name.log" 2>&1
   else
-    "$mpiexec" -np "$world" "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/$name" "$moetrain" "${args[@]}" \
+    "$mpiexec" -np "$world" "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/$name" "${launcher[@]}" "$moetrain" "${args[@]}" \
       >"$work/$name.log" 2>&1
   fi
   rc=$?
@@ -175,6 +179,33 @@ $(tail -n 30 "$work/signalled.log")"
     expect_steps_equal signalled reference 1 "$last"
     expect_steps_equal resumed reference $((last + 1)) "$end"
     echo "signalled after step $last; resumed steps $((last + 1))..$end equal the uninterrupted run"
+    ;;
+
+  fault_w4_*)
+    [[ $scenario =~ ^fault_w4_([0-9]+)_(.*)$ ]] || fail "expected fault_w4_<rank>_<phase>"
+    rank=${BASH_REMATCH[1]} phase=${BASH_REMATCH[2]}
+    train reference 4 4 2 1 --set train.steps=10 --set checkpoint.every=0 --set checkpoint.dir="$work/ckpt_reference"
+    expect_exit reference 0
+    # Saves at steps 3, 6, 9; the second save dies.
+    launcher=(env "MOETRAIN_FAULT=kill:rank=$rank:phase=$phase:hit=2")
+    train crashed 4 4 2 1 --set train.steps=10 --set checkpoint.every=3 --set checkpoint.dir="$work/ckpt"
+    [ "$rc" -ne 0 ] || fail "the job survived the kill of rank $rank at $phase"
+    launcher=()
+    expect_checkpoint "$work/ckpt/step_3" 4
+    [ ! -f "$work/ckpt/step_6/manifest.json" ] || [ "$phase" == before_latest ] ||
+      fail "step_6 is committed although rank $rank died at $phase"
+    expect_steps_equal crashed reference 1 6
+    train resumed 4 4 2 1 --set train.steps=10 --set checkpoint.every=3 --set checkpoint.dir="$work/ckpt"
+    expect_exit resumed 0
+    expect_ranks_agree resumed 4
+    first=$(losses resumed | head -n 1 | cut -d' ' -f1)
+    # Killed before updating `latest`, step_6 was already committed (renamed): it is resumed.
+    if [ "$phase" == before_latest ]; then expected_first=7; else expected_first=4; fi
+    [ "$first" == "$expected_first" ] || fail "the resumed run started at step $first, not $expected_first"
+    expect_steps_equal resumed reference "$first" 10
+    leftovers=$(ls -d "$work"/ckpt/*.tmp "$work"/ckpt/*.deleting 2>/dev/null)
+    [ -z "$leftovers" ] || fail "incomplete checkpoints not cleaned up: $leftovers"
+    echo "rank $rank killed at $phase; resumed from step $((first - 1)); steps $first..10 equal the uninterrupted run"
     ;;
 
   *) fail "unknown scenario" ;;
