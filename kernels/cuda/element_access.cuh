@@ -94,6 +94,27 @@ __device__ __forceinline__ void store_chunk(MutOperand dst, int64_t i, const flo
   }
 }
 
+// Like store_chunk<8> (same values, same 16-byte alignment requirement), but always two 16-byte
+// stores for F32 and one for BF16: the stores go through __stwb (write-back, the default cache
+// policy), which the compiler cannot split. Plain store_chunk<8> was seen split into 4-byte stores
+// where the compiler merges several store sites (rmsnorm, rope); use this in bandwidth-bound code.
+__device__ __forceinline__ void store_chunk8_wide(MutOperand dst, int64_t i, const float (&v)[8]) {
+  if (dst.kind == ElemKind::kBF16) {
+    uint32_t words[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * p], v[2 * p + 1]);
+      words[p] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    __stwb(reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(dst.data) + i),
+           make_uint4(words[0], words[1], words[2], words[3]));
+  } else {
+    float4* base = reinterpret_cast<float4*>(static_cast<float*>(dst.data) + i);
+    __stwb(base, make_float4(v[0], v[1], v[2], v[3]));
+    __stwb(base + 1, make_float4(v[4], v[5], v[6], v[7]));
+  }
+}
+
 __device__ __forceinline__ float load_one(ConstOperand src, int64_t i) {
   float v[1];
   load_chunk<1>(v, src, i);

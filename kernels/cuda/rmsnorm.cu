@@ -48,6 +48,16 @@ __device__ __forceinline__ RowSlot row_slot(int64_t rows, int row_threads) {
 
 constexpr int kMaxRowThreads = 512;
 
+// 16-byte stores on the vector path, even where the compiler would split store_chunk<8>.
+template <int kChunk>
+__device__ __forceinline__ void store_row_chunk(MutOperand dst, int64_t i, const float (&v)[kChunk]) {
+  if constexpr (kChunk == 8) {
+    store_chunk8_wide(dst, i, v);
+  } else {
+    store_chunk<kChunk>(dst, i, v);
+  }
+}
+
 template <int kChunk, int kPerThread>
 __global__ void __launch_bounds__(kMaxRowThreads)
     rmsnorm_forward_rows_kernel(MutOperand y, float* __restrict__ rstd, ConstOperand x, ConstOperand weight,
@@ -55,15 +65,18 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   __shared__ float reduce[32];
   const RowSlot slot = row_slot(rows, row_threads);
   const int64_t chunks = dim / kChunk, base = slot.row * dim;
-  float v[kPerThread][kChunk];
+  // Every load before the reduction (the weights too: the wide stores are compiler barriers, so
+  // loads left between them would wait one by one).
+  float v[kPerThread][kChunk], w[kPerThread][kChunk];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t c = slot.lane + static_cast<int64_t>(k) * row_threads;
     if (slot.valid && c < chunks) {
       load_chunk<kChunk>(v[k], x, base + c * kChunk);
+      load_chunk<kChunk>(w[k], weight, c * kChunk);
     } else {
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) v[k][e] = 0.0f;
+      for (int e = 0; e < kChunk; ++e) v[k][e] = w[k][e] = 0.0f;
     }
   }
   float sum_sq = 0.0f;
@@ -79,35 +92,43 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t c = slot.lane + static_cast<int64_t>(k) * row_threads;
     if (c >= chunks) break;
-    float w[kChunk];
-    load_chunk<kChunk>(w, weight, c * kChunk);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) v[k][e] = v[k][e] * s * w[e];
-    store_chunk<kChunk>(y, base + c * kChunk, v[k]);
+    for (int e = 0; e < kChunk; ++e) v[k][e] = v[k][e] * s * w[k][e];
+    store_row_chunk<kChunk>(y, base + c * kChunk, v[k]);
   }
 }
 
-template <int kChunk, int kPerThread>
+// kAccumulate: dx += (a template argument: the non-accumulating kernel needs no registers for dx).
+template <int kChunk, int kPerThread, bool kAccumulate>
 __global__ void __launch_bounds__(kMaxRowThreads)
     rmsnorm_backward_dx_rows_kernel(MutOperand dx, ConstOperand dy, ConstOperand x, ConstOperand weight,
-                                    const float* __restrict__ rstd, int64_t rows, int64_t dim, int row_threads,
-                                    bool accumulate) {
+                                    const float* __restrict__ rstd, int64_t rows, int64_t dim, int row_threads) {
   __shared__ float reduce[32];
   const RowSlot slot = row_slot(rows, row_threads);
   const int64_t chunks = dim / kChunk, base = slot.row * dim;
-  float g[kPerThread][kChunk], v[kPerThread][kChunk];
-  float dot = 0.0f;
+  // Every load before the reduction (the wide stores are compiler barriers, so loads left
+  // between them would wait one by one). g becomes s * w * dy once the dot has used it.
+  float g[kPerThread][kChunk], v[kPerThread][kChunk], acc[kPerThread][kChunk];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t c = slot.lane + static_cast<int64_t>(k) * row_threads;
-    if (slot.valid && c < chunks) {
+    const bool here = slot.valid && c < chunks;
+    if (here) {
       load_chunk<kChunk>(g[k], dy, base + c * kChunk);
       load_chunk<kChunk>(v[k], x, base + c * kChunk);
     } else {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) g[k][e] = v[k][e] = 0.0f;
     }
+    if (here && kAccumulate) {
+      load_chunk<kChunk>(acc[k], dx, base + c * kChunk);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) acc[k][e] = 0.0f;
+    }
   }
+  const float s = slot.valid ? rstd[slot.row] : 0.0f;
+  float dot = 0.0f;
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t c = slot.lane + static_cast<int64_t>(k) * row_threads;
@@ -115,28 +136,22 @@ __global__ void __launch_bounds__(kMaxRowThreads)
       float w[kChunk];
       load_chunk<kChunk>(w, weight, c * kChunk);
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) dot += g[k][e] * w[e] * v[k][e];
+      for (int e = 0; e < kChunk; ++e) {
+        dot += g[k][e] * w[e] * v[k][e];
+        g[k][e] = s * w[e] * g[k][e];
+      }
     }
   }
   const float total = row_sum(dot, row_threads, reduce);
   if (!slot.valid) return;  // after the last collective
-  const float s = rstd[slot.row];
   const float coef = total * s * s * s / static_cast<float>(dim);
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t c = slot.lane + static_cast<int64_t>(k) * row_threads;
     if (c >= chunks) break;
-    float w[kChunk], out[kChunk];
-    load_chunk<kChunk>(w, weight, c * kChunk);
-    if (accumulate) {
-      load_chunk<kChunk>(out, dx, base + c * kChunk);
-    } else {
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) out[e] = 0.0f;
-    }
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) out[e] += s * w[e] * g[k][e] - coef * v[k][e];
-    store_chunk<kChunk>(dx, base + c * kChunk, out);
+    for (int e = 0; e < kChunk; ++e) acc[k][e] += g[k][e] - coef * v[k][e];
+    store_row_chunk<kChunk>(dx, base + c * kChunk, acc[k]);
   }
 }
 
@@ -204,23 +219,30 @@ bool launch_forward_rows(MutOperand y, float* rstd, ConstOperand x, ConstOperand
   }
 }
 
-template <int kChunk>
-bool launch_backward_dx_rows(MutOperand dx, ConstOperand dy, ConstOperand x, ConstOperand w, const float* rstd,
-                             int64_t rows, int64_t dim, bool accumulate, cudaStream_t stream) {
+template <int kChunk, bool kAccumulate>
+bool launch_backward_dx_rows_as(MutOperand dx, ConstOperand dy, ConstOperand x, ConstOperand w, const float* rstd,
+                             int64_t rows, int64_t dim, cudaStream_t stream) {
   const RowPlan plan = plan_rows(dim / kChunk, 4);
   const unsigned int blocks = row_blocks(rows, plan);
   switch (plan.per_thread) {
     case 1:
-      rmsnorm_backward_dx_rows_kernel<kChunk, 1><<<blocks, plan.block, 0, stream>>>(
-          dx, dy, x, w, rstd, rows, dim, plan.row_threads, accumulate);
+      rmsnorm_backward_dx_rows_kernel<kChunk, 1, kAccumulate><<<blocks, plan.block, 0, stream>>>(
+          dx, dy, x, w, rstd, rows, dim, plan.row_threads);
       return true;
     case 4:
-      rmsnorm_backward_dx_rows_kernel<kChunk, 4><<<blocks, plan.block, 0, stream>>>(
-          dx, dy, x, w, rstd, rows, dim, plan.row_threads, accumulate);
+      rmsnorm_backward_dx_rows_kernel<kChunk, 4, kAccumulate><<<blocks, plan.block, 0, stream>>>(
+          dx, dy, x, w, rstd, rows, dim, plan.row_threads);
       return true;
     default:
       return false;
   }
+}
+
+template <int kChunk>
+bool launch_backward_dx_rows(MutOperand dx, ConstOperand dy, ConstOperand x, ConstOperand w, const float* rstd,
+                             int64_t rows, int64_t dim, bool accumulate, cudaStream_t stream) {
+  return accumulate ? launch_backward_dx_rows_as<kChunk, true>(dx, dy, x, w, rstd, rows, dim, stream)
+                    : launch_backward_dx_rows_as<kChunk, false>(dx, dy, x, w, rstd, rows, dim, stream);
 }
 
 // The two-pass kernels, for rows too long for registers: one block per row, a sum pass, then

@@ -140,26 +140,32 @@ __global__ void __launch_bounds__(kThreads)
       second[e] = b[e] * c[e] - a[e] * sn[e];
     }
   }
+  // Both output layouts share one pair of 16-byte store sites.
+  float lo[8], hi[8];
+  int64_t lo_at, hi_at;
   if (interleaved_out) {
-    float lo[8], hi[8];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       lo[2 * e] = first[e], lo[2 * e + 1] = second[e];
       hi[2 * e] = first[4 + e], hi[2 * e + 1] = second[4 + e];
     }
-    store_chunk<8>(out, base + 16 * k, lo);
-    store_chunk<8>(out, base + 16 * k + 8, hi);
+    lo_at = base + 16 * k;
+    hi_at = lo_at + 8;
   } else {
-    store_chunk<8>(out, base + 8 * k, first);
-    store_chunk<8>(out, base + half + 8 * k, second);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) lo[e] = first[e], hi[e] = second[e];
+    lo_at = base + 8 * k;
+    hi_at = base + half + 8 * k;
   }
+  store_chunk8_wide(out, lo_at, lo);
+  store_chunk8_wide(out, hi_at, hi);
   if (!s.in_place) {  // the columns rope leaves alone, 8 at a time (the rope columns are whole chunks)
     const int64_t row_base = row * s.width;
     for (int64_t col = 8 * static_cast<int64_t>(k); col < s.width; col += 8 * kSets) {
       if (col >= s.col_offset && col < s.col_offset + s.rope_dim) continue;
       float v[8];
       load_chunk<8>(v, x, row_base + col);
-      store_chunk<8>(out, row_base + col, v);
+      store_chunk8_wide(out, row_base + col, v);
     }
   }
 }
