@@ -33,6 +33,7 @@
 #include <cmath>
 #include <string>
 
+#include "kernels/cuda/attention_tensor_core.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace moetrain::kernels::cuda_ops {
@@ -611,6 +612,12 @@ void attention_forward(const AttentionArgs& args, cudaStream_t stream) {
   p.v = activation_in(op, "v", args.v);
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
   if (p.shape.tokens == 0) return;
+  // BF16 operands with mma-friendly head dims run on tensor cores (attention_tensor_core.cu);
+  // MOETRAIN_ATTENTION=simt forces this kernel.
+  if (attention_tensor_core_supported(args)) {
+    attention_forward_tensor_core(args, stream);
+    return;
+  }
 
   const dim3 grid(blocks_for(p.shape.tokens, kForwardRows), static_cast<unsigned>(p.shape.heads));
   const size_t smem = forward_smem_floats(p.shape.qk_dim, p.shape.v_dim) * sizeof(float);
@@ -650,16 +657,20 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
   attention_backward_delta_kernel<<<delta_blocks, kDeltaThreads, 0, stream>>>(delta, p.dout, out, rows, s.v_dim);
   CUDA_CHECK_LAUNCH();
 
-  const size_t smem = backward_smem_floats(s.qk_dim, s.v_dim) * sizeof(float);
-  const unsigned heads = static_cast<unsigned>(s.heads);
-  dispatch_columns(s.qk_dim > s.v_dim ? s.qk_dim : s.v_dim, [&](auto cols) {
-    launch_with_smem(op, attention_backward_dkdv_simt_f32acc_kernel<decltype(cols)::value>,
-                     dim3(blocks_for(s.tokens, kBackwardKeys), heads), smem, stream, p);
-  });
-  dispatch_columns(s.qk_dim, [&](auto cols) {
-    launch_with_smem(op, attention_backward_dq_simt_f32acc_kernel<decltype(cols)::value>,
-                     dim3(blocks_for(s.tokens, kBackwardRows), heads), smem, stream, p);
-  });
+  if (attention_backward_tensor_core_supported(args)) {
+    attention_backward_tensor_core(args, delta, stream);
+  } else {
+    const size_t smem = backward_smem_floats(s.qk_dim, s.v_dim) * sizeof(float);
+    const unsigned heads = static_cast<unsigned>(s.heads);
+    dispatch_columns(s.qk_dim > s.v_dim ? s.qk_dim : s.v_dim, [&](auto cols) {
+      launch_with_smem(op, attention_backward_dkdv_simt_f32acc_kernel<decltype(cols)::value>,
+                       dim3(blocks_for(s.tokens, kBackwardKeys), heads), smem, stream, p);
+    });
+    dispatch_columns(s.qk_dim, [&](auto cols) {
+      launch_with_smem(op, attention_backward_dq_simt_f32acc_kernel<decltype(cols)::value>,
+                       dim3(blocks_for(s.tokens, kBackwardRows), heads), smem, stream, p);
+    });
+  }
   CUDA_CHECK(cudaFreeAsync(delta, stream));
 }
 

@@ -4,6 +4,7 @@
 // maximum; F32 (tight) and BF16 (relative L2 well under 1e-2) storage. Outputs are poisoned
 // with NaN first, so an element a kernel forgets to write fails the comparison.
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -152,6 +153,153 @@ TEST_CASE("cuda attention forward writes one lse per (token, head) equal to log-
     }
     CHECK(std::fabs(testing::get_element(got_lse.view(), r) - 0.5 * dot) <= 1e-5);
   }
+}
+
+// --- The BF16 tensor-core path (attention_tensor_core.cu): all-BF16 operands, head dims that are
+// multiples of 16. Its CTAs hold 64 queries (forward, dq) or 64 keys (dk/dv) and step over 64 keys
+// or 32 queries, so these layouts put segment boundaries inside blocks, length-1 segments at a
+// block start, inside and at the end, and totals that are not multiples of 64.
+const std::vector<std::vector<int32_t>> kTensorCoreLayouts = {
+    {0, 1, 70, 73, 200},                // from kLayouts: a length-1 segment first
+    {0, 63, 64, 65, 129, 130, 257},     // length-1 segments at 63, 64 and 129 (block edges)
+    {0, 190, 191},                      // a long segment over three blocks, then a length-1 one
+    {0, 40},                            // less than one block
+};
+
+TEST_CASE("cuda attention tensor-core path matches the CPU reference: BF16 dims 192/128, 128/128, 64/64") {
+  uint64_t seed = 500;
+  for (const auto& layout : kTensorCoreLayouts) {
+    check_attention_case({layout, 3, 192, 128}, DType::kBF16, seed += 10);
+    check_attention_case({layout, 2, 128, 128}, DType::kBF16, seed += 10);
+    check_attention_case({layout, 2, 64, 64}, DType::kBF16, seed += 10);
+  }
+}
+
+TEST_CASE("cuda attention tensor-core path matches the CPU reference: BF16 dims padded to a bucket") {
+  // 32/48 runs in the 64/64 bucket, 96/64 in 128/128, 160/112 in 192/128 (zero-filled columns);
+  // 256/256 forward runs on tensor cores, its backward on SIMT.
+  check_attention_case({{0, 1, 70, 73, 200}, 2, 32, 48}, DType::kBF16, 600);
+  check_attention_case({{0, 63, 64, 65, 129, 130, 257}, 2, 96, 64}, DType::kBF16, 610);
+  check_attention_case({{0, 190, 191}, 2, 160, 112}, DType::kBF16, 620);
+  check_attention_case({{0, 5, 133}, 1, 256, 256}, DType::kBF16, 630);
+}
+
+// Sets MOETRAIN_ATTENTION for one scope and restores the previous value after it.
+class ScopedAttentionEnv {
+ public:
+  explicit ScopedAttentionEnv(const char* value) {
+    const char* old = std::getenv(kName);
+    had_old_ = old != nullptr;
+    if (had_old_) old_ = old;
+    if (value != nullptr) {
+      setenv(kName, value, 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  ~ScopedAttentionEnv() {
+    if (had_old_) {
+      setenv(kName, old_.c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  ScopedAttentionEnv(const ScopedAttentionEnv&) = delete;
+  ScopedAttentionEnv& operator=(const ScopedAttentionEnv&) = delete;
+
+ private:
+  static constexpr const char* kName = "MOETRAIN_ATTENTION";
+  bool had_old_ = false;
+  std::string old_;
+};
+
+// Forward and backward outputs (downloaded) of one path.
+struct AttentionOutputs {
+  Tensor out, lse, dq, dk, dv;
+};
+
+AttentionOutputs run_gpu_attention(const Operand& q, const Operand& k, const Operand& v, const Operand& dout,
+                                   const Operand& cu, double scale) {
+  const Shape qk_shape = q.dev.shape(), v_shape = v.dev.shape();
+  const Shape lse_shape{qk_shape[0], qk_shape[1]};
+  Operand out = output_operand(v_shape, DType::kBF16);
+  Operand lse = output_operand(lse_shape, DType::kF32);
+  kernels::AttentionArgs fwd;
+  fwd.scale = scale;
+  fwd.out = out.dev;
+  fwd.lse = lse.dev;
+  fwd.q = q.dev;
+  fwd.k = k.dev;
+  fwd.v = v.dev;
+  fwd.cu_seqlens = cu.dev;
+  gpu().attention_forward(fwd);
+  Operand dq = output_operand(qk_shape, DType::kBF16);
+  Operand dk = output_operand(qk_shape, DType::kBF16);
+  Operand dv = output_operand(v_shape, DType::kBF16);
+  kernels::AttentionBackwardArgs bwd;
+  bwd.scale = scale;
+  bwd.dq = dq.dev;
+  bwd.dk = dk.dev;
+  bwd.dv = dv.dev;
+  bwd.dout = dout.dev;
+  bwd.q = q.dev;
+  bwd.k = k.dev;
+  bwd.v = v.dev;
+  bwd.out = out.dev;
+  bwd.lse = lse.dev;
+  bwd.cu_seqlens = cu.dev;
+  gpu().attention_backward(bwd);
+  return {download(out.dev), download(lse.dev), download(dq.dev), download(dk.dev), download(dv.dev)};
+}
+
+bool differs_somewhere(const TensorView& a, const TensorView& b) {
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (testing::get_element(a, i) != testing::get_element(b, i)) return true;
+  return false;
+}
+
+TEST_CASE("cuda attention: MOETRAIN_ATTENTION=simt switches paths, and the SIMT and tensor-core paths agree") {
+  const std::vector<int32_t> cu_seqlens = {0, 1, 70, 73, 200, 201, 330};
+  const int64_t tokens = cu_seqlens.back(), heads = 2, qk_dim = 192, v_dim = 128;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(qk_dim));
+  Operand q = random_operand({tokens, heads, qk_dim}, DType::kBF16, 700, 0.05, 2.0);
+  Operand k = random_operand({tokens, heads, qk_dim}, DType::kBF16, 701, 0.05, 2.0);
+  Operand v = random_operand({tokens, heads, v_dim}, DType::kBF16, 702, 0.05, 1.0);
+  Operand dout = random_operand({tokens, heads, v_dim}, DType::kBF16, 703, 0.05, 1.0);
+  Operand cu = int_operand(cu_seqlens, Shape{static_cast<int64_t>(cu_seqlens.size())});
+
+  AttentionOutputs tensor_core, simt;
+  {
+    ScopedAttentionEnv env(nullptr);
+    tensor_core = run_gpu_attention(q, k, v, dout, cu, scale);
+  }
+  {
+    ScopedAttentionEnv env("simt");
+    simt = run_gpu_attention(q, k, v, dout, cu, scale);
+  }
+  // Each path is within tolerance_for(BF16) of the F64 reference (the cases above), so the two
+  // agree within twice that.
+  const Tolerance one = tolerance_for(DType::kBF16);
+  const Tolerance bf16{2 * one.rel_l2, 2 * one.rtol, 2 * one.atol_fraction};
+  const struct {
+    const char* name;
+    const Tensor& got;
+    const Tensor& reference;
+    Tolerance tolerance;
+  } pairs[] = {{"out", tensor_core.out, simt.out, bf16},
+               {"lse", tensor_core.lse, simt.lse, {1e-5, 1e-4, 1e-5}},
+               {"dq", tensor_core.dq, simt.dq, bf16},
+               {"dk", tensor_core.dk, simt.dk, bf16},
+               {"dv", tensor_core.dv, simt.dv, bf16}};
+  for (const auto& pair : pairs) {
+    const Result r = compare(pair.got.view(), pair.reference.view(), pair.tolerance, pair.name);
+    INFO(r.message);
+    CHECK(r.ok);
+  }
+  // The paths round differently (the tensor-core one feeds P and dS to the mma as BF16), so
+  // identical bits everywhere would mean the variable did not switch anything.
+  CHECK(differs_somewhere(tensor_core.out.view(), simt.out.view()));
+  CHECK(differs_somewhere(tensor_core.dk.view(), simt.dk.view()));
 }
 
 }  // namespace
