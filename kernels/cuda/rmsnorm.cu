@@ -350,13 +350,14 @@ void rmsnorm_forward(const RmsNormArgs& args, cudaStream_t stream) {
   auto* rstd = static_cast<float*>(args.rstd.data);
   const float eps = static_cast<float>(args.eps);
   const bool vector = dim % 8 == 0 && aligned16(y.data) && aligned16(x.data) && aligned16(w.data);
-  if (vector ? launch_forward_rows<8>(y, rstd, x, w, rows, dim, eps, stream)
-             : launch_forward_rows<1>(y, rstd, x, w, rows, dim, eps, stream)) {
-    // done: the register-resident kernel
-  } else if (vector) {
-    rmsnorm_forward_kernel<8><<<static_cast<unsigned int>(rows), two_pass_threads(dim / 8), 0, stream>>>(y, rstd, x, w, dim, eps);
-  } else {
-    rmsnorm_forward_kernel<1><<<static_cast<unsigned int>(rows), two_pass_threads(dim), 0, stream>>>(y, rstd, x, w, dim, eps);
+  const bool in_registers = vector ? launch_forward_rows<8>(y, rstd, x, w, rows, dim, eps, stream)
+                                   : launch_forward_rows<1>(y, rstd, x, w, rows, dim, eps, stream);
+  if (!in_registers && vector) {
+    rmsnorm_forward_kernel<8><<<static_cast<unsigned int>(rows), two_pass_threads(dim / 8), 0, stream>>>(y, rstd, x, w,
+                                                                                                         dim, eps);
+  } else if (!in_registers) {
+    rmsnorm_forward_kernel<1><<<static_cast<unsigned int>(rows), two_pass_threads(dim), 0, stream>>>(y, rstd, x, w, dim,
+                                                                                                     eps);
   }
   CUDA_CHECK_LAUNCH();
 }
@@ -371,13 +372,13 @@ void rmsnorm_backward(const RmsNormBackwardArgs& args, DeviceScratch& scratch, c
   if (rows > 0) {
     const bool vector =
         dim % 8 == 0 && aligned16(dx.data) && aligned16(dy.data) && aligned16(x.data) && aligned16(w.data);
-    if (vector ? launch_backward_dx_rows<8>(dx, dy, x, w, rstd, rows, dim, args.accumulate, stream)
-               : launch_backward_dx_rows<1>(dx, dy, x, w, rstd, rows, dim, args.accumulate, stream)) {
-      // done: the register-resident kernel
-    } else if (vector) {
+    const bool accumulate = args.accumulate;
+    const bool in_registers = vector ? launch_backward_dx_rows<8>(dx, dy, x, w, rstd, rows, dim, accumulate, stream)
+                                     : launch_backward_dx_rows<1>(dx, dy, x, w, rstd, rows, dim, accumulate, stream);
+    if (!in_registers && vector) {
       rmsnorm_backward_dx_kernel<8><<<static_cast<unsigned int>(rows), two_pass_threads(dim / 8), 0, stream>>>(
           dx, dy, x, w, rstd, dim, args.accumulate);
-    } else {
+    } else if (!in_registers) {
       rmsnorm_backward_dx_kernel<1><<<static_cast<unsigned int>(rows), two_pass_threads(dim), 0, stream>>>(
           dx, dy, x, w, rstd, dim, args.accumulate);
     }

@@ -119,8 +119,10 @@ __global__ void __launch_bounds__(kThreads)
       const float4* cos4 = reinterpret_cast<const float4*>(cos_table + at);
       const float4* sin4 = reinterpret_cast<const float4*>(sin_table + at);
       const float4 c0 = __ldg(cos4), c1 = __ldg(cos4 + 1), s0 = __ldg(sin4), s1 = __ldg(sin4 + 1);
-      c[0] = c0.x, c[1] = c0.y, c[2] = c0.z, c[3] = c0.w, c[4] = c1.x, c[5] = c1.y, c[6] = c1.z, c[7] = c1.w;
-      sn[0] = s0.x, sn[1] = s0.y, sn[2] = s0.z, sn[3] = s0.w, sn[4] = s1.x, sn[5] = s1.y, sn[6] = s1.z, sn[7] = s1.w;
+      c[0] = c0.x, c[1] = c0.y, c[2] = c0.z, c[3] = c0.w;
+      c[4] = c1.x, c[5] = c1.y, c[6] = c1.z, c[7] = c1.w;
+      sn[0] = s0.x, sn[1] = s0.y, sn[2] = s0.z, sn[3] = s0.w;
+      sn[4] = s1.x, sn[5] = s1.y, sn[6] = s1.z, sn[7] = s1.w;
     }
   }
   // Every lane of the warp gets here (no early return above): the row's loads are done before
@@ -175,7 +177,7 @@ ElemKind kind_of(DType dtype) { return dtype == DType::kBF16 ? ElemKind::kBF16 :
 }  // namespace
 
 void rope(const RopeArgs& args, cudaStream_t stream) {
-  RopeShape s;
+  RopeShape s{};
   s.width = args.x.size(-1);
   s.rows = s.width == 0 ? 0 : args.x.numel() / s.width;
   if (s.rows == 0) return;
@@ -197,14 +199,14 @@ void rope(const RopeArgs& args, cudaStream_t stream) {
                       aligned16(sin_table);
   if (vector) {
     const unsigned int blocks = static_cast<unsigned int>((s.rows * sets + kThreads - 1) / kThreads);
-    switch (sets) {
-      case 1: rope_vector_kernel<1><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
-      case 2: rope_vector_kernel<2><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
-      case 4: rope_vector_kernel<4><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
-      case 8: rope_vector_kernel<8><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
-      case 16: rope_vector_kernel<16><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
-      default: rope_vector_kernel<32><<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s); break;
-    }
+    using VectorKernel = void (*)(MutOperand, ConstOperand, const int32_t*, const float*, const float*, RopeShape);
+    const VectorKernel kernel = sets == 1    ? rope_vector_kernel<1>
+                                : sets == 2  ? rope_vector_kernel<2>
+                                : sets == 4  ? rope_vector_kernel<4>
+                                : sets == 8  ? rope_vector_kernel<8>
+                                : sets == 16 ? rope_vector_kernel<16>
+                                             : rope_vector_kernel<32>;
+    kernel<<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s);
     CUDA_CHECK_LAUNCH();
     return;
   }
