@@ -128,14 +128,18 @@ int run_training(Runtime& runtime, const Config& config) {
   std::unique_ptr<DataSource> data = make_data_source(config.data, spec.config.vocab_size, runtime.rank(),
                                                       runtime.world());
   log::info("data: " + data->describe());
-  write_resolved_config(config);
-  MetricsWriter metrics(config.logging.run_dir);
+  // One writer of the run directory's logs: rank 0 (every rank computes the same global metrics).
+  std::unique_ptr<MetricsWriter> metrics;
+  if (runtime.is_root()) {
+    write_resolved_config(config);
+    metrics = std::make_unique<MetricsWriter>(config.logging.run_dir);
+  }
   TrainerOptions trainer_options;
   trainer_options.train = config.train;
   trainer_options.data = config.data;
   trainer_options.logging = config.logging;
   trainer_options.loss_floor = data->loss_floor();
-  Trainer trainer(trainer_options, model, [&data] { return data->next(); }, &metrics);
+  Trainer trainer(trainer_options, model, [&data] { return data->next(); }, metrics.get());
   std::unique_ptr<CheckpointGroup> group =
       runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
   DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); },
@@ -155,7 +159,7 @@ int run_training(Runtime& runtime, const Config& config) {
     const double floor = data->loss_floor();
     log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}; metrics in {}", losses.front(), losses.back(),
                           losses.size(), std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor),
-                          metrics.path()));
+                          config.logging.run_dir + "/metrics.jsonl"));
   }
   return 0;
 }
