@@ -97,7 +97,8 @@ class HfTokenizer:
         return list(self._encode(text))
 
     def apply_chat_template(self, messages, add_generation_prompt):
-        return list(self.tok.apply_chat_template(messages, tokenize=True,
+        # return_dict=False: token ids, not a BatchEncoding (whose default changed in transformers 5).
+        return list(self.tok.apply_chat_template(messages, tokenize=True, return_dict=False,
                                                  add_generation_prompt=add_generation_prompt))
 
 
