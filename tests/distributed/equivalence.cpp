@@ -8,8 +8,11 @@
 //   natural     the router as initialised
 //   one_expert  a large selection bias on expert 0: every token picks it first, so under expert
 //               parallelism the other blocks get far fewer rows and some get none at all.
+// With fsdp > 1 the frozen non-expert weights are sharded (core/model/fsdp_bucket.h): the run
+// also checks that between steps each rank holds ~1/fsdp of their bytes.
 //
-//   mpirun -np W distributed_equivalence FSDP EP natural|one_expert
+//   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
+// (EXPERTS and TOP_K default to 8 and 2; docs/SCALE.md runs 896 experts top-16 on 64 ranks.)
 #include <fmt/format.h>
 
 #include <cmath>
@@ -33,9 +36,10 @@ namespace {
 constexpr int kSteps = 3;
 constexpr double kTolerance = 1e-5;
 
-Config test_config(int64_t micro_batch) {
+Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k) {
   Config config = testing::tiny_model_config(/*q_lora=*/true);
-  config.model.moe.num_experts = 8;  // divisible by every ep of the test matrix
+  config.model.moe.num_experts = experts;  // 8 by default: divisible by every ep of the test matrix
+  config.model.moe.top_k = top_k;
   config.model.moe.num_groups = 2;
   config.model.moe.aux_loss_coef = 0.01;
   config.data.seq_len = 8;
@@ -115,7 +119,10 @@ Run train(Model& model, SyntheticData& data) {
 double relative_error(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-12); }
 
 int run_test(Runtime& runtime, int argc, char** argv) {
-  MOETRAIN_CHECK(argc == 4, ExitCode::kBadConfig, "usage: distributed_equivalence FSDP EP natural|one_expert");
+  MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
+                 "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]");
+  const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
+  const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   ParallelConfig parallel;
   parallel.fsdp = std::stoi(argv[1]);
   parallel.ep = std::stoi(argv[2]);
@@ -123,24 +130,28 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const int world = runtime.world();
 
   // The distributed run: one window per rank per step.
-  Config config = test_config(1);
+  Config config = test_config(1, experts, top_k);
   ModelSpec spec = resolve_model_spec(config);
   MeshLayout layout(world, parallel, spec.config.moe.num_experts);
   DeviceMesh mesh(layout);
   MpiCommunicator data_comm(mesh.world_comm()), ep_comm(mesh.ep_comm()), replica_comm(mesh.expert_replica_comm());
+  MpiCommunicator fsdp_comm(mesh.fsdp_comm());
   ParallelGroups groups;
   groups.coordinates = mesh.coordinates();
   groups.data = &data_comm;
   groups.ep = &ep_comm;
   groups.expert_replica = &replica_comm;
+  groups.fsdp = &fsdp_comm;
   auto backend = kernels::make_cpu_backend();
   Model model(spec, *backend, model_options(&groups, world));
   prepare(model, routing);
   SyntheticData data(config.data, spec.config.vocab_size, runtime.rank(), world);
   Run distributed = train(model, data);
+  // Between steps no layer is active: the frozen non-expert weights are this rank's shards only.
+  const FrozenWeightBytes frozen = model.frozen_non_expert_bytes();
 
   // The reference: one process, every rank's windows in one batch.
-  Config reference_config = test_config(world);
+  Config reference_config = test_config(world, experts, top_k);
   Model reference(spec, *backend, model_options(nullptr, 1));
   prepare(reference, routing);
   SyntheticData reference_data(reference_config.data, spec.config.vocab_size, 0, 1);
@@ -172,12 +183,26 @@ int run_test(Runtime& runtime, int argc, char** argv) {
       log::error(fmt::format("gradient of {} differs: max |diff| {:.3e} vs scale {:.3e}", params[i]->name, worst, scale));
     }
   }
+  // Sharding: resident bytes within 2% of 1/fsdp of the full model's (padding of at most fsdp - 1
+  // elements per bucket, and the router score bias kept whole, are the rest).
+  const double resident_fraction = static_cast<double>(frozen.resident) / static_cast<double>(frozen.full);
+  if (parallel.fsdp > 1 && !(model.fsdp_sharded() && resident_fraction <= 1.0 / parallel.fsdp + 0.02)) {
+    ++failures;
+    log::error(fmt::format("rank {} holds {} of {} frozen non-expert bytes ({:.3f}), not ~1/{}", runtime.rank(),
+                           frozen.resident, frozen.full, resident_fraction, parallel.fsdp));
+  }
+  if (parallel.fsdp == 1 && (model.fsdp_sharded() || frozen.resident != frozen.full)) {
+    ++failures;
+    log::error("fsdp 1 must keep the frozen weights whole");
+  }
   const int total_failures = static_cast<int>(model.sum_over_data_ranks(failures));
   if (runtime.is_root()) {
-    std::printf("distributed_equivalence world %d fsdp %lld ep %lld %s: %d parameters, %d steps: %s (losses %.10f %.10f %.10f)\n",
+    std::printf("distributed_equivalence world %d fsdp %lld ep %lld %s: %d parameters, %d steps: %s (losses %.10f %.10f %.10f); "
+                "frozen non-expert bytes per rank %zu of %zu (%.3f)\n",
                 world, static_cast<long long>(parallel.fsdp), static_cast<long long>(parallel.ep), routing.c_str(),
                 static_cast<int>(params.size()), kSteps, total_failures == 0 ? "EQUAL" : "DIFFERENT",
-                distributed.losses[0], distributed.losses[1], distributed.losses[2]);
+                distributed.losses[0], distributed.losses[1], distributed.losses[2], frozen.resident, frozen.full,
+                resident_fraction);
   }
   return total_failures == 0 ? 0 : 1;
 }
