@@ -5,9 +5,10 @@ Run on a machine with torch, transformers 5 and peft, after the C++ test that wr
     MOETRAIN_PEFT_EXPORT_DIR=/tmp/peft_export build/tests/test_peft_export_golden
     python3 scripts/check_peft_export.py /tmp/peft_export
 The directory holds adapter/ (our export of the golden noqlora model's adapter, with untied
-per-expert gate/up factors) and ours.safetensors (the batch and moetrain's logits). The base
-model is tests/fixtures/golden/noqlora. Exit 0 when PEFT's logits match ours to 1e-4 of their
-largest magnitude, 1 otherwise.
+per-expert gate/up factors, in the per-expert layout), adapter_transformers5/ (the same adapter in
+the transformers 5 layout) and ours.safetensors (the batch and moetrain's logits). The base model
+is tests/fixtures/golden/noqlora. Each layout is loaded with PEFT and its logits compared with
+ours (to 1e-4 of their largest magnitude); exit 0 when every layout matches.
 """
 import os
 import sys
@@ -23,23 +24,30 @@ def main():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base_dir = os.path.join(repo, "tests", "fixtures", "golden", "noqlora")
     ours = load_file(os.path.join(export_dir, "ours.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, attn_implementation="eager")
-    model = PeftModel.from_pretrained(model, os.path.join(export_dir, "adapter"))
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=ours["input_ids"].long()).logits.float()
     expected = ours["logits"].float()
     scale = expected.abs().max().item()
-    error = (logits - expected).abs().max().item() / scale
-    # The same model without the adapter, to show the adapter matters at this tolerance.
-    with model.disable_adapter(), torch.no_grad():
-        base_logits = model(input_ids=ours["input_ids"].long()).logits.float()
-    base_error = (base_logits - expected).abs().max().item() / scale
-    print(f"PEFT logits vs moetrain: max |diff| / max |logit| = {error:.3e} (without the adapter: {base_error:.3e})")
-    ok = error <= 1e-4 and base_error > 1e-3
+    ok = True
+    for layout in ("adapter", "adapter_transformers5"):
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+        try:
+            model = PeftModel.from_pretrained(base, os.path.join(export_dir, layout))
+        except Exception as e:  # report and go on: the other layout may load
+            print(f"{layout}: PEFT could not load it: {type(e).__name__}: {e}")
+            ok = False
+            continue
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ours["input_ids"].long()).logits.float()
+            with model.disable_adapter():
+                base_logits = model(input_ids=ours["input_ids"].long()).logits.float()
+        error = (logits - expected).abs().max().item() / scale
+        base_error = (base_logits - expected).abs().max().item() / scale
+        good = error <= 1e-4 and base_error > 1e-3
+        ok = ok and good
+        print(f"{layout}: PEFT logits vs moetrain: max |diff| / max |logit| = {error:.3e} "
+              f"(without the adapter: {base_error:.3e}): {'OK' if good else 'MISMATCH'}")
     print("check_peft_export: " + ("OK" if ok else "MISMATCH"))
     return 0 if ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,6 +40,80 @@ AdapterName split_adapter_name(const std::string& name) {
   return n;
 }
 
+Json unique_sorted(const Json& names) {
+  std::set<std::string> set;
+  for (const Json& n : names) set.insert(n.get<std::string>());
+  return Json(std::vector<std::string>(set.begin(), set.end()));
+}
+
+// kTransformers5: the routed experts' stacked adapters as PEFT's 3-D adapters on the fused
+// gate_up_proj (rank 2r: [A_gate; A_up], block-diagonal B) and down_proj (rank r).
+void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep, Json& target_parameters,
+                           const std::vector<std::pair<std::string, TensorView>>& params,
+                           int64_t rank) {
+  std::map<std::string, std::map<std::string, TensorView>> experts;  // module -> "gate_proj.lora_A.weight" -> value
+  for (const auto& [name, value] : params) {
+    if (value.ndim() != 3) continue;
+    AdapterName n = split_adapter_name(name);
+    MOETRAIN_ASSERT(value.dtype == DType::kF32, "adapter tensor " + name + " is not F32");
+    experts[n.module][n.projection + "." + n.factor] = value;
+  }
+  for (auto& [module, f] : experts) {
+    const bool has_down = f.count("down_proj.lora_A.weight") != 0;
+    const bool has_gate_up = f.count("gate_proj.lora_A.weight") != 0 && f.count("up_proj.lora_A.weight") != 0;
+    MOETRAIN_CHECK(has_gate_up || f.count("gate_proj.lora_A.weight") == f.count("up_proj.lora_A.weight"),
+                   ExitCode::kBadConfig,
+                   module + ": the transformers 5 adapter layout needs adapters on both gate and up of the routed "
+                            "experts (target `experts`), or on neither");
+    // With both targeted, PEFT nests gate_up_proj (inner: base_layer) inside down_proj.
+    if (has_gate_up) {
+      const TensorView& ag = f.at("gate_proj.lora_A.weight");
+      const TensorView& au = f.at("up_proj.lora_A.weight");
+      const TensorView& bg = f.at("gate_proj.lora_B.weight");
+      const TensorView& bu = f.at("up_proj.lora_B.weight");
+      const int64_t e_count = ag.size(0), in = ag.size(2), width = bg.size(1), r2 = 2 * rank;
+      Tensor a = Tensor::zeros({e_count * r2, in}, DType::kF32);
+      Tensor b = Tensor::zeros({2 * width, r2 * e_count}, DType::kF32);
+      for (int64_t e = 0; e < e_count; ++e) {
+        for (int64_t k = 0; k < rank; ++k)
+          for (int64_t i = 0; i < in; ++i) {
+            a.ptr<float>()[(e * r2 + k) * in + i] = ag.ptr<float>()[(e * rank + k) * in + i];
+            a.ptr<float>()[(e * r2 + rank + k) * in + i] = au.ptr<float>()[(e * rank + k) * in + i];
+          }
+        for (int64_t o = 0; o < width; ++o)
+          for (int64_t k = 0; k < rank; ++k) {
+            b.ptr<float>()[o * r2 * e_count + k * e_count + e] = bg.ptr<float>()[(e * width + o) * rank + k];
+            b.ptr<float>()[(width + o) * r2 * e_count + (rank + k) * e_count + e] =
+                bu.ptr<float>()[(e * width + o) * rank + k];
+          }
+      }
+      std::string prefix = kPeftPrefix + module + (has_down ? ".base_layer." : ".");
+      writer.add(prefix + "lora_A.weight", a.view());
+      writer.add(prefix + "lora_B.weight", b.view());
+      keep.push_back(std::move(a));
+      keep.push_back(std::move(b));
+      target_parameters.push_back("mlp.experts.gate_up_proj");
+    }
+    if (has_down) {
+      const TensorView& ad = f.at("down_proj.lora_A.weight");
+      const TensorView& bd = f.at("down_proj.lora_B.weight");
+      const int64_t e_count = ad.size(0), in = ad.size(2), out = bd.size(1);
+      Tensor a({e_count * rank, in}, DType::kF32);
+      std::copy(ad.ptr<float>(), ad.ptr<float>() + a.numel(), a.ptr<float>());
+      Tensor b({out, rank * e_count}, DType::kF32);
+      for (int64_t e = 0; e < e_count; ++e)
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t k = 0; k < rank; ++k)
+            b.ptr<float>()[o * rank * e_count + k * e_count + e] = bd.ptr<float>()[(e * out + o) * rank + k];
+      writer.add(kPeftPrefix + module + ".lora_A.weight", a.view());
+      writer.add(kPeftPrefix + module + ".lora_B.weight", b.view());
+      keep.push_back(std::move(a));
+      keep.push_back(std::move(b));
+      target_parameters.push_back("mlp.experts.down_proj");
+    }
+  }
+}
+
 }  // namespace
 
 AdapterExportSettings adapter_export_settings(const Config& config) {
@@ -62,10 +136,24 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
   SafetensorsWriter writer;
   writer.set_metadata("format", "pt");  // what PEFT's save_pretrained writes
   std::set<std::string> target_modules;
+  Json target_parameters = Json::array(), rank_pattern = Json::object(), alpha_pattern = Json::object();
+  std::vector<Tensor> fused;  // kTransformers5's re-laid routed-expert factors, alive until written
+  if (settings.layout == AdapterLayout::kTransformers5) {
+    fused_expert_adapters(writer, fused, target_parameters, params, settings.rank);
+    if (!fused.empty()) {
+      rank_pattern[".*\\.gate_up_proj"] = 2 * settings.rank;
+      alpha_pattern[".*\\.gate_up_proj"] = 2 * settings.alpha;
+    }
+  }
   for (const auto& [name, value] : params) {
     MOETRAIN_ASSERT(value.device == Device::kCPU, "adapter tensor " + name + " is not on the host");
     AdapterName n = split_adapter_name(name);
-    target_modules.insert(n.projection);
+    if (settings.layout == AdapterLayout::kTransformers5 && value.ndim() == 3) continue;  // written above
+    if (settings.layout == AdapterLayout::kTransformers5 && n.module.find(".mlp") != std::string::npos) {
+      target_parameters.push_back(n.projection + ".weight");  // dense MLP / shared experts
+    } else {
+      target_modules.insert(n.projection);
+    }
     if (value.ndim() == 2) {
       writer.add(kPeftPrefix + name, value);
       continue;
@@ -90,10 +178,11 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
                  {"init_lora_weights", true},
                  {"inference_mode", true},
                  {"target_modules", std::vector<std::string>(target_modules.begin(), target_modules.end())},
+                 {"target_parameters", unique_sorted(target_parameters)},
                  {"base_model_name_or_path", settings.base_model ? Json(*settings.base_model) : Json(nullptr)},
                  {"modules_to_save", nullptr},
-                 {"rank_pattern", Json::object()},
-                 {"alpha_pattern", Json::object()},
+                 {"rank_pattern", rank_pattern},
+                 {"alpha_pattern", alpha_pattern},
                  {"revision", nullptr}};
   write_text_durably((fs::path(out_dir) / "adapter_config.json").string(), config.dump(2) + "\n");
   log::info(fmt::format("PEFT adapter written to {} ({} tensors)", out_dir, writer.size()));

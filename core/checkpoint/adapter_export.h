@@ -23,7 +23,23 @@
 
 namespace moetrain {
 
+// How routed experts (and the MLPs) appear in the adapter.
+//   kPerExpert      target_modules with short names; routed experts as per-expert 2-D keys
+//                   `...mlp.experts.<e>.gate_proj.lora_A.weight` (transformers 4 / vLLM naming).
+//   kTransformers5  what PEFT builds on transformers 5's fused expert tensors: attention in
+//                   target_modules; the dense MLP and shared experts through target_parameters
+//                   ("gate_proj.weight", ...; same keys as above); routed experts as PEFT's 3-D
+//                   adapters on mlp.experts.gate_up_proj / down_proj: A [E r', in] (expert-major
+//                   rows), B [out, r' E] (column k E + e). Our separate gate and up adapters become
+//                   one gate_up adapter of rank 2r with a block-diagonal B (rank_pattern and
+//                   alpha_pattern keep the scale alpha / r), as PEFT itself converts per-expert
+//                   adapters. (PEFT on transformers 5 rewrites gate_proj/up_proj/down_proj in
+//                   target_modules onto the fused experts and drops the dense MLP's adapters,
+//                   which this layout avoids.)
+enum class AdapterLayout { kPerExpert, kTransformers5 };
+
 struct AdapterExportSettings {
+  AdapterLayout layout = AdapterLayout::kPerExpert;
   int64_t rank = 8;
   double alpha = 16.0;
   bool rslora = false;

@@ -3,14 +3,15 @@
 // keys carry independent gate/up factors), exported with write_peft_adapter, and read back here:
 // same values and same logits (this part runs in CI). With MOETRAIN_PEFT_EXPORT_DIR set, the
 // adapter, the batch and our logits are left in that directory for
-// scripts/check_peft_export.py, which loads them with transformers + PEFT on a machine with
-// torch and compares the logits.
+// scripts/check_peft_export.py, which loads them (both adapter layouts) with transformers + PEFT
+// on a machine with torch and compares the logits.
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
 
 #include "catch.h"
+#include "core/base/host_convert.h"
 #include "core/checkpoint/adapter_export.h"
 #include "core/io/hf_index.h"
 #include "core/io/safetensors.h"
@@ -57,9 +58,20 @@ Batch golden_batch() {
   return b;
 }
 
-std::vector<std::pair<std::string, TensorView>> parameter_views(Model& model) {
-  std::vector<std::pair<std::string, TensorView>> out;
-  for (Parameter* p : model.parameters()) out.emplace_back(p->name, p->value.view());
+// The adapters as F32 host tensors, as a checkpoint holds them (the model here computes in F64).
+struct ExportedParameters {
+  std::vector<Tensor> values;
+  std::vector<std::pair<std::string, TensorView>> views;
+};
+ExportedParameters exported(Model& model) {
+  ExportedParameters out;
+  for (Parameter* p : model.parameters()) {
+    Tensor value(p->value.shape(), DType::kF32);
+    convert_host(value, p->value);
+    out.values.push_back(std::move(value));
+  }
+  std::vector<Parameter*> params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) out.views.emplace_back(params[i]->name, out.values[i].view());
   return out;
 }
 
@@ -86,19 +98,21 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
   settings.rank = 4;
   settings.alpha = 8.0;
   settings.base_model = kModelDir;
-  write_peft_adapter((dir / "adapter").string(), parameter_views(*model), settings);
+  ExportedParameters values = exported(*model);
+  write_peft_adapter((dir / "adapter").string(), values.views, settings);
 
   auto reloaded = golden_model(*backend);
   load_peft_adapter(*reloaded, (dir / "adapter").string());
-  std::vector<Parameter*> a = model->parameters(), b = reloaded->parameters();
-  REQUIRE(a.size() == b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    testing::Comparison c = testing::compare_tensors(b[i]->value, a[i]->value, 0.0, 0.0, a[i]->name);
+  std::vector<Parameter*> b = reloaded->parameters();
+  REQUIRE(b.size() == values.values.size());
+  for (size_t i = 0; i < b.size(); ++i) {  // exactly the F32 values written
+    testing::Comparison c = testing::compare_tensors(b[i]->value, values.values[i], 0.0, 0.0, values.views[i].first);
     INFO(c.message);
     CHECK(c.ok);
   }
+  // The same function of the input, up to the adapters' rounding to F32.
   Tensor again = reloaded->logits(batch);
-  testing::Comparison c = testing::compare_tensors(again, logits, 0.0, 0.0, "logits");
+  testing::Comparison c = testing::compare_tensors(again, logits, 1e-6, 1e-6, "logits");
   INFO(c.message);
   CHECK(c.ok);
 
@@ -112,4 +126,14 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
   writer.add("logits", logits32.view().reshaped({batch.batch_size, batch.seq_len, logits.size(1)}));
   writer.write((dir / "ours.safetensors").string());
   CHECK(fs::exists(dir / "adapter" / "adapter_config.json"));
+
+  // The transformers 5 layout of the same adapter, for the script (not read back here: its
+  // gate_up adapter has rank 2r).
+  settings.layout = AdapterLayout::kTransformers5;
+  write_peft_adapter((dir / "adapter_transformers5").string(), values.views, settings);
+  SafetensorsFile fused((dir / "adapter_transformers5" / "adapter_model.safetensors").string());
+  const std::string gate_up = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight";
+  REQUIRE(fused.has(gate_up));
+  CHECK(fused.info(gate_up).shape == Shape({8 * 8, 32}));  // 8 experts x rank 2r, hidden 32
+  CHECK(fused.has("base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"));
 }
