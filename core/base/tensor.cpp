@@ -88,6 +88,12 @@ Tensor Tensor::zeros(Shape shape, DType dtype) {
   return t;
 }
 
+Tensor Tensor::borrowed(const TensorView& view) {
+  Tensor t;
+  t.view_ = view;  // allocator_ stays null: nothing to free
+  return t;
+}
+
 Tensor::Tensor(Tensor&& other) noexcept
     : view_(std::exchange(other.view_, TensorView{})), allocator_(std::exchange(other.allocator_, nullptr)) {}
 

@@ -92,6 +92,10 @@ class Tensor {
 
   // Host tensors only: a zero-filled tensor.
   static Tensor zeros(Shape shape, DType dtype);
+  // A non-owning tensor over memory someone else owns (e.g. a weight inside an FSDP gathered
+  // buffer): reset() and the destructor leave the memory alone. The owner must outlive it.
+  // A view with a null data pointer keeps only the shape and dtype (an unmaterialised weight).
+  static Tensor borrowed(const TensorView& view);
 
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }  // NOLINT: a Tensor is usable as a view
@@ -105,6 +109,7 @@ class Tensor {
   template <typename T>
   T* ptr() const { return view_.ptr<T>(); }
   bool defined() const { return view_.data != nullptr || allocator_ != nullptr; }
+  bool owns_memory() const { return allocator_ != nullptr; }  // false for borrowed()
   void reset();
 
  private:

@@ -7,6 +7,7 @@
 
 #include "core/base/host_convert.h"
 #include "core/model/dense_ffn.h"
+#include "core/model/fsdp_bucket.h"
 #include "core/model/moe.h"
 #include "core/model/rope_tables.h"
 
@@ -200,15 +201,22 @@ std::vector<Parameter*> Model::parameters() {
   return out;
 }
 
+std::vector<WeightSlot> Model::layer_weight_slots(size_t index) {
+  std::vector<WeightSlot> slots;
+  std::string prefix = "model.layers." + std::to_string(index) + ".";
+  slots.push_back({prefix + "input_layernorm.weight", &layers_[index].input_norm});
+  slots.push_back({prefix + "post_attention_layernorm.weight", &layers_[index].post_attention_norm});
+  layers_[index].mixer->collect_weights(slots);
+  layers_[index].ffn->collect_weights(slots);
+  return slots;
+}
+
 std::vector<WeightSlot> Model::weight_slots() {
   std::vector<WeightSlot> slots;
   slots.push_back({"model.embed_tokens.weight", &embed_});
   for (size_t i = 0; i < layers_.size(); ++i) {
-    std::string prefix = "model.layers." + std::to_string(i) + ".";
-    slots.push_back({prefix + "input_layernorm.weight", &layers_[i].input_norm});
-    slots.push_back({prefix + "post_attention_layernorm.weight", &layers_[i].post_attention_norm});
-    layers_[i].mixer->collect_weights(slots);
-    layers_[i].ffn->collect_weights(slots);
+    std::vector<WeightSlot> layer = layer_weight_slots(i);
+    slots.insert(slots.end(), layer.begin(), layer.end());
   }
   slots.push_back({"model.norm.weight", &final_norm_});
   if (!spec_.config.tie_word_embeddings) slots.push_back({"lm_head.weight", &lm_head_});
@@ -333,14 +341,21 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
   const size_t num_layers = layers_.size();
 
   // Forward, keeping every layer's input (the activation checkpoints).
+  // FSDP: each layer's weights are gathered just before use (with fsdp_prefetch layers ahead)
+  // and freed after; the last layer's stay gathered for the backward that starts with it.
   std::vector<Tensor> inputs(num_layers + 1);
   inputs[0] = ctx.alloc({n, d});
+  gather_outer_weights();
   be.embedding_forward(inputs[0], embed_, bt.input_ids);
+  release_outer_weights();
   for (size_t i = 0; i < num_layers; ++i) {
+    gather_layers(i, +1);
     inputs[i + 1] = ctx.alloc({n, d});
     layer_forward(ctx, i, inputs[i + 1], inputs[i]);
     if (options_.recompute) release_layer(i);
+    if (options_.fsdp_reshard_after_forward && i + 1 < num_layers) release_layer_weights(i);
   }
+  gather_outer_weights();
   Tensor final_hidden = ctx.alloc({n, d});
   final_rstd_ = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{final_hidden, final_rstd_, inputs[num_layers], final_norm_, spec_.config.rms_norm_eps});
@@ -360,7 +375,9 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
   // Backward.
   Tensor dx = ctx.alloc({n, d});
   be.rmsnorm_backward(RmsNormBackwardArgs{dx, {}, dfinal, inputs[num_layers], final_norm_, final_rstd_, false});
+  release_outer_weights();
   for (size_t i = num_layers; i-- > 0;) {
+    gather_layers(i, -1);
     if (options_.recompute) {
       Tensor recomputed = ctx.alloc({n, d});
       layer_forward(ctx, i, recomputed, inputs[i]);
@@ -368,6 +385,7 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
     Tensor dprev = ctx.alloc({n, d});
     layer_backward(ctx, i, dprev, dx, inputs[i]);
     release_layer(i);
+    release_layer_weights(i);
     inputs[i + 1].reset();
     dx = std::move(dprev);
   }
@@ -382,19 +400,25 @@ Tensor Model::logits(const Batch& batch) {
   const int64_t n = bt.num_tokens;
   const int64_t d = spec_.config.hidden_size;
   Tensor x = ctx.alloc({n, d});
+  gather_outer_weights();
   be.embedding_forward(x, embed_, bt.input_ids);
+  release_outer_weights();
   for (size_t i = 0; i < layers_.size(); ++i) {
+    gather_layers(i, +1);
     Tensor next = ctx.alloc({n, d});
     layer_forward(ctx, i, next, x);
     release_layer(i);
+    release_layer_weights(i);
     x = std::move(next);
   }
+  gather_outer_weights();
   Tensor normed = ctx.alloc({n, d});
   Tensor rstd = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{normed, rstd, x, final_norm_, spec_.config.rms_norm_eps});
   const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
   Tensor logits = ctx.alloc_accum({n, spec_.config.vocab_size});
   be.gemm(GemmArgs{logits, normed, head, false, true, 1.0, 0.0});
+  release_outer_weights();
   Tensor staged(logits.shape(), logits.dtype());
   be.copy(staged, logits);
   Tensor host(logits.shape(), DType::kF64);

@@ -32,7 +32,23 @@ struct ModelOptions {
   double aux_loss_weight = 1.0;
   int64_t loss_chunk_rows = 1024;    // rows of logits alive at once in the loss
   const ParallelGroups* parallel = nullptr;  // null: this rank is the whole job
+  // FSDP (parallel->fsdp of size > 1): the frozen non-expert weights are sharded per layer.
+  // fsdp_prefetch: layers gathered ahead of the one being computed (0: just in time).
+  // fsdp_reshard_after_forward: free a layer's gathered weights after its forward and gather
+  // them again for its backward (false: keep them from forward to backward, more memory).
+  int64_t fsdp_prefetch = 1;
+  bool fsdp_reshard_after_forward = true;
 };
+
+// Frozen non-expert base weights on this rank (routed experts excluded: expert parallelism
+// slices those). `resident` counts what the rank holds now: FSDP shards, any gathered buffer,
+// and the weights kept whole (the F32 router score bias); `full` is the unsharded model's.
+struct FrozenWeightBytes {
+  size_t resident = 0;
+  size_t full = 0;
+};
+
+class FsdpBucket;
 
 struct DecoderLayer {
   Tensor input_norm;           // input_layernorm.weight
@@ -68,7 +84,11 @@ class Model final : public TrainableModel {
   uint64_t forward_count() const { return forward_count_; }
   void set_forward_count(uint64_t count) { forward_count_ = count; }
   const ModelOptions& options() const { return options_; }
+  // Every frozen weight, by HF name. Under FSDP the non-expert ones are shape-only placeholders
+  // (no data) outside a layer's use: write weights only through load_weights/init_random_weights.
   std::vector<WeightSlot> weight_slots();
+  FrozenWeightBytes frozen_non_expert_bytes();
+  bool fsdp_sharded() const { return !fsdp_layers_.empty(); }
   // Every LoRA-capable projection, by HF module name (tests and adapter import/export).
   std::vector<std::pair<std::string, LoraLinear*>> linear_modules();
 
@@ -84,6 +104,15 @@ class Model final : public TrainableModel {
   void layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
                       const TensorView& x);
   void release_layer(size_t index);
+  std::vector<WeightSlot> layer_weight_slots(size_t index);
+  // FSDP (model_weights.cpp): after loading, keep only this rank's shards; before reloading, own
+  // full copies again. The gather/release calls are no-ops when the weights are not sharded.
+  void shard_frozen_weights();
+  void unshard_frozen_weights();
+  void gather_layers(size_t index, int direction);  // index, then fsdp_prefetch more that way
+  void release_layer_weights(size_t index);
+  void gather_outer_weights();
+  void release_outer_weights();
   void attach_lora();
   double loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
                        double grad_scale);
@@ -99,6 +128,9 @@ class Model final : public TrainableModel {
   std::vector<LayerSaved> saved_;
   Tensor final_rstd_;
   uint64_t forward_count_ = 0;  // seeds router noise per forward
+  // FSDP buckets: one per decoder layer, and one for embed_tokens + final norm + lm_head.
+  std::vector<std::unique_ptr<FsdpBucket>> fsdp_layers_;
+  std::unique_ptr<FsdpBucket> fsdp_outer_;
 };
 
 }  // namespace moetrain

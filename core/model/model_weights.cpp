@@ -11,7 +11,9 @@
 #include "core/base/bf16.h"
 
 #include "core/base/host_convert.h"
+#include "core/base/log.h"
 #include "core/io/hf_index.h"
+#include "core/model/fsdp_bucket.h"
 #include "core/model/model.h"
 
 namespace moetrain {
@@ -19,6 +21,10 @@ namespace {
 
 bool is_norm_weight(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
 bool is_bias(const std::string& name) { return name.find("e_score_correction_bias") != std::string::npos; }
+bool is_routed_experts(const WeightSlot& slot) {
+  const std::string& n = slot.name;
+  return slot.layout != WeightLayout::kPlain && n.size() >= 8 && n.compare(n.size() - 8, 8, ".experts") == 0;
+}
 
 uint64_t name_hash(const std::string& name) {
   uint64_t hash = 1469598103934665603ull;  // FNV-1a
@@ -127,6 +133,7 @@ void read_swiglu(const HfCheckpoint& checkpoint, const WeightSlot& slot, double*
 }  // namespace
 
 void Model::load_weights(const HfCheckpoint& checkpoint) {
+  unshard_frozen_weights();
   for (const WeightSlot& slot : weight_slots()) {
     Tensor host(slot.tensor->shape(), DType::kF64);
     if (slot.layout == WeightLayout::kPlain) {
@@ -136,9 +143,11 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
     }
     upload_weight(backend_, *slot.tensor, host);
   }
+  shard_frozen_weights();
 }
 
 void Model::init_random_weights() {
+  unshard_frozen_weights();
   for (const WeightSlot& slot : weight_slots()) {
     Tensor host(slot.tensor->shape(), slot.tensor->dtype());
     const Shape& shape = slot.tensor->shape();
@@ -159,6 +168,80 @@ void Model::init_random_weights() {
     fill_random(host, fill);
     backend_.copy(*slot.tensor, host);
   }
+  shard_frozen_weights();
+}
+
+// FSDP buckets (DESIGN.md §4). Per decoder layer: its norms, attention projections and latent
+// norms, router weight, dense MLP or shared experts -- every frozen weight in the compute dtype
+// except the routed experts (expert parallelism slices those) and the F32 router score bias
+// (E floats, kept whole). One more bucket holds embed_tokens, the final norm and lm_head: the
+// embedding is the largest non-expert tensor, and it is needed only at the two ends of a step.
+// The weights are loaded whole first and then sharded, so loading briefly holds the full model.
+void Model::shard_frozen_weights() {
+  const ParallelGroups* p = options_.parallel;
+  if (!p || !p->fsdp_sharded() || fsdp_sharded()) return;
+  backend_.synchronize();  // the loaded weights are complete before the buckets copy them
+  auto shardable = [&](const WeightSlot& slot) {
+    return !is_routed_experts(slot) && !is_bias(slot.name) && slot.tensor->dtype() == options_.dtype;
+  };
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    std::vector<Tensor*> members;
+    for (const WeightSlot& slot : layer_weight_slots(i))
+      if (shardable(slot)) members.push_back(slot.tensor);
+    fsdp_layers_.push_back(
+        std::make_unique<FsdpBucket>("model.layers." + std::to_string(i), members, *p->fsdp, backend_));
+  }
+  std::vector<Tensor*> outer = {&embed_, &final_norm_};
+  if (!spec_.config.tie_word_embeddings) outer.push_back(&lm_head_);
+  fsdp_outer_ = std::make_unique<FsdpBucket>("embed+norm+lm_head", outer, *p->fsdp, backend_);
+  FrozenWeightBytes bytes = frozen_non_expert_bytes();
+  log::info(fmt::format("FSDP over {} ranks: frozen non-expert weights {:.3f} MiB per rank of {:.3f} MiB "
+                        "({} layer buckets + embed/norm/head; gathered per layer, prefetch {}, {})",
+                        p->fsdp->size(), bytes.resident / 1048576.0, bytes.full / 1048576.0, fsdp_layers_.size(),
+                        options_.fsdp_prefetch,
+                        options_.fsdp_reshard_after_forward ? "re-gathered for backward" : "kept until backward"));
+}
+
+void Model::unshard_frozen_weights() {
+  for (auto& bucket : fsdp_layers_) bucket->unshard();
+  if (fsdp_outer_) fsdp_outer_->unshard();
+  fsdp_layers_.clear();
+  fsdp_outer_.reset();
+}
+
+void Model::gather_layers(size_t index, int direction) {
+  if (fsdp_layers_.empty()) return;
+  // On the CPU backend the gathers block: "prefetch" orders them one layer ahead, it does not
+  // yet overlap them with compute (see fsdp_bucket.h).
+  for (int64_t k = 0; k <= std::max<int64_t>(0, options_.fsdp_prefetch); ++k) {
+    int64_t layer = static_cast<int64_t>(index) + direction * k;
+    if (layer < 0 || layer >= static_cast<int64_t>(fsdp_layers_.size())) break;
+    fsdp_layers_[layer]->gather();
+  }
+}
+
+void Model::release_layer_weights(size_t index) {
+  if (index < fsdp_layers_.size()) fsdp_layers_[index]->release();
+}
+
+void Model::gather_outer_weights() {
+  if (fsdp_outer_) fsdp_outer_->gather();
+}
+
+void Model::release_outer_weights() {
+  if (fsdp_outer_) fsdp_outer_->release();
+}
+
+FrozenWeightBytes Model::frozen_non_expert_bytes() {
+  FrozenWeightBytes bytes;
+  for (const WeightSlot& slot : weight_slots()) {
+    if (is_routed_experts(slot)) continue;
+    bytes.full += slot.tensor->nbytes();
+    if (slot.tensor->owns_memory()) bytes.resident += slot.tensor->nbytes();  // kept whole
+  }
+  for (auto& bucket : fsdp_layers_) bytes.resident += bucket->resident_bytes();
+  if (fsdp_outer_) bytes.resident += fsdp_outer_->resident_bytes();
+  return bytes;
 }
 
 }  // namespace moetrain

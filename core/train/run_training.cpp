@@ -88,17 +88,18 @@ int run_training(Runtime& runtime, const Config& config) {
     groups.data = communicator(mesh->world_comm());
     groups.ep = communicator(mesh->ep_comm());
     groups.expert_replica = communicator(mesh->expert_replica_comm());
-    log::info(fmt::format("{} ranks: data parallel over all, expert parallel ep={} ({} experts per rank)",
-                          runtime.world(), config.parallel.ep, groups.local_experts()));
-    if (config.parallel.fsdp > 1) {
-      log::warn("parallel.fsdp > 1: this build keeps a full copy of the frozen non-expert weights on every rank "
-                "(FSDP sharding of the base weights is not implemented yet); results are unaffected");
-    }
+    groups.fsdp = communicator(mesh->fsdp_comm());
+    log::info(fmt::format("{} ranks: data parallel over all, expert parallel ep={} ({} experts per rank), fsdp={}{}",
+                          runtime.world(), config.parallel.ep, groups.local_experts(), config.parallel.fsdp,
+                          config.parallel.fsdp > 1 ? " (frozen non-expert weights sharded per layer, all-gathered "
+                                                     "before use and freed after; loaded whole, then sharded)"
+                                                   : ""));
   }
 
   ModelOptions options;
   options.dtype = backend->device() == Device::kCUDA ? DType::kBF16 : DType::kF32;
   options.recompute = config.parallel.recompute;
+  options.fsdp_prefetch = config.parallel.prefetch;
   options.seed = static_cast<uint64_t>(config.train.seed);
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
   options.lora_targets = config.lora.targets;

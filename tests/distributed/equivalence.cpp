@@ -12,6 +12,7 @@
 // also checks that between steps each rank holds ~1/fsdp of their bytes.
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
+//       [--recompute] [--keep-gathered] [--prefetch N]
 // (EXPERTS and TOP_K default to 8 and 2; docs/SCALE.md runs 896 experts top-16 on 64 ranks.)
 #include <fmt/format.h>
 
@@ -47,8 +48,38 @@ Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k) {
   return config;
 }
 
-ModelOptions model_options(const ParallelGroups* parallel, int world) {
+// Schedule flags (after the positional arguments): --recompute, --keep-gathered (no FSDP
+// re-gather for backward), --prefetch N. None of them may change a single bit of the results.
+struct ScheduleFlags {
+  bool recompute = false;
+  bool keep_gathered = false;
+  int64_t prefetch = 1;
+};
+
+ScheduleFlags take_schedule_flags(int& argc, char** argv) {
+  ScheduleFlags flags;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--recompute") {
+      flags.recompute = true;
+    } else if (arg == "--keep-gathered") {
+      flags.keep_gathered = true;
+    } else if (arg == "--prefetch" && i + 1 < argc) {
+      flags.prefetch = std::stoll(argv[++i]);
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  return flags;
+}
+
+ModelOptions model_options(const ParallelGroups* parallel, int world, const ScheduleFlags& flags) {
   ModelOptions options;
+  options.recompute = flags.recompute;
+  options.fsdp_reshard_after_forward = !flags.keep_gathered;
+  options.fsdp_prefetch = flags.prefetch;
   options.aux_loss_weight = 1.0 / world;  // the aux loss is a mean over every rank's sequences
   options.dtype = DType::kF64;
   options.lora = LoraSettings{4, 8.0, false};
@@ -119,8 +150,10 @@ Run train(Model& model, SyntheticData& data) {
 double relative_error(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-12); }
 
 int run_test(Runtime& runtime, int argc, char** argv) {
+  const ScheduleFlags flags = take_schedule_flags(argc, argv);
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
-                 "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]");
+                 "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
+                 "[--keep-gathered] [--prefetch N]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   ParallelConfig parallel;
@@ -143,7 +176,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   groups.expert_replica = &replica_comm;
   groups.fsdp = &fsdp_comm;
   auto backend = kernels::make_cpu_backend();
-  Model model(spec, *backend, model_options(&groups, world));
+  Model model(spec, *backend, model_options(&groups, world, flags));
   prepare(model, routing);
   SyntheticData data(config.data, spec.config.vocab_size, runtime.rank(), world);
   Run distributed = train(model, data);
@@ -152,7 +185,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
 
   // The reference: one process, every rank's windows in one batch.
   Config reference_config = test_config(world, experts, top_k);
-  Model reference(spec, *backend, model_options(nullptr, 1));
+  Model reference(spec, *backend, model_options(nullptr, 1, flags));
   prepare(reference, routing);
   SyntheticData reference_data(reference_config.data, spec.config.vocab_size, 0, 1);
   Run single = train(reference, reference_data);

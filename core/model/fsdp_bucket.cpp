@@ -1,0 +1,94 @@
+#include "core/model/fsdp_bucket.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+namespace moetrain {
+
+namespace {
+
+TensorView flat(const TensorView& v) { return v.reshaped(Shape{v.numel()}); }
+
+// A placeholder keeping a weight's shape and dtype but no memory.
+Tensor placeholder(const Shape& shape, DType dtype, Device device) {
+  TensorView view;
+  view.dtype = dtype;
+  view.device = device;
+  view.shape = shape;
+  return Tensor::borrowed(view);
+}
+
+}  // namespace
+
+FsdpBucket::FsdpBucket(std::string name, const std::vector<Tensor*>& members, Communicator& comm,
+                       kernels::Backend& backend)
+    : name_(std::move(name)), comm_(comm), backend_(backend) {
+  MOETRAIN_ASSERT(!members.empty(), "FSDP bucket " + name_ + " has no members");
+  dtype_ = members.front()->dtype();
+  for (Tensor* t : members) {
+    MOETRAIN_ASSERT(t->dtype() == dtype_ && t->owns_memory(),
+                    "FSDP bucket " + name_ + ": members must be full tensors of one dtype");
+    members_.push_back(Member{t, t->shape(), full_elements_});
+    full_elements_ += t->numel();
+  }
+  const int64_t ranks = comm_.size();
+  shard_elements_ = (full_elements_ + ranks - 1) / ranks;
+  const int64_t lo = shard_elements_ * comm_.rank();
+  const int64_t hi = lo + shard_elements_;
+
+  // Padding is zero (never read, but deterministic); then the members' elements in [lo, hi).
+  Tensor zeros = Tensor::zeros(Shape{shard_elements_}, dtype_);
+  shard_ = Tensor(Shape{shard_elements_}, dtype_, backend_.allocator());
+  backend_.copy(shard_, zeros);
+  for (const Member& m : members_) {
+    const int64_t begin = std::max(lo, m.offset);
+    const int64_t end = std::min(hi, m.offset + m.shape.numel());
+    if (begin >= end) continue;
+    backend_.copy(flat(shard_).slice_rows(begin - lo, end - lo),
+                  flat(m.tensor->view()).slice_rows(begin - m.offset, end - m.offset));
+  }
+  backend_.synchronize();  // the shard is complete before any collective reads it
+  for (const Member& m : members_) *m.tensor = placeholder(m.shape, dtype_, shard_.device());
+}
+
+void FsdpBucket::point_members(void* base) {
+  for (const Member& m : members_) {
+    TensorView view;
+    view.data = static_cast<char*>(base) + static_cast<size_t>(m.offset) * dtype_size(dtype_);
+    view.dtype = dtype_;
+    view.device = shard_.device();
+    view.shape = m.shape;
+    *m.tensor = Tensor::borrowed(view);
+  }
+}
+
+void FsdpBucket::gather() {
+  if (gathered()) return;
+  gathered_ = Tensor(Shape{shard_elements_ * comm_.size()}, dtype_, backend_.allocator());
+  comm_.all_gather(gathered_.view(), shard_.view());
+  comm_.synchronize();  // NCCL: the gathered weights are complete before compute reads them
+  point_members(gathered_.data());
+}
+
+void FsdpBucket::release() {
+  if (!gathered()) return;
+  backend_.synchronize();  // queued kernels may still read the weights
+  for (const Member& m : members_) *m.tensor = placeholder(m.shape, dtype_, shard_.device());
+  gathered_.reset();
+}
+
+void FsdpBucket::unshard() {
+  gather();
+  for (const Member& m : members_) {
+    Tensor owned(m.shape, dtype_, backend_.allocator());
+    backend_.copy(owned, m.tensor->view());
+    *m.tensor = std::move(owned);
+  }
+  backend_.synchronize();
+  gathered_.reset();
+  shard_.reset();
+  members_.clear();
+}
+
+}  // namespace moetrain

@@ -1,0 +1,60 @@
+// One FSDP2-style flat bucket of frozen weights (DESIGN.md §4): the member tensors, laid end to
+// end, padded to a multiple of the FSDP group size and split evenly; each rank keeps only its
+// shard. gather() all-gathers the bucket into one buffer and points every member at its offset
+// there; release() frees that buffer and leaves the members as shape-only placeholders (no
+// data), so a use of a released weight fails loudly instead of reading stale memory.
+//
+// Communication is synchronous in this version: gather() returns with the buffer complete (MPI
+// is blocking; on NCCL it waits for the communicator's stream), and release() waits for the
+// backend's queued work before freeing. Prefetch (gathering the next layer before computing the
+// current one) is therefore an ordering, not yet an overlap of communication with compute.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/base/tensor.h"
+#include "kernels/ops.h"
+#include "parallel/comm.h"
+
+namespace moetrain {
+
+class FsdpBucket {
+ public:
+  // `members`: full tensors of one dtype on the backend's device, identical on every rank of
+  // `comm`. Afterwards this rank holds only its shard; the members are released placeholders.
+  FsdpBucket(std::string name, const std::vector<Tensor*>& members, Communicator& comm, kernels::Backend& backend);
+  FsdpBucket(const FsdpBucket&) = delete;
+  FsdpBucket& operator=(const FsdpBucket&) = delete;
+
+  void gather();   // no-op when already gathered
+  void release();  // no-op when not gathered
+  // Gives every member its own full copy again and empties the bucket (to load new weights).
+  void unshard();
+
+  bool gathered() const { return gathered_.defined(); }
+  const std::string& name() const { return name_; }
+  int64_t full_elements() const { return full_elements_; }    // members' elements, no padding
+  int64_t shard_elements() const { return shard_elements_; }  // per rank, padding included
+  size_t resident_bytes() const { return shard_.nbytes() + gathered_.nbytes(); }
+
+ private:
+  struct Member {
+    Tensor* tensor;
+    Shape shape;
+    int64_t offset;  // elements into the gathered buffer
+  };
+  void point_members(void* base);
+
+  std::string name_;
+  Communicator& comm_;
+  kernels::Backend& backend_;
+  DType dtype_ = DType::kF32;
+  std::vector<Member> members_;
+  int64_t full_elements_ = 0;
+  int64_t shard_elements_ = 0;
+  Tensor shard_;     // [shard_elements], this rank's part
+  Tensor gathered_;  // [shard_elements * group size] while gathered
+};
+
+}  // namespace moetrain
