@@ -27,9 +27,8 @@ FsdpBucket::FsdpBucket(std::string name, const std::vector<Tensor*>& members, Co
   MOETRAIN_ASSERT(!members.empty(), "FSDP bucket " + name_ + " has no members");
   dtype_ = members.front()->dtype();
   for (Tensor* t : members) {
-    MOETRAIN_ASSERT(t->dtype() == dtype_ && t->owns_memory(),
-                    "FSDP bucket " + name_ + ": members must be full tensors of one dtype");
-    members_.push_back(Member{t, t->shape(), full_elements_});
+    MOETRAIN_ASSERT(t->dtype() == dtype_, "FSDP bucket " + name_ + ": members must share one dtype");
+    members_.push_back(Member{t, t->shape(), full_elements_, {}});
     full_elements_ += t->numel();
   }
   const int64_t ranks = comm_.size();
@@ -37,19 +36,25 @@ FsdpBucket::FsdpBucket(std::string name, const std::vector<Tensor*>& members, Co
   const int64_t lo = shard_elements_ * comm_.rank();
   const int64_t hi = lo + shard_elements_;
 
-  // Padding is zero (never read, but deterministic); then the members' elements in [lo, hi).
+  // Zero, padding included (never read, but deterministic), until the loader fills it.
   Tensor zeros = Tensor::zeros(Shape{shard_elements_}, dtype_);
   shard_ = Tensor(Shape{shard_elements_}, dtype_, backend_.allocator());
   backend_.copy(shard_, zeros);
-  for (const Member& m : members_) {
-    const int64_t begin = std::max(lo, m.offset);
-    const int64_t end = std::min(hi, m.offset + m.shape.numel());
-    if (begin >= end) continue;
-    backend_.copy(flat(shard_).slice_rows(begin - lo, end - lo),
-                  flat(m.tensor->view()).slice_rows(begin - m.offset, end - m.offset));
+  backend_.synchronize();
+  for (Member& m : members_) {
+    const int64_t begin = std::clamp(lo, m.offset, m.offset + m.shape.numel());
+    const int64_t end = std::clamp(hi, begin, m.offset + m.shape.numel());
+    m.part.begin = begin - m.offset;
+    m.part.end = end - m.offset;
+    m.part.dst = begin < end ? flat(shard_).slice_rows(begin - lo, end - lo) : flat(shard_).slice_rows(0, 0);
+    *m.tensor = placeholder(m.shape, dtype_, shard_.device());  // frees the full allocation
   }
-  backend_.synchronize();  // the shard is complete before any collective reads it
-  for (const Member& m : members_) *m.tensor = placeholder(m.shape, dtype_, shard_.device());
+}
+
+const FsdpBucket::OwnedPart* FsdpBucket::owned_part(const Tensor* tensor) const {
+  for (const Member& m : members_)
+    if (m.tensor == tensor) return &m.part;
+  return nullptr;
 }
 
 void FsdpBucket::point_members(void* base) {
@@ -76,19 +81,6 @@ void FsdpBucket::release() {
   backend_.synchronize();  // queued kernels may still read the weights
   for (const Member& m : members_) *m.tensor = placeholder(m.shape, dtype_, shard_.device());
   gathered_.reset();
-}
-
-void FsdpBucket::unshard() {
-  gather();
-  for (const Member& m : members_) {
-    Tensor owned(m.shape, dtype_, backend_.allocator());
-    backend_.copy(owned, m.tensor->view());
-    *m.tensor = std::move(owned);
-  }
-  backend_.synchronize();
-  gathered_.reset();
-  shard_.reset();
-  members_.clear();
 }
 
 }  // namespace moetrain

@@ -21,16 +21,26 @@ namespace moetrain {
 
 class FsdpBucket {
  public:
-  // `members`: full tensors of one dtype on the backend's device, identical on every rank of
-  // `comm`. Afterwards this rank holds only its shard; the members are released placeholders.
+  // `members`: the bucket's tensors (shape and dtype; any memory they own is freed), identical
+  // in order on every rank of `comm`. This rank's shard starts zeroed: write it through
+  // owned_part() (weights are loaded shard by shard, never whole). The members become
+  // shape-only placeholders until gather().
   FsdpBucket(std::string name, const std::vector<Tensor*>& members, Communicator& comm, kernels::Backend& backend);
   FsdpBucket(const FsdpBucket&) = delete;
   FsdpBucket& operator=(const FsdpBucket&) = delete;
 
+  // The elements [begin, end) of a member's flattened values that this rank stores, and the
+  // shard memory holding them (dst has end - begin elements; empty when begin == end).
+  struct OwnedPart {
+    int64_t begin = 0;
+    int64_t end = 0;
+    TensorView dst;
+  };
+  // Null when `tensor` is not a member of this bucket.
+  const OwnedPart* owned_part(const Tensor* tensor) const;
+
   void gather();   // no-op when already gathered
   void release();  // no-op when not gathered
-  // Gives every member its own full copy again and empties the bucket (to load new weights).
-  void unshard();
 
   bool gathered() const { return gathered_.defined(); }
   const std::string& name() const { return name_; }
@@ -43,6 +53,7 @@ class FsdpBucket {
     Tensor* tensor;
     Shape shape;
     int64_t offset;  // elements into the gathered buffer
+    OwnedPart part;
   };
   void point_members(void* base);
 

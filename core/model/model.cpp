@@ -68,6 +68,8 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     rope_.sin = to_device(backend_, sin_host, ctx.accum());
   }
 
+  // Reserved: FSDP buckets hold pointers to the layers' norm tensors, which must not move.
+  layers_.reserve(static_cast<size_t>(m.num_layers));
   for (int64_t i = 0; i < m.num_layers; ++i) {
     DecoderLayer layer;
     layer.input_norm = ctx.alloc({d});
@@ -81,7 +83,9 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
       layer.ffn = std::move(moe);
     }
     layers_.push_back(std::move(layer));
+    shard_layer_weights(layers_.size() - 1);  // frees the layer's full weights before the next
   }
+  shard_outer_weights();
   saved_.resize(layers_.size());
   attach_lora();
   if (options_.parallel && options_.parallel->expert_parallel()) {

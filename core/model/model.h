@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/model/fsdp_bucket.h"
 #include "core/model/layer.h"
 #include "core/model/lora_linear.h"
 #include "core/model/mla.h"
@@ -48,7 +49,6 @@ struct FrozenWeightBytes {
   size_t full = 0;
 };
 
-class FsdpBucket;
 
 struct DecoderLayer {
   Tensor input_norm;           // input_layernorm.weight
@@ -105,10 +105,13 @@ class Model final : public TrainableModel {
                       const TensorView& x);
   void release_layer(size_t index);
   std::vector<WeightSlot> layer_weight_slots(size_t index);
-  // FSDP (model_weights.cpp): after loading, keep only this rank's shards; before reloading, own
-  // full copies again. The gather/release calls are no-ops when the weights are not sharded.
-  void shard_frozen_weights();
-  void unshard_frozen_weights();
+  // FSDP (model_weights.cpp): at construction, each layer's (and the outer) non-expert frozen
+  // weights become a bucket of which this rank keeps one shard; loading writes that shard only.
+  // The gather/release calls are no-ops when the weights are not sharded.
+  void shard_layer_weights(size_t index);
+  void shard_outer_weights();
+  const FsdpBucket::OwnedPart* sharded_part(const Tensor* weight) const;
+  void release_all_weights();
   void gather_layers(size_t index, int direction);  // index, then fsdp_prefetch more that way
   void release_layer_weights(size_t index);
   void gather_outer_weights();

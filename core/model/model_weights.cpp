@@ -81,8 +81,7 @@ void upload_weight(kernels::Backend& backend, Tensor& dst, const TensorView& hos
   backend.copy(dst, staged);
 }
 
-// Reads `name` (shape must be `expected`) as F64 into `dst` starting at element `offset`.
-void read_into(const HfCheckpoint& checkpoint, const std::string& name, const Shape& expected, double* dst) {
+void check_hf_tensor(const HfCheckpoint& checkpoint, const std::string& name, const Shape& expected) {
   MOETRAIN_CHECK(checkpoint.has(name), ExitCode::kBadCheckpoint,
                  fmt::format("{}: tensor \"{}\" is missing; the directory does not match its config.json (or the "
                              "model type is not the one it was saved as)",
@@ -91,6 +90,11 @@ void read_into(const HfCheckpoint& checkpoint, const std::string& name, const Sh
   MOETRAIN_CHECK(info.shape == expected, ExitCode::kBadCheckpoint,
                  fmt::format("{}: tensor \"{}\" in {} has shape {} but config.json implies {}", checkpoint.dir(), name,
                              checkpoint.file_of(name), info.shape.str(), expected.str()));
+}
+
+// Reads `name` (shape must be `expected`) as F64 into `dst` starting at element `offset`.
+void read_into(const HfCheckpoint& checkpoint, const std::string& name, const Shape& expected, double* dst) {
+  check_hf_tensor(checkpoint, name, expected);
   Tensor values = checkpoint.read_as(name, DType::kF64);
   std::memcpy(dst, values.data(), values.nbytes());
 }
@@ -130,26 +134,82 @@ void read_swiglu(const HfCheckpoint& checkpoint, const WeightSlot& slot, double*
   }
 }
 
+// The HF tensors a non-routed weight is made of, each at its offset in the weight's flattened
+// values: the tensor itself, or gate_proj over up_proj (gate_up [1, 2F, D]), or down_proj.
+struct HfPiece {
+  std::string name;
+  Shape shape;
+  int64_t offset;
+};
+
+std::vector<HfPiece> hf_pieces(const WeightSlot& slot) {
+  const Shape& shape = slot.tensor->shape();
+  if (slot.layout == WeightLayout::kPlain) return {{slot.name, shape, 0}};
+  MOETRAIN_ASSERT(shape[0] == 1, slot.name + ": only single-group SwiGLU weights are FSDP-sharded");
+  if (slot.layout == WeightLayout::kSwigluDown) return {{slot.name + ".down_proj.weight", {shape[1], shape[2]}, 0}};
+  const int64_t half = shape[1] / 2;
+  return {{slot.name + ".gate_proj.weight", {half, shape[2]}, 0},
+          {slot.name + ".up_proj.weight", {half, shape[2]}, half * shape[2]}};
+}
+
+// Elements [begin, end) of the weight's flattened values, as F64 into dst: only the rows of each
+// HF tensor that hold them are read. Returns the values read (whole rows).
+int64_t read_flat_range(const HfCheckpoint& checkpoint, const WeightSlot& slot, int64_t begin, int64_t end,
+                       double* dst) {
+  int64_t values = 0;
+  for (const HfPiece& piece : hf_pieces(slot)) {
+    check_hf_tensor(checkpoint, piece.name, piece.shape);
+    const int64_t lo = std::max(begin, piece.offset) - piece.offset;
+    const int64_t hi = std::min(end, piece.offset + piece.shape.numel()) - piece.offset;
+    if (lo >= hi) continue;
+    const int64_t row = piece.shape.numel() / piece.shape[0];
+    const int64_t first_row = lo / row;
+    const int64_t last_row = (hi + row - 1) / row;
+    Tensor rows = checkpoint.read_rows_as(piece.name, first_row, last_row, DType::kF64);
+    std::memcpy(dst + (piece.offset + lo - begin), rows.ptr<double>() + (lo - first_row * row),
+                static_cast<size_t>(hi - lo) * sizeof(double));
+    values += (last_row - first_row) * row;
+  }
+  return values;
+}
+
 }  // namespace
 
 void Model::load_weights(const HfCheckpoint& checkpoint) {
-  unshard_frozen_weights();
+  release_all_weights();  // the shards change: no gathered copy may outlive them
+  int64_t values_read = 0;
   for (const WeightSlot& slot : weight_slots()) {
+    if (const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor)) {
+      // FSDP: this rank's range of the weight only.
+      Tensor host({part->end - part->begin}, DType::kF64);
+      values_read += read_flat_range(checkpoint, slot, part->begin, part->end, host.ptr<double>());
+      Tensor staged(host.shape(), slot.tensor->dtype());
+      convert_host(staged, host);
+      backend_.copy(part->dst, staged);
+      continue;
+    }
     Tensor host(slot.tensor->shape(), DType::kF64);
     if (slot.layout == WeightLayout::kPlain) {
       read_into(checkpoint, slot.name, slot.tensor->shape(), host.ptr<double>());
     } else {
       read_swiglu(checkpoint, slot, host.ptr<double>());
     }
+    values_read += host.numel();
     upload_weight(backend_, *slot.tensor, host);
   }
-  shard_frozen_weights();
+  backend_.synchronize();
+  log::info(fmt::format("base weights: this rank read {:.3f} M values from {}{}", values_read / 1e6, checkpoint.dir(),
+                        fsdp_sharded() ? " (the rows holding its FSDP shards, and its experts)" : ""));
 }
 
 void Model::init_random_weights() {
-  unshard_frozen_weights();
+  release_all_weights();  // the shards change: no gathered copy may outlive them
   for (const WeightSlot& slot : weight_slots()) {
-    Tensor host(slot.tensor->shape(), slot.tensor->dtype());
+    const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor);
+    // FSDP: this rank's range only; element i's value depends only on i, so the shards hold
+    // exactly what the whole tensor would.
+    Tensor host = part ? Tensor({part->end - part->begin}, slot.tensor->dtype())
+                       : Tensor(slot.tensor->shape(), slot.tensor->dtype());
     const Shape& shape = slot.tensor->shape();
     RandomFill fill;
     if (is_norm_weight(slot.name)) {
@@ -163,12 +223,13 @@ void Model::init_random_weights() {
       const bool embedding = slot.name == "model.embed_tokens.weight";
       fill.stddev = embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(shape[shape.ndim() - 1]));
       fill.seed = options_.seed ^ name_hash(slot.name) ^ static_cast<uint64_t>(slot.layout);
-      fill.first_element = static_cast<uint64_t>(slot.first_group * (host.numel() / shape[0]));
+      fill.first_element = static_cast<uint64_t>(slot.first_group * (shape.numel() / shape[0]));
+      if (part) fill.first_element += static_cast<uint64_t>(part->begin);
     }
     fill_random(host, fill);
-    backend_.copy(*slot.tensor, host);
+    backend_.copy(part ? part->dst : slot.tensor->view(), host);
   }
-  shard_frozen_weights();
+  backend_.synchronize();
 }
 
 // FSDP buckets (DESIGN.md §4). Per decoder layer: its norms, attention projections and latent
@@ -176,21 +237,27 @@ void Model::init_random_weights() {
 // except the routed experts (expert parallelism slices those) and the F32 router score bias
 // (E floats, kept whole). One more bucket holds embed_tokens, the final norm and lm_head: the
 // embedding is the largest non-expert tensor, and it is needed only at the two ends of a step.
-// The weights are loaded whole first and then sharded, so loading briefly holds the full model.
-void Model::shard_frozen_weights() {
+// Buckets are made as the layers are constructed, so the full weights of at most one layer
+// exist at a time (allocated, never filled), and loading writes each rank's shard directly.
+namespace {
+bool shardable(const WeightSlot& slot, DType weight_dtype) {
+  return !is_routed_experts(slot) && !is_bias(slot.name) && slot.tensor->dtype() == weight_dtype;
+}
+}  // namespace
+
+void Model::shard_layer_weights(size_t index) {
   const ParallelGroups* p = options_.parallel;
-  if (!p || !p->fsdp_sharded() || fsdp_sharded()) return;
-  backend_.synchronize();  // the loaded weights are complete before the buckets copy them
-  auto shardable = [&](const WeightSlot& slot) {
-    return !is_routed_experts(slot) && !is_bias(slot.name) && slot.tensor->dtype() == options_.dtype;
-  };
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    std::vector<Tensor*> members;
-    for (const WeightSlot& slot : layer_weight_slots(i))
-      if (shardable(slot)) members.push_back(slot.tensor);
-    fsdp_layers_.push_back(
-        std::make_unique<FsdpBucket>("model.layers." + std::to_string(i), members, *p->fsdp, backend_));
-  }
+  if (!p || !p->fsdp_sharded()) return;
+  std::vector<Tensor*> members;
+  for (const WeightSlot& slot : layer_weight_slots(index))
+    if (shardable(slot, options_.dtype)) members.push_back(slot.tensor);
+  fsdp_layers_.push_back(
+      std::make_unique<FsdpBucket>("model.layers." + std::to_string(index), members, *p->fsdp, backend_));
+}
+
+void Model::shard_outer_weights() {
+  const ParallelGroups* p = options_.parallel;
+  if (!p || !p->fsdp_sharded()) return;
   std::vector<Tensor*> outer = {&embed_, &final_norm_};
   if (!spec_.config.tie_word_embeddings) outer.push_back(&lm_head_);
   fsdp_outer_ = std::make_unique<FsdpBucket>("embed+norm+lm_head", outer, *p->fsdp, backend_);
@@ -202,11 +269,15 @@ void Model::shard_frozen_weights() {
                         options_.fsdp_reshard_after_forward ? "re-gathered for backward" : "kept until backward"));
 }
 
-void Model::unshard_frozen_weights() {
-  for (auto& bucket : fsdp_layers_) bucket->unshard();
-  if (fsdp_outer_) fsdp_outer_->unshard();
-  fsdp_layers_.clear();
-  fsdp_outer_.reset();
+const FsdpBucket::OwnedPart* Model::sharded_part(const Tensor* weight) const {
+  for (const auto& bucket : fsdp_layers_)
+    if (const FsdpBucket::OwnedPart* part = bucket->owned_part(weight)) return part;
+  return fsdp_outer_ ? fsdp_outer_->owned_part(weight) : nullptr;
+}
+
+void Model::release_all_weights() {
+  for (auto& bucket : fsdp_layers_) bucket->release();
+  if (fsdp_outer_) fsdp_outer_->release();
 }
 
 void Model::gather_layers(size_t index, int direction) {

@@ -92,7 +92,7 @@ int run_training(Runtime& runtime, const Config& config) {
     log::info(fmt::format("{} ranks: data parallel over all, expert parallel ep={} ({} experts per rank), fsdp={}{}",
                           runtime.world(), config.parallel.ep, groups.local_experts(), config.parallel.fsdp,
                           config.parallel.fsdp > 1 ? " (frozen non-expert weights sharded per layer, all-gathered "
-                                                     "before use and freed after; loaded whole, then sharded)"
+                                                     "before use and freed after; each rank loads only its shards)"
                                                    : ""));
   }
 
