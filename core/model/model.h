@@ -89,6 +89,9 @@ class Model final : public TrainableModel {
   std::vector<WeightSlot> weight_slots();
   FrozenWeightBytes frozen_non_expert_bytes();
   bool fsdp_sharded() const { return !fsdp_layers_.empty(); }
+  // The most FSDP buckets gathered at once so far (layers and the embed/norm/head bucket): with
+  // re-gathering for backward, max(prefetch + 1, 2) -- the weights are freed after use.
+  int64_t fsdp_peak_gathered_buckets() const { return fsdp_peak_gathered_; }
   // Every LoRA-capable projection, by HF module name (tests and adapter import/export).
   std::vector<std::pair<std::string, LoraLinear*>> linear_modules();
 
@@ -134,6 +137,8 @@ class Model final : public TrainableModel {
   // FSDP buckets: one per decoder layer, and one for embed_tokens + final norm + lm_head.
   std::vector<std::unique_ptr<FsdpBucket>> fsdp_layers_;
   std::unique_ptr<FsdpBucket> fsdp_outer_;
+  int64_t fsdp_peak_gathered_ = 0;
+  void note_gathered();
 };
 
 }  // namespace moetrain

@@ -289,6 +289,13 @@ void Model::gather_layers(size_t index, int direction) {
     if (layer < 0 || layer >= static_cast<int64_t>(fsdp_layers_.size())) break;
     fsdp_layers_[layer]->gather();
   }
+  note_gathered();
+}
+
+void Model::note_gathered() {
+  int64_t gathered = fsdp_outer_ && fsdp_outer_->gathered() ? 1 : 0;
+  for (const auto& bucket : fsdp_layers_) gathered += bucket->gathered() ? 1 : 0;
+  fsdp_peak_gathered_ = std::max(fsdp_peak_gathered_, gathered);
 }
 
 void Model::release_layer_weights(size_t index) {
@@ -297,6 +304,7 @@ void Model::release_layer_weights(size_t index) {
 
 void Model::gather_outer_weights() {
   if (fsdp_outer_) fsdp_outer_->gather();
+  note_gathered();
 }
 
 void Model::release_outer_weights() {

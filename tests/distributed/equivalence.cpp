@@ -224,6 +224,14 @@ int run_test(Runtime& runtime, int argc, char** argv) {
     log::error(fmt::format("rank {} holds {} of {} frozen non-expert bytes ({:.3f}), not ~1/{}", runtime.rank(),
                            frozen.resident, frozen.full, resident_fraction, parallel.fsdp));
   }
+  // Freed after use: at most the active layer, the prefetched ones, and at the turn from forward
+  // to backward the last layer with the embed/norm/head bucket were ever gathered together.
+  const int64_t peak_allowed = std::max<int64_t>(flags.prefetch + 1, 2);
+  if (parallel.fsdp > 1 && !flags.keep_gathered && model.fsdp_peak_gathered_buckets() > peak_allowed) {
+    ++failures;
+    log::error(fmt::format("{} FSDP buckets were gathered at once (prefetch {} allows {})",
+                           model.fsdp_peak_gathered_buckets(), flags.prefetch, peak_allowed));
+  }
   if (parallel.fsdp == 1 && (model.fsdp_sharded() || frozen.resident != frozen.full)) {
     ++failures;
     log::error("fsdp 1 must keep the frozen weights whole");
@@ -231,11 +239,11 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const int total_failures = static_cast<int>(model.sum_over_data_ranks(failures));
   if (runtime.is_root()) {
     std::printf("distributed_equivalence world %d fsdp %lld ep %lld %s: %d parameters, %d steps: %s (losses %.10f %.10f %.10f); "
-                "frozen non-expert bytes per rank %zu of %zu (%.3f)\n",
+                "frozen non-expert bytes per rank %zu of %zu (%.3f), at most %lld buckets gathered at once\n",
                 world, static_cast<long long>(parallel.fsdp), static_cast<long long>(parallel.ep), routing.c_str(),
                 static_cast<int>(params.size()), kSteps, total_failures == 0 ? "EQUAL" : "DIFFERENT",
                 distributed.losses[0], distributed.losses[1], distributed.losses[2], frozen.resident, frozen.full,
-                resident_fraction);
+                resident_fraction, static_cast<long long>(model.fsdp_peak_gathered_buckets()));
   }
   return total_failures == 0 ? 0 : 1;
 }
