@@ -122,6 +122,7 @@ AdapterExportSettings adapter_export_settings(const Config& config) {
   s.alpha = config.lora.alpha;
   s.rslora = config.lora.rslora;
   s.base_model = config.model.hf_dir;
+  s.layout = config.checkpoint.export_layout == "per_expert" ? AdapterLayout::kPerExpert : AdapterLayout::kTransformers5;
   return s;
 }
 

@@ -39,7 +39,7 @@ namespace moetrain {
 enum class AdapterLayout { kPerExpert, kTransformers5 };
 
 struct AdapterExportSettings {
-  AdapterLayout layout = AdapterLayout::kPerExpert;
+  AdapterLayout layout = AdapterLayout::kTransformers5;
   int64_t rank = 8;
   double alpha = 16.0;
   bool rslora = false;

@@ -129,6 +129,10 @@ struct CheckpointConfig {
   std::string resume = "auto";           // auto | none | a checkpoint path
   bool save_on_signal = true;            // SIGTERM/SIGUSR1: save at the next step boundary, exit 75
   std::string export_adapter = "true";   // PEFT adapter at the end: true (<run_dir>/adapter) | false | a dir
+  // How routed experts appear in exported adapters: transformers5 (what PEFT on transformers 5
+  // loads exactly: fused expert adapters, MLPs through target_parameters) | per_expert (2-D keys
+  // per expert, transformers 4 / vLLM naming). core/checkpoint/adapter_export.h has the details.
+  std::string export_layout = "transformers5";
   std::optional<std::string> init_adapter;  // a PEFT adapter directory to start the LoRA weights from
 };
 

@@ -15,6 +15,7 @@ const std::vector<std::string> kAuxLossTypes = {"sequence", "batch"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant"};
 const std::vector<std::string> kDevices = {"auto", "cpu", "cuda"};
 const std::vector<std::string> kLogLevels = {"debug", "info", "warn", "error", "off"};
+const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert"};
 // Module names LoRA can wrap (PEFT's names for DeepSeek/Kimi modules). `experts` means every
 // routed expert's gate/up/down projections, `shared_experts` the shared experts'.
 const std::vector<std::string> kLoraTargets = {
@@ -321,6 +322,7 @@ void check_training(const Config& c, Rules& r) {
   }
   r.not_empty("checkpoint.resume", k.resume);
   r.not_empty("checkpoint.export_adapter", k.export_adapter);
+  r.one_of("checkpoint.export_layout", k.export_layout, kExportLayouts);
   if (k.init_adapter) r.not_empty("checkpoint.init_adapter", *k.init_adapter);
 
   const LoggingConfig& g = c.logging;

@@ -132,6 +132,7 @@ void visit_fields(V& v, CheckpointConfig& c) {
   v.field("resume", c.resume);
   v.field("save_on_signal", c.save_on_signal);
   v.field("export_adapter", c.export_adapter);
+  v.field("export_layout", c.export_layout);
   v.field("init_adapter", c.init_adapter);
 }
 

@@ -80,18 +80,38 @@ StackedName split_stacked(const std::string& name) {
   return s;
 }
 
-// Expert e's factor from the fused 3-D layout: A rows [e r, e r + r); B columns k E + e.
-void fused_factor(double* dst, const Tensor& fused, bool is_a, int64_t expert, int64_t experts, int64_t rank,
-                  int64_t row_begin, int64_t rows) {
+// Where one adapter sits in a fused 3-D PEFT factor of rank `fused_rank` (r, or 2r when gate and
+// up share a block-diagonal gate_up adapter): ranks [rank_offset, rank_offset + rank) of expert
+// e; for B, rows [row_begin, row_begin + rows).
+struct FusedSlice {
+  int64_t experts, fused_rank, rank, rank_offset, row_begin, rows;
+};
+
+// Expert e's factor: A rows e r' + offset + k; B columns (offset + k) E + e.
+void fused_factor(double* dst, const Tensor& fused, bool is_a, int64_t expert, const FusedSlice& s) {
   const double* src = fused.ptr<double>();
   if (is_a) {
     int64_t in = fused.size(1);
-    std::memcpy(dst, src + expert * rank * in, static_cast<size_t>(rank * in) * sizeof(double));
+    std::memcpy(dst, src + (expert * s.fused_rank + s.rank_offset) * in, static_cast<size_t>(s.rank * in) * sizeof(double));
     return;
   }
-  int64_t cols = fused.size(1);  // rank * experts
-  for (int64_t o = 0; o < rows; ++o)
-    for (int64_t k = 0; k < rank; ++k) dst[o * rank + k] = src[(row_begin + o) * cols + k * experts + expert];
+  int64_t cols = fused.size(1);  // fused_rank * experts
+  for (int64_t o = 0; o < s.rows; ++o)
+    for (int64_t k = 0; k < s.rank; ++k)
+      dst[o * s.rank + k] = src[(s.row_begin + o) * cols + (s.rank_offset + k) * s.experts + expert];
+}
+
+// A doubled-rank gate_up B must be block diagonal: the gate rows carry nothing in the up ranks and
+// the other way round, or the adapter is not two separate ones.
+bool off_diagonal_zero(const Tensor& fused_b, int64_t experts, int64_t rank, int64_t width) {
+  const int64_t cols = fused_b.size(1);
+  for (int64_t o = 0; o < 2 * width; ++o) {
+    const int64_t other = o < width ? rank : 0;  // gate rows must be zero in the up ranks, and vice versa
+    for (int64_t k = 0; k < rank; ++k)
+      for (int64_t e = 0; e < experts; ++e)
+        if (fused_b.ptr<double>()[o * cols + (other + k) * experts + e] != 0.0) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -117,10 +137,17 @@ PeftAdapterConfig read_peft_adapter_config(const std::string& dir) {
     config.rank = json.at("r").get<int64_t>();
     config.alpha = json.at("lora_alpha").get<double>();
     config.rslora = json.value("use_rslora", false);
-    for (const char* key : {"rank_pattern", "alpha_pattern"}) {
-      MOETRAIN_CHECK(!json.contains(key) || json[key].is_null() || json[key].empty(), ExitCode::kBadCheckpoint,
-                     fmt::format("{}: \"{}\" sets per-module ranks, which moetrain does not support", path, key));
-    }
+    // The one supported pattern: gate_up's adapter at twice the rank and alpha (same scale).
+    const Json doubled_rank = {{".*\\.gate_up_proj", 2 * config.rank}};
+    const Json doubled_alpha = {{".*\\.gate_up_proj", 2 * config.alpha}};
+    auto pattern = [&](const char* key) { return json.contains(key) && !json[key].is_null() ? json[key] : Json::object(); };
+    Json ranks = pattern("rank_pattern"), alphas = pattern("alpha_pattern");
+    config.gate_up_rank_doubled = !ranks.empty();
+    MOETRAIN_CHECK((ranks.empty() && alphas.empty()) || (ranks == doubled_rank && alphas == doubled_alpha),
+                   ExitCode::kBadCheckpoint,
+                   fmt::format("{}: rank_pattern {} / alpha_pattern {} set per-module ranks; moetrain reads only "
+                               "{} / {} (a gate_up adapter holding separate gate and up adapters)",
+                               path, ranks.dump(), alphas.dump(), doubled_rank.dump(), doubled_alpha.dump()));
     if (json.contains("target_parameters") && json["target_parameters"].is_array()) {
       config.target_parameters = json["target_parameters"].get<std::vector<std::string>>();
     }
@@ -177,15 +204,21 @@ void load_peft_adapter(Model& model, const std::string& dir) {
                                  dir, name.module, name.projection, first_key));
       // gate_up_proj is the inner wrapper (base_layer) when down_proj is targeted too.
       std::string key = peft_key(name.module + (!down && fused_down ? ".base_layer." : ".") + factor);
+      const bool doubled = !down && config.gate_up_rank_doubled;
+      const bool up = name.projection == "up_proj";
+      FusedSlice slice{experts, doubled ? 2 * rank : rank, rank, doubled && up ? rank : 0,
+                       up ? shape[1] : 0, name.is_a ? 0 : shape[1]};
       int64_t in_or_out = name.is_a ? shape[2] : (down ? shape[1] : 2 * shape[1]);
-      Shape fused_shape = name.is_a ? Shape{experts * rank, in_or_out} : Shape{in_or_out, rank * experts};
+      Shape fused_shape = name.is_a ? Shape{experts * slice.fused_rank, in_or_out}
+                                    : Shape{in_or_out, slice.fused_rank * experts};
       Tensor fused = file.read(key, fused_shape);
-      // Gate is rows [0, F) of gate_up, up rows [F, 2F); A is shared by both.
-      int64_t row_begin = name.projection == "up_proj" ? shape[1] : 0;
-      for (int64_t e = 0; e < experts; ++e) {
-        fused_factor(host.ptr<double>() + e * block, fused, name.is_a, e, experts, rank, row_begin,
-                     name.is_a ? 0 : shape[1]);
-      }
+      MOETRAIN_CHECK(!doubled || name.is_a || off_diagonal_zero(fused, experts, rank, shape[1]),
+                     ExitCode::kBadCheckpoint,
+                     fmt::format("{}: \"{}\" is a rank-{} gate_up adapter whose B is not block diagonal, so it "
+                                 "is not a gate adapter and an up adapter side by side; moetrain cannot split it",
+                                 dir, key, slice.fused_rank));
+      // Gate is rows [0, F) of gate_up, up rows [F, 2F); without the doubled rank A is shared.
+      for (int64_t e = 0; e < experts; ++e) fused_factor(host.ptr<double>() + e * block, fused, name.is_a, e, slice);
     }
     store(backend, p->value, host);
   }

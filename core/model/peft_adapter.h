@@ -25,10 +25,15 @@ struct PeftAdapterConfig {
   double alpha = 0.0;
   bool rslora = false;
   std::vector<std::string> target_parameters;  // the 3-D expert tensors PEFT targeted, if any
+  // rank_pattern / alpha_pattern {".*\\.gate_up_proj": 2r / 2 alpha}: the fused gate_up adapter
+  // holds the gate and up adapters as one of rank 2r with a block-diagonal B (what moetrain's
+  // transformers5 export writes, and what PEFT makes of per-expert adapters). Any other pattern
+  // is not supported.
+  bool gate_up_rank_doubled = false;
 };
 
 // Reads <dir>/adapter_config.json. Error(kBadCheckpoint) naming the file and key on anything
-// malformed, and on rank_pattern/alpha_pattern (per-module ranks are not supported).
+// malformed, and on rank_pattern/alpha_pattern other than the doubled gate_up rank above.
 PeftAdapterConfig read_peft_adapter_config(const std::string& dir);
 
 // Loads every adapter of the model from <dir>. The model's LoRA rank and scaling must equal the

@@ -143,3 +143,10 @@ TEST_CASE("checkpoint config: a misspelt key is unknown and the message suggests
   message = bad_config_message("checkpoint: {init_adapters: x}");
   CHECK(contains(message, "unknown key `checkpoint.init_adapters`"));
 }
+
+TEST_CASE("checkpoint config: export_layout is transformers5 by default, or per_expert") {
+  CHECK(parse("checkpoint: {every: 0}").checkpoint.export_layout == "transformers5");
+  CHECK(parse("checkpoint: {export_layout: per_expert}").checkpoint.export_layout == "per_expert");
+  std::string message = bad_config_message("checkpoint: {export_layout: fused}");
+  CHECK(contains(message, "`checkpoint.export_layout` = `fused` is not allowed: use one of transformers5 | per_expert"));
+}

@@ -147,6 +147,9 @@ TEST_CASE("preemption: a signal saves at the step boundary, exits 75, and the re
 
 TEST_CASE("export: the PEFT adapter loads into a fresh model with identical values and logits") {
   Config config = tiny_run_config("export");
+  // The per-expert layout here (its keys are checked below); test_peft_export_golden reads the
+  // default transformers5 layout back, and scripts/check_peft_export.py loads both in PEFT.
+  config.checkpoint.export_layout = "per_expert";
   config.train.steps = 3;
   config.checkpoint.every = 3;
   std::string adapter_dir = config.logging.run_dir + "/adapter";
@@ -157,7 +160,7 @@ TEST_CASE("export: the PEFT adapter loads into a fresh model with identical valu
   trained.session->finish();  // step_3 already saved by after_step; writes the adapter
   export_checkpoint_adapter(trained.session->root(), from_checkpoint_dir);
 
-  // Per-expert 2-D keys for the stacked routed experts, as PEFT and vLLM expect.
+  // Per-expert 2-D keys for the stacked routed experts (transformers 4 / vLLM naming).
   REQUIRE(fs::exists(adapter_dir + "/adapter_config.json"));
   PeftAdapterConfig peft = read_peft_adapter_config(adapter_dir);
   CHECK(peft.rank == 4);

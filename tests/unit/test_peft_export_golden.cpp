@@ -95,6 +95,7 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
   fs::path dir = keep ? fs::path(keep) : fs::temp_directory_path() / "moetrain_peft_export";
   fs::remove_all(dir);
   AdapterExportSettings settings;
+  settings.layout = AdapterLayout::kPerExpert;
   settings.rank = 4;
   settings.alpha = 8.0;
   settings.base_model = kModelDir;
@@ -127,8 +128,8 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
   writer.write((dir / "ours.safetensors").string());
   CHECK(fs::exists(dir / "adapter" / "adapter_config.json"));
 
-  // The transformers 5 layout of the same adapter, for the script (not read back here: its
-  // gate_up adapter has rank 2r).
+  // The transformers 5 layout of the same adapter: gate and up become one rank-2r adapter on
+  // the fused gate_up_proj, which reads back into the separate adapters exactly.
   settings.layout = AdapterLayout::kTransformers5;
   write_peft_adapter((dir / "adapter_transformers5").string(), values.views, settings);
   SafetensorsFile fused((dir / "adapter_transformers5" / "adapter_model.safetensors").string());
@@ -136,4 +137,12 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
   REQUIRE(fused.has(gate_up));
   CHECK(fused.info(gate_up).shape == Shape({8 * 8, 32}));  // 8 experts x rank 2r, hidden 32
   CHECK(fused.has("base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"));
+  auto from_fused = golden_model(*backend);
+  load_peft_adapter(*from_fused, (dir / "adapter_transformers5").string());
+  std::vector<Parameter*> f = from_fused->parameters();
+  for (size_t i = 0; i < f.size(); ++i) {
+    testing::Comparison cf = testing::compare_tensors(f[i]->value, values.values[i], 0.0, 0.0, values.views[i].first);
+    INFO(cf.message);
+    CHECK(cf.ok);
+  }
 }
