@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "core/base/error.h"
-#include "core/data/random.h"
+#include "core/base/random.h"
 
 namespace moetrain {
 namespace {
@@ -77,16 +77,16 @@ EpochPlan make_epoch_plan(const std::vector<int64_t>& document_lengths, int64_t 
   EpochPlan plan;
   plan.epoch = epoch;
   const int64_t documents = static_cast<int64_t>(document_lengths.size());
-  plan.document_order = data::random_permutation(
-      documents, data::derive_seed(seed, kDocumentStream, static_cast<uint64_t>(dataset), static_cast<uint64_t>(epoch)));
+  plan.document_order = random_permutation(
+      documents, derive_seed(seed, kDocumentStream, static_cast<uint64_t>(dataset), static_cast<uint64_t>(epoch)));
   plan.document_starts.resize(static_cast<size_t>(documents) + 1);
   plan.document_starts[0] = 0;
   for (int64_t i = 0; i < documents; ++i) {
     plan.document_starts[i + 1] = plan.document_starts[i] + document_lengths[plan.document_order[i]];
   }
-  plan.window_order = data::random_permutation(
+  plan.window_order = random_permutation(
       windows_per_epoch(plan.document_starts.back(), seq_len),
-      data::derive_seed(seed, kWindowStream, static_cast<uint64_t>(dataset), static_cast<uint64_t>(epoch)));
+      derive_seed(seed, kWindowStream, static_cast<uint64_t>(dataset), static_cast<uint64_t>(epoch)));
   return plan;
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/base/bf16.h"
+#include "core/base/random.h"
 
 #include "core/base/host_convert.h"
 #include "core/base/log.h"
@@ -32,15 +33,6 @@ uint64_t name_hash(const std::string& name) {
   return hash;
 }
 
-// splitmix64 of a counter: element i's value depends only on (seed, i), so the fill is the same
-// whatever the thread count, the order of tensors, or the standard library.
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // A constant, or uniform values with the given standard deviation (uniform rather than normal:
 // cheap enough to fill a hundred-gigabyte model on the host in seconds).
 struct RandomFill {
@@ -58,7 +50,7 @@ void fill_random(const Tensor& host, const RandomFill& fill) {
       double v = fill.constant;
       if (fill.stddev > 0) {
         uint64_t counter = fill.seed + fill.first_element + static_cast<uint64_t>(i);
-        double unit = static_cast<double>(splitmix64(counter) >> 11) * 0x1.0p-53;
+        double unit = static_cast<double>(mix64(counter + 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
         v = (2.0 * unit - 1.0) * half_width;
       }
       switch (host.dtype()) {

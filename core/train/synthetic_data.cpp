@@ -6,33 +6,10 @@
 #include <string>
 
 #include "core/base/error.h"
+#include "core/base/random.h"
 
 namespace moetrain {
 namespace {
-
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// splitmix64 (Steele, Lea, Flood 2014): a tiny generator with a fully specified output.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t next() { return mix64(state_ += 0x9e3779b97f4a7c15ull); }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  // Uniform in [0, n) by rejection, so no residue class is favoured.
-  uint64_t below(uint64_t n) {
-    const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % n;
-    uint64_t x;
-    do x = next(); while (x >= limit);
-    return x % n;
-  }
-
- private:
-  uint64_t state_;
-};
 
 // Index of the first cumulative weight above u (the categorical draw for uniform u).
 int64_t sample_cdf(const std::vector<double>& cdf, double u) {

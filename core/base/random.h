@@ -1,6 +1,6 @@
-// Deterministic randomness for the data path: splitmix64 and our own sampling, so a shuffle is
-// the same on every platform and standard library (std:: distributions are not), and a run
-// resumed anywhere reproduces the order an uninterrupted run would have seen.
+// Deterministic randomness: splitmix64 and our own sampling, so data order, synthetic data and
+// random initialisation are the same on every platform and standard library (std::
+// distributions are not), and a run resumed anywhere reproduces what an uninterrupted run saw.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-namespace moetrain::data {
+namespace moetrain {
 
 inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -21,6 +21,7 @@ class SplitMix64 {
  public:
   explicit SplitMix64(uint64_t seed) : state_(seed) {}
   uint64_t next() { return mix64(state_ += 0x9e3779b97f4a7c15ull); }
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
   // Uniform in [0, n) by rejection, so no residue class is favoured.
   uint64_t below(uint64_t n) {
     const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % n;
@@ -49,4 +50,4 @@ inline std::vector<int64_t> random_permutation(int64_t n, uint64_t seed) {
   return order;
 }
 
-}  // namespace moetrain::data
+}  // namespace moetrain
