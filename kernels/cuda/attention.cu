@@ -19,11 +19,12 @@
 // Segments: a query row's segment start comes from a binary search of cu_seqlens; a tile may
 // straddle segments, so masking is per (query, key): start(t) <= s <= t.
 //
-// Performance state (honest): SIMT F32 FMAs from shared memory, no tensor cores yet. The
-// 16 x 16 thread grid holds a 4 x 2 (forward scores) or 2 x 2 (backward) micro-tile of scores
-// and 16-column-strided slices of the accumulators, so value/key columns are read conflict-free
-// (rows padded by one float). Expect a small fraction of the H200's bf16 tensor-core rate; the
-// mma/wgmma version is future work and this one is its correctness reference on the GPU.
+// Two paths. BF16 operands with head dims that are multiples of 16 (up to 256) run on tensor
+// cores (attention_tensor_core.cu); everything else, and everything when MOETRAIN_ATTENTION=simt,
+// runs the SIMT kernels below: F32 FMAs from shared memory, a 16 x 16 thread grid holding a 4 x 2
+// (forward scores) or 2 x 2 (backward) micro-tile of scores and 16-column-strided slices of the
+// accumulators, so value/key columns are read conflict-free (rows padded by one float). They are
+// ~16x slower than the tensor-core path (docs/PERF.md) and serve as its reference on the GPU.
 #include "kernels/cuda/attention.h"
 
 #include <cuda_bf16.h>

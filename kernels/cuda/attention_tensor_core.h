@@ -16,8 +16,8 @@ namespace moetrain::kernels::cuda_ops {
 // True when every operand is BF16 with a 16-byte-aligned base, qk_dim and v_dim are multiples of
 // 16 in [16, 256], and MOETRAIN_ATTENTION is not "simt".
 bool attention_tensor_core_supported(const AttentionArgs& args);
-// The same for dq, dk, dv, dout too, and qk_dim + v_dim <= 320 (the dk/dv register budget; the
-// 256/256 backward stays on SIMT).
+// The same for dq, dk, dv, dout too, with qk_dim <= 192 and v_dim <= 128 (the dk/dv register
+// budget; a 256/256 backward stays on SIMT).
 bool attention_backward_tensor_core_supported(const AttentionBackwardArgs& args);
 
 // Preconditions: the predicate above is true and attention.cu's shape checks passed.
