@@ -82,6 +82,9 @@ struct ParallelConfig {
   int64_t ep = 1;
   int64_t prefetch = 1;
   bool recompute = true;
+  // FSDP: free a layer's gathered base weights after its forward and gather them again for its
+  // backward (true), or keep them from forward to backward (false: more memory, less traffic).
+  bool reshard_after_forward = true;
 };
 
 // One dataset of a data mixture (docs/DATA.md): a path prefix (`dir/name` for dir/name.bin +

@@ -88,6 +88,7 @@ void visit_fields(V& v, ParallelConfig& c) {
   v.field("ep", c.ep);
   v.field("prefetch", c.prefetch);
   v.field("recompute", c.recompute);
+  v.field("reshard_after_forward", c.reshard_after_forward);
 }
 
 // `data.source` is one key over two fields: a string (synthetic or a path prefix) or a list of

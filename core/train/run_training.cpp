@@ -100,6 +100,7 @@ int run_training(Runtime& runtime, const Config& config) {
   options.dtype = backend->device() == Device::kCUDA ? DType::kBF16 : DType::kF32;
   options.recompute = config.parallel.recompute;
   options.fsdp_prefetch = config.parallel.prefetch;
+  options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
   options.seed = static_cast<uint64_t>(config.train.seed);
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
   options.lora_targets = config.lora.targets;
