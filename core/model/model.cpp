@@ -1,6 +1,7 @@
 #include "core/model/model.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <set>
@@ -157,11 +158,13 @@ std::vector<std::pair<std::string, LoraLinear*>> Model::linear_modules() {
 void Model::attach_lora() {
   std::set<std::string> targets(options_.lora_targets.begin(), options_.lora_targets.end());
   std::set<std::string> matched;
+  std::set<std::string> available;  // every target this model has, for the error message
   // Per-module generators: a module's initial adapter does not depend on which others exist.
   auto rng_for = [&](const std::string& name) { return std::mt19937_64(options_.seed ^ name_hash(name)); };
 
   for (auto& [name, linear] : linear_modules()) {
     std::string short_name = name.substr(name.rfind('.') + 1);
+    available.insert(short_name);
     if (!targets.count(short_name)) continue;
     matched.insert(short_name);
     auto rng = rng_for(name);
@@ -171,6 +174,8 @@ void Model::attach_lora() {
   auto attach_swiglu = [&](SwigluExperts& mlp, bool all_projections, const char* group_target) {
     for (auto p : {SwigluExperts::kGate, SwigluExperts::kUp, SwigluExperts::kDown}) {
       const char* projection = SwigluExperts::projection_name(p);
+      available.insert(all_projections ? group_target : projection);
+      if (group_target) available.insert(group_target);
       bool by_projection = !all_projections && targets.count(projection);
       bool by_group = group_target && targets.count(group_target);
       if (!by_projection && !by_group) continue;
@@ -189,10 +194,8 @@ void Model::attach_lora() {
   }
   for (const std::string& target : options_.lora_targets) {
     MOETRAIN_CHECK(matched.count(target), ExitCode::kBadConfig,
-                   fmt::format("lora.targets: \"{}\" matches no module of this model (its layers: {} attention "
-                               "projections{}); remove it or pick another target",
-                               target, spec_.config.mla.q_lora_rank ? "q_a_proj/q_b_proj" : "q_proj",
-                               spec_.config.first_k_dense > 0 ? ", a dense MLP" : ""));
+                   fmt::format("lora.targets: \"{}\" matches no module of this model; its targets are: {}",
+                               target, fmt::join(available, ", ")));
   }
 }
 

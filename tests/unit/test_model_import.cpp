@@ -135,6 +135,8 @@ TEST_CASE("a LoRA target that matches no module is a config error naming it", "[
   Error e = load_error(scratch_model("target"), {"o_proj", "q_a_proj"});
   CHECK(e.code() == ExitCode::kBadConfig);
   CHECK(contains(e.what(), "\"q_a_proj\" matches no module"));
+  CHECK(contains(e.what(), "its targets are: down_proj, experts, gate_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, "
+                           "q_proj, shared_experts, up_proj"));
 }
 
 TEST_CASE("a token id outside the vocabulary is a data error naming its position", "[import]") {
