@@ -157,7 +157,11 @@ case $scenario in
     done
     [ -f "$work/signalled/pid.0" ] && [ -f "$work/signalled/pid.1" ] || { kill "$job"; fail "the ranks never started"; }
     if [ "$scenario" == signal_w2 ]; then victims=(1); else victims=(0 1); fi
-    for r in "${victims[@]}"; do kill -TERM "$(cat "$work/signalled/pid.$r")"; done
+    # One kill for all victims: signals sent by separate commands can be far enough apart on a
+    # loaded machine that the ranks agree, save and exit on the first before the second arrives.
+    pids=()
+    for r in "${victims[@]}"; do pids+=("$(cat "$work/signalled/pid.$r")"); done
+    kill -TERM "${pids[@]}"
     wait "$job"
     rc=$?
     expect_exit signalled 75
