@@ -43,7 +43,7 @@ RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, co
                                  std::vector<Tensor>* storage) {
   RankShard shard;
   const std::vector<Parameter*>& params = optimizer.parameters();
-  std::vector<AdamWStateView> moments = optimizer.state();
+  std::vector<AdamWStateView> moments = optimizer.gather_state();  // whole, whatever the sharding
   MOETRAIN_ASSERT(moments.size() == params.size(), "optimizer state and parameters disagree");
   // Reserve so the views into `storage` stay valid while it grows.
   storage->reserve(storage->size() + 3 * params.size());
@@ -56,13 +56,14 @@ RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, co
     shard.tensors.push_back(host_copy(kExpAvgKind + p.name, moments[i].exp_avg, slice, backend, storage));
     shard.tensors.push_back(host_copy(kExpAvgSqKind + p.name, moments[i].exp_avg_sq, slice, backend, storage));
   }
+  optimizer.release_state();
   return shard;
 }
 
 void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
                             const CheckpointReader& checkpoint) {
   const std::vector<Parameter*>& params = optimizer.parameters();
-  std::vector<AdamWStateView> moments = optimizer.state();
+  std::vector<AdamWStateView> moments = optimizer.gather_state();
   std::set<std::string> used;
   for (size_t i = 0; i < params.size(); ++i) {
     Parameter& p = *params[i];
@@ -75,6 +76,7 @@ void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const P
       used.insert(key);
     }
   }
+  optimizer.scatter_state();  // each rank keeps its shard of the moments
   for (const std::string& key : checkpoint.keys()) {
     if (key.rfind(kBufferKind, 0) == 0) continue;  // buffers are restored by their owners
     MOETRAIN_CHECK(used.count(key), ExitCode::kBadCheckpoint,

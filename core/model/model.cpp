@@ -89,53 +89,48 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
   shard_outer_weights();
   saved_.resize(layers_.size());
   attach_lora();
-  if (options_.parallel && options_.parallel->expert_parallel()) {
-    for (Parameter* p : parameters()) p->expert_partitioned = p->value.shape().ndim() == 3;
-  }
-}
-
-namespace {
-
-// A scalar summed over a group, staged through the communicator's memory.
-double sum_over(Communicator& comm, kernels::Backend& backend, double local) {
-  Tensor host({1}, DType::kF64);
-  host.ptr<double>()[0] = local;
-  if (comm.device() == Device::kCPU) {
-    comm.all_reduce(host.view());
-    return host.ptr<double>()[0];
-  }
-  Tensor device({1}, DType::kF64, backend.allocator());
-  backend.copy(device, host);
-  comm.all_reduce(device.view());
-  comm.synchronize();
-  backend.copy(host, device);
-  return host.ptr<double>()[0];
-}
-
-}  // namespace
-
-double Model::sum_over_data_ranks(double local) {
-  const ParallelGroups* p = options_.parallel;
-  return p && p->data && p->data->size() > 1 ? sum_over(*p->data, backend_, local) : local;
-}
-
-double Model::sum_over_expert_blocks(double local) {
-  const ParallelGroups* p = options_.parallel;
-  return p && p->expert_parallel() ? sum_over(*p->ep, backend_, local) : local;
+  group_parameters();
 }
 
 // Data parallelism: every rank's gradient is its tokens' share of the global mean (the trainer
-// scaled by the global target count), so the step's gradient is the sum over ranks. Routed-
-// expert adapters live on one expert block: they sum over the ranks holding the same experts.
-void Model::reduce_gradients() {
+// scaled by the global target count), so a step's gradient sums over ranks. Non-expert adapters
+// sum over every data-parallel rank. Under expert parallelism each rank holds one block of the
+// routed-expert adapters: they sum over the ranks holding the same experts, and global sums
+// (the grad norm) add the other blocks'. The optimizer shards each group over its ranks.
+void Model::group_parameters() {
   const ParallelGroups* p = options_.parallel;
-  if (!p) return;
-  backend_.synchronize();  // the gradients are final before the communicators read them
-  for (Parameter* param : parameters()) {
-    Communicator* group = param->value.shape().ndim() == 3 && p->expert_parallel() ? p->expert_replica : p->data;
-    if (group && group->size() > 1) group->all_reduce(param->grad.view());
+  const bool expert_parallel = p && p->expert_parallel();
+  std::vector<Parameter*> replicated, partitioned;
+  for (DecoderLayer& layer : layers_) {
+    std::vector<Parameter*> params;
+    layer.mixer->collect_parameters(params);
+    layer.ffn->collect_parameters(params);
+    for (Parameter* param : params) {
+      param->expert_partitioned = expert_parallel && param->value.shape().ndim() == 3;
+      (param->expert_partitioned ? partitioned : replicated).push_back(param);
+    }
   }
-  if (p->data) p->data->synchronize();
+  Communicator* data = p ? p->data : nullptr;
+  if (!replicated.empty()) {
+    parameter_groups_.push_back(std::make_unique<ParameterGroup>("replicated adapters", replicated, data, nullptr, backend_));
+  }
+  if (!partitioned.empty()) {
+    parameter_groups_.push_back(
+        std::make_unique<ParameterGroup>("routed-expert adapters", partitioned, p->expert_replica, p->ep, backend_));
+  }
+  for (const auto& group : parameter_groups_) {
+    parameters_.insert(parameters_.end(), group->params().begin(), group->params().end());
+  }
+}
+
+std::vector<ParameterGroup*> Model::parameter_groups() {
+  std::vector<ParameterGroup*> groups;
+  for (const auto& group : parameter_groups_) groups.push_back(group.get());
+  return groups;
+}
+
+double Model::sum_over_data_ranks(double local) {
+  return sum_over(options_.parallel ? options_.parallel->data : nullptr, backend_, local);
 }
 
 Model::~Model() = default;
@@ -197,15 +192,6 @@ void Model::attach_lora() {
                    fmt::format("lora.targets: \"{}\" matches no module of this model; its targets are: {}",
                                target, fmt::join(available, ", ")));
   }
-}
-
-std::vector<Parameter*> Model::parameters() {
-  std::vector<Parameter*> out;
-  for (DecoderLayer& layer : layers_) {
-    layer.mixer->collect_parameters(out);
-    layer.ffn->collect_parameters(out);
-  }
-  return out;
 }
 
 std::vector<WeightSlot> Model::layer_weight_slots(size_t index) {

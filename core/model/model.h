@@ -15,6 +15,7 @@
 #include "core/model/mla.h"
 #include "core/model/model_spec.h"
 #include "core/model/parallel_groups.h"
+#include "core/model/parameter_group.h"
 #include "core/train/trainer.h"
 
 namespace moetrain {
@@ -68,12 +69,13 @@ class Model final : public TrainableModel {
   void load_weights(const HfCheckpoint& checkpoint);
   void init_random_weights();
 
-  std::vector<Parameter*> parameters() override;
+  // The trainable parameters, group by group (parameter_groups()): replicated adapters first,
+  // then the routed-expert adapters this rank holds under expert parallelism.
+  std::vector<Parameter*> parameters() override { return parameters_; }
+  std::vector<ParameterGroup*> parameter_groups() override;
   StepResult forward_backward(const Batch& batch, double grad_scale) override;
   kernels::Backend& backend() override { return backend_; }
   double sum_over_data_ranks(double local) override;
-  double sum_over_expert_blocks(double local) override;
-  void reduce_gradients() override;
 
   // Forward only, returning the logits [tokens, vocab] as a host F64 tensor (tests).
   Tensor logits(const Batch& batch);
@@ -120,6 +122,7 @@ class Model final : public TrainableModel {
   void gather_outer_weights();
   void release_outer_weights();
   void attach_lora();
+  void group_parameters();
   double loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
                        double grad_scale);
 
@@ -138,6 +141,8 @@ class Model final : public TrainableModel {
   std::vector<std::unique_ptr<FsdpBucket>> fsdp_layers_;
   std::unique_ptr<FsdpBucket> fsdp_outer_;
   int64_t fsdp_peak_gathered_ = 0;
+  std::vector<std::unique_ptr<ParameterGroup>> parameter_groups_;  // own the parameters' storage
+  std::vector<Parameter*> parameters_;
   void note_gathered();
 };
 

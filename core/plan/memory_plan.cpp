@@ -156,25 +156,24 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x 2 B (MXFP4 would be ~{:.1f} GB)",
                   plan.local_experts, moe_layers, static_cast<double>(expert_elements), expert_bytes * 4.25 / 16 / 1e9));
 
-  // Adapters: FP32 value, gradient and two Adam moments = 16 B per parameter.
-  int64_t lora_shard = 0;
-  int64_t largest_layer_lora = 0;
-  for (int64_t l : lora.layer_non_expert) {
-    lora_shard += ceil_div(l, fsdp);
-    largest_layer_lora = std::max(largest_layer_lora, l);
-  }
-  add(plan.fixed, "adapters + grads + Adam (fp32, sharded)", lora_shard * 4 * kF32,
-      fmt::format("non-expert LoRA {:.3g} params / fsdp x 16 B", static_cast<double>(lora.non_expert())),
-      lora.estimated > 0);
-  add(plan.fixed, "gathered adapters + their grads (fp32)",
-      fsdp > 1 ? (plan.prefetch + 1) * largest_layer_lora * 2 * kF32 : 0.0,
-      "(prefetch + 1) x largest layer's LoRA x 8 B; 0 when fsdp = 1");
+  // Adapters (core/train/optimizer.h): FP32 value and gradient whole on every rank that uses them;
+  // the "Adam state" -- two moments, the reduced gradient and the all-gather's input, 16 B -- only
+  // for this rank's shard of its parameter group (non-expert adapters: all data-parallel ranks; the local
+  // experts' adapters: the ranks holding the same experts).
+  const double world = static_cast<double>(plan.world);
+  const double replicas = static_cast<double>(mesh.expert_replicas());
+  const double non_expert_lora = static_cast<double>(lora.non_expert());
+  add(plan.fixed, "adapters + grads (fp32)", non_expert_lora * 2 * kF32,
+      fmt::format("non-expert LoRA {:.3g} params x 8 B", non_expert_lora), lora.estimated > 0);
+  add(plan.fixed, "adapter Adam state, sharded (fp32)", non_expert_lora / world * 4 * kF32,
+      fmt::format("non-expert LoRA / world {} x 16 B", plan.world), lora.estimated > 0);
   const double expert_lora = static_cast<double>(lora.routed_expert_per_layer) /
                              static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
                              static_cast<double>(plan.local_experts * moe_layers);
-  add(plan.fixed, "expert adapters + grads + Adam (fp32)", expert_lora * 4 * kF32,
-      fmt::format("{:.3g} params of the local experts x 16 B (replicated over {} expert replicas)", expert_lora,
-                  mesh.expert_replicas()));
+  add(plan.fixed, "expert adapters + grads (fp32)", expert_lora * 2 * kF32,
+      fmt::format("{:.3g} params of the local experts x 8 B", expert_lora));
+  add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * 4 * kF32,
+      fmt::format("local experts' LoRA / {} expert replicas x 16 B", mesh.expert_replicas()));
   add(plan.fixed, "loss chunk (fp32 logits)",
       static_cast<double>(std::min(options.loss_chunk_rows, plan.tokens_per_micro_batch) * m.vocab_size) * kF32,
       fmt::format("min({}, tokens) x vocab {} x 4 B", options.loss_chunk_rows, m.vocab_size));
@@ -215,17 +214,13 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   add(plan.communication, "FSDP all-gather of frozen weights",
       micro * 2 * static_cast<double>(p.non_expert()) * kBf16 * fsdp_frac,
       "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp", any_estimate);
-  add(plan.communication, "reduce-scatter of LoRA grads",
-      micro * static_cast<double>(lora.non_expert()) * kF32 * fsdp_frac,
-      "grad_accum x non-expert LoRA x 4 B x (fsdp-1)/fsdp");
-  add(plan.communication, "all-gather of updated LoRA", static_cast<double>(lora.non_expert()) * kF32 * fsdp_frac,
-      "non-expert LoRA x 4 B x (fsdp-1)/fsdp, once per step");
-  const double rep = static_cast<double>(plan.replicate);
-  add(plan.communication, "all-reduce of LoRA shards over replicas",
-      2 * (rep - 1) / rep * static_cast<double>(lora_shard) * kF32, "2 (r-1)/r x LoRA shard x 4 B, r = replicate");
-  const double replicas = static_cast<double>(mesh.expert_replicas());
-  add(plan.communication, "all-reduce of expert-adapter grads", 2 * (replicas - 1) / replicas * expert_lora * kF32,
-      "2 (r-1)/r x local expert LoRA x 4 B, r = world / ep");
+  const double world_frac = (world - 1) / world;
+  add(plan.communication, "reduce-scatter of LoRA grads", non_expert_lora * kF32 * world_frac,
+      "non-expert LoRA x 4 B x (world-1)/world, once per step");
+  add(plan.communication, "all-gather of updated LoRA", non_expert_lora * kF32 * world_frac,
+      "non-expert LoRA x 4 B x (world-1)/world, once per step");
+  add(plan.communication, "expert-adapter reduce-scatter + gather",
+      2 * (replicas - 1) / replicas * expert_lora * kF32, "2 (r-1)/r x local expert LoRA x 4 B, r = world / ep");
   const double passes = plan.recompute ? 6 : 4;
   const double ep_frac = static_cast<double>(plan.ep - 1) / static_cast<double>(plan.ep);
   add(plan.communication, "EP all-to-all (dispatch + combine)",

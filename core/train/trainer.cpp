@@ -23,8 +23,9 @@ Trainer::Trainer(const TrainerOptions& options, TrainableModel& model, BatchSour
   adamw.beta2 = options_.train.beta2;
   adamw.eps = options_.train.eps;
   adamw.weight_decay = options_.train.weight_decay;
-  optimizer_ = std::make_unique<AdamW>(model_.parameters(), adamw, model_.backend());
-  optimizer_->set_expert_block_sum([this](double local) { return model_.sum_over_expert_blocks(local); });
+  std::vector<ParameterGroup*> groups = model_.parameter_groups();
+  optimizer_ = groups.empty() ? std::make_unique<AdamW>(model_.parameters(), adamw, model_.backend())
+                              : std::make_unique<AdamW>(groups, adamw, model_.backend());
 }
 
 std::vector<double> Trainer::run() {
@@ -67,7 +68,7 @@ StepRecord Trainer::train_step() {
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     record.aux_loss += result.aux_loss / static_cast<double>(batches.size());
   }
-  model_.reduce_gradients();
+  optimizer_->reduce_gradients();
   loss_sum = model_.sum_over_data_ranks(loss_sum);
   record.loss = record.targets > 0 ? loss_sum / static_cast<double>(record.targets) : 0.0;
   record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);

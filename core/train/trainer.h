@@ -21,6 +21,7 @@
 
 #include "core/config/config.h"
 #include "core/model/parameter.h"
+#include "core/model/parameter_group.h"
 #include "core/train/batch.h"
 #include "core/train/metrics.h"
 #include "core/train/optimizer.h"
@@ -47,12 +48,12 @@ class TrainableModel {
   virtual StepResult forward_backward(const Batch& batch, double grad_scale) = 0;
   virtual kernels::Backend& backend() = 0;
 
-  // Data parallelism (each is the identity on one rank): a value summed over all data-parallel
-  // ranks; a value summed over the expert blocks (parameters with expert_partitioned); and the
-  // reduction of the step's gradients across ranks, after the last micro-batch's backward.
+  // The parameters grouped by the ranks their gradients sum over (data parallelism), in the
+  // order of parameters(); the optimizer shards each group over its ranks. Empty: one rank,
+  // and the optimizer groups parameters() itself.
+  virtual std::vector<ParameterGroup*> parameter_groups() { return {}; }
+  // A value summed over all data-parallel ranks (the identity on one rank).
   virtual double sum_over_data_ranks(double local) { return local; }
-  virtual double sum_over_expert_blocks(double local) { return local; }
-  virtual void reduce_gradients() {}
 };
 
 struct TrainerOptions {

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -120,31 +121,45 @@ void prepare(Model& model, const std::string& routing) {
 
 struct Run {
   std::vector<double> losses;
-  std::vector<Tensor> first_grads;  // host F64, after the step's reduction
+  std::map<std::string, Tensor> first_grads;  // host F64, after the step's reduction, by name
+  int64_t moment_numel = 0;                   // Adam moment elements this rank holds (each of two)
 };
 
 // The trainer's step, written out so the gradients can be read before the update.
 Run train(Model& model, SyntheticData& data) {
   Run run;
-  AdamW optimizer(model.parameters(), AdamWOptions{}, model.backend());
-  optimizer.set_expert_block_sum([&](double local) { return model.sum_over_expert_blocks(local); });
+  AdamW optimizer(model.parameter_groups(), AdamWOptions{}, model.backend());
   for (int step = 0; step < kSteps; ++step) {
     Batch batch = data.next();
     double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
     StepResult result = model.forward_backward(batch, 1.0 / targets);
-    model.reduce_gradients();
+    optimizer.reduce_gradients();
     run.losses.push_back(model.sum_over_data_ranks(result.loss_sum) / targets);
     if (step == 0) {
+      optimizer.gather_gradients();  // the reduce-scattered shards, whole again
       for (Parameter* p : model.parameters()) {
         Tensor g(p->grad.shape(), DType::kF64);
         model.backend().copy(g, p->grad);
-        run.first_grads.push_back(std::move(g));
+        run.first_grads.emplace(p->name, std::move(g));
       }
     }
     optimizer.clip_gradients(1.0);
     optimizer.step(1e-2);
   }
+  run.moment_numel = optimizer.moment_numel();
   return run;
+}
+
+// The most Adam moment elements a rank may hold when each group's moments are split over its
+// ranks: its share of the group, plus the alignment padding of every parameter and the shard.
+int64_t sharded_moment_bound(Model& model) {
+  int64_t bound = 0;
+  for (ParameterGroup* group : model.parameter_groups()) {
+    int64_t numel = 0;
+    for (Parameter* p : group->params()) numel += p->value.numel() + ParameterGroup::kAlignment;
+    bound += numel / group->ranks() + 2 * ParameterGroup::kAlignment;
+  }
+  return bound;
 }
 
 double relative_error(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-12); }
@@ -199,11 +214,8 @@ int run_test(Runtime& runtime, int argc, char** argv) {
                              distributed.losses[s], single.losses[s], err));
     }
   }
-  std::vector<Parameter*> params = model.parameters();
-  std::vector<Parameter*> reference_params = reference.parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Tensor& ours = distributed.first_grads[i];
-    const Tensor& full = single.first_grads[i];
+  for (const auto& [name, ours] : distributed.first_grads) {
+    const Tensor& full = single.first_grads.at(name);
     // A routed-expert adapter holds this rank's experts only: compare with that slice.
     int64_t offset = 0;
     if (ours.shape().ndim() == 3) offset = groups.first_expert() * (ours.numel() / ours.size(0));
@@ -213,8 +225,20 @@ int run_test(Runtime& runtime, int argc, char** argv) {
       worst = std::max(worst, std::fabs(ours.ptr<double>()[j] - full.ptr<double>()[offset + j]));
     if (!(worst <= kTolerance * scale) || scale == 0.0) {
       ++failures;
-      log::error(fmt::format("gradient of {} differs: max |diff| {:.3e} vs scale {:.3e}", params[i]->name, worst, scale));
+      log::error(fmt::format("gradient of {} differs: max |diff| {:.3e} vs scale {:.3e}", name, worst, scale));
     }
+  }
+  // The optimizer state is sharded over the data-parallel ranks (the expert adapters' over the
+  // ranks holding the same experts), not replicated.
+  if (distributed.moment_numel > sharded_moment_bound(model)) {
+    ++failures;
+    log::error(fmt::format("rank {} holds {} Adam moment elements; sharded, at most {}", runtime.rank(),
+                           distributed.moment_numel, sharded_moment_bound(model)));
+  }
+  if (single.first_grads.size() != distributed.first_grads.size()) {
+    ++failures;
+    log::error(fmt::format("{} trainable parameters, the single-rank model has {}", distributed.first_grads.size(),
+                           single.first_grads.size()));
   }
   // Sharding: resident bytes within 2% of 1/fsdp of the full model's (padding of at most fsdp - 1
   // elements per bucket, and the router score bias kept whole, are the rest).
@@ -239,11 +263,13 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const int total_failures = static_cast<int>(model.sum_over_data_ranks(failures));
   if (runtime.is_root()) {
     std::printf("distributed_equivalence world %d fsdp %lld ep %lld %s: %d parameters, %d steps: %s (losses %.10f %.10f %.10f); "
-                "frozen non-expert bytes per rank %zu of %zu (%.3f), at most %lld buckets gathered at once\n",
+                "frozen non-expert bytes per rank %zu of %zu (%.3f), at most %lld buckets gathered at once; "
+                "Adam moments per rank %lld of %lld elements\n",
                 world, static_cast<long long>(parallel.fsdp), static_cast<long long>(parallel.ep), routing.c_str(),
-                static_cast<int>(params.size()), kSteps, total_failures == 0 ? "EQUAL" : "DIFFERENT",
+                static_cast<int>(distributed.first_grads.size()), kSteps, total_failures == 0 ? "EQUAL" : "DIFFERENT",
                 distributed.losses[0], distributed.losses[1], distributed.losses[2], frozen.resident, frozen.full,
-                resident_fraction, static_cast<long long>(model.fsdp_peak_gathered_buckets()));
+                resident_fraction, static_cast<long long>(model.fsdp_peak_gathered_buckets()),
+                static_cast<long long>(distributed.moment_numel), static_cast<long long>(single.moment_numel));
   }
   return total_failures == 0 ? 0 : 1;
 }

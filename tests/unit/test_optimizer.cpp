@@ -62,7 +62,7 @@ TEST_CASE("AdamW matches the textbook update, with decay only where asked") {
   options.beta2 = 0.95;
   options.eps = 1e-6;
   options.weight_decay = 0.1;
-  AdamW adamw({&decayed, &plain}, options, *backend);
+  AdamW adamw(std::vector<Parameter*>{&decayed, &plain}, options, *backend);
 
   std::vector<ReferenceAdamW> reference = {{0.5}, {-1.25}, {2.0}, {0.75}, {-0.3}};
   const double lrs[4] = {0.01, 0.02, 0.005, 0.03};
@@ -85,7 +85,7 @@ TEST_CASE("AdamW matches the textbook update, with decay only where asked") {
   for (size_t i = 0; i < reference.size(); ++i) CHECK(near(got[i], reference[i].param, 1e-12));
 
   // The exposed state is the moments, by name.
-  const auto state = adamw.state();
+  const auto state = adamw.gather_state();
   REQUIRE(state.size() == 2);
   CHECK(state[0].name == "a");
   CHECK(state[1].name == "b");
@@ -106,7 +106,7 @@ TEST_CASE("weight decay alone shrinks a parameter by lr * wd per step") {
 TEST_CASE("global grad norm and clipping") {
   auto backend = moetrain::kernels::make_cpu_backend();
   Parameter a = make_param("a", {0, 0}), b = make_param("b", {0});
-  AdamW adamw({&a, &b}, AdamWOptions{}, *backend);
+  AdamW adamw(std::vector<Parameter*>{&a, &b}, AdamWOptions{}, *backend);
 
   set_grad(a, {3, 4});
   set_grad(b, {12});
@@ -143,7 +143,7 @@ TEST_CASE("moments start at zero and the step count can be restored") {
   auto backend = moetrain::kernels::make_cpu_backend();
   Parameter p = make_param("w", {1.0, 2.0});
   AdamW adamw({&p}, AdamWOptions{}, *backend);
-  for (const auto& s : adamw.state()) {
+  for (const auto& s : adamw.gather_state()) {
     CHECK(s.exp_avg.shape == p.value.shape());
     for (int64_t i = 0; i < s.exp_avg.numel(); ++i) {
       CHECK(s.exp_avg.ptr<double>()[i] == 0.0);

@@ -151,10 +151,18 @@ TEST_CASE("memory plan numbers by hand on a small config") {
   const PlanItem& experts = plan.fixed[2];
   CHECK(experts.name == "routed experts (bf16)");
   CHECK(experts.bytes == 3.0 * 2 * 384 * 2);
-  // Expert adapters: per expert (gate 4*(16+8) + up 4*(16+8) + down 4*(8+16)) = 288, x 3 x 2 x 16 B.
+  // Non-expert adapters: value and grad (8 B) everywhere; moments and the reduced-grad shard
+  // (16 B) split over the 4 data-parallel ranks.
+  CHECK(plan.fixed[3].name == "adapters + grads (fp32)");
+  CHECK(plan.fixed[4].name == "adapter Adam state, sharded (fp32)");
+  CHECK(plan.fixed[3].bytes > 0);
+  CHECK(plan.fixed[4].bytes == plan.fixed[3].bytes * 2 / 4);
+  // Expert adapters: per expert (gate 4*(16+8) + up 4*(16+8) + down 4*(8+16)) = 288, x 3 local
+  // experts x 2 MoE layers x 8 B; their moments split over the 2 ranks holding the same experts.
   const PlanItem& expert_lora = plan.fixed[5];
-  CHECK(expert_lora.name == "expert adapters + grads + Adam (fp32)");
-  CHECK(expert_lora.bytes == 288.0 * 3 * 2 * 16);
+  CHECK(expert_lora.name == "expert adapters + grads (fp32)");
+  CHECK(expert_lora.bytes == 288.0 * 3 * 2 * 8);
+  CHECK(plan.fixed[6].bytes == 288.0 * 3 * 2 / 2 * 16);
   // Shards: each bucket padded to a multiple of 4: embedding 592 -> 148 per rank; head + final
   // norm 608 -> 152; layers as counted.
   ModelParameterCount count = count_model_parameters(plan_model_spec(config.model));
