@@ -17,6 +17,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
 #include "kernels/cpu/swiglu.h"
+#include "kernels/arg_checks.h"
 #include "kernels/ops.h"
 
 namespace moetrain::kernels {
@@ -25,53 +26,12 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Argument checks
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw Error(ExitCode::kInternal, std::string("cpu backend: ") + op + ": " + what);
-}
-
-void expect(bool condition, const char* op, const std::string& what) {
-  if (!condition) fail(op, what);
-}
-
-bool given(const TensorView& t) { return t.data != nullptr; }
-
-std::string describe(const char* name, const TensorView& t) {
-  return std::string(name) + " " + t.shape.str() + " " + dtype_name(t.dtype);
-}
-
 // On the host, with memory unless it has no elements.
-void expect_host(const char* op, const char* name, const TensorView& t) {
-  expect(t.device == Device::kCPU, op, std::string(name) + " is on " + device_name(t.device) + ", not the CPU");
-  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
-}
+void expect_host(const char* op, const char* name, const TensorView& t) { expect_on(op, name, t, Device::kCPU); }
 
 void expect_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
   expect_host(op, name, t);
-  expect(t.dtype == dtype, op,
-         std::string(name) + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
-}
-
-void expect_shape(const char* op, const char* name, const TensorView& t, const Shape& shape) {
-  expect(t.shape == shape, op, describe(name, t) + ", expected shape " + shape.str());
-}
-
-void expect_numel(const char* op, const char* name, const TensorView& t, int64_t numel) {
-  expect(t.numel() == numel, op,
-         describe(name, t) + " has " + std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
-}
-
-void expect_ndim(const char* op, const char* name, const TensorView& t, int ndim) {
-  expect(t.ndim() == ndim, op, describe(name, t) + " should have " + std::to_string(ndim) + " dimensions");
-}
-
-// Rows and width of a tensor read as [rows, last dim].
-int64_t last_dim(const char* op, const char* name, const TensorView& t) {
-  expect(t.ndim() >= 1, op, describe(name, t) + " needs at least one dimension");
-  return t.size(-1);
-}
-int64_t rows_of(const TensorView& t) {
-  const int64_t width = t.size(-1);
-  return width == 0 ? 0 : t.numel() / width;
+  expect_dtype_is(op, name, t, dtype);
 }
 
 // Every entry of an int32 index tensor in [0, bound).
@@ -86,13 +46,8 @@ void expect_indices_below(const char* op, const char* name, const TensorView& t,
 // int32 [count + 1] prefix sums: 0 first, non-decreasing, `total` last.
 void expect_offsets(const char* op, const char* name, const TensorView& t, int64_t total) {
   expect_dtype(op, name, t, DType::kI32);
-  expect(t.ndim() == 1 && t.numel() >= 1, op, describe(name, t) + " should be [count + 1]");
-  const int32_t* p = t.ptr<int32_t>();
-  expect(p[0] == 0, op, std::string(name) + "[0] = " + std::to_string(p[0]) + ", expected 0");
-  for (int64_t i = 1; i < t.numel(); ++i)
-    expect(p[i] >= p[i - 1], op, std::string(name) + " decreases at " + std::to_string(i));
-  expect(p[t.numel() - 1] == total, op,
-         std::string(name) + " ends at " + std::to_string(p[t.numel() - 1]) + ", expected " + std::to_string(total));
+  expect(t.ndim() == 1, op, describe(name, t) + " should be [count + 1]");
+  kernels::expect_offsets(op, name, t.ptr<int32_t>(), t.numel(), total);
 }
 
 // The compute dtype of a call: `first`'s, which every other floating operand must share.

@@ -41,6 +41,7 @@
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/scratch.h"
 #include "kernels/cuda/swiglu.h"
+#include "kernels/arg_checks.h"
 #include "kernels/ops.h"
 
 namespace moetrain::kernels {
@@ -49,30 +50,12 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Argument checks
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw Error(ExitCode::kInternal, std::string("cuda backend: ") + op + ": " + what);
-}
-
-void expect(bool condition, const char* op, const std::string& what) {
-  if (!condition) fail(op, what);
-}
-
-bool given(const TensorView& t) { return t.data != nullptr; }
-
-std::string describe(const char* name, const TensorView& t) {
-  return std::string(name) + " " + t.shape.str() + " " + dtype_name(t.dtype);
-}
-
 // On the GPU, with memory unless it has no elements.
-void expect_device(const char* op, const char* name, const TensorView& t) {
-  expect(t.device == Device::kCUDA, op, std::string(name) + " is on " + device_name(t.device) + ", not the GPU");
-  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
-}
+void expect_device(const char* op, const char* name, const TensorView& t) { expect_on(op, name, t, Device::kCUDA); }
 
 void expect_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
   expect_device(op, name, t);
-  expect(t.dtype == dtype, op,
-         std::string(name) + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
+  expect_dtype_is(op, name, t, dtype);
 }
 
 // An activation/weight operand: BF16 or F32.
@@ -85,28 +68,6 @@ void expect_float(const char* op, const char* name, const TensorView& t) {
 // An accumulation operand (parameter gradients, statistics, losses, optimizer state): F32.
 void expect_f32(const char* op, const char* name, const TensorView& t) { expect_dtype(op, name, t, DType::kF32); }
 
-void expect_shape(const char* op, const char* name, const TensorView& t, const Shape& shape) {
-  expect(t.shape == shape, op, describe(name, t) + ", expected shape " + shape.str());
-}
-
-void expect_numel(const char* op, const char* name, const TensorView& t, int64_t numel) {
-  expect(t.numel() == numel, op,
-         describe(name, t) + " has " + std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
-}
-
-void expect_ndim(const char* op, const char* name, const TensorView& t, int ndim) {
-  expect(t.ndim() == ndim, op, describe(name, t) + " should have " + std::to_string(ndim) + " dimensions");
-}
-
-int64_t last_dim(const char* op, const char* name, const TensorView& t) {
-  expect(t.ndim() >= 1, op, describe(name, t) + " needs at least one dimension");
-  return t.size(-1);
-}
-int64_t rows_of(const TensorView& t) {
-  const int64_t width = t.size(-1);
-  return width == 0 ? 0 : t.numel() / width;
-}
-
 // An in-place call (the same memory for an output and an input) needs one dtype for both.
 void expect_alias_same_dtype(const char* op, const char* out_name, const TensorView& out, const char* in_name,
                              const TensorView& in) {
@@ -114,14 +75,9 @@ void expect_alias_same_dtype(const char* op, const char* out_name, const TensorV
          describe(out_name, out) + " aliases " + describe(in_name, in) + " with another dtype");
 }
 
-// int32 prefix sums on the host: 0 first, non-decreasing, `total` last.
+// int32 prefix sums read back to the host: 0 first, non-decreasing, `total` last.
 void expect_offsets(const char* op, const char* name, const std::vector<int32_t>& p, int64_t total) {
-  expect(!p.empty(), op, std::string(name) + " should be [count + 1]");
-  expect(p[0] == 0, op, std::string(name) + "[0] = " + std::to_string(p[0]) + ", expected 0");
-  for (size_t i = 1; i < p.size(); ++i)
-    expect(p[i] >= p[i - 1], op, std::string(name) + " decreases at " + std::to_string(i));
-  expect(p.back() == total, op,
-         std::string(name) + " ends at " + std::to_string(p.back()) + ", expected " + std::to_string(total));
+  kernels::expect_offsets(op, name, p.data(), static_cast<int64_t>(p.size()), total);
 }
 
 // An int32 device tensor read back to the host (waits for the stream).

@@ -1,0 +1,75 @@
+// Argument checks shared by the backends' entry points (kernels/cpu/cpu_backend.cpp,
+// kernels/cuda/cuda_backend.cpp). A failed check is a bug in the caller: Error(kInternal) naming
+// the op, the argument and its shape. Each backend adds the checks that depend on where its
+// tensors live (expect_host / expect_device) and its dtype policy.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/base/error.h"
+#include "core/base/tensor.h"
+
+namespace moetrain::kernels {
+
+[[noreturn]] inline void fail(const char* op, const std::string& what) {
+  throw Error(ExitCode::kInternal, std::string("kernel argument: ") + op + ": " + what);
+}
+
+inline void expect(bool condition, const char* op, const std::string& what) {
+  if (!condition) fail(op, what);
+}
+
+// An optional operand is given when it has memory.
+inline bool given(const TensorView& t) { return t.data != nullptr; }
+
+inline std::string describe(const char* name, const TensorView& t) {
+  return std::string(name) + " " + t.shape.str() + " " + dtype_name(t.dtype);
+}
+
+// On `device`, with memory unless it has no elements.
+inline void expect_on(const char* op, const char* name, const TensorView& t, Device device) {
+  expect(t.device == device, op,
+         std::string(name) + " is on " + device_name(t.device) + ", not " + device_name(device));
+  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
+}
+
+inline void expect_dtype_is(const char* op, const char* name, const TensorView& t, DType dtype) {
+  expect(t.dtype == dtype, op, std::string(name) + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
+}
+
+inline void expect_shape(const char* op, const char* name, const TensorView& t, const Shape& shape) {
+  expect(t.shape == shape, op, describe(name, t) + ", expected shape " + shape.str());
+}
+
+inline void expect_numel(const char* op, const char* name, const TensorView& t, int64_t numel) {
+  expect(t.numel() == numel, op,
+         describe(name, t) + " has " + std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
+}
+
+inline void expect_ndim(const char* op, const char* name, const TensorView& t, int ndim) {
+  expect(t.ndim() == ndim, op, describe(name, t) + " should have " + std::to_string(ndim) + " dimensions");
+}
+
+// Width and rows of a tensor read as [rows, last dim].
+inline int64_t last_dim(const char* op, const char* name, const TensorView& t) {
+  expect(t.ndim() >= 1, op, describe(name, t) + " needs at least one dimension");
+  return t.size(-1);
+}
+inline int64_t rows_of(const TensorView& t) {
+  const int64_t width = t.size(-1);
+  return width == 0 ? 0 : t.numel() / width;
+}
+
+// int32 prefix sums on the host, p[0..count]: 0 first, non-decreasing, `total` last.
+inline void expect_offsets(const char* op, const char* name, const int32_t* p, int64_t count, int64_t total) {
+  expect(count >= 1, op, std::string(name) + " should be [groups + 1]");
+  expect(p[0] == 0, op, std::string(name) + "[0] = " + std::to_string(p[0]) + ", expected 0");
+  for (int64_t i = 1; i < count; ++i) {
+    expect(p[i] >= p[i - 1], op, std::string(name) + " decreases at " + std::to_string(i));
+  }
+  expect(p[count - 1] == total, op,
+         std::string(name) + " ends at " + std::to_string(p[count - 1]) + ", expected " + std::to_string(total));
+}
+
+}  // namespace moetrain::kernels
