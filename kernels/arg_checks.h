@@ -72,4 +72,46 @@ inline void expect_offsets(const char* op, const char* name, const int32_t* p, i
          std::string(name) + " ends at " + std::to_string(p[count - 1]) + ", expected " + std::to_string(total));
 }
 
+// Shapes of the ops whose checks are the same on every backend (placement and dtypes are each
+// backend's own).
+
+// out/dout [tokens, dim] against table [rows, dim] and ids [tokens].
+inline void expect_embedding_shapes(const char* op, const TensorView& rows_out, const TensorView& table,
+                                    const TensorView& ids) {
+  expect_ndim(op, "table", table, 2);
+  expect(last_dim(op, "out", rows_out) == table.size(1) && rows_of(rows_out) == ids.numel(), op,
+         describe("out", rows_out) + " should be [" + std::to_string(ids.numel()) + " tokens, " +
+             std::to_string(table.size(1)) + "] for " + describe("table", table));
+}
+
+// q, k [tokens, heads, d_qk], v and out [tokens, heads, d_v], lse [tokens, heads].
+inline void expect_attention_shapes(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const TensorView& out, const TensorView& lse) {
+  expect_ndim(op, "q", q, 3);
+  expect_shape(op, "k", k, q.shape);
+  expect_ndim(op, "v", v, 3);
+  expect(v.size(0) == q.size(0) && v.size(1) == q.size(1), op,
+         describe("v", v) + " and " + describe("q", q) + " differ in tokens or heads");
+  expect_shape(op, "out", out, v.shape);
+  expect_numel(op, "lse", lse, q.size(0) * q.size(1));
+}
+
+// h [rows, width] against gate_up [rows, 2 * width].
+inline void expect_swiglu_shapes(const char* op, const TensorView& h, const TensorView& gate_up) {
+  const int64_t width = last_dim(op, "h", h);
+  expect(last_dim(op, "gate_up", gate_up) == 2 * width && rows_of(gate_up) == rows_of(h), op,
+         describe("gate_up", gate_up) + " should be [rows, 2 * width] for " + describe("h", h));
+}
+
+// out [tokens, dim], rows [tokens * top_k, dim], weight [tokens, top_k], pair_row [tokens * top_k].
+inline void expect_combine_shapes(const char* op, const TensorView& out, const TensorView& rows,
+                                  const TensorView& weight, const TensorView& pair_row) {
+  expect_ndim(op, "weight", weight, 2);
+  const int64_t tokens = weight.size(0), top_k = weight.size(1);
+  expect(out.ndim() >= 1 && out.size(0) == tokens, op, describe("out", out) + " for " + describe("weight", weight));
+  expect(rows.ndim() >= 1 && rows.numel() * tokens == out.numel() * rows.size(0), op,
+         describe("rows", rows) + " and " + describe("out", out) + " differ in row width");
+  expect_numel(op, "pair_row", pair_row, tokens * top_k);
+}
+
 }  // namespace moetrain::kernels

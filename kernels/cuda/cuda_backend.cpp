@@ -371,7 +371,7 @@ class CudaBackend final : public Backend {
     const char* op = "swiglu_forward";
     expect_float(op, "h", h);
     expect_float(op, "gate_up", gate_up);
-    check_swiglu(op, h, gate_up);
+    expect_swiglu_shapes(op, h, gate_up);
     cuda_ops::swiglu_forward(h, gate_up, stream_);
   }
 
@@ -380,7 +380,7 @@ class CudaBackend final : public Backend {
     expect_float(op, "dgate_up", args.dgate_up);
     expect_float(op, "dh", args.dh);
     expect_float(op, "gate_up", args.gate_up);
-    check_swiglu(op, args.dh, args.gate_up);
+    expect_swiglu_shapes(op, args.dh, args.gate_up);
     expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
     expect_alias_same_dtype(op, "dgate_up", args.dgate_up, "gate_up", args.gate_up);
     cuda_ops::swiglu_backward(args, stream_);
@@ -550,14 +550,10 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // out/dout [tokens, dim] against table [rows, dim] and ids int32 [tokens].
   static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
                               const TensorView& ids) {
-    expect_ndim(op, "table", table, 2);
     expect_dtype(op, "ids", ids, DType::kI32);
-    expect(last_dim(op, "out", rows_out) == table.size(1) && rows_of(rows_out) == ids.numel(), op,
-           describe("out", rows_out) + " should be [" + std::to_string(ids.numel()) + " tokens, " +
-               std::to_string(table.size(1)) + "] for " + describe("table", table));
+    expect_embedding_shapes(op, rows_out, table, ids);
   }
 
   // The one user-data error of the backend, as on the CPU: ids from another tokenizer.
@@ -572,33 +568,16 @@ class CudaBackend final : public Backend {
 
   static void check_attention(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& out, const TensorView& lse, const TensorView& cu_seqlens) {
-    expect_ndim(op, "q", q, 3);
-    expect_shape(op, "k", k, q.shape);
-    expect_ndim(op, "v", v, 3);
-    expect(v.size(0) == q.size(0) && v.size(1) == q.size(1), op,
-           describe("v", v) + " and " + describe("q", q) + " differ in tokens or heads");
-    expect_shape(op, "out", out, v.shape);
-    expect_numel(op, "lse", lse, q.size(0) * q.size(1));
+    expect_attention_shapes(op, q, k, v, out, lse);
     expect_dtype(op, "cu_seqlens", cu_seqlens, DType::kI32);
     expect(cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 1, op,
            describe("cu_seqlens", cu_seqlens) + " should be [sequences + 1]");
   }
 
-  static void check_swiglu(const char* op, const TensorView& h, const TensorView& gate_up) {
-    const int64_t width = last_dim(op, "h", h);
-    expect(last_dim(op, "gate_up", gate_up) == 2 * width && rows_of(gate_up) == rows_of(h), op,
-           describe("gate_up", gate_up) + " should be [rows, 2 * width] for " + describe("h", h));
-  }
-
   static void check_combine(const char* op, const TensorView& out, const TensorView& rows, const TensorView& weight,
                             const TensorView& pair_row) {
-    expect_ndim(op, "weight", weight, 2);
-    const int64_t tokens = weight.size(0), top_k = weight.size(1);
-    expect(out.ndim() >= 1 && out.size(0) == tokens, op, describe("out", out) + " for " + describe("weight", weight));
-    expect(rows.ndim() >= 1 && rows.numel() * tokens == out.numel() * rows.size(0), op,
-           describe("rows", rows) + " and " + describe("out", out) + " differ in row width");
     expect_dtype(op, "pair_row", pair_row, DType::kI32);
-    expect_numel(op, "pair_row", pair_row, tokens * top_k);
+    expect_combine_shapes(op, out, rows, weight, pair_row);
   }
 
   cudaStream_t stream_ = nullptr;
