@@ -9,6 +9,7 @@
 
 #include "core/base/error.h"
 #include "core/base/tensor.h"
+#include "kernels/ops.h"
 
 namespace moetrain::kernels {
 
@@ -112,6 +113,80 @@ inline void expect_combine_shapes(const char* op, const TensorView& out, const T
   expect(rows.ndim() >= 1 && rows.numel() * tokens == out.numel() * rows.size(0), op,
          describe("rows", rows) + " and " + describe("out", out) + " differ in row width");
   expect_numel(op, "pair_row", pair_row, tokens * top_k);
+}
+
+// a [rows, k]; M-grouped: b [groups, k, n] (or [groups, n, k] transposed), c [rows, n];
+// K-grouped: b [rows, n], c [groups, k, n].
+inline void expect_grouped_gemm_shapes(const char* op, const GroupedGemmArgs& args, int64_t groups) {
+  expect_ndim(op, "a", args.a, 2);
+  const int64_t rows = args.a.size(0);
+  if (args.kind == GroupedGemmKind::kMGrouped) {
+    expect_ndim(op, "b", args.b, 3);
+    expect(args.b.size(0) == groups, op, describe("b", args.b) + " for " + std::to_string(groups) + " groups");
+    const int64_t k = args.a.size(1);
+    const int64_t k_b = args.transpose_b ? args.b.size(2) : args.b.size(1);
+    const int64_t n = args.transpose_b ? args.b.size(1) : args.b.size(2);
+    expect(k == k_b, op, describe("a", args.a) + " . " + describe("b", args.b) + ": inner dimensions differ");
+    expect_shape(op, "c", args.c, Shape{rows, n});
+  } else {
+    expect_ndim(op, "b", args.b, 2);
+    expect(args.b.size(0) == rows, op, describe("b", args.b) + " and " + describe("a", args.a) + " differ in rows");
+    expect_shape(op, "c", args.c, Shape{groups, args.a.size(1), args.b.size(1)});
+  }
+}
+
+// c [m, n] = op(a) [m, k] . op(b) [k, n].
+inline void expect_gemm_shapes(const char* op, const GemmArgs& args) {
+  expect_ndim(op, "c", args.c, 2);
+  expect_ndim(op, "a", args.a, 2);
+  expect_ndim(op, "b", args.b, 2);
+  const int64_t m = args.transpose_a ? args.a.size(1) : args.a.size(0);
+  const int64_t k = args.transpose_a ? args.a.size(0) : args.a.size(1);
+  const int64_t k_b = args.transpose_b ? args.b.size(1) : args.b.size(0);
+  const int64_t n = args.transpose_b ? args.b.size(0) : args.b.size(1);
+  expect(k == k_b, op, describe("a", args.a) + (args.transpose_a ? "^T" : "") + " . " + describe("b", args.b) +
+                           (args.transpose_b ? "^T" : "") + ": inner dimensions differ");
+  expect_shape(op, "c", args.c, Shape{m, n});
+}
+
+// Column ranges inside both widths, and dst rows = src rows x src_row_repeat.
+inline void expect_copy_columns_shapes(const char* op, const CopyColumnsArgs& args) {
+  const int64_t dst_width = last_dim(op, "dst", args.dst), src_width = last_dim(op, "src", args.src);
+  expect(args.cols >= 0 && args.dst_col >= 0 && args.src_col >= 0 && args.src_row_repeat >= 1, op,
+         "negative cols/offsets or src_row_repeat < 1");
+  expect(args.dst_col + args.cols <= dst_width, op,
+         "dst columns [" + std::to_string(args.dst_col) + ", " + std::to_string(args.dst_col + args.cols) +
+             ") exceed its width " + std::to_string(dst_width));
+  expect(args.src_col + args.cols <= src_width, op,
+         "src columns [" + std::to_string(args.src_col) + ", " + std::to_string(args.src_col + args.cols) +
+             ") exceed its width " + std::to_string(src_width));
+  expect(rows_of(args.dst) == rows_of(args.src) * args.src_row_repeat, op,
+         describe("dst", args.dst) + " needs " + std::to_string(args.src_row_repeat) + " rows per row of " +
+             describe("src", args.src));
+}
+
+// The rotated columns inside x's width `width`, x [tokens * heads, width], cos = sin [positions, rope_dim / 2].
+inline void expect_rope_shapes(const char* op, const RopeArgs& args, int64_t width) {
+  expect(args.col_offset >= 0 && args.col_offset + args.rope_dim <= width, op,
+         "columns [" + std::to_string(args.col_offset) + ", " + std::to_string(args.col_offset + args.rope_dim) +
+             ") exceed " + describe("x", args.x));
+  expect(args.heads >= 1 && rows_of(args.x) == args.positions.numel() * args.heads, op,
+         describe("x", args.x) + " should have tokens * heads = " + std::to_string(args.positions.numel()) + " * " +
+             std::to_string(args.heads) + " rows");
+  expect_ndim(op, "cos", args.cos, 2);
+  expect(args.cos.size(1) == args.rope_dim / 2, op, describe("cos", args.cos) + " should be [positions, rope_dim / 2]");
+  expect_shape(op, "sin", args.sin, args.cos.shape);
+}
+
+// Group-limited top-k over `experts`: groups that divide them, top_k within the selected groups.
+inline void expect_router_groups(const char* op, const RouterArgs& args, int64_t experts) {
+  expect(args.num_groups >= 1 && experts % args.num_groups == 0, op,
+         std::to_string(experts) + " experts do not split into " + std::to_string(args.num_groups) + " groups");
+  expect(args.topk_groups >= 1 && args.topk_groups <= args.num_groups, op,
+         "topk_groups " + std::to_string(args.topk_groups) + " not in [1, " + std::to_string(args.num_groups) + "]");
+  expect(args.top_k >= 1 && args.top_k <= args.topk_groups * (experts / args.num_groups), op,
+         "top_k " + std::to_string(args.top_k) + " exceeds the experts in the " + std::to_string(args.topk_groups) +
+             " selected groups");
 }
 
 }  // namespace moetrain::kernels

@@ -115,18 +115,7 @@ class CpuBackend final : public Backend {
   void copy_columns(const CopyColumnsArgs& args) override {
     const char* op = "copy_columns";
     const DType dtype = compute_dtype(op, {{"dst", &args.dst}, {"src", &args.src}});
-    const int64_t dst_width = last_dim(op, "dst", args.dst), src_width = last_dim(op, "src", args.src);
-    expect(args.cols >= 0 && args.dst_col >= 0 && args.src_col >= 0 && args.src_row_repeat >= 1, op,
-           "negative cols/offsets or src_row_repeat < 1");
-    expect(args.dst_col + args.cols <= dst_width, op,
-           "dst columns [" + std::to_string(args.dst_col) + ", " + std::to_string(args.dst_col + args.cols) +
-               ") exceed its width " + std::to_string(dst_width));
-    expect(args.src_col + args.cols <= src_width, op,
-           "src columns [" + std::to_string(args.src_col) + ", " + std::to_string(args.src_col + args.cols) +
-               ") exceed its width " + std::to_string(src_width));
-    expect(rows_of(args.dst) == rows_of(args.src) * args.src_row_repeat, op,
-           describe("dst", args.dst) + " needs " + std::to_string(args.src_row_repeat) + " rows per row of " +
-               describe("src", args.src));
+    expect_copy_columns_shapes(op, args);
     dispatch(op, dtype, [&](auto t) { cpu::copy_columns<decltype(t)>(args); });
   }
 
@@ -145,16 +134,7 @@ class CpuBackend final : public Backend {
   void gemm(const GemmArgs& args) override {
     const char* op = "gemm";
     const DType dtype = compute_dtype(op, {{"c", &args.c}, {"a", &args.a}, {"b", &args.b}});
-    expect_ndim(op, "c", args.c, 2);
-    expect_ndim(op, "a", args.a, 2);
-    expect_ndim(op, "b", args.b, 2);
-    const int64_t m = args.transpose_a ? args.a.size(1) : args.a.size(0);
-    const int64_t k = args.transpose_a ? args.a.size(0) : args.a.size(1);
-    const int64_t k_b = args.transpose_b ? args.b.size(1) : args.b.size(0);
-    const int64_t n = args.transpose_b ? args.b.size(0) : args.b.size(1);
-    expect(k == k_b, op, describe("a", args.a) + (args.transpose_a ? "^T" : "") + " . " + describe("b", args.b) +
-                             (args.transpose_b ? "^T" : "") + ": inner dimensions differ");
-    expect_shape(op, "c", args.c, Shape{m, n});
+    expect_gemm_shapes(op, args);
     dispatch(op, dtype, [&](auto t) { cpu::gemm<decltype(t)>(args); });
   }
 
@@ -162,22 +142,8 @@ class CpuBackend final : public Backend {
     const char* op = "grouped_gemm";
     const DType dtype = compute_dtype(op, {{"c", &args.c}, {"a", &args.a}, {"b", &args.b}});
     expect_ndim(op, "a", args.a, 2);
-    const int64_t rows = args.a.size(0);
-    expect_offsets(op, "group_offsets", args.group_offsets, rows);
-    const int64_t groups = args.group_offsets.numel() - 1;
-    if (args.kind == GroupedGemmKind::kMGrouped) {
-      expect_ndim(op, "b", args.b, 3);
-      expect(args.b.size(0) == groups, op, describe("b", args.b) + " for " + std::to_string(groups) + " groups");
-      const int64_t k = args.a.size(1);
-      const int64_t k_b = args.transpose_b ? args.b.size(2) : args.b.size(1);
-      const int64_t n = args.transpose_b ? args.b.size(1) : args.b.size(2);
-      expect(k == k_b, op, describe("a", args.a) + " . " + describe("b", args.b) + ": inner dimensions differ");
-      expect_shape(op, "c", args.c, Shape{rows, n});
-    } else {
-      expect_ndim(op, "b", args.b, 2);
-      expect(args.b.size(0) == rows, op, describe("b", args.b) + " and " + describe("a", args.a) + " differ in rows");
-      expect_shape(op, "c", args.c, Shape{groups, args.a.size(1), args.b.size(1)});
-    }
+    expect_offsets(op, "group_offsets", args.group_offsets, args.a.size(0));
+    expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
     dispatch(op, dtype, [&](auto t) { cpu::grouped_gemm<decltype(t)>(args); });
   }
 
@@ -234,15 +200,7 @@ class CpuBackend final : public Backend {
     const int64_t width = last_dim(op, "x", args.x);
     expect(args.rope_dim > 0 && args.rope_dim % 2 == 0, op,
            "rope_dim " + std::to_string(args.rope_dim) + " must be positive and even");
-    expect(args.col_offset >= 0 && args.col_offset + args.rope_dim <= width, op,
-           "columns [" + std::to_string(args.col_offset) + ", " + std::to_string(args.col_offset + args.rope_dim) +
-               ") exceed " + describe("x", args.x));
-    expect(args.heads >= 1 && rows_of(args.x) == args.positions.numel() * args.heads, op,
-           describe("x", args.x) + " should have tokens * heads = " + std::to_string(args.positions.numel()) +
-               " * " + std::to_string(args.heads) + " rows");
-    expect_ndim(op, "cos", args.cos, 2);
-    expect(args.cos.size(1) == args.rope_dim / 2, op, describe("cos", args.cos) + " should be [positions, rope_dim / 2]");
-    expect_shape(op, "sin", args.sin, args.cos.shape);
+    expect_rope_shapes(op, args, width);
     dispatch(op, dtype, [&](auto t) { cpu::rope<decltype(t)>(args); });
   }
 
@@ -307,13 +265,7 @@ class CpuBackend final : public Backend {
       expect_dtype(op, "noise", args.noise, dtype);
       expect_shape(op, "noise", args.noise, args.logits.shape);
     }
-    expect(args.num_groups >= 1 && experts % args.num_groups == 0, op,
-           std::to_string(experts) + " experts do not split into " + std::to_string(args.num_groups) + " groups");
-    expect(args.topk_groups >= 1 && args.topk_groups <= args.num_groups, op,
-           "topk_groups " + std::to_string(args.topk_groups) + " not in [1, " + std::to_string(args.num_groups) + "]");
-    expect(args.top_k >= 1 && args.top_k <= args.topk_groups * (experts / args.num_groups), op,
-           "top_k " + std::to_string(args.top_k) + " exceeds the experts in the " +
-               std::to_string(args.topk_groups) + " selected groups");
+    expect_router_groups(op, args, experts);
     dispatch(op, dtype, [&](auto t) { cpu::router_forward<decltype(t)>(args); });
   }
 
