@@ -2,12 +2,14 @@
 // each result against the H200 ceilings and peer baselines of docs/PERF.md:
 //   ops      GEMM, the MoE expert block (grouped GEMM), attention, memory-bound kernels
 //   step     forward + backward of a model config (tokens/s, MFU)
+//   ep       expert-parallel dispatch + combine across GPUs against NCCL's all-to-all (mpirun)
 // Each timing is the median of `--reps` runs after warm-up, each run bracketed by a device
 // synchronize (the ops timed here run for a millisecond or more, so the synchronize is noise).
 // Inputs are random (never zeros: zeros make matrix units run faster than real data).
 //
 //   moetrain-bench ops [--reps N]
 //   moetrain-bench step --config FILE [--set k=v]... [--steps N]
+//   mpirun -np 2 moetrain-bench ep [--mib 256] [--reps N]
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -22,10 +24,12 @@
 
 #include "core/base/log.h"
 #include "core/config/config.h"
+#include "core/model/expert_dispatch.h"
 #include "core/model/model.h"
 #include "core/train/synthetic_data.h"
 #include "kernels/cuda/device.h"
 #include "kernels/ops.h"
+#include "parallel/nccl_comm.h"
 #include "parallel/runtime.h"
 
 namespace moetrain {
@@ -308,9 +312,64 @@ int bench_step(Runtime& runtime, const std::string& config_path, const std::vect
   return 0;
 }
 
+// Expert-parallel token exchange across the job's GPUs (run under mpirun, one rank per GPU):
+// ExpertDispatch's dispatch (to_experts) + combine (from_experts) of `mib` MiB of bf16 rows per
+// rank and direction, routed evenly over every rank's experts, against NCCL's own all-to-all of
+// the same bytes timed in the same run. Bandwidth as nccl-tests' bus bandwidth: bytes per rank
+// x (ranks - 1) / ranks / time, per direction.
+int bench_ep(Runtime& runtime, int mib, int reps) {
+  MOETRAIN_CHECK(runtime.world() >= 2, ExitCode::kBadConfig,
+                 "moetrain-bench ep needs 2 or more ranks, one per GPU: mpirun -np 2 moetrain-bench ep");
+  auto backend = kernels::make_cuda_backend();
+  NcclCommunicator ep(MPI_COMM_WORLD);
+  const int ranks = ep.size();
+  constexpr int64_t kHidden = 7168;  // Kimi K3 / DeepSeek-V3's hidden size: 14 KiB bf16 rows
+  constexpr int64_t kExpertsPerRank = 8;
+  const int64_t rows = (int64_t{mib} << 20) / (kHidden * 2) / (ranks * kExpertsPerRank) * (ranks * kExpertsPerRank);
+  const int64_t experts = kExpertsPerRank * ranks;
+  // Every expert gets the same share of this rank's rows (sorted by expert, as MoeFfn sends them).
+  std::vector<int32_t> offsets(static_cast<size_t>(experts + 1));
+  for (int64_t e = 0; e <= experts; ++e) offsets[e] = static_cast<int32_t>(rows / experts * e);
+
+  BatchTensors no_batch;
+  LayerContext ctx{*backend, DType::kBF16, no_batch};
+  ExpertDispatch dispatch(ep, experts, kExpertsPerRank);
+  Tensor local_offsets = dispatch.plan(ctx, offsets.data());
+  Tensor routed({rows, kHidden}, DType::kBF16, backend->allocator());
+  Tensor back({rows, kHidden}, DType::kBF16, backend->allocator());
+  Tensor local({dispatch.local_rows(), kHidden}, DType::kBF16, backend->allocator());
+  backend->fill(routed, 0.5);
+  Tensor received({rows, kHidden}, DType::kBF16, backend->allocator());
+
+  const double bytes = static_cast<double>(rows * kHidden * 2);
+  const double bus_bytes = bytes * (ranks - 1) / ranks;
+  const double nccl_ms = median_ms(*backend, [&] {
+    ep.all_to_all(static_cast<Bf16Bits*>(received.data()), static_cast<const Bf16Bits*>(routed.data()),
+                  rows * kHidden / ranks);
+    ep.synchronize();
+  }, reps);
+  const double dispatch_ms = median_ms(*backend, [&] { dispatch.to_experts(ctx, local, routed); }, reps);
+  const double combine_ms = median_ms(*backend, [&] { dispatch.from_experts(ctx, back, local); }, reps);
+  const double nccl_busbw = bus_bytes / (nccl_ms * 1e-3) / 1e9;
+  const double ours_busbw = 2 * bus_bytes / ((dispatch_ms + combine_ms) * 1e-3) / 1e9;
+  if (runtime.is_root()) {
+    std::printf("\nep: %d ranks, %.0f MiB per rank and direction (%lld rows x %lld bf16), %lld experts per rank\n",
+                ranks, bytes / (1 << 20), static_cast<long long>(rows), static_cast<long long>(kHidden),
+                static_cast<long long>(kExpertsPerRank));
+    std::printf("ep: NCCL all-to-all %.3f ms, %.1f GB/s bus bandwidth (GPU.md: 243 GB/s at 256 MiB on 2 x H200)\n",
+                nccl_ms, nccl_busbw);
+    std::printf("ep: dispatch %.3f ms + combine %.3f ms, %.1f GB/s bus bandwidth per direction: %.2fx NCCL's "
+                "(target >= 0.80)\n",
+                dispatch_ms, combine_ms, ours_busbw, ours_busbw / nccl_busbw);
+  }
+  (void)local_offsets;
+  return 0;
+}
+
 int run(Runtime& runtime, int argc, char** argv) {
   cxxopts::Options options("moetrain-bench", "time the CUDA backend against the H200 ceilings");
-  options.add_options()("mode", "ops | step", cxxopts::value<std::string>()->default_value("ops"))(
+  options.add_options()("mode", "ops | step | ep", cxxopts::value<std::string>()->default_value("ops"))(
+      "mib", "MiB per rank and direction for `ep`", cxxopts::value<int>()->default_value("256"))(
       "config", "model config for `step`", cxxopts::value<std::string>())(
       "set", "config override key.path=value", cxxopts::value<std::vector<std::string>>())(
       "steps", "timed steps", cxxopts::value<int>()->default_value("5"))(
@@ -325,7 +384,8 @@ int run(Runtime& runtime, int argc, char** argv) {
     if (result.count("set")) overrides = result["set"].as<std::vector<std::string>>();
     return bench_step(runtime, result["config"].as<std::string>(), overrides, result["steps"].as<int>());
   }
-  MOETRAIN_CHECK(mode == "ops", ExitCode::kBadConfig, "unknown mode " + mode + " (ops | step)");
+  if (mode == "ep") return bench_ep(runtime, result["mib"].as<int>(), result["reps"].as<int>());
+  MOETRAIN_CHECK(mode == "ops", ExitCode::kBadConfig, "unknown mode " + mode + " (ops | step | ep)");
   auto backend = kernels::make_cuda_backend();
   const int reps = result["reps"].as<int>();
   std::vector<Row> rows;

@@ -106,13 +106,15 @@ void Model::group_parameters() {
     layer.mixer->collect_parameters(params);
     layer.ffn->collect_parameters(params);
     for (Parameter* param : params) {
-      param->expert_partitioned = expert_parallel && param->value.shape().ndim() == 3;
-      (param->expert_partitioned ? partitioned : replicated).push_back(param);
+      // The stacked [experts, ...] adapters of the routed experts (SwigluExperts).
+      const bool expert_block = expert_parallel && param->value.shape().ndim() == 3;
+      (expert_block ? partitioned : replicated).push_back(param);
     }
   }
   Communicator* data = p ? p->data : nullptr;
   if (!replicated.empty()) {
-    parameter_groups_.push_back(std::make_unique<ParameterGroup>("replicated adapters", replicated, data, nullptr, backend_));
+    parameter_groups_.push_back(
+        std::make_unique<ParameterGroup>("replicated adapters", replicated, data, nullptr, backend_));
   }
   if (!partitioned.empty()) {
     parameter_groups_.push_back(

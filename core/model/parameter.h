@@ -1,6 +1,7 @@
 // A trainable tensor (a LoRA factor, or a router weight a config unfreezes) with its gradient
 // and its name in the exported adapter / checkpoint. Values, gradients and Adam moments are
-// fp32 (f64 in gradient-check tests) on the backend's device.
+// fp32 (f64 in gradient-check tests) on the backend's device. In a model, value and grad are
+// views into their ParameterGroup's flat buffers (core/model/parameter_group.h).
 #pragma once
 
 #include <string>
@@ -14,9 +15,6 @@ struct Parameter {
   Tensor value;
   Tensor grad;            // accumulated over micro-batches; zeroed by the optimizer step
   bool weight_decay = true;
-  // Held by this rank's expert block only (routed-expert adapters under expert parallelism):
-  // global sums over parameters (the gradient norm) add the other blocks' parts.
-  bool expert_partitioned = false;
 };
 
 }  // namespace moetrain
