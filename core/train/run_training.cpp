@@ -6,6 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <vector>
+
+#include <mpi.h>
 
 #include "core/base/log.h"
 #include "core/checkpoint/checkpoint_group.h"
@@ -20,6 +23,7 @@
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
 #if MOETRAIN_HAVE_CUDA
+#include "kernels/cuda/device.h"
 #include "parallel/nccl_comm.h"
 #endif
 
@@ -59,6 +63,31 @@ void write_resolved_config(const Config& config) {
   out << config_to_yaml(config);
   MOETRAIN_CHECK(out.good(), ExitCode::kBadConfig,
                  fmt::format("logging.run_dir: cannot write {}", (dir / "config.yaml").string()));
+}
+
+// The peak of tensor memory on each rank's GPU, the number `moetrain plan` predicts (docs/PLAN.md),
+// and what is in use on the device (CUDA context, cuBLAS and NCCL included), logged by rank 0
+// for every rank. Collective over the job.
+void log_device_memory(kernels::Backend& backend, const Runtime& runtime) {
+#if MOETRAIN_HAVE_CUDA
+  if (backend.device() != Device::kCUDA) return;
+  const cuda::MemoryStats stats = cuda::memory_stats();
+  const double mine[3] = {static_cast<double>(stats.peak_bytes), static_cast<double>(cuda::device_used_bytes()),
+                          static_cast<double>(stats.allocations)};
+  std::vector<double> all(3 * static_cast<size_t>(runtime.world()));
+  MPI_Gather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  if (!runtime.is_root()) return;
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  for (int r = 0; r < runtime.world(); ++r) {
+    const double* v = &all[3 * static_cast<size_t>(r)];
+    log::info(fmt::format("rank {}: peak tensor memory {:.2f} GB ({:.2f} GiB, {:.0f} allocations); device in use at "
+                          "the end {:.2f} GB",
+                          r, v[0] / 1e9, v[0] / kGiB, v[2], v[1] / 1e9));
+  }
+#else
+  (void)backend;
+  (void)runtime;
+#endif
 }
 
 }  // namespace
@@ -157,6 +186,7 @@ int run_training(Runtime& runtime, const Config& config) {
   trainer.set_after_step([&checkpoints](const StepRecord&) { checkpoints.after_step(); });
   std::vector<double> losses = trainer.run();
   checkpoints.finish();
+  log_device_memory(*backend, runtime);
   if (!losses.empty()) {
     const double floor = data->loss_floor();
     log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}; metrics in {}", losses.front(), losses.back(),

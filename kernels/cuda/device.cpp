@@ -2,8 +2,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "kernels/cuda/cuda_check.h"
 
@@ -17,7 +20,8 @@ class DeviceAllocator final : public Allocator {
   void* allocate(size_t bytes) override {
     void* ptr = nullptr;
     // A zero-byte tensor still gets a distinct, freeable pointer.
-    const cudaError_t status = cudaMalloc(&ptr, bytes == 0 ? 256 : bytes);
+    const size_t size = bytes == 0 ? 256 : bytes;
+    const cudaError_t status = cudaMalloc(&ptr, size);
     if (status == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
       size_t free_bytes = 0;
@@ -30,6 +34,11 @@ class DeviceAllocator final : public Allocator {
                       "data.seq_len, or spread the model over more ranks (parallel.fsdp, parallel.ep)");
     }
     CUDA_CHECK(status);
+    std::lock_guard<std::mutex> lock(mutex_);
+    sizes_[ptr] = size;
+    stats_.allocated_bytes += size;
+    stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.allocated_bytes);
+    ++stats_.allocations;
     return ptr;
   }
 
@@ -39,8 +48,33 @@ class DeviceAllocator final : public Allocator {
     if (status != cudaSuccess) {
       std::fprintf(stderr, "moetrain: cudaFree failed: %s\n", cudaGetErrorString(status));
     }
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sizes_.find(ptr);
+    if (it != sizes_.end()) {
+      stats_.allocated_bytes -= it->second;
+      sizes_.erase(it);
+    }
   }
+
+  MemoryStats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.peak_bytes = stats_.allocated_bytes;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<void*, size_t> sizes_;
+  MemoryStats stats_;
 };
+
+DeviceAllocator& the_allocator() {
+  static DeviceAllocator allocator;
+  return allocator;
+}
 
 }  // namespace
 
@@ -61,9 +95,15 @@ int current_device() {
   return device;
 }
 
-Allocator& device_allocator() {
-  static DeviceAllocator allocator;
-  return allocator;
+Allocator& device_allocator() { return the_allocator(); }
+
+MemoryStats memory_stats() { return the_allocator().stats(); }
+void reset_peak_memory() { the_allocator().reset_peak(); }
+
+size_t device_used_bytes() {
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes - free_bytes;
 }
 
 void copy_host_to_device(void* device_dst, const void* host_src, size_t bytes) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/base/tensor.h"
 
@@ -17,6 +18,18 @@ int current_device();
 // cudaMalloc/cudaFree behind core's Allocator: `Tensor t(shape, dtype, cuda::device_allocator())`.
 // Running out of memory is an Error naming the request and what was free.
 Allocator& device_allocator();
+
+// What device_allocator() holds: tensor memory only (the CUDA context, cuBLAS workspaces and
+// NCCL buffers are outside it; device_used_bytes() sees everything on the device, other
+// processes included). The peak is since the start or the last reset_peak_memory().
+struct MemoryStats {
+  size_t allocated_bytes = 0;
+  size_t peak_bytes = 0;
+  int64_t allocations = 0;  // cudaMalloc calls so far
+};
+MemoryStats memory_stats();
+void reset_peak_memory();
+size_t device_used_bytes();
 
 // Blocking copies (they return when the data has arrived).
 void copy_host_to_device(void* device_dst, const void* host_src, size_t bytes);
