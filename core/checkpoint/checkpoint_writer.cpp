@@ -16,6 +16,7 @@
 #include "core/base/log.h"
 #include "core/checkpoint/checkpoint_directory.h"
 #include "core/checkpoint/fault_injection.h"
+#include "parallel/watchdog.h"
 #include "core/io/output_file.h"
 #include "core/io/safetensors_writer.h"
 
@@ -30,6 +31,7 @@ using Json = nlohmann::json;
 void agree(CheckpointGroup& group, const std::string& what, const std::function<void()>& phase) {
   std::string error;
   ExitCode code = ExitCode::kBadCheckpoint;
+  watchdog_progress("checkpoint save: " + what);
   try {
     phase();
   } catch (const Error& e) {

@@ -22,6 +22,7 @@ const std::set<std::string>& known_phases() {
 
 struct FaultSpec {
   bool active = false;
+  bool hang = false;  // else kill
   bool all_ranks = false;
   int rank = -1;
   std::string phase;
@@ -30,7 +31,7 @@ struct FaultSpec {
 
 [[noreturn]] void bad_spec(const std::string& text, const std::string& why) {
   throw Error(ExitCode::kBadConfig, "MOETRAIN_FAULT=\"" + text + "\": " + why +
-                                        " (expected kill:rank=R:phase=P[:hit=N] with R a rank or `all` and P one of "
+                                        " (expected kill|hang:rank=R:phase=P[:hit=N] with R a rank or `all` and P one of "
                                         "after_shard_write, before_manifest, before_rename, before_latest, "
                                         "during_cleanup; unset it for normal runs)");
 }
@@ -40,9 +41,10 @@ FaultSpec parse_fault_spec(const std::string& text) {
   std::vector<std::string> parts;
   std::stringstream stream(text);
   for (std::string part; std::getline(stream, part, ':');) parts.push_back(part);
-  if ((parts.size() != 3 && parts.size() != 4) || parts[0] != "kill") {
-    bad_spec(text, "not three or four ':'-separated fields starting with kill");
+  if ((parts.size() != 3 && parts.size() != 4) || (parts[0] != "kill" && parts[0] != "hang")) {
+    bad_spec(text, "not three or four ':'-separated fields starting with kill or hang");
   }
+  spec.hang = parts[0] == "hang";
   const std::string rank_prefix = "rank=", phase_prefix = "phase=";
   if (parts[1].rfind(rank_prefix, 0) != 0) bad_spec(text, "second field is not rank=R");
   if (parts[2].rfind(phase_prefix, 0) != 0) bad_spec(text, "third field is not phase=P");
@@ -84,6 +86,12 @@ void fault_point(const char* phase, int rank) {
   if (!spec.active || spec.phase != phase || (!spec.all_ranks && spec.rank != rank)) return;
   static int hits = 0;
   if (++hits < spec.hit) return;
+  if (spec.hang) {
+    std::string note = "[moetrain] MOETRAIN_FAULT: rank " + std::to_string(rank) + " hangs at " + phase + "\n";
+    ssize_t ignored = ::write(2, note.data(), note.size());
+    (void)ignored;
+    for (;;) ::pause();
+  }
   // Say what happened on stderr with async-signal-free calls only, then die without cleanup.
   std::string note = "[moetrain] MOETRAIN_FAULT: killing rank " + std::to_string(rank) + " at " + phase + "\n";
   ssize_t ignored = ::write(2, note.data(), note.size());

@@ -85,6 +85,10 @@ struct ParallelConfig {
   // FSDP: free a layer's gathered base weights after its forward and gather them again for its
   // backward (true), or keep them from forward to backward (false: more memory, less traffic).
   bool reshard_after_forward = true;
+  // Seconds a rank may go without progress (one micro-batch, the gradient reduction, a checkpoint
+  // phase, one layer of a weight load) before it aborts the job naming what it was doing: a
+  // collective waiting for a dead or hung rank must not wait out the scheduler's limit. 0: off.
+  double timeout_s = 900.0;
 };
 
 // One dataset of a data mixture (docs/DATA.md): a path prefix (`dir/name` for dir/name.bin +

@@ -256,6 +256,7 @@ void check_training(const Config& c, Rules& r) {
   r.positive("parallel.fsdp", p.fsdp);
   r.positive("parallel.ep", p.ep);
   r.at_least<int64_t>("parallel.prefetch", p.prefetch, 0);
+  r.at_least<double>("parallel.timeout_s", p.timeout_s, 0.0);
   if (p.ep > 0 && r.known({"model.moe.num_experts"}) && p.ep > c.model.moe.num_experts) {
     r.fail({"parallel.ep", "model.moe.num_experts"},
            "`parallel.ep` = " + show(p.ep) + " must be <= `model.moe.num_experts` = " +

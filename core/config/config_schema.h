@@ -89,6 +89,7 @@ void visit_fields(V& v, ParallelConfig& c) {
   v.field("prefetch", c.prefetch);
   v.field("recompute", c.recompute);
   v.field("reshard_after_forward", c.reshard_after_forward);
+  v.field("timeout_s", c.timeout_s);
 }
 
 // `data.source` is one key over two fields: a string (synthetic or a path prefix) or a list of

@@ -16,6 +16,7 @@
 #include "core/io/hf_index.h"
 #include "core/model/fsdp_bucket.h"
 #include "core/model/model.h"
+#include "parallel/watchdog.h"
 
 namespace moetrain {
 namespace {
@@ -171,6 +172,7 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
   release_all_weights();  // the shards change: no gathered copy may outlive them
   int64_t values_read = 0;
   for (const WeightSlot& slot : weight_slots()) {
+    watchdog_progress("loading base weights: " + slot.name);
     if (const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor)) {
       // FSDP: this rank's range of the weight only.
       Tensor host({part->end - part->begin}, DType::kF64);
@@ -197,6 +199,7 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
 void Model::init_random_weights() {
   release_all_weights();  // the shards change: no gathered copy may outlive them
   for (const WeightSlot& slot : weight_slots()) {
+    watchdog_progress("initialising base weights: " + slot.name);
     const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor);
     // FSDP: this rank's range only; element i's value depends only on i, so the shards hold
     // exactly what the whole tensor would.

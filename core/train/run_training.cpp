@@ -22,6 +22,7 @@
 #include "kernels/ops.h"
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
+#include "parallel/watchdog.h"
 #if MOETRAIN_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #include "parallel/nccl_comm.h"
@@ -93,6 +94,7 @@ void log_device_memory(kernels::Backend& backend, const Runtime& runtime) {
 }  // namespace
 
 int run_training(Runtime& runtime, const Config& config) {
+  ScopedWatchdog watchdog(config.parallel.timeout_s);  // a hung rank aborts the job (parallel/watchdog.h)
   ModelSpec spec = resolve_model_spec(config);
   std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
 

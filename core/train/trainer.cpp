@@ -9,6 +9,7 @@
 #include "core/base/error.h"
 #include "core/base/log.h"
 #include "core/train/schedule.h"
+#include "parallel/watchdog.h"
 
 namespace moetrain {
 
@@ -52,6 +53,7 @@ StepRecord Trainer::train_step() {
   std::vector<Batch> batches;
   batches.reserve(static_cast<size_t>(options_.data.grad_accum));
   for (int64_t i = 0; i < options_.data.grad_accum; ++i) {
+    watchdog_progress(fmt::format("step {}: reading micro-batch {}", record.step + 1, i + 1));
     batches.push_back(next_batch_());
     record.targets += batches.back().num_targets();
     record.tokens += batches.back().num_tokens();
@@ -62,12 +64,14 @@ StepRecord Trainer::train_step() {
   record.tokens = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.tokens)));
   const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
   double loss_sum = 0.0;
-  for (const Batch& batch : batches) {
-    const StepResult result = model_.forward_backward(batch, grad_scale);
+  for (size_t i = 0; i < batches.size(); ++i) {
+    watchdog_progress(fmt::format("step {}: forward/backward of micro-batch {}", record.step + 1, i + 1));
+    const StepResult result = model_.forward_backward(batches[i], grad_scale);
     loss_sum += result.loss_sum;
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     record.aux_loss += result.aux_loss / static_cast<double>(batches.size());
   }
+  watchdog_progress(fmt::format("step {}: gradient reduction", record.step + 1));
   optimizer_->reduce_gradients();
   loss_sum = model_.sum_over_data_ranks(loss_sum);
   record.loss = record.targets > 0 ? loss_sum / static_cast<double>(record.targets) : 0.0;
@@ -87,6 +91,7 @@ StepRecord Trainer::train_step() {
                           record.step + 1, record.loss, record.grad_norm, nonfinite_in_a_row_,
                           options_.max_nonfinite_steps));
   } else {
+    watchdog_progress(fmt::format("step {}: optimizer", record.step + 1));
     optimizer_->step(record.lr);
     nonfinite_in_a_row_ = 0;
   }
@@ -96,6 +101,7 @@ StepRecord Trainer::train_step() {
   ++next_step_;
   history_.push_back(record);
   report(record);
+  watchdog_progress(fmt::format("step {}: after the step (checkpoint, metrics)", record.step + 1));
   if (after_step_) after_step_(record);
 
   MOETRAIN_CHECK(nonfinite_in_a_row_ < options_.max_nonfinite_steps, ExitCode::kInternal,

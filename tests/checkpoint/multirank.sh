@@ -7,6 +7,8 @@
 #   signal_w2              SIGTERM to rank 1 of a world-2 run: every rank saves, exit 75, and the
 #                          resumed run's losses equal an uninterrupted run's exactly
 #   signal_all_w2          the same with SIGTERM to both ranks
+#   hang_w1, hang_w2       a rank stops making progress during a save (MOETRAIN_FAULT=hang): the
+#                          watchdog (parallel.timeout_s) ends the job in seconds, naming the phase
 #   fault_w4_R_PHASE       kill -9 rank R of a world-4 run during its second save (MOETRAIN_FAULT,
 #                          docs/CHECKPOINTS.md): the job exits, the first checkpoint survives, and
 #                          the resumed run ends equal to the uninterrupted one
@@ -211,6 +213,29 @@ $(tail -n 30 "$work/signalled.log")"
     leftovers=$(ls -d "$work"/ckpt/*.tmp "$work"/ckpt/*.deleting 2>/dev/null)
     [ -z "$leftovers" ] || fail "incomplete checkpoints not cleaned up: $leftovers"
     echo "rank $rank killed at $phase; resumed from step $((first - 1)); steps $first..10 equal the uninterrupted run"
+    ;;
+
+  hang_w1 | hang_w2)
+    # A rank wedges during the second save (hang: it stops making progress but does not exit):
+    # the watchdog (parallel.timeout_s = 3) must end the whole job well before mpirun's
+    # --timeout, naming the phase, with the first checkpoint intact. World 2: rank 1 hangs after
+    # writing its shard and rank 0 waits for it in the commit agreement; world 1: the only rank
+    # hangs before writing the manifest.
+    if [ "$scenario" == hang_w2 ]; then world=2 victim=1 phase=after_shard_write; else world=1 victim=0 phase=before_manifest; fi
+    launcher=(env "MOETRAIN_FAULT=hang:rank=$victim:phase=$phase:hit=2")
+    started=$SECONDS
+    train hung "$world" "$world" 1 $((4 / world)) --set train.steps=10 --set checkpoint.every=3 \
+      --set checkpoint.dir="$work/ckpt" --set parallel.timeout_s=3
+    elapsed=$((SECONDS - started))
+    launcher=()
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 75 ] || fail "expected the watchdog's failure exit, got $rc"
+    [ "$elapsed" -lt 40 ] || fail "the job took $elapsed s to end; the watchdog should end it ~3 s after the hang"
+    grep -q "no progress for [0-9]* s (parallel.timeout_s = 3) since this rank began: checkpoint save" "$work/hung.log" ||
+      fail "no watchdog message naming the checkpoint phase:
+$(tail -n 20 "$work/hung.log")"
+    expect_checkpoint "$work/ckpt/step_3" "$world"
+    [ ! -f "$work/ckpt/step_6/manifest.json" ] || fail "step_6 was committed although a rank hung during its save"
+    echo "rank $victim hung at $phase; the job ended after $elapsed s with exit $rc; step_3 intact"
     ;;
 
   *) fail "unknown scenario" ;;
