@@ -1,14 +1,14 @@
 // moetrain-bench: times the CUDA backend's ops and whole training steps on one GPU and states
 // each result against the H200 ceilings and peer baselines of docs/PERF.md:
 //   ops      GEMM, the MoE expert block (grouped GEMM), attention, memory-bound kernels
-//   step     forward + backward of a model config (tokens/s, MFU)
+//   step     forward + backward of a model config (tokens/s, MFU); --op-times: per-op breakdown
 //   ep       expert-parallel dispatch + combine across GPUs against NCCL's all-to-all (mpirun)
 // Each timing is the median of `--reps` runs after warm-up, each run bracketed by a device
 // synchronize (the ops timed here run for a millisecond or more, so the synchronize is noise).
 // Inputs are random (never zeros: zeros make matrix units run faster than real data).
 //
 //   moetrain-bench ops [--reps N]
-//   moetrain-bench step --config FILE [--set k=v]... [--steps N]
+//   moetrain-bench step --config FILE [--set k=v]... [--steps N] [--op-times]
 //   mpirun -np 2 moetrain-bench ep [--mib 256] [--reps N]
 #include <fmt/format.h>
 
@@ -29,6 +29,7 @@
 #include "core/train/synthetic_data.h"
 #include "kernels/cuda/device.h"
 #include "kernels/ops.h"
+#include "kernels/timing_backend.h"
 #include "parallel/nccl_comm.h"
 #include "parallel/runtime.h"
 
@@ -256,12 +257,39 @@ double step_flops(const ModelSpec& spec, const Batch& batch, double lora_weights
   return 4.0 * weights_per_token * tokens + 6.0 * lora_weights_per_token * tokens + 3.5 * attention_forward;
 }
 
-int bench_step(Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides,
-               int steps) {
-  Config config = load_config(config_path, overrides);
+// Where one step's time goes, op by op: one extra step after the timed ones, each op (and each
+// allocation between ops) timed with a synchronize after it, so the timed steps stay unprofiled.
+void print_op_times(kernels::TimingBackend& timing, Model& model, SyntheticData& data, double median_seconds) {
+  Batch batch = data.next();
+  timing.reset();
+  timing.enable();
+  auto start = std::chrono::steady_clock::now();
+  model.forward_backward(batch, 1.0 / std::max<int64_t>(1, batch.num_targets()));
+  timing.synchronize();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  timing.disable();
+  std::printf("\nop times of one more step (a synchronize after every op: %.1f ms in all, against the median "
+              "%.1f ms unsynchronized):\n%s",
+              seconds * 1e3, median_seconds * 1e3, kernels::format_op_times(timing.times(), 1, seconds).c_str());
+}
+
+struct StepBenchOptions {
+  std::string config_path;
+  std::vector<std::string> overrides;  // --set key.path=value
+  int steps = 5;                       // timed, after 2 warm-up steps
+  bool op_times = false;               // then one more step, timed op by op
+};
+
+int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
+  const int steps = bench.steps;
+  Config config = load_config(bench.config_path, bench.overrides);
   validate_for_world(config, 1);
   ModelSpec spec = resolve_model_spec(config);
-  auto backend = kernels::make_cuda_backend();
+  auto cuda_backend = kernels::make_cuda_backend();
+  // Declared before the model, which allocates through it: it must outlive the model's tensors.
+  kernels::TimingBackend timing(*cuda_backend);
+  timing.disable();
+  Backend* backend = bench.op_times ? static_cast<Backend*>(&timing) : cuda_backend.get();
   ModelOptions options;
   options.dtype = DType::kBF16;
   options.recompute = config.parallel.recompute;
@@ -308,6 +336,7 @@ int bench_step(Runtime& runtime, const std::string& config_path, const std::vect
               "771), last loss %.4f\n",
               seconds * 1e3, tokens / seconds, flops / seconds / 1e12, 100.0 * flops / seconds / 1e12 / kDatasheetBf16Tflops,
               kDatasheetBf16Tflops, 100.0 * flops / seconds / 1e12 / kMatrixCeilingTflops, loss);
+  if (bench.op_times) print_op_times(timing, model, data, seconds);
   (void)runtime;
   return 0;
 }
@@ -373,16 +402,21 @@ int run(Runtime& runtime, int argc, char** argv) {
       "config", "model config for `step`", cxxopts::value<std::string>())(
       "set", "config override key.path=value", cxxopts::value<std::vector<std::string>>())(
       "steps", "timed steps", cxxopts::value<int>()->default_value("5"))(
-      "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"));
+      "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"))(
+      "op-times", "`step`: after the timed steps, time one more step op by op");
   options.parse_positional({"mode"});
   auto result = options.parse(argc, argv);
   MOETRAIN_CHECK(cuda::device_count() > 0, ExitCode::kBadConfig, "moetrain-bench needs a CUDA device");
   const std::string mode = result["mode"].as<std::string>();
   if (mode == "step") {
     MOETRAIN_CHECK(result.count("config"), ExitCode::kBadConfig, "moetrain-bench step needs --config FILE");
-    std::vector<std::string> overrides;
-    if (result.count("set")) overrides = result["set"].as<std::vector<std::string>>();
-    return bench_step(runtime, result["config"].as<std::string>(), overrides, result["steps"].as<int>());
+    StepBenchOptions bench;
+    bench.config_path = result["config"].as<std::string>();
+    if (result.count("set")) bench.overrides = result["set"].as<std::vector<std::string>>();
+    bench.steps = result["steps"].as<int>();
+    MOETRAIN_CHECK(bench.steps >= 1, ExitCode::kBadConfig, "moetrain-bench step needs --steps 1 or more");
+    bench.op_times = result.count("op-times") > 0;
+    return bench_step(runtime, bench);
   }
   if (mode == "ep") return bench_ep(runtime, result["mib"].as<int>(), result["reps"].as<int>());
   MOETRAIN_CHECK(mode == "ops", ExitCode::kBadConfig, "unknown mode " + mode + " (ops | step | ep)");
