@@ -20,7 +20,7 @@ TensorView flat_range(const TensorView& flat, int64_t begin, int64_t count, cons
 
 ParameterGroup::ParameterGroup(std::string name, std::vector<Parameter*> params, Communicator* comm,
                                Communicator* blocks, kernels::Backend& backend)
-    : name_(std::move(name)), params_(std::move(params)), comm_(comm), blocks_(blocks) {
+    : name_(std::move(name)), backend_(backend), params_(std::move(params)), comm_(comm), blocks_(blocks) {
   MOETRAIN_ASSERT(!params_.empty(), "parameter group " + name_ + " is empty");
   if (comm_ != nullptr && comm_->size() > 1) {
     ranks_ = comm_->size();
@@ -59,6 +59,18 @@ ParameterGroup::ParameterGroup(std::string name, std::vector<Parameter*> params,
     const int64_t end = std::min(offsets_[i] + params_[i]->value.numel(), shard_end);
     if (begin < end) segments_.push_back(Segment{params_[i], begin - offsets_[i], begin - shard_begin, end - begin});
   }
+}
+
+void ParameterGroup::return_storage() {
+  for (Parameter* p : params_) {
+    Tensor value(p->value.shape(), p->value.dtype(), backend_.allocator());
+    Tensor grad(p->grad.shape(), p->grad.dtype(), backend_.allocator());
+    backend_.copy(value, p->value);
+    backend_.copy(grad, p->grad);
+    p->value = std::move(value);
+    p->grad = std::move(grad);
+  }
+  backend_.synchronize();
 }
 
 double sum_over(Communicator* comm, kernels::Backend& backend, double local) {

@@ -44,6 +44,10 @@ class ParameterGroup {
   ParameterGroup(const ParameterGroup&) = delete;
   ParameterGroup& operator=(const ParameterGroup&) = delete;
 
+  // Gives every parameter its own copy of its value and grad again, for a group that is
+  // destroyed before its parameters (AdamW over loose parameters): their views would dangle.
+  void return_storage();
+
   const std::string& name() const { return name_; }
   const std::vector<Parameter*>& params() const { return params_; }
   Communicator* comm() const { return comm_; }
@@ -64,6 +68,7 @@ class ParameterGroup {
 
  private:
   std::string name_;
+  kernels::Backend& backend_;
   std::vector<Parameter*> params_;
   Communicator* comm_;
   Communicator* blocks_;

@@ -24,7 +24,9 @@ AdamW::AdamW(const std::vector<Parameter*>& params, const AdamWOptions& options,
   init_groups({owned_group_.get()});
 }
 
-AdamW::~AdamW() = default;
+AdamW::~AdamW() {
+  if (owned_group_) owned_group_->return_storage();  // the loose parameters outlive this optimizer
+}
 
 void AdamW::init_groups(const std::vector<ParameterGroup*>& groups) {
   for (ParameterGroup* group : groups) {

@@ -45,7 +45,8 @@ class AdamW {
   // Groups are not owned and must outlive the optimizer.
   AdamW(const std::vector<ParameterGroup*>& groups, const AdamWOptions& options, kernels::Backend& backend);
   // Loose parameters on one rank (tests, single-process tools): the optimizer gathers them into
-  // one group it owns, so their value and grad become views into its buffers.
+  // one group it owns, so their value and grad become views into its buffers until the
+  // optimizer is destroyed, which gives them their own storage back.
   AdamW(const std::vector<Parameter*>& params, const AdamWOptions& options, kernels::Backend& backend);
   ~AdamW();
 

@@ -158,3 +158,21 @@ TEST_CASE("moments start at zero and the step count can be restored") {
   const double m_hat = 0.1 / (1 - std::pow(0.9, 42.0)), v_hat = 0.001 / (1 - std::pow(0.999, 42.0));
   CHECK(near(values(p.value)[0], 1.0 - 0.01 * m_hat / (std::sqrt(v_hat) + 1e-8), 1e-12));
 }
+
+TEST_CASE("loose parameters keep their trained values after the optimizer is gone") {
+  auto backend = moetrain::kernels::make_cpu_backend();
+  Parameter p = make_param("w", {1.0, 2.0});
+  std::vector<double> trained;
+  {
+    AdamW adamw({&p}, AdamWOptions{}, *backend);
+    CHECK_FALSE(p.value.owns_memory());  // a view into the optimizer's flat buffer now
+    set_grad(p, {1.0, -1.0});
+    adamw.step(0.1);
+    trained = values(p.value);
+  }
+  REQUIRE(p.value.owns_memory());
+  REQUIRE(p.grad.owns_memory());
+  CHECK(values(p.value) == trained);
+  CHECK(trained[0] < 1.0);
+  CHECK(values(p.grad) == std::vector<double>({0.0, 0.0}));
+}
