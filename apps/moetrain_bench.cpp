@@ -26,6 +26,7 @@
 #include "core/config/config.h"
 #include "core/model/expert_dispatch.h"
 #include "core/model/model.h"
+#include "core/plan/model_flops.h"
 #include "core/train/synthetic_data.h"
 #include "kernels/cuda/device.h"
 #include "kernels/ops.h"
@@ -224,39 +225,6 @@ void print_rows(const std::vector<Row>& rows) {
   }
 }
 
-// Model FLOPs of one forward + backward step (defined in docs/PERF.md): every frozen matmul
-// counts 2 FLOPs per weight per token forward and 2 again for its input gradient; LoRA adapters
-// 6 per adapter weight per token (forward, input grad, weight grad; a routed expert's adapters
-// weigh top_k / num_experts); causal attention 2 (d_qk + d_v) per head per (query, key <= query)
-// pair within each segment forward and 2.5x that backward; the router and the LM head as
-// matmuls. Recomputation is not counted (model FLOPs, not hardware FLOPs).
-double step_flops(const ModelSpec& spec, const Batch& batch, double lora_weights_per_token) {
-  const ModelConfig& m = spec.config;
-  const MlaConfig& a = m.mla;
-  const double d = static_cast<double>(m.hidden_size);
-  const double qk = static_cast<double>(a.qk_nope_head_dim + a.qk_rope_head_dim);
-  const double q_weights = a.q_lora_rank ? d * *a.q_lora_rank + *a.q_lora_rank * a.num_heads * qk : d * a.num_heads * qk;
-  const double attention_weights = q_weights + d * (a.kv_lora_rank + a.qk_rope_head_dim) +
-                                   static_cast<double>(a.kv_lora_rank) * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) +
-                                   static_cast<double>(a.num_heads) * a.v_head_dim * d;
-  double weights_per_token = d * m.vocab_size;
-  for (int64_t l = 0; l < m.num_layers; ++l) {
-    weights_per_token += attention_weights;
-    weights_per_token += spec.ffns[l] == FfnKind::kDense
-                             ? 3.0 * d * m.intermediate_size
-                             : 3.0 * d * m.moe.expert_intermediate_size * (m.moe.top_k + m.moe.num_shared_experts) +
-                                   d * m.moe.num_experts;
-  }
-  double pairs = 0;  // causal (query, key) pairs over the batch's segments
-  for (size_t s = 0; s + 1 < batch.cu_seqlens.size(); ++s) {
-    double len = batch.cu_seqlens[s + 1] - batch.cu_seqlens[s];
-    pairs += len * (len + 1) / 2;
-  }
-  const double tokens = static_cast<double>(batch.num_tokens());
-  const double attention_forward = 2.0 * (qk + a.v_head_dim) * a.num_heads * pairs * m.num_layers;
-  return 4.0 * weights_per_token * tokens + 6.0 * lora_weights_per_token * tokens + 3.5 * attention_forward;
-}
-
 // Where one step's time goes, op by op: one extra step after the timed ones, each op (and each
 // allocation between ops) timed with a synchronize after it, so the timed steps stay unprofiled.
 void print_op_times(kernels::TimingBackend& timing, Model& model, SyntheticData& data, double median_seconds) {
@@ -304,13 +272,6 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
                                                                        std::chrono::steady_clock::now() - build_start)
                                                                        .count()));
   SyntheticData data(config.data, spec.config.vocab_size, 0, 1);
-  double lora_weights_per_token = 0;
-  for (Parameter* p : model.parameters()) {
-    bool routed = p->value.shape().ndim() == 3;  // stacked per-expert adapters
-    lora_weights_per_token += routed ? static_cast<double>(p->value.numel()) * spec.config.moe.top_k /
-                                           static_cast<double>(spec.config.moe.num_experts)
-                                     : static_cast<double>(p->value.numel());
-  }
   Batch last_batch;
   std::vector<double> times;
   double loss = 0;
@@ -326,7 +287,8 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   std::sort(times.begin(), times.end());
   const double seconds = times[times.size() / 2];
   const int64_t tokens = config.data.micro_batch * config.data.seq_len;
-  const double flops = step_flops(spec, last_batch, lora_weights_per_token);
+  // Model FLOPs as docs/PERF.md defines them (core/plan/model_flops.h), as the trainer's `mfu`.
+  const double flops = ModelFlops(spec, config.lora).step(last_batch.num_tokens(), last_batch.cu_seqlens).total();
   std::printf("\nstep: %lld layers, hidden %lld, %lld experts top-%lld, %lld tokens (seq %lld), recompute %s\n",
               static_cast<long long>(spec.config.num_layers), static_cast<long long>(spec.config.hidden_size),
               static_cast<long long>(spec.config.moe.num_experts), static_cast<long long>(spec.config.moe.top_k),

@@ -16,6 +16,7 @@
 #include "core/io/hf_index.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
+#include "core/plan/model_flops.h"
 #include "core/train/metrics.h"
 #include "core/data/data_source.h"
 #include "core/train/trainer.h"
@@ -172,6 +173,14 @@ int run_training(Runtime& runtime, const Config& config) {
   trainer_options.data = config.data;
   trainer_options.logging = config.logging;
   trainer_options.loss_floor = data->loss_floor();
+#if MOETRAIN_HAVE_CUDA
+  if (backend->device() == Device::kCUDA) {
+    trainer_options.peak_flops = cuda::peak_bf16_flops();
+    trainer_options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
+      return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
+    };
+  }
+#endif
   Trainer trainer(trainer_options, model, [&data] { return data->next(); }, metrics.get());
   std::unique_ptr<CheckpointGroup> group =
       runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();

@@ -60,6 +60,11 @@ StepRecord Trainer::train_step() {
   }
 
   // Every target token of the step weighs the same on every data-parallel rank.
+  if (options_.batch_flops) {
+    for (const Batch& batch : batches) record.model_flops += options_.batch_flops(batch);
+    record.model_flops = model_.sum_over_data_ranks(record.model_flops);
+    if (data_ranks_ == 0.0) data_ranks_ = model_.sum_over_data_ranks(1.0);
+  }
   record.targets = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.targets)));
   record.tokens = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.tokens)));
   const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
@@ -123,6 +128,10 @@ void Trainer::report(const StepRecord& record) {
   m.tokens_per_s = record.seconds > 0.0 ? static_cast<double>(record.tokens) / record.seconds : 0.0;
   m.max_expert_load = record.max_expert_load;
   if (record.aux_loss != 0.0) m.extra.emplace_back("aux_loss", record.aux_loss);
+  if (record.model_flops > 0.0 && options_.peak_flops > 0.0 && record.seconds > 0.0) {
+    // Per device: every data-parallel rank ran its share of the step's FLOPs in the same time.
+    m.extra.emplace_back("mfu", record.model_flops / data_ranks_ / record.seconds / options_.peak_flops);
+  }
   if (record.skipped) m.extra.emplace_back("skipped", 1.0);
 
   const int64_t every = std::max<int64_t>(options_.logging.every, 1);

@@ -63,6 +63,10 @@ struct TrainerOptions {
   int max_nonfinite_steps = 5;
   // The data's best achievable loss (nats), logged for comparison; NaN when unknown.
   double loss_floor = std::numeric_limits<double>::quiet_NaN();
+  // MFU, reported as `mfu` when both are set: the model FLOPs of one micro-batch
+  // (core/plan/model_flops.h) and one device's peak rate (FLOP/s).
+  std::function<double(const Batch&)> batch_flops;
+  double peak_flops = 0.0;
 };
 
 // One optimizer step's outcome.
@@ -73,6 +77,7 @@ struct StepRecord {
   double lr = 0.0;
   int64_t targets = 0;
   int64_t tokens = 0;         // tokens in this step
+  double model_flops = 0.0;   // of this step on every rank together (0: not counted)
   double max_expert_load = 0.0;
   double aux_loss = 0.0;      // mean over micro-batches
   double seconds = 0.0;
@@ -121,6 +126,7 @@ class Trainer {
   int64_t next_step_ = 0;
   int64_t tokens_seen_ = 0;
   int nonfinite_in_a_row_ = 0;
+  double data_ranks_ = 0.0;  // counted at the first step that needs it (MFU)
   std::vector<StepRecord> history_;
 };
 

@@ -100,6 +100,19 @@ Allocator& device_allocator() { return the_allocator(); }
 MemoryStats memory_stats() { return the_allocator().stats(); }
 void reset_peak_memory() { the_allocator().reset_peak(); }
 
+double peak_bf16_flops() {
+  cudaDeviceProp props{};
+  CUDA_CHECK(cudaGetDeviceProperties(&props, current_device()));
+  const std::string name = props.name;
+  auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+  // Dense (no sparsity) BF16 from NVIDIA's datasheets.
+  if (has("H100") && has("PCIe")) return 756e12;
+  if (has("H100") || has("H200") || has("H800") || has("GH200")) return 989.4e12;
+  if (has("B200")) return 2250e12;
+  if (has("A100") || has("A800")) return 312e12;
+  return 0.0;
+}
+
 size_t device_used_bytes() {
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));

@@ -28,6 +28,9 @@ struct MemoryStats {
   int64_t allocations = 0;  // cudaMalloc calls so far
 };
 MemoryStats memory_stats();
+// The current GPU's datasheet dense BF16 tensor rate in FLOP/s (the MFU denominator), from its
+// name; 0 for a GPU not in the table (MFU is then not reported).
+double peak_bf16_flops();
 void reset_peak_memory();
 size_t device_used_bytes();
 

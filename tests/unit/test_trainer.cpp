@@ -294,6 +294,37 @@ TEST_CASE("metrics.jsonl gets one line per step and is appended on resume") {
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("mfu is the step's model FLOPs over its time and the device's peak, only when both are known") {
+  const auto dir = scratch_dir("mfu");
+  LeastSquaresModel model;
+  TrainerOptions options = make_options(3, 2, 2);
+  options.batch_flops = [](const moetrain::Batch& batch) { return 1e6 * static_cast<double>(batch.num_tokens()); };
+  options.peak_flops = 1e12;
+  SyntheticData data(options.data, kVocab);
+  {
+    MetricsWriter writer(dir.string());
+    Trainer trainer(options, model, source(data), &writer);
+    trainer.run();
+    const std::vector<nlohmann::json> lines = read_jsonl(dir / "metrics.jsonl");
+    REQUIRE(lines.size() == 3);
+    for (size_t i = 0; i < lines.size(); ++i) {
+      const auto& record = trainer.history()[i];
+      CHECK(record.model_flops == 1e6 * 2 * (2 * 24));  // two micro-batches of 2 x 24 tokens
+      CHECK(near(lines[i].at("mfu").get<double>(), record.model_flops / record.seconds / 1e12, 1e-9));
+    }
+  }
+  options.peak_flops = 0.0;  // an unknown device: no mfu key
+  const auto dir2 = scratch_dir("mfu_unknown");
+  {
+    MetricsWriter writer(dir2.string());
+    Trainer trainer(options, model, source(data), &writer);
+    trainer.run();
+  }
+  for (const auto& line : read_jsonl(dir2 / "metrics.jsonl")) CHECK(!line.contains("mfu"));
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(dir2);
+}
+
 TEST_CASE("the progress line reads as documented") {
   StepMetrics m;
   m.step = 12;

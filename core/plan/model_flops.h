@@ -1,0 +1,43 @@
+// Model FLOPs of a training step, the numerator of MFU (docs/PERF.md, "What is counted"):
+//   - every frozen matmul, forward + input-gradient backward: 2 + 2 FLOPs per weight per token
+//     (routed experts for the top_k a token visits, shared experts, the router, the LM head);
+//   - LoRA adapters: 6 FLOPs per adapter weight per token (forward, input grad, weight grad), a
+//     routed expert's adapters weighing top_k / num_experts;
+//   - causal attention: 2 (d_qk + d_v) FLOPs per head per (query, key <= query) pair within each
+//     packed segment forward, 2.5x that backward.
+// Recomputation is not counted (model FLOPs, not hardware FLOPs). Only the mixers the model
+// implements are counted exactly (MLA); KDA and DSA are not counted until they exist.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/model/model_spec.h"
+
+namespace moetrain {
+
+struct StepFlops {
+  double frozen = 0.0;     // frozen matmuls, forward + input grad
+  double lora = 0.0;       // adapters, forward + input grad + weight grad
+  double attention = 0.0;  // attention scores and values, forward + backward
+  double total() const { return frozen + lora + attention; }
+};
+
+class ModelFlops {
+ public:
+  ModelFlops(const ModelSpec& spec, const LoraConfig& lora);
+
+  // A batch of `tokens` packed tokens whose segments are cu_seqlens' ([segments + 1] prefix sums).
+  StepFlops step(int64_t tokens, const std::vector<int32_t>& cu_seqlens) const;
+
+  double frozen_weights_per_token() const { return frozen_per_token_; }
+  double lora_weights_per_token() const { return lora_per_token_; }
+
+ private:
+  double frozen_per_token_ = 0.0;
+  double lora_per_token_ = 0.0;
+  double attention_per_pair_ = 0.0;  // forward FLOPs of one (query, key) pair, summed over layers
+};
+
+}  // namespace moetrain
