@@ -1,0 +1,268 @@
+// The whole model on the GPU against the transformers + PEFT golden files (tests/fixtures/golden,
+// docs/FIXTURES.md): the CUDA twin of tests/unit/test_golden_deepseek.cpp, under the CUDA dtype
+// policy (BF16 activations and frozen weights, F32 LoRA parameters and gradients), for both
+// fixtures, keeping activations and with recompute. The reference is fp32, so the comparison
+// measures our bf16 rounding; the tolerances below are bf16-sized, and a last test checks that
+// they still reject a model with one adapter deliberately wrong.
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "catch.h"
+#include "core/base/host_convert.h"
+#include "core/io/hf_index.h"
+#include "core/io/safetensors.h"
+#include "core/model/model.h"
+#include "core/model/peft_adapter.h"
+#include "gradcheck.h"
+#include "kernels/ops.h"
+
+namespace moetrain {
+namespace {
+
+// Tolerances, each as max |ours - golden| <= tol * scale (scale: max |golden| of the tensor, or
+// |golden loss|). BF16 keeps 8 significant bits: one rounding moves a value by up to 2^-9
+// relative (~2e-3; ~4e-3 between neighbours), and every layer rounds its inputs, weights and
+// outputs again, so errors build up over the 3 layers, both ways. Measured once by emulation
+// (the CPU backend in F32 with the CUDA path's roundings applied: frozen weights, GEMM operands,
+// every activation output; one-off, not in the repo): worst over both fixtures 2.0e-2 for the
+// logits, 3.7e-4 for the loss, 6.4e-2 for a gradient. Each bound is ~2.5x that (the GPU rounds
+// a little more than the emulation did, e.g. the tensor-core attention's P and dS), except:
+//  - loss: a mean over 25 targets of logsumexp - logit, where errors of different logits
+//    mostly cancel, so it sits far below the logits' bound; 5e-3 still leaves ~13x.
+//  - gradients: a LoRA gradient is a sum over tokens of products of two bf16 factors whose terms
+//    partly cancel, so its error relative to its own (smaller) max is larger than the logits'.
+// The reference's own fp32 noise (~2e-6, FIXTURES.md) is negligible next to these. The last test
+// below checks that they still catch a real mistake.
+constexpr double kLogitsTolerance = 5e-2;
+constexpr double kLossTolerance = 5e-3;
+constexpr double kGradientTolerance = 1.5e-1;
+
+const std::string kGoldenDir = std::string(MOETRAIN_FIXTURE_DIR) + "/golden/";
+
+double max_abs(const TensorView& t) {
+  double m = 0.0;
+  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(testing::get_element(t, i)));
+  return m;
+}
+
+int64_t non_finite_count(const TensorView& t) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) count += std::isfinite(testing::get_element(t, i)) ? 0 : 1;
+  return count;
+}
+
+// max |a - b| / max |b|; a NaN or Inf in `ours` gives infinity (fails every tolerance).
+double scaled_error(const TensorView& ours, const TensorView& golden) {
+  REQUIRE(ours.numel() == golden.numel());
+  double worst = 0.0;
+  for (int64_t i = 0; i < ours.numel(); ++i) {
+    const double d = std::fabs(testing::get_element(ours, i) - testing::get_element(golden, i));
+    if (!std::isfinite(d)) return INFINITY;
+    worst = std::max(worst, d);
+  }
+  const double scale = max_abs(golden);
+  return scale > 0 ? worst / scale : worst;
+}
+
+// A device tensor (any float dtype) as a host F64 tensor.
+Tensor host_f64(kernels::Backend& backend, const Tensor& t) {
+  Tensor staged(t.shape(), t.dtype());
+  backend.copy(staged, t);
+  Tensor out(t.shape(), DType::kF64);
+  convert_host(out, staged);
+  return out;
+}
+
+Batch golden_batch(const SafetensorsFile& golden) {
+  Tensor ids = golden.read_as("input_ids", DType::kI32);
+  Tensor labels = golden.read_as("labels", DType::kI32);
+  Batch b;
+  b.batch_size = ids.size(0);
+  b.seq_len = ids.size(1);
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    b.input_ids.push_back(ids.ptr<int32_t>()[i]);
+    const int32_t label = labels.ptr<int32_t>()[i];
+    b.labels.push_back(label == -100 ? -1 : label);  // HF's ignore index -> ours
+    b.positions.push_back(static_cast<int32_t>(i % b.seq_len));
+  }
+  for (int64_t w = 0; w <= b.batch_size; ++w) b.cu_seqlens.push_back(static_cast<int32_t>(w * b.seq_len));
+  return b;
+}
+
+// Our stacked routed-expert gradients (host F64) in PEFT's fused 3-D layout: the fused A feeds
+// both gate and up, so its gradient is the sum of ours; B's gate rows come first, column k E + e.
+Tensor fused_expert_gradient(const Tensor& gate, const Tensor& up, bool is_a) {
+  const int64_t experts = gate.size(0);
+  if (is_a) {
+    const int64_t rank = gate.size(1), in = gate.size(2);
+    Tensor out({experts * rank, in}, DType::kF64);
+    for (int64_t i = 0; i < out.numel(); ++i)
+      out.ptr<double>()[i] = gate.ptr<double>()[i] + (up.defined() ? up.ptr<double>()[i] : 0.0);
+    return out;
+  }
+  const int64_t rows = gate.size(1), rank = gate.size(2);
+  const int64_t out_rows = up.defined() ? 2 * rows : rows;
+  Tensor out({out_rows, rank * experts}, DType::kF64);
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t o = 0; o < out_rows; ++o)
+      for (int64_t k = 0; k < rank; ++k) {
+        const Tensor& src = o < rows ? gate : up;
+        out.ptr<double>()[o * rank * experts + k * experts + e] = src.ptr<double>()[(e * rows + (o % rows)) * rank + k];
+      }
+  return out;
+}
+
+// Our gradient (host F64) for the PEFT key `param` (without "base_model.model."); the fused
+// expert keys ("<...>.experts.base_layer.lora_A.weight" for gate_up, "<...>.experts.lora_A.weight"
+// for down) are assembled from our per-projection stacks. Takes a plain key's tensor out of `grads`.
+Tensor gradient_for(std::map<std::string, Tensor>& grads, const std::string& param) {
+  auto found = grads.find(param);
+  if (found != grads.end()) return std::move(found->second);
+  const bool is_a = param.find("lora_A") != std::string::npos;
+  const std::string factor = is_a ? "lora_A.weight" : "lora_B.weight";
+  const std::string module = param.substr(0, param.find(".experts.") + 8);
+  if (param.find(".base_layer.") != std::string::npos)
+    return fused_expert_gradient(grads.at(module + ".gate_proj." + factor), grads.at(module + ".up_proj." + factor),
+                                 is_a);
+  return fused_expert_gradient(grads.at(module + ".down_proj." + factor), Tensor(), is_a);
+}
+
+// The model of fixture `name` on the GPU, BF16, with the fixture's base weights and adapter.
+struct GoldenModel {
+  std::string dir;
+  std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<Model> model;
+
+  GoldenModel(const std::string& name, bool recompute) : dir(kGoldenDir + name), backend(kernels::make_cuda_backend()) {
+    const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
+    Config config;
+    config.model.hf_dir = dir;
+    config.data.seq_len = 16;
+    const ModelSpec spec = resolve_model_spec(config);
+    ModelOptions options;
+    options.dtype = DType::kBF16;
+    options.recompute = recompute;
+    options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
+    options.lora_targets = {"kv_a_proj_with_mqa", "kv_b_proj",  "o_proj",        "gate_proj",
+                            "up_proj",            "down_proj", "shared_experts", "experts"};
+    if (spec.config.mla.q_lora_rank) {
+      options.lora_targets.push_back("q_a_proj");
+      options.lora_targets.push_back("q_b_proj");
+    } else {
+      options.lora_targets.push_back("q_proj");
+    }
+    model = std::make_unique<Model>(spec, *backend, options);
+    model->load_weights(HfCheckpoint(dir));
+    load_peft_adapter(*model, dir + "/adapter");
+  }
+
+  // value *= factor for the parameter named `name` (F32 on the device; through the host).
+  void scale_parameter(const std::string& name, double factor) {
+    for (Parameter* p : model->parameters()) {
+      if (p->name != name) continue;
+      Tensor host(p->value.shape(), p->value.dtype());
+      backend->copy(host, p->value);
+      for (int64_t i = 0; i < host.numel(); ++i)
+        testing::set_element(host, i, factor * testing::get_element(host, i));
+      backend->copy(p->value, host);
+      return;
+    }
+    FAIL("no parameter " << name);
+  }
+};
+
+void check_against_golden(const std::string& name, bool recompute) {
+  const std::string label = name + (recompute ? " (recompute)" : " (activations kept)");
+  GoldenModel golden_model(name, recompute);
+  Model& model = *golden_model.model;
+  kernels::Backend& backend = *golden_model.backend;
+  SafetensorsFile golden(golden_model.dir + "/golden.safetensors");
+  const Batch batch = golden_batch(golden);
+
+  // Logits (host F64, from the F32 head GEMM output).
+  const Tensor logits = model.logits(batch);
+  const double logits_error = scaled_error(logits, golden.read_as("logits", DType::kF64));
+  INFO(label << ": logits scaled error " << logits_error << ", " << non_finite_count(logits) << " non-finite");
+  CHECK(non_finite_count(logits) == 0);
+  CHECK(logits_error <= kLogitsTolerance);
+
+  // Loss.
+  const int64_t targets = batch.num_targets();
+  REQUIRE(targets == 25);
+  const StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
+  const double loss = result.loss_sum / static_cast<double>(targets);
+  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+  INFO(label << ": loss " << loss << " vs " << golden_loss);
+  CHECK(std::isfinite(loss));
+  CHECK(std::fabs(loss - golden_loss) <= kLossTolerance * std::fabs(golden_loss));
+
+  // Every adapter gradient, each against its own scale.
+  std::map<std::string, Tensor> grads;
+  for (Parameter* p : model.parameters()) grads.emplace(p->name, host_f64(backend, p->grad));
+  for (const auto& [param, grad] : grads) {
+    INFO(label << ": " << param << " has " << non_finite_count(grad) << " non-finite gradient entries");
+    CHECK(non_finite_count(grad) == 0);
+  }
+  int compared = 0;
+  for (const std::string& key : golden.names()) {
+    if (key.rfind("grad.", 0) != 0) continue;
+    const std::string param = key.substr(std::string("grad.base_model.model.").size());
+    const double error = scaled_error(gradient_for(grads, param), golden.read_as(key, DType::kF64));
+    INFO(label << ": " << key << " scaled error " << error);
+    CHECK(error <= kGradientTolerance);
+    ++compared;
+  }
+  // One gradient per adapter tensor, none left unchecked.
+  CHECK(compared == static_cast<int>(SafetensorsFile(golden_model.dir + "/adapter/adapter_model.safetensors").names().size()));
+}
+
+}  // namespace
+
+TEST_CASE("cuda golden: DeepSeek-V3 with q LoRA, YaRN, fused experts in bf16", "[cuda][golden]") {
+  check_against_golden("qlora", /*recompute=*/false);
+}
+
+TEST_CASE("cuda golden: DeepSeek-V3 without q LoRA, per-expert checkpoint in bf16", "[cuda][golden]") {
+  check_against_golden("noqlora", /*recompute=*/false);
+}
+
+TEST_CASE("cuda golden: both fixtures again with recompute", "[cuda][golden]") {
+  check_against_golden("qlora", /*recompute=*/true);
+  check_against_golden("noqlora", /*recompute=*/true);
+}
+
+// The tolerances are loose enough for bf16; this checks they are still tight enough to catch a
+// real mistake: with one adapter's B doubled (as a wrong LoRA scaling on one module would be),
+// the logits, the loss and that adapter's A gradient must each leave their tolerance band. In
+// the bf16 emulation this perturbation moved them by 0.39-0.82 (logits), 1.5e-2-3.2e-2 (loss)
+// and 0.86-1.06 (A gradient), at least ~3x each bound.
+TEST_CASE("cuda golden: a doubled LoRA B falls outside the bf16 tolerances", "[cuda][golden]") {
+  const std::string module = "model.layers.0.mlp.up_proj.";
+  for (const std::string name : {"qlora", "noqlora"}) {
+    GoldenModel golden_model(name, /*recompute=*/false);
+    Model& model = *golden_model.model;
+    golden_model.scale_parameter(module + "lora_B.weight", 2.0);
+    SafetensorsFile golden(golden_model.dir + "/golden.safetensors");
+    const Batch batch = golden_batch(golden);
+
+    const double logits_error = scaled_error(model.logits(batch), golden.read_as("logits", DType::kF64));
+    const double targets = static_cast<double>(batch.num_targets());
+    const double loss = model.forward_backward(batch, 1.0 / targets).loss_sum / targets;
+    const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+    double a_gradient_error = 0.0;
+    for (Parameter* p : model.parameters())
+      if (p->name == module + "lora_A.weight")
+        a_gradient_error = scaled_error(host_f64(*golden_model.backend, p->grad),
+                                        golden.read_as("grad.base_model.model." + p->name, DType::kF64));
+    INFO(name << " with " << module << "lora_B doubled: logits scaled error " << logits_error << ", loss " << loss
+              << " vs " << golden_loss << ", A gradient scaled error " << a_gradient_error);
+    CHECK(logits_error > kLogitsTolerance);
+    CHECK(std::fabs(loss - golden_loss) > kLossTolerance * std::fabs(golden_loss));
+    CHECK(a_gradient_error > kGradientTolerance);
+  }
+}
+
+}  // namespace moetrain
