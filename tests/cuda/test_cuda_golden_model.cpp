@@ -16,7 +16,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
-#include "gradcheck.h"
+#include "golden_files.h"
 #include "kernels/ops.h"
 
 namespace moetrain {
@@ -40,95 +40,11 @@ constexpr double kLogitsTolerance = 5e-2;
 constexpr double kLossTolerance = 5e-3;
 constexpr double kGradientTolerance = 1.5e-1;
 
-const std::string kGoldenDir = std::string(MOETRAIN_FIXTURE_DIR) + "/golden/";
-
-double max_abs(const TensorView& t) {
-  double m = 0.0;
-  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(testing::get_element(t, i)));
-  return m;
-}
-
-int64_t non_finite_count(const TensorView& t) {
-  int64_t count = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) count += std::isfinite(testing::get_element(t, i)) ? 0 : 1;
-  return count;
-}
-
-// max |a - b| / max |b|; a NaN or Inf in `ours` gives infinity (fails every tolerance).
-double scaled_error(const TensorView& ours, const TensorView& golden) {
-  REQUIRE(ours.numel() == golden.numel());
-  double worst = 0.0;
-  for (int64_t i = 0; i < ours.numel(); ++i) {
-    const double d = std::fabs(testing::get_element(ours, i) - testing::get_element(golden, i));
-    if (!std::isfinite(d)) return INFINITY;
-    worst = std::max(worst, d);
-  }
-  const double scale = max_abs(golden);
-  return scale > 0 ? worst / scale : worst;
-}
-
-// A device tensor (any float dtype) as a host F64 tensor.
-Tensor host_f64(kernels::Backend& backend, const Tensor& t) {
-  Tensor staged(t.shape(), t.dtype());
-  backend.copy(staged, t);
-  Tensor out(t.shape(), DType::kF64);
-  convert_host(out, staged);
-  return out;
-}
-
-Batch golden_batch(const SafetensorsFile& golden) {
-  Tensor ids = golden.read_as("input_ids", DType::kI32);
-  Tensor labels = golden.read_as("labels", DType::kI32);
-  Batch b;
-  b.batch_size = ids.size(0);
-  b.seq_len = ids.size(1);
-  for (int64_t i = 0; i < ids.numel(); ++i) {
-    b.input_ids.push_back(ids.ptr<int32_t>()[i]);
-    const int32_t label = labels.ptr<int32_t>()[i];
-    b.labels.push_back(label == -100 ? -1 : label);  // HF's ignore index -> ours
-    b.positions.push_back(static_cast<int32_t>(i % b.seq_len));
-  }
-  for (int64_t w = 0; w <= b.batch_size; ++w) b.cu_seqlens.push_back(static_cast<int32_t>(w * b.seq_len));
-  return b;
-}
-
-// Our stacked routed-expert gradients (host F64) in PEFT's fused 3-D layout: the fused A feeds
-// both gate and up, so its gradient is the sum of ours; B's gate rows come first, column k E + e.
-Tensor fused_expert_gradient(const Tensor& gate, const Tensor& up, bool is_a) {
-  const int64_t experts = gate.size(0);
-  if (is_a) {
-    const int64_t rank = gate.size(1), in = gate.size(2);
-    Tensor out({experts * rank, in}, DType::kF64);
-    for (int64_t i = 0; i < out.numel(); ++i)
-      out.ptr<double>()[i] = gate.ptr<double>()[i] + (up.defined() ? up.ptr<double>()[i] : 0.0);
-    return out;
-  }
-  const int64_t rows = gate.size(1), rank = gate.size(2);
-  const int64_t out_rows = up.defined() ? 2 * rows : rows;
-  Tensor out({out_rows, rank * experts}, DType::kF64);
-  for (int64_t e = 0; e < experts; ++e)
-    for (int64_t o = 0; o < out_rows; ++o)
-      for (int64_t k = 0; k < rank; ++k) {
-        const Tensor& src = o < rows ? gate : up;
-        out.ptr<double>()[o * rank * experts + k * experts + e] = src.ptr<double>()[(e * rows + (o % rows)) * rank + k];
-      }
-  return out;
-}
-
-// Our gradient (host F64) for the PEFT key `param` (without "base_model.model."); the fused
-// expert keys ("<...>.experts.base_layer.lora_A.weight" for gate_up, "<...>.experts.lora_A.weight"
-// for down) are assembled from our per-projection stacks. Takes a plain key's tensor out of `grads`.
-Tensor gradient_for(std::map<std::string, Tensor>& grads, const std::string& param) {
-  auto found = grads.find(param);
-  if (found != grads.end()) return std::move(found->second);
-  const bool is_a = param.find("lora_A") != std::string::npos;
-  const std::string factor = is_a ? "lora_A.weight" : "lora_B.weight";
-  const std::string module = param.substr(0, param.find(".experts.") + 8);
-  if (param.find(".base_layer.") != std::string::npos)
-    return fused_expert_gradient(grads.at(module + ".gate_proj." + factor), grads.at(module + ".up_proj." + factor),
-                                 is_a);
-  return fused_expert_gradient(grads.at(module + ".down_proj." + factor), Tensor(), is_a);
-}
+using testing::golden_batch;
+using testing::gradient_for;
+using testing::host_f64;
+using testing::non_finite_count;
+using testing::scaled_error;
 
 // The model of fixture `name` on the GPU, BF16, with the fixture's base weights and adapter.
 struct GoldenModel {
@@ -136,24 +52,15 @@ struct GoldenModel {
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<Model> model;
 
-  GoldenModel(const std::string& name, bool recompute) : dir(kGoldenDir + name), backend(kernels::make_cuda_backend()) {
-    const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
+  GoldenModel(const std::string& name, bool recompute)
+      : dir(testing::golden_dir(name)), backend(kernels::make_cuda_backend()) {
     Config config;
     config.model.hf_dir = dir;
     config.data.seq_len = 16;
     const ModelSpec spec = resolve_model_spec(config);
-    ModelOptions options;
+    ModelOptions options = testing::golden_model_options(dir, spec);
     options.dtype = DType::kBF16;
     options.recompute = recompute;
-    options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
-    options.lora_targets = {"kv_a_proj_with_mqa", "kv_b_proj",  "o_proj",        "gate_proj",
-                            "up_proj",            "down_proj", "shared_experts", "experts"};
-    if (spec.config.mla.q_lora_rank) {
-      options.lora_targets.push_back("q_a_proj");
-      options.lora_targets.push_back("q_b_proj");
-    } else {
-      options.lora_targets.push_back("q_proj");
-    }
     model = std::make_unique<Model>(spec, *backend, options);
     model->load_weights(HfCheckpoint(dir));
     load_peft_adapter(*model, dir + "/adapter");
