@@ -15,6 +15,7 @@
 #include <cmath>
 #include <string>
 
+#include "kernels/arg_checks.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace moetrain::kernels::cuda_ops {
@@ -341,26 +342,15 @@ __global__ void __launch_bounds__(kLossSumThreads) aux_loss_sum_kernel(float* lo
 // ---------------------------------------------------------------------------------------------
 // Host side
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw Error(ExitCode::kInternal, std::string("cuda ") + op + ": " + what);
-}
-void expect(bool condition, const char* op, const std::string& what) {
-  if (!condition) fail(op, what);
-}
-bool given(const TensorView& t) { return t.data != nullptr && t.numel() > 0; }
-void expect_device(const char* op, const char* name, const TensorView& t) {
-  expect(t.device == Device::kCUDA, op, std::string(name) + " is on " + device_name(t.device) + ", not CUDA");
-  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
-}
+// The launchers check again what they rely on (kernels/arg_checks.h), as the backend does.
+bool given_nonempty(const TensorView& t) { return t.data != nullptr && t.numel() > 0; }
+void expect_device(const char* op, const char* name, const TensorView& t) { expect_on(op, name, t, Device::kCUDA); }
 void expect_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
   expect_device(op, name, t);
-  expect(t.dtype == dtype, op, std::string(name) + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
-}
-void expect_shape(const char* op, const char* name, const TensorView& t, const Shape& shape) {
-  expect(t.shape == shape, op, std::string(name) + " is " + t.shape.str() + ", expected " + shape.str());
+  expect_dtype_is(op, name, t, dtype);
 }
 InOperand optional_activation(const char* op, const char* name, const TensorView& t) {
-  if (!given(t)) return InOperand{};
+  if (!given_nonempty(t)) return InOperand{};
   expect_device(op, name, t);
   expect(t.dtype == DType::kBF16 || t.dtype == DType::kF32, op,
          std::string(name) + " is " + dtype_name(t.dtype) + ", expected BF16 or F32");
@@ -396,13 +386,8 @@ void router_forward(const RouterArgs& args, cudaStream_t stream) {
   expect_shape(op, "topk_index", args.topk_index, Shape{tokens, args.top_k});
   expect_dtype(op, "topk_weight", args.topk_weight, DType::kF32);
   expect_shape(op, "topk_weight", args.topk_weight, Shape{tokens, args.top_k});
-  expect(experts >= 1 && experts <= INT_MAX && args.num_groups >= 1 && experts % args.num_groups == 0, op,
-         std::to_string(experts) + " experts do not split into " + std::to_string(args.num_groups) + " groups");
-  expect(args.topk_groups >= 1 && args.topk_groups <= args.num_groups, op,
-         "topk_groups " + std::to_string(args.topk_groups) + " not in [1, " + std::to_string(args.num_groups) + "]");
-  expect(args.top_k >= 1 && args.top_k <= args.topk_groups * (experts / args.num_groups), op,
-         "top_k " + std::to_string(args.top_k) + " exceeds the experts in the " + std::to_string(args.topk_groups) +
-             " selected groups");
+  expect(experts >= 1 && experts <= INT_MAX, op, std::to_string(experts) + " experts");
+  expect_router_groups(op, args, experts);
 
   RouterForwardParams p;
   p.scores = static_cast<float*>(args.scores.data);
@@ -443,7 +428,7 @@ void router_backward(const RouterBackwardArgs& args, cudaStream_t stream) {
   expect_dtype(op, "dtopk_weight", args.dtopk_weight, DType::kF32);
   expect_shape(op, "dtopk_weight", args.dtopk_weight, args.topk_index.shape);
   RouterBackwardParams p;
-  if (given(args.dscores_extra)) {
+  if (given_nonempty(args.dscores_extra)) {
     expect_dtype(op, "dscores_extra", args.dscores_extra, DType::kF32);
     expect_shape(op, "dscores_extra", args.dscores_extra, args.scores.shape);
     p.dscores_extra = static_cast<const float*>(args.dscores_extra.data);
