@@ -35,6 +35,7 @@
 #include <string>
 
 #include "kernels/cuda/attention_tensor_core.h"
+#include "kernels/arg_checks.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace moetrain::kernels::cuda_ops {
@@ -503,17 +504,9 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_simt_f32acc_ke
 // ---------------------------------------------------------------------------------------------
 // Host side: checks, tile choice, launches
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw Error(ExitCode::kInternal, std::string("cuda ") + op + ": " + what);
-}
-void expect(bool condition, const char* op, const std::string& what) {
-  if (!condition) fail(op, what);
-}
 
-void expect_device(const char* op, const char* name, const TensorView& t) {
-  expect(t.device == Device::kCUDA, op, std::string(name) + " is on " + device_name(t.device) + ", not CUDA");
-  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
-}
+// The launchers check again what they rely on (kernels/arg_checks.h), as the backend does.
+void expect_device(const char* op, const char* name, const TensorView& t) { expect_on(op, name, t, Device::kCUDA); }
 InOperand activation_in(const char* op, const char* name, const TensorView& t) {
   expect_device(op, name, t);
   expect(t.dtype == DType::kBF16 || t.dtype == DType::kF32, op,
@@ -526,10 +519,7 @@ OutOperand activation_out(const char* op, const char* name, const TensorView& t)
 }
 void expect_f32(const char* op, const char* name, const TensorView& t) {
   expect_device(op, name, t);
-  expect(t.dtype == DType::kF32, op, std::string(name) + " is " + dtype_name(t.dtype) + ", expected F32");
-}
-void expect_shape(const char* op, const char* name, const TensorView& t, const Shape& shape) {
-  expect(t.shape == shape, op, std::string(name) + " is " + t.shape.str() + ", expected " + shape.str());
+  expect_dtype_is(op, name, t, DType::kF32);
 }
 
 // Shapes of q, k, v, out, lse, cu_seqlens, checked; the scale too.

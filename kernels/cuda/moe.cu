@@ -19,6 +19,7 @@
 #include <climits>
 #include <string>
 
+#include "kernels/arg_checks.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
 
@@ -234,19 +235,11 @@ __global__ void __launch_bounds__(kRowThreads)
 // ---------------------------------------------------------------------------------------------
 // Host side
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw Error(ExitCode::kInternal, std::string("cuda ") + op + ": " + what);
-}
-void expect(bool condition, const char* op, const std::string& what) {
-  if (!condition) fail(op, what);
-}
-void expect_device(const char* op, const char* name, const TensorView& t) {
-  expect(t.device == Device::kCUDA, op, std::string(name) + " is on " + device_name(t.device) + ", not CUDA");
-  expect(t.data != nullptr || t.numel() == 0, op, std::string(name) + " " + t.shape.str() + " has no data");
-}
+// The launchers check again what they rely on (kernels/arg_checks.h), as the backend does.
+void expect_device(const char* op, const char* name, const TensorView& t) { expect_on(op, name, t, Device::kCUDA); }
 void expect_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
   expect_device(op, name, t);
-  expect(t.dtype == dtype, op, std::string(name) + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
+  expect_dtype_is(op, name, t, dtype);
 }
 ConstOperand row_in(const char* op, const char* name, const TensorView& t) {
   expect_device(op, name, t);
