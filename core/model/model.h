@@ -48,6 +48,7 @@ struct ModelOptions {
 struct FrozenWeightBytes {
   size_t resident = 0;
   size_t full = 0;
+  size_t kept_whole = 0;  // the part of `full` never sharded (included in `resident`)
 };
 
 

@@ -311,8 +311,9 @@ FrozenWeightBytes Model::frozen_non_expert_bytes() {
   for (const WeightSlot& slot : weight_slots()) {
     if (is_routed_experts(slot)) continue;
     bytes.full += slot.tensor->nbytes();
-    if (slot.tensor->owns_memory()) bytes.resident += slot.tensor->nbytes();  // kept whole
+    if (slot.tensor->owns_memory()) bytes.kept_whole += slot.tensor->nbytes();
   }
+  bytes.resident = bytes.kept_whole;
   for (auto& bucket : fsdp_layers_) bytes.resident += bucket->resident_bytes();
   if (fsdp_outer_) bytes.resident += fsdp_outer_->resident_bytes();
   return bytes;

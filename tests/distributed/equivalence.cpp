@@ -240,13 +240,18 @@ int run_test(Runtime& runtime, int argc, char** argv) {
     log::error(fmt::format("{} trainable parameters, the single-rank model has {}", distributed.first_grads.size(),
                            single.first_grads.size()));
   }
-  // Sharding: resident bytes within 2% of 1/fsdp of the full model's (padding of at most fsdp - 1
-  // elements per bucket, and the router score bias kept whole, are the rest).
+  // Sharding: the sharded part is split fsdp ways, each bucket (a layer's weights, and one for
+  // embed/norm/head) padded up to a multiple of fsdp elements; the router score bias stays whole.
   const double resident_fraction = static_cast<double>(frozen.resident) / static_cast<double>(frozen.full);
-  if (parallel.fsdp > 1 && !(model.fsdp_sharded() && resident_fraction <= 1.0 / parallel.fsdp + 0.02)) {
+  const size_t sharded_share = (frozen.full - frozen.kept_whole) / static_cast<size_t>(parallel.fsdp);
+  const size_t buckets = static_cast<size_t>(spec.config.num_layers) + 1;
+  const size_t lowest = frozen.kept_whole + sharded_share, highest = lowest + buckets * sizeof(double);
+  if (parallel.fsdp > 1 && !(model.fsdp_sharded() && frozen.resident >= lowest && frozen.resident <= highest)) {
     ++failures;
-    log::error(fmt::format("rank {} holds {} of {} frozen non-expert bytes ({:.3f}), not ~1/{}", runtime.rank(),
-                           frozen.resident, frozen.full, resident_fraction, parallel.fsdp));
+    log::error(fmt::format("rank {} holds {} of {} frozen non-expert bytes, not its 1/{} share of the sharded "
+                           "{} plus the {} kept whole (expected {}..{})",
+                           runtime.rank(), frozen.resident, frozen.full, parallel.fsdp,
+                           frozen.full - frozen.kept_whole, frozen.kept_whole, lowest, highest));
   }
   // Freed after use: at most the active layer, the prefetched ones, and at the turn from forward
   // to backward the last layer with the embed/norm/head bucket were ever gathered together.
