@@ -268,6 +268,9 @@ class Backend {
   virtual Allocator& allocator() = 0;
   // Work is done when this returns (a no-op on the CPU).
   virtual void synchronize() = 0;
+  // The device queue the ops run on, in order (a cudaStream_t on CUDA; null on the CPU, whose
+  // ops complete before they return): communicators order their collectives against it.
+  virtual void* stream() { return nullptr; }
 
   // Memory. copy: same dtype and element count, any devices. convert: dtype conversion
   // (e.g. bf16 weights to f32 compute), same device, same element count.

@@ -56,6 +56,7 @@ class TimingBackend final : public Backend {
   const char* name() const override { return inner_.name(); }
   Allocator& allocator() override { return allocator_; }
   void synchronize() override { inner_.synchronize(); }
+  void* stream() override { return inner_.stream(); }
 
   void copy(const TensorView& dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;

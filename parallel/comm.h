@@ -70,6 +70,12 @@ class Communicator {
   virtual void barrier() = 0;
   // Waits until every collective issued so far has completed (MPI: nothing to wait for).
   virtual void synchronize() = 0;
+  // Ordering against a device queue (Backend::stream()) without a host wait: collectives issued
+  // after wait_for(s) start after the work queued on s so far; work queued on s after
+  // release_to(s) starts after the collectives issued so far. No-ops where collectives complete
+  // before returning (MPI) or for a null stream.
+  virtual void wait_for(void* producer_stream) { (void)producer_stream; }
+  virtual void release_to(void* consumer_stream) { (void)consumer_stream; }
 
   // out [size * count] = the `in` [count] of every rank, in rank order.
   template <typename T>

@@ -81,11 +81,13 @@ void NcclCommunicator::barrier() {
 }
 
 void NcclCommunicator::wait_for(void* producer_stream) {
+  if (producer_stream == nullptr) return;
   MOETRAIN_CUDA_CALL(cudaEventRecord(as_event(event_), as_stream(producer_stream)));
   MOETRAIN_CUDA_CALL(cudaStreamWaitEvent(as_stream(stream_), as_event(event_), 0));
 }
 
 void NcclCommunicator::release_to(void* consumer_stream) {
+  if (consumer_stream == nullptr) return;
   MOETRAIN_CUDA_CALL(cudaEventRecord(as_event(event_), as_stream(stream_)));
   MOETRAIN_CUDA_CALL(cudaStreamWaitEvent(as_stream(consumer_stream), as_event(event_), 0));
 }

@@ -34,8 +34,8 @@ class NcclCommunicator final : public Communicator {
   void synchronize() override;
 
   void* stream() const { return stream_; }  // the cudaStream_t the collectives run on
-  void wait_for(void* producer_stream);      // later collectives start after its queued work
-  void release_to(void* consumer_stream);    // its later work starts after the collectives so far
+  void wait_for(void* producer_stream) override;    // later collectives start after its queued work
+  void release_to(void* consumer_stream) override;  // its later work starts after the collectives so far
 
  protected:
   void all_gather_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) override;

@@ -71,14 +71,27 @@ void FsdpBucket::point_members(void* base) {
 void FsdpBucket::gather() {
   if (gathered()) return;
   gathered_ = Tensor(Shape{shard_elements_ * comm_.size()}, dtype_, backend_.allocator());
+  // Queued, no host wait: the gather starts after the compute queued so far (the buffer may be
+  // memory that queued work has just released). Compute waits for it from ready() on.
+  comm_.wait_for(backend_.stream());
   comm_.all_gather(gathered_.view(), shard_.view());
-  comm_.synchronize();  // NCCL: the gathered weights are complete before compute reads them
+  awaiting_ready_ = true;
   point_members(gathered_.data());
+}
+
+void FsdpBucket::ready() {
+  MOETRAIN_ASSERT(gathered(), "FSDP bucket " + name_ + ": ready() before gather()");
+  if (!awaiting_ready_) return;
+  comm_.release_to(backend_.stream());
+  awaiting_ready_ = false;
 }
 
 void FsdpBucket::release() {
   if (!gathered()) return;
-  backend_.synchronize();  // queued kernels may still read the weights
+  ready();  // a prefetched bucket never used: its gather must finish before the buffer goes
+  // Queued kernels may still read the weights; the compute queue also waited for the gather
+  // (release_to), so after this nothing touches the buffer.
+  backend_.synchronize();
   for (const Member& m : members_) *m.tensor = placeholder(m.shape, dtype_, shard_.device());
   gathered_.reset();
 }

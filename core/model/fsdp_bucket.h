@@ -4,10 +4,12 @@
 // there; release() frees that buffer and leaves the members as shape-only placeholders (no
 // data), so a use of a released weight fails loudly instead of reading stale memory.
 //
-// Communication is synchronous in this version: gather() returns with the buffer complete (MPI
-// is blocking; on NCCL it waits for the communicator's stream), and release() waits for the
-// backend's queued work before freeing. Prefetch (gathering the next layer before computing the
-// current one) is therefore an ordering, not yet an overlap of communication with compute.
+// On NCCL, gather() only queues the all-gather on the communicator's stream, after the compute
+// queued so far (Communicator::wait_for), and returns at once; ready() makes the compute queued
+// from then on wait for it (Communicator::release_to). The model calls ready() just before a
+// layer's compute and gathers the next layers (prefetch) only after that, so their gathers run
+// while this layer computes. release() waits for the backend's queued work before freeing.
+// With MPI (the CPU backend) the all-gather completes before gather() returns.
 #pragma once
 
 #include <string>
@@ -39,7 +41,8 @@ class FsdpBucket {
   // Null when `tensor` is not a member of this bucket.
   const OwnedPart* owned_part(const Tensor* tensor) const;
 
-  void gather();   // no-op when already gathered
+  void gather();   // queues the all-gather; no-op when already gathered
+  void ready();    // compute queued from now on sees the gathered weights (after gather())
   void release();  // no-op when not gathered
 
   bool gathered() const { return gathered_.defined(); }
@@ -66,6 +69,7 @@ class FsdpBucket {
   int64_t shard_elements_ = 0;
   Tensor shard_;     // [shard_elements], this rank's part
   Tensor gathered_;  // [shard_elements * group size] while gathered
+  bool awaiting_ready_ = false;  // gathered, but compute has not been ordered after it yet
 };
 
 }  // namespace moetrain

@@ -277,12 +277,14 @@ void Model::release_all_weights() {
 
 void Model::gather_layers(size_t index, int direction) {
   if (fsdp_layers_.empty()) return;
-  // On the CPU backend the gathers block: "prefetch" orders them one layer ahead, it does not
-  // yet overlap them with compute (see fsdp_bucket.h).
+  // The layer about to compute first (gathered and made ready), then the prefetched ones: their
+  // gathers are queued after it, so on NCCL they run while it computes (fsdp_bucket.h). On the
+  // CPU backend every gather blocks.
   for (int64_t k = 0; k <= std::max<int64_t>(0, options_.fsdp_prefetch); ++k) {
     int64_t layer = static_cast<int64_t>(index) + direction * k;
     if (layer < 0 || layer >= static_cast<int64_t>(fsdp_layers_.size())) break;
     fsdp_layers_[layer]->gather();
+    if (k == 0) fsdp_layers_[layer]->ready();
   }
   note_gathered();
 }
@@ -298,7 +300,10 @@ void Model::release_layer_weights(size_t index) {
 }
 
 void Model::gather_outer_weights() {
-  if (fsdp_outer_) fsdp_outer_->gather();
+  if (fsdp_outer_) {
+    fsdp_outer_->gather();
+    fsdp_outer_->ready();
+  }
   note_gathered();
 }
 

@@ -125,6 +125,7 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
   Allocator& allocator() override { return cuda::device_allocator(); }
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void* stream() override { return stream_; }
 
   void copy(const TensorView& dst, const TensorView& src) override {
     const char* op = "copy";
