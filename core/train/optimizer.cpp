@@ -93,19 +93,26 @@ double AdamW::clip_gradients(double max_norm) {
 void AdamW::step(double lr) {
   ++step_count_;
   for (GroupState& g : groups_) {
+    // Unsharded, the reduced grads are the whole flat buffer, which is the shard.
     const TensorView values = g.group->value_shard(), grads = g.reduced_grads();
-    for (const ParameterGroup::Segment& s : g.group->segments()) {
+    // One update per run of parameters with the same weight decay, the alignment padding
+    // between them included: its value, gradient and moments are zero and stay zero.
+    const std::vector<ParameterGroup::Segment>& segments = g.group->segments();
+    for (size_t first = 0, last = 0; first < segments.size(); first = last) {
+      const bool decay = segments[first].param->weight_decay;
+      while (last < segments.size() && segments[last].param->weight_decay == decay) ++last;
+      const int64_t begin = segments[first].shard_offset;
+      const int64_t count = segments[last - 1].shard_offset + segments[last - 1].count - begin;
       kernels::AdamWArgs args;
-      args.param = range(values, s.shard_offset, s.count);
-      // Unsharded, the reduced grads are the whole flat buffer, which is the shard.
-      args.grad = range(grads, s.shard_offset, s.count);
-      args.exp_avg = range(g.exp_avg.view(), s.shard_offset, s.count);
-      args.exp_avg_sq = range(g.exp_avg_sq.view(), s.shard_offset, s.count);
+      args.param = range(values, begin, count);
+      args.grad = range(grads, begin, count);
+      args.exp_avg = range(g.exp_avg.view(), begin, count);
+      args.exp_avg_sq = range(g.exp_avg_sq.view(), begin, count);
       args.lr = lr;
       args.beta1 = options_.beta1;
       args.beta2 = options_.beta2;
       args.eps = options_.eps;
-      args.weight_decay = s.param->weight_decay ? options_.weight_decay : 0.0;
+      args.weight_decay = decay ? options_.weight_decay : 0.0;
       args.step = step_count_;
       backend_.adamw(args);
     }

@@ -176,3 +176,23 @@ TEST_CASE("loose parameters keep their trained values after the optimizer is gon
   CHECK(trained[0] < 1.0);
   CHECK(values(p.grad) == std::vector<double>({0.0, 0.0}));
 }
+
+TEST_CASE("one update over a run of parameters leaves the alignment padding between them at zero") {
+  auto backend = moetrain::kernels::make_cpu_backend();
+  Parameter a = make_param("a", {1.0, -2.0, 3.0}), b = make_param("b", {0.5, 0.25});
+  moetrain::ParameterGroup group("adapters", {&a, &b}, nullptr, nullptr, *backend);
+  AdamWOptions options;
+  options.weight_decay = 0.1;
+  AdamW adamw(std::vector<moetrain::ParameterGroup*>{&group}, options, *backend);
+  for (int t = 0; t < 3; ++t) {
+    set_grad(a, {0.3, -0.1, 0.2});
+    set_grad(b, {1.0, -1.0});
+    adamw.step(0.01);
+  }
+  const double* flat = group.values().ptr<double>();
+  for (int64_t i = 3; i < group.offsets()[1]; ++i) CHECK(flat[i] == 0.0);  // between a and b
+  for (int64_t i = group.offsets()[1] + 2; i < group.values().numel(); ++i) CHECK(flat[i] == 0.0);
+  CHECK(values(a.value)[0] < 1.0);
+  CHECK(values(b.value)[0] < 0.5);   // gradient +1: down
+  CHECK(values(b.value)[1] > 0.25);  // gradient -1: up
+}
