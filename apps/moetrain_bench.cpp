@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -275,8 +276,10 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   Batch last_batch;
   std::vector<double> times;
   double loss = 0;
+  int64_t cuda_mallocs = 0;
   for (int s = 0; s < steps + 2; ++s) {
     Batch batch = data.next();
+    if (s == 2) cuda_mallocs = cuda::memory_stats().allocations;  // the timed steps' own
     auto start = std::chrono::steady_clock::now();
     StepResult r = model.forward_backward(batch, 1.0 / std::max<int64_t>(1, batch.num_targets()));
     backend->synchronize();
@@ -298,6 +301,11 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
               "771), last loss %.4f\n",
               seconds * 1e3, tokens / seconds, flops / seconds / 1e12, 100.0 * flops / seconds / 1e12 / kDatasheetBf16Tflops,
               kDatasheetBf16Tflops, 100.0 * flops / seconds / 1e12 / kMatrixCeilingTflops, loss);
+  const cuda::MemoryStats memory = cuda::memory_stats();
+  std::printf("memory: peak %.2f GB in tensors; %.1f cudaMalloc calls per timed step (MOETRAIN_CUDA_ALLOCATOR=%s)\n",
+              static_cast<double>(memory.peak_bytes) / 1e9,
+              static_cast<double>(memory.allocations - cuda_mallocs) / static_cast<double>(steps),
+              std::getenv("MOETRAIN_CUDA_ALLOCATOR") ? std::getenv("MOETRAIN_CUDA_ALLOCATOR") : "direct");
   if (bench.op_times) print_op_times(timing, model, data, seconds);
   (void)runtime;
   return 0;

@@ -54,11 +54,17 @@ if [[ "${MOETRAIN_BENCH:-1}" != 0 && -x "$build_dir/apps/moetrain-bench" ]]; the
   echo "== moetrain-bench ops"
   "$build_dir/apps/moetrain-bench" ops >"$log_dir/bench_ops.log" 2>&1 || echo "gpu_check: moetrain-bench ops FAILED"
   cat "$log_dir/bench_ops.log" >>"$log"
-  echo "== moetrain-bench step"
-  "$build_dir/apps/moetrain-bench" step --config "$repo/configs/h200-kimi-dims-mla.yaml" \
+  echo "== moetrain-bench step (op times after the timed steps)"
+  "$build_dir/apps/moetrain-bench" step --config "$repo/configs/h200-kimi-dims-mla.yaml" --op-times \
     >"$log_dir/bench_step.log" 2>&1 || echo "gpu_check: moetrain-bench step FAILED"
   cat "$log_dir/bench_step.log" >>"$log"
-  bench_summary="$(sed -n '/^benchmark /,$p' "$log_dir/bench_ops.log"; grep '^step:' "$log_dir/bench_step.log")"
+  echo "== moetrain-bench step with MOETRAIN_CUDA_ALLOCATOR=caching"
+  MOETRAIN_CUDA_ALLOCATOR=caching "$build_dir/apps/moetrain-bench" step \
+    --config "$repo/configs/h200-kimi-dims-mla.yaml" >"$log_dir/bench_step_caching.log" 2>&1 ||
+    echo "gpu_check: moetrain-bench step (caching allocator) FAILED"
+  cat "$log_dir/bench_step_caching.log" >>"$log"
+  bench_summary="$(sed -n '/^benchmark /,$p' "$log_dir/bench_ops.log"; grep -E '^(step|memory):' "$log_dir/bench_step.log"
+                   grep -E '^(step: median|memory:)' "$log_dir/bench_step_caching.log" | sed 's/^\([a-z]*\):/\1 (caching allocator):/')"
 fi
 train_summary=""
 steps="${MOETRAIN_TRAIN_STEPS:-200}"

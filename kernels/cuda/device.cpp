@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 
+#include "kernels/caching_allocator.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace moetrain::cuda {
@@ -71,9 +73,22 @@ class DeviceAllocator final : public Allocator {
   MemoryStats stats_;
 };
 
-DeviceAllocator& the_allocator() {
+DeviceAllocator& direct_allocator() {
   static DeviceAllocator allocator;
   return allocator;
+}
+
+// MOETRAIN_CUDA_ALLOCATOR: "direct" (default: cudaMalloc/cudaFree per tensor) or "caching".
+kernels::CachingAllocator* caching_allocator() {
+  static kernels::CachingAllocator* caching = []() -> kernels::CachingAllocator* {
+    const char* choice = std::getenv("MOETRAIN_CUDA_ALLOCATOR");
+    const std::string name = choice == nullptr ? "direct" : choice;
+    MOETRAIN_CHECK(name == "direct" || name == "caching", ExitCode::kBadConfig,
+                   "MOETRAIN_CUDA_ALLOCATOR=\"" + name + "\": expected direct or caching");
+    // Never destroyed: tensors may be freed during static destruction.
+    return name == "caching" ? new kernels::CachingAllocator(direct_allocator()) : nullptr;
+  }();
+  return caching;
 }
 
 }  // namespace
@@ -95,10 +110,25 @@ int current_device() {
   return device;
 }
 
-Allocator& device_allocator() { return the_allocator(); }
+Allocator& device_allocator() {
+  if (kernels::CachingAllocator* caching = caching_allocator()) return *caching;
+  return direct_allocator();
+}
 
-MemoryStats memory_stats() { return the_allocator().stats(); }
-void reset_peak_memory() { the_allocator().reset_peak(); }
+MemoryStats memory_stats() {
+  MemoryStats stats = direct_allocator().stats();  // what cudaMalloc holds
+  if (kernels::CachingAllocator* caching = caching_allocator()) {
+    const kernels::CachingAllocatorStats c = caching->stats();
+    stats.allocated_bytes = c.in_use_bytes;  // tensors, not the cache around them
+    stats.peak_bytes = c.peak_in_use_bytes;
+  }
+  return stats;
+}
+
+void reset_peak_memory() {
+  direct_allocator().reset_peak();
+  if (kernels::CachingAllocator* caching = caching_allocator()) caching->reset_peaks();
+}
 
 double peak_bf16_flops() {
   cudaDeviceProp props{};

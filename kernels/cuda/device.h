@@ -15,13 +15,16 @@ int device_count();
 void set_device(int device);
 int current_device();
 
-// cudaMalloc/cudaFree behind core's Allocator: `Tensor t(shape, dtype, cuda::device_allocator())`.
+// Device memory behind core's Allocator: `Tensor t(shape, dtype, cuda::device_allocator())`.
+// cudaMalloc/cudaFree per tensor, or with MOETRAIN_CUDA_ALLOCATOR=caching a cache of freed
+// blocks in front of them (kernels/caching_allocator.h; opt-in until measured on a GPU).
 // Running out of memory is an Error naming the request and what was free.
 Allocator& device_allocator();
 
-// What device_allocator() holds: tensor memory only (the CUDA context, cuBLAS workspaces and
-// NCCL buffers are outside it; device_used_bytes() sees everything on the device, other
-// processes included). The peak is since the start or the last reset_peak_memory().
+// Tensor memory: what tensors hold now and at the peak since the start or the last
+// reset_peak_memory() (with the caching allocator, without its cached free blocks). The CUDA
+// context, cuBLAS workspaces and NCCL buffers are outside it; device_used_bytes() sees
+// everything on the device, other processes included.
 struct MemoryStats {
   size_t allocated_bytes = 0;
   size_t peak_bytes = 0;
