@@ -14,6 +14,7 @@
 #include "core/io/hf_index.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
+#include "golden_files.h"
 #include "kernels/ops.h"
 #include "parallel/comm.h"
 #include "parallel/mesh.h"
@@ -21,21 +22,6 @@
 
 namespace moetrain {
 namespace {
-
-Batch golden_batch(const std::string& dir) {
-  SafetensorsFile golden(dir + "/golden.safetensors");
-  Tensor ids = golden.read_as("input_ids", DType::kI32);
-  Batch b;
-  b.batch_size = ids.size(0);
-  b.seq_len = ids.size(1);
-  for (int64_t i = 0; i < ids.numel(); ++i) {
-    b.input_ids.push_back(ids.ptr<int32_t>()[i]);
-    b.labels.push_back(-1);  // logits only
-    b.positions.push_back(static_cast<int32_t>(i % b.seq_len));
-  }
-  for (int64_t w = 0; w <= b.batch_size; ++w) b.cu_seqlens.push_back(static_cast<int32_t>(w * b.seq_len));
-  return b;
-}
 
 int run_test(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(argc == 4, ExitCode::kBadConfig, "usage: distributed_hf_load FSDP EP MODEL_DIR");
@@ -66,7 +52,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   Model sharded(spec, *backend, options);
   sharded.load_weights(HfCheckpoint(dir));
   const FrozenWeightBytes frozen = sharded.frozen_non_expert_bytes();
-  Batch batch = golden_batch(dir);
+  Batch batch = testing::golden_batch(SafetensorsFile(dir + "/golden.safetensors"));
   Tensor ours = sharded.logits(batch);
 
   options.parallel = nullptr;

@@ -18,9 +18,11 @@
 
 namespace moetrain::testing {
 
+#ifdef MOETRAIN_FIXTURE_DIR
 inline std::string golden_dir(const std::string& fixture) {
   return std::string(MOETRAIN_FIXTURE_DIR) + "/golden/" + fixture;
 }
+#endif
 
 inline double max_abs(const TensorView& t) {
   double m = 0.0;

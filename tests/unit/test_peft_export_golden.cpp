@@ -18,7 +18,7 @@
 #include "core/io/safetensors_writer.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
-#include "gradcheck.h"
+#include "golden_files.h"
 #include "kernels/ops.h"
 
 using namespace moetrain;
@@ -43,20 +43,6 @@ std::unique_ptr<Model> golden_model(kernels::Backend& backend) {
   return model;
 }
 
-Batch golden_batch() {
-  SafetensorsFile golden(kModelDir + "/golden.safetensors");
-  Tensor ids = golden.read_as("input_ids", DType::kI32);
-  Batch b;
-  b.batch_size = ids.size(0);
-  b.seq_len = ids.size(1);
-  for (int64_t i = 0; i < ids.numel(); ++i) {
-    b.input_ids.push_back(ids.ptr<int32_t>()[i]);
-    b.labels.push_back(-1);
-    b.positions.push_back(static_cast<int32_t>(i % b.seq_len));
-  }
-  for (int64_t w = 0; w <= b.batch_size; ++w) b.cu_seqlens.push_back(static_cast<int32_t>(w * b.seq_len));
-  return b;
-}
 
 // The adapters as F32 host tensors, as a checkpoint holds them (the model here computes in F64).
 struct ExportedParameters {
@@ -88,7 +74,7 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
       for (int64_t i = 0; i < p->value.numel(); ++i) v[i] *= 1.0 + 0.25 * std::sin(0.37 * static_cast<double>(i));
     }
   }
-  Batch batch = golden_batch();
+  Batch batch = testing::golden_batch(SafetensorsFile(kModelDir + "/golden.safetensors"));
   Tensor logits = model->logits(batch);
 
   const char* keep = std::getenv("MOETRAIN_PEFT_EXPORT_DIR");
