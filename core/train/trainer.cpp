@@ -60,13 +60,13 @@ StepRecord Trainer::train_step() {
   }
 
   // Every target token of the step weighs the same on every data-parallel rank.
-  if (options_.batch_flops) {
+  record.targets = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.targets)));
+  record.tokens = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.tokens)));
+  if (options_.batch_flops) {  // MFU: the step's model FLOPs on every rank together
     for (const Batch& batch : batches) record.model_flops += options_.batch_flops(batch);
     record.model_flops = model_.sum_over_data_ranks(record.model_flops);
     if (data_ranks_ == 0.0) data_ranks_ = model_.sum_over_data_ranks(1.0);
   }
-  record.targets = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.targets)));
-  record.tokens = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.tokens)));
   const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
   double loss_sum = 0.0;
   for (size_t i = 0; i < batches.size(); ++i) {
