@@ -24,7 +24,10 @@ std::string format_progress_line(const StepMetrics& m) {
   std::string line = fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad {:.3f} | {} | max load {:.2f}",
                                  m.step, m.total_steps, m.loss, m.lr, m.grad_norm,
                                  format_rate(m.tokens_per_s), m.max_expert_load);
-  for (const auto& [key, value] : m.extra) line += fmt::format(" | {} {:.4g}", key, value);
+  for (const auto& [key, value] : m.extra) {
+    // mfu is a fraction in metrics.jsonl, a percentage on the console.
+    line += key == "mfu" ? fmt::format(" | mfu {:.1f}%", 100.0 * value) : fmt::format(" | {} {:.4g}", key, value);
+  }
   return line;
 }
 

@@ -20,6 +20,7 @@ struct StepMetrics {
   double tokens_per_s = 0.0;
   double max_expert_load = 0.0;  // max over layers and experts of load / mean load (1 = balanced)
   std::vector<std::pair<std::string, double>> extra;  // further keys, written in this order
+                                                      // (e.g. aux_loss, mfu as a fraction, skipped)
 };
 
 // "step 12/150 | loss 4.1234 | lr 1.20e-03 | grad 0.532 | 12.3k tok/s | max load 1.42"

@@ -340,6 +340,9 @@ TEST_CASE("the progress line reads as documented") {
   m.extra = {{"aux_loss", 0.0125}};
   CHECK(moetrain::format_progress_line(m) ==
         "step 12/150 | loss 4.1234 | lr 1.20e-03 | grad 0.532 | 950 tok/s | max load 1.42 | aux_loss 0.0125");
+  m.extra = {{"mfu", 0.4237}};
+  CHECK(moetrain::format_progress_line(m) ==
+        "step 12/150 | loss 4.1234 | lr 1.20e-03 | grad 0.532 | 950 tok/s | max load 1.42 | mfu 42.4%");
 }
 
 TEST_CASE("a run directory that cannot be created is a config error") {
