@@ -133,16 +133,31 @@ const SafetensorsFile& HfCheckpoint::file_for(const std::string& name) const {
 
 const SafetensorsTensorInfo& HfCheckpoint::info(const std::string& name) const { return file_for(name).info(name); }
 
+namespace {
+
+// Bytes of rows [row_begin, row_end) of a stored tensor.
+uint64_t row_bytes(const SafetensorsTensorInfo& info, int64_t row_begin, int64_t row_end) {
+  const int64_t rows = info.shape.ndim() == 0 ? 1 : info.shape[0];
+  return rows == 0 ? 0 : info.nbytes / static_cast<uint64_t>(rows) * static_cast<uint64_t>(row_end - row_begin);
+}
+
+}  // namespace
+
 Tensor HfCheckpoint::read_as(const std::string& name, DType dst_dtype) const {
-  return file_for(name).read_as(name, dst_dtype);
+  Tensor t = file_for(name).read_as(name, dst_dtype);
+  bytes_read_ += info(name).nbytes;
+  return t;
 }
 
 Tensor HfCheckpoint::read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
-  return file_for(name).read_rows_as(name, row_begin, row_end, dst_dtype);
+  Tensor t = file_for(name).read_rows_as(name, row_begin, row_end, dst_dtype);
+  bytes_read_ += row_bytes(info(name), row_begin, row_end);
+  return t;
 }
 
 void HfCheckpoint::read_rows(void* dst, const std::string& name, int64_t row_begin, int64_t row_end) const {
   file_for(name).read_rows(dst, name, row_begin, row_end);
+  bytes_read_ += row_bytes(info(name), row_begin, row_end);
 }
 
 void write_hf_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,

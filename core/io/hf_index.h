@@ -5,6 +5,8 @@
 // few tensors opens only the shards holding them; a lone model.safetensors is opened at once.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -43,6 +45,9 @@ class HfCheckpoint {
   void read_rows(void* dst, const std::string& name, int64_t row_begin, int64_t row_end) const;
   // The open shard holding `name` (for zero-copy views); valid as long as this object.
   const SafetensorsFile& file_for(const std::string& name) const;
+  // Bytes of tensor data the read calls above have copied out of the files so far (a rank's
+  // share of a sharded load; zero-copy views through file_for() are not counted).
+  uint64_t bytes_read() const { return bytes_read_; }
 
  private:
   void read_index(const std::string& index_path);
@@ -54,6 +59,7 @@ class HfCheckpoint {
   std::map<std::string, std::string> index_metadata_;
   mutable std::mutex open_mutex_;  // loaders may read tensors from several threads
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files_;
+  mutable std::atomic<uint64_t> bytes_read_{0};
 };
 
 struct NamedTensor {

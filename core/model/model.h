@@ -65,8 +65,9 @@ class Model final : public TrainableModel {
   ~Model() override;
 
   // Base weights: from a Hugging Face directory (names and shapes checked against config.json;
-  // a missing or misshapen tensor is Error(kBadCheckpoint) naming it), or random (N(0, 1/fan_in),
-  // norms 1) from options.seed for runs without a checkpoint.
+  // a missing or misshapen tensor is Error(kBadCheckpoint) naming it; only the rows holding this
+  // rank's FSDP shards and experts are read: checkpoint.bytes_read() says how much), or random
+  // (N(0, 1/fan_in), norms 1) from options.seed for runs without a checkpoint.
   void load_weights(const HfCheckpoint& checkpoint);
   void init_random_weights();
 

@@ -146,10 +146,8 @@ std::vector<HfPiece> hf_pieces(const WeightSlot& slot) {
 }
 
 // Elements [begin, end) of the weight's flattened values, as F64 into dst: only the rows of each
-// HF tensor that hold them are read. Returns the values read (whole rows).
-int64_t read_flat_range(const HfCheckpoint& checkpoint, const WeightSlot& slot, int64_t begin, int64_t end,
-                       double* dst) {
-  int64_t values = 0;
+// HF tensor that hold them are read.
+void read_flat_range(const HfCheckpoint& checkpoint, const WeightSlot& slot, int64_t begin, int64_t end, double* dst) {
   for (const HfPiece& piece : hf_pieces(slot)) {
     check_hf_tensor(checkpoint, piece.name, piece.shape);
     const int64_t lo = std::max(begin, piece.offset) - piece.offset;
@@ -161,22 +159,19 @@ int64_t read_flat_range(const HfCheckpoint& checkpoint, const WeightSlot& slot, 
     Tensor rows = checkpoint.read_rows_as(piece.name, first_row, last_row, DType::kF64);
     std::memcpy(dst + (piece.offset + lo - begin), rows.ptr<double>() + (lo - first_row * row),
                 static_cast<size_t>(hi - lo) * sizeof(double));
-    values += (last_row - first_row) * row;
   }
-  return values;
 }
 
 }  // namespace
 
 void Model::load_weights(const HfCheckpoint& checkpoint) {
   release_all_weights();  // the shards change: no gathered copy may outlive them
-  int64_t values_read = 0;
   for (const WeightSlot& slot : weight_slots()) {
     watchdog_progress("loading base weights: " + slot.name);
     if (const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor)) {
       // FSDP: this rank's range of the weight only.
       Tensor host({part->end - part->begin}, DType::kF64);
-      values_read += read_flat_range(checkpoint, slot, part->begin, part->end, host.ptr<double>());
+      read_flat_range(checkpoint, slot, part->begin, part->end, host.ptr<double>());
       Tensor staged(host.shape(), slot.tensor->dtype());
       convert_host(staged, host);
       backend_.copy(part->dst, staged);
@@ -188,12 +183,9 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
     } else {
       read_swiglu(checkpoint, slot, host.ptr<double>());
     }
-    values_read += host.numel();
     upload_weight(backend_, *slot.tensor, host);
   }
   backend_.synchronize();
-  log::info(fmt::format("base weights: this rank read {:.3f} M values from {}{}", values_read / 1e6, checkpoint.dir(),
-                        fsdp_sharded() ? " (the rows holding its FSDP shards, and its experts)" : ""));
 }
 
 void Model::init_random_weights() {

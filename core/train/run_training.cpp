@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -67,6 +68,24 @@ void write_resolved_config(const Config& config) {
                  fmt::format("logging.run_dir: cannot write {}", (dir / "config.yaml").string()));
 }
 
+// "1.23 GB", "45.6 MB", "789 kB" (decimal units, as the plan's).
+std::string readable_bytes(double bytes) {
+  if (bytes >= 1e9) return fmt::format("{:.2f} GB", bytes / 1e9);
+  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
+  return fmt::format("{:.0f} kB", bytes / 1e3);
+}
+
+// Rank 0 logs line(rank, values) for every rank's `values` (the same count on every rank;
+// collective over the job): what only the other ranks know, which they may not log at info.
+void log_per_rank(const Runtime& runtime, const std::vector<double>& mine,
+                  const std::function<std::string(int, const double*)>& line) {
+  std::vector<double> all(mine.size() * static_cast<size_t>(runtime.world()));
+  MPI_Gather(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, all.data(), static_cast<int>(mine.size()),
+             MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  if (!runtime.is_root()) return;
+  for (int r = 0; r < runtime.world(); ++r) log::info(line(r, &all[mine.size() * static_cast<size_t>(r)]));
+}
+
 // The peak of tensor memory on each rank's GPU, the number `moetrain plan` predicts (docs/PLAN.md),
 // and what is in use on the device (CUDA context, cuBLAS and NCCL included), logged by rank 0
 // for every rank. Collective over the job.
@@ -74,18 +93,14 @@ void log_device_memory(kernels::Backend& backend, const Runtime& runtime) {
 #if MOETRAIN_HAVE_CUDA
   if (backend.device() != Device::kCUDA) return;
   const cuda::MemoryStats stats = cuda::memory_stats();
-  const double mine[3] = {static_cast<double>(stats.peak_bytes), static_cast<double>(cuda::device_used_bytes()),
-                          static_cast<double>(stats.allocations)};
-  std::vector<double> all(3 * static_cast<size_t>(runtime.world()));
-  MPI_Gather(mine, 3, MPI_DOUBLE, all.data(), 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-  if (!runtime.is_root()) return;
-  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-  for (int r = 0; r < runtime.world(); ++r) {
-    const double* v = &all[3 * static_cast<size_t>(r)];
-    log::info(fmt::format("rank {}: peak tensor memory {:.2f} GB ({:.2f} GiB, {:.0f} allocations); device in use at "
-                          "the end {:.2f} GB",
-                          r, v[0] / 1e9, v[0] / kGiB, v[2], v[1] / 1e9));
-  }
+  const std::vector<double> mine = {static_cast<double>(stats.peak_bytes), static_cast<double>(cuda::device_used_bytes()),
+                                    static_cast<double>(stats.allocations)};
+  log_per_rank(runtime, mine, [](int rank, const double* v) {
+    constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+    return fmt::format("rank {}: peak tensor memory {:.2f} GB ({:.2f} GiB, {:.0f} allocations); device in use at "
+                       "the end {:.2f} GB",
+                       rank, v[0] / 1e9, v[0] / kGiB, v[2], v[1] / 1e9);
+  });
 #else
   (void)backend;
   (void)runtime;
@@ -142,7 +157,10 @@ int run_training(Runtime& runtime, const Config& config) {
   if (spec.config.hf_dir) {
     HfCheckpoint checkpoint(*spec.config.hf_dir);
     model.load_weights(checkpoint);
-    log::info(fmt::format("loaded base weights from {}", *spec.config.hf_dir));
+    log_per_rank(runtime, {static_cast<double>(checkpoint.bytes_read())}, [&](int rank, const double* bytes) {
+      return fmt::format("rank {}: read {} of base weights from {}{}", rank, readable_bytes(bytes[0]), *spec.config.hf_dir,
+                         runtime.world() > 1 ? " (the rows of its FSDP shards, and its experts)" : "");
+    });
   } else {
     model.init_random_weights();
     log::info("no model.hf_dir: base weights are random (seed train.seed)");

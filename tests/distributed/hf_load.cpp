@@ -50,14 +50,16 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   options.lora_targets = {"o_proj"};
   options.parallel = &groups;
   Model sharded(spec, *backend, options);
-  sharded.load_weights(HfCheckpoint(dir));
+  HfCheckpoint sharded_files(dir);
+  sharded.load_weights(sharded_files);
   const FrozenWeightBytes frozen = sharded.frozen_non_expert_bytes();
   Batch batch = testing::golden_batch(SafetensorsFile(dir + "/golden.safetensors"));
   Tensor ours = sharded.logits(batch);
 
   options.parallel = nullptr;
   Model whole(spec, *backend, options);
-  whole.load_weights(HfCheckpoint(dir));
+  HfCheckpoint whole_files(dir);
+  whole.load_weights(whole_files);
   Tensor reference = whole.logits(batch);
 
   int failures = 0;
@@ -76,12 +78,20 @@ int run_test(Runtime& runtime, int argc, char** argv) {
     ++failures;
     log::error(fmt::format("holds {} of {} frozen non-expert bytes ({:.3f})", frozen.resident, frozen.full, fraction));
   }
+  // Each rank reads only what it keeps: less than one process loading everything.
+  if (!(sharded_files.bytes_read() < whole_files.bytes_read())) {
+    ++failures;
+    log::error(fmt::format("rank {} read {} bytes of base weights, the whole model is {}", runtime.rank(),
+                           sharded_files.bytes_read(), whole_files.bytes_read()));
+  }
   const int total = static_cast<int>(sharded.sum_over_data_ranks(failures));
   if (runtime.is_root()) {
     std::printf("distributed_hf_load world %d fsdp %lld ep %lld %s: %s (max |diff| %.3e of %.3e; frozen non-expert "
-                "bytes per rank %zu of %zu)\n",
+                "bytes per rank %zu of %zu; rank 0 read %llu of %llu checkpoint bytes)\n",
                 runtime.world(), static_cast<long long>(parallel.fsdp), static_cast<long long>(parallel.ep),
-                dir.c_str(), total == 0 ? "EQUAL" : "DIFFERENT", worst, scale, frozen.resident, frozen.full);
+                dir.c_str(), total == 0 ? "EQUAL" : "DIFFERENT", worst, scale, frozen.resident, frozen.full,
+                static_cast<unsigned long long>(sharded_files.bytes_read()),
+                static_cast<unsigned long long>(whole_files.bytes_read()));
   }
   return total == 0 ? 0 : 1;
 }
