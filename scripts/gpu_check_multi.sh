@@ -14,6 +14,9 @@
 #   BUILD_DIR=...           the build (default <repo>/build-gpu); built and tested by gpu_check.sh
 #   MOETRAIN_SKIP_BUILD=1   use BUILD_DIR as it is (no build, no ctest)
 #   MOETRAIN_CHECKS="1 2 3 4"  which checks to run (3 needs 2's runs)
+# Time: checks 1-4 take a few minutes after the build; where one command may run 10 minutes,
+# build and test first (MOETRAIN_BENCH=0 MOETRAIN_TRAIN_STEPS=0 scripts/gpu_check.sh), then run
+# this with MOETRAIN_SKIP_BUILD=1 on the same machine.
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
