@@ -129,6 +129,7 @@ void bench_experts(Backend& be, int reps, std::vector<Row>& rows) {
     args.a = a;
     args.b = b;
     args.group_offsets = group_offsets;
+    args.host_group_offsets = offsets.data();  // as the model passes them: no read-back
     args.transpose_b = transpose_b;
     be.grouped_gemm(args);
   };

@@ -64,6 +64,10 @@ struct GroupedGemmArgs {
   TensorView a;
   TensorView b;
   TensorView group_offsets;
+  // Optional: group_offsets' values on the host (the caller's copy, [groups + 1]). A device
+  // backend then need not read them back, a host synchronization per call; must equal them
+  // (the CPU backend checks that they do).
+  const int32_t* host_group_offsets = nullptr;
   bool transpose_b = true;
   double alpha = 1.0;
   double beta = 0.0;

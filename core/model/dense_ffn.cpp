@@ -1,7 +1,9 @@
 #include "core/model/dense_ffn.h"
 
 namespace moetrain {
+namespace {
 
+// An int32 device tensor [2] holding {0, rows}.
 Tensor single_group_offsets(const LayerContext& ctx, int64_t rows) {
   Tensor host({2}, DType::kI32);
   host.ptr<int32_t>()[0] = 0;
@@ -11,18 +13,20 @@ Tensor single_group_offsets(const LayerContext& ctx, int64_t rows) {
   return device;
 }
 
+}  // namespace
+
 DenseFfn::DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx)
     : mlp(std::move(prefix), 1, hidden, width) {
   mlp.gate_up = ctx.alloc({1, 2 * width, hidden});
   mlp.down = ctx.alloc({1, hidden, width});
 }
 
-const TensorView& DenseFfn::offsets(const LayerContext& ctx, int64_t rows) {
-  if (offsets_rows_ != rows) {
+GroupOffsets DenseFfn::offsets(const LayerContext& ctx, int64_t rows) {
+  if (offsets_host_[1] != rows) {
     offsets_ = single_group_offsets(ctx, rows);
-    offsets_rows_ = rows;
+    offsets_host_[1] = static_cast<int32_t>(rows);
   }
-  return offsets_.view();
+  return GroupOffsets{offsets_.view(), offsets_host_};
 }
 
 void DenseFfn::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {

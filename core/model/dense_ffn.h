@@ -22,12 +22,9 @@ class DenseFfn final : public FeedForward {
 
  private:
   // [0, rows] for the single group, rebuilt when the row count changes.
-  const TensorView& offsets(const LayerContext& ctx, int64_t rows);
+  GroupOffsets offsets(const LayerContext& ctx, int64_t rows);
   Tensor offsets_;
-  int64_t offsets_rows_ = -1;
+  int32_t offsets_host_[2] = {0, -1};  // {0, rows}: offsets_'s values
 };
-
-// Fills an int32 device tensor [2] with {0, rows}.
-Tensor single_group_offsets(const LayerContext& ctx, int64_t rows);
 
 }  // namespace moetrain

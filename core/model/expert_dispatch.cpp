@@ -61,7 +61,8 @@ Tensor ExpertDispatch::plan(const LayerContext& ctx, const int32_t* expert_offse
   std::vector<int64_t> source_start(ranks, 0);
   for (int p = 1; p < ranks; ++p) source_start[p] = source_start[p - 1] + recv_rows_[p - 1];
   std::vector<int32_t> regroup, ungroup(static_cast<size_t>(local_rows_));
-  std::vector<int32_t> local_offsets = {0};
+  std::vector<int32_t>& local_offsets = local_offsets_;
+  local_offsets.assign(1, 0);
   std::vector<int64_t> within_source(ranks, 0);
   for (int64_t e = 0; e < local_experts_; ++e) {
     for (int p = 0; p < ranks; ++p) {

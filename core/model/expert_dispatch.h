@@ -26,6 +26,7 @@ class ExpertDispatch {
   // fixes the layouts. Returns the local experts' row offsets ([local + 1], on the device).
   Tensor plan(const LayerContext& ctx, const int32_t* expert_offsets_host);
   int64_t local_rows() const { return local_rows_; }
+  const std::vector<int32_t>& local_offsets() const { return local_offsets_; }  // plan()'s, on the host
 
   // local [local_rows, D] (expert-major) <- routed [routed rows, D] of every rank.
   void to_experts(const LayerContext& ctx, const TensorView& local, const TensorView& routed) const;
@@ -38,6 +39,7 @@ class ExpertDispatch {
   int64_t local_experts_;
   std::vector<int64_t> send_rows_, recv_rows_;  // per EP rank
   int64_t local_rows_ = 0;
+  std::vector<int32_t> local_offsets_;
   Tensor regroup_;    // int32 [local_rows]: expert-major row <- received (source-major) row
   Tensor ungroup_;    // int32 [local_rows]: its inverse
 };

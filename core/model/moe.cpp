@@ -125,13 +125,15 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
   s.routed_out = ctx.alloc({n * k, hidden_});
   if (dispatch_) {
     s.local_offsets = dispatch_->plan(ctx, offsets);
+    s.expert_rows = dispatch_->local_offsets();
     s.local_x = ctx.alloc({dispatch_->local_rows(), hidden_});
     dispatch_->to_experts(ctx, s.local_x, s.routed_x);
     Tensor local_out = ctx.alloc({dispatch_->local_rows(), hidden_});
-    experts.forward(ctx, local_out, s.local_x, s.local_offsets);
+    experts.forward(ctx, local_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()});
     dispatch_->from_experts(ctx, s.routed_out, local_out);
   } else {
-    experts.forward(ctx, s.routed_out, s.routed_x, s.expert_offsets);
+    s.expert_rows.assign(offsets, offsets + e + 1);
+    experts.forward(ctx, s.routed_out, s.routed_x, GroupOffsets{s.expert_offsets, s.expert_rows.data()});
   }
   be.moe_combine(MoeCombineArgs{out, s.routed_out, s.topk_weight, s.pair_row});
   if (shared) {
@@ -187,10 +189,11 @@ void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const Tenso
     Tensor dlocal_out = ctx.alloc({dispatch_->local_rows(), hidden_});
     dispatch_->to_experts(ctx, dlocal_out, drouted_out);
     Tensor dlocal_x = ctx.alloc({dispatch_->local_rows(), hidden_});
-    experts.backward(ctx, dlocal_x, dlocal_out, s.local_x, s.local_offsets, false);
+    experts.backward(ctx, dlocal_x, dlocal_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()}, false);
     dispatch_->from_experts(ctx, drouted_x, dlocal_x);
   } else {
-    experts.backward(ctx, drouted_x, drouted_out, s.routed_x, s.expert_offsets, false);
+    experts.backward(ctx, drouted_x, drouted_out, s.routed_x, GroupOffsets{s.expert_offsets, s.expert_rows.data()},
+                     false);
   }
   be.moe_unpermute_sum(dx, drouted_x, s.pair_row, k, true);
 

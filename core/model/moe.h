@@ -57,6 +57,7 @@ class MoeFfn final : public FeedForward {
     Tensor expert_offsets, sorted_pair, pair_row;
     Tensor routed_x, routed_out;  // [tokens * top_k, D], expert order
     Tensor local_x, local_offsets;  // under expert parallelism: the rows this rank's experts ran
+    std::vector<int32_t> expert_rows;  // host copy of the offsets the experts ran with (local under EP)
     Tensor aux_dscores;           // dL_aux/dscores, already weighted; empty without aux loss
   } saved_;
 };

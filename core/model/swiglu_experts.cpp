@@ -8,14 +8,15 @@ using kernels::GroupedGemmKind;
 
 namespace {
 
-GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const TensorView& offsets, bool transpose_b,
+GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, bool transpose_b,
                         double alpha = 1.0, double beta = 0.0) {
   GroupedGemmArgs args;
   args.kind = GroupedGemmKind::kMGrouped;
   args.c = c;
   args.a = a;
   args.b = b;
-  args.group_offsets = offsets;
+  args.group_offsets = offsets.device;
+  args.host_group_offsets = offsets.host;
   args.transpose_b = transpose_b;
   args.alpha = alpha;
   args.beta = beta;
@@ -23,13 +24,14 @@ GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const TensorVi
 }
 
 // c[g] += alpha * a[rows_g]^T b[rows_g]: the per-group weight gradient.
-GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const TensorView& offsets, double alpha) {
+GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, double alpha) {
   GroupedGemmArgs args;
   args.kind = GroupedGemmKind::kKGrouped;
   args.c = c;
   args.a = a;
   args.b = b;
-  args.group_offsets = offsets;
+  args.group_offsets = offsets.device;
+  args.host_group_offsets = offsets.host;
   args.alpha = alpha;
   args.beta = 1.0;
   return args;
@@ -88,7 +90,7 @@ TensorView SwigluExperts::stacked_b(Projection p) const {
 }
 
 void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x,
-                            const TensorView& group_offsets) {
+                            const GroupOffsets& group_offsets) {
   kernels::Backend& be = ctx.backend;
   int64_t rows = x.size(0);
   int64_t f = width_;
@@ -115,7 +117,7 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
 }
 
 void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
-                             const TensorView& x, const TensorView& group_offsets, bool accumulate_dx) {
+                             const TensorView& x, const GroupOffsets& group_offsets, bool accumulate_dx) {
   kernels::Backend& be = ctx.backend;
   int64_t rows = x.size(0);
   int64_t f = width_;

@@ -19,6 +19,14 @@
 
 namespace moetrain {
 
+// Row offsets of the groups (experts) of a grouped computation, int32 [G + 1]: on the backend's
+// device, and the same values on the host when the caller has them (they spare the backend a
+// read-back per grouped GEMM; kernels::GroupedGemmArgs::host_group_offsets).
+struct GroupOffsets {
+  TensorView device;
+  const int32_t* host = nullptr;
+};
+
 class SwigluExperts {
  public:
   enum Projection { kGate = 0, kUp = 1, kDown = 2 };
@@ -46,12 +54,12 @@ class SwigluExperts {
   // seeded by (seed, first_group + g), so an expert starts the same whichever rank holds it.
   void add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend, uint64_t seed);
 
-  // out [R, D] = FFN(x [R, D]) per group; group_offsets int32 [G + 1] on the device.
+  // out [R, D] = FFN(x [R, D]) per group of rows (group_offsets: [G + 1]).
   // Saves what backward needs (the gate/up pre-activations and the SwiGLU output).
-  void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x, const TensorView& group_offsets);
+  void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x, const GroupOffsets& group_offsets);
   // dx (= or +=) from dout; adapter gradients +=. Needs the forward's x and offsets again.
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x,
-                const TensorView& group_offsets, bool accumulate_dx);
+                const GroupOffsets& group_offsets, bool accumulate_dx);
   void release_saved();
 
   void collect_parameters(std::vector<Parameter*>& out);

@@ -144,6 +144,14 @@ class CpuBackend final : public Backend {
     expect_ndim(op, "a", args.a, 2);
     expect_offsets(op, "group_offsets", args.group_offsets, args.a.size(0));
     expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
+    if (args.host_group_offsets != nullptr) {
+      const int32_t* device = args.group_offsets.ptr<int32_t>();
+      for (int64_t i = 0; i < args.group_offsets.numel(); ++i) {
+        expect(args.host_group_offsets[i] == device[i], op,
+               "host_group_offsets[" + std::to_string(i) + "] = " + std::to_string(args.host_group_offsets[i]) +
+                   " but group_offsets holds " + std::to_string(device[i]));
+      }
+    }
     dispatch(op, dtype, [&](auto t) { cpu::grouped_gemm<decltype(t)>(args); });
   }
 

@@ -223,7 +223,11 @@ class CudaBackend final : public Backend {
            describe("group_offsets", args.group_offsets) + " should be [groups + 1]");
     const int64_t rows = args.a.size(0);
     expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
-    const std::vector<int32_t> offsets = download_i32(args.group_offsets, stream_);
+    // The caller's host copy when it has one: reading them back would wait for the stream.
+    const std::vector<int32_t> offsets =
+        args.host_group_offsets != nullptr
+            ? std::vector<int32_t>(args.host_group_offsets, args.host_group_offsets + args.group_offsets.numel())
+            : download_i32(args.group_offsets, stream_);
     expect_offsets(op, "group_offsets", offsets, rows);
     cuda_ops::grouped_gemm(args, offsets, blas_, stream_);
   }

@@ -182,6 +182,23 @@ TEST_CASE("grouped gemm rejects offsets that do not cover the rows", "[cpu_ops]"
   CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "group_offsets"));
 }
 
+TEST_CASE("grouped gemm checks a host copy of the offsets against the offsets", "[cpu_ops]") {
+  auto backend = make_cpu_backend();
+  Tensor a = random_tensor({4, 2}, DType::kF32, 1), b = random_tensor({2, 3, 2}, DType::kF32, 2);
+  Tensor c({4, 3}, DType::kF32);
+  Tensor offsets = make_i32({0, 3, 4});
+  GroupedGemmArgs args;
+  args.c = c;
+  args.a = a;
+  args.b = b;
+  args.group_offsets = offsets;
+  const int32_t same[3] = {0, 3, 4}, stale[3] = {0, 2, 4};
+  args.host_group_offsets = same;
+  backend->grouped_gemm(args);
+  args.host_group_offsets = stale;
+  CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "host_group_offsets[1] = 2"));
+}
+
 TEST_CASE("axpby, sum_squares and fill", "[cpu_ops]") {
   auto backend = make_cpu_backend();
   Tensor x = random_tensor({2, 3}, DType::kF64, 1), y = random_tensor({2, 3}, DType::kF64, 2);
