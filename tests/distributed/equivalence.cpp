@@ -128,7 +128,9 @@ struct Run {
 // The trainer's step, written out so the gradients can be read before the update.
 Run train(Model& model, SyntheticData& data) {
   Run run;
-  AdamW optimizer(model.parameter_groups(), AdamWOptions{}, model.backend());
+  AdamWOptions adamw;
+  adamw.weight_decay = 0.1;  // decoupled decay too, applied shard by shard
+  AdamW optimizer(model.parameter_groups(), adamw, model.backend());
   for (int step = 0; step < kSteps; ++step) {
     Batch batch = data.next();
     double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
