@@ -7,12 +7,13 @@
 //                     Together they hold one full copy of the non-expert weights, each rank the
 //                     shard number r % fsdp (all-gather / reduce-scatter run here).
 //   replicate group   ranks {s, s + fsdp, s + 2*fsdp, ...} for s = r % fsdp: the ranks holding the
-//                     same shard (an all-reduce of the reduce-scattered gradient shards runs here).
+//                     same shard of the frozen weights.
 //   EP group          ranks {g*ep, ..., g*ep + ep - 1} for g = r / ep: contiguous blocks, so with
 //                     ep <= ranks per node the token all-to-all never leaves a node. Position
 //                     p = r % ep in it holds experts [p*E/ep, (p+1)*E/ep) (E = num_experts).
 //   expert replicas   ranks {p, p + ep, p + 2*ep, ...} for p = r % ep: the W / ep ranks holding
-//                     the same experts (expert-adapter gradients are all-reduced here).
+//                     the same experts (their adapters' gradients are reduce-scattered and their
+//                     optimizer state sharded here; the other adapters' over all W ranks).
 //
 // Within every group, ranks are ordered by global rank, and a rank's index in the group is its
 // rank in the group's communicator. Two layers: MeshLayout is the pure arithmetic (testable
