@@ -66,6 +66,22 @@ inline Tensor download(const TensorView& device) {
   return wide;
 }
 
+// An int32 device tensor equals a host one exactly (counts the mismatches, names the first).
+inline void expect_same_ints(const TensorView& device, const TensorView& host, const char* name) {
+  const Tensor got = download(device);
+  REQUIRE(got.numel() == host.numel());
+  int64_t mismatches = 0, first = -1;
+  for (int64_t i = 0; i < host.numel(); ++i) {
+    if (got.ptr<int32_t>()[i] != host.ptr<int32_t>()[i]) {
+      if (first < 0) first = i;
+      ++mismatches;
+    }
+  }
+  INFO(std::string(name) + ": " + std::to_string(mismatches) + " of " + std::to_string(host.numel()) +
+       " differ, first at " + std::to_string(first));
+  CHECK(mismatches == 0);
+}
+
 // A device tensor whose every byte is 0xff: NaN for F32, BF16 and F16.
 inline Tensor poisoned(Shape shape, DType dtype) {
   Tensor ones(shape, dtype);

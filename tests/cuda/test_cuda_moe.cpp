@@ -16,21 +16,6 @@ using namespace moetrain::cuda_test;
 
 Tensor poisoned_ints(int64_t count) { return poisoned(Shape{count}, DType::kI32); }
 
-void expect_same_ints(const TensorView& device, const TensorView& host, const char* name) {
-  const Tensor got = download(device);
-  REQUIRE(got.numel() == host.numel());
-  int64_t mismatches = 0, first = -1;
-  for (int64_t i = 0; i < host.numel(); ++i) {
-    if (got.ptr<int32_t>()[i] != host.ptr<int32_t>()[i]) {
-      if (first < 0) first = i;
-      ++mismatches;
-    }
-  }
-  INFO(std::string(name) + ": " + std::to_string(mismatches) + " of " + std::to_string(host.numel()) +
-       " differ, first at " + std::to_string(first));
-  CHECK(mismatches == 0);
-}
-
 // The permutation of `expert_of` ([tokens, top_k]) on both backends; returns the CPU's
 // pair_row and sorted_pair for the row tests.
 struct Permutation {

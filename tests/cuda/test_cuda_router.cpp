@@ -45,21 +45,6 @@ Operand step_bias(int64_t experts, uint64_t seed) {
   return op;
 }
 
-void expect_same_ints(const TensorView& device, const TensorView& host, const char* name) {
-  const Tensor got = download(device);
-  REQUIRE(got.numel() == host.numel());
-  int64_t mismatches = 0, first = -1;
-  for (int64_t i = 0; i < host.numel(); ++i) {
-    if (got.ptr<int32_t>()[i] != host.ptr<int32_t>()[i]) {
-      if (first < 0) first = i;
-      ++mismatches;
-    }
-  }
-  INFO(std::string(name) + ": " + std::to_string(mismatches) + " of " + std::to_string(host.numel()) +
-       " differ, first at " + std::to_string(first));
-  CHECK(mismatches == 0);
-}
-
 struct RouterCase {
   const char* name;
   int64_t tokens, experts, top_k, num_groups, topk_groups;
