@@ -34,6 +34,7 @@
 #include <cmath>
 #include <string>
 
+#include "kernels/cuda/attention_segments.cuh"
 #include "kernels/cuda/attention_tensor_core.h"
 #include "kernels/arg_checks.h"
 #include "kernels/cuda/cuda_check.h"
@@ -85,29 +86,6 @@ struct AttentionShape {
   float scale = 1.0f;
 };
 
-// The segment holding token t (t < tokens): the last i with cu[i] <= t. Empty segments
-// (cu[i] == cu[i + 1]) are skipped naturally. Bounds are clamped so a malformed cu_seqlens
-// gives wrong numbers, never an out-of-bounds access.
-__device__ int segment_index(const int32_t* cu_seqlens, int num_segments, int t) {
-  int lo = 0, hi = num_segments - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (cu_seqlens[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-__device__ int segment_start(const int32_t* cu_seqlens, int num_segments, int t) {
-  const int start = cu_seqlens[segment_index(cu_seqlens, num_segments, t)];
-  return min(max(start, 0), t);
-}
-__device__ int segment_end(const int32_t* cu_seqlens, int num_segments, int t, int tokens) {
-  const int end = cu_seqlens[segment_index(cu_seqlens, num_segments, t) + 1];
-  return min(max(end, t + 1), tokens);
-}
 
 // Copies rows [row0, row0 + rows) of head `head` of a [tokens, heads, dim] operand into a
 // shared tile [rows][dim + 1] as F32; rows at or past `row_limit` become zeros.

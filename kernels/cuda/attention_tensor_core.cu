@@ -49,6 +49,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/cuda/attention_segments.cuh"
 #include "kernels/cuda/cuda_check.h"
 
 namespace moetrain::kernels::cuda_ops {
@@ -101,30 +102,6 @@ struct TcBackwardParams {
   const int32_t* cu_seqlens = nullptr;
   TcShape shape;
 };
-
-// ---------------------------------------------------------------------------------------------
-// Segments (as in attention.cu: the last i with cu[i] <= t, clamped so bad input stays in bounds)
-
-__device__ int tc_segment_index(const int32_t* cu_seqlens, int num_segments, int t) {
-  int lo = 0, hi = num_segments - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (cu_seqlens[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-__device__ int tc_segment_start(const int32_t* cu_seqlens, int num_segments, int t) {
-  const int start = cu_seqlens[tc_segment_index(cu_seqlens, num_segments, t)];
-  return min(max(start, 0), t);
-}
-__device__ int tc_segment_end(const int32_t* cu_seqlens, int num_segments, int t, int tokens) {
-  const int end = cu_seqlens[tc_segment_index(cu_seqlens, num_segments, t) + 1];
-  return min(max(end, t + 1), tokens);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Register-tile primitives (one warp)
@@ -317,10 +294,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_sm90_bf16_mma_ke
   const float scale_log2 = s.scale * kLog2e;
 
   // The first row's segment starts no later than any other row's (starts are monotone in t).
-  const int kv_begin = tc_segment_start(p.cu_seqlens, s.num_segments, m0);
+  const int kv_begin = segment_start(p.cu_seqlens, s.num_segments, m0);
   // A key block needs no mask when all 64 rows are valid, every key precedes every row, and the
   // block starts at or after the last row's segment start (the latest of the rows').
-  const int last_row_start = tc_segment_start(p.cu_seqlens, s.num_segments, row_end - 1);
+  const int last_row_start = segment_start(p.cu_seqlens, s.num_segments, row_end - 1);
   auto block_fully_visible = [&](int m0_, int n0_) {
     return m0_ + kBlockRows <= s.tokens && n0_ + kKeyBlock - 1 <= m0_ && n0_ >= last_row_start;
   };
@@ -331,7 +308,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_sm90_bf16_mma_ke
   cp_async_commit();
   for (int r = threadIdx.x; r < kBlockRows; r += kTcThreads) {
     const int t = m0 + r;
-    row_start_st[r] = t < s.tokens ? tc_segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
+    row_start_st[r] = t < s.tokens ? segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
   }
   __syncthreads();
 
@@ -475,10 +452,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dq_sm90_bf16_mm
   const int warp_row0 = warp * kWarpRows;
   const float scale_log2 = s.scale * kLog2e;
 
-  const int kv_begin = tc_segment_start(p.cu_seqlens, s.num_segments, m0);
+  const int kv_begin = segment_start(p.cu_seqlens, s.num_segments, m0);
   // A key block needs no mask when all 64 rows are valid, every key precedes every row, and the
   // block starts at or after the last row's segment start (the latest of the rows').
-  const int last_row_start = tc_segment_start(p.cu_seqlens, s.num_segments, row_end - 1);
+  const int last_row_start = segment_start(p.cu_seqlens, s.num_segments, row_end - 1);
   auto block_fully_visible = [&](int m0_, int n0_) {
     return m0_ + kBlockRows <= s.tokens && n0_ + kKeyBlock - 1 <= m0_ && n0_ >= last_row_start;
   };
@@ -494,7 +471,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dq_sm90_bf16_mm
     const int64_t row = static_cast<int64_t>(t) * s.heads + head;
     lse_st[r] = valid ? p.lse[row] * kLog2e : 0.0f;  // log2 units
     delta_st[r] = valid ? p.delta[row] : 0.0f;
-    row_start_st[r] = valid ? tc_segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
+    row_start_st[r] = valid ? segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
   }
   __syncthreads();
 
@@ -617,7 +594,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dkdv_sm90_bf16_
   const float scale_log2 = s.scale * kLog2e;
 
   // Queries that see these keys: from the first key to the end of the last key's segment.
-  const int query_end = tc_segment_end(p.cu_seqlens, s.num_segments, last_key, s.tokens);
+  const int query_end = segment_end(p.cu_seqlens, s.num_segments, last_key, s.tokens);
   const int num_query_blocks = (query_end - n0 + kDkdvQueryBlock - 1) / kDkdvQueryBlock;
   // Issues the query side of step `step` into buffer step & 1 (that buffer's previous readers
   // must be past a barrier): Q and dO asynchronously, lse / delta / row starts by plain stores.
@@ -632,7 +609,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dkdv_sm90_bf16_
       const int64_t row = static_cast<int64_t>(t) * s.heads + head;
       lse_st_buf[buf * kDkdvQueryBlock + r] = valid ? p.lse[row] * kLog2e : 0.0f;  // log2 units
       delta_st_buf[buf * kDkdvQueryBlock + r] = valid ? p.delta[row] : 0.0f;
-      row_start_st_buf[buf * kDkdvQueryBlock + r] = valid ? tc_segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
+      row_start_st_buf[buf * kDkdvQueryBlock + r] = valid ? segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
     }
   };
   load_rows_st<kQk>(k_st, p.k, n0, kBlockRows, s.tokens, head, s.heads, s.qk_dim);
