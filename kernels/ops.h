@@ -263,6 +263,121 @@ struct CopyColumnsArgs {
 };
 
 // ---------------------------------------------------------------------------------------------
+// KDA (Kimi Delta Attention) and the ops around it. "accum" below is the accumulation dtype
+// (F32 on CUDA, F64 when computing in F64 on the CPU). Activations: BF16 or F32 on CUDA.
+
+// Causal depthwise convolution over time (width W = weight.size(1)) within each segment, zero
+// history at a segment start, then SiLU when `silu`:
+//   y[t, c] = act(sum_{i < W} weight[c, i] * x[t - W + 1 + i, c])
+// x, y: [tokens, channels]; weight: [channels, W] (HF's conv1d weight [C, 1, W] squeezed), frozen.
+struct ShortConvArgs {
+  TensorView y;
+  TensorView x;
+  TensorView weight;
+  TensorView cu_seqlens;
+  bool silu = true;
+};
+struct ShortConvBackwardArgs {
+  TensorView dx;       // [tokens, channels], overwritten
+  TensorView dweight;  // [channels, W], optional (frozen conv: empty)
+  TensorView dy;
+  TensorView x;
+  TensorView weight;
+  TensorView cu_seqlens;
+  bool silu = true;
+};
+
+// y = x / sqrt(sum(x^2) + eps) per row of length dim = x.size(-1) (fla's / transformers' l2norm,
+// eps inside the sqrt). inv_norm [rows] (accum) saved for backward.
+struct L2NormArgs {
+  TensorView y;
+  TensorView inv_norm;
+  TensorView x;
+  double eps = 1e-6;
+};
+struct L2NormBackwardArgs {
+  TensorView dx;  // overwritten
+  TensorView dy;
+  TensorView x;
+  TensorView inv_norm;
+};
+
+// The KDA forget gate (log decay), per token t, head h, channel c; f is [tokens, heads * dim]:
+//   lower_bound == 0 (Kimi-Linear): g = -exp(a_log[h]) * softplus(f[t, h, c] + dt_bias[h, c])
+//   lower_bound <  0 (Kimi K3):     g = lower_bound * sigmoid(exp(a_log[h]) * (f[t, h, c] + dt_bias[h, c]))
+// g: [tokens, heads, dim] accum. a_log [heads], dt_bias [heads * dim]: accum, frozen.
+struct KdaGateArgs {
+  TensorView g;
+  TensorView f;
+  TensorView a_log;
+  TensorView dt_bias;
+  double lower_bound = 0.0;
+};
+struct KdaGateBackwardArgs {
+  TensorView df;  // [tokens, heads * dim], overwritten
+  TensorView dg;  // accum
+  TensorView f;
+  TensorView a_log;
+  TensorView dt_bias;
+  double lower_bound = 0.0;
+};
+
+// The gated delta rule (Kimi Delta Attention), per segment and head, from a zero state
+// S [k_dim, v_dim] at every segment start:
+//   S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   out_t = S_t^T (scale * q_t)
+// i.e. decay S's rows by exp(g_t), then S += k_t (beta_t (v_t - S^T k_t))^T, then read with q.
+// q, k: [tokens, heads, k_dim] (already L2-normalised by the caller); v, out: [tokens, heads, v_dim];
+// g: [tokens, heads, k_dim] accum (<= 0); beta: [tokens, heads] accum. scale: k_dim^-0.5 in the models.
+struct KdaArgs {
+  TensorView out;
+  TensorView q;
+  TensorView k;
+  TensorView v;
+  TensorView g;
+  TensorView beta;
+  TensorView cu_seqlens;
+  double scale = 1.0;
+};
+// Every gradient overwritten (dg, dbeta accum). The backward recomputes what it needs from the inputs.
+struct KdaBackwardArgs {
+  TensorView dq;
+  TensorView dk;
+  TensorView dv;
+  TensorView dg;
+  TensorView dbeta;
+  TensorView dout;
+  TensorView q;
+  TensorView k;
+  TensorView v;
+  TensorView g;
+  TensorView beta;
+  TensorView cu_seqlens;
+  double scale = 1.0;
+};
+
+// The KDA output norm (transformers' RMSNormGated with activation sigmoid), per row of dim:
+//   y = x * rstd * weight * sigmoid(gate),  rstd = 1 / sqrt(mean(x^2) + eps)
+// x, gate, y: [rows, dim]; weight [dim]; rstd [rows] accum saved for backward.
+struct GatedRmsNormArgs {
+  TensorView y;
+  TensorView rstd;
+  TensorView x;
+  TensorView gate;
+  TensorView weight;
+  double eps = 1e-6;
+};
+struct GatedRmsNormBackwardArgs {
+  TensorView dx;       // overwritten
+  TensorView dgate;    // overwritten
+  TensorView dweight;  // optional (frozen norm: empty)
+  TensorView dy;
+  TensorView x;
+  TensorView gate;
+  TensorView weight;
+  TensorView rstd;
+};
+
+// ---------------------------------------------------------------------------------------------
 
 class Backend {
  public:
@@ -326,6 +441,21 @@ class Backend {
 
   virtual void cross_entropy(const CrossEntropyArgs& args) = 0;
   virtual void adamw(const AdamWArgs& args) = 0;
+
+  // KDA (the structs above say what each computes).
+  virtual void short_conv_forward(const ShortConvArgs& args) = 0;
+  virtual void short_conv_backward(const ShortConvBackwardArgs& args) = 0;
+  virtual void l2norm_forward(const L2NormArgs& args) = 0;
+  virtual void l2norm_backward(const L2NormBackwardArgs& args) = 0;
+  virtual void kda_gate_forward(const KdaGateArgs& args) = 0;
+  virtual void kda_gate_backward(const KdaGateBackwardArgs& args) = 0;
+  virtual void kda_forward(const KdaArgs& args) = 0;
+  virtual void kda_backward(const KdaBackwardArgs& args) = 0;
+  virtual void gated_rmsnorm_forward(const GatedRmsNormArgs& args) = 0;
+  virtual void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) = 0;
+  // y = sigmoid(x) elementwise (KDA's beta); backward dx = dy * y * (1 - y). dx may alias dy.
+  virtual void sigmoid_forward(const TensorView& y, const TensorView& x) = 0;
+  virtual void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) = 0;
 };
 
 // The CPU reference backend (always built).

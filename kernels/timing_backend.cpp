@@ -140,6 +140,42 @@ void TimingBackend::cross_entropy(const CrossEntropyArgs& args) {
 void TimingBackend::adamw(const AdamWArgs& args) {
   timed("adamw", [&] { inner_.adamw(args); });
 }
+void TimingBackend::short_conv_forward(const ShortConvArgs& args) {
+  timed("short_conv_forward", [&] { inner_.short_conv_forward(args); });
+}
+void TimingBackend::short_conv_backward(const ShortConvBackwardArgs& args) {
+  timed("short_conv_backward", [&] { inner_.short_conv_backward(args); });
+}
+void TimingBackend::l2norm_forward(const L2NormArgs& args) {
+  timed("l2norm_forward", [&] { inner_.l2norm_forward(args); });
+}
+void TimingBackend::l2norm_backward(const L2NormBackwardArgs& args) {
+  timed("l2norm_backward", [&] { inner_.l2norm_backward(args); });
+}
+void TimingBackend::kda_gate_forward(const KdaGateArgs& args) {
+  timed("kda_gate_forward", [&] { inner_.kda_gate_forward(args); });
+}
+void TimingBackend::kda_gate_backward(const KdaGateBackwardArgs& args) {
+  timed("kda_gate_backward", [&] { inner_.kda_gate_backward(args); });
+}
+void TimingBackend::kda_forward(const KdaArgs& args) {
+  timed("kda_forward", [&] { inner_.kda_forward(args); });
+}
+void TimingBackend::kda_backward(const KdaBackwardArgs& args) {
+  timed("kda_backward", [&] { inner_.kda_backward(args); });
+}
+void TimingBackend::gated_rmsnorm_forward(const GatedRmsNormArgs& args) {
+  timed("gated_rmsnorm_forward", [&] { inner_.gated_rmsnorm_forward(args); });
+}
+void TimingBackend::gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) {
+  timed("gated_rmsnorm_backward", [&] { inner_.gated_rmsnorm_backward(args); });
+}
+void TimingBackend::sigmoid_forward(const TensorView& y, const TensorView& x) {
+  timed("sigmoid_forward", [&] { inner_.sigmoid_forward(y, x); });
+}
+void TimingBackend::sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) {
+  timed("sigmoid_backward", [&] { inner_.sigmoid_backward(dx, dy, y); });
+}
 
 namespace {
 

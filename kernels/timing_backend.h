@@ -88,6 +88,18 @@ class TimingBackend final : public Backend {
   void moe_combine_backward(const MoeCombineBackwardArgs& args) override;
   void cross_entropy(const CrossEntropyArgs& args) override;
   void adamw(const AdamWArgs& args) override;
+  void short_conv_forward(const ShortConvArgs& args) override;
+  void short_conv_backward(const ShortConvBackwardArgs& args) override;
+  void l2norm_forward(const L2NormArgs& args) override;
+  void l2norm_backward(const L2NormBackwardArgs& args) override;
+  void kda_gate_forward(const KdaGateArgs& args) override;
+  void kda_gate_backward(const KdaGateBackwardArgs& args) override;
+  void kda_forward(const KdaArgs& args) override;
+  void kda_backward(const KdaBackwardArgs& args) override;
+  void gated_rmsnorm_forward(const GatedRmsNormArgs& args) override;
+  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) override;
+  void sigmoid_forward(const TensorView& y, const TensorView& x) override;
+  void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) override;
 
  private:
   struct Total {

@@ -408,6 +408,23 @@ class CpuBackend final : public Backend {
     dispatch(op, dtype, [&](auto t) { cpu::adamw<decltype(t)>(args); });
   }
 
+  // KDA ops: the reference lands in the next commits (kernels/cpu/kda.h and friends).
+  [[noreturn]] static void not_yet(const char* op) { fail(op, "not yet implemented on the CPU backend"); }
+  void short_conv_forward(const ShortConvArgs&) override { not_yet("short_conv_forward"); }
+  void short_conv_backward(const ShortConvBackwardArgs&) override { not_yet("short_conv_backward"); }
+  void l2norm_forward(const L2NormArgs&) override { not_yet("l2norm_forward"); }
+  void l2norm_backward(const L2NormBackwardArgs&) override { not_yet("l2norm_backward"); }
+  void kda_gate_forward(const KdaGateArgs&) override { not_yet("kda_gate_forward"); }
+  void kda_gate_backward(const KdaGateBackwardArgs&) override { not_yet("kda_gate_backward"); }
+  void kda_forward(const KdaArgs&) override { not_yet("kda_forward"); }
+  void kda_backward(const KdaBackwardArgs&) override { not_yet("kda_backward"); }
+  void gated_rmsnorm_forward(const GatedRmsNormArgs&) override { not_yet("gated_rmsnorm_forward"); }
+  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs&) override { not_yet("gated_rmsnorm_backward"); }
+  void sigmoid_forward(const TensorView&, const TensorView&) override { not_yet("sigmoid_forward"); }
+  void sigmoid_backward(const TensorView&, const TensorView&, const TensorView&) override {
+    not_yet("sigmoid_backward");
+  }
+
  private:
   static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
                               const TensorView& ids) {

@@ -507,6 +507,28 @@ class CudaBackend final : public Backend {
     cuda_ops::adamw(args, stream_);
   }
 
+  // ---- KDA placeholder: BEGIN (replaced by the CUDA KDA kernels) ----
+  [[noreturn]] static void kda_not_implemented(const char* op) {
+    fail(op, "kda ops are not implemented on CUDA yet");
+  }
+  void short_conv_forward(const ShortConvArgs&) override { kda_not_implemented("short_conv_forward"); }
+  void short_conv_backward(const ShortConvBackwardArgs&) override { kda_not_implemented("short_conv_backward"); }
+  void l2norm_forward(const L2NormArgs&) override { kda_not_implemented("l2norm_forward"); }
+  void l2norm_backward(const L2NormBackwardArgs&) override { kda_not_implemented("l2norm_backward"); }
+  void kda_gate_forward(const KdaGateArgs&) override { kda_not_implemented("kda_gate_forward"); }
+  void kda_gate_backward(const KdaGateBackwardArgs&) override { kda_not_implemented("kda_gate_backward"); }
+  void kda_forward(const KdaArgs&) override { kda_not_implemented("kda_forward"); }
+  void kda_backward(const KdaBackwardArgs&) override { kda_not_implemented("kda_backward"); }
+  void gated_rmsnorm_forward(const GatedRmsNormArgs&) override { kda_not_implemented("gated_rmsnorm_forward"); }
+  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs&) override {
+    kda_not_implemented("gated_rmsnorm_backward");
+  }
+  void sigmoid_forward(const TensorView&, const TensorView&) override { kda_not_implemented("sigmoid_forward"); }
+  void sigmoid_backward(const TensorView&, const TensorView&, const TensorView&) override {
+    kda_not_implemented("sigmoid_backward");
+  }
+  // ---- KDA placeholder: END ----
+
  private:
   static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
                               const TensorView& ids) {
