@@ -189,4 +189,50 @@ inline void expect_router_groups(const char* op, const RouterArgs& args, int64_t
              " selected groups");
 }
 
+// KDA family (kernels/ops.h, the KDA section).
+
+// x and `y_name` [tokens, channels], weight [channels, width >= 1].
+inline void expect_short_conv_shapes(const char* op, const char* y_name, const TensorView& y, const TensorView& x,
+                                     const TensorView& weight) {
+  expect_ndim(op, "x", x, 2);
+  expect_shape(op, y_name, y, x.shape);
+  expect_ndim(op, "weight", weight, 2);
+  expect(weight.size(0) == x.size(1) && weight.size(1) >= 1, op,
+         describe("weight", weight) + " should be [channels, width >= 1] for " + describe("x", x));
+}
+
+// f [tokens, heads * dim], g [tokens, heads, dim], a_log [heads], dt_bias [heads * dim].
+inline void expect_kda_gate_shapes(const char* op, const char* g_name, const TensorView& g, const TensorView& f,
+                                   const TensorView& a_log, const TensorView& dt_bias, double lower_bound) {
+  expect(lower_bound <= 0, op, "lower_bound " + std::to_string(lower_bound) + " must be <= 0 (0: no bound)");
+  expect_ndim(op, g_name, g, 3);
+  const int64_t tokens = g.size(0), heads = g.size(1), dim = g.size(2);
+  expect_numel(op, "a_log", a_log, heads);
+  expect_numel(op, "dt_bias", dt_bias, heads * dim);
+  expect(last_dim(op, "f", f) == heads * dim && rows_of(f) == tokens, op,
+         describe("f", f) + " should be [tokens, heads * dim] for " + describe(g_name, g));
+}
+
+// q, k, g [tokens, heads, k_dim]; v [tokens, heads, v_dim]; beta [tokens, heads].
+inline void expect_kda_shapes(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& g, const TensorView& beta) {
+  expect_ndim(op, "q", q, 3);
+  expect_shape(op, "k", k, q.shape);
+  expect_shape(op, "g", g, q.shape);
+  expect_ndim(op, "v", v, 3);
+  expect(v.size(0) == q.size(0) && v.size(1) == q.size(1), op,
+         describe("v", v) + " and " + describe("q", q) + " differ in tokens or heads");
+  expect_shape(op, "beta", beta, Shape{q.size(0), q.size(1)});
+}
+
+// x, gate and `y_name` [rows, dim]; weight [dim]; rstd [rows].
+inline void expect_gated_rmsnorm_shapes(const char* op, const char* y_name, const TensorView& y, const TensorView& x,
+                                        const TensorView& gate, const TensorView& weight, const TensorView& rstd) {
+  const int64_t dim = last_dim(op, "x", x);
+  expect_shape(op, "gate", gate, x.shape);
+  expect_shape(op, y_name, y, x.shape);
+  expect_numel(op, "weight", weight, dim);
+  expect_numel(op, "rstd", rstd, rows_of(x));
+}
+
 }  // namespace moetrain::kernels

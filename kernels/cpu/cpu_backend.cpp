@@ -12,10 +12,14 @@
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/dense.h"
 #include "kernels/cpu/embedding.h"
+#include "kernels/cpu/kda.h"
+#include "kernels/cpu/kda_gate.h"
+#include "kernels/cpu/kda_norms.h"
 #include "kernels/cpu/moe.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
+#include "kernels/cpu/short_conv.h"
 #include "kernels/cpu/swiglu.h"
 #include "kernels/arg_checks.h"
 #include "kernels/ops.h"
@@ -408,21 +412,149 @@ class CpuBackend final : public Backend {
     dispatch(op, dtype, [&](auto t) { cpu::adamw<decltype(t)>(args); });
   }
 
-  // KDA ops: the reference lands in the next commits (kernels/cpu/kda.h and friends).
-  [[noreturn]] static void not_yet(const char* op) { fail(op, "not yet implemented on the CPU backend"); }
-  void short_conv_forward(const ShortConvArgs&) override { not_yet("short_conv_forward"); }
-  void short_conv_backward(const ShortConvBackwardArgs&) override { not_yet("short_conv_backward"); }
-  void l2norm_forward(const L2NormArgs&) override { not_yet("l2norm_forward"); }
-  void l2norm_backward(const L2NormBackwardArgs&) override { not_yet("l2norm_backward"); }
-  void kda_gate_forward(const KdaGateArgs&) override { not_yet("kda_gate_forward"); }
-  void kda_gate_backward(const KdaGateBackwardArgs&) override { not_yet("kda_gate_backward"); }
-  void kda_forward(const KdaArgs&) override { not_yet("kda_forward"); }
-  void kda_backward(const KdaBackwardArgs&) override { not_yet("kda_backward"); }
-  void gated_rmsnorm_forward(const GatedRmsNormArgs&) override { not_yet("gated_rmsnorm_forward"); }
-  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs&) override { not_yet("gated_rmsnorm_backward"); }
-  void sigmoid_forward(const TensorView&, const TensorView&) override { not_yet("sigmoid_forward"); }
-  void sigmoid_backward(const TensorView&, const TensorView&, const TensorView&) override {
-    not_yet("sigmoid_backward");
+  void short_conv_forward(const ShortConvArgs& args) override {
+    const char* op = "short_conv_forward";
+    const DType dtype = compute_dtype(op, {{"y", &args.y}, {"x", &args.x}, {"weight", &args.weight}});
+    expect_short_conv_shapes(op, "y", args.y, args.x, args.weight);
+    expect_offsets(op, "cu_seqlens", args.cu_seqlens, args.x.size(0));
+    dispatch(op, dtype, [&](auto t) { cpu::short_conv_forward<decltype(t)>(args); });
+  }
+
+  void short_conv_backward(const ShortConvBackwardArgs& args) override {
+    const char* op = "short_conv_backward";
+    const DType dtype =
+        compute_dtype(op, {{"dx", &args.dx}, {"dy", &args.dy}, {"x", &args.x}, {"weight", &args.weight}});
+    expect_short_conv_shapes(op, "dy", args.dy, args.x, args.weight);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    if (given(args.dweight)) {
+      expect_dtype(op, "dweight", args.dweight, dtype);
+      expect_shape(op, "dweight", args.dweight, args.weight.shape);
+    }
+    expect_offsets(op, "cu_seqlens", args.cu_seqlens, args.x.size(0));
+    dispatch(op, dtype, [&](auto t) { cpu::short_conv_backward<decltype(t)>(args); });
+  }
+
+  void l2norm_forward(const L2NormArgs& args) override {
+    const char* op = "l2norm_forward";
+    const DType dtype = compute_dtype(op, {{"y", &args.y}, {"inv_norm", &args.inv_norm}, {"x", &args.x}});
+    last_dim(op, "x", args.x);
+    expect_shape(op, "y", args.y, args.x.shape);
+    expect_numel(op, "inv_norm", args.inv_norm, rows_of(args.x));
+    dispatch(op, dtype, [&](auto t) { cpu::l2norm_forward<decltype(t)>(args); });
+  }
+
+  void l2norm_backward(const L2NormBackwardArgs& args) override {
+    const char* op = "l2norm_backward";
+    const DType dtype = compute_dtype(
+        op, {{"dx", &args.dx}, {"dy", &args.dy}, {"x", &args.x}, {"inv_norm", &args.inv_norm}});
+    last_dim(op, "x", args.x);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dy", args.dy, args.x.shape);
+    expect_numel(op, "inv_norm", args.inv_norm, rows_of(args.x));
+    dispatch(op, dtype, [&](auto t) { cpu::l2norm_backward<decltype(t)>(args); });
+  }
+
+  void kda_gate_forward(const KdaGateArgs& args) override {
+    const char* op = "kda_gate_forward";
+    const DType dtype = compute_dtype(
+        op, {{"g", &args.g}, {"f", &args.f}, {"a_log", &args.a_log}, {"dt_bias", &args.dt_bias}});
+    expect_kda_gate_shapes(op, "g", args.g, args.f, args.a_log, args.dt_bias, args.lower_bound);
+    dispatch(op, dtype, [&](auto t) { cpu::kda_gate_forward<decltype(t)>(args); });
+  }
+
+  void kda_gate_backward(const KdaGateBackwardArgs& args) override {
+    const char* op = "kda_gate_backward";
+    const DType dtype = compute_dtype(op, {{"df", &args.df},
+                                           {"dg", &args.dg},
+                                           {"f", &args.f},
+                                           {"a_log", &args.a_log},
+                                           {"dt_bias", &args.dt_bias}});
+    expect_kda_gate_shapes(op, "dg", args.dg, args.f, args.a_log, args.dt_bias, args.lower_bound);
+    expect_shape(op, "df", args.df, args.f.shape);
+    dispatch(op, dtype, [&](auto t) { cpu::kda_gate_backward<decltype(t)>(args); });
+  }
+
+  void kda_forward(const KdaArgs& args) override {
+    const char* op = "kda_forward";
+    const DType dtype = compute_dtype(op, {{"out", &args.out},
+                                           {"q", &args.q},
+                                           {"k", &args.k},
+                                           {"v", &args.v},
+                                           {"g", &args.g},
+                                           {"beta", &args.beta}});
+    expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
+    expect_shape(op, "out", args.out, args.v.shape);
+    expect_offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0));
+    dispatch(op, dtype, [&](auto t) { cpu::kda_chunked_forward<decltype(t)>(args); });
+  }
+
+  void kda_backward(const KdaBackwardArgs& args) override {
+    const char* op = "kda_backward";
+    const DType dtype = compute_dtype(op, {{"dq", &args.dq},
+                                           {"dk", &args.dk},
+                                           {"dv", &args.dv},
+                                           {"dg", &args.dg},
+                                           {"dbeta", &args.dbeta},
+                                           {"dout", &args.dout},
+                                           {"q", &args.q},
+                                           {"k", &args.k},
+                                           {"v", &args.v},
+                                           {"g", &args.g},
+                                           {"beta", &args.beta}});
+    expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
+    expect_shape(op, "dq", args.dq, args.q.shape);
+    expect_shape(op, "dk", args.dk, args.k.shape);
+    expect_shape(op, "dv", args.dv, args.v.shape);
+    expect_shape(op, "dg", args.dg, args.g.shape);
+    expect_shape(op, "dbeta", args.dbeta, args.beta.shape);
+    expect_shape(op, "dout", args.dout, args.v.shape);
+    expect_offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0));
+    dispatch(op, dtype, [&](auto t) { cpu::kda_chunked_backward<decltype(t)>(args); });
+  }
+
+  void gated_rmsnorm_forward(const GatedRmsNormArgs& args) override {
+    const char* op = "gated_rmsnorm_forward";
+    const DType dtype = compute_dtype(op, {{"y", &args.y},
+                                           {"rstd", &args.rstd},
+                                           {"x", &args.x},
+                                           {"gate", &args.gate},
+                                           {"weight", &args.weight}});
+    expect_gated_rmsnorm_shapes(op, "y", args.y, args.x, args.gate, args.weight, args.rstd);
+    dispatch(op, dtype, [&](auto t) { cpu::gated_rmsnorm_forward<decltype(t)>(args); });
+  }
+
+  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) override {
+    const char* op = "gated_rmsnorm_backward";
+    const DType dtype = compute_dtype(op, {{"dx", &args.dx},
+                                           {"dgate", &args.dgate},
+                                           {"dy", &args.dy},
+                                           {"x", &args.x},
+                                           {"gate", &args.gate},
+                                           {"weight", &args.weight},
+                                           {"rstd", &args.rstd}});
+    expect_gated_rmsnorm_shapes(op, "dy", args.dy, args.x, args.gate, args.weight, args.rstd);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dgate", args.dgate, args.x.shape);
+    if (given(args.dweight)) {
+      expect_dtype(op, "dweight", args.dweight, dtype);
+      expect_numel(op, "dweight", args.dweight, args.weight.numel());
+    }
+    dispatch(op, dtype, [&](auto t) { cpu::gated_rmsnorm_backward<decltype(t)>(args); });
+  }
+
+  void sigmoid_forward(const TensorView& y, const TensorView& x) override {
+    const char* op = "sigmoid_forward";
+    const DType dtype = compute_dtype(op, {{"y", &y}, {"x", &x}});
+    expect_numel(op, "y", y, x.numel());
+    dispatch(op, dtype, [&](auto t) { cpu::sigmoid_forward<decltype(t)>(y, x); });
+  }
+
+  void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) override {
+    const char* op = "sigmoid_backward";
+    const DType dtype = compute_dtype(op, {{"dx", &dx}, {"dy", &dy}, {"y", &y}});
+    expect_numel(op, "dx", dx, y.numel());
+    expect_numel(op, "dy", dy, y.numel());
+    dispatch(op, dtype, [&](auto t) { cpu::sigmoid_backward<decltype(t)>(dx, dy, y); });
   }
 
  private:
