@@ -254,140 +254,170 @@ void chunk_forward(const Chunk<T>& ch, const KdaDims& d, std::vector<T>& s, T* o
   }
 }
 
-// The chunk's input gradients (rows [first, first + n) of `grads`, overwritten) from dout (its
-// rows [n, vd]) and ds, the gradient of the state leaving it; ds becomes that of the state s0
-// entering it.
+// The gradients of one chunk's backward, in stages (the formulas are at the top of the file).
+// dq, dk, dbeta point at the chunk's rows of the head's gradients and are summed into; dgc is the
+// gradient of the cumulative decay G, turned into dg at the end.
 template <typename T>
-void chunk_backward(const Chunk<T>& ch, const KdaDims& d, const std::vector<T>& s0, const T* dout,
-                    std::vector<T>& ds, HeadGrads<T>& grads) {
-  const int64_t n = ch.n, kd = d.kd, vd = d.vd, f = ch.first;
-  const std::vector<T> v_new = corrected_values(ch, d, s0);
-  const T* gc = ch.gc.data();
-  const T* g_last = gc + (n - 1) * kd;
-  std::vector<T> dgc(n * kd, T(0));
-  T* dq = grads.dq.data() + f * kd;
-  T* dk = grads.dk.data() + f * kd;
-  T* dv = grads.dv.data() + f * vd;
-  T* dbeta = grads.dbeta.data() + f;
-  std::fill(dq, dq + n * kd, T(0));
-  std::fill(dk, dk + n * kd, T(0));
-  std::fill(dbeta, dbeta + n, T(0));
+struct ChunkBackward {
+  const Chunk<T>& ch;
+  const KdaDims& d;
+  const std::vector<T>& s0;  // the state entering the chunk
+  const T* dout;             // the chunk's output gradients [n, vd]
+  std::vector<T> v_new;      // u - w S0
+  std::vector<T> dv_new;     // [n, vd]
+  std::vector<T> dgc;        // [n, kd]
+  T* dq;
+  T* dk;
+  T* dbeta;
 
-  // dv_new, and the state's own path: S1 = Diag(exp(G_last)) S0 + sum_j K^_j v_new_j^T.
-  std::vector<T> dv_new(n * vd, T(0));
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t i = j; i < n; ++i)
-      for (int64_t b = 0; b < vd; ++b) dv_new[j * vd + b] += ch.m[i * n + j] * dout[i * vd + b];
-    for (int64_t a = 0; a < kd; ++a) {
-      const T e = std::exp(g_last[a] - gc[j * kd + a]);
-      const T khat = ch.k(j, d)[a] * e;
-      const T* dsa = ds.data() + a * vd;
-      T dkhat = 0;  // (dS v_new_j)[a]
-      for (int64_t b = 0; b < vd; ++b) {
-        dv_new[j * vd + b] += khat * dsa[b];
-        dkhat += dsa[b] * v_new[j * vd + b];
+  ChunkBackward(const Chunk<T>& chunk, const KdaDims& dims, const std::vector<T>& state, const T* dout_rows,
+                HeadGrads<T>& grads)
+      : ch(chunk), d(dims), s0(state), dout(dout_rows), v_new(corrected_values(chunk, dims, state)),
+        dv_new(chunk.n * dims.vd, T(0)), dgc(chunk.n * dims.kd, T(0)),
+        dq(grads.dq.data() + chunk.first * dims.kd), dk(grads.dk.data() + chunk.first * dims.kd),
+        dbeta(grads.dbeta.data() + chunk.first) {
+    std::fill(dq, dq + ch.n * d.kd, T(0));
+    std::fill(dk, dk + ch.n * d.kd, T(0));
+    std::fill(dbeta, dbeta + ch.n, T(0));
+  }
+
+  T gc(int64_t i, int64_t a) const { return ch.gc[i * d.kd + a]; }
+
+  // S1 = Diag(exp(G_last)) S0 + sum_j K^_j v_new_j^T, K^_j = k_j exp(G_last - G_j).
+  void through_state_update(const std::vector<T>& ds) {
+    const int64_t n = ch.n, kd = d.kd, vd = d.vd, last = n - 1;
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t a = 0; a < kd; ++a) {
+        const T e = std::exp(gc(last, a) - gc(j, a));
+        const T khat = ch.k(j, d)[a] * e;
+        const T* dsa = ds.data() + a * vd;
+        T dkhat = 0;  // (dS v_new_j)[a]
+        for (int64_t b = 0; b < vd; ++b) {
+          dv_new[j * vd + b] += khat * dsa[b];
+          dkhat += dsa[b] * v_new[j * vd + b];
+        }
+        dk[j * kd + a] += dkhat * e;
+        dgc[last * kd + a] += dkhat * khat;
+        dgc[j * kd + a] -= dkhat * khat;
       }
-      dk[j * kd + a] += dkhat * e;
-      dgc[(n - 1) * kd + a] += dkhat * khat;
-      dgc[j * kd + a] -= dkhat * khat;
     }
-  }
-  for (int64_t a = 0; a < kd; ++a) {
-    const T e = std::exp(g_last[a]);
-    dgc[(n - 1) * kd + a] += e * dot(ds.data() + a * vd, s0.data() + a * vd, vd);
+    for (int64_t a = 0; a < kd; ++a)
+      dgc[last * kd + a] += std::exp(gc(last, a)) * dot(ds.data() + a * vd, s0.data() + a * vd, vd);
   }
 
-  // The outputs: out_i = (q_i exp(G_i)) S0 + sum_{j <= i} M[i, j] v_new_j.
-  for (int64_t i = 0; i < n; ++i) {
-    const T* q = ch.q(i, d);
-    const T* doi = dout + i * vd;
-    for (int64_t a = 0; a < kd; ++a) {
-      const T e = std::exp(gc[i * kd + a]);
-      const T r = dot(doi, s0.data() + a * vd, vd);
-      dq[i * kd + a] += r * e;
-      dgc[i * kd + a] += q[a] * e * r;
+  // out_i = (q_i exp(G_i)) S0 + sum_{j <= i} M[i, j] v_new_j.
+  void through_outputs() {
+    const int64_t n = ch.n, kd = d.kd, vd = d.vd;
+    for (int64_t i = 0; i < n; ++i) {
+      const T* q = ch.q(i, d);
+      const T* doi = dout + i * vd;
+      for (int64_t a = 0; a < kd; ++a) {
+        const T e = std::exp(gc(i, a));
+        const T r = dot(doi, s0.data() + a * vd, vd);
+        dq[i * kd + a] += r * e;
+        dgc[i * kd + a] += q[a] * e * r;
+      }
+      for (int64_t j = 0; j <= i; ++j) {
+        const T dm = dot(doi, v_new.data() + j * vd, vd);
+        const T mij = ch.m[i * n + j];
+        for (int64_t b = 0; b < vd; ++b) dv_new[j * vd + b] += mij * doi[b];
+        const T* k = ch.k(j, d);
+        for (int64_t a = 0; a < kd; ++a) {
+          const T x = dm * std::exp(gc(i, a) - gc(j, a));
+          dq[i * kd + a] += x * k[a];
+          dk[j * kd + a] += x * q[a];
+          dgc[i * kd + a] += x * q[a] * k[a];
+          dgc[j * kd + a] -= x * q[a] * k[a];
+        }
+      }
     }
-    for (int64_t j = 0; j <= i; ++j) {
-      const T dm = dot(doi, v_new.data() + j * vd, vd);
+  }
+
+  // dS0 = Diag(exp(G_last)) dS + (q exp(G))^T dout - w^T dv_new  (after the two stages above).
+  std::vector<T> entering_state_gradient(const std::vector<T>& ds) const {
+    const int64_t kd = d.kd, vd = d.vd, last = ch.n - 1;
+    std::vector<T> ds0(kd * vd);
+    for (int64_t a = 0; a < kd; ++a)
+      for (int64_t b = 0; b < vd; ++b) ds0[a * vd + b] = std::exp(gc(last, a)) * ds[a * vd + b];
+    for (int64_t i = 0; i < ch.n; ++i) {
+      const T* q = ch.q(i, d);
+      for (int64_t a = 0; a < kd; ++a) {
+        const T qa = q[a] * std::exp(gc(i, a));
+        const T wa = ch.w[i * kd + a];
+        for (int64_t b = 0; b < vd; ++b) ds0[a * vd + b] += qa * dout[i * vd + b] - wa * dv_new[i * vd + b];
+      }
+    }
+    return ds0;
+  }
+
+  // v_new = u - w S0 with u = T b, w = T c (b = beta v, c = beta k exp(G)), T = (I + A)^-1:
+  // du = dv_new, dw = -dv_new S0^T, db = T^T du, dc = T^T dw, dA = -(db u^T + dc w^T).
+  void through_ut_transform(T* dv) {
+    const int64_t n = ch.n, kd = d.kd, vd = d.vd;
+    std::vector<T> dw(n * kd);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t a = 0; a < kd; ++a) dw[i * kd + a] = -dot(dv_new.data() + i * vd, s0.data() + a * vd, vd);
+    std::vector<T> db(n * vd, T(0)), dc(n * kd, T(0));
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = j; i < n; ++i) {
+        const T t = ch.tinv[i * n + j];
+        for (int64_t b = 0; b < vd; ++b) db[j * vd + b] += t * dv_new[i * vd + b];
+        for (int64_t a = 0; a < kd; ++a) dc[j * kd + a] += t * dw[i * kd + a];
+      }
+    for (int64_t j = 0; j < n; ++j) {
+      const T beta = ch.beta(j);
       const T* k = ch.k(j, d);
+      for (int64_t b = 0; b < vd; ++b) dv[j * vd + b] = beta * db[j * vd + b];
+      dbeta[j] += dot(db.data() + j * vd, ch.v(j, d), vd);
       for (int64_t a = 0; a < kd; ++a) {
-        const T x = dm * std::exp(gc[i * kd + a] - gc[j * kd + a]);
-        dq[i * kd + a] += x * k[a];
-        dk[j * kd + a] += x * q[a];
-        dgc[i * kd + a] += x * q[a] * k[a];
-        dgc[j * kd + a] -= x * q[a] * k[a];
+        const T e = std::exp(gc(j, a));
+        dbeta[j] += dc[j * kd + a] * k[a] * e;
+        dk[j * kd + a] += beta * dc[j * kd + a] * e;
+        dgc[j * kd + a] += dc[j * kd + a] * beta * k[a] * e;
       }
     }
-  }
-
-  // The state entering: dS0 = Diag(exp(G_last)) dS + (q exp(G))^T dout - w^T dv_new.
-  std::vector<T> ds0(kd * vd);
-  for (int64_t a = 0; a < kd; ++a) {
-    const T e = std::exp(g_last[a]);
-    for (int64_t b = 0; b < vd; ++b) ds0[a * vd + b] = e * ds[a * vd + b];
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const T* q = ch.q(i, d);
-    for (int64_t a = 0; a < kd; ++a) {
-      const T qa = q[a] * std::exp(gc[i * kd + a]);
-      const T wa = ch.w[i * kd + a];
-      for (int64_t b = 0; b < vd; ++b) ds0[a * vd + b] += qa * dout[i * vd + b] - wa * dv_new[i * vd + b];
-    }
-  }
-
-  // v_new = u - w S0: du = dv_new, dw = -dv_new S0^T. Then through T: db = T^T du, dc = T^T dw.
-  std::vector<T> dw(n * kd, T(0));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t a = 0; a < kd; ++a) dw[i * kd + a] = -dot(dv_new.data() + i * vd, s0.data() + a * vd, vd);
-  std::vector<T> db(n * vd, T(0)), dc(n * kd, T(0));
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t i = j; i < n; ++i) {
-      const T t = ch.tinv[i * n + j];
-      for (int64_t b = 0; b < vd; ++b) db[j * vd + b] += t * dv_new[i * vd + b];
-      for (int64_t a = 0; a < kd; ++a) dc[j * kd + a] += t * dw[i * kd + a];
-    }
-
-  // b_j = beta_j v_j, c_j = beta_j k_j exp(G_j).
-  for (int64_t j = 0; j < n; ++j) {
-    const T beta = ch.beta(j);
-    const T* v = ch.v(j, d);
-    const T* k = ch.k(j, d);
-    for (int64_t b = 0; b < vd; ++b) dv[j * vd + b] = beta * db[j * vd + b];
-    dbeta[j] += dot(db.data() + j * vd, v, vd);
-    for (int64_t a = 0; a < kd; ++a) {
-      const T ke = k[a] * std::exp(gc[j * kd + a]);
-      dbeta[j] += dc[j * kd + a] * ke;
-      dk[j * kd + a] += beta * dc[j * kd + a] * std::exp(gc[j * kd + a]);
-      dgc[j * kd + a] += dc[j * kd + a] * beta * ke;
-    }
-  }
-
-  // A[i, j] = beta_i P[i, j] (j < i), dA = -(db u^T + dc w^T).
-  for (int64_t i = 0; i < n; ++i) {
-    const T* ki = ch.k(i, d);
-    for (int64_t j = 0; j < i; ++j) {
-      const T da = -(dot(db.data() + i * vd, ch.u.data() + j * vd, vd) + dot(dc.data() + i * kd, ch.w.data() + j * kd, kd));
-      dbeta[i] += da * ch.p[i * n + j];
-      const T* kj = ch.k(j, d);
-      for (int64_t a = 0; a < kd; ++a) {
-        const T x = da * ch.beta(i) * std::exp(gc[i * kd + a] - gc[j * kd + a]);
-        dk[i * kd + a] += x * kj[a];
-        dk[j * kd + a] += x * ki[a];
-        dgc[i * kd + a] += x * ki[a] * kj[a];
-        dgc[j * kd + a] -= x * ki[a] * kj[a];
+    // A[i, j] = beta_i P[i, j] for j < i.
+    for (int64_t i = 0; i < n; ++i) {
+      const T* ki = ch.k(i, d);
+      for (int64_t j = 0; j < i; ++j) {
+        const T da = -(dot(db.data() + i * vd, ch.u.data() + j * vd, vd) +
+                       dot(dc.data() + i * kd, ch.w.data() + j * kd, kd));
+        dbeta[i] += da * ch.p[i * n + j];
+        const T* kj = ch.k(j, d);
+        for (int64_t a = 0; a < kd; ++a) {
+          const T x = da * ch.beta(i) * std::exp(gc(i, a) - gc(j, a));
+          dk[i * kd + a] += x * kj[a];
+          dk[j * kd + a] += x * ki[a];
+          dgc[i * kd + a] += x * ki[a] * kj[a];
+          dgc[j * kd + a] -= x * ki[a] * kj[a];
+        }
       }
     }
   }
 
   // G_i = sum_{j <= i} g_j: dg_j = sum_{i >= j} dG_i.
-  T* dg = grads.dg.data() + f * kd;
-  for (int64_t a = 0; a < kd; ++a) {
-    T s = 0;
-    for (int64_t i = n - 1; i >= 0; --i) {
-      s += dgc[i * kd + a];
-      dg[i * kd + a] = s;
+  void cumulative_decay_to_dg(T* dg) const {
+    for (int64_t a = 0; a < d.kd; ++a) {
+      T s = 0;
+      for (int64_t i = ch.n - 1; i >= 0; --i) {
+        s += dgc[i * d.kd + a];
+        dg[i * d.kd + a] = s;
+      }
     }
   }
+};
+
+// The chunk's input gradients (its rows of `grads`, overwritten) from dout (its rows [n, vd]) and
+// ds, the gradient of the state leaving it; ds becomes that of the state s0 entering it.
+template <typename T>
+void chunk_backward(const Chunk<T>& ch, const KdaDims& d, const std::vector<T>& s0, const T* dout,
+                    std::vector<T>& ds, HeadGrads<T>& grads) {
+  ChunkBackward<T> b(ch, d, s0, dout, grads);
+  b.through_state_update(ds);
+  b.through_outputs();
+  std::vector<T> ds0 = b.entering_state_gradient(ds);
+  b.through_ut_transform(grads.dv.data() + ch.first * d.vd);
+  b.cumulative_decay_to_dg(grads.dg.data() + ch.first * d.kd);
   ds.swap(ds0);
 }
 
