@@ -53,6 +53,19 @@ struct MoeConfig {
   double bias_update_rate = 0.0;         // aux-loss-free balancing: bias step per optimizer step
 };
 
+// Kimi Delta Attention (the `kda` mixer; transformers `kimi_linear`'s linear-attention layers):
+// num_heads heads of head_dim for q, k and v alike, a causal depthwise conv of conv_width on each.
+struct KdaConfig {
+  int64_t num_heads = 4;
+  int64_t head_dim = 16;
+  int64_t conv_width = 4;                // short_conv_kernel_size
+  // The forget gate: 0 is Kimi-Linear's g = -exp(A_log) softplus(f + dt_bias); below 0 it is
+  // Kimi K3's bounded g = lower_bound sigmoid(exp(A_log) (f + dt_bias)) (K3: -5).
+  double lower_bound = 0.0;
+  bool fused_qkv = false;                // K3: one qkv_proj and one conv over q, k, v together
+  bool full_rank_output_gate = false;    // K3: g_proj [H d, D] instead of g_a_proj -> g_b_proj
+};
+
 struct ModelConfig {
   std::optional<std::string> hf_dir;     // a Hugging Face model directory; fields below override it
   std::string model_type = "deepseek_v3";
@@ -67,6 +80,7 @@ struct ModelConfig {
   int64_t max_position_embeddings = 4096;
   std::string attention_gate = "none";   // none | headwise | elementwise
   MlaConfig mla;
+  KdaConfig kda;
   MoeConfig moe;
 };
 

@@ -16,11 +16,14 @@ const std::vector<std::string> kSchedules = {"cosine", "linear", "constant"};
 const std::vector<std::string> kDevices = {"auto", "cpu", "cuda"};
 const std::vector<std::string> kLogLevels = {"debug", "info", "warn", "error", "off"};
 const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert"};
-// Module names LoRA can wrap (PEFT's names for DeepSeek/Kimi modules). `experts` means every
-// routed expert's gate/up/down projections, `shared_experts` the shared experts'.
+// Module names LoRA can wrap (the checkpoints' names for DeepSeek/Kimi modules). `experts` means
+// every routed expert's gate/up/down projections, `shared_experts` the shared experts'. KDA's
+// projections: q/k/v_proj (qkv_proj when fused), f_a/f_b_proj (forget gate), b_proj (beta),
+// g_a/g_b_proj or g_proj (output gate), o_proj.
 const std::vector<std::string> kLoraTargets = {
-    "q_a_proj", "q_b_proj", "q_proj",    "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-    "gate_proj", "up_proj", "down_proj", "shared_experts",     "experts"};
+    "q_a_proj", "q_b_proj", "q_proj",   "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",  "k_proj",
+    "v_proj",   "qkv_proj", "f_a_proj", "f_b_proj",           "b_proj",    "g_a_proj", "g_b_proj",
+    "g_proj",   "gate_proj", "up_proj", "down_proj",          "shared_experts", "experts"};
 
 std::string join(const std::vector<std::string>& items, const char* separator) {
   std::string text;
@@ -165,6 +168,17 @@ void check_mla(const MlaConfig& m, Rules& r) {
   }
 }
 
+void check_kda(const KdaConfig& k, Rules& r) {
+  r.positive("model.kda.num_heads", k.num_heads);
+  r.positive("model.kda.head_dim", k.head_dim);
+  r.positive("model.kda.conv_width", k.conv_width);
+  if (!(k.lower_bound <= 0.0)) {
+    r.fail({"model.kda.lower_bound"}, "`model.kda.lower_bound` = " + show(k.lower_bound) +
+                                          " must be <= 0: the forget gate is a log decay (0: Kimi-Linear's "
+                                          "softplus gate, < 0: Kimi K3's bounded gate, e.g. -5)");
+  }
+}
+
 void check_moe(const MoeConfig& e, Rules& r) {
   r.positive("model.moe.num_experts", e.num_experts);
   r.positive("model.moe.top_k", e.top_k);
@@ -234,6 +248,7 @@ void check_model(const ModelConfig& m, Rules& r) {
                show(m.num_layers));
   }
   check_mla(m.mla, r);
+  check_kda(m.kda, r);
   check_moe(m.moe, r);
 }
 

@@ -39,6 +39,16 @@ void visit_fields(V& v, MlaConfig& c) {
 }
 
 template <class V>
+void visit_fields(V& v, KdaConfig& c) {
+  v.field("num_heads", c.num_heads);
+  v.field("head_dim", c.head_dim);
+  v.field("conv_width", c.conv_width);
+  v.field("lower_bound", c.lower_bound);
+  v.field("fused_qkv", c.fused_qkv);
+  v.field("full_rank_output_gate", c.full_rank_output_gate);
+}
+
+template <class V>
 void visit_fields(V& v, MoeConfig& c) {
   v.field("num_experts", c.num_experts);
   v.field("top_k", c.top_k);
@@ -71,6 +81,7 @@ void visit_fields(V& v, ModelConfig& c) {
   v.field("max_position_embeddings", c.max_position_embeddings);
   v.field("attention_gate", c.attention_gate);
   v.section("mla", c.mla);
+  v.section("kda", c.kda);
   v.section("moe", c.moe);
 }
 

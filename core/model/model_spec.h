@@ -24,13 +24,14 @@ struct ModelSpec {
   int64_t num_layers() const { return config.num_layers; }
 };
 
-// Reads `<hf_dir>/config.json` when config.model.hf_dir is set (model_type deepseek_v3 for now;
-// anything else is Error(kBadConfig) naming the type and the supported ones), overlays the
-// YAML's explicit model keys, and derives the per-layer kinds. Layers other than mla are
-// rejected until their mixers exist (Error(kBadConfig) naming the layer).
+// Reads `<hf_dir>/config.json` when config.model.hf_dir is set (model_type deepseek_v3 or
+// kimi_linear; anything else is Error(kBadConfig) naming the type and the supported ones),
+// overlays the YAML's explicit model keys, and derives the per-layer kinds. dsa layers are
+// rejected until their mixer exists (Error(kBadConfig) naming the layer).
 ModelSpec resolve_model_spec(const Config& config);
 
-// The same from config.json text (tests). `source_name` names it in messages.
+// The model section a Hugging Face config.json describes (core/model/hf_config.cpp; what each
+// key maps to is in docs/HF_SEMANTICS.md). `source_name` names the file in messages.
 ModelConfig model_config_from_hf_json(const std::string& json_text, const std::string& source_name);
 
 }  // namespace moetrain

@@ -15,6 +15,7 @@
 #include "core/base/log.h"
 #include "core/io/hf_index.h"
 #include "core/model/fsdp_bucket.h"
+#include "core/model/hf_names.h"
 #include "core/model/model.h"
 #include "parallel/watchdog.h"
 
@@ -74,33 +75,84 @@ void upload_weight(kernels::Backend& backend, Tensor& dst, const TensorView& hos
   backend.copy(dst, staged);
 }
 
-void check_hf_tensor(const HfCheckpoint& checkpoint, const std::string& name, const Shape& expected) {
-  MOETRAIN_CHECK(checkpoint.has(name), ExitCode::kBadCheckpoint,
+// Our own layout of a weight, in checkpoint tensors: the tensor itself, or for a SwiGLU block
+// (G = 1: the dense MLP, the shared experts) gate_proj over up_proj (gate_up [1, 2F, D]) or down_proj.
+HfLayout our_layout(const WeightSlot& slot) {
+  const Shape& shape = slot.tensor->shape();
+  if (slot.layout == WeightLayout::kPlain) return {hf_piece(slot.name, shape)};
+  MOETRAIN_ASSERT(shape[0] == 1, slot.name + ": only single-group SwiGLU weights are read as plain pieces");
+  if (slot.layout == WeightLayout::kSwigluDown) return {hf_piece(slot.name + ".down_proj.weight", {shape[1], shape[2]})};
+  const int64_t half = shape[1] / 2;
+  return {hf_piece(slot.name + ".gate_proj.weight", {half, shape[2]}),
+          hf_piece(slot.name + ".up_proj.weight", {half, shape[2]}, half * shape[2])};
+}
+
+// The first of the weight's possible layouts (hf_names.h) whose tensors the checkpoint has; when
+// none is complete, our own, so that reading it names the missing tensor.
+HfLayout find_layout(const HfCheckpoint& checkpoint, const WeightSlot& slot) {
+  const std::vector<HfLayout> layouts = hf_layouts(our_layout(slot));
+  for (const HfLayout& layout : layouts) {
+    bool present = true;
+    for (const HfPiece& piece : layout) present = present && checkpoint.has(piece.name);
+    if (present) return layout;
+  }
+  return layouts.front();
+}
+
+// The checkpoint tensor's element count per leading-dimension row, after checking that the piece
+// fits it.
+int64_t checked_row_size(const HfCheckpoint& checkpoint, const HfPiece& piece) {
+  MOETRAIN_CHECK(checkpoint.has(piece.name), ExitCode::kBadCheckpoint,
                  fmt::format("{}: tensor \"{}\" is missing; the directory does not match its config.json (or the "
                              "model type is not the one it was saved as)",
-                             checkpoint.dir(), name));
-  const SafetensorsTensorInfo& info = checkpoint.info(name);
-  MOETRAIN_CHECK(info.shape == expected, ExitCode::kBadCheckpoint,
-                 fmt::format("{}: tensor \"{}\" in {} has shape {} but config.json implies {}", checkpoint.dir(), name,
-                             checkpoint.file_of(name), info.shape.str(), expected.str()));
+                             checkpoint.dir(), piece.name));
+  const Shape& stored = checkpoint.info(piece.name).shape;
+  const int64_t dim0 = stored.ndim() > 0 ? stored[0] : 1;
+  const int64_t row = dim0 > 0 ? stored.numel() / dim0 : 0;
+  const int64_t rows = piece.rows < 0 ? dim0 : piece.rows;
+  const bool fits = piece.any_layout ? piece.first_row + rows <= dim0 && row * rows == piece.numel
+                                     : stored == piece.shape;
+  if (!fits) {
+    std::string expected = piece.any_layout ? fmt::format("{} elements", piece.numel) : piece.shape.str();
+    if (piece.rows >= 0) expected += fmt::format(" in rows [{}, {})", piece.first_row, piece.first_row + rows);
+    throw Error(ExitCode::kBadCheckpoint,
+                fmt::format("{}: tensor \"{}\" in {} has shape {} but config.json implies {}", checkpoint.dir(),
+                            piece.name, checkpoint.file_of(piece.name), stored.str(), expected));
+  }
+  return row;
 }
 
-// Reads `name` (shape must be `expected`) as F64 into `dst` starting at element `offset`.
+// Elements [begin, end) of the weight's flattened values, as F64 into dst: only the rows of each
+// checkpoint tensor that hold them are read.
+void read_flat_range(const HfCheckpoint& checkpoint, const HfLayout& layout, int64_t begin, int64_t end, double* dst) {
+  for (const HfPiece& piece : layout) {
+    const int64_t row = checked_row_size(checkpoint, piece);
+    const int64_t lo = std::max(begin, piece.offset) - piece.offset;
+    const int64_t hi = std::min(end, piece.offset + piece.numel) - piece.offset;
+    if (lo >= hi) continue;
+    const int64_t first_row = lo / row;
+    const int64_t last_row = (hi + row - 1) / row;
+    Tensor rows = checkpoint.read_rows_as(piece.name, piece.first_row + first_row, piece.first_row + last_row,
+                                          DType::kF64);
+    std::memcpy(dst + (piece.offset + lo - begin), rows.ptr<double>() + (lo - first_row * row),
+                static_cast<size_t>(hi - lo) * sizeof(double));
+  }
+}
+
+// Reads `name`, which must have shape `expected`, as F64 into `dst`.
 void read_into(const HfCheckpoint& checkpoint, const std::string& name, const Shape& expected, double* dst) {
-  check_hf_tensor(checkpoint, name, expected);
-  Tensor values = checkpoint.read_as(name, DType::kF64);
-  std::memcpy(dst, values.data(), values.nbytes());
+  read_flat_range(checkpoint, {hf_piece(name, expected)}, 0, expected.numel(), dst);
 }
 
-// gate_up [G, 2F, D] from per-module gate_proj/up_proj, per-expert modules, or the fused
-// 3-D `gate_up_proj` of transformers 5; down [G, D, F] likewise.
-void read_swiglu(const HfCheckpoint& checkpoint, const WeightSlot& slot, double* dst) {
+// Routed experts: gate_up [G, 2F, D] and down [G, D, F] of this rank's experts, from the fused
+// 3-D `gate_up_proj` / `down_proj` of transformers 5, or per-expert tensors (ours, or Moonshot's
+// block_sparse_moe.experts.<e>.w1 / w3 / w2).
+void read_routed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot, double* dst) {
   const Shape& shape = slot.tensor->shape();
   const int64_t groups = shape[0];
   const bool gate_up = slot.layout == WeightLayout::kSwigluGateUp;
-  const bool routed = slot.name.size() >= 8 && slot.name.compare(slot.name.size() - 8, 8, ".experts") == 0;
   const std::string fused = slot.name + (gate_up ? ".gate_up_proj" : ".down_proj");
-  if (routed && checkpoint.has(fused)) {
+  if (checkpoint.has(fused)) {
     // This rank's experts only: a slice along the expert dimension, the rest is never read.
     const SafetensorsTensorInfo& info = checkpoint.info(fused);
     Shape expected = shape;
@@ -113,52 +165,23 @@ void read_swiglu(const HfCheckpoint& checkpoint, const WeightSlot& slot, double*
     std::memcpy(dst, values.data(), values.nbytes());
     return;
   }
+  // The naming the checkpoint uses for its per-expert tensors: the first whose first tensor exists.
+  const std::vector<std::string> first = hf_expert_names(slot.name, slot.first_group, gate_up ? "gate_proj" : "down_proj");
+  size_t naming = 0;
+  while (naming + 1 < first.size() && !checkpoint.has(first[naming])) ++naming;
+  auto tensor_name = [&](int64_t e, const char* projection) {
+    return hf_expert_names(slot.name, slot.first_group + e, projection)[naming];
+  };
   const int64_t per_group = shape.numel() / groups;
   for (int64_t g = 0; g < groups; ++g) {
-    std::string module = routed ? slot.name + "." + std::to_string(slot.first_group + g) : slot.name;
     double* group = dst + g * per_group;
     if (gate_up) {
       const int64_t half = shape[1] / 2;
-      read_into(checkpoint, module + ".gate_proj.weight", Shape{half, shape[2]}, group);
-      read_into(checkpoint, module + ".up_proj.weight", Shape{half, shape[2]}, group + half * shape[2]);
+      read_into(checkpoint, tensor_name(g, "gate_proj"), Shape{half, shape[2]}, group);
+      read_into(checkpoint, tensor_name(g, "up_proj"), Shape{half, shape[2]}, group + half * shape[2]);
     } else {
-      read_into(checkpoint, module + ".down_proj.weight", Shape{shape[1], shape[2]}, group);
+      read_into(checkpoint, tensor_name(g, "down_proj"), Shape{shape[1], shape[2]}, group);
     }
-  }
-}
-
-// The HF tensors a non-routed weight is made of, each at its offset in the weight's flattened
-// values: the tensor itself, or gate_proj over up_proj (gate_up [1, 2F, D]), or down_proj.
-struct HfPiece {
-  std::string name;
-  Shape shape;
-  int64_t offset;
-};
-
-std::vector<HfPiece> hf_pieces(const WeightSlot& slot) {
-  const Shape& shape = slot.tensor->shape();
-  if (slot.layout == WeightLayout::kPlain) return {{slot.name, shape, 0}};
-  MOETRAIN_ASSERT(shape[0] == 1, slot.name + ": only single-group SwiGLU weights are FSDP-sharded");
-  if (slot.layout == WeightLayout::kSwigluDown) return {{slot.name + ".down_proj.weight", {shape[1], shape[2]}, 0}};
-  const int64_t half = shape[1] / 2;
-  return {{slot.name + ".gate_proj.weight", {half, shape[2]}, 0},
-          {slot.name + ".up_proj.weight", {half, shape[2]}, half * shape[2]}};
-}
-
-// Elements [begin, end) of the weight's flattened values, as F64 into dst: only the rows of each
-// HF tensor that hold them are read.
-void read_flat_range(const HfCheckpoint& checkpoint, const WeightSlot& slot, int64_t begin, int64_t end, double* dst) {
-  for (const HfPiece& piece : hf_pieces(slot)) {
-    check_hf_tensor(checkpoint, piece.name, piece.shape);
-    const int64_t lo = std::max(begin, piece.offset) - piece.offset;
-    const int64_t hi = std::min(end, piece.offset + piece.shape.numel()) - piece.offset;
-    if (lo >= hi) continue;
-    const int64_t row = piece.shape.numel() / piece.shape[0];
-    const int64_t first_row = lo / row;
-    const int64_t last_row = (hi + row - 1) / row;
-    Tensor rows = checkpoint.read_rows_as(piece.name, first_row, last_row, DType::kF64);
-    std::memcpy(dst + (piece.offset + lo - begin), rows.ptr<double>() + (lo - first_row * row),
-                static_cast<size_t>(hi - lo) * sizeof(double));
   }
 }
 
@@ -171,17 +194,17 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
     if (const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor)) {
       // FSDP: this rank's range of the weight only.
       Tensor host({part->end - part->begin}, DType::kF64);
-      read_flat_range(checkpoint, slot, part->begin, part->end, host.ptr<double>());
+      read_flat_range(checkpoint, find_layout(checkpoint, slot), part->begin, part->end, host.ptr<double>());
       Tensor staged(host.shape(), slot.tensor->dtype());
       convert_host(staged, host);
       backend_.copy(part->dst, staged);
       continue;
     }
     Tensor host(slot.tensor->shape(), DType::kF64);
-    if (slot.layout == WeightLayout::kPlain) {
-      read_into(checkpoint, slot.name, slot.tensor->shape(), host.ptr<double>());
+    if (is_routed_experts(slot)) {
+      read_routed_experts(checkpoint, slot, host.ptr<double>());
     } else {
-      read_swiglu(checkpoint, slot, host.ptr<double>());
+      read_flat_range(checkpoint, find_layout(checkpoint, slot), 0, host.numel(), host.ptr<double>());
     }
     upload_weight(backend_, *slot.tensor, host);
   }

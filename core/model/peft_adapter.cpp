@@ -11,6 +11,7 @@
 
 #include "core/base/host_convert.h"
 #include "core/io/safetensors.h"
+#include "core/model/hf_names.h"
 
 namespace moetrain {
 namespace {
@@ -176,7 +177,11 @@ void load_peft_adapter(Model& model, const std::string& dir) {
   for (Parameter* p : model.parameters()) {
     const Shape& shape = p->value.shape();
     if (shape.ndim() == 2) {
-      store(backend, p->value, file.read(peft_key(p->name), shape));
+      // Kimi-Linear adapters made on transformers 5 name some KDA modules its way (hf_names.h).
+      std::string key = peft_key(p->name);
+      const std::string transformers_key = peft_key(transformers_module_name(p->name));
+      if (!file.has(key) && file.has(transformers_key)) key = transformers_key;
+      store(backend, p->value, file.read(key, shape));
       continue;
     }
     // A stacked routed-expert adapter [E, r, in] or [E, out, r].

@@ -37,10 +37,15 @@ LayerActivation layer_saved_per_token(const ModelSpec& spec, size_t i, double a,
   // Layer: normed_in, hidden, normed_mid [D] and two rstd.
   out.bytes = 3 * d * a + 2 * kF32;
   if (spec.mixers[i] == MixerKind::kKda) {
-    // Estimate: q, k, v before and after the conv, the decay g [H d], beta [H], the gate and the
-    // pre-norm output [H d], plus the chunk states (one H x d x d F32 state per 64-token chunk).
-    out.bytes += 9 * h * v * a + h * a + h * v * v * kF32 / 64.0;
-    out.estimated = true;
+    // KdaAttention::Saved, c = H d: q/k/v before the conv (3c), after it (3c), q and k
+    // normalised (2c), the forget gate's f (c) and f_a output (d), the KDA output (c), the output
+    // gate (c, plus its g_a output d when low rank), o_proj's input (c); F32: the decay g (c),
+    // beta (H), the q/k inverse norms and the output norm's rstd (3H).
+    const KdaConfig& kda = m.kda;
+    const double kd = static_cast<double>(kda.head_dim);
+    const double kh = static_cast<double>(kda.num_heads);
+    const double c = kh * kd;
+    out.bytes += (12 * c + kd + (kda.full_rank_output_gate ? 0 : kd)) * a + (c + 4 * kh) * kF32;
   } else {
     const double q_rank = static_cast<double>(mla.q_lora_rank.value_or(0));
     const double kv_rank = static_cast<double>(mla.kv_lora_rank);
@@ -164,9 +169,9 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const double replicas = static_cast<double>(mesh.expert_replicas());
   const double non_expert_lora = static_cast<double>(lora.non_expert());
   add(plan.fixed, "adapters + grads (fp32)", non_expert_lora * 2 * kF32,
-      fmt::format("non-expert LoRA {:.3g} params x 8 B", non_expert_lora), lora.estimated > 0);
+      fmt::format("non-expert LoRA {:.3g} params x 8 B", non_expert_lora));
   add(plan.fixed, "adapter Adam state, sharded (fp32)", non_expert_lora / world * 4 * kF32,
-      fmt::format("non-expert LoRA / world {} x 16 B", plan.world), lora.estimated > 0);
+      fmt::format("non-expert LoRA / world {} x 16 B", plan.world));
   const double expert_lora = static_cast<double>(lora.routed_expert_per_layer) /
                              static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
                              static_cast<double>(plan.local_experts * moe_layers);
@@ -188,6 +193,12 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
     saved_max = std::max(saved_max, layer.bytes);
     saved_estimated = saved_estimated || layer.estimated;
   }
+  // KDA's chunked kernels hold the state entering every 64-token chunk (F32 d x d per head) while
+  // one layer's forward or backward runs; the layer does not keep them (the backward recomputes).
+  const double kda_chunk_states =
+      std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0
+          ? static_cast<double>(m.kda.num_heads * m.kda.head_dim * m.kda.head_dim) * kF32 / 64.0
+          : 0.0;
   const double final_part = 2 * static_cast<double>(m.hidden_size) * a + kF32;  // final_hidden, dfinal, rstd
   const double k = static_cast<double>(m.moe.top_k);
   const double d = static_cast<double>(m.hidden_size);
@@ -204,6 +215,7 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       add(items, "every layer's saved tensors", saved_sum, "sum over layers of the saved set", saved_estimated);
     }
     add(items, "backward temporaries of one layer", saved_max, "~ the largest layer's saved set", saved_estimated);
+    add(items, "KDA chunk states (inside the op)", kda_chunk_states, "H d^2 x 4 B / 64 (one state per chunk)");
     add(items, "final norm, its gradient", final_part, "2 x D x a + 4 B");
     add(items, "EP dispatch buffers", ep_buffers, "top_k x D x a x (send 1 + receive capacity)");
   }

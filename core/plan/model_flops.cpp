@@ -18,11 +18,23 @@ ModelFlops::ModelFlops(const ModelSpec& spec, const LoraConfig& lora) {
                              kv_rank * heads * (static_cast<double>(a.qk_nope_head_dim) + v) + heads * v * d;
   const double expert_weights = 3.0 * d * static_cast<double>(m.moe.expert_intermediate_size);
 
+  // KDA's projections (the convs, gate and norms are elementwise, not counted) and its recurrence.
+  const KdaConfig& k = m.kda;
+  const double kd = static_cast<double>(k.head_dim);
+  const double kh = static_cast<double>(k.num_heads);
+  const double c = kh * kd;
+  const double kda_weights = 3.0 * c * d + (d * kd + kd * c) + kh * d +
+                             (k.full_rank_output_gate ? c * d : d * kd + kd * c) + c * d;
+
   frozen_per_token_ = d * static_cast<double>(m.vocab_size);  // the LM head (tied or not)
   for (size_t l = 0; l < spec.mixers.size(); ++l) {
     if (spec.mixers[l] == MixerKind::kMla) {
       frozen_per_token_ += mla_weights;
       attention_per_pair_ += 2.0 * (qk + v) * heads;
+    }
+    if (spec.mixers[l] == MixerKind::kKda) {
+      frozen_per_token_ += kda_weights;
+      recurrence_per_token_ += 6.0 * kh * kd * kd;
     }
     if (spec.ffns[l] == FfnKind::kDense) {
       frozen_per_token_ += 3.0 * d * static_cast<double>(m.intermediate_size);
@@ -33,7 +45,7 @@ ModelFlops::ModelFlops(const ModelSpec& spec, const LoraConfig& lora) {
   }
 
   const LoraParameterCount adapters = count_lora_parameters(spec, lora);
-  lora_per_token_ = static_cast<double>(adapters.non_expert() - adapters.estimated);
+  lora_per_token_ = static_cast<double>(adapters.non_expert());
   if (m.moe.num_experts > 0) {
     lora_per_token_ += static_cast<double>(adapters.routed_experts()) * static_cast<double>(m.moe.top_k) /
                        static_cast<double>(m.moe.num_experts);
@@ -49,7 +61,7 @@ StepFlops ModelFlops::step(int64_t tokens, const std::vector<int32_t>& cu_seqlen
   StepFlops flops;
   flops.frozen = 4.0 * frozen_per_token_ * static_cast<double>(tokens);
   flops.lora = 6.0 * lora_per_token_ * static_cast<double>(tokens);
-  flops.attention = 3.5 * attention_per_pair_ * pairs;
+  flops.attention = 3.5 * attention_per_pair_ * pairs + 3.0 * recurrence_per_token_ * static_cast<double>(tokens);
   return flops;
 }
 

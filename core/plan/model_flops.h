@@ -4,9 +4,12 @@
 //   - LoRA adapters: 6 FLOPs per adapter weight per token (forward, input grad, weight grad), a
 //     routed expert's adapters weighing top_k / num_experts;
 //   - causal attention: 2 (d_qk + d_v) FLOPs per head per (query, key <= query) pair within each
-//     packed segment forward, 2.5x that backward.
-// Recomputation is not counted (model FLOPs, not hardware FLOPs). Only the mixers the model
-// implements are counted exactly (MLA); KDA and DSA are not counted until they exist.
+//     packed segment forward, 2.5x that backward;
+//   - KDA's recurrence in its recurrent form: per token and head S^T k, the rank-1 update and
+//     S^T q, 6 d^2 FLOPs forward, twice that backward (the chunked kernels' extra intra-chunk
+//     work is hardware FLOPs, not model FLOPs); its projections count as frozen matmuls.
+// Recomputation is not counted (model FLOPs, not hardware FLOPs). DSA is not counted until it
+// exists.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +23,7 @@ namespace moetrain {
 struct StepFlops {
   double frozen = 0.0;     // frozen matmuls, forward + input grad
   double lora = 0.0;       // adapters, forward + input grad + weight grad
-  double attention = 0.0;  // attention scores and values, forward + backward
+  double attention = 0.0;  // attention scores and values (and KDA's recurrence), forward + backward
   double total() const { return frozen + lora + attention; }
 };
 
@@ -38,6 +41,7 @@ class ModelFlops {
   double frozen_per_token_ = 0.0;
   double lora_per_token_ = 0.0;
   double attention_per_pair_ = 0.0;  // forward FLOPs of one (query, key) pair, summed over layers
+  double recurrence_per_token_ = 0.0;  // forward FLOPs of KDA's recurrence per token, summed over layers
 };
 
 }  // namespace moetrain

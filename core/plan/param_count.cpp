@@ -35,17 +35,18 @@ int64_t attention_gate_weights(const ModelConfig& m) {
   return 0;
 }
 
-// KDA (estimate), Kimi-Linear's layout with H = mla.num_heads heads of d = mla.v_head_dim:
-// q/k/v projections, their depthwise convs, A_log [H], dt_bias [H d], the low-rank decay
-// projection f_a [d, D] f_b [H d, d], beta b_proj [H, D], the low-rank output gate g_a/g_b,
-// the head-wise output norm [d], o_proj.
-int64_t kda_weights(const ModelConfig& m, const UnbuiltShapes& u) {
+// KDA as core/model/kda.cpp builds it, with H heads of d (c = H d): q/k/v projections (or one
+// qkv_proj) and their depthwise convs [c, W], the forget gate f_a [d, D] f_b [c, d], A_log [H],
+// dt_bias [c], beta b_proj [H, D], the output gate g_a [d, D] g_b [c, d] (or g_proj [c, D]), the
+// head-wise output norm [d], o_proj [D, c].
+int64_t kda_weights(const ModelConfig& m) {
+  const KdaConfig& k = m.kda;
   const int64_t d_model = m.hidden_size;
-  const int64_t h = m.mla.num_heads;
-  const int64_t d = m.mla.v_head_dim;
-  const int64_t width = h * d;
-  return 3 * width * d_model + 3 * width * u.kda_conv_width + h + width + (d * d_model + width * d) +
-         h * d_model + (d * d_model + width * d) + d + d_model * width;
+  const int64_t d = k.head_dim;
+  const int64_t c = k.num_heads * d;
+  const int64_t output_gate = k.full_rank_output_gate ? c * d_model : d * d_model + c * d;
+  return 3 * c * d_model + 3 * c * k.conv_width + (d * d_model + c * d) + k.num_heads + c + k.num_heads * d_model +
+         output_gate + d + d_model * c;
 }
 
 // DSA's lightning indexer on top of MLA (estimate): wq_b [Hi di, q_lora_rank (or D)],
@@ -126,8 +127,7 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec, const UnbuiltS
     layer.ffn_kind = spec.ffns[i];
     layer.norms = 2 * d;
     if (layer.mixer_kind == MixerKind::kKda) {
-      layer.mixer_estimated = kda_weights(m, unbuilt);
-      layer.mixer = layer.mixer_estimated;
+      layer.mixer = kda_weights(m);
     } else {
       layer.mixer_estimated = attention_gate_weights(m);
       if (spec.mixers[i] == MixerKind::kDsa) layer.mixer_estimated += dsa_indexer_weights(m, unbuilt);
@@ -165,11 +165,23 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
     int64_t n = 0;
     if (spec.mixers[i] == MixerKind::kKda) {
-      // KDA's q_proj and o_proj carry PEFT's names too (estimate).
-      const int64_t width = a.num_heads * a.v_head_dim;
-      int64_t kda = (on("q_proj") ? lora_pair(r, d, width) : 0) + (on("o_proj") ? lora_pair(r, width, d) : 0);
-      count.estimated += kda;
-      n += kda;
+      const KdaConfig& k = m.kda;
+      const int64_t c = k.num_heads * k.head_dim;
+      if (k.fused_qkv) {
+        if (on("qkv_proj")) n += lora_pair(r, d, 3 * c);
+      } else {
+        for (const char* name : {"q_proj", "k_proj", "v_proj"}) n += on(name) ? lora_pair(r, d, c) : 0;
+      }
+      if (on("f_a_proj")) n += lora_pair(r, d, k.head_dim);
+      if (on("f_b_proj")) n += lora_pair(r, k.head_dim, c);
+      if (on("b_proj")) n += lora_pair(r, d, k.num_heads);
+      if (k.full_rank_output_gate) {
+        if (on("g_proj")) n += lora_pair(r, d, c);
+      } else {
+        if (on("g_a_proj")) n += lora_pair(r, d, k.head_dim);
+        if (on("g_b_proj")) n += lora_pair(r, k.head_dim, c);
+      }
+      if (on("o_proj")) n += lora_pair(r, c, d);
     } else {
       if (a.q_lora_rank) {
         if (on("q_a_proj")) n += lora_pair(r, d, *a.q_lora_rank);

@@ -2,9 +2,10 @@
 // weight and every LoRA adapter, split the way the parallel plan shards them (non-expert
 // weights over FSDP, routed experts over EP).
 //
-// For mixers and gates the model code does not implement yet (kda, dsa's indexer, the attention
-// output gate) the counts follow DESIGN.md §1's description and are flagged `estimated`; for
-// everything Model builds they equal Model::weight_slots() / Model::parameters() exactly (tested).
+// For parts the model code does not implement yet (dsa's indexer, the attention output gate)
+// the counts follow DESIGN.md §1's description and are flagged `estimated`; for everything Model
+// builds (MLA, KDA, MoE, dense FFN) they equal Model::weight_slots() / Model::parameters()
+// exactly (tested).
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,6 @@ namespace moetrain {
 
 // Assumed shapes of the parts that exist only on paper so far (DESIGN.md §1).
 struct UnbuiltShapes {
-  int64_t kda_conv_width = 4;          // causal depthwise conv on q, k, v
   int64_t dsa_indexer_heads = 64;      // lightning indexer: 64 heads x 128
   int64_t dsa_indexer_head_dim = 128;
   int64_t dsa_top_k = 2048;            // keys selected per query
@@ -52,7 +52,6 @@ struct LoraParameterCount {
   std::vector<int64_t> layer_non_expert;  // per layer: attention, dense MLP, shared experts
   int64_t routed_expert_per_layer = 0;    // all experts of one MoE layer (0 unless targeted)
   int64_t num_moe_layers = 0;
-  int64_t estimated = 0;                  // adapters on KDA projections
   int64_t non_expert() const;
   int64_t routed_experts() const { return routed_expert_per_layer * num_moe_layers; }
   int64_t total() const { return non_expert() + routed_experts(); }

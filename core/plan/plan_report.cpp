@@ -75,7 +75,7 @@ std::string format_plan(const MemoryPlan& plan) {
   }
   out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? "on" : "off",
                      plan.fits() ? "fits" : "does not fit");
-  if (p.estimated() > 0) out += "* depends on kda/dsa/gate shapes the model does not implement yet (estimates)\n";
+  if (p.estimated() > 0) out += "* depends on dsa/gate shapes the model does not implement yet (estimates)\n";
   return out;
 }
 

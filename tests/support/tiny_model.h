@@ -1,4 +1,4 @@
-// Tiny MLA + MoE models and packed batches for whole-model tests.
+// Tiny hybrid models (MLA and KDA layers, MoE) and packed batches for whole-model tests.
 #pragma once
 
 #include <vector>
@@ -9,14 +9,18 @@
 
 namespace moetrain::testing {
 
-// 3 layers: a dense first layer, then MoE layers with grouped routing and a shared expert.
+// 3 layers: a dense first layer, then MoE layers with grouped routing and a shared expert;
+// the mixers are MLA, KDA, MLA (every mixer the model has joins the whole-model tests here).
 inline Config tiny_model_config(bool q_lora) {
   Config c;
   ModelConfig& m = c.model;
   m.vocab_size = 37;
   m.hidden_size = 16;
   m.num_layers = 3;
-  m.layers = {"mla", "mla", "mla"};
+  m.layers = {"mla", "kda", "mla"};
+  m.kda.num_heads = 2;
+  m.kda.head_dim = 4;
+  m.kda.conv_width = 4;
   m.intermediate_size = 24;
   m.first_k_dense = 1;
   m.max_position_embeddings = 32;
@@ -43,14 +47,14 @@ inline Config tiny_model_config(bool q_lora) {
   return c;
 }
 
+// Every projection of tiny_model_config's model (q_proj: MLA's without q LoRA, and KDA's).
 inline std::vector<std::string> all_lora_targets(bool q_lora) {
   std::vector<std::string> t = {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                                "down_proj", "shared_experts", "experts"};
+                                "down_proj", "shared_experts", "experts", "q_proj", "k_proj", "v_proj",
+                                "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"};
   if (q_lora) {
     t.push_back("q_a_proj");
     t.push_back("q_b_proj");
-  } else {
-    t.push_back("q_proj");
   }
   return t;
 }

@@ -309,6 +309,10 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
       {{"model.mla.use_rope=false", "model.mla.rope_scaling.type=yarn", "model.mla.rope_scaling.factor=4"},
        {"`model.mla.rope_scaling.type` is yarn but `model.mla.use_rope` is false"}},
       {{"model.mla.q_lora_rank=0"}, {"`model.mla.q_lora_rank` = 0 must be > 0"}},
+      {{"model.kda.num_heads=0"}, {"`model.kda.num_heads` = 0 must be > 0"}},
+      {{"model.kda.head_dim=-8"}, {"`model.kda.head_dim` = -8 must be > 0"}},
+      {{"model.kda.conv_width=0"}, {"`model.kda.conv_width` = 0 must be > 0"}},
+      {{"model.kda.lower_bound=2"}, {"`model.kda.lower_bound` = 2.0 must be <= 0", "Kimi K3's bounded gate"}},
       {{"train.warmup_steps=200", "train.steps=100"}, {"`train.warmup_steps` = 200 must be <= `train.steps` = 100"}},
       {{"data.seq_len=1"}, {"`data.seq_len` = 1 must be >= 2"}},
       {{"data.seq_len=8192"}, {"`data.seq_len` = 8192 is longer than `model.max_position_embeddings` = 4096"}},
@@ -413,6 +417,8 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
       "    rope_theta: 50000.5",
       "    rope_scaling: {type: yarn, factor: 4.0, original_max_position_embeddings: 2048,",
       "                   beta_fast: 16.0, beta_slow: 2.0, mscale: 0.707, mscale_all_dim: 0.1}",
+      "  kda: {num_heads: 3, head_dim: 8, conv_width: 3, lower_bound: -5.0, fused_qkv: true,",
+      "        full_rank_output_gate: true}",
       "  moe: {num_experts: 12, top_k: 3, num_shared_experts: 2, expert_intermediate_size: 40,",
       "        scoring: softmax, num_groups: 3, topk_groups: 2, normalize_topk: false,",
       "        routed_scaling_factor: 2.446, score_correction_bias: false, aux_loss_coef: 0.001,",
@@ -445,8 +451,10 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
   CHECK(reread.logging.run_dir == "runs/a\"b");
   CHECK(!reread.parallel.recompute);
   CHECK(reread.train.eps == 1.0e-10);
+  CHECK(reread.model.kda.lower_bound == -5.0);
+  CHECK(reread.model.kda.full_rank_output_gate);
   // Every key was written, so every model key reads back as explicit.
-  CHECK(reread.explicit_model_keys.size() == 12 + 8 + 7 + 14);  // model, mla, rope_scaling, moe
+  CHECK(reread.explicit_model_keys.size() == 12 + 8 + 7 + 6 + 14);  // model, mla, rope_scaling, kda, moe
   // same_settings is not always true: one changed value is seen.
   reread.train.beta2 = 0.96;
   CHECK(!same_settings(original, reread));

@@ -1,6 +1,7 @@
 // The whole model's LoRA gradients against central differences in double: every adapter of
-// every layer kind (MLA with and without q LoRA, dense MLP, routed experts, shared experts),
-// through routing weights, RoPE with YaRN, packed documents and the masked loss.
+// every layer kind (MLA with and without q LoRA, KDA in Kimi-Linear's and Kimi K3's forms, dense
+// MLP, routed experts, shared experts), through routing weights, RoPE with YaRN, the KDA
+// recurrence, packed documents and the masked loss.
 #include <memory>
 
 #include "catch.h"
@@ -20,15 +21,23 @@ struct Fixture {
   Batch batch;
   double grad_scale = 0.0;
 
-  Fixture(bool q_lora, double aux_coef, bool recompute) {
+  // k3_kda: the KDA layer in Kimi K3's form (fused qkv, full-rank output gate, bounded decay).
+  Fixture(bool q_lora, double aux_coef, bool recompute, bool k3_kda = false) {
     Config config = tiny_model_config(q_lora);
     config.model.moe.aux_loss_coef = aux_coef;
+    std::vector<std::string> targets = all_lora_targets(q_lora);
+    if (k3_kda) {
+      config.model.kda.fused_qkv = true;
+      config.model.kda.full_rank_output_gate = true;
+      config.model.kda.lower_bound = -5.0;
+      targets = {"qkv_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj", "kv_b_proj", "experts"};
+    }
     ModelSpec spec = resolve_model_spec(config);
     ModelOptions options;
     options.dtype = DType::kF64;
     options.recompute = recompute;
     options.lora = LoraSettings{4, 8.0, false};
-    options.lora_targets = all_lora_targets(q_lora);
+    options.lora_targets = targets;
     model = std::make_unique<Model>(spec, *backend, options);
     model->init_random_weights();
     // Non-zero B (and larger A) so that every adapter carries gradient to every input.
@@ -86,7 +95,16 @@ void check_all_parameters(Fixture& f) {
 
 TEST_CASE("model LoRA gradients match finite differences (q LoRA, YaRN, MoE)", "[model][gradcheck]") {
   Fixture f(/*q_lora=*/true, /*aux_coef=*/0.0, /*recompute=*/false);
-  REQUIRE(f.model->parameters().size() == 2 * (5 + 3 + 2 * (5 + 3 + 3)));
+  // Adapters: layer 0 MLA 5 + dense 3; layer 1 KDA 9 (q, k, v, f_a, f_b, b, g_a, g_b, o) + shared 3 +
+  // experts 3; layer 2 MLA 5 + shared 3 + experts 3.
+  REQUIRE(f.model->parameters().size() == 2 * (5 + 3 + (9 + 3 + 3) + (5 + 3 + 3)));
+  check_all_parameters(f);
+}
+
+TEST_CASE("model LoRA gradients match finite differences (KDA as in Kimi K3)", "[model][gradcheck]") {
+  Fixture f(/*q_lora=*/false, /*aux_coef=*/0.0, /*recompute=*/true, /*k3_kda=*/true);
+  // KDA: qkv_proj, f_a, f_b, b, g_proj, o; MLA: kv_b, o (twice); experts 3 in two MoE layers.
+  REQUIRE(f.model->parameters().size() == 2 * (6 + 2 * 2 + 2 * 3));
   check_all_parameters(f);
 }
 

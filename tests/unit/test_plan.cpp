@@ -90,7 +90,6 @@ TEST_CASE("parameter counts equal Model::weight_slots and Model::parameters") {
       lora.rank = 4;
       lora.targets = targets;
       LoraParameterCount lora_count = count_lora_parameters(spec, lora);
-      CHECK(lora_count.estimated == 0);
       CHECK(lora_count.total() == parameter_elements(model));
     }
   }
@@ -113,20 +112,41 @@ TEST_CASE("a target subset counts only its adapters") {
   }
 }
 
-TEST_CASE("kda and dsa layers are counted as labelled estimates") {
+TEST_CASE("kda layers are counted exactly, dsa's indexer as a labelled estimate") {
   Config config = testing::tiny_model_config(true);
   config.model.layers = {"mla", "kda", "dsa"};
   ModelSpec spec = plan_model_spec(config.model);
   ModelParameterCount count = count_model_parameters(spec);
   REQUIRE(count.layers.size() == 3);
   CHECK(count.layers[0].mixer_estimated == 0);
-  CHECK(count.layers[1].mixer_estimated == count.layers[1].mixer);
-  CHECK(count.layers[1].mixer > 0);
+  CHECK(count.layers[1].mixer_estimated == 0);
+  // KDA by hand, D 16, H 2, d 4 (c 8), W 4: q/k/v 3*8*16, convs 3*8*4, f_a 4*16, f_b 8*4,
+  // A_log 2, dt_bias 8, b_proj 2*16, g_a 4*16, g_b 8*4, o_norm 4, o_proj 16*8.
+  CHECK(count.layers[1].mixer == 384 + 96 + 64 + 32 + 2 + 8 + 32 + 64 + 32 + 4 + 128);
   // DSA = MLA + the indexer: the estimate is the difference to the MLA layer.
   CHECK(count.layers[2].mixer - count.layers[2].mixer_estimated == count.layers[0].mixer);
   // Indexer by hand: wq_b 64*128 x q_lora 12, wk 128 x D 16, LayerNorm 2*128, weights_proj 64 x 16.
   CHECK(count.layers[2].mixer_estimated == 64 * 128 * 12 + 128 * 16 + 2 * 128 + 64 * 16);
-  CHECK(count.estimated() == count.layers[1].mixer + count.layers[2].mixer_estimated);
+  CHECK(count.estimated() == count.layers[2].mixer_estimated);
+}
+
+TEST_CASE("Kimi K3's KDA (fused qkv, full-rank output gate) counts what the model builds") {
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  Config config = testing::tiny_model_config(false);
+  config.model.kda.fused_qkv = true;
+  config.model.kda.full_rank_output_gate = true;
+  config.model.kda.lower_bound = -5.0;
+  ModelSpec spec = resolve_model_spec(config);
+  const std::vector<std::string> targets = {"qkv_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj"};
+  ModelOptions options;
+  options.lora = LoraSettings{4, 8.0, false};
+  options.lora_targets = targets;
+  Model model(spec, *backend, options);
+  CHECK(count_model_parameters(spec).total() == slot_elements(model));
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.targets = targets;
+  CHECK(count_lora_parameters(spec, lora).total() == parameter_elements(model));
 }
 
 TEST_CASE("memory plan numbers by hand on a small config") {
@@ -176,6 +196,31 @@ TEST_CASE("memory plan numbers by hand on a small config") {
   // More tokens never fit in less memory, and the peak grows linearly in tokens.
   CHECK(plan.max_tokens(true) >= plan.max_tokens(false));
   CHECK(plan.peak_bytes(true) == plan.fixed_bytes() + 16 * plan.per_token_bytes(true));
+}
+
+TEST_CASE("a KDA layer's saved tensors and chunk states per token, by hand") {
+  // tiny_model_config without q LoRA, bf16 activations (a = 2), F32 statistics.
+  // MLA: kv latent + normed 2*8*a, rstd 4, q and k 2*2*10*a, v and attn 2*2*5*a, lse 2*4 = 164.
+  // KDA (H 2, d 4, c 8): (12 c + 2 d) a + (c + 4 H) 4 = 104 * 2 + 16 * 4 = 272; its chunk states
+  // H d^2 x 4 B / 64 = 2 per token.
+  Config hybrid = testing::tiny_model_config(false);
+  hybrid.parallel.recompute = false;
+  Config all_mla = hybrid;
+  all_mla.model.layers = {"mla", "mla", "mla"};
+  PlanOptions options;
+  MemoryPlan with_kda = make_memory_plan(hybrid, options);
+  MemoryPlan without = make_memory_plan(all_mla, options);
+  auto item = [](const std::vector<PlanItem>& items, const std::string& name) {
+    for (const PlanItem& i : items)
+      if (i.name == name) return i;
+    FAIL("no plan item " << name);
+    return PlanItem{};
+  };
+  const std::string saved = "every layer's saved tensors";
+  CHECK(item(with_kda.per_token_full, saved).bytes - item(without.per_token_full, saved).bytes == 272.0 - 164.0);
+  CHECK(!item(with_kda.per_token_full, saved).estimated);
+  CHECK(item(with_kda.per_token_full, "KDA chunk states (inside the op)").bytes == 2.0);
+  CHECK(item(without.per_token_full, "KDA chunk states (inside the op)").bytes == 0.0);
 }
 
 TEST_CASE("the plan refuses a world the mesh does not fit") {

@@ -1,0 +1,317 @@
+// Hugging Face config.json -> the model section, for model_type deepseek_v3 and kimi_linear.
+// docs/HF_SEMANTICS.md says what each key means. Kimi-Linear's config.json comes in two
+// spellings: the released checkpoint's (Moonshot's remote code: linear_attn_config, num_experts,
+// moe_renormalize, model_max_length, ...) and what transformers 5 writes when it saves one
+// (the same keys through its attribute map, plus layer_types / linear_* in some versions); both
+// are read.
+#include <fmt/format.h>
+
+#include <initializer_list>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <tuple>
+
+#include "core/base/error.h"
+#include "core/model/model_spec.h"
+
+namespace moetrain {
+namespace {
+
+using Json = nlohmann::json;
+
+// Typed access to config.json with messages that name the file, the model type and the key.
+class HfJson {
+ public:
+  HfJson(const Json& json, const std::string& source, std::string model_type = "")
+      : json_(json), source_(source), model_type_(std::move(model_type)) {}
+
+  bool has(const char* key) const { return json_.contains(key) && !json_.at(key).is_null(); }
+
+  template <typename T>
+  T get(const char* key) const {
+    MOETRAIN_CHECK(has(key), ExitCode::kBadConfig,
+                   fmt::format("{}: missing key \"{}\", which a {} config.json must have", source_, key,
+                               model_type_.empty() ? "model" : model_type_));
+    return get_or<T>(key, T{});
+  }
+
+  template <typename T>
+  T get_or(const char* key, T fallback) const {
+    if (!has(key)) return fallback;
+    try {
+      return json_.at(key).get<T>();
+    } catch (const Json::exception& e) {
+      throw Error(ExitCode::kBadConfig, fmt::format("{}: key \"{}\" has the wrong type ({})", source_, key, e.what()));
+    }
+  }
+
+  // The first of `keys` present (one setting under the names different writers give it).
+  const char* first_of(std::initializer_list<const char*> keys) const {
+    for (const char* key : keys)
+      if (has(key)) return key;
+    return nullptr;
+  }
+  template <typename T>
+  T get_any(std::initializer_list<const char*> keys) const {
+    const char* key = first_of(keys);
+    MOETRAIN_CHECK(key != nullptr, ExitCode::kBadConfig,
+                   fmt::format("{}: missing key \"{}\" (or an alias of it), which a {} config.json must have",
+                               source_, *keys.begin(), model_type_));
+    return get_or<T>(key, T{});
+  }
+  template <typename T>
+  T get_any_or(std::initializer_list<const char*> keys, T fallback) const {
+    const char* key = first_of(keys);
+    return key ? get_or<T>(key, fallback) : fallback;
+  }
+
+  const std::string& source() const { return source_; }
+
+ private:
+  const Json& json_;
+  const std::string& source_;
+  std::string model_type_;
+};
+
+RopeScalingConfig rope_scaling_from_hf(const Json& scaling, int64_t max_position_embeddings,
+                                        const std::string& source) {
+  RopeScalingConfig rope;
+  if (scaling.is_null()) return rope;
+  HfJson s(scaling, source);
+  std::string type = s.get_or<std::string>("rope_type", s.get_or<std::string>("type", "default"));
+  if (type == "default" || type == "none") return rope;
+  MOETRAIN_CHECK(type == "yarn", ExitCode::kBadConfig,
+                 fmt::format("{}: rope scaling type \"{}\" is not supported (supported: yarn, default)", source, type));
+  rope.type = "yarn";
+  rope.original_max_position_embeddings =
+      s.get_or<int64_t>("original_max_position_embeddings", max_position_embeddings);
+  // Without an explicit factor, YaRN stretches the original context to the configured one.
+  rope.factor = s.get_or<double>("factor", static_cast<double>(max_position_embeddings) /
+                                               static_cast<double>(rope.original_max_position_embeddings));
+  rope.beta_fast = s.get_or<double>("beta_fast", 32.0);
+  rope.beta_slow = s.get_or<double>("beta_slow", 1.0);
+  rope.mscale = s.get_or<double>("mscale", 1.0);
+  rope.mscale_all_dim = s.get_or<double>("mscale_all_dim", 0.0);
+  return rope;
+}
+
+// The MLA keys DeepSeek-V3 and Kimi-Linear share.
+void mla_from_hf(const HfJson& hf, MlaConfig& mla) {
+  mla.num_heads = hf.get<int64_t>("num_attention_heads");
+  if (hf.has("q_lora_rank")) mla.q_lora_rank = hf.get<int64_t>("q_lora_rank");
+  else mla.q_lora_rank.reset();
+  mla.kv_lora_rank = hf.get<int64_t>("kv_lora_rank");
+  mla.qk_nope_head_dim = hf.get<int64_t>("qk_nope_head_dim");
+  mla.qk_rope_head_dim = hf.get<int64_t>("qk_rope_head_dim");
+  mla.v_head_dim = hf.get<int64_t>("v_head_dim");
+}
+
+ModelConfig deepseek_v3_from_hf(const Json& json, const HfJson& hf) {
+  const std::string& source_name = hf.source();
+  ModelConfig m;
+  m.model_type = "deepseek_v3";
+  m.vocab_size = hf.get<int64_t>("vocab_size");
+  m.hidden_size = hf.get<int64_t>("hidden_size");
+  m.num_layers = hf.get<int64_t>("num_hidden_layers");
+  m.intermediate_size = hf.get<int64_t>("intermediate_size");
+  m.first_k_dense = hf.get_or<int64_t>("first_k_dense_replace", 0);
+  m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-6);
+  m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);
+  m.max_position_embeddings = hf.get_or<int64_t>("max_position_embeddings", 4096);
+  m.layers.assign(static_cast<size_t>(m.num_layers), "mla");
+
+  MlaConfig& mla = m.mla;
+  mla_from_hf(hf, mla);
+  mla.use_rope = mla.qk_rope_head_dim > 0;
+  // transformers 5 keeps rope settings in `rope_parameters`; older files use rope_theta +
+  // rope_scaling at the top level.
+  if (json.contains("rope_parameters") && json["rope_parameters"].is_object()) {
+    const Json& rp = json["rope_parameters"];
+    mla.rope_theta = HfJson(rp, source_name).get_or<double>("rope_theta", 10000.0);
+    mla.rope_scaling = rope_scaling_from_hf(rp, m.max_position_embeddings, source_name);
+  } else {
+    mla.rope_theta = hf.get_or<double>("rope_theta", 10000.0);
+    mla.rope_scaling = rope_scaling_from_hf(json.value("rope_scaling", Json()), m.max_position_embeddings, source_name);
+  }
+
+  MoeConfig& moe = m.moe;
+  moe.num_experts = hf.get<int64_t>("n_routed_experts");
+  moe.top_k = hf.get<int64_t>("num_experts_per_tok");
+  moe.num_shared_experts = hf.get_or<int64_t>("n_shared_experts", 0);
+  moe.expert_intermediate_size = hf.get<int64_t>("moe_intermediate_size");
+  moe.scoring = hf.get_or<std::string>("scoring_func", "sigmoid");
+  moe.num_groups = hf.get_or<int64_t>("n_group", 1);
+  moe.topk_groups = hf.get_or<int64_t>("topk_group", 1);
+  moe.normalize_topk = hf.get_or<bool>("norm_topk_prob", true);
+  moe.routed_scaling_factor = hf.get_or<double>("routed_scaling_factor", 1.0);
+  moe.score_correction_bias = true;  // DeepseekV3TopkRouter always has the buffer
+  return m;
+}
+
+// Kimi-Linear's mixer per layer: linear_attn_config's 1-based kda_layers / full_attn_layers
+// (the released file), else transformers' layer_types, else its default (every 4th layer full
+// attention).
+std::vector<std::string> kimi_layers(const Json& json, const HfJson& hf, int64_t num_layers) {
+  const std::string& source = hf.source();
+  std::vector<std::string> layers(static_cast<size_t>(num_layers));
+  const Json linear = json.value("linear_attn_config", Json());
+  if (linear.is_object() && linear.contains("kda_layers") && linear.contains("full_attn_layers")) {
+    std::set<int64_t> seen;
+    for (const char* key : {"kda_layers", "full_attn_layers"}) {
+      std::vector<int64_t> listed;
+      try {
+        listed = linear.at(key).get<std::vector<int64_t>>();
+      } catch (const Json::exception& e) {
+        throw Error(ExitCode::kBadConfig,
+                    fmt::format("{}: linear_attn_config.{} must be a list of layer numbers ({})", source, key, e.what()));
+      }
+      for (int64_t layer : listed) {
+        MOETRAIN_CHECK(layer >= 1 && layer <= num_layers, ExitCode::kBadConfig,
+                       fmt::format("{}: linear_attn_config.{} lists layer {}, outside 1..{} (the lists are 1-based)",
+                                   source, key, layer, num_layers));
+        MOETRAIN_CHECK(seen.insert(layer).second, ExitCode::kBadConfig,
+                       fmt::format("{}: layer {} is listed twice in linear_attn_config's kda_layers / full_attn_layers",
+                                   source, layer));
+        layers[static_cast<size_t>(layer - 1)] = std::string(key) == "kda_layers" ? "kda" : "mla";
+      }
+    }
+    MOETRAIN_CHECK(static_cast<int64_t>(seen.size()) == num_layers, ExitCode::kBadConfig,
+                   fmt::format("{}: linear_attn_config's kda_layers and full_attn_layers name {} of the {} layers; "
+                               "every layer must be in exactly one of them",
+                               source, seen.size(), num_layers));
+    return layers;
+  }
+  if (hf.has("layer_types")) {
+    const auto types = hf.get<std::vector<std::string>>("layer_types");
+    MOETRAIN_CHECK(static_cast<int64_t>(types.size()) == num_layers, ExitCode::kBadConfig,
+                   fmt::format("{}: layer_types has {} entries for {} layers", source, types.size(), num_layers));
+    for (size_t i = 0; i < types.size(); ++i) {
+      MOETRAIN_CHECK(types[i] == "linear_attention" || types[i] == "full_attention", ExitCode::kBadConfig,
+                     fmt::format("{}: layer_types[{}] is \"{}\" (expected linear_attention or full_attention)", source,
+                                 i, types[i]));
+      layers[i] = types[i] == "linear_attention" ? "kda" : "mla";
+    }
+    return layers;
+  }
+  for (int64_t i = 0; i < num_layers; ++i) layers[static_cast<size_t>(i)] = (i + 1) % 4 == 0 ? "mla" : "kda";
+  return layers;
+}
+
+// Dense FFN layers first, then MoE: transformers' mlp_layer_types, or first_k_dense_replace
+// (default 1, as both implementations have it).
+int64_t kimi_first_k_dense(const HfJson& hf, int64_t num_layers) {
+  const std::string& source = hf.source();
+  MOETRAIN_CHECK(hf.get_or<int64_t>("moe_layer_freq", 1) == 1, ExitCode::kBadConfig,
+                 fmt::format("{}: moe_layer_freq {} is not supported (every layer after the dense ones is MoE)", source,
+                             hf.get_or<int64_t>("moe_layer_freq", 1)));
+  if (!hf.has("mlp_layer_types")) return hf.get_or<int64_t>("first_k_dense_replace", 1);
+  const auto types = hf.get<std::vector<std::string>>("mlp_layer_types");
+  MOETRAIN_CHECK(static_cast<int64_t>(types.size()) == num_layers, ExitCode::kBadConfig,
+                 fmt::format("{}: mlp_layer_types has {} entries for {} layers", source, types.size(), num_layers));
+  int64_t dense = 0;
+  while (dense < num_layers && types[static_cast<size_t>(dense)] == "dense") ++dense;
+  for (int64_t i = dense; i < num_layers; ++i) {
+    MOETRAIN_CHECK(types[static_cast<size_t>(i)] == "sparse", ExitCode::kBadConfig,
+                   fmt::format("{}: mlp_layer_types[{}] is \"{}\": moetrain runs dense layers first, then MoE "
+                               "(\"sparse\") layers only",
+                               source, i, types[static_cast<size_t>(i)]));
+  }
+  return dense;
+}
+
+// KDA's heads, head size and conv width: linear_attn_config (released), or transformers' flat
+// keys, whose names changed between versions.
+KdaConfig kimi_kda(const Json& json, const HfJson& hf) {
+  const std::string& source = hf.source();
+  KdaConfig kda;
+  kda.num_heads = 32;  // transformers' KimiLinearConfig defaults
+  kda.head_dim = 128;
+  kda.conv_width = 4;
+  const Json linear = json.value("linear_attn_config", Json());
+  if (linear.is_object()) {
+    HfJson l(linear, source, "linear_attn_config");
+    kda.num_heads = l.get_or<int64_t>("num_heads", kda.num_heads);
+    kda.head_dim = l.get_or<int64_t>("head_dim", kda.head_dim);
+    kda.conv_width = l.get_or<int64_t>("short_conv_kernel_size", kda.conv_width);
+    kda.full_rank_output_gate = l.get_or<bool>("use_full_rank_gate", false);
+    kda.lower_bound = l.get_or<double>("gate_lower_bound", 0.0);
+  }
+  kda.num_heads = hf.get_any_or<int64_t>({"linear_num_heads", "linear_num_value_heads"}, kda.num_heads);
+  kda.head_dim = hf.get_any_or<int64_t>({"linear_head_dim", "linear_value_head_dim"}, kda.head_dim);
+  kda.conv_width = hf.get_any_or<int64_t>({"linear_conv_kernel_dim"}, kda.conv_width);
+  kda.full_rank_output_gate = hf.get_or<bool>("use_full_rank_output_gate", kda.full_rank_output_gate);
+  kda.lower_bound = hf.get_or<double>("forget_gate_lower_bound", kda.lower_bound);
+  // One head count and size for q, k and v (as in every released model).
+  for (auto [key_name, value_name, value] :
+       {std::tuple{"linear_num_key_heads", "num_heads", kda.num_heads},
+        std::tuple{"linear_key_head_dim", "head_dim", kda.head_dim}}) {
+    MOETRAIN_CHECK(!hf.has(key_name) || hf.get<int64_t>(key_name) == value, ExitCode::kBadConfig,
+                   fmt::format("{}: {} = {} differs from the value heads' {} = {}; moetrain's KDA has one head "
+                               "layout for q, k and v",
+                               source, key_name, hf.get_or<int64_t>(key_name, 0), value_name, value));
+  }
+  return kda;
+}
+
+ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
+  const std::string& source = hf.source();
+  ModelConfig m;
+  m.model_type = "kimi_linear";
+  m.vocab_size = hf.get<int64_t>("vocab_size");
+  m.hidden_size = hf.get<int64_t>("hidden_size");
+  m.num_layers = hf.get<int64_t>("num_hidden_layers");
+  m.intermediate_size = hf.get<int64_t>("intermediate_size");
+  m.first_k_dense = kimi_first_k_dense(hf, m.num_layers);
+  m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-5);
+  m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);
+  m.max_position_embeddings = hf.get_any_or<int64_t>({"model_max_length", "max_position_embeddings"}, 1048576);
+  m.layers = kimi_layers(json, hf, m.num_layers);
+  const std::string act = hf.get_or<std::string>("hidden_act", "silu");
+  MOETRAIN_CHECK(act == "silu", ExitCode::kBadConfig,
+                 fmt::format("{}: hidden_act \"{}\" is not supported (SwiGLU with silu only)", source, act));
+
+  // NoPE MLA: neither Moonshot's code (mla_use_nope) nor transformers' KimiLinearAttention
+  // rotates anything; the qk_rope_head_dim part of q and k stays, unrotated.
+  mla_from_hf(hf, m.mla);
+  m.mla.use_rope = false;
+  MOETRAIN_CHECK(!hf.get_or<bool>("mla_use_output_gate", false), ExitCode::kBadConfig,
+                 fmt::format("{}: mla_use_output_gate (Kimi K3's gated MLA) is not supported yet", source));
+
+  m.kda = kimi_kda(json, hf);
+
+  MoeConfig& moe = m.moe;
+  moe.num_experts = hf.get_any<int64_t>({"num_experts", "n_routed_experts", "num_local_experts"});
+  moe.top_k = hf.get_any<int64_t>({"num_experts_per_token", "num_experts_per_tok"});
+  // Absent: transformers' default of one shared expert; null: none (Moonshot's code).
+  const char* shared = json.contains("num_shared_experts") ? "num_shared_experts" : "n_shared_experts";
+  moe.num_shared_experts = json.contains(shared) ? hf.get_or<int64_t>(shared, 0) : 1;
+  moe.expert_intermediate_size = hf.get<int64_t>("moe_intermediate_size");
+  moe.scoring = hf.get_any_or<std::string>({"moe_router_activation_func", "scoring_func"}, "sigmoid");
+  moe.num_groups = hf.get_any_or<int64_t>({"num_expert_group", "n_group"}, 1);
+  moe.topk_groups = hf.get_or<int64_t>("topk_group", 1);
+  moe.normalize_topk = hf.get_any_or<bool>({"moe_renormalize", "norm_topk_prob"}, true);
+  moe.routed_scaling_factor = hf.get_or<double>("routed_scaling_factor", 2.446);  // transformers' default
+  moe.score_correction_bias = true;  // both implementations' routers have the bias
+  return m;
+}
+
+}  // namespace
+
+ModelConfig model_config_from_hf_json(const std::string& json_text, const std::string& source_name) {
+  Json json;
+  try {
+    json = Json::parse(json_text);
+  } catch (const Json::exception& e) {
+    throw Error(ExitCode::kBadConfig, fmt::format("{}: not valid JSON ({})", source_name, e.what()));
+  }
+  MOETRAIN_CHECK(json.is_object(), ExitCode::kBadConfig, source_name + ": config.json must be a JSON object");
+  const std::string model_type = HfJson(json, source_name).get<std::string>("model_type");
+  HfJson hf(json, source_name, model_type);
+  if (model_type == "deepseek_v3") return deepseek_v3_from_hf(json, hf);
+  if (model_type == "kimi_linear") return kimi_linear_from_hf(json, hf);
+  throw Error(ExitCode::kBadConfig, fmt::format("{}: model_type \"{}\" is not supported yet (supported: deepseek_v3, "
+                                                "kimi_linear)",
+                                                source_name, model_type));
+}
+
+}  // namespace moetrain

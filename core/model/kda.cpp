@@ -1,0 +1,272 @@
+#include "core/model/kda.h"
+
+#include <cmath>
+
+namespace moetrain {
+
+using kernels::CopyColumnsArgs;
+using kernels::GatedRmsNormArgs;
+using kernels::GatedRmsNormBackwardArgs;
+using kernels::KdaArgs;
+using kernels::KdaBackwardArgs;
+using kernels::KdaGateArgs;
+using kernels::KdaGateBackwardArgs;
+using kernels::L2NormArgs;
+using kernels::L2NormBackwardArgs;
+using kernels::ShortConvArgs;
+using kernels::ShortConvBackwardArgs;
+
+namespace {
+
+// fla's and transformers' l2norm: x / sqrt(sum x^2 + 1e-6), fixed in both.
+constexpr double kL2NormEps = 1e-6;
+
+// [tokens, H, d] or [tokens, H d] as one row per (token, head): what the per-head ops take.
+TensorView per_head(const TensorView& t, int64_t dim) { return t.reshaped({t.numel() / dim, dim}); }
+
+}  // namespace
+
+KdaAttention::KdaAttention(const ModelSpec& spec, int64_t layer, const LayerContext& ctx) {
+  const ModelConfig& m = spec.config;
+  const KdaConfig& kda = m.kda;
+  heads_ = kda.num_heads;
+  dim_ = kda.head_dim;
+  width_ = kda.conv_width;
+  lower_bound_ = kda.lower_bound;
+  // Both implementations build o_norm with the model's rms_norm_eps.
+  norm_eps_ = m.rms_norm_eps;
+  fused_qkv_ = kda.fused_qkv;
+  full_rank_gate_ = kda.full_rank_output_gate;
+  prefix_ = "model.layers." + std::to_string(layer) + ".self_attn.";
+
+  const int64_t hidden = m.hidden_size;
+  const int64_t c = channels();
+  auto make = [&](LoraLinear& linear, const char* name, int64_t in, int64_t out) {
+    linear = LoraLinear(prefix_ + name, in, out);
+    linear.weight = ctx.alloc({out, in});
+  };
+  if (fused_qkv_) {
+    make(qkv_proj, "qkv_proj", hidden, 3 * c);
+    qkv_conv = ctx.alloc({3 * c, width_});
+  } else {
+    make(q_proj, "q_proj", hidden, c);
+    make(k_proj, "k_proj", hidden, c);
+    make(v_proj, "v_proj", hidden, c);
+    q_conv = ctx.alloc({c, width_});
+    k_conv = ctx.alloc({c, width_});
+    v_conv = ctx.alloc({c, width_});
+  }
+  make(f_a_proj, "f_a_proj", hidden, dim_);
+  make(f_b_proj, "f_b_proj", dim_, c);
+  make(b_proj, "b_proj", hidden, heads_);
+  if (full_rank_gate_) {
+    make(g_proj, "g_proj", hidden, c);
+  } else {
+    make(g_a_proj, "g_a_proj", hidden, dim_);
+    make(g_b_proj, "g_b_proj", dim_, c);
+  }
+  make(o_proj, "o_proj", c, hidden);
+  a_log = ctx.alloc_accum({heads_});
+  dt_bias = ctx.alloc_accum({c});
+  o_norm = ctx.alloc({dim_});
+}
+
+std::vector<LoraLinear*> KdaAttention::projections() {
+  std::vector<LoraLinear*> out;
+  if (fused_qkv_) out.push_back(&qkv_proj);
+  else out.insert(out.end(), {&q_proj, &k_proj, &v_proj});
+  out.insert(out.end(), {&f_a_proj, &f_b_proj, &b_proj});
+  if (full_rank_gate_) out.push_back(&g_proj);
+  else out.insert(out.end(), {&g_a_proj, &g_b_proj});
+  out.push_back(&o_proj);
+  return out;
+}
+
+void KdaAttention::collect_parameters(std::vector<Parameter*>& out) {
+  for (LoraLinear* p : projections()) p->collect_parameters(out);
+}
+
+void KdaAttention::collect_weights(std::vector<WeightSlot>& out) {
+  for (LoraLinear* p : projections()) out.push_back({p->name() + ".weight", &p->weight});
+  if (fused_qkv_) {
+    out.push_back({prefix_ + "qkv_conv1d.weight", &qkv_conv});
+  } else {
+    out.push_back({prefix_ + "q_conv1d.weight", &q_conv});
+    out.push_back({prefix_ + "k_conv1d.weight", &k_conv});
+    out.push_back({prefix_ + "v_conv1d.weight", &v_conv});
+  }
+  out.push_back({prefix_ + "A_log", &a_log});
+  out.push_back({prefix_ + "dt_bias", &dt_bias});
+  out.push_back({prefix_ + "o_norm.weight", &o_norm});
+}
+
+// q, k, v after projection, conv and SiLU, into saved_.{q,k,v}_conv [tokens, H d].
+void KdaAttention::project_qkv(const LayerContext& ctx, const TensorView& x) {
+  kernels::Backend& be = ctx.backend;
+  const TensorView& segments = ctx.batch.cu_seqlens;
+  const int64_t n = x.size(0);
+  const int64_t c = channels();
+  Saved& s = saved_;
+  s.q_conv = ctx.alloc({n, c});
+  s.k_conv = ctx.alloc({n, c});
+  s.v_conv = ctx.alloc({n, c});
+  if (fused_qkv_) {
+    s.qkv_lin = ctx.alloc({n, 3 * c});
+    qkv_proj.forward(ctx, s.qkv_lin, x);
+    Tensor conv = ctx.alloc({n, 3 * c});
+    be.short_conv_forward(ShortConvArgs{conv, s.qkv_lin, qkv_conv, segments, true});
+    Tensor* parts[3] = {&s.q_conv, &s.k_conv, &s.v_conv};
+    for (int64_t j = 0; j < 3; ++j) be.copy_columns(CopyColumnsArgs{*parts[j], conv, 0, j * c, c, 1, false});
+    return;
+  }
+  struct Stream {
+    const LoraLinear& proj;
+    Tensor& lin;
+    const Tensor& weight;
+    Tensor& conv;
+  };
+  for (Stream st : {Stream{q_proj, s.q_lin, q_conv, s.q_conv}, Stream{k_proj, s.k_lin, k_conv, s.k_conv},
+                    Stream{v_proj, s.v_lin, v_conv, s.v_conv}}) {
+    st.lin = ctx.alloc({n, c});
+    st.proj.forward(ctx, st.lin, x);
+    be.short_conv_forward(ShortConvArgs{st.conv, st.lin, st.weight, segments, true});
+  }
+}
+
+void KdaAttention::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = x.size(0);
+  const int64_t c = channels();
+  Saved& s = saved_;
+
+  project_qkv(ctx, x);
+  s.q = ctx.alloc({n, heads_, dim_});
+  s.k = ctx.alloc({n, heads_, dim_});
+  s.q_inv_norm = ctx.alloc_accum({n * heads_});
+  s.k_inv_norm = ctx.alloc_accum({n * heads_});
+  be.l2norm_forward(L2NormArgs{per_head(s.q, dim_), s.q_inv_norm, per_head(s.q_conv, dim_),
+                               kL2NormEps});
+  be.l2norm_forward(L2NormArgs{per_head(s.k, dim_), s.k_inv_norm, per_head(s.k_conv, dim_),
+                               kL2NormEps});
+
+  // The per-channel log decay and the per-head write strength.
+  s.f_low = ctx.alloc({n, dim_});
+  f_a_proj.forward(ctx, s.f_low, x);
+  s.f = ctx.alloc({n, c});
+  f_b_proj.forward(ctx, s.f, s.f_low);
+  s.g = ctx.alloc_accum({n, heads_, dim_});
+  be.kda_gate_forward(KdaGateArgs{s.g, s.f, a_log, dt_bias, lower_bound_});
+  Tensor beta_logits = ctx.alloc({n, heads_});
+  b_proj.forward(ctx, beta_logits, x);
+  s.beta = ctx.alloc_accum({n, heads_});
+  be.sigmoid_forward(s.beta, beta_logits);
+
+  s.attn = ctx.alloc({n, heads_, dim_});
+  be.kda_forward(KdaArgs{s.attn, s.q, s.k, s.v_conv.view().reshaped({n, heads_, dim_}), s.g, s.beta,
+                         ctx.batch.cu_seqlens, 1.0 / std::sqrt(static_cast<double>(dim_))});
+
+  // Head-wise RMSNorm gated by sigmoid(output gate), then o_proj.
+  s.gate = ctx.alloc({n, c});
+  if (full_rank_gate_) {
+    g_proj.forward(ctx, s.gate, x);
+  } else {
+    s.gate_low = ctx.alloc({n, dim_});
+    g_a_proj.forward(ctx, s.gate_low, x);
+    g_b_proj.forward(ctx, s.gate, s.gate_low);
+  }
+  s.norm_rstd = ctx.alloc_accum({n * heads_});
+  s.normed = ctx.alloc({n, c});
+  be.gated_rmsnorm_forward(GatedRmsNormArgs{per_head(s.normed, dim_), s.norm_rstd,
+                                            per_head(s.attn, dim_), per_head(s.gate, dim_),
+                                            o_norm, norm_eps_});
+  o_proj.forward(ctx, out, s.normed);
+}
+
+// From the gradients after the conv + SiLU back through the convs and q/k/v projections; adds
+// into dx.
+void KdaAttention::qkv_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dq_conv,
+                                const TensorView& dk_conv, const TensorView& dv_conv, const TensorView& x) {
+  kernels::Backend& be = ctx.backend;
+  const TensorView& segments = ctx.batch.cu_seqlens;
+  const int64_t n = x.size(0);
+  const int64_t c = channels();
+  Saved& s = saved_;
+  if (fused_qkv_) {
+    Tensor dconv = ctx.alloc({n, 3 * c});
+    const TensorView parts[3] = {dq_conv, dk_conv, dv_conv};
+    for (int64_t j = 0; j < 3; ++j) be.copy_columns(CopyColumnsArgs{dconv, parts[j], j * c, 0, c, 1, false});
+    Tensor dlin = ctx.alloc({n, 3 * c});
+    be.short_conv_backward(ShortConvBackwardArgs{dlin, {}, dconv, s.qkv_lin, qkv_conv, segments, true});
+    qkv_proj.backward(ctx, dx, dlin, x, true);
+    return;
+  }
+  struct Stream {
+    const LoraLinear& proj;
+    const Tensor& lin;
+    const Tensor& weight;
+    TensorView dconv;
+  };
+  for (Stream st : {Stream{q_proj, s.q_lin, q_conv, dq_conv}, Stream{k_proj, s.k_lin, k_conv, dk_conv},
+                    Stream{v_proj, s.v_lin, v_conv, dv_conv}}) {
+    Tensor dlin = ctx.alloc({n, c});
+    be.short_conv_backward(ShortConvBackwardArgs{dlin, {}, st.dconv, st.lin, st.weight, segments, true});
+    st.proj.backward(ctx, dx, dlin, x, true);
+  }
+}
+
+void KdaAttention::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
+                            const TensorView& x) {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = x.size(0);
+  const int64_t c = channels();
+  Saved& s = saved_;
+
+  // o_proj and the gated norm; the output gate's branch writes dx first.
+  Tensor dnormed = ctx.alloc({n, c});
+  o_proj.backward(ctx, dnormed, dout, s.normed, false);
+  Tensor dattn = ctx.alloc({n, heads_, dim_});
+  Tensor dgate = ctx.alloc({n, c});
+  be.gated_rmsnorm_backward(GatedRmsNormBackwardArgs{
+      per_head(dattn, dim_), per_head(dgate, dim_), {}, per_head(dnormed, dim_),
+      per_head(s.attn, dim_), per_head(s.gate, dim_), o_norm, s.norm_rstd});
+  if (full_rank_gate_) {
+    g_proj.backward(ctx, dx, dgate, x, false);
+  } else {
+    Tensor dgate_low = ctx.alloc({n, dim_});
+    g_b_proj.backward(ctx, dgate_low, dgate, s.gate_low, false);
+    g_a_proj.backward(ctx, dx, dgate_low, x, false);
+  }
+
+  // The recurrence.
+  Tensor dq = ctx.alloc({n, heads_, dim_});
+  Tensor dk = ctx.alloc({n, heads_, dim_});
+  Tensor dv = ctx.alloc({n, c});
+  Tensor dg = ctx.alloc_accum({n, heads_, dim_});
+  Tensor dbeta = ctx.alloc_accum({n, heads_});
+  be.kda_backward(KdaBackwardArgs{dq, dk, dv.view().reshaped({n, heads_, dim_}), dg, dbeta, dattn, s.q, s.k,
+                                  s.v_conv.view().reshaped({n, heads_, dim_}), s.g, s.beta, ctx.batch.cu_seqlens,
+                                  1.0 / std::sqrt(static_cast<double>(dim_))});
+
+  // Beta and the forget gate, into dx.
+  Tensor dbeta_logits = ctx.alloc({n, heads_});
+  be.sigmoid_backward(dbeta_logits, dbeta, s.beta);
+  b_proj.backward(ctx, dx, dbeta_logits, x, true);
+  Tensor df = ctx.alloc({n, c});
+  be.kda_gate_backward(KdaGateBackwardArgs{df, dg, s.f, a_log, dt_bias, lower_bound_});
+  Tensor df_low = ctx.alloc({n, dim_});
+  f_b_proj.backward(ctx, df_low, df, s.f_low, false);
+  f_a_proj.backward(ctx, dx, df_low, x, true);
+
+  // The L2 norms, then the convs and projections.
+  Tensor dq_conv = ctx.alloc({n, c});
+  Tensor dk_conv = ctx.alloc({n, c});
+  be.l2norm_backward(L2NormBackwardArgs{per_head(dq_conv, dim_), per_head(dq, dim_),
+                                        per_head(s.q_conv, dim_), s.q_inv_norm});
+  be.l2norm_backward(L2NormBackwardArgs{per_head(dk_conv, dim_), per_head(dk, dim_),
+                                        per_head(s.k_conv, dim_), s.k_inv_norm});
+  qkv_backward(ctx, dx, dq_conv, dk_conv, dv, x);
+}
+
+void KdaAttention::release_saved() { saved_ = Saved{}; }
+
+}  // namespace moetrain

@@ -1,0 +1,80 @@
+// Kimi Delta Attention (the `kda` mixer), as transformers' KimiLinearDeltaAttention and
+// Moonshot's KimiDeltaAttention compute it, with H heads of d channels (d_k = d_v = d):
+//
+//   q, k, v   = q_proj(x), k_proj(x), v_proj(x)            [tokens, H d]   (qkv_proj when fused)
+//   q, k, v   = silu(causal depthwise conv(.))              width W, restarting at each document
+//   q, k      = l2norm(q), l2norm(k) per head               (eps 1e-6 inside the sqrt)
+//   g         = gate(f_b_proj(f_a_proj(x)), A_log, dt_bias) [tokens, H, d] log decay (kda_gate)
+//   beta      = sigmoid(b_proj(x))                          [tokens, H]
+//   o         = KDA(q, k, v, g, beta, scale d^-1/2)         gated delta rule, state reset per document
+//   o         = rmsnorm(o) * o_norm * sigmoid(g_b_proj(g_a_proj(x)))  per head (g_proj when full rank)
+//   out       = o_proj(o)
+//
+// Module names are the released checkpoints' (docs/HF_SEMANTICS.md lists transformers' other
+// spellings, which the importers also read). LoRA can sit on every projection; the convs,
+// A_log, dt_bias and o_norm are frozen. Gradients flow through all of it into x.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/model/layer.h"
+#include "core/model/lora_linear.h"
+#include "core/model/model_spec.h"
+
+namespace moetrain {
+
+class KdaAttention final : public Mixer {
+ public:
+  KdaAttention(const ModelSpec& spec, int64_t layer, const LayerContext& ctx);
+
+  void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
+  void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
+  void release_saved() override;
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void collect_weights(std::vector<WeightSlot>& out) override;
+
+  // Every projection this layer has, for LoRA targeting by module name.
+  std::vector<LoraLinear*> projections();
+
+  LoraLinear q_proj, k_proj, v_proj;  // separate projections (fused_qkv false)
+  LoraLinear qkv_proj;                // [3 H d, D] (fused_qkv)
+  LoraLinear f_a_proj, f_b_proj;      // forget gate: D -> d -> H d
+  LoraLinear b_proj;                  // beta: D -> H
+  LoraLinear g_a_proj, g_b_proj;      // output gate: D -> d -> H d
+  LoraLinear g_proj;                  // full-rank output gate: D -> H d
+  LoraLinear o_proj;                  // H d -> D
+  // Frozen: the conv weights [channels, W] (q, k, v separately, or one [3 H d, W] when fused),
+  // A_log [H] and dt_bias [H d] in the accumulation dtype, o_norm [d].
+  Tensor q_conv, k_conv, v_conv, qkv_conv;
+  Tensor a_log, dt_bias;
+  Tensor o_norm;
+
+ private:
+  int64_t heads_, dim_, width_;
+  double lower_bound_, norm_eps_;
+  bool fused_qkv_, full_rank_gate_;
+  std::string prefix_;
+
+  int64_t channels() const { return heads_ * dim_; }
+  void project_qkv(const LayerContext& ctx, const TensorView& x);
+  void qkv_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dq_conv,
+                    const TensorView& dk_conv, const TensorView& dv_conv, const TensorView& x);
+
+  // Forward's intermediates, [tokens, ...]; "conv" = after the conv and SiLU.
+  struct Saved {
+    Tensor q_lin, k_lin, v_lin;  // conv inputs (fused: qkv_lin [tokens, 3 H d] instead)
+    Tensor qkv_lin;
+    Tensor q_conv, k_conv, v_conv;  // v_conv is KDA's v
+    Tensor q_inv_norm, k_inv_norm;  // [tokens * H], accumulation dtype
+    Tensor q, k;                    // L2-normalised
+    Tensor f_low, f;                // f_a_proj output [tokens, d], f_b_proj output [tokens, H d]
+    Tensor g, beta;                 // accumulation dtype
+    Tensor attn;                    // KDA output [tokens, H, d]
+    Tensor gate_low, gate;          // g_a_proj output [tokens, d] (low rank), gate pre-activation [tokens, H d]
+    Tensor norm_rstd;               // [tokens * H]
+    Tensor normed;                  // [tokens, H d], o_proj's input
+  } saved_;
+};
+
+}  // namespace moetrain
