@@ -1,0 +1,380 @@
+// Importing Kimi-Linear: config.json in the released spelling and in transformers 5's, its
+// errors, and the weights in both checkpoint layouts (Moonshot's released names and per-expert
+// w1/w2/w3 under block_sparse_moe; transformers 5's renamed KDA modules, packed conv, reshaped
+// A_log/dt_bias and fused experts): either layout loads to exactly the model that wrote it.
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include "catch.h"
+#include "core/base/host_convert.h"
+#include "core/io/hf_index.h"
+#include "core/model/hf_names.h"
+#include "core/model/model.h"
+#include "core/model/peft_adapter.h"
+#include "core/io/safetensors_writer.h"
+#include "gradcheck.h"
+#include "kernels/ops.h"
+#include "tiny_model.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A tiny Kimi-Linear config.json as Moonshot ships it (the real one's keys and layout; 4 layers,
+// layers 2 and 4 full attention, 1-based).
+const char* kReleasedConfig = R"({
+  "architectures": ["KimiLinearForCausalLM"],
+  "model_type": "kimi_linear",
+  "vocab_size": 41, "hidden_size": 16, "intermediate_size": 24, "moe_intermediate_size": 8,
+  "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 72,
+  "kv_lora_rank": 8, "q_lora_rank": null, "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5,
+  "mla_use_nope": true, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+  "num_experts": 6, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_renormalize": true,
+  "moe_router_activation_func": "sigmoid", "num_expert_group": 2, "topk_group": 1, "use_grouped_topk": true,
+  "routed_scaling_factor": 2.446, "rms_norm_eps": 1e-05, "model_max_length": 64, "rope_theta": 10000.0,
+  "rope_scaling": null, "tie_word_embeddings": false, "hidden_act": "silu",
+  "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 4, "num_heads": 3,
+                         "short_conv_kernel_size": 4}
+})";
+
+// The same model as transformers 5 describes it (flat linear_* keys, layer_types, mlp_layer_types).
+const char* kTransformersConfig = R"({
+  "model_type": "kimi_linear",
+  "vocab_size": 41, "hidden_size": 16, "intermediate_size": 24, "moe_intermediate_size": 8,
+  "num_hidden_layers": 4, "num_attention_heads": 2, "kv_lora_rank": 8, "q_lora_rank": null,
+  "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5,
+  "num_experts": 6, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_renormalize": true,
+  "num_expert_group": 2, "topk_group": 1, "routed_scaling_factor": 2.446, "rms_norm_eps": 1e-05,
+  "model_max_length": 64, "tie_word_embeddings": false,
+  "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+  "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+  "linear_num_heads": 3, "linear_head_dim": 4, "linear_conv_kernel_dim": 4
+})";
+
+void check_tiny_kimi(const ModelConfig& m) {
+  CHECK(m.model_type == "kimi_linear");
+  CHECK(m.vocab_size == 41);
+  CHECK(m.num_layers == 4);
+  CHECK(m.layers == std::vector<std::string>{"kda", "mla", "kda", "mla"});
+  CHECK(m.first_k_dense == 1);
+  CHECK(m.rms_norm_eps == 1e-5);
+  CHECK(m.max_position_embeddings == 64);
+  CHECK(!m.mla.use_rope);  // NoPE MLA: the 4 rope dims stay, unrotated
+  CHECK(m.mla.qk_rope_head_dim == 4);
+  CHECK(!m.mla.q_lora_rank.has_value());
+  CHECK(m.kda.num_heads == 3);
+  CHECK(m.kda.head_dim == 4);
+  CHECK(m.kda.conv_width == 4);
+  CHECK(m.kda.lower_bound == 0.0);
+  CHECK(!m.kda.fused_qkv);
+  CHECK(!m.kda.full_rank_output_gate);
+  CHECK(m.moe.num_experts == 6);
+  CHECK(m.moe.top_k == 2);
+  CHECK(m.moe.num_shared_experts == 1);
+  CHECK(m.moe.num_groups == 2);
+  CHECK(m.moe.normalize_topk);
+  CHECK(m.moe.scoring == "sigmoid");
+  CHECK(m.moe.routed_scaling_factor == 2.446);
+  CHECK(m.moe.score_correction_bias);
+}
+
+std::string with(std::string json, const std::string& from, const std::string& to) {
+  const size_t at = json.find(from);
+  REQUIRE(at != std::string::npos);
+  return json.replace(at, from.size(), to);
+}
+
+std::string import_error(const std::string& json) {
+  try {
+    model_config_from_hf_json(json, "kimi/config.json");
+  } catch (const Error& e) {
+    CHECK(e.code() == ExitCode::kBadConfig);
+    return e.what();
+  }
+  return "no error";
+}
+
+fs::path scratch(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() / ("moetrain_kimi_import_" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+Tensor host_copy(kernels::Backend& backend, const Tensor& t) {
+  Tensor staged(t.shape(), t.dtype());
+  backend.copy(staged, t);
+  Tensor out(t.shape(), DType::kF64);
+  convert_host(out, staged);
+  return out;
+}
+
+// Rows [begin, end) of `t` (leading dimension), reshaped to `shape`.
+Tensor rows_of(const Tensor& t, int64_t begin, int64_t end, Shape shape) {
+  const int64_t row = t.numel() / t.size(0);
+  Tensor out(shape, DType::kF64);
+  REQUIRE(out.numel() == (end - begin) * row);
+  std::copy(t.ptr<double>() + begin * row, t.ptr<double>() + end * row, out.ptr<double>());
+  return out;
+}
+
+Tensor stack(const std::vector<Tensor>& parts, Shape shape) {
+  Tensor out(shape, DType::kF64);
+  int64_t at = 0;
+  for (const Tensor& p : parts) {
+    std::copy(p.ptr<double>(), p.ptr<double>() + p.numel(), out.ptr<double>() + at);
+    at += p.numel();
+  }
+  REQUIRE(at == out.numel());
+  return out;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string replaced(std::string s, const std::string& from, const std::string& to) {
+  const size_t at = s.find(from);
+  return at == std::string::npos ? s : s.replace(at, from.size(), to);
+}
+
+enum class Layout { kReleased, kTransformers };
+
+// The model's weights as a checkpoint of the given layout (hf_names.h lists the differences).
+std::vector<std::pair<std::string, Tensor>> checkpoint_tensors(Model& model, Layout layout) {
+  kernels::Backend& be = model.backend();
+  const bool released = layout == Layout::kReleased;
+  const KdaConfig& kda = model.spec().config.kda;
+  const int64_t c = kda.num_heads * kda.head_dim;
+  std::vector<std::pair<std::string, Tensor>> out;
+  std::vector<Tensor> qkv_convs;  // transformers packs q, k, v's convs into one
+  for (const WeightSlot& slot : model.weight_slots()) {
+    Tensor t = host_copy(be, *slot.tensor);
+    const std::string& name = slot.name;
+    if (slot.layout != WeightLayout::kPlain) {
+      const int64_t groups = t.size(0);
+      const bool routed = ends_with(name, ".experts");
+      const std::string module = released ? replaced(name, ".mlp.experts", ".block_sparse_moe.experts") : name;
+      const std::string shared = released ? replaced(name, ".mlp.shared_experts", ".block_sparse_moe.shared_experts")
+                                          : name;
+      if (routed && !released) {
+        out.emplace_back(name + (slot.layout == WeightLayout::kSwigluGateUp ? ".gate_up_proj" : ".down_proj"),
+                         std::move(t));
+        continue;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const std::string prefix = routed ? module + "." + std::to_string(g) : shared;
+        const bool dense_w = routed && released;
+        if (slot.layout == WeightLayout::kSwigluDown) {
+          out.emplace_back(prefix + (dense_w ? ".w2.weight" : ".down_proj.weight"),
+                           rows_of(t, g, g + 1, {t.size(1), t.size(2)}));
+        } else {
+          const int64_t f = t.size(1) / 2;
+          Tensor group = rows_of(t, g, g + 1, {t.size(1), t.size(2)});
+          out.emplace_back(prefix + (dense_w ? ".w1.weight" : ".gate_proj.weight"), rows_of(group, 0, f, {f, t.size(2)}));
+          out.emplace_back(prefix + (dense_w ? ".w3.weight" : ".up_proj.weight"),
+                           rows_of(group, f, 2 * f, {f, t.size(2)}));
+        }
+      }
+      continue;
+    }
+    if (ends_with(name, ".qkv_conv1d.weight") || ends_with(name, ".qkv_proj.weight")) {
+      // Fused (K3): released checkpoints keep q, k, v apart; transformers packs the convs.
+      const bool conv = ends_with(name, "_conv1d.weight");
+      const Shape part = conv ? Shape{c, 1, t.size(1)} : Shape{c, t.size(1)};
+      if (!released) {
+        out.emplace_back(conv ? replaced(name, "qkv_conv1d", "conv1d") : name,
+                         rows_of(t, 0, 3 * c, conv ? Shape{3 * c, 1, t.size(1)} : t.shape()));
+        continue;
+      }
+      for (int64_t j = 0; j < 3; ++j) {
+        const std::string one = std::string(1, "qkv"[j]) + (conv ? "_conv1d" : "_proj");
+        out.emplace_back(replaced(name, conv ? "qkv_conv1d" : "qkv_proj", one), rows_of(t, j * c, (j + 1) * c, part));
+      }
+      continue;
+    }
+    if (ends_with(name, "_conv1d.weight")) {
+      const Shape conv{t.size(0), 1, t.size(1)};
+      if (released) out.emplace_back(name, rows_of(t, 0, t.size(0), conv));
+      else qkv_convs.push_back(std::move(t));
+      if (!released && ends_with(name, "v_conv1d.weight")) {
+        const int64_t width = qkv_convs.back().size(1);
+        out.emplace_back(replaced(name, "v_conv1d", "conv1d"), stack(qkv_convs, {3 * c, 1, width}));
+        qkv_convs.clear();
+      }
+      continue;
+    }
+    if (ends_with(name, ".A_log")) {
+      out.emplace_back(name, rows_of(t, 0, t.size(0), released ? Shape{1, 1, t.size(0), 1} : Shape{t.size(0), 1}));
+      continue;
+    }
+    if (ends_with(name, ".dt_bias") && !released) {
+      out.emplace_back(name, rows_of(t, 0, t.size(0), {kda.num_heads, kda.head_dim}));
+      continue;
+    }
+    if (released && name.find(".mlp.gate.") != std::string::npos) {
+      out.emplace_back(replaced(name, ".mlp.gate.", ".block_sparse_moe.gate."), std::move(t));
+      continue;
+    }
+    out.emplace_back(released ? name : transformers_module_name(name), std::move(t));
+  }
+  return out;
+}
+
+void write_checkpoint(const fs::path& dir, const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  std::vector<NamedTensor> named;
+  for (const auto& [name, t] : tensors) named.push_back({name, t.view()});  // F64: the round trip is exact
+  write_hf_checkpoint(dir.string(), named, HfShardedWriteParams{});
+}
+
+Config kimi_yaml_config(const fs::path& dir) {
+  Config config;
+  config.model.hf_dir = dir.string();
+  config.data.seq_len = 16;
+  return config;
+}
+
+std::unique_ptr<Model> make_model(const ModelSpec& spec, kernels::Backend& backend) {
+  ModelOptions options;
+  options.dtype = DType::kF64;
+  options.lora_targets = {"q_proj", "f_a_proj", "o_proj"};
+  return std::make_unique<Model>(spec, backend, options);
+}
+
+double max_diff(const Tensor& a, const Tensor& b) {
+  double d = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) d = std::max(d, std::fabs(a.ptr<double>()[i] - b.ptr<double>()[i]));
+  return d;
+}
+
+// Writes `model`'s weights in `layout`, loads them into a new model, and compares logits.
+void check_round_trip(Model& model, const fs::path& dir, Layout layout) {
+  write_checkpoint(dir, checkpoint_tensors(model, layout));
+  auto backend = kernels::make_cpu_backend();
+  std::unique_ptr<Model> loaded = make_model(model.spec(), *backend);
+  loaded->load_weights(HfCheckpoint(dir.string()));
+  const Batch batch = tiny_batch(model.spec().config.vocab_size, 11);
+  const Tensor expected = model.logits(batch);
+  const Tensor got = loaded->logits(batch);
+  CHECK(max_diff(expected, got) == 0.0);
+  double scale = 0.0;
+  for (int64_t i = 0; i < expected.numel(); ++i) scale = std::max(scale, std::fabs(expected.ptr<double>()[i]));
+  CHECK(scale > 0.1);  // a real model, not zeros
+}
+
+}  // namespace
+
+TEST_CASE("a released Kimi-Linear config.json maps onto the model section", "[import][kimi]") {
+  check_tiny_kimi(model_config_from_hf_json(kReleasedConfig, "released/config.json"));
+}
+
+TEST_CASE("transformers 5's spelling of the same config.json gives the same model", "[import][kimi]") {
+  check_tiny_kimi(model_config_from_hf_json(kTransformersConfig, "transformers/config.json"));
+  // Without any layer list, transformers' default: every 4th layer full attention.
+  std::string bare = with(kTransformersConfig,
+                          R"("layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],)",
+                          "");
+  CHECK(model_config_from_hf_json(bare, "x").layers == std::vector<std::string>{"kda", "kda", "kda", "mla"});
+  // Kimi K3's flags in linear_attn_config.
+  std::string k3 = with(kReleasedConfig, R"("short_conv_kernel_size": 4)",
+                        R"("short_conv_kernel_size": 4, "use_full_rank_gate": true, "gate_lower_bound": -5.0)");
+  ModelConfig m = model_config_from_hf_json(k3, "k3/config.json");
+  CHECK(m.kda.full_rank_output_gate);
+  CHECK(m.kda.lower_bound == -5.0);
+}
+
+TEST_CASE("Kimi-Linear config.json errors name the key and the problem", "[import][kimi]") {
+  CHECK(contains(import_error(with(kReleasedConfig, R"("kda_layers": [1, 3])", R"("kda_layers": [1, 5])")),
+                 "linear_attn_config.kda_layers lists layer 5, outside 1..4 (the lists are 1-based)"));
+  CHECK(contains(import_error(with(kReleasedConfig, R"("kda_layers": [1, 3])", R"("kda_layers": [1, 2])")),
+                 "layer 2 is listed twice"));
+  CHECK(contains(import_error(with(kReleasedConfig, R"("kda_layers": [1, 3])", R"("kda_layers": [1])")),
+                 "name 3 of the 4 layers"));
+  CHECK(contains(import_error(with(kTransformersConfig, R"(["dense", "sparse", "sparse", "sparse"])",
+                                   R"(["dense", "sparse", "dense", "sparse"])")),
+                 "mlp_layer_types[2] is \"dense\""));
+  CHECK(contains(import_error(with(kTransformersConfig, R"("linear_head_dim": 4)",
+                                   R"("linear_head_dim": 4, "linear_key_head_dim": 8)")),
+                 "linear_key_head_dim = 8 differs"));
+  CHECK(contains(import_error(with(kReleasedConfig, R"("mla_use_nope": true)", R"("mla_use_output_gate": true)")),
+                 "mla_use_output_gate"));
+  CHECK(contains(import_error(with(kReleasedConfig, R"("moe_layer_freq": 1)", R"("moe_layer_freq": 2)")),
+                 "moe_layer_freq 2 is not supported"));
+  CHECK(contains(import_error(with(kReleasedConfig, R"("num_experts": 6,)", "")), "missing key \"num_experts\""));
+  CHECK(contains(import_error(with(kReleasedConfig, "kimi_linear", "kimi_k9")),
+                 "supported: deepseek_v3, kimi_linear"));
+}
+
+TEST_CASE("Kimi-Linear weights in the released and in transformers 5's layout load alike", "[import][kimi]") {
+  for (bool k3 : {false, true}) {
+    INFO((k3 ? "K3 flags" : "Kimi-Linear"));
+    fs::path dir = scratch(k3 ? "k3" : "linear");
+    std::ofstream(dir / "config.json") << kReleasedConfig;
+    Config config = kimi_yaml_config(dir);
+    if (k3) {
+      config = parse_config("model: {hf_dir: " + dir.string() +
+                                ", kda: {fused_qkv: true, full_rank_output_gate: true, lower_bound: -5.0}}\n"
+                                "data: {seq_len: 16}\n",
+                            "k3.yaml");
+    }
+    ModelSpec spec = resolve_model_spec(config);
+    REQUIRE(spec.mixers == std::vector<MixerKind>{MixerKind::kKda, MixerKind::kMla, MixerKind::kKda, MixerKind::kMla});
+    auto backend = kernels::make_cpu_backend();
+    std::unique_ptr<Model> model = make_model(spec, *backend);
+    model->init_random_weights();
+    for (Layout layout : {Layout::kReleased, Layout::kTransformers}) {
+      fs::path weights = scratch(std::string(k3 ? "k3_" : "linear_") + (layout == Layout::kReleased ? "r" : "t"));
+      std::ofstream(weights / "config.json") << kReleasedConfig;
+      check_round_trip(*model, weights, layout);
+    }
+  }
+}
+
+TEST_CASE("a Kimi-Linear checkpoint missing a KDA tensor names it", "[import][kimi]") {
+  fs::path dir = scratch("missing");
+  std::ofstream(dir / "config.json") << kReleasedConfig;
+  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir));
+  auto backend = kernels::make_cpu_backend();
+  std::unique_ptr<Model> model = make_model(spec, *backend);
+  model->init_random_weights();
+  std::vector<std::pair<std::string, Tensor>> tensors = checkpoint_tensors(*model, Layout::kReleased);
+  tensors.erase(std::remove_if(tensors.begin(), tensors.end(),
+                               [](const auto& t) { return t.first == "model.layers.2.self_attn.f_b_proj.weight"; }),
+                tensors.end());
+  write_checkpoint(dir, tensors);
+  std::string message = error_message([&] { model->load_weights(HfCheckpoint(dir.string())); });
+  CHECK(contains(message, "model.layers.2.self_attn.f_b_proj.weight"));
+  CHECK(contains(message, "is missing"));
+}
+
+TEST_CASE("a PEFT adapter keyed by transformers 5's KDA module names loads", "[import][kimi]") {
+  fs::path dir = scratch("adapter_model");
+  std::ofstream(dir / "config.json") << kReleasedConfig;
+  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir));
+  auto backend = kernels::make_cpu_backend();
+  std::unique_ptr<Model> source = make_model(spec, *backend);
+  std::unique_ptr<Model> target = make_model(spec, *backend);
+  uint64_t seed = 5;
+  std::vector<std::pair<std::string, Tensor>> keys;
+  for (Parameter* p : source->parameters()) {
+    fill_random(p->value, seed++);
+    keys.emplace_back(peft_key(transformers_module_name(p->name)), host_copy(*backend, p->value));
+  }
+  fs::path adapter = scratch("adapter");
+  std::ofstream(adapter / "adapter_config.json") << R"({"peft_type": "LORA", "r": 8, "lora_alpha": 16.0})";
+  SafetensorsWriter writer;
+  for (auto& [name, t] : keys) writer.add(name, t);
+  writer.write((adapter / "adapter_model.safetensors").string());
+  load_peft_adapter(*target, adapter.string());
+  bool saw_renamed = false;
+  for (size_t i = 0; i < source->parameters().size(); ++i) {
+    Parameter* p = target->parameters()[i];
+    saw_renamed |= transformers_module_name(p->name) != p->name;
+    CHECK(max_diff(host_copy(*backend, p->value), keys[i].second) == 0.0);
+  }
+  CHECK(saw_renamed);
+}
