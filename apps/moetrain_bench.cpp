@@ -277,10 +277,10 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   Batch last_batch;
   std::vector<double> times;
   double loss = 0;
-  int64_t cuda_mallocs = 0;
+  kernels::BackendStats before;  // at the first timed step: what the timed steps cost is the difference
   for (int s = 0; s < steps + 2; ++s) {
     Batch batch = data.next();
-    if (s == 2) cuda_mallocs = cuda::memory_stats().allocations;  // the timed steps' own
+    if (s == 2) before = backend->stats();
     auto start = std::chrono::steady_clock::now();
     StepResult r = model.forward_backward(batch, 1.0 / std::max<int64_t>(1, batch.num_targets()));
     backend->synchronize();
@@ -302,11 +302,17 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
               "771), last loss %.4f\n",
               seconds * 1e3, tokens / seconds, flops / seconds / 1e12, 100.0 * flops / seconds / 1e12 / kDatasheetBf16Tflops,
               kDatasheetBf16Tflops, 100.0 * flops / seconds / 1e12 / kMatrixCeilingTflops, loss);
-  const cuda::MemoryStats memory = cuda::memory_stats();
-  std::printf("memory: peak %.2f GB in tensors; %.1f cudaMalloc calls per timed step (MOETRAIN_CUDA_ALLOCATOR=%s)\n",
-              static_cast<double>(memory.peak_bytes) / 1e9,
-              static_cast<double>(memory.allocations - cuda_mallocs) / static_cast<double>(steps),
-              std::getenv("MOETRAIN_CUDA_ALLOCATOR") ? std::getenv("MOETRAIN_CUDA_ALLOCATOR") : "direct");
+  const kernels::BackendStats after = backend->stats();
+  const char* allocator = std::getenv("MOETRAIN_CUDA_ALLOCATOR");
+  // Host waits: the timing's synchronize and, once the whole micro-batch is queued, the read-back
+  // of its loss and of each MoE layer's statistics are in the count (1 + 1 + MoE layers); any
+  // more is a wait inside the step, where it stops the host from running ahead.
+  std::printf("memory: peak %.2f GB in tensors; per timed step: %.1f cudaMalloc calls, %.1f host waits "
+              "(of which 2 + MoE layers are the end-of-step read-backs and the timing) (MOETRAIN_CUDA_ALLOCATOR=%s)\n",
+              static_cast<double>(after.peak_bytes) / 1e9,
+              static_cast<double>(after.device_allocations - before.device_allocations) / static_cast<double>(steps),
+              static_cast<double>(after.host_waits - before.host_waits) / static_cast<double>(steps),
+              allocator ? allocator : "caching");
   if (bench.op_times) print_op_times(timing, model, data, seconds);
   (void)runtime;
   return 0;
@@ -374,9 +380,20 @@ int run(Runtime& runtime, int argc, char** argv) {
       "set", "config override key.path=value", cxxopts::value<std::vector<std::string>>())(
       "steps", "timed steps", cxxopts::value<int>()->default_value("5"))(
       "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"))(
-      "op-times", "`step`: after the timed steps, time one more step op by op");
+      "op-times", "`step`: after the timed steps, time one more step op by op")("h,help", "print this usage");
   options.parse_positional({"mode"});
-  auto result = options.parse(argc, argv);
+  options.positional_help("ops | step | ep");
+  cxxopts::ParseResult result;
+  try {
+    result = options.parse(argc, argv);
+  } catch (const cxxopts::exceptions::exception& e) {
+    if (runtime.is_root()) std::fprintf(stderr, "%s\n", options.help().c_str());
+    throw Error(ExitCode::kBadConfig, std::string("command line: ") + e.what() + " (see the usage above)");
+  }
+  if (result.count("help")) {
+    if (runtime.is_root()) std::printf("%s\n", options.help().c_str());
+    return 0;
+  }
   MOETRAIN_CHECK(cuda::device_count() > 0, ExitCode::kBadConfig, "moetrain-bench needs a CUDA device");
   const std::string mode = result["mode"].as<std::string>();
   if (mode == "step") {

@@ -379,6 +379,19 @@ struct GatedRmsNormBackwardArgs {
 
 // ---------------------------------------------------------------------------------------------
 
+// What running ops costs besides the kernels, for moetrain-bench and the training log. A backend
+// without a device of its own (the CPU) reports zeros.
+struct BackendStats {
+  int64_t host_waits = 0;          // times the host waited for the device queue so far (synchronize,
+                                   // copies to or from host memory, read-backs inside ops)
+  int64_t device_allocations = 0;  // calls to the device's own allocator (cudaMalloc) so far
+  size_t allocated_bytes = 0;      // tensor memory in use now
+  size_t peak_bytes = 0;           // its peak since reset_peak_memory()
+  size_t device_used_bytes = 0;    // what the device reports in use (contexts and libraries too)
+  size_t device_total_bytes = 0;   // the device's memory
+  double peak_bf16_flops = 0.0;    // datasheet dense BF16 FLOP/s of the device (MFU); 0: unknown
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -390,6 +403,8 @@ class Backend {
   // The device queue the ops run on, in order (a cudaStream_t on CUDA; null on the CPU, whose
   // ops complete before they return): communicators order their collectives against it.
   virtual void* stream() { return nullptr; }
+  virtual BackendStats stats() { return {}; }
+  virtual void reset_peak_memory() {}
 
   // Memory. copy: same dtype and element count, any devices. convert: dtype conversion
   // (e.g. bf16 weights to f32 compute), same device, same element count.

@@ -56,6 +56,8 @@ class TimingBackend final : public Backend {
   const char* name() const override { return inner_.name(); }
   Allocator& allocator() override { return allocator_; }
   void synchronize() override { inner_.synchronize(); }
+  BackendStats stats() override { return inner_.stats(); }
+  void reset_peak_memory() override { inner_.reset_peak_memory(); }
   void* stream() override { return inner_.stream(); }
 
   void copy(const TensorView& dst, const TensorView& src) override;

@@ -38,7 +38,7 @@ MeshGroup strided_group(int rank, int stride, int world) {
 
 }  // namespace
 
-MeshLayout::MeshLayout(int world, const ParallelConfig& parallel, int64_t num_experts, const std::string& source)
+MeshLayout::MeshLayout(int world, const MeshShape& parallel, int64_t num_experts, const std::string& source)
     : world_(world), fsdp_(0), ep_(0), num_experts_(num_experts) {
   const std::string where = source + " with world size " + std::to_string(world) + ": ";
   std::string problems;

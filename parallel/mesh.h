@@ -23,9 +23,8 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
-
-#include "core/config/config.h"
 
 namespace moetrain {
 
@@ -48,12 +47,19 @@ struct MeshCoordinates {
   int64_t local_experts = 0; // num_experts / ep, contiguous from first_expert
 };
 
+// The mesh's shape as a job asks for it (the config's parallel.fsdp and parallel.ep): the
+// parallel layer's own plain description, so it does not depend on core/config.
+struct MeshShape {
+  int64_t fsdp = 1;
+  int64_t ep = 1;
+};
+
 class MeshLayout {
  public:
   // Checks every rule of the mesh (world >= 1; fsdp, ep >= 1; fsdp divides world; ep divides
   // world and num_experts) and throws Error(kBadConfig) naming the keys, the world size and a fix.
   // `source` names the config in messages (its path).
-  MeshLayout(int world, const ParallelConfig& parallel, int64_t num_experts, const std::string& source = "config");
+  MeshLayout(int world, const MeshShape& parallel, int64_t num_experts, const std::string& source = "config");
 
   int world() const { return world_; }
   int fsdp() const { return fsdp_; }

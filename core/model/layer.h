@@ -57,7 +57,10 @@ class FeedForward {
   virtual void release_saved() = 0;
   virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
   virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
-  virtual FeedForwardStats stats() const { return {}; }
+  // The last forward's statistics. They stay on the device until asked for, so that reading
+  // them is one host synchronization per micro-batch, after its backward is queued, never one
+  // inside a layer.
+  virtual FeedForwardStats read_stats(kernels::Backend& /*backend*/) { return {}; }
 };
 
 }  // namespace moetrain

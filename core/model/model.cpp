@@ -308,29 +308,34 @@ void Model::release_layer(size_t index) {
   layers_[index].ffn->release_saved();
 }
 
-double Model::loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
-                            double grad_scale) {
+Tensor Model::loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
+                           double grad_scale) {
   kernels::Backend& be = backend_;
   const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
   const int64_t n = final_hidden.size(0);
   const int64_t vocab = spec_.config.vocab_size;
-  double loss_sum = 0.0;
+  Tensor losses = ctx.alloc_accum({n});
   // Row chunks: at most loss_chunk_rows x vocab logits exist at once, whatever the sequence.
   for (int64_t begin = 0; begin < n; begin += options_.loss_chunk_rows) {
     int64_t end = std::min(n, begin + options_.loss_chunk_rows);
     Tensor logits = ctx.alloc_accum({end - begin, vocab});  // softmax statistics want F32
     be.gemm(GemmArgs{logits, final_hidden.slice_rows(begin, end), head, false, true, 1.0, 0.0});
-    Tensor losses = ctx.alloc_accum({end - begin});
-    be.cross_entropy(kernels::CrossEntropyArgs{losses, logits, logits, ctx.batch.labels.view().slice_rows(begin, end),
-                                               grad_scale});
+    be.cross_entropy(kernels::CrossEntropyArgs{losses.view().slice_rows(begin, end), logits, logits,
+                                               ctx.batch.labels.view().slice_rows(begin, end), grad_scale});
     be.gemm(GemmArgs{dfinal.slice_rows(begin, end), logits, head, false, false, 1.0, 0.0});
-    Tensor staged(losses.shape(), losses.dtype());
-    be.copy(staged, losses);
-    Tensor host(losses.shape(), DType::kF64);
-    convert_host(host, staged);
-    for (int64_t i = 0; i < host.numel(); ++i) loss_sum += host.ptr<double>()[i];
   }
-  return loss_sum;
+  return losses;
+}
+
+// Sum of the per-token losses, in token order, read back to the host.
+double Model::sum_losses(const Tensor& losses) {
+  Tensor staged(losses.shape(), losses.dtype());
+  backend_.copy(staged, losses);
+  Tensor host(losses.shape(), DType::kF64);
+  convert_host(host, staged);
+  double sum = 0.0;
+  for (int64_t i = 0; i < host.numel(); ++i) sum += host.ptr<double>()[i];
+  return sum;
 }
 
 StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
@@ -364,14 +369,7 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
   StepResult result;
   result.targets = batch.num_targets();
   Tensor dfinal = ctx.alloc({n, d});
-  result.loss_sum = loss_and_grad(ctx, dfinal, final_hidden, grad_scale);
-
-  // Statistics before recompute overwrites them (recompute routes identically anyway).
-  for (DecoderLayer& layer : layers_) {
-    FeedForwardStats stats = layer.ffn->stats();
-    result.max_expert_load = std::max(result.max_expert_load, stats.max_expert_load);
-    result.aux_loss += stats.aux_loss;
-  }
+  Tensor losses = loss_and_grad(ctx, dfinal, final_hidden, grad_scale);
 
   // Backward.
   Tensor dx = ctx.alloc({n, d});
@@ -391,6 +389,15 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
     dx = std::move(dprev);
   }
   ++forward_count_;
+
+  // The host reads the loss and the statistics once, after the whole micro-batch is queued
+  // (a recomputed forward routes exactly as the first did, so its statistics are the same).
+  result.loss_sum = sum_losses(losses);
+  for (DecoderLayer& layer : layers_) {
+    FeedForwardStats stats = layer.ffn->read_stats(be);
+    result.max_expert_load = std::max(result.max_expert_load, stats.max_expert_load);
+    result.aux_loss += stats.aux_loss;
+  }
   return result;
 }
 

@@ -125,8 +125,10 @@ class Model final : public TrainableModel {
   void release_outer_weights();
   void attach_lora();
   void group_parameters();
-  double loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
+  // Per-token losses [tokens] on the device (read by sum_losses); dfinal gets their gradient.
+  Tensor loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
                        double grad_scale);
+  double sum_losses(const Tensor& losses);
 
   ModelSpec spec_;
   kernels::Backend& backend_;

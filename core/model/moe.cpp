@@ -117,14 +117,15 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
   be.moe_permutation(MoePermutationArgs{s.expert_offsets, s.sorted_pair, s.pair_row, s.topk_index, e});
   s.routed_x = ctx.alloc({n * k, hidden_});
   be.moe_permute(s.routed_x, x, s.sorted_pair, k);
-  Tensor offsets_host({e + 1}, DType::kI32);
-  be.copy(offsets_host, s.expert_offsets);
-  const int32_t* offsets = offsets_host.ptr<int32_t>();
 
   // Experts (on the ranks that hold them), then combine.
   s.routed_out = ctx.alloc({n * k, hidden_});
   if (dispatch_) {
-    s.local_offsets = dispatch_->plan(ctx, offsets);
+    // The exchange's sizes are host values: the one host synchronization of an expert-parallel
+    // layer (a single rank's layer has none).
+    Tensor offsets_host({e + 1}, DType::kI32);
+    be.copy(offsets_host, s.expert_offsets);
+    s.local_offsets = dispatch_->plan(ctx, offsets_host.ptr<int32_t>());
     s.expert_rows = dispatch_->local_offsets();
     s.local_x = ctx.alloc({dispatch_->local_rows(), hidden_});
     dispatch_->to_experts(ctx, s.local_x, s.routed_x);
@@ -132,8 +133,7 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
     experts.forward(ctx, local_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()});
     dispatch_->from_experts(ctx, s.routed_out, local_out);
   } else {
-    s.expert_rows.assign(offsets, offsets + e + 1);
-    experts.forward(ctx, s.routed_out, s.routed_x, GroupOffsets{s.expert_offsets, s.expert_rows.data()});
+    experts.forward(ctx, s.routed_out, s.routed_x, GroupOffsets{s.expert_offsets, nullptr});
   }
   be.moe_combine(MoeCombineArgs{out, s.routed_out, s.topk_weight, s.pair_row});
   if (shared) {
@@ -142,18 +142,15 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
     be.axpby(out, shared_out, 1.0, 1.0);
   }
 
-  // Load statistics: max over experts of (tokens routed / mean tokens per expert).
-  int64_t max_count = 0;
-  for (int64_t i = 0; i < e; ++i) max_count = std::max<int64_t>(max_count, offsets[i + 1] - offsets[i]);
-  stats_.max_expert_load = n > 0 ? static_cast<double>(max_count) * e / static_cast<double>(n * k) : 0.0;
-
-  stats_.aux_loss = 0.0;
+  stats_offsets_ = ctx.alloc({e + 1}, DType::kI32);
+  be.copy(stats_offsets_, s.expert_offsets);
+  stats_aux_loss_.reset();
   s.aux_dscores.reset();
   if (moe_.aux_loss_coef > 0.0) {
-    Tensor loss = ctx.alloc_accum({1});
+    stats_aux_loss_ = ctx.alloc_accum({1});
     s.aux_dscores = ctx.alloc_accum({n, e});
     AuxLossArgs aux;
-    aux.loss = loss;
+    aux.loss = stats_aux_loss_;
     aux.dscores = s.aux_dscores;
     aux.scores = s.scores;
     aux.topk_index = s.topk_index;
@@ -161,12 +158,30 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
     aux.coef = moe_.aux_loss_coef;
     be.aux_loss(aux);
     be.axpby(s.aux_dscores, s.aux_dscores, 0.0, aux_loss_weight_);
-    Tensor staged({1}, ctx.accum());
-    be.copy(staged, loss);
+    be.axpby(stats_aux_loss_, stats_aux_loss_, 0.0, aux_loss_weight_);
+  }
+}
+
+FeedForwardStats MoeFfn::read_stats(kernels::Backend& backend) {
+  FeedForwardStats stats;
+  if (!stats_offsets_.defined()) return stats;
+  const int64_t e = moe_.num_experts;
+  Tensor offsets({e + 1}, DType::kI32);
+  backend.copy(offsets, stats_offsets_);
+  const int32_t* o = offsets.ptr<int32_t>();
+  // Max over experts of (tokens routed / mean tokens per expert).
+  int64_t max_count = 0;
+  for (int64_t i = 0; i < e; ++i) max_count = std::max<int64_t>(max_count, o[i + 1] - o[i]);
+  const int64_t pairs = o[e];
+  stats.max_expert_load = pairs > 0 ? static_cast<double>(max_count) * e / static_cast<double>(pairs) : 0.0;
+  if (stats_aux_loss_.defined()) {
+    Tensor staged({1}, stats_aux_loss_.dtype());
+    backend.copy(staged, stats_aux_loss_);
     Tensor value({1}, DType::kF64);
     convert_host(value, staged);
-    stats_.aux_loss = value.ptr<double>()[0] * aux_loss_weight_;
+    stats.aux_loss = value.ptr<double>()[0];
   }
+  return stats;
 }
 
 void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) {
@@ -192,8 +207,7 @@ void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const Tenso
     experts.backward(ctx, dlocal_x, dlocal_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()}, false);
     dispatch_->from_experts(ctx, drouted_x, dlocal_x);
   } else {
-    experts.backward(ctx, drouted_x, drouted_out, s.routed_x, GroupOffsets{s.expert_offsets, s.expert_rows.data()},
-                     false);
+    experts.backward(ctx, drouted_x, drouted_out, s.routed_x, GroupOffsets{s.expert_offsets, nullptr}, false);
   }
   be.moe_unpermute_sum(dx, drouted_x, s.pair_row, k, true);
 
@@ -212,7 +226,7 @@ void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const Tenso
 }
 
 void MoeFfn::release_saved() {
-  saved_ = Saved{};
+  saved_ = Saved{};  // the statistics stay until read
   experts.release_saved();
   if (shared) shared->release_saved();
 }

@@ -30,7 +30,7 @@ class MoeFfn final : public FeedForward {
   void release_saved() override;
   void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
-  FeedForwardStats stats() const override { return stats_; }
+  FeedForwardStats read_stats(kernels::Backend& backend) override;
 
   // Router noise for the next forward; re-seeding with the same value makes a recomputed
   // forward route exactly as the first one did.
@@ -49,7 +49,9 @@ class MoeFfn final : public FeedForward {
   std::string prefix_;
   uint64_t noise_seed_ = 0;
   double aux_loss_weight_ = 1.0;
-  FeedForwardStats stats_;
+  // The last forward's statistics, on the device until read_stats(): the expert offsets
+  // (int32 [E + 1]) and the weighted aux loss ([1], empty without one).
+  Tensor stats_offsets_, stats_aux_loss_;
   std::unique_ptr<ExpertDispatch> dispatch_;  // null without expert parallelism
 
   struct Saved {
@@ -57,7 +59,9 @@ class MoeFfn final : public FeedForward {
     Tensor expert_offsets, sorted_pair, pair_row;
     Tensor routed_x, routed_out;  // [tokens * top_k, D], expert order
     Tensor local_x, local_offsets;  // under expert parallelism: the rows this rank's experts ran
-    std::vector<int32_t> expert_rows;  // host copy of the offsets the experts ran with (local under EP)
+    // Under expert parallelism only: the host copy of the local offsets, which the exchange's
+    // sizes need anyway. Without it the experts read their offsets on the device.
+    std::vector<int32_t> expert_rows;
     Tensor aux_dscores;           // dL_aux/dscores, already weighted; empty without aux loss
   } saved_;
 };

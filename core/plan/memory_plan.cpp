@@ -110,7 +110,7 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
   const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
   const ModelConfig& m = spec.config;
-  const MeshLayout mesh(options.world, config.parallel, m.moe.num_experts,
+  const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep}, m.moe.num_experts,
                         config.source_path.empty() ? "config" : config.source_path);
   const UnbuiltShapes unbuilt;
   const double a = static_cast<double>(options.activation_bytes);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include "core/base/log.h"
 #include "core/checkpoint/checkpoint_group.h"
@@ -17,6 +18,7 @@
 #include "core/io/hf_index.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
+#include "core/plan/memory_plan.h"
 #include "core/plan/model_flops.h"
 #include "core/train/metrics.h"
 #include "core/data/data_source.h"
@@ -26,7 +28,6 @@
 #include "parallel/mesh.h"
 #include "parallel/watchdog.h"
 #if MOETRAIN_HAVE_CUDA
-#include "kernels/cuda/device.h"
 #include "parallel/nccl_comm.h"
 #endif
 
@@ -89,22 +90,58 @@ void log_per_rank(const Runtime& runtime, const std::vector<double>& mine,
 // The peak of tensor memory on each rank's GPU, the number `moetrain plan` predicts (docs/PLAN.md),
 // and what is in use on the device (CUDA context, cuBLAS and NCCL included), logged by rank 0
 // for every rank. Collective over the job.
+// A model too large for this rank's memory is a config error before anything is allocated
+// (not an out-of-memory deep inside the build): what it needs by `moetrain plan`'s count, what
+// there is, and where to look for a split that fits. The plan counts BF16 weights and
+// activations; the CPU backend holds F32, so on the CPU the check is a lower bound.
+void check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend, const Runtime& runtime) {
+  const ModelConfig& m = spec.config;
+  // Beyond these no model exists, and products of them overflow the plan's integer counts.
+  constexpr int64_t kMaxDim = int64_t{1} << 20, kMaxVocab = int64_t{1} << 24, kMaxLayers = 4096;
+  MOETRAIN_CHECK(m.hidden_size <= kMaxDim && m.intermediate_size <= kMaxDim &&
+                     m.moe.expert_intermediate_size <= kMaxDim && m.vocab_size <= kMaxVocab &&
+                     m.num_layers <= kMaxLayers && m.moe.num_experts <= kMaxDim,
+                 ExitCode::kBadConfig,
+                 fmt::format("model: hidden_size {}, intermediate_size {}, moe.expert_intermediate_size {}, "
+                             "vocab_size {}, num_layers {}, moe.num_experts {}: beyond what any GPU or host holds "
+                             "(dimensions up to {}, vocab up to {}, layers up to {}); check the config",
+                             m.hidden_size, m.intermediate_size, m.moe.expert_intermediate_size, m.vocab_size,
+                             m.num_layers, m.moe.num_experts, kMaxDim, kMaxVocab, kMaxLayers));
+  const bool on_cpu = backend.device() == Device::kCPU;
+  double available = 0;
+  if (on_cpu) {
+    available = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  } else {
+    available = static_cast<double>(backend.stats().device_total_bytes);
+  }
+  if (!(available > 0)) return;
+  PlanOptions plan_options;
+  plan_options.world = runtime.world();
+  plan_options.gpu_bytes = available;
+  const MemoryPlan plan = make_memory_plan(config, plan_options);
+  const double needed = plan.peak_bytes(plan.recompute);
+  MOETRAIN_CHECK(needed <= plan.usable_bytes, ExitCode::kBadConfig,
+                 fmt::format("the model does not fit: rank {} needs about {:.1f} GB ({:.1f} GB of weights, adapters "
+                             "and optimizer state, {:.1f} GB of activations for {} tokens) and its {} has {:.1f} GB "
+                             "({:.1f} GB usable). `moetrain plan --config {} --world N` shows the per-rank split and "
+                             "the tokens that fit: use more ranks (parallel.fsdp / parallel.ep), parallel.recompute, "
+                             "or a shorter data.seq_len / data.micro_batch",
+                             runtime.rank(), needed / 1e9, plan.fixed_bytes() / 1e9, (needed - plan.fixed_bytes()) / 1e9,
+                             plan.tokens_per_micro_batch, on_cpu ? "host" : "GPU", available / 1e9,
+                             plan.usable_bytes / 1e9, config.source_path.empty() ? "FILE" : config.source_path));
+}
+
 void log_device_memory(kernels::Backend& backend, const Runtime& runtime) {
-#if MOETRAIN_HAVE_CUDA
-  if (backend.device() != Device::kCUDA) return;
-  const cuda::MemoryStats stats = cuda::memory_stats();
-  const std::vector<double> mine = {static_cast<double>(stats.peak_bytes), static_cast<double>(cuda::device_used_bytes()),
-                                    static_cast<double>(stats.allocations)};
+  if (backend.device() == Device::kCPU) return;
+  const kernels::BackendStats stats = backend.stats();
+  const std::vector<double> mine = {static_cast<double>(stats.peak_bytes), static_cast<double>(stats.device_used_bytes),
+                                    static_cast<double>(stats.device_allocations)};
   log_per_rank(runtime, mine, [](int rank, const double* v) {
     constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
     return fmt::format("rank {}: peak tensor memory {:.2f} GB ({:.2f} GiB, {:.0f} allocations); device in use at "
                        "the end {:.2f} GB",
                        rank, v[0] / 1e9, v[0] / kGiB, v[2], v[1] / 1e9);
   });
-#else
-  (void)backend;
-  (void)runtime;
-#endif
 }
 
 }  // namespace
@@ -120,7 +157,8 @@ int run_training(Runtime& runtime, const Config& config) {
   ParallelGroups groups;
   if (runtime.world() > 1) {
     mesh = std::make_unique<DeviceMesh>(
-        MeshLayout(runtime.world(), config.parallel, spec.config.moe.num_experts, config.source_path));
+        MeshLayout(runtime.world(), MeshShape{config.parallel.fsdp, config.parallel.ep}, spec.config.moe.num_experts,
+                   config.source_path));
     auto communicator = [&](MPI_Comm comm) -> Communicator* {
 #if MOETRAIN_HAVE_CUDA
       if (backend->device() == Device::kCUDA) {
@@ -153,6 +191,7 @@ int run_training(Runtime& runtime, const Config& config) {
   options.lora_targets = config.lora.targets;
   options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum * runtime.world());
   if (runtime.world() > 1) options.parallel = &groups;
+  check_model_fits(config, spec, *backend, runtime);
   Model model(spec, *backend, options);
   if (spec.config.hf_dir) {
     HfCheckpoint checkpoint(*spec.config.hf_dir);
@@ -191,14 +230,12 @@ int run_training(Runtime& runtime, const Config& config) {
   trainer_options.data = config.data;
   trainer_options.logging = config.logging;
   trainer_options.loss_floor = data->loss_floor();
-#if MOETRAIN_HAVE_CUDA
-  if (backend->device() == Device::kCUDA) {
-    trainer_options.peak_flops = cuda::peak_bf16_flops();
+  if (backend->device() != Device::kCPU) {
+    trainer_options.peak_flops = backend->stats().peak_bf16_flops;
     trainer_options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
       return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
     };
   }
-#endif
   Trainer trainer(trainer_options, model, [&data] { return data->next(); }, metrics.get());
   std::unique_ptr<CheckpointGroup> group =
       runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();

@@ -21,6 +21,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -80,10 +81,14 @@ void expect_offsets(const char* op, const char* name, const std::vector<int32_t>
   kernels::expect_offsets(op, name, p.data(), static_cast<int64_t>(p.size()), total);
 }
 
+// Times the host waited for a backend's stream (BackendStats::host_waits), over the process.
+std::atomic<int64_t> host_waits{0};
+
 // An int32 device tensor read back to the host (waits for the stream).
 std::vector<int32_t> download_i32(const TensorView& t, cudaStream_t stream) {
   std::vector<int32_t> host(static_cast<size_t>(t.numel()));
   if (!host.empty()) {
+    ++host_waits;
     CUDA_CHECK(cudaMemcpyAsync(host.data(), t.data, host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
   }
@@ -124,8 +129,27 @@ class CudaBackend final : public Backend {
   Device device() const override { return Device::kCUDA; }
   const char* name() const override { return "cuda"; }
   Allocator& allocator() override { return cuda::device_allocator(); }
-  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void synchronize() override {
+    ++host_waits;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   void* stream() override { return stream_; }
+
+  BackendStats stats() override {
+    const cuda::MemoryStats memory = cuda::memory_stats();
+    BackendStats out;
+    out.host_waits = host_waits.load();
+    out.device_allocations = memory.allocations;
+    out.allocated_bytes = memory.allocated_bytes;
+    out.peak_bytes = memory.peak_bytes;
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    out.device_used_bytes = total_bytes - free_bytes;
+    out.device_total_bytes = total_bytes;
+    out.peak_bf16_flops = cuda::peak_bf16_flops();
+    return out;
+  }
+  void reset_peak_memory() override { cuda::reset_peak_memory(); }
 
   void copy(const TensorView& dst, const TensorView& src) override {
     const char* op = "copy";
@@ -178,6 +202,7 @@ class CudaBackend final : public Backend {
 
   double sum_squares(const TensorView& x) override {
     expect_float("sum_squares", "x", x);
+    ++host_waits;  // the sum is read back
     return cuda_ops::sum_squares(x, scratch_, stream_);
   }
 

@@ -78,11 +78,12 @@ DeviceAllocator& direct_allocator() {
   return allocator;
 }
 
-// MOETRAIN_CUDA_ALLOCATOR: "direct" (default: cudaMalloc/cudaFree per tensor) or "caching".
+// MOETRAIN_CUDA_ALLOCATOR: "caching" (default: freed blocks kept for reuse) or "direct"
+// (cudaMalloc/cudaFree per tensor; cudaFree waits for the device).
 kernels::CachingAllocator* caching_allocator() {
   static kernels::CachingAllocator* caching = []() -> kernels::CachingAllocator* {
     const char* choice = std::getenv("MOETRAIN_CUDA_ALLOCATOR");
-    const std::string name = choice == nullptr ? "direct" : choice;
+    const std::string name = choice == nullptr ? "caching" : choice;
     MOETRAIN_CHECK(name == "direct" || name == "caching", ExitCode::kBadConfig,
                    "MOETRAIN_CUDA_ALLOCATOR=\"" + name + "\": expected direct or caching");
     // Never destroyed: tensors may be freed during static destruction.

@@ -16,8 +16,8 @@ void set_device(int device);
 int current_device();
 
 // Device memory behind core's Allocator: `Tensor t(shape, dtype, cuda::device_allocator())`.
-// cudaMalloc/cudaFree per tensor, or with MOETRAIN_CUDA_ALLOCATOR=caching a cache of freed
-// blocks in front of them (kernels/caching_allocator.h; opt-in until measured on a GPU).
+// A cache of freed blocks in front of cudaMalloc/cudaFree (kernels/caching_allocator.h), or
+// with MOETRAIN_CUDA_ALLOCATOR=direct one cudaMalloc/cudaFree per tensor.
 // Running out of memory is an Error naming the request and what was free.
 Allocator& device_allocator();
 

@@ -169,8 +169,11 @@ TEST_CASE("cuda grouped_gemm K-grouped matches the CPU; empty groups get beta * 
     }
 }
 
-TEST_CASE("cuda grouped_gemm rejects offsets that do not cover the rows") {
-  const Operand group_offsets = int_operand({0, 3, 2}, {3});
+TEST_CASE("cuda grouped_gemm rejects host offsets that do not cover the rows") {
+  // The caller's host copy is checked; device offsets alone are never read back (see
+  // test_cuda_grouped_gemm.cpp for what the kernel does with wrong ones).
+  const std::vector<int32_t> bad = {0, 3, 2};
+  const Operand group_offsets = int_operand(bad, {3});
   const Operand a = gemm_input({2, 4}, DType::kBF16, 1);
   const Operand b = gemm_input({2, 5, 4}, DType::kBF16, 2);
   Operand c = output_operand({2, 5}, DType::kF32);
@@ -179,6 +182,7 @@ TEST_CASE("cuda grouped_gemm rejects offsets that do not cover the rows") {
   args.b = b.dev;
   args.c = c.dev;
   args.group_offsets = group_offsets.dev;
+  args.host_group_offsets = bad.data();
   CHECK(testing::contains(testing::error_message([&] { gpu().grouped_gemm(args); }), "group_offsets decreases"));
 }
 
@@ -318,7 +322,7 @@ TEST_CASE("cuda fill writes the CPU's element bytes in every dtype") {
 TEST_CASE("cuda backend rejects host tensors and non-float dtypes") {
   const Tensor host = testing::random_tensor({4}, DType::kF32, 1);
   Tensor device = poisoned({4}, DType::kF32);
-  CHECK(testing::contains(testing::error_message([&] { gpu().axpby(device, host, 1.0, 0.0); }), "not the GPU"));
+  CHECK(testing::contains(testing::error_message([&] { gpu().axpby(device, host, 1.0, 0.0); }), "is on cpu, not cuda"));
   Tensor ints = poisoned({4}, DType::kI32);
   CHECK(testing::contains(testing::error_message([&] { gpu().axpby(device, ints, 1.0, 0.0); }), "expected BF16 or F32"));
 }

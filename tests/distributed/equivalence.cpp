@@ -173,7 +173,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
                  "[--keep-gathered] [--prefetch N]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
-  ParallelConfig parallel;
+  MeshShape parallel;
   parallel.fsdp = std::stoi(argv[1]);
   parallel.ep = std::stoi(argv[2]);
   const std::string routing = argv[3];

@@ -25,7 +25,7 @@ namespace {
 
 int run_test(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(argc == 4, ExitCode::kBadConfig, "usage: distributed_hf_load FSDP EP MODEL_DIR");
-  ParallelConfig parallel;
+  MeshShape parallel;
   parallel.fsdp = std::stoi(argv[1]);
   parallel.ep = std::stoi(argv[2]);
   const std::string dir = argv[3];

@@ -268,7 +268,7 @@ void check_group(MPI_Comm mpi_comm, const MeshGroup& expected, const char* name)
 }
 
 void run_mesh(int fsdp, int ep, int64_t experts) {
-  ParallelConfig parallel;
+  MeshShape parallel;
   parallel.fsdp = fsdp;
   parallel.ep = ep;
   MeshLayout layout(Runtime::get().world(), parallel, experts, "comm_probe");

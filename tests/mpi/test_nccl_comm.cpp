@@ -148,7 +148,7 @@ int run(Runtime& runtime, int, char**) {
     check_all(world);
   }
   // And over a mesh's EP group (all ranks when ep = world).
-  ParallelConfig parallel;
+  MeshShape parallel;
   parallel.fsdp = runtime.world();
   parallel.ep = runtime.world();
   DeviceMesh mesh(MeshLayout(runtime.world(), parallel, 2 * runtime.world()));

@@ -10,8 +10,8 @@ using namespace moetrain;
 
 namespace {
 
-ParallelConfig parallel(int64_t fsdp, int64_t ep) {
-  ParallelConfig p;
+MeshShape parallel(int64_t fsdp, int64_t ep) {
+  MeshShape p;
   p.fsdp = fsdp;
   p.ep = ep;
   return p;
