@@ -1,0 +1,721 @@
+#!/usr/bin/env python3
+"""Golden fixtures for the KDA + MLA hybrid: transformers' KimiLinearForCausalLM + PEFT.
+
+Builds tiny random Kimi-Linear models (KDA and NoPE MLA layers mixed, a dense first layer, routed +
+shared experts with the sigmoid router), attaches a PEFT LoRA adapter with non-zero B to every
+attention projection (KDA's and MLA's), the dense MLP, the shared and the routed experts, runs one
+training-mode forward/backward on two sequences of 70 tokens (not a multiple of the KDA chunk of 64)
+and writes, per config, <out>/<name>/ as scripts/make_fixtures.py does for DeepSeek-V3:
+
+    config.json, model.safetensors   the HF model (save_pretrained, fp32)
+    adapter/                         the PEFT adapter
+    golden.safetensors               batch, labels, logits, loss, one gradient per adapter tensor,
+                                     per-layer activations and routing for debugging
+
+The two configs are saved in the two checkpoint layouts transformers 5 writes: "kimi_linear" with
+the default save_pretrained (the released checkpoint's names: q_conv1d, f_a_proj, A_log [1,1,H,1],
+block_sparse_moe.experts.<e>.w1/w2/w3, ...) and "kimi_linear_t5" with save_original_format=False
+(transformers' in-memory names). Module names are read off the live model, never assumed; what was
+found is printed and stored in golden.safetensors' metadata.
+
+Checks (fatal ones stop before anything is written): the model has the requested structure; train
+and eval logits are identical; every adapter tensor gets a non-zero gradient; routing has no near-ties
+(2e-4) and matches the documented algorithm. Reported (a WARN line, not fatal): the saved files
+reload to the same logits; an independent float64 numpy forward that reads only the saved files
+(the recurrent form of KDA) reproduces logits and loss; central differences of that forward match a
+few gradient entries. The summary at the end lists each check as PASS or WARN.
+
+Needs torch, transformers 5.x (kimi_linear), peft, safetensors, numpy; CPU is enough (~10 s).
+
+    python3 scripts/make_fixtures_kimi_linear.py --out tests/fixtures/golden
+    python3 scripts/make_fixtures_kimi_linear.py --out $OUT/golden_kimi_linear   # then copy into the repo
+
+See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md (section 8) for the semantics.
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_fixtures as mf  # noqa: E402  (shared helpers; it checks the imports and sets CUBLAS_WORKSPACE_CONFIG)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import peft  # noqa: E402
+import safetensors  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import load_file as np_load_file  # noqa: E402
+from safetensors.torch import save_file as torch_save_file  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+try:
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+except ImportError as exc:  # pragma: no cover
+    sys.exit(f"make_fixtures_kimi_linear.py: this transformers ({transformers.__version__}) has no kimi_linear: {exc}")
+
+fail, check = mf.fail, mf.check
+BATCH, SEQ = 2, 70  # 70 = one full KDA chunk of 64 and a partial one
+IGNORE = mf.IGNORE
+EXTRA_MASKED = [(0, 2), (0, 40), (1, 0), (1, 5), (1, 66)]
+LORA_RANK, LORA_ALPHA, B_STD, BIAS_MAX = mf.LORA_RANK, mf.LORA_ALPHA, mf.B_STD, mf.BIAS_MAX
+ADAPTER_PREFIX = mf.ADAPTER_PREFIX
+MLP_PARAMS = mf.MLP_PARAMS  # dense and shared MLPs through target_parameters (make_fixtures.py says why)
+
+# KDA's projections by role, with the names each writer gives them: Moonshot's released checkpoint
+# (and moetrain) first, then transformers 5's in-memory names. The live model decides which it has.
+KDA_LINEARS = {
+    "q": ["q_proj"], "k": ["k_proj"], "v": ["v_proj"],
+    "f_a": ["f_a_proj", "forget_gate_down"], "f_b": ["f_b_proj", "forget_gate_up"],
+    "b": ["b_proj", "beta_proj"],
+    "g_a": ["g_a_proj", "output_gate_down"], "g_b": ["g_b_proj", "output_gate_up"],
+    "o": ["o_proj"],
+}
+
+# Shared by both configs. A KDA head: 2 heads of 8; MLA: 2 heads, NoPE, rope dims kept (4).
+COMMON = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+    v_head_dim=8, num_experts=8, top_k=2, rms_norm_eps=1e-5, max_position_embeddings=128,
+    kda_heads=2, kda_head_dim=8, conv=4,
+)
+# name -> (layer mixers, q_lora_rank, n_group / topk_group, routed_scaling_factor, shared experts,
+#          save_original_format)
+VARIANTS = {
+    "kimi_linear": (["kda", "mla", "kda"], None, (2, 1), 2.446, 1, True),
+    "kimi_linear_t5": (["mla", "kda", "kda"], 12, (1, 1), 1.0, 2, False),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# config and model
+# ----------------------------------------------------------------------------------------------
+
+
+def set_all(cfg, names, value):
+    """Sets one setting under every name some transformers version reads it by."""
+    for name in names:
+        try:
+            setattr(cfg, name, value)
+        except (AttributeError, TypeError, ValueError):
+            pass
+
+
+def make_config(mixers, q_lora_rank, groups, scaling, shared):
+    c = COMMON
+    L = len(mixers)
+    kda_layers = [i + 1 for i, m in enumerate(mixers) if m == "kda"]  # 1-based, as the released config
+    full_layers = [i + 1 for i, m in enumerate(mixers) if m == "mla"]
+    linear_attn_config = dict(kda_layers=kda_layers, full_attn_layers=full_layers, head_dim=c["kda_head_dim"],
+                              num_heads=c["kda_heads"], short_conv_kernel_size=c["conv"])
+    kwargs = dict(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        moe_intermediate_size=c["moe_intermediate_size"], num_hidden_layers=L,
+        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+        kv_lora_rank=c["kv_lora_rank"], q_lora_rank=q_lora_rank, qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"], rms_norm_eps=c["rms_norm_eps"],
+        routed_scaling_factor=scaling, topk_group=groups[1], tie_word_embeddings=False, hidden_act="silu",
+        linear_attn_config=linear_attn_config, first_k_dense_replace=1, mla_use_nope=True,
+        pad_token_id=None, bos_token_id=0, eos_token_id=1,
+    )
+    try:
+        cfg = KimiLinearConfig(**kwargs)
+    except TypeError as exc:
+        fail(f"KimiLinearConfig rejected {sorted(kwargs)}: {exc}")
+    # Every spelling of each setting across transformers versions (the model reads one of them).
+    set_all(cfg, ["num_experts", "num_local_experts", "n_routed_experts"], c["num_experts"])
+    set_all(cfg, ["num_experts_per_token", "num_experts_per_tok"], c["top_k"])
+    set_all(cfg, ["num_shared_experts", "n_shared_experts"], shared)
+    set_all(cfg, ["num_expert_group", "n_group"], groups[0])
+    set_all(cfg, ["moe_renormalize", "norm_topk_prob"], True)
+    set_all(cfg, ["model_max_length", "max_position_embeddings"], c["max_position_embeddings"])
+    set_all(cfg, ["layer_types"], ["linear_attention" if m == "kda" else "full_attention" for m in mixers])
+    set_all(cfg, ["mlp_layer_types"], ["dense"] + ["sparse"] * (L - 1))
+    set_all(cfg, ["first_k_dense_replace"], 1)
+    set_all(cfg, ["linear_attn_config"], linear_attn_config)
+    set_all(cfg, ["linear_num_heads", "linear_num_key_heads", "linear_num_value_heads"], c["kda_heads"])
+    set_all(cfg, ["linear_head_dim", "linear_key_head_dim", "linear_value_head_dim"], c["kda_head_dim"])
+    set_all(cfg, ["linear_conv_kernel_dim"], c["conv"])
+    set_all(cfg, ["qk_head_dim"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+    return cfg
+
+
+def kda_roles(attn):
+    """{role: attribute name} of a KDA module's nn.Linear children, and its conv weights by stream."""
+    linears = {n: m for n, m in attn.named_children() if isinstance(m, torch.nn.Linear)}
+    roles = {}
+    for role, names in KDA_LINEARS.items():
+        found = [n for n in names if n in linears]
+        check(len(found) == 1, f"{type(attn).__name__}: projection '{role}' not found as one of {names}; "
+                               f"its linear layers are {sorted(linears)}")
+        roles[role] = found[0]
+    extra = sorted(set(linears) - set(roles.values()))
+    check(not extra, f"{type(attn).__name__} has linear layers this script does not know: {extra} "
+                     "(a full-rank output gate or fused qkv? transformers 5.17 should have neither)")
+    return roles
+
+
+def conv_weights(attn, c):
+    """[C, W] conv weights of q, k, v, whichever way the module stores them (packed or apart)."""
+    children = dict(attn.named_children())
+    if all(f"{s}_conv1d" in children for s in "qkv"):
+        return [children[f"{s}_conv1d"].weight.detach().reshape(c, -1) for s in "qkv"]
+    packed = getattr(attn, "conv1d", None)
+    check(packed is not None, f"{type(attn).__name__}: no q/k/v_conv1d nor a packed conv1d; children "
+                              f"{sorted(children)}")
+    w = packed.weight.detach()
+    check(w.shape[0] == 3 * c, f"packed conv1d weight {tuple(w.shape)}, want [{3 * c}, 1, W]")
+    return list(w.reshape(3 * c, -1).split(c, 0))
+
+
+def build_model(cfg, mixers, device):
+    model = KimiLinearForCausalLM._from_config(
+        cfg, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32)
+    c = COMMON
+    H, d = c["kda_heads"], c["kda_head_dim"]
+    layers = model.model.layers
+    check(len(layers) == len(mixers), f"{len(layers)} layers, want {len(mixers)}")
+    names = {}
+    for i, (layer, kind) in enumerate(zip(layers, mixers)):
+        attn = layer.self_attn
+        is_kda = hasattr(attn, "A_log")
+        check(is_kda == (kind == "kda"), f"layer {i} is {type(attn).__name__}, want {kind} "
+                                         f"(config.layer_types = {getattr(cfg, 'layer_types', None)})")
+        if is_kda:
+            roles = kda_roles(attn)
+            names.setdefault("kda", roles)
+            check(names["kda"] == roles, "KDA layers name their projections differently")
+            q = getattr(attn, roles["q"])
+            check(q.out_features == H * d, f"layer {i}: KDA q_proj out {q.out_features}, want {H * d}")
+            check(getattr(attn, roles["b"]).out_features == H, f"layer {i}: beta projection is not [H, D]")
+            check(getattr(attn, roles["f_a"]).out_features == d, f"layer {i}: forget-gate down is not [d, D]")
+            check(all(w.shape[1] == c["conv"] for w in conv_weights(attn, H * d)), f"layer {i}: conv width")
+            check(attn.A_log.numel() == H and attn.dt_bias.numel() == H * d, f"layer {i}: A_log / dt_bias sizes")
+            act = getattr(attn.o_norm, "activation", "sigmoid")
+            check(act == "sigmoid", f"layer {i}: o_norm gates with {act!r}; Moonshot's model (and moetrain) use "
+                                    "sigmoid, so golden files from this transformers would not be the reference")
+        mlp = layer.mlp
+        if i == 0:
+            check(hasattr(mlp, "gate_proj") and not hasattr(mlp, "experts"), "layer 0 is not the dense MLP")
+        else:
+            ex = mlp.experts
+            E, F_, D = c["num_experts"], c["moe_intermediate_size"], c["hidden_size"]
+            check(tuple(ex.gate_up_proj.shape) == (E, 2 * F_, D), f"layer {i}: experts.gate_up_proj "
+                                                                  f"{tuple(ex.gate_up_proj.shape)}, want {(E, 2 * F_, D)}")
+            check(tuple(ex.down_proj.shape) == (E, D, F_), f"layer {i}: experts.down_proj shape")
+            check(hasattr(mlp.gate, "e_score_correction_bias"), f"layer {i}: router without score bias")
+    return model.to(device), names["kda"]
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Every parameter from one seeded generator. KDA's decay is kept mild (|g| <~ 0.6 per token) so
+    the state carries information across the 64-token chunk boundary; see docs/FIXTURES.md."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("e_score_correction_bias"):
+            continue  # a parameter in some versions, a buffer in others: set below
+        if name.endswith("embed_tokens.weight"):
+            val = torch.randn(p.shape, generator=gen)
+        elif name.endswith(".A_log"):
+            val = torch.empty(p.shape).uniform_(0.02, 0.2, generator=gen).log()
+        elif name.endswith(".dt_bias"):
+            val = 0.3 * torch.randn(p.shape, generator=gen)
+        elif "conv1d" in name:
+            val = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+        elif p.ndim >= 2:
+            val = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+        elif "norm" in name:
+            val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            fail(f"init_weights: unexpected parameter {name} {tuple(p.shape)}")
+        p.copy_(val.to(p.dtype))
+    for name, b in sorted(list(model.named_buffers()) + list(model.named_parameters())):
+        if name.endswith("e_score_correction_bias"):
+            b.copy_((BIAS_MAX * torch.rand(b.shape, generator=gen)).to(b.dtype))
+
+
+def attach_lora(model, seed):
+    """LoRA on every attention projection by its live module name, and on the MLPs and experts through
+    target_parameters (as make_fixtures.py); non-zero B."""
+    linear_names = set()
+    for layer in model.model.layers:
+        for n, m in layer.self_attn.named_children():
+            if isinstance(m, torch.nn.Linear):
+                linear_names.add(n)
+    expert_params = sorted({f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")})
+    cfg = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, use_rslora=False, bias="none",
+                     init_lora_weights=True, target_modules=sorted(linear_names),
+                     target_parameters=expert_params + MLP_PARAMS)
+    pm = get_peft_model(model, cfg)
+    live = pm.peft_config["default"]
+    check(set(live.target_modules) == linear_names and not live.rank_pattern and not live.alpha_pattern,
+          f"PEFT rewrote the LoRA config: target_modules={live.target_modules} rank_pattern={live.rank_pattern} "
+          f"alpha_pattern={live.alpha_pattern}")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
+            check(".lora_A." in name or ".lora_B." in name, f"unexpected trainable parameter {name}")
+            if ".lora_A." in name:
+                bound = 1.0 / math.sqrt(p.shape[1])
+                val = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
+            else:
+                val = B_STD * torch.randn(p.shape, generator=gen)
+            p.copy_(val.to(p.dtype))
+    return pm, sorted(linear_names)
+
+
+def expert_adapter_keys(pm):
+    """{'gate_up_proj': key template with {L}, 'down_proj': ...} of the expert ParamWrappers."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    found = {}
+    for name, mod in pm.named_modules():
+        if isinstance(mod, ParamWrapper) and mod.num_experts > 1:
+            short = name[len(ADAPTER_PREFIX):] if name.startswith(ADAPTER_PREFIX) else name
+            parts = short.split(".")
+            L = parts[parts.index("layers") + 1]
+            found.setdefault(mod.parameter_name, short.replace(f".layers.{L}.", ".layers.{L}."))
+            check(mod.num_experts == COMMON["num_experts"], f"{name}: {mod.num_experts} experts")
+            check(mod._did_swap_in_out_features, f"{name}: in/out not swapped; layout differs from the docs")
+    check(set(found) == {"gate_up_proj", "down_proj"}, f"expert ParamWrappers found: {found}")
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# batch and forward
+# ----------------------------------------------------------------------------------------------
+
+
+def make_batch(vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, :-1] = ids[:, 1:]
+    for b, t in EXTRA_MASKED:
+        labels[b, t] = IGNORE
+    return ids, labels
+
+
+def forward(pm, ids, labels):
+    store = {}
+    m = pm.get_base_model().model
+    handles = []
+
+    def first(out):
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def save(key):
+        def hook(_mod, _inp, out):
+            store[key] = first(out).detach().clone()
+        return hook
+
+    handles.append(m.embed_tokens.register_forward_hook(save("hidden.embed")))
+    handles.append(m.norm.register_forward_hook(save("hidden.final_norm")))
+    for i, layer in enumerate(m.layers):
+        handles.append(layer.register_forward_hook(save(f"hidden.layers.{i}")))
+        handles.append(layer.self_attn.register_forward_hook(save(f"attn_out.layers.{i}")))
+        handles.append(layer.mlp.register_forward_hook(save(f"mlp_out.layers.{i}")))
+        if hasattr(layer.mlp, "gate"):
+            def router_hook(_mod, inp, out, i=i):
+                check(isinstance(out, tuple) and len(out) == 3, "the router no longer returns (logits, weights, indices)")
+                store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, COMMON["hidden_size"]).clone()
+                store[f"router.layers.{i}.raw_index"] = out[2].detach().clone()
+                store[f"router.layers.{i}.raw_weight"] = out[1].detach().clone()
+            handles.append(layer.mlp.gate.register_forward_hook(router_hook))
+    try:
+        out = pm(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    logits = out.logits
+    check(tuple(logits.shape) == (BATCH, SEQ, COMMON["vocab_size"]), f"logits shape {tuple(logits.shape)}")
+    return logits, mf.masked_mean_ce(logits, labels), store
+
+
+# ----------------------------------------------------------------------------------------------
+# independent float64 numpy forward from the saved files
+# ----------------------------------------------------------------------------------------------
+
+
+class KimiNumpyReference(mf.NumpyReference):
+    """Kimi-Linear in float64 from config.json constants, model.safetensors (either layout) and the
+    adapter: KDA in its recurrent form (docs/HF_SEMANTICS.md section 8), NoPE MLA, the Kimi MoE."""
+
+    def __init__(self, hf_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, roles, expert_keys):
+        super().__init__(hf_dir, adapter_dir)
+        self.mixers, self.groups, self.scaling_factor, self.roles = mixers, groups, scaling, roles
+        self.expert_keys = expert_keys
+        self.c.update(num_attention_heads=COMMON["num_attention_heads"], q_lora_rank=q_lora_rank,
+                      kv_lora_rank=COMMON["kv_lora_rank"], qk_nope_head_dim=COMMON["qk_nope_head_dim"],
+                      qk_rope_head_dim=COMMON["qk_rope_head_dim"], v_head_dim=COMMON["v_head_dim"],
+                      rms_norm_eps=COMMON["rms_norm_eps"], n_shared=shared)
+        # Released names for the weights of the in-memory modules the adapter keys use.
+        for key in list(self.w):
+            for role, names in KDA_LINEARS.items():
+                for n in names:
+                    alias = key.replace(f".self_attn.{n}.", f".self_attn.{roles[role]}.")
+                    if alias != key:
+                        self.w.setdefault(alias, self.w[key])
+            self.w.setdefault(key.replace(".block_sparse_moe.", ".mlp."), self.w[key])
+
+    def rms(self, x, wkey):
+        # q_a / kv_a layernorms are built without eps (1e-6 always); the others use rms_norm_eps.
+        eps = 1e-6 if ("q_a_layernorm" in wkey or "kv_a_layernorm" in wkey) else self.c["rms_norm_eps"]
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * self.w[wkey]
+
+    def rope_tables(self, T):  # NoPE: no rotation (the rope dims stay in q and k)
+        half = self.c["qk_rope_head_dim"] // 2
+        return np.ones((T, half)), np.zeros((T, half))
+
+    def attention(self, h, L):
+        saved = self.c.get("rope_parameters")
+        self.c["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        try:
+            return super().attention(h, L)
+        finally:
+            self.c["rope_parameters"] = saved
+
+    def conv(self, p, stream, C):
+        j = "qkv".index(stream)
+        if f"{p}.{stream}_conv1d.weight" in self.w:
+            return self.w[f"{p}.{stream}_conv1d.weight"].reshape(C, -1)
+        return self.w[f"{p}.conv1d.weight"].reshape(3 * C, -1)[j * C:(j + 1) * C]
+
+    def kda(self, h, L):
+        H, d = COMMON["kda_heads"], COMMON["kda_head_dim"]
+        C = H * d
+        B, T, _ = h.shape
+        p = f"model.layers.{L}.self_attn"
+        r = self.roles
+
+        def stream(s):
+            x = self.linear(h, f"{p}.{r[s]}")
+            w = self.conv(p, s, C)
+            W = w.shape[1]
+            xp = np.concatenate([np.zeros((B, W - 1, C)), x], 1)
+            y = sum(w[:, i] * xp[:, i:i + T] for i in range(W))
+            return (y / (1 + np.exp(-y))).reshape(B, T, H, d)
+
+        q, k, v = stream("q"), stream("k"), stream("v")
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * d ** -0.5
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        f = self.linear(self.linear(h, f"{p}.{r['f_a']}"), f"{p}.{r['f_b']}").reshape(B, T, H, d)
+        a = np.exp(self.w[f"{p}.A_log"].reshape(-1)[:H])[None, None, :, None]
+        x = f + self.w[f"{p}.dt_bias"].reshape(H, d)
+        g = -a * np.logaddexp(0.0, x)
+        beta = 1 / (1 + np.exp(-self.linear(h, f"{p}.{r['b']}")))  # [B, T, H]
+        S = np.zeros((B, H, d, d))
+        o = np.zeros((B, T, H, d))
+        for t in range(T):
+            S = S * np.exp(g[:, t])[..., None]
+            delta = (v[:, t] - np.einsum("bhkv,bhk->bhv", S, k[:, t])) * beta[:, t, :, None]
+            S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+            o[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+        gate = self.linear(self.linear(h, f"{p}.{r['g_a']}"), f"{p}.{r['g_b']}").reshape(B, T, H, d)
+        o = o / np.sqrt((o * o).mean(-1, keepdims=True) + self.c["rms_norm_eps"]) * self.w[f"{p}.o_norm.weight"]
+        o = o / (1 + np.exp(-gate))
+        return self.linear(o.reshape(B, T, C), f"{p}.{r['o']}")
+
+    def moe(self, x, L):
+        E, K = COMMON["num_experts"], COMMON["top_k"]
+        G, TG = self.groups
+        F_ = COMMON["moe_intermediate_size"]
+        p = f"model.layers.{L}.mlp"
+        B, T, D = x.shape
+        xf = x.reshape(-1, D)
+        s = 1.0 / (1.0 + np.exp(-(xf @ self.w[f"{p}.gate.weight"].T)))
+        sc = s + self.w[f"{p}.gate.e_score_correction_bias"][None, :]
+        per = E // G
+        gs = np.sort(sc.reshape(-1, G, per), -1)[..., -2:].sum(-1)
+        if f"{p}.experts.gate_up_proj" in self.w:
+            gu, dn = self.w[f"{p}.experts.gate_up_proj"].copy(), self.w[f"{p}.experts.down_proj"].copy()
+        else:
+            gu = np.stack([np.concatenate([self.w[f"{p}.experts.{e}.w1.weight"], self.w[f"{p}.experts.{e}.w3.weight"]])
+                           for e in range(E)])
+            dn = np.stack([self.w[f"{p}.experts.{e}.w2.weight"] for e in range(E)])
+        for which, Wt in (("gate_up_proj", gu), ("down_proj", dn)):
+            key = self.expert_keys[which].format(L=L)
+            ka, kb = ADAPTER_PREFIX + key + ".lora_A.weight", ADAPTER_PREFIX + key + ".lora_B.weight"
+            self.used.update([ka, kb])
+            A = self.ad[ka].reshape(E, self.r, -1)
+            Bm = self.ad[kb].reshape(self.ad[kb].shape[0], self.r, E)
+            for e in range(E):
+                Wt[e] += self.scaling * Bm[:, :, e] @ A[e]
+        out = np.zeros_like(xf)
+        for n in range(xf.shape[0]):
+            groups = np.argsort(-gs[n], kind="stable")[:TG]
+            masked = np.full(E, -np.inf)
+            for gi in groups:
+                masked[gi * per:(gi + 1) * per] = sc[n, gi * per:(gi + 1) * per]
+            idx = np.argsort(-masked, kind="stable")[:K]
+            wts = s[n, idx] / (s[n, idx].sum() + 1e-20) * self.scaling_factor
+            for e, wt in zip(idx, wts):
+                hgu = gu[e] @ xf[n]
+                out[n] += wt * (dn[e] @ (hgu[:F_] / (1 + np.exp(-hgu[:F_])) * hgu[F_:]))
+        return out.reshape(B, T, D) + self.mlp(x, f"{p}.shared_experts")
+
+    def logits(self, ids):
+        x = self.w["model.embed_tokens.weight"][ids]
+        for L, kind in enumerate(self.mixers):
+            p = f"model.layers.{L}"
+            h = self.rms(x, f"{p}.input_layernorm.weight")
+            x = x + (self.kda(h, L) if kind == "kda" else self.attention(h, L))
+            h = self.rms(x, f"{p}.post_attention_layernorm.weight")
+            x = x + (self.moe(h, L) if L >= 1 else self.mlp(h, f"{p}.mlp"))
+        return self.rms(x, "model.norm.weight") @ self.w["lm_head.weight"].T
+
+
+# ----------------------------------------------------------------------------------------------
+# one config
+# ----------------------------------------------------------------------------------------------
+
+
+def checkpoint_layout(path):
+    with safe_open(path, "pt") as f:
+        keys = sorted(f.keys())
+        dtypes = {f.get_slice(k).get_dtype() for k in keys}
+    check(dtypes == {"F32"}, f"{path}: dtypes {dtypes}, want F32 only")
+    kda = sorted({k.split(".self_attn.")[1] for k in keys if ".self_attn." in k and "A_log" not in k})
+    experts = "per-expert w1/w2/w3" if any(".experts.0.w1." in k for k in keys) else (
+        "fused gate_up_proj" if any(k.endswith("experts.gate_up_proj") for k in keys) else "per-expert gate/up/down")
+    return keys, kda, experts
+
+
+def make_one(name, out_root, device, seed, results):
+    mixers, q_lora_rank, groups, scaling, shared, original_format = VARIANTS[name]
+    out_dir = os.path.join(out_root, name)
+    tmp_dir = out_dir + ".tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    print(f"\n=== {name}: mixers {mixers}, q_lora_rank {q_lora_rank}, groups {groups}, scaling {scaling}, "
+          f"shared experts {shared}, save_original_format={original_format}")
+    warn = []
+
+    cfg = make_config(mixers, q_lora_rank, groups, scaling, shared)
+    torch.manual_seed(seed)
+    model, roles = build_model(cfg, mixers, device)
+    print(f"  KDA projections in memory: {roles}")
+    init_weights(model, seed)
+    model.train()
+    try:
+        model.save_pretrained(tmp_dir, save_original_format=original_format)
+        saved_with = f"save_original_format={original_format}"
+    except TypeError:
+        model.save_pretrained(tmp_dir)
+        saved_with = "the default (no save_original_format keyword)"
+    path = os.path.join(tmp_dir, "model.safetensors")
+    check(os.path.exists(path), f"save_pretrained did not write {path} (sharded?)")
+    keys, kda_saved, expert_saved = checkpoint_layout(path)
+    print(f"  saved with {saved_with}: KDA tensors {kda_saved}; experts {expert_saved}")
+    with open(os.path.join(tmp_dir, "config.json")) as f:
+        saved_config = json.load(f)
+    print(f"  config.json keys: {sorted(saved_config)}")
+
+    pm, targets = attach_lora(model, seed + 1)
+    pm.train()
+    expert_keys = expert_adapter_keys(pm)
+    adapter_dir = os.path.join(tmp_dir, "adapter")
+    pm.save_pretrained(adapter_dir)
+    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
+        adapter = {k: f.get_tensor(k) for k in f.keys()}
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        acfg = json.load(f)
+    for k in ("target_modules", "target_parameters"):
+        if isinstance(acfg.get(k), list):
+            acfg[k] = sorted(acfg[k])
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(acfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    check(acfg.get("r") == LORA_RANK and acfg.get("lora_alpha") == LORA_ALPHA and not acfg.get("use_rslora"),
+          f"adapter_config.json: unexpected r/alpha/rslora: {acfg}")
+    print(f"  adapter: target_modules={acfg.get('target_modules')} target_parameters={acfg.get('target_parameters')}")
+
+    # A batch whose routing has no near-ties (float32 C++ must pick the same experts).
+    moe_layers = [L for L in range(len(mixers)) if L >= 1]
+    layers = pm.get_base_model().model.layers
+    ns = type("RouterShape", (), dict(n_routed_experts=COMMON["num_experts"], n_group=groups[0],
+                                      topk_group=groups[1], num_experts_per_tok=COMMON["top_k"]))
+    for attempt in range(mf.MAX_DATA_TRIES):
+        ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt)
+        with torch.no_grad():
+            _, _, store = forward(pm, ids.to(device), labels.to(device))
+        margin = math.inf
+        for L in moe_layers:
+            gate = layers[L].mlp.gate
+            chosen, m = mf.routing_margins(store[f"router_in.layers.{L}"], gate.weight, gate.e_score_correction_bias, ns)
+            hf = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
+            check(chosen == hf, f"layer {L}: HF routing differs from the documented algorithm")
+            margin = min(margin, m)
+        if margin >= mf.MIN_ROUTING_MARGIN:
+            break
+    else:
+        fail(f"no batch with routing margin >= {mf.MIN_ROUTING_MARGIN} in {mf.MAX_DATA_TRIES} tries")
+    print(f"  batch seed {seed + 100 + attempt}, smallest routing margin {margin:.3e}")
+
+    ids_d, labels_d = ids.to(device), labels.to(device)
+    pm.zero_grad(set_to_none=True)
+    logits, loss, store = forward(pm, ids_d, labels_d)
+    loss.backward()
+    n_targets = int((labels != IGNORE).sum())
+    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(COMMON['vocab_size']):.4f})")
+    pm.eval()
+    with torch.no_grad():
+        logits_eval = pm(input_ids=ids_d).logits
+    pm.train()
+    check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
+
+    grads = {}
+    for pname, p in pm.named_parameters():
+        if not p.requires_grad:
+            continue
+        key = pname.replace(".default.", ".")
+        check(key in adapter, f"trainable {pname} -> {key} is not a key of adapter_model.safetensors")
+        check(p.grad is not None and bool(p.grad.abs().max() > 0), f"{key}: no or all-zero gradient (vacuous test)")
+        grads[key] = p.grad.detach().cpu().float().clone()
+    check(set(grads) == set(adapter), f"adapter keys without gradient: {sorted(set(adapter) - set(grads))}")
+
+    # Reported checks: reload, numpy reference, central differences.
+    try:
+        base2 = KimiLinearForCausalLM.from_pretrained(tmp_dir, attn_implementation="eager",
+                                                      experts_implementation="eager", dtype=torch.float32).to(device)
+        pm2 = PeftModel.from_pretrained(base2, adapter_dir)
+        pm2.train()
+        with torch.no_grad():
+            diff = (pm2(input_ids=ids_d).logits - logits.detach()).abs().max().item()
+        print(f"  reload through from_pretrained + PeftModel.from_pretrained: max |dlogits| = {diff:.2e}")
+        if diff > 1e-5:
+            warn.append(f"reloaded logits differ by {diff:.2e}")
+    except Exception as exc:  # noqa: BLE001 - reported, the C++ test is the judge
+        warn.append(f"reload failed: {type(exc).__name__}: {exc}")
+
+    ids_np, labels_np = ids.numpy(), labels.numpy()
+    try:
+        ref = KimiNumpyReference(tmp_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, roles,
+                                 expert_keys)
+        ref_logits = ref.logits(ids_np)
+        unused = sorted(set(adapter) - ref.used)
+        if unused:
+            warn.append(f"numpy reference did not use adapter keys {unused[:4]}...")
+        lg = logits.detach().cpu().double().numpy()
+        err = np.abs(ref_logits - lg).max() / max(1.0, np.abs(ref_logits).max())
+        ref_loss = mf.NumpyReference.loss(ref_logits, labels_np)
+        print(f"  numpy float64 reference: max |dlogits|/max|logits| = {err:.2e}, loss {ref_loss:.8f}")
+        if err > 1e-4 or abs(ref_loss - loss.item()) > 1e-5 * abs(ref_loss):
+            warn.append(f"numpy reference differs: logits {err:.2e}, loss {ref_loss} vs {loss.item()}")
+        else:
+            gen = np.random.default_rng(seed)
+            kda_keys = sorted(k for k in adapter if f".{roles['f_b']}." in k or f".{roles['b']}." in k)
+            probes = kda_keys[:2] + sorted(k for k in adapter if "lora_A" in k)[:1] + [
+                ADAPTER_PREFIX + expert_keys["gate_up_proj"].format(L=moe_layers[-1]) + ".lora_B.weight"]
+            worst = 0.0
+            for key in probes:
+                g = grads[key].numpy()
+                idx = np.unravel_index(int(np.argmax(np.abs(g))) if gen.random() < 0.5 else int(gen.integers(g.size)),
+                                       g.shape)
+                orig = ref.ad[key].copy()
+                vals = []
+                for sgn in (1, -1):
+                    pert = orig.copy()
+                    pert[idx] += sgn * 1e-5
+                    ref.override(key, pert)
+                    vals.append(mf.NumpyReference.loss(ref.logits(ids_np), labels_np))
+                ref.override(key, orig)
+                fd = (vals[0] - vals[1]) / 2e-5
+                rel = abs(fd - g[idx]) / max(abs(fd), 1e-3)
+                worst = max(worst, rel)
+            print(f"  central differences on {len(probes)} entries: worst relative error {worst:.2e}")
+            if worst > 2e-2:
+                warn.append(f"central differences disagree with autograd (worst {worst:.2e})")
+    except Exception as exc:  # noqa: BLE001
+        warn.append(f"numpy reference failed: {type(exc).__name__}: {exc}")
+
+    golden = {
+        "input_ids": ids.to(torch.int32).contiguous(),
+        "labels": labels.to(torch.int32).contiguous(),
+        "logits": logits.detach().cpu().float().contiguous(),
+        "loss": torch.tensor([loss.item()], dtype=torch.float32),
+    }
+    for key, g in grads.items():
+        golden[f"grad.{key}"] = g.contiguous()
+    for key, v in store.items():
+        if key.startswith(("hidden.", "attn_out.", "mlp_out.")):
+            golden[key] = v.cpu().float().contiguous()
+    for L in moe_layers:
+        idx = store[f"router.layers.{L}.raw_index"].cpu()
+        wts = store[f"router.layers.{L}.raw_weight"].cpu()
+        order = torch.argsort(idx, dim=-1)
+        golden[f"router.layers.{L}.topk_index"] = torch.gather(idx, 1, order).to(torch.int32).contiguous()
+        golden[f"router.layers.{L}.topk_weight"] = torch.gather(wts, 1, order).float().contiguous()
+    meta = {
+        "generator": "scripts/make_fixtures_kimi_linear.py", "torch": torch.__version__,
+        "transformers": transformers.__version__, "peft": peft.__version__, "device": str(device),
+        "seed": str(seed), "batch_seed": str(seed + 100 + attempt), "min_routing_margin": f"{margin:.6e}",
+        "saved_with": saved_with, "kda_modules": json.dumps(roles, sort_keys=True),
+        "kda_checkpoint_tensors": json.dumps(kda_saved), "experts_checkpoint": expert_saved,
+        "expert_adapter_keys": json.dumps(expert_keys, sort_keys=True), "warnings": json.dumps(warn),
+        "loss": f"{loss.item():.9e}",
+    }
+    torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
+                    metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})
+
+    for f in os.listdir(tmp_dir):
+        if f not in ("config.json", "model.safetensors", "adapter", "golden.safetensors"):
+            p = os.path.join(tmp_dir, f)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    for f in os.listdir(adapter_dir):
+        if f not in ("adapter_config.json", "adapter_model.safetensors"):
+            p = os.path.join(adapter_dir, f)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp_dir, out_dir)
+    print("  adapter tensors:")
+    for k in sorted(adapter):
+        print(f"    {k} {list(adapter[k].shape)}")
+    results[name] = (loss.item(), warn)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="tests/fixtures/golden", help="output root (one directory per config)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--configs", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    args = ap.parse_args()
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"peft {peft.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}")
+    check(int(transformers.__version__.split(".")[0]) >= 5, "needs transformers 5.x")
+    if args.device == "cuda":
+        check(torch.cuda.is_available(), "--device cuda but CUDA is not available")
+        torch.backends.cuda.matmul.allow_tf32 = False
+    torch.use_deterministic_algorithms(True)
+    device = torch.device(args.device)
+    names = [n for n in args.configs.split(",") if n]
+    for n in names:
+        check(n in VARIANTS, f"unknown config {n!r}; known: {', '.join(VARIANTS)}")
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    for n in names:
+        make_one(n, args.out, device, args.seed, results)
+
+    print("\n=== summary")
+    total = 0
+    for n in names:
+        for root, _, files in sorted(os.walk(os.path.join(args.out, n))):
+            for f in sorted(files):
+                p = os.path.join(root, f)
+                total += os.path.getsize(p)
+                print(f"  {mf.human(os.path.getsize(p)):>10}  {p}")
+    print(f"  {mf.human(total):>10}  total")
+    for n, (loss, warn) in results.items():
+        print(f"  {n}: loss {loss:.8f}; checks: " + ("PASS (reload, numpy reference, central differences)"
+                                                    if not warn else "WARN: " + " | ".join(warn)))
+    check(total < 2 << 20, f"fixtures are {mf.human(total)}, budget is 2 MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+// The KDA + MLA hybrid against an independent reference: transformers' KimiLinearForCausalLM with a
+// PEFT LoRA adapter on every projection and the experts (tests/fixtures/golden/kimi_linear*, made
+// by scripts/make_fixtures_kimi_linear.py; docs/FIXTURES.md). Two windows of 70 tokens, so KDA's
+// 64-token chunks end mid-sequence. Our HF importer loads the model directory (one fixture in the
+// released checkpoint layout, one in transformers' own), our PEFT importer the adapter; logits and
+// loss must match to 1e-5 and every adapter gradient to 1e-4, each against its own scale.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "catch.h"
+#include "core/io/hf_index.h"
+#include "core/io/safetensors.h"
+#include "core/model/hf_names.h"
+#include "core/model/model.h"
+#include "core/model/peft_adapter.h"
+#include "golden_files.h"
+#include "kernels/ops.h"
+
+using namespace moetrain;
+
+namespace {
+
+using testing::golden_batch;
+using testing::gradient_for;
+using testing::host_f64;
+using testing::scaled_error;
+
+// Our names of KDA's projections; the adapter may use transformers' (hf_names.h).
+const char* const kKdaProjections[] = {"q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj",
+                                       "b_proj", "g_a_proj", "g_b_proj", "o_proj"};
+
+// The fixture directory, or a failure that says how to make it.
+std::string fixture_dir(const std::string& name) {
+  const std::string dir = testing::golden_dir(name);
+  if (!std::filesystem::exists(dir + "/golden.safetensors")) {
+    FAIL("missing golden fixture " << dir << ": make it on a machine with torch, transformers 5.17, peft 0.21 "
+                                   << "(no GPU needed) with\n  python3 scripts/make_fixtures_kimi_linear.py --out "
+                                   << "tests/fixtures/golden\nand commit tests/fixtures/golden/kimi_linear*/ "
+                                   << "(docs/FIXTURES.md)");
+  }
+  return dir;
+}
+
+// LoRA targets in our names: the adapter's target_modules (some in transformers' spelling) plus
+// the MLPs and experts it reaches through target_parameters.
+std::vector<std::string> adapter_targets(const std::string& adapter_dir) {
+  std::ifstream in(adapter_dir + "/adapter_config.json");
+  const nlohmann::json config = nlohmann::json::parse(in);
+  std::vector<std::string> targets = {"gate_proj", "up_proj", "down_proj", "shared_experts", "experts"};
+  for (const std::string& module : config.at("target_modules").get<std::vector<std::string>>()) {
+    std::string ours = module;
+    for (const char* name : kKdaProjections) {
+      if (transformers_module_name(std::string(".self_attn.") + name) == ".self_attn." + module) ours = name;
+    }
+    targets.push_back(ours);
+  }
+  return targets;
+}
+
+void check_fixture(const std::string& name, DType dtype) {
+  const std::string dir = fixture_dir(name);
+  SafetensorsFile golden(dir + "/golden.safetensors");
+  Batch batch = golden_batch(golden);
+  REQUIRE(batch.seq_len == 70);
+
+  Config config;
+  config.model.hf_dir = dir;
+  config.data.seq_len = batch.seq_len;
+  ModelSpec spec = resolve_model_spec(config);
+  REQUIRE(std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) >= 1);
+  REQUIRE(std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kMla) >= 1);
+  auto backend = kernels::make_cpu_backend();
+  const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
+  ModelOptions options;
+  options.dtype = dtype;
+  options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
+  options.lora_targets = adapter_targets(dir + "/adapter");
+  Model model(spec, *backend, options);
+  model.load_weights(HfCheckpoint(dir));
+  load_peft_adapter(model, dir + "/adapter");
+
+  Tensor logits = model.logits(batch);
+  double logits_error = scaled_error(logits, golden.read_as("logits", DType::kF64));
+  INFO(name << ": logits scaled error " << logits_error);
+  CHECK(logits_error <= 1e-5);
+
+  const int64_t targets = batch.num_targets();
+  StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
+  const double loss = result.loss_sum / static_cast<double>(targets);
+  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+  INFO(name << ": loss " << loss << " vs " << golden_loss);
+  CHECK(std::fabs(loss - golden_loss) <= 1e-5 * std::fabs(golden_loss));
+
+  // Our gradients under our names and transformers' (the adapter's keys use the latter's).
+  std::map<std::string, Tensor> grads;
+  for (Parameter* p : model.parameters()) {
+    grads.emplace(p->name, host_f64(*backend, p->grad));
+    const std::string renamed = transformers_module_name(p->name);
+    if (renamed != p->name) grads.emplace(renamed, host_f64(*backend, p->grad));
+  }
+  int compared = 0;
+  for (const std::string& key : golden.names()) {
+    if (key.rfind("grad.", 0) != 0) continue;
+    const std::string param = key.substr(5 + std::string("base_model.model.").size());
+    Tensor ours = gradient_for(grads, param);
+    double error = scaled_error(ours, golden.read_as(key, DType::kF64));
+    INFO(name << ": " << key << " scaled error " << error);
+    CHECK(error <= 1e-4);
+    ++compared;
+  }
+  CHECK(compared == static_cast<int>(SafetensorsFile(dir + "/adapter/adapter_model.safetensors").names().size()));
+}
+
+}  // namespace
+
+TEST_CASE("golden: Kimi-Linear (KDA + NoPE MLA), released checkpoint layout", "[golden][kda]") {
+  check_fixture("kimi_linear", DType::kF32);
+}
+
+TEST_CASE("golden: Kimi-Linear with q LoRA MLA, transformers' own checkpoint layout", "[golden][kda]") {
+  check_fixture("kimi_linear_t5", DType::kF32);
+}
+
+TEST_CASE("golden: Kimi-Linear in double precision", "[golden][kda]") {
+  check_fixture("kimi_linear", DType::kF64);
+  check_fixture("kimi_linear_t5", DType::kF64);
+}
