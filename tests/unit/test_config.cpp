@@ -83,7 +83,8 @@ TEST_CASE("the shipped configs say what their headers promise", "[config]") {
   const std::string dir = std::string(MOETRAIN_SOURCE_DIR) + "/configs/";
   Config quick = load_config(dir + "quickstart.yaml");
   CHECK(quick.model.num_layers == 4);
-  CHECK(quick.model.layers == std::vector<std::string>(4, "mla"));
+  CHECK(quick.model.layers == std::vector<std::string>{"kda", "mla", "kda", "mla"});
+  CHECK(quick.model.kda.num_heads * quick.model.kda.head_dim == 64);
   CHECK(quick.model.moe.num_experts == 8);
   CHECK(quick.model.moe.top_k == 2);
   CHECK(!quick.model.mla.q_lora_rank.has_value());
@@ -99,7 +100,16 @@ TEST_CASE("the shipped configs say what their headers promise", "[config]") {
   CHECK(kimi.model.hidden_size == 2304);
   CHECK(!kimi.model.mla.use_rope);
   CHECK(kimi.model.moe.num_experts == 256);
+  CHECK(kimi.model.kda.num_heads == 32);
+  CHECK(kimi.model.kda.head_dim == 128);
+  CHECK(kimi.model.kda.lower_bound == 0.0);
   validate_for_world(kimi, 1);
+
+  Config slice = load_config(dir + "h200-kimi-linear-slice.yaml");
+  CHECK(slice.model.layers == std::vector<std::string>{"kda", "kda", "kda", "mla", "kda", "kda", "kda", "kda"});
+  CHECK(slice.data.seq_len == 8192);
+  CHECK(slice.model.kda.head_dim == 128);
+  validate_for_world(slice, 1);
 
   Config deepseek = load_config(dir + "deepseek-v3.2.yaml");
   CHECK(deepseek.model.num_layers == 61);
