@@ -14,9 +14,9 @@
 //
 // Index tensors that stay on the device (rope positions, labels, expert indices) are not read
 // back for checks; the kernels never read or write out of bounds because of them (see each
-// family's header for what they do instead). Token ids (embedding) and group offsets
-// (grouped_gemm) are copied to the host and checked, as the CPU backend does, which waits for
-// the stream.
+// family's header for what they do instead). Token ids (embedding) are copied to the host and
+// checked, as the CPU backend does, which waits for the stream. Group offsets (grouped_gemm) stay
+// on the device (the kernel clamps them, grouped_gemm.h); a caller's host copy is checked.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -112,6 +112,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMalloc(&blas_.workspace, kCublasWorkspaceBytes));
     blas_.workspace_bytes = kCublasWorkspaceBytes;
     blas_.scratch = &gemm_scratch_;
+    blas_.plans = &gemm_plans_;
   }
 
   ~CudaBackend() override {
@@ -248,13 +249,14 @@ class CudaBackend final : public Backend {
            describe("group_offsets", args.group_offsets) + " should be [groups + 1]");
     const int64_t rows = args.a.size(0);
     expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
-    // The caller's host copy when it has one: reading them back would wait for the stream.
-    const std::vector<int32_t> offsets =
-        args.host_group_offsets != nullptr
-            ? std::vector<int32_t>(args.host_group_offsets, args.host_group_offsets + args.group_offsets.numel())
-            : download_i32(args.group_offsets, stream_);
-    expect_offsets(op, "group_offsets", offsets, rows);
-    cuda_ops::grouped_gemm(args, offsets, blas_, stream_);
+    // The offsets are read on the device (no read-back, no wait); the caller's host copy, when it
+    // has one, is checked here.
+    if (args.host_group_offsets != nullptr) {
+      const std::vector<int32_t> offsets(args.host_group_offsets,
+                                         args.host_group_offsets + args.group_offsets.numel());
+      expect_offsets(op, "group_offsets", offsets, rows);
+    }
+    cuda_ops::grouped_gemm(args, blas_, stream_);
   }
 
   void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override {
@@ -588,6 +590,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cuda_ops::BlasContext blas_;
   cuda_ops::DeviceScratch gemm_scratch_;  // BF16 copies of F32 GEMM operands
+  cuda_ops::GemmPlanCache gemm_plans_;    // cuBLASLt descriptors and algorithms per GEMM shape
   cuda_ops::DeviceScratch scratch_;       // everything else (partials, index tables)
   std::unique_ptr<Backend> cpu_ = make_cpu_backend();  // fill's element encoding
 };

@@ -10,7 +10,10 @@
 
 #include <cuda_bf16.h>
 
+#include <functional>
+#include <memory>
 #include <string>
+#include <unordered_map>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
@@ -174,7 +177,7 @@ void scale_contiguous(void* c, DType c_dtype, int64_t count, float beta, cudaStr
   CUDA_CHECK_LAUNCH();
 }
 
-// RAII for the cuBLASLt descriptors of one call.
+// RAII for the cuBLASLt descriptors of one GEMM shape.
 struct LtDescriptors {
   cublasLtMatmulDesc_t matmul = nullptr;
   cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
@@ -201,13 +204,55 @@ void run_gemm_ex(const Bf16Gemm& g, const BlasContext& ctx, cudaStream_t stream)
                             cuda_type(g.c_dtype), n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-void run_bf16_gemm(const Bf16Gemm& g, const BlasContext& ctx, cudaStream_t stream) {
-  if (g.m == 0 || g.n == 0) return;
-  if (g.k == 0) {
-    scale_contiguous(g.c, g.c_dtype, g.m * g.n, g.beta, stream);
-    return;
+// A plan's key: what the descriptors and the heuristic's choice depend on.
+struct PlanKey {
+  int64_t m, n, k;
+  bool transpose_a, transpose_b;
+  DType c_dtype;
+  uint32_t align_a, align_b, align_c;
+  bool operator==(const PlanKey& o) const {
+    return m == o.m && n == o.n && k == o.k && transpose_a == o.transpose_a && transpose_b == o.transpose_b &&
+           c_dtype == o.c_dtype && align_a == o.align_a && align_b == o.align_b && align_c == o.align_c;
   }
-  LtDescriptors d;
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& key) const {
+    size_t h = std::hash<int64_t>()(key.m);
+    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+    mix(static_cast<uint64_t>(key.n));
+    mix(static_cast<uint64_t>(key.k));
+    mix((key.transpose_a ? 1u : 0u) | (key.transpose_b ? 2u : 0u) | static_cast<uint64_t>(key.c_dtype) << 2);
+    mix(static_cast<uint64_t>(key.align_a) | static_cast<uint64_t>(key.align_b) << 16 |
+        static_cast<uint64_t>(key.align_c) << 32);
+    return h;
+  }
+};
+
+struct GemmPlan {
+  LtDescriptors descriptors;
+  bool has_algorithm = false;  // false: cuBLASLt offers none, run_gemm_ex runs the shape
+  cublasLtMatmulAlgo_t algorithm{};
+};
+
+// Past this many shapes the cache starts over (shapes that change every step would otherwise
+// grow it without bound; a model has a few dozen).
+constexpr size_t kMaxPlans = 4096;
+
+}  // namespace
+
+struct GemmPlanCache::Plans {
+  std::unordered_map<PlanKey, std::unique_ptr<GemmPlan>, PlanKeyHash> by_shape;
+};
+
+GemmPlanCache::GemmPlanCache() : plans_(std::make_unique<Plans>()) {}
+GemmPlanCache::~GemmPlanCache() = default;
+
+namespace {
+
+std::unique_ptr<GemmPlan> build_plan(const Bf16Gemm& g, const PlanKey& key, const BlasContext& ctx) {
+  auto plan = std::make_unique<GemmPlan>();
+  LtDescriptors& d = plan->descriptors;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.matmul, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_first = g.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_second = g.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -232,28 +277,47 @@ void run_bf16_gemm(const Bf16Gemm& g, const BlasContext& ctx, cudaStream_t strea
   const size_t workspace_bytes = ctx.workspace_bytes;
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &workspace_bytes, sizeof workspace_bytes));
-  // cuBLASLt assumes 256-byte aligned pointers unless told otherwise; group slices are not.
-  const uint32_t align_first = pointer_alignment(g.b), align_second = pointer_alignment(g.a),
-                 align_out = pointer_alignment(g.c);
+  // cuBLASLt assumes 256-byte aligned pointers unless told otherwise; views into tensors are not.
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                    &align_first, sizeof align_first));
+                                                    &key.align_b, sizeof key.align_b));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                    &align_second, sizeof align_second));
+                                                    &key.align_a, sizeof key.align_a));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                    &align_out, sizeof align_out));
+                                                    &key.align_c, sizeof key.align_c));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                    &align_out, sizeof align_out));
+                                                    &key.align_c, sizeof key.align_c));
 
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.lt, d.matmul, d.first, d.second, d.out, d.out,
                                                                d.preference, 1, &heuristic, &found);
-  if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
+  plan->has_algorithm = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  if (plan->has_algorithm) plan->algorithm = heuristic.algo;
+  return plan;
+}
+
+void run_bf16_gemm(const Bf16Gemm& g, const BlasContext& ctx, cudaStream_t stream) {
+  if (g.m == 0 || g.n == 0) return;
+  if (g.k == 0) {
+    scale_contiguous(g.c, g.c_dtype, g.m * g.n, g.beta, stream);
+    return;
+  }
+  const PlanKey key{g.m,       g.n, g.k, g.transpose_a, g.transpose_b, g.c_dtype, pointer_alignment(g.a),
+                    pointer_alignment(g.b), pointer_alignment(g.c)};
+  auto& plans = ctx.plans->plans().by_shape;
+  auto found = plans.find(key);
+  if (found == plans.end()) {
+    if (plans.size() >= kMaxPlans) plans.clear();
+    found = plans.emplace(key, build_plan(g, key, ctx)).first;
+  }
+  const GemmPlan& plan = *found->second;
+  if (!plan.has_algorithm) {
     run_gemm_ex(g, ctx, stream);
     return;
   }
+  const LtDescriptors& d = plan.descriptors;
   CUBLAS_CHECK(cublasLtMatmul(ctx.lt, d.matmul, &g.alpha, g.b, d.first, g.a, d.second, &g.beta, g.c, d.out, g.c,
-                              d.out, &heuristic.algo, ctx.workspace, ctx.workspace_bytes, stream));
+                              d.out, &plan.algorithm, ctx.workspace, ctx.workspace_bytes, stream));
 }
 
 // BF16 device copies of the F32 ones among a and b (the others are passed through).
@@ -318,47 +382,48 @@ void gemm(const GemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
   run_bf16_gemm(g, ctx, stream);
 }
 
-// TODO(perf): one cuBLASLt call per group, with the offsets on the host (the caller's copy
-// synchronizes the stream once per call). Replace with a device-side grouped kernel (offsets
-// read on the GPU, one launch) for the MoE targets of issue 4.
-void grouped_gemm(const GroupedGemmArgs& args, const std::vector<int32_t>& host_offsets, const BlasContext& ctx,
-                  cudaStream_t stream) {
-  const int64_t groups = static_cast<int64_t>(host_offsets.size()) - 1;
-  const size_t c_element = dtype_size(args.c.dtype);
-  const bool any_rows = args.a.size(0) > 0;
-  const Bf16Operands in = any_rows ? bf16_operands(args.a, args.b, ctx, stream) : Bf16Operands{args.a.data, args.b.data};
-  const auto* a = static_cast<const __nv_bfloat16*>(in.a);
-  const auto* b = static_cast<const __nv_bfloat16*>(in.b);
-  char* c = static_cast<char*>(args.c.data);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t row0 = host_offsets[g], rows = host_offsets[g + 1] - host_offsets[g];
-    Bf16Gemm one;
-    one.c_dtype = args.c.dtype;
-    one.alpha = static_cast<float>(args.alpha);
-    one.beta = static_cast<float>(args.beta);
-    if (args.kind == GroupedGemmKind::kMGrouped) {
-      if (rows == 0) continue;  // the group owns no rows of c
-      const int64_t k = args.a.size(1), n = args.c.size(1);
-      one.c = c + static_cast<size_t>(row0 * n) * c_element;
-      one.a = a + row0 * k;
-      one.b = b + g * n * k;
-      one.m = rows;
-      one.n = n;
-      one.k = k;
-      one.transpose_b = args.transpose_b;
-    } else {
-      // c[g] [n_out, n_in] = alpha * a_g^T . b_g + beta * c[g]; an empty group leaves beta * c[g].
-      const int64_t n_out = args.a.size(1), n_in = args.b.size(1);
-      one.c = c + static_cast<size_t>(g * n_out * n_in) * c_element;
-      one.a = a + row0 * n_out;
-      one.b = b + row0 * n_in;
-      one.m = n_out;
-      one.n = n_in;
-      one.k = rows;
-      one.transpose_a = true;
-    }
-    run_bf16_gemm(one, ctx, stream);
+namespace {
+
+GroupedGemmProblem grouped_problem(const GroupedGemmArgs& args) {
+  GroupedGemmProblem p;
+  p.kind = args.kind;
+  p.c = args.c.data;
+  p.c_dtype = args.c.dtype;
+  p.a = args.a.data;
+  p.b = args.b.data;
+  p.group_offsets = static_cast<const int32_t*>(args.group_offsets.data);
+  p.groups = args.group_offsets.numel() - 1;
+  p.rows = args.a.size(0);
+  if (args.kind == GroupedGemmKind::kMGrouped) {
+    p.k = args.a.size(1);
+    p.n = args.c.size(1);
+  } else {
+    p.n_out = args.a.size(1);
+    p.n_in = args.b.size(1);
   }
+  p.transpose_b = args.transpose_b;
+  p.alpha = static_cast<float>(args.alpha);
+  p.beta = static_cast<float>(args.beta);
+  return p;
+}
+
+}  // namespace
+
+void grouped_gemm(const GroupedGemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
+  GroupedGemmProblem p = grouped_problem(args);
+  const Bf16Operands in = bf16_operands(args.a, args.b, ctx, stream);
+  p.a = in.a;
+  p.b = in.b;
+  launch_grouped_gemm(p, stream);
+}
+
+GroupedGemmPath grouped_gemm_path(const GroupedGemmArgs& args) {
+  GroupedGemmProblem p = grouped_problem(args);
+  // F32 operands are rounded into scratch, whose regions are 256-byte aligned.
+  const void* scratch_aligned = reinterpret_cast<const void*>(uintptr_t{256});
+  if (args.a.dtype == DType::kF32) p.a = scratch_aligned;
+  if (args.b.dtype == DType::kF32) p.b = scratch_aligned;
+  return grouped_gemm_path(p);
 }
 
 void axpby(const TensorView& y, const TensorView& x, double alpha, double beta, cudaStream_t stream) {

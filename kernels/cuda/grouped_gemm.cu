@@ -1,0 +1,693 @@
+// The grouped GEMM (see grouped_gemm.h): a Hopper kernel and a plain fallback, one launch each.
+//
+// sm90_grouped_gemm_kernel<Layout, BN>: CTA tile 128 x BN over the output, K in steps of 64.
+//   Threads: warpgroup 0 is the producer (one thread issues every TMA copy), warpgroups 1 and 2
+//   the consumers, each owning 64 rows of the tile (wgmma m64nBNk16, accumulators in registers).
+//   Shared memory: a ring of kStages stages, each an A tile (128 x 64) and a B tile (64 x BN),
+//   with a 'full' mbarrier (TMA bytes landed) and an 'empty' one (both consumers done) per stage.
+//   Operand layouts (PTX ISA canonical layouts; T = 8 bf16 = 16 bytes):
+//     K-major tiles (a of m-grouped, b with transpose_b): rows of 64 k values = 128 bytes,
+//       128-byte swizzle; 8-row groups 1024 bytes apart (stride byte offset); the k16 steps of a
+//       stage start 32 bytes apart inside the swizzled rows.
+//     M/N-major tiles (a and b of k-grouped, b without transpose_b): chunks of S/2 columns (S = 128
+//       bytes, or 2 * BN when BN < 64) x 64 k rows, each row S bytes, S-byte swizzle; chunks
+//       64 * S bytes apart (leading byte offset), 8-row groups 8 * S apart (stride byte offset);
+//       the k16 steps start 16 * S bytes apart.
+//   Scheduling: every CTA builds, from the device offsets, the clamped row offsets and (m-grouped)
+//   a prefix of tiles per group in shared memory, then takes tiles blockIdx.x, + gridDim.x, ...
+//   of the list ordered by group, then n-tile, then m-tile (the m-tiles sharing a slice of b[g]
+//   run at about the same time, so it comes from L2). A tile is (group, 128 rows, BN columns):
+//     m-grouped: rows of the group's slice of a and c; its last tile may run past the group's
+//       end: TMA reads the next group's rows (or zeros past the tensor) and those rows are
+//       computed but never stored.
+//     k-grouped: rows of c[g] (n_out) x columns (n_in), K = the group's rows; the last K step's
+//       rows past the group's end are zeroed in shared memory before the wgmma, so another
+//       group's rows never enter the sum. An empty group runs no K step: c[g] = beta * c[g].
+//   The consumers keep one wgmma group in flight: a stage is released when the next one's
+//   multiplications have been issued and the earlier ones completed.
+#include "kernels/cuda/grouped_gemm.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+#include <type_traits>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/element_access.cuh"
+#include "kernels/cuda/sm90_primitives.cuh"
+#include "kernels/cuda/wgmma_bf16.cuh"
+
+namespace moetrain::kernels::cuda_ops {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------------------------
+// The sm_90a kernel
+
+namespace sm90 = ::moetrain::kernels::cuda_ops::sm90;
+
+constexpr int kBM = 128;  // two consumer warpgroups x 64 rows
+constexpr int kBK = 64;   // one 128-byte swizzle row of BF16
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+constexpr int kStageBudgetBytes = 200 * 1024;  // of the 227 KB a CTA may have
+constexpr int kMaxStages = 8;
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K registers
+// The per-group table (two int32 [groups + 1]) shares shared memory with the stages.
+constexpr int64_t kTableBudgetBytes = 24 * 1024;
+
+enum class Layout {
+  kMGroupedKMajorB,  // m-grouped, b [groups, n, k] (transpose_b: the forward, x W^T)
+  kMGroupedNMajorB,  // m-grouped, b [groups, k, n] (the input gradient, dy W)
+  kKGrouped,         // k-grouped: a [rows, n_out] and b [rows, n_in], both M/N-major
+};
+
+template <Layout kLayout, int kBN>
+struct Tiling {
+  static constexpr bool kKGrouped = kLayout == Layout::kKGrouped;
+  static constexpr bool kAMajorM = kKGrouped;
+  static constexpr bool kBMajorN = kLayout != Layout::kMGroupedKMajorB;
+  // Row width in bytes (and swizzle) of the B tile: 128 for K-major; for N-major the chunk width.
+  static constexpr int kBSwizzle = kBMajorN && kBN < 64 ? kBN * 2 : 128;
+  static constexpr int kBChunkColumns = kBSwizzle / 2;  // N-major: columns per TMA box
+  static constexpr int kBChunks = kBMajorN ? kBN / kBChunkColumns : 1;
+  static constexpr int kABytes = kBM * kBK * 2;
+  static constexpr int kBBytes = kBN * kBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
+  static_assert(kBN == 16 || kBN == 32 || kBN == 64 || kBN == 128 || kBN == 256, "a wgmma N the kernel has");
+  static_assert(kStages >= 3, "too few stages to overlap loads with the math");
+  static_assert(kBChunks * kBChunkColumns == kBN || !kBMajorN, "an N-major B tile is whole chunks");
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages must start on a 1024-byte swizzle pattern");
+};
+
+struct Sm90Params {
+  void* c;
+  int c_f32;  // c is F32 (else BF16)
+  const int32_t* offsets;
+  int groups;
+  int rows;
+  int m_extent;  // k-grouped: n_out, the rows of each c[g]
+  int n;         // columns of c
+  int k;         // m-grouped: the inner dimension
+  int m_tiles;   // k-grouped: tiles over n_out (m-grouped: per group, from the table)
+  int n_tiles;
+  float alpha;
+  float beta;
+};
+
+// The shared-memory table every CTA derives from the offsets.
+struct GroupTable {
+  int* rows;   // [groups + 1] clamped offsets
+  int* tiles;  // [groups + 1] m-grouped: tiles before each group
+};
+
+// Warp-wide: rows[i] = min(rows, max(0, offsets[0..i])), a non-decreasing sequence inside the
+// tensor whatever the offsets hold; m-grouped, tiles[g] = the tiles of groups before g.
+template <bool kKGrouped>
+__device__ void build_group_table(const Sm90Params& p, GroupTable table, int lane) {
+  constexpr unsigned kAll = 0xffffffffu;
+  int running_max = 0;
+  for (int base = 0; base <= p.groups; base += 32) {
+    const int i = base + lane;
+    int v = i <= p.groups ? p.offsets[i] : INT_MIN;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int u = __shfl_up_sync(kAll, v, d);
+      if (lane >= d) v = max(v, u);
+    }
+    v = min(max(v, running_max), p.rows);
+    if (i <= p.groups) table.rows[i] = v;
+    running_max = __shfl_sync(kAll, v, 31);
+  }
+  if (kKGrouped) return;
+  __syncwarp();
+  if (lane == 0) table.tiles[0] = 0;
+  int running_tiles = 0;
+  for (int base = 0; base < p.groups; base += 32) {
+    const int g = base + lane;
+    const int count = g < p.groups ? (table.rows[g + 1] - table.rows[g] + kBM - 1) / kBM * p.n_tiles : 0;
+    int sum = count;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int u = __shfl_up_sync(kAll, sum, d);
+      if (lane >= d) sum += u;
+    }
+    if (g < p.groups) table.tiles[g + 1] = running_tiles + sum;
+    running_tiles += __shfl_sync(kAll, sum, 31);
+  }
+}
+
+struct Tile {
+  int group;
+  int m0, m_end;  // output rows [m0, min(m0 + 128, m_end)): rows of c (m-grouped) or of c[group]
+  int n0;
+  int k0, k_end;  // the K range: [0, k) (m-grouped) or the group's rows (k-grouped)
+  int k_steps;
+};
+
+template <Layout kLayout, int kBN>
+__device__ __forceinline__ Tile decode_tile(int t, const Sm90Params& p, GroupTable table) {
+  Tile tile;
+  if constexpr (kLayout == Layout::kKGrouped) {
+    const int per_group = p.m_tiles * p.n_tiles;
+    tile.group = t / per_group;
+    const int local = t - tile.group * per_group;
+    tile.m0 = local % p.m_tiles * kBM;
+    tile.m_end = p.m_extent;
+    tile.n0 = local / p.m_tiles * kBN;
+    tile.k0 = table.rows[tile.group];
+    tile.k_end = table.rows[tile.group + 1];
+  } else {
+    // The group whose tile range holds t: tiles[lo] <= t < tiles[lo + 1] (empty groups have an
+    // empty range, so the search never stops on one).
+    int lo = 0, hi = p.groups;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (table.tiles[mid] <= t) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    tile.group = lo;
+    const int local = t - table.tiles[lo];
+    const int row0 = table.rows[lo], row_end = table.rows[lo + 1];
+    const int m_tiles = (row_end - row0 + kBM - 1) / kBM;
+    tile.m0 = row0 + local % m_tiles * kBM;
+    tile.m_end = row_end;
+    tile.n0 = local / m_tiles * kBN;
+    tile.k0 = 0;
+    tile.k_end = p.k;
+  }
+  tile.k_steps = (tile.k_end - tile.k0 + kBK - 1) / kBK;
+  return tile;
+}
+
+// The producer thread's TMA copies of K step `k` (absolute index) of a tile into one stage.
+// Boxes that start past the tensor's columns are not copied (they would only feed output
+// columns, or k-grouped rows, that are never stored); the barrier expects the bytes of the rest.
+template <Layout kLayout, int kBN>
+__device__ __forceinline__ void load_stage(const CUtensorMap* map_a, const CUtensorMap* map_b, uint64_t* full,
+                                           unsigned char* a_tile, unsigned char* b_tile, const Tile& tile, int k,
+                                           const Sm90Params& p) {
+  using T = Tiling<kLayout, kBN>;
+  constexpr int kBChunkBytes = kBK * T::kBSwizzle;
+  const int b_chunks = T::kBMajorN ? min(T::kBChunks, (p.n - tile.n0 + T::kBChunkColumns - 1) / T::kBChunkColumns)
+                                   : 1;
+  if constexpr (kLayout == Layout::kKGrouped) {
+    const int a_chunks = min(2, (p.m_extent - tile.m0 + 63) / 64);
+    sm90::barrier_arrive_expect_bytes(full, a_chunks * kBK * 128 + b_chunks * kBChunkBytes);
+    for (int c = 0; c < a_chunks; ++c) sm90::tma_load_2d(a_tile + c * kBK * 128, map_a, full, tile.m0 + c * 64, k);
+    for (int c = 0; c < b_chunks; ++c)
+      sm90::tma_load_2d(b_tile + c * kBChunkBytes, map_b, full, tile.n0 + c * T::kBChunkColumns, k);
+  } else if constexpr (kLayout == Layout::kMGroupedKMajorB) {
+    sm90::barrier_arrive_expect_bytes(full, T::kStageBytes);
+    sm90::tma_load_2d(a_tile, map_a, full, k, tile.m0);
+    sm90::tma_load_3d(b_tile, map_b, full, k, tile.n0, tile.group);
+  } else {
+    sm90::barrier_arrive_expect_bytes(full, T::kABytes + b_chunks * kBChunkBytes);
+    sm90::tma_load_2d(a_tile, map_a, full, k, tile.m0);
+    for (int c = 0; c < b_chunks; ++c)
+      sm90::tma_load_3d(b_tile + c * kBChunkBytes, map_b, full, tile.n0 + c * T::kBChunkColumns, k, tile.group);
+  }
+}
+
+// k-grouped, last K step: zeroes the stage's rows [valid, 64) of A and B (whole swizzled rows,
+// so the swizzle does not matter). All 256 consumer threads share the work.
+template <Layout kLayout, int kBN>
+__device__ __forceinline__ void zero_rows_past_group(unsigned char* a_tile, unsigned char* b_tile, int valid,
+                                                     int consumer_thread) {
+  using T = Tiling<kLayout, kBN>;
+  const int rows = kBK - valid;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int a_words = 2 * rows * 8;  // two 64-column chunks, 8 x 16 bytes per row
+  for (int i = consumer_thread; i < a_words; i += 128 * kConsumerWarpgroups) {
+    const int chunk = i / (rows * 8), rest = i % (rows * 8);
+    *reinterpret_cast<uint4*>(a_tile + chunk * kBK * 128 + (valid + rest / 8) * 128 + rest % 8 * 16) = zero;
+  }
+  constexpr int kWordsPerRow = T::kBSwizzle / 16;
+  const int b_words = T::kBChunks * rows * kWordsPerRow;
+  for (int i = consumer_thread; i < b_words; i += 128 * kConsumerWarpgroups) {
+    const int chunk = i / (rows * kWordsPerRow), rest = i % (rows * kWordsPerRow);
+    *reinterpret_cast<uint4*>(b_tile + chunk * kBK * T::kBSwizzle + (valid + rest / kWordsPerRow) * T::kBSwizzle +
+                              rest % kWordsPerRow * 16) = zero;
+  }
+}
+
+// One consumer warpgroup's 64 x kBN accumulators into c: rows past m_end and columns past n are
+// not stored (n is a multiple of 8, so a column pair is all in or all out).
+// Accumulator layout (wgmma m64nN, F32): acc[4j + 2h + e] is row 16 * warp + lane / 4 + 8h,
+// column 8j + 2 (lane % 4) + e of the warpgroup's 64 x N block.
+template <typename OutT, int kBN>
+__device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Sm90Params& p, const Tile& tile,
+                                           int64_t c_offset, int row_in_tile, int column_in_tile) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = tile.m0 + row_in_tile + 8 * h;
+    if (row >= tile.m_end) continue;
+    OutT* out = static_cast<OutT*>(p.c) + c_offset + static_cast<int64_t>(row) * p.n;
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+      const int column = tile.n0 + column_in_tile + 8 * j;
+      if (column >= p.n) continue;
+      float v0 = p.alpha * acc[4 * j + 2 * h], v1 = p.alpha * acc[4 * j + 2 * h + 1];
+      if constexpr (std::is_same_v<OutT, float>) {
+        float2* dst = reinterpret_cast<float2*>(out + column);
+        if (p.beta != 0.0f) {
+          const float2 old = *dst;
+          v0 += p.beta * old.x;
+          v1 += p.beta * old.y;
+        }
+        *dst = make_float2(v0, v1);
+      } else {
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + column);
+        if (p.beta != 0.0f) {
+          const float2 old = __bfloat1622float2(*dst);
+          v0 += p.beta * old.x;
+          v1 += p.beta * old.y;
+        }
+        *dst = __floats2bfloat162_rn(v0, v1);
+      }
+    }
+  }
+}
+
+template <Layout kLayout, int kBN>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                             const Sm90Params p) {
+  using T = Tiling<kLayout, kBN>;
+  extern __shared__ __align__(1024) unsigned char shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared);
+  uint64_t* empty = full + T::kStages;
+  GroupTable table{reinterpret_cast<int*>(empty + T::kStages), nullptr};
+  table.tiles = table.rows + p.groups + 1;
+  const uintptr_t table_end = reinterpret_cast<uintptr_t>(table.tiles + p.groups + 1);
+  unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
+  unsigned char* b_stages = a_stages + T::kStages * T::kABytes;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < T::kStages; ++s) {
+      sm90::barrier_init(&full[s], 1);
+      sm90::barrier_init(&empty[s], kConsumerWarpgroups * 4);  // lane 0 of every consumer warp
+    }
+    sm90::fence_barrier_init();
+  }
+  if (warp == 1) build_group_table<T::kKGrouped>(p, table, lane);
+  __syncthreads();
+  const int total_tiles = T::kKGrouped ? p.groups * p.m_tiles * p.n_tiles : table.tiles[p.groups];
+
+  if (warp < 4) {
+    sm90::registers_release<kProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    sm90::tma_prefetch_descriptor(&map_a);
+    sm90::tma_prefetch_descriptor(&map_b);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+      const Tile tile = decode_tile<kLayout, kBN>(t, p, table);
+      for (int s = 0; s < tile.k_steps; ++s) {
+        sm90::barrier_wait(&empty[stage], phase ^ 1);
+        load_stage<kLayout, kBN>(&map_a, &map_b, &full[stage], a_stages + stage * T::kABytes,
+                                 b_stages + stage * T::kBBytes, tile, tile.k0 + s * kBK, p);
+        if (++stage == T::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  sm90::registers_claim<kConsumerRegisters>();
+  const int warpgroup = warp / 4 - 1;  // 0 or 1: rows [64 w, 64 w + 64) of the tile
+  const int consumer_thread = threadIdx.x - 128;
+  // A: K-major rows of 128 bytes, or (k-grouped) the warpgroup's own 64-column chunk; either way
+  // the warpgroup's part starts 64 x 128 bytes in.
+  constexpr uint32_t kAStepBytes = T::kAMajorM ? 16 * 128 : 32;
+  constexpr uint32_t kBStepBytes = T::kBMajorN ? 16 * T::kBSwizzle : 32;
+  constexpr uint32_t kBLeading = T::kBMajorN ? kBK * T::kBSwizzle : 16;
+  constexpr uint32_t kBStride = 8 * T::kBSwizzle;
+  constexpr uint32_t kALeading = T::kAMajorM ? kBK * 128 : 16;
+  int stage = 0;
+  uint32_t phase = 0;
+  float acc[kBN / 2];
+  for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+    const Tile tile = decode_tile<kLayout, kBN>(t, p, table);
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
+    int previous_stage = 0;
+    for (int s = 0; s < tile.k_steps; ++s) {
+      sm90::barrier_wait(&full[stage], phase);
+      unsigned char* a_tile = a_stages + stage * T::kABytes;
+      unsigned char* b_tile = b_stages + stage * T::kBBytes;
+      if constexpr (T::kKGrouped) {
+        const int valid = tile.k_end - (tile.k0 + s * kBK);
+        if (valid < kBK) {
+          zero_rows_past_group<kLayout, kBN>(a_tile, b_tile, valid, consumer_thread);
+          sm90::fence_proxy_async_shared();
+          sm90::named_barrier_sync(1, 128 * kConsumerWarpgroups);
+        }
+      }
+      const uint32_t a_address = sm90::smem_address(a_tile) + warpgroup * 64 * 128;
+      const uint32_t b_address = sm90::smem_address(b_tile);
+      sm90::fence_registers(acc);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t desc_a =
+            sm90::matrix_descriptor(a_address + kk * kAStepBytes, kALeading, 1024, sm90::swizzle_code(128));
+        const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * kBStepBytes, kBLeading, kBStride,
+                                                        sm90::swizzle_code(T::kBSwizzle));
+        sm90::Wgmma<kBN>::template mma<T::kAMajorM ? 1 : 0, T::kBMajorN ? 1 : 0>(acc, desc_a, desc_b, 1);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // the previous step's wgmmas are done: its stage can be refilled
+      sm90::fence_registers(acc);
+      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+      previous_stage = stage;
+      if (++stage == T::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(acc);
+    if (tile.k_steps > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+
+    const int row_in_tile = warpgroup * 64 + warp % 4 * 16 + lane / 4;
+    const int column_in_tile = 2 * (lane % 4);
+    const int64_t c_offset = T::kKGrouped ? static_cast<int64_t>(tile.group) * p.m_extent * p.n : 0;
+    if (p.c_f32) {
+      store_tile<float, kBN>(acc, p, tile, c_offset, row_in_tile, column_in_tile);
+    } else {
+      store_tile<bf16, kBN>(acc, p, tile, c_offset, row_in_tile, column_in_tile);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fallback: one thread per output element, F32 sums in order, from global memory.
+
+struct FallbackParams {
+  void* c;
+  int c_f32;
+  const bf16* a;
+  const bf16* b;
+  const int32_t* offsets;
+  int64_t groups, rows;
+  int64_t n, k;          // m-grouped
+  int64_t n_out, n_in;   // k-grouped
+  int transpose_b;
+  float alpha, beta;
+};
+
+__device__ __forceinline__ void store_output(const FallbackParams& p, int64_t index, float sum) {
+  float v = p.alpha * sum;
+  if (p.c_f32) {
+    float* c = static_cast<float*>(p.c) + index;
+    if (p.beta != 0.0f) v += p.beta * *c;
+    *c = v;
+  } else {
+    bf16* c = static_cast<bf16*>(p.c) + index;
+    if (p.beta != 0.0f) v += p.beta * __bfloat162float(*c);
+    *c = __float2bfloat16_rn(v);
+  }
+}
+
+__global__ void m_grouped_fallback_kernel(const FallbackParams p) {
+  const int64_t total = p.rows * p.n;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / p.n, j = i % p.n;
+    // The group holding row r: offsets[g] <= r < offsets[g + 1]; a row in none is left alone.
+    if (r < p.offsets[0] || r >= p.offsets[p.groups]) continue;
+    int64_t lo = 0, hi = p.groups;
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (p.offsets[mid] <= r) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    if (!(p.offsets[lo] <= r && r < p.offsets[lo + 1])) continue;  // offsets out of order
+    const bf16* a = p.a + r * p.k;
+    float sum = 0.0f;
+    if (p.transpose_b) {
+      const bf16* b = p.b + (lo * p.n + j) * p.k;
+      for (int64_t q = 0; q < p.k; ++q) sum += __bfloat162float(a[q]) * __bfloat162float(b[q]);
+    } else {
+      const bf16* b = p.b + lo * p.k * p.n + j;
+      for (int64_t q = 0; q < p.k; ++q) sum += __bfloat162float(a[q]) * __bfloat162float(b[q * p.n]);
+    }
+    store_output(p, i, sum);
+  }
+}
+
+__global__ void k_grouped_fallback_kernel(const FallbackParams p) {
+  const int64_t per_group = p.n_out * p.n_in, total = p.groups * per_group;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t g = i / per_group, row = i % per_group / p.n_in, column = i % p.n_in;
+    const int64_t begin = min(max(static_cast<int64_t>(p.offsets[g]), int64_t{0}), p.rows);
+    const int64_t end = min(max(static_cast<int64_t>(p.offsets[g + 1]), begin), p.rows);
+    float sum = 0.0f;
+    for (int64_t r = begin; r < end; ++r)
+      sum += __bfloat162float(p.a[r * p.n_out + row]) * __bfloat162float(p.b[r * p.n_in + column]);
+    store_output(p, i, sum);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+struct DeviceInfo {
+  int multiprocessors = 0;
+  bool hopper = false;  // compute capability 9.0: the sm_90a code runs
+};
+
+constexpr int kMaxDevices = 64;  // per-device caches below
+
+DeviceInfo device_info() {
+  static DeviceInfo cache[kMaxDevices];
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  DeviceInfo& info = cache[device % kMaxDevices];
+  if (info.multiprocessors == 0) {
+    int major = 0, minor = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    info.hopper = major == 9 && minor == 0;
+  }
+  return info;
+}
+
+// Whether this binary holds sm_90a code for the kernel (a build for other architectures has only
+// the trapping body): the kernel's binary version is 90 then.
+bool have_sm90a_code() {
+  static const bool have = [] {
+    cudaFuncAttributes attributes{};
+    const cudaError_t status = cudaFuncGetAttributes(
+        &attributes, sm90_grouped_gemm_kernel<Layout::kMGroupedKMajorB, 256>);
+    if (status != cudaSuccess) {
+      cudaGetLastError();  // no image for this device: clear the error, use the fallback
+      return false;
+    }
+    return attributes.binaryVersion == 90;
+  }();
+  return have;
+}
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* symbol = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &symbol, 12000, cudaEnableDefault, &found));
+    MOETRAIN_CHECK(found == cudaDriverEntryPointSuccess && symbol != nullptr, ExitCode::kInternal,
+                   "grouped_gemm: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<EncodeTiledFn>(symbol);
+  }();
+  return fn;
+}
+
+CUtensorMapSwizzle tma_swizzle(int bytes) {
+  return bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B;
+}
+
+// A BF16 tensor map; dims innermost first, strides in bytes of dims 1.., box in elements.
+CUtensorMap tensor_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                       int swizzle_bytes) {
+  CUtensorMap map;
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status =
+      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base),
+                     dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, tma_swizzle(swizzle_bytes),
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
+                 "grouped_gemm: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
+  return map;
+}
+
+int pick_bn(int64_t n) {
+  if (n <= 16) return 16;
+  if (n <= 32) return 32;
+  if (n <= 64) return 64;
+  if (n <= 128) return 128;
+  return 256;
+}
+
+template <Layout kLayout, int kBN>
+size_t sm90_shared_bytes(int64_t groups) {
+  using T = Tiling<kLayout, kBN>;
+  return 2 * T::kStages * sizeof(uint64_t) + 2 * static_cast<size_t>(groups + 1) * sizeof(int) + 1024 +
+         static_cast<size_t>(T::kStages) * T::kStageBytes;
+}
+
+template <Layout kLayout, int kBN>
+void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
+  using T = Tiling<kLayout, kBN>;
+  const bool k_grouped = kLayout == Layout::kKGrouped;
+  Sm90Params params{};
+  params.c = p.c;
+  params.c_f32 = p.c_dtype == DType::kF32;
+  params.offsets = p.group_offsets;
+  params.groups = static_cast<int>(p.groups);
+  params.rows = static_cast<int>(p.rows);
+  params.alpha = p.alpha;
+  params.beta = p.beta;
+  CUtensorMap map_a, map_b;
+  const uint64_t rows = static_cast<uint64_t>(p.rows), groups = static_cast<uint64_t>(p.groups);
+  int64_t max_tiles = 0;
+  if (k_grouped) {
+    params.m_extent = static_cast<int>(p.n_out);
+    params.n = static_cast<int>(p.n_in);
+    params.m_tiles = static_cast<int>((p.n_out + kBM - 1) / kBM);
+    params.n_tiles = static_cast<int>((p.n_in + kBN - 1) / kBN);
+    const uint64_t a_dims[2] = {static_cast<uint64_t>(p.n_out), rows}, a_strides[1] = {a_dims[0] * 2};
+    const uint32_t a_box[2] = {64, kBK};
+    map_a = tensor_map(p.a, 2, a_dims, a_strides, a_box, 128);
+    const uint64_t b_dims[2] = {static_cast<uint64_t>(p.n_in), rows}, b_strides[1] = {b_dims[0] * 2};
+    const uint32_t b_box[2] = {T::kBChunkColumns, kBK};
+    map_b = tensor_map(p.b, 2, b_dims, b_strides, b_box, T::kBSwizzle);
+    max_tiles = p.groups * params.m_tiles * params.n_tiles;
+  } else {
+    params.n = static_cast<int>(p.n);
+    params.k = static_cast<int>(p.k);
+    params.n_tiles = static_cast<int>((p.n + kBN - 1) / kBN);
+    const uint64_t n = static_cast<uint64_t>(p.n), k = static_cast<uint64_t>(p.k);
+    const uint64_t a_dims[2] = {k, rows}, a_strides[1] = {k * 2};
+    const uint32_t a_box[2] = {kBK, kBM};
+    map_a = tensor_map(p.a, 2, a_dims, a_strides, a_box, 128);
+    if (kLayout == Layout::kMGroupedKMajorB) {
+      const uint64_t b_dims[3] = {k, n, groups}, b_strides[2] = {k * 2, n * k * 2};
+      const uint32_t b_box[3] = {kBK, static_cast<uint32_t>(kBN), 1};
+      map_b = tensor_map(p.b, 3, b_dims, b_strides, b_box, 128);
+    } else {
+      const uint64_t b_dims[3] = {n, k, groups}, b_strides[2] = {n * 2, k * n * 2};
+      const uint32_t b_box[3] = {static_cast<uint32_t>(T::kBChunkColumns), kBK, 1};
+      map_b = tensor_map(p.b, 3, b_dims, b_strides, b_box, T::kBSwizzle);
+    }
+    // Each group adds at most one partial m-tile.
+    max_tiles = ((p.rows + kBM - 1) / kBM + p.groups) * params.n_tiles;
+  }
+  const size_t shared_bytes = sm90_shared_bytes<kLayout, kBN>(p.groups);
+  static bool attribute_set[kMaxDevices] = {};  // per instantiation and device
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (!attribute_set[device % kMaxDevices]) {
+    CUDA_CHECK(cudaFuncSetAttribute(sm90_grouped_gemm_kernel<kLayout, kBN>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
+    attribute_set[device % kMaxDevices] = true;
+  }
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
+  sm90_grouped_gemm_kernel<kLayout, kBN><<<grid, kThreads, shared_bytes, stream>>>(map_a, map_b, params);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <Layout kLayout>
+void launch_sm90_bn(const GroupedGemmProblem& p, int bn, cudaStream_t stream) {
+  switch (bn) {
+    case 16: launch_sm90<kLayout, 16>(p, stream); break;
+    case 32: launch_sm90<kLayout, 32>(p, stream); break;
+    case 64: launch_sm90<kLayout, 64>(p, stream); break;
+    case 128: launch_sm90<kLayout, 128>(p, stream); break;
+    default: launch_sm90<kLayout, 256>(p, stream); break;
+  }
+}
+
+void launch_fallback(const GroupedGemmProblem& p, cudaStream_t stream) {
+  FallbackParams params{};
+  params.c = p.c;
+  params.c_f32 = p.c_dtype == DType::kF32;
+  params.a = static_cast<const bf16*>(p.a);
+  params.b = static_cast<const bf16*>(p.b);
+  params.offsets = p.group_offsets;
+  params.groups = p.groups;
+  params.rows = p.rows;
+  params.n = p.n;
+  params.k = p.k;
+  params.n_out = p.n_out;
+  params.n_in = p.n_in;
+  params.transpose_b = p.transpose_b ? 1 : 0;
+  params.alpha = p.alpha;
+  params.beta = p.beta;
+  constexpr int kFallbackThreads = 256;
+  if (p.kind == GroupedGemmKind::kMGrouped) {
+    m_grouped_fallback_kernel<<<grid_for(p.rows * p.n, kFallbackThreads), kFallbackThreads, 0, stream>>>(params);
+  } else {
+    k_grouped_fallback_kernel<<<grid_for(p.groups * p.n_out * p.n_in, kFallbackThreads), kFallbackThreads, 0,
+                                stream>>>(params);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+GroupedGemmPath grouped_gemm_path(const GroupedGemmProblem& p) {
+  const bool m_grouped = p.kind == GroupedGemmKind::kMGrouped;
+  // TMA: 16-byte aligned bases and row strides; int32 coordinates and tile counts.
+  const bool shapes = m_grouped ? p.k > 0 && p.k % 8 == 0 && p.n % 8 == 0
+                                : p.rows > 0 && p.n_out % 8 == 0 && p.n_in % 8 == 0;
+  const int64_t widest = std::max({p.rows, p.n, p.k, p.n_out, p.n_in});
+  const bool fits = widest < (int64_t{1} << 30) && p.groups * 2 * 4 + 8 <= kTableBudgetBytes &&
+                    p.groups * ((p.n_out + kBM - 1) / kBM) * ((p.n_in + 15) / 16) < (int64_t{1} << 30) &&
+                    ((p.rows + kBM - 1) / kBM + p.groups) * ((p.n + 15) / 16) < (int64_t{1} << 30);
+  const bool aligned = aligned_16(p.a) && aligned_16(p.b) && aligned_16(p.c);
+  if (shapes && fits && aligned && device_info().hopper && have_sm90a_code()) return GroupedGemmPath::kSm90;
+  return GroupedGemmPath::kFallback;
+}
+
+void launch_grouped_gemm(const GroupedGemmProblem& p, cudaStream_t stream) {
+  const bool m_grouped = p.kind == GroupedGemmKind::kMGrouped;
+  if (p.groups == 0) return;
+  if (m_grouped ? p.rows == 0 || p.n == 0 : p.n_out == 0 || p.n_in == 0) return;
+  if (grouped_gemm_path(p) == GroupedGemmPath::kFallback) {
+    launch_fallback(p, stream);  // also the empty sums (k == 0, no rows): beta * c
+    return;
+  }
+  if (!m_grouped) {
+    launch_sm90_bn<Layout::kKGrouped>(p, pick_bn(p.n_in), stream);
+  } else if (p.transpose_b) {
+    launch_sm90_bn<Layout::kMGroupedKMajorB>(p, pick_bn(p.n), stream);
+  } else {
+    launch_sm90_bn<Layout::kMGroupedNMajorB>(p, pick_bn(p.n), stream);
+  }
+}
+
+}  // namespace moetrain::kernels::cuda_ops

@@ -1,0 +1,257 @@
+// The device-side grouped GEMM (kernels/cuda/grouped_gemm.h) against the CPU reference (F64):
+// M-grouped (x W^T and dy W) and K-grouped (weight gradients), with empty groups, one group
+// holding every row, row counts that are not multiples of the 128-row tile, random skewed
+// counts, the thin LoRA shapes (n or k of 16 and 32), BF16 and F32 outputs, F32 inputs, beta 0
+// (outputs poisoned with NaN: every element must be written and c never read) and beta 1.
+// On a Hopper GPU the aligned shapes must take the wgmma kernel, the others the fallback.
+// The group offsets go to the GPU alone in half the runs (the kernel never sees a host copy).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.h"
+#include "kernels/cuda/dense.h"
+
+namespace moetrain::cuda_test {
+namespace {
+
+using kernels::GroupedGemmArgs;
+using kernels::GroupedGemmKind;
+using kernels::cuda_ops::GroupedGemmPath;
+
+// A GEMM input: values BF16-representable (the GPU rounds F32 operands to BF16), stored in `dtype`.
+Operand gemm_input(Shape shape, DType dtype, uint64_t seed) {
+  Operand op = random_operand(shape, DType::kBF16, seed);
+  op.dev = upload(op.host.view(), dtype);
+  return op;
+}
+
+// F32 outputs: the tensor cores' F32 sums are not in the CPU's order.
+Tolerance grouped_tolerance(DType c_dtype) {
+  if (c_dtype == DType::kBF16) return tolerance_for(c_dtype);
+  return {1e-4, 1e-3, 1e-4};
+}
+
+std::vector<int32_t> prefix_sums(const std::vector<int32_t>& sizes) {
+  std::vector<int32_t> offsets{0};
+  for (int32_t s : sizes) offsets.push_back(offsets.back() + s);
+  return offsets;
+}
+
+bool on_hopper() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+}
+
+// `groups` counts around `mean` rows, a few at 7x the mean and a few empty (routing skew).
+std::vector<int32_t> skewed_sizes(int groups, int mean, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> around(mean / 2, mean * 3 / 2);
+  std::vector<int32_t> sizes(static_cast<size_t>(groups));
+  for (int g = 0; g < groups; ++g) sizes[static_cast<size_t>(g)] = around(rng);
+  for (int g = 0; g < groups; g += 13) sizes[static_cast<size_t>(g)] = 7 * mean;
+  for (int g = 5; g < groups; g += 11) sizes[static_cast<size_t>(g)] = 0;
+  return sizes;
+}
+
+struct DtypeCase {
+  DType a, b, c;
+};
+const DtypeCase kBf16ToBf16{DType::kBF16, DType::kBF16, DType::kBF16};
+const DtypeCase kBf16ToF32{DType::kBF16, DType::kBF16, DType::kF32};
+const DtypeCase kF32ToF32{DType::kF32, DType::kF32, DType::kF32};
+const DtypeCase kF32ToBf16{DType::kF32, DType::kF32, DType::kBF16};
+
+struct Run {
+  DtypeCase dtypes;
+  bool transpose_b;
+  double beta;
+  bool host_offsets;
+};
+
+std::string label(const std::string& name, const Run& run) {
+  return name + " " + dtype_name(run.dtypes.a) + "/" + dtype_name(run.dtypes.b) + "->" + dtype_name(run.dtypes.c) +
+         (run.transpose_b ? " x.W^T" : " dy.W") + " beta " + std::to_string(run.beta) +
+         (run.host_offsets ? " (host offsets)" : " (device offsets only)");
+}
+
+// One M-grouped run on both backends; `expect_fast`: the wgmma kernel must be the one taken.
+void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n, const Run& run,
+                     bool expect_fast, uint64_t seed) {
+  const std::vector<int32_t> offsets = prefix_sums(sizes);
+  const int64_t groups = static_cast<int64_t>(sizes.size()), rows = offsets.back();
+  const Operand group_offsets = int_operand(offsets, {groups + 1});
+  const Operand a = gemm_input({rows, k}, run.dtypes.a, seed + 1);
+  const Operand b = gemm_input(run.transpose_b ? Shape{groups, n, k} : Shape{groups, k, n}, run.dtypes.b, seed + 2);
+  Operand c = run.beta == 0.0 ? output_operand({rows, n}, run.dtypes.c) : random_operand({rows, n}, run.dtypes.c, seed + 3);
+  GroupedGemmArgs args;
+  args.kind = GroupedGemmKind::kMGrouped;
+  args.transpose_b = run.transpose_b;
+  args.alpha = 0.75;
+  args.beta = run.beta;
+  args.a = a.dev;
+  args.b = b.dev;
+  args.c = c.dev;
+  args.group_offsets = group_offsets.dev;
+  args.host_group_offsets = run.host_offsets ? offsets.data() : nullptr;
+  const std::string what = label(name + " k" + std::to_string(k) + " n" + std::to_string(n), run);
+  const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
+  INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
+  if (on_hopper()) CHECK(fast == expect_fast);
+  gpu().grouped_gemm(args);
+  args.a = a.host;
+  args.b = b.host;
+  args.c = c.host;
+  args.group_offsets = group_offsets.host;
+  args.host_group_offsets = offsets.data();
+  cpu().grouped_gemm(args);
+  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), grouped_tolerance(run.dtypes.c), what);
+}
+
+void check_k_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t n_out, int64_t n_in,
+                     const Run& run, bool expect_fast, uint64_t seed) {
+  const std::vector<int32_t> offsets = prefix_sums(sizes);
+  const int64_t groups = static_cast<int64_t>(sizes.size()), rows = offsets.back();
+  const Operand group_offsets = int_operand(offsets, {groups + 1});
+  const Operand a = gemm_input({rows, n_out}, run.dtypes.a, seed + 1);
+  const Operand b = gemm_input({rows, n_in}, run.dtypes.b, seed + 2);
+  Operand c = run.beta == 0.0 ? output_operand({groups, n_out, n_in}, run.dtypes.c)
+                              : random_operand({groups, n_out, n_in}, run.dtypes.c, seed + 3);
+  GroupedGemmArgs args;
+  args.kind = GroupedGemmKind::kKGrouped;
+  args.alpha = 1.25;
+  args.beta = run.beta;
+  args.a = a.dev;
+  args.b = b.dev;
+  args.c = c.dev;
+  args.group_offsets = group_offsets.dev;
+  args.host_group_offsets = run.host_offsets ? offsets.data() : nullptr;
+  const std::string what =
+      label(name + " n_out" + std::to_string(n_out) + " n_in" + std::to_string(n_in), Run{run.dtypes, true, run.beta,
+                                                                                         run.host_offsets});
+  const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
+  INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
+  if (on_hopper()) CHECK(fast == expect_fast);
+  gpu().grouped_gemm(args);
+  args.a = a.host;
+  args.b = b.host;
+  args.c = c.host;
+  args.group_offsets = group_offsets.host;
+  args.host_group_offsets = offsets.data();
+  cpu().grouped_gemm(args);
+  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), grouped_tolerance(run.dtypes.c), what);
+}
+
+// Every dtype mix, both layouts of b, beta 0 and 1, with and without the host copy (12 runs).
+std::vector<Run> all_runs() {
+  std::vector<Run> runs;
+  for (const DtypeCase& dt : {kBf16ToBf16, kBf16ToF32, kF32ToBf16})
+    for (bool tb : {true, false})
+      for (double beta : {0.0, 1.0}) runs.push_back({dt, tb, beta, tb == (beta == 0.0)});
+  runs.push_back({kF32ToF32, true, 0.0, false});
+  return runs;
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: uneven and empty groups, rows not multiples of the tile, k and n tails") {
+  // 879 rows: groups of 300, 129, 1, 64, 257, 128 rows and four empty ones; k = 136 is two K steps
+  // and a partial one, n = 272 a full 256-column tile and a partial one.
+  const std::vector<int32_t> sizes = {0, 300, 0, 129, 1, 64, 0, 257, 128, 0};
+  uint64_t seed = 10;
+  for (const Run& run : all_runs()) check_m_grouped("uneven", sizes, 136, 272, run, true, seed += 10);
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: one group holding every row") {
+  uint64_t seed = 300;
+  for (const Run& run : all_runs()) check_m_grouped("one group", {0, 0, 517, 0}, 64, 64, run, true, seed += 10);
+  check_m_grouped("single group", {389}, 96, 200, {kBf16ToBf16, true, 0.0, false}, true, 390);
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: random skewed counts") {
+  const std::vector<int32_t> sizes = skewed_sizes(40, 48, 7);
+  uint64_t seed = 500;
+  for (const Run& run : {Run{kBf16ToBf16, true, 0.0, false}, Run{kBf16ToBf16, false, 1.0, true},
+                         Run{kBf16ToF32, true, 1.0, false}, Run{kF32ToBf16, false, 0.0, false}})
+    check_m_grouped("skewed", sizes, 192, 128, run, true, seed += 10);
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: the thin LoRA shapes (n or k of 16 and 32)") {
+  const std::vector<int32_t> sizes = {77, 0, 150, 3, 0, 260, 129, 40};
+  uint64_t seed = 700;
+  for (const Run& run : all_runs()) {
+    check_m_grouped("x.A (rank 16)", sizes, 2304, 16, run, true, seed += 10);
+    check_m_grouped("(xA).B (rank 16)", sizes, 16, 1024, run, true, seed += 10);
+  }
+  for (const Run& run : {Run{kBf16ToBf16, true, 0.0, false}, Run{kF32ToBf16, false, 1.0, true}}) {
+    check_m_grouped("x.A (rank 32)", sizes, 1024, 32, run, true, seed += 10);
+    check_m_grouped("(xA).B (rank 32)", sizes, 32, 2304, run, true, seed += 10);
+    check_m_grouped("x.A (rank 8)", sizes, 512, 8, run, true, seed += 10);
+    check_m_grouped("n 200", sizes, 88, 200, run, true, seed += 10);
+  }
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: shapes the wgmma kernel does not take use the fallback") {
+  const std::vector<int32_t> sizes = {0, 7, 0, 13, 1, 0, 140};
+  uint64_t seed = 900;
+  for (const Run& run : {Run{kBf16ToBf16, true, 0.0, false}, Run{kF32ToF32, false, 1.0, true}}) {
+    check_m_grouped("odd k and n", sizes, 37, 29, run, false, seed += 10);
+    check_m_grouped("n not a multiple of 8", sizes, 64, 20, run, false, seed += 10);
+    check_m_grouped("k not a multiple of 8", sizes, 44, 64, run, false, seed += 10);
+  }
+  // k = 0: the product is empty, c = beta * c (rows of every group).
+  check_m_grouped("k 0", sizes, 0, 16, {kBf16ToF32, true, 1.0, true}, false, 990);
+  check_m_grouped("k 0", sizes, 0, 16, {kBf16ToBf16, false, 0.0, false}, false, 995);
+}
+
+TEST_CASE("cuda grouped_gemm K-grouped: zero-row groups get beta * c, the tails are masked") {
+  // Groups of 5, 130, 64, 1 and 257 rows among empty ones: K steps of 64 that end inside a group
+  // must not take the next group's rows.
+  const std::vector<int32_t> sizes = {5, 0, 130, 0, 64, 1, 257, 0};
+  uint64_t seed = 1100;
+  for (const DtypeCase& dt : {kBf16ToF32, kBf16ToBf16, kF32ToF32})
+    for (double beta : {0.0, 1.0}) {
+      const Run run{dt, true, beta, beta == 0.0};
+      check_k_grouped("LoRA A grad", sizes, 16, 1024, run, true, seed += 10);
+      check_k_grouped("LoRA B grad", sizes, 2304, 16, run, true, seed += 10);
+      check_k_grouped("general", sizes, 136, 72, run, true, seed += 10);
+    }
+  check_k_grouped("rank 32", sizes, 32, 264, {kBf16ToF32, true, 1.0, false}, true, 1300);
+  check_k_grouped("wide", skewed_sizes(12, 90, 3), 264, 320, {kBf16ToF32, true, 1.0, false}, true, 1310);
+  check_k_grouped("every row in one group", {0, 333, 0}, 48, 40, {kBf16ToBf16, true, 0.0, false}, true, 1320);
+}
+
+TEST_CASE("cuda grouped_gemm K-grouped: odd widths and no rows at all use the fallback") {
+  const std::vector<int32_t> sizes = {5, 0, 11, 0, 70};
+  check_k_grouped("odd", sizes, 19, 27, {kBf16ToF32, true, 1.0, false}, false, 1400);
+  check_k_grouped("odd", sizes, 24, 27, {kF32ToF32, true, 0.0, true}, false, 1410);
+  check_k_grouped("no rows", {0, 0, 0}, 16, 32, {kBf16ToF32, true, 1.0, false}, false, 1420);
+  check_k_grouped("no rows", {0, 0}, 16, 32, {kBf16ToBf16, true, 0.0, true}, false, 1430);
+}
+
+TEST_CASE("cuda grouped_gemm with wrong device offsets stays inside the tensors") {
+  // Decreasing and past-the-end offsets, no host copy: the sums are unspecified, but the kernels
+  // clamp the offsets, so nothing outside a, b or c is touched and the stream stays healthy.
+  const Operand group_offsets = int_operand({0, 90, 20, 100000, -5}, {5});
+  for (bool k_grouped : {false, true}) {
+    const Operand a = gemm_input({100, 64}, DType::kBF16, 1);
+    const Operand b = gemm_input(k_grouped ? Shape{100, 64} : Shape{4, 64, 64}, DType::kBF16, 2);
+    Operand c = output_operand(k_grouped ? Shape{4, 64, 64} : Shape{100, 64}, DType::kF32);
+    GroupedGemmArgs args;
+    args.kind = k_grouped ? GroupedGemmKind::kKGrouped : GroupedGemmKind::kMGrouped;
+    args.a = a.dev;
+    args.b = b.dev;
+    args.c = c.dev;
+    args.group_offsets = group_offsets.dev;
+    gpu().grouped_gemm(args);
+    gpu().synchronize();  // a fault would surface here
+    CHECK(download(c.dev).numel() == c.dev.numel());
+  }
+}
+
+}  // namespace
+}  // namespace moetrain::cuda_test
