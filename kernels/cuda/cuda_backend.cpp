@@ -35,12 +35,16 @@
 #include "kernels/cuda/dense.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/embedding.h"
+#include "kernels/cuda/kda.h"
+#include "kernels/cuda/kda_gate.h"
+#include "kernels/cuda/kda_norms.h"
 #include "kernels/cuda/memory.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/scratch.h"
+#include "kernels/cuda/short_conv.h"
 #include "kernels/cuda/swiglu.h"
 #include "kernels/arg_checks.h"
 #include "kernels/ops.h"
@@ -534,27 +538,178 @@ class CudaBackend final : public Backend {
     cuda_ops::adamw(args, stream_);
   }
 
-  // ---- KDA placeholder: BEGIN (replaced by the CUDA KDA kernels) ----
-  [[noreturn]] static void kda_not_implemented(const char* op) {
-    fail(op, "kda ops are not implemented on CUDA yet");
+  // ---- KDA (kernels/cuda/kda*.cu, short_conv.cu)
+  void short_conv_forward(const ShortConvArgs& args) override {
+    const char* op = "short_conv_forward";
+    expect_float(op, "y", args.y);
+    expect_float(op, "x", args.x);
+    expect_float(op, "weight", args.weight);
+    expect_short_conv_shapes(op, "y", args.y, args.x, args.weight);
+    check_conv(op, args.weight, args.cu_seqlens);
+    // A tile of tokens reads the inputs of the tokens before it.
+    expect(args.y.data != args.x.data || args.x.numel() == 0, op, "y must not share memory with x");
+    cuda_ops::short_conv_forward(args, stream_);
   }
-  void short_conv_forward(const ShortConvArgs&) override { kda_not_implemented("short_conv_forward"); }
-  void short_conv_backward(const ShortConvBackwardArgs&) override { kda_not_implemented("short_conv_backward"); }
-  void l2norm_forward(const L2NormArgs&) override { kda_not_implemented("l2norm_forward"); }
-  void l2norm_backward(const L2NormBackwardArgs&) override { kda_not_implemented("l2norm_backward"); }
-  void kda_gate_forward(const KdaGateArgs&) override { kda_not_implemented("kda_gate_forward"); }
-  void kda_gate_backward(const KdaGateBackwardArgs&) override { kda_not_implemented("kda_gate_backward"); }
-  void kda_forward(const KdaArgs&) override { kda_not_implemented("kda_forward"); }
-  void kda_backward(const KdaBackwardArgs&) override { kda_not_implemented("kda_backward"); }
-  void gated_rmsnorm_forward(const GatedRmsNormArgs&) override { kda_not_implemented("gated_rmsnorm_forward"); }
-  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs&) override {
-    kda_not_implemented("gated_rmsnorm_backward");
+
+  void short_conv_backward(const ShortConvBackwardArgs& args) override {
+    const char* op = "short_conv_backward";
+    expect_float(op, "dx", args.dx);
+    expect_float(op, "dy", args.dy);
+    expect_float(op, "x", args.x);
+    expect_float(op, "weight", args.weight);
+    expect_short_conv_shapes(op, "dy", args.dy, args.x, args.weight);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    if (given(args.dweight)) {
+      expect_f32(op, "dweight", args.dweight);
+      expect_shape(op, "dweight", args.dweight, args.weight.shape);
+    }
+    check_conv(op, args.weight, args.cu_seqlens);
+    expect((args.dx.data != args.dy.data && args.dx.data != args.x.data) || args.x.numel() == 0, op,
+           "dx must not share memory with dy or x");
+    cuda_ops::short_conv_backward(args, stream_);
   }
-  void sigmoid_forward(const TensorView&, const TensorView&) override { kda_not_implemented("sigmoid_forward"); }
-  void sigmoid_backward(const TensorView&, const TensorView&, const TensorView&) override {
-    kda_not_implemented("sigmoid_backward");
+
+  void l2norm_forward(const L2NormArgs& args) override {
+    const char* op = "l2norm_forward";
+    expect_float(op, "y", args.y);
+    expect_float(op, "x", args.x);
+    expect_f32(op, "inv_norm", args.inv_norm);
+    last_dim(op, "x", args.x);
+    expect_shape(op, "y", args.y, args.x.shape);
+    expect_numel(op, "inv_norm", args.inv_norm, rows_of(args.x));
+    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    cuda_ops::l2norm_forward(args, stream_);
   }
-  // ---- KDA placeholder: END ----
+
+  void l2norm_backward(const L2NormBackwardArgs& args) override {
+    const char* op = "l2norm_backward";
+    expect_float(op, "dx", args.dx);
+    expect_float(op, "dy", args.dy);
+    expect_float(op, "x", args.x);
+    expect_f32(op, "inv_norm", args.inv_norm);
+    last_dim(op, "x", args.x);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dy", args.dy, args.x.shape);
+    expect_numel(op, "inv_norm", args.inv_norm, rows_of(args.x));
+    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
+    cuda_ops::l2norm_backward(args, stream_);
+  }
+
+  void kda_gate_forward(const KdaGateArgs& args) override {
+    const char* op = "kda_gate_forward";
+    expect_f32(op, "g", args.g);
+    expect_float(op, "f", args.f);
+    expect_f32(op, "a_log", args.a_log);
+    expect_f32(op, "dt_bias", args.dt_bias);
+    expect_kda_gate_shapes(op, "g", args.g, args.f, args.a_log, args.dt_bias, args.lower_bound);
+    cuda_ops::kda_gate_forward(args, stream_);
+  }
+
+  void kda_gate_backward(const KdaGateBackwardArgs& args) override {
+    const char* op = "kda_gate_backward";
+    expect_float(op, "df", args.df);
+    expect_f32(op, "dg", args.dg);
+    expect_float(op, "f", args.f);
+    expect_f32(op, "a_log", args.a_log);
+    expect_f32(op, "dt_bias", args.dt_bias);
+    expect_kda_gate_shapes(op, "dg", args.dg, args.f, args.a_log, args.dt_bias, args.lower_bound);
+    expect_shape(op, "df", args.df, args.f.shape);
+    cuda_ops::kda_gate_backward(args, stream_);
+  }
+
+  void kda_forward(const KdaArgs& args) override {
+    const char* op = "kda_forward";
+    expect_float(op, "out", args.out);
+    expect_float(op, "q", args.q);
+    expect_float(op, "k", args.k);
+    expect_float(op, "v", args.v);
+    expect_f32(op, "g", args.g);
+    expect_f32(op, "beta", args.beta);
+    expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
+    expect_shape(op, "out", args.out, args.v.shape);
+    check_kda(op, args.q, args.v, args.cu_seqlens);
+    cuda_ops::kda_forward(args, stream_);
+  }
+
+  void kda_backward(const KdaBackwardArgs& args) override {
+    const char* op = "kda_backward";
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &args.dq},
+                                  {"dk", &args.dk}, {"dv", &args.dv}, {"dout", &args.dout}, {"q", &args.q},
+                                  {"k", &args.k}, {"v", &args.v}})
+      expect_float(op, name, *t);
+    expect_f32(op, "dg", args.dg);
+    expect_f32(op, "dbeta", args.dbeta);
+    expect_f32(op, "g", args.g);
+    expect_f32(op, "beta", args.beta);
+    expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
+    expect_shape(op, "dq", args.dq, args.q.shape);
+    expect_shape(op, "dk", args.dk, args.k.shape);
+    expect_shape(op, "dv", args.dv, args.v.shape);
+    expect_shape(op, "dg", args.dg, args.g.shape);
+    expect_shape(op, "dbeta", args.dbeta, args.beta.shape);
+    expect_shape(op, "dout", args.dout, args.v.shape);
+    check_kda(op, args.q, args.v, args.cu_seqlens);
+    cuda_ops::kda_backward(args, stream_);
+  }
+
+  void gated_rmsnorm_forward(const GatedRmsNormArgs& args) override {
+    const char* op = "gated_rmsnorm_forward";
+    expect_float(op, "y", args.y);
+    expect_float(op, "x", args.x);
+    expect_float(op, "gate", args.gate);
+    expect_float(op, "weight", args.weight);
+    expect_f32(op, "rstd", args.rstd);
+    expect_gated_rmsnorm_shapes(op, "y", args.y, args.x, args.gate, args.weight, args.rstd);
+    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    expect_alias_same_dtype(op, "y", args.y, "gate", args.gate);
+    cuda_ops::gated_rmsnorm_forward(args, stream_);
+  }
+
+  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) override {
+    const char* op = "gated_rmsnorm_backward";
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dx", &args.dx},
+                                  {"dgate", &args.dgate}, {"dy", &args.dy}, {"x", &args.x}, {"gate", &args.gate},
+                                  {"weight", &args.weight}})
+      expect_float(op, name, *t);
+    expect_f32(op, "rstd", args.rstd);
+    expect_gated_rmsnorm_shapes(op, "dy", args.dy, args.x, args.gate, args.weight, args.rstd);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dgate", args.dgate, args.x.shape);
+    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
+    expect_alias_same_dtype(op, "dgate", args.dgate, "dy", args.dy);
+    expect(args.dx.data != args.dgate.data || args.dx.data == nullptr, op, "dx and dgate are the same memory");
+    if (given(args.dweight)) {
+      expect_f32(op, "dweight", args.dweight);
+      expect_numel(op, "dweight", args.dweight, args.weight.numel());
+      // dweight is summed after dx and dgate are written, from dy, x and gate.
+      for (const void* written : {args.dx.data, args.dgate.data})
+        expect(written != args.dy.data && written != args.x.data && written != args.gate.data, op,
+               "dx and dgate must not overwrite dy, x or gate when dweight is wanted");
+    }
+    cuda_ops::gated_rmsnorm_backward(args, stream_);
+  }
+
+  void sigmoid_forward(const TensorView& y, const TensorView& x) override {
+    const char* op = "sigmoid_forward";
+    expect_float(op, "y", y);
+    expect_float(op, "x", x);
+    expect_numel(op, "y", y, x.numel());
+    expect_alias_same_dtype(op, "y", y, "x", x);
+    cuda_ops::sigmoid_forward(y, x, stream_);
+  }
+
+  void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) override {
+    const char* op = "sigmoid_backward";
+    expect_float(op, "dx", dx);
+    expect_float(op, "dy", dy);
+    expect_float(op, "y", y);
+    expect_numel(op, "dx", dx, y.numel());
+    expect_numel(op, "dy", dy, y.numel());
+    expect_alias_same_dtype(op, "dx", dx, "dy", dy);
+    expect_alias_same_dtype(op, "dx", dx, "y", y);
+    cuda_ops::sigmoid_backward(dx, dy, y, stream_);
+  }
+  // ---- KDA end
 
  private:
   static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
@@ -585,6 +740,25 @@ class CudaBackend final : public Backend {
                             const TensorView& pair_row) {
     expect_dtype(op, "pair_row", pair_row, DType::kI32);
     expect_combine_shapes(op, out, rows, weight, pair_row);
+  }
+
+  static void check_segments(const char* op, const TensorView& cu_seqlens) {
+    expect_dtype(op, "cu_seqlens", cu_seqlens, DType::kI32);
+    expect(cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 1, op,
+           describe("cu_seqlens", cu_seqlens) + " should be [sequences + 1]");
+  }
+
+  static void check_conv(const char* op, const TensorView& weight, const TensorView& cu_seqlens) {
+    check_segments(op, cu_seqlens);
+    expect(weight.size(1) <= cuda_ops::kShortConvMaxWidth, op,
+           describe("weight", weight) + ": the CUDA short convolution takes widths up to " +
+               std::to_string(cuda_ops::kShortConvMaxWidth));
+  }
+
+  static void check_kda(const char* op, const TensorView& q, const TensorView& v, const TensorView& cu_seqlens) {
+    check_segments(op, cu_seqlens);
+    expect(cuda_ops::kda_head_dims_supported(q.size(2), v.size(2)), op,
+           "head dims " + describe("q", q) + ", " + describe("v", v) + ": the CUDA KDA takes 64 or 128 for each");
   }
 
   cudaStream_t stream_ = nullptr;

@@ -1,0 +1,423 @@
+// The CUDA KDA ops against the CPU reference (F64) on the same inputs: the short convolution,
+// l2norm, the KDA gate (both forms), sigmoid, the gated RMSNorm, and KDA itself forward and
+// backward (every gradient) at head dims 128 and 64, lengths 1, 63, 64, 65 and 200, and packed
+// segments (an empty one, ones shorter than the conv width and than a chunk, ones spanning
+// several chunks). Inputs BF16 and F32; outputs poisoned with NaN first, so an element a kernel
+// forgets to write fails. KDA runs on BF16 tensor cores whatever the input dtype, so its outputs
+// are held to a BF16-operand tolerance (relative L2 ~1e-2).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.h"
+
+namespace {
+
+using namespace moetrain;
+using namespace moetrain::cuda_test;
+
+std::string layout_name(const std::vector<int32_t>& cu) {
+  std::string s = "cu_seqlens";
+  for (int32_t b : cu) s += " " + std::to_string(b);
+  return s;
+}
+
+Operand segments(const std::vector<int32_t>& cu) { return int_operand(cu, {static_cast<int64_t>(cu.size())}); }
+
+// Host values already set: rounded to `dtype` and uploaded.
+Operand finish(Tensor host, DType dtype) {
+  round_host(host.view(), dtype);
+  Operand op;
+  op.dev = upload(host.view(), dtype);
+  op.host = std::move(host);
+  return op;
+}
+
+// Rows of the last dim scaled to unit L2 norm (q and k of KDA come out of an l2norm).
+Operand unit_rows(Shape shape, DType dtype, uint64_t seed) {
+  Tensor t = testing::random_tensor(shape, DType::kF64, seed, 0.05, 1.0);
+  const int64_t dim = shape[shape.ndim() - 1];
+  double* p = t.ptr<double>();
+  for (int64_t r = 0; r < t.numel() / dim; ++r) {
+    double sum = 0;
+    for (int64_t j = 0; j < dim; ++j) sum += p[r * dim + j] * p[r * dim + j];
+    for (int64_t j = 0; j < dim; ++j) p[r * dim + j] /= std::sqrt(sum);
+  }
+  return finish(std::move(t), dtype);
+}
+
+// Values in [lo, hi] (both of one sign) in F32, e.g. log decays g < 0 or beta in (0, 1).
+Operand uniform_f32(Shape shape, uint64_t seed, double lo, double hi) {
+  Tensor t = testing::random_tensor(shape, DType::kF64, seed, 0.0, 1.0);
+  double* p = t.ptr<double>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = lo + (hi - lo) * std::fabs(p[i]);
+  return finish(std::move(t), DType::kF32);
+}
+
+// KDA's tensor-core products round operands to BF16: outputs match to a few 1e-3 relative,
+// gradients (longer chains, cancellation in dg) to about 1e-2.
+constexpr Tolerance kKdaOut{1.5e-2, 6e-2, 1.5e-2};
+constexpr Tolerance kKdaGrad{3e-2, 1e-1, 3e-2};
+
+// ---------------------------------------------------------------------------------------------
+// KDA
+
+struct KdaCase {
+  std::vector<int32_t> cu;
+  int64_t heads;
+  int64_t k_dim;
+  int64_t v_dim;
+  double g_lo, g_hi;  // log decay per token, uniform in [g_lo, g_hi] (<= 0)
+};
+
+void check_kda_case(const KdaCase& kc, DType dtype, uint64_t seed) {
+  const int64_t tokens = kc.cu.back();
+  INFO(std::string(dtype_name(dtype)) + " heads " + std::to_string(kc.heads) + " dims " + std::to_string(kc.k_dim) +
+       "/" + std::to_string(kc.v_dim) + " g in [" + std::to_string(kc.g_lo) + ", " + std::to_string(kc.g_hi) + "] " +
+       layout_name(kc.cu));
+  const Shape qk{tokens, kc.heads, kc.k_dim}, vs{tokens, kc.heads, kc.v_dim}, bs{tokens, kc.heads};
+  const Operand cu = segments(kc.cu);
+  const Operand q = unit_rows(qk, dtype, seed);
+  const Operand k = unit_rows(qk, dtype, seed + 1);
+  const Operand v = random_operand(vs, dtype, seed + 2, 0.05, 1.0);
+  const Operand g = uniform_f32(qk, seed + 3, kc.g_lo, kc.g_hi);
+  const Operand beta = uniform_f32(bs, seed + 4, 0.05, 0.95);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kc.k_dim));
+
+  Operand out = output_operand(vs, dtype);
+  kernels::KdaArgs fwd;
+  fwd.scale = scale;
+  fwd.out = out.dev;
+  fwd.q = q.dev;
+  fwd.k = k.dev;
+  fwd.v = v.dev;
+  fwd.g = g.dev;
+  fwd.beta = beta.dev;
+  fwd.cu_seqlens = cu.dev;
+  gpu().kda_forward(fwd);
+  fwd.out = out.host;
+  fwd.q = q.host;
+  fwd.k = k.host;
+  fwd.v = v.host;
+  fwd.g = g.host;
+  fwd.beta = beta.host;
+  fwd.cu_seqlens = cu.host;
+  cpu().kda_forward(fwd);
+  CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), kKdaOut, "kda out");
+
+  const Operand dout = random_operand(vs, dtype, seed + 5, 0.05, 1.0);
+  Operand dq = output_operand(qk, dtype), dk = output_operand(qk, dtype), dv = output_operand(vs, dtype);
+  Operand dg = output_operand(qk, DType::kF32), dbeta = output_operand(bs, DType::kF32);
+  kernels::KdaBackwardArgs bwd;
+  bwd.scale = scale;
+  bwd.dq = dq.dev;
+  bwd.dk = dk.dev;
+  bwd.dv = dv.dev;
+  bwd.dg = dg.dev;
+  bwd.dbeta = dbeta.dev;
+  bwd.dout = dout.dev;
+  bwd.q = q.dev;
+  bwd.k = k.dev;
+  bwd.v = v.dev;
+  bwd.g = g.dev;
+  bwd.beta = beta.dev;
+  bwd.cu_seqlens = cu.dev;
+  gpu().kda_backward(bwd);
+  const Tensor dq_first = download(dq.dev), dg_first = download(dg.dev);
+  bwd.dq = dq.host;
+  bwd.dk = dk.host;
+  bwd.dv = dv.host;
+  bwd.dg = dg.host;
+  bwd.dbeta = dbeta.host;
+  bwd.dout = dout.host;
+  bwd.q = q.host;
+  bwd.k = k.host;
+  bwd.v = v.host;
+  bwd.g = g.host;
+  bwd.beta = beta.host;
+  bwd.cu_seqlens = cu.host;
+  cpu().kda_backward(bwd);
+  CUDA_TEST_EXPECT_CLOSE(dq.dev, dq.host.view(), kKdaGrad, "kda dq");
+  CUDA_TEST_EXPECT_CLOSE(dk.dev, dk.host.view(), kKdaGrad, "kda dk");
+  CUDA_TEST_EXPECT_CLOSE(dv.dev, dv.host.view(), kKdaGrad, "kda dv");
+  CUDA_TEST_EXPECT_CLOSE(dg.dev, dg.host.view(), kKdaGrad, "kda dg");
+  CUDA_TEST_EXPECT_CLOSE(dbeta.dev, dbeta.host.view(), kKdaGrad, "kda dbeta");
+
+  // No atomics: a second run gives the same bits.
+  bwd.dq = dq.dev;
+  bwd.dk = dk.dev;
+  bwd.dv = dv.dev;
+  bwd.dg = dg.dev;
+  bwd.dbeta = dbeta.dev;
+  bwd.dout = dout.dev;
+  bwd.q = q.dev;
+  bwd.k = k.dev;
+  bwd.v = v.dev;
+  bwd.g = g.dev;
+  bwd.beta = beta.dev;
+  bwd.cu_seqlens = cu.dev;
+  gpu().kda_backward(bwd);
+  const Tensor dq_second = download(dq.dev), dg_second = download(dg.dev);
+  CHECK(std::memcmp(dq_first.data(), dq_second.data(), dq_first.nbytes()) == 0);
+  CHECK(std::memcmp(dg_first.data(), dg_second.data(), dg_first.nbytes()) == 0);
+}
+
+TEST_CASE("cuda kda forward and backward match the CPU: lengths around a chunk, head dims 128 and 64") {
+  uint64_t seed = 9000;
+  for (int32_t tokens : {1, 63, 64, 65, 200})
+    for (int64_t dim : {int64_t{128}, int64_t{64}}) {
+      check_kda_case({{0, tokens}, 2, dim, dim, -0.6, -0.01}, DType::kBF16, seed += 10);
+    }
+}
+
+TEST_CASE("cuda kda matches the CPU on packed segments, mixed head dims and F32 inputs") {
+  uint64_t seed = 9500;
+  // An empty segment, one of a single token, segments around the chunk size, one over 3 chunks.
+  const std::vector<int32_t> packed = {0, 1, 1, 66, 129, 131, 300};
+  check_kda_case({packed, 3, 128, 128, -0.6, -0.01}, DType::kBF16, seed += 10);
+  check_kda_case({packed, 2, 64, 128, -0.6, -0.01}, DType::kBF16, seed += 10);
+  check_kda_case({packed, 2, 128, 64, -0.6, -0.01}, DType::kF32, seed += 10);
+  check_kda_case({{0, 70, 200}, 1, 64, 64, -0.6, -0.01}, DType::kF32, seed += 10);
+}
+
+TEST_CASE("cuda kda stays finite and matches the CPU under strong and weak decay") {
+  uint64_t seed = 9800;
+  // Strong: cumulative decays of hundreds inside a chunk (exp(-G) alone would overflow).
+  check_kda_case({{0, 150}, 2, 128, 128, -8.0, -2.0}, DType::kBF16, seed += 10);
+  // Weak: almost no decay, the delta rule alone.
+  check_kda_case({{0, 150}, 2, 128, 128, -1e-3, -1e-5}, DType::kBF16, seed += 10);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Short convolution
+
+TEST_CASE("cuda short_conv forward and backward match the CPU, packed, with and without SiLU") {
+  uint64_t seed = 7000;
+  const std::vector<std::vector<int32_t>> layouts = {{0, 1}, {0, 2, 2, 5, 140, 300}, {0, 257}};
+  for (const auto& cu_values : layouts)
+    for (DType dtype : {DType::kBF16, DType::kF32})
+      for (bool silu : {true, false})
+        for (int64_t width : {int64_t{4}, int64_t{3}}) {
+          const int64_t tokens = cu_values.back(), channels = 200;
+          INFO(std::string(dtype_name(dtype)) + (silu ? " silu" : " linear") + " width " + std::to_string(width) +
+               " " + layout_name(cu_values));
+          const Operand cu = segments(cu_values);
+          const Operand x = random_operand({tokens, channels}, dtype, ++seed);
+          const Operand weight = random_operand({channels, width}, dtype, ++seed, 0.1, 0.8);
+          Operand y = output_operand({tokens, channels}, dtype);
+          kernels::ShortConvArgs fwd;
+          fwd.silu = silu;
+          fwd.y = y.dev;
+          fwd.x = x.dev;
+          fwd.weight = weight.dev;
+          fwd.cu_seqlens = cu.dev;
+          gpu().short_conv_forward(fwd);
+          fwd.y = y.host;
+          fwd.x = x.host;
+          fwd.weight = weight.host;
+          fwd.cu_seqlens = cu.host;
+          cpu().short_conv_forward(fwd);
+          CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "short_conv y");
+
+          for (bool with_dweight : {true, false}) {
+            const Operand dy = random_operand({tokens, channels}, dtype, ++seed);
+            Operand dx = output_operand({tokens, channels}, dtype);
+            Operand dweight = output_operand({channels, width}, DType::kF32);
+            kernels::ShortConvBackwardArgs bwd;
+            bwd.silu = silu;
+            bwd.dx = dx.dev;
+            bwd.dweight = with_dweight ? dweight.dev.view() : TensorView{};
+            bwd.dy = dy.dev;
+            bwd.x = x.dev;
+            bwd.weight = weight.dev;
+            bwd.cu_seqlens = cu.dev;
+            gpu().short_conv_backward(bwd);
+            bwd.dx = dx.host;
+            bwd.dweight = with_dweight ? dweight.host.view() : TensorView{};
+            bwd.dy = dy.host;
+            bwd.x = x.host;
+            bwd.weight = weight.host;
+            bwd.cu_seqlens = cu.host;
+            cpu().short_conv_backward(bwd);
+            CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "short_conv dx");
+            if (with_dweight)
+              CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "short_conv dweight");
+          }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row norms
+
+TEST_CASE("cuda l2norm forward and backward match the CPU, in place too") {
+  uint64_t seed = 7500;
+  for (int64_t dim : {int64_t{128}, int64_t{64}, int64_t{37}})
+    for (DType dtype : {DType::kBF16, DType::kF32})
+      for (bool in_place : {false, true}) {
+        INFO(std::string(dtype_name(dtype)) + " dim " + std::to_string(dim) + (in_place ? " in place" : ""));
+        const int64_t rows = 45;
+        const Operand x = random_operand({rows, dim}, dtype, ++seed);
+        Operand y = output_operand({rows, dim}, dtype), inv = output_operand({rows}, DType::kF32);
+        kernels::L2NormArgs fwd;
+        fwd.eps = 1e-6;
+        fwd.y = y.dev;
+        fwd.inv_norm = inv.dev;
+        fwd.x = x.dev;
+        gpu().l2norm_forward(fwd);
+        fwd.y = y.host;
+        fwd.inv_norm = inv.host;
+        fwd.x = x.host;
+        cpu().l2norm_forward(fwd);
+        CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "l2norm y");
+        CUDA_TEST_EXPECT_CLOSE(inv.dev, inv.host.view(), tolerance_for(DType::kF32), "l2norm inv_norm");
+
+        const Operand dy = random_operand({rows, dim}, dtype, ++seed);
+        Operand dx = in_place ? random_operand({rows, dim}, dtype, 0) : output_operand({rows, dim}, dtype);
+        if (in_place) dx.dev = upload(dy.host.view(), dtype);  // dx is dy's memory, holding dy
+        kernels::L2NormBackwardArgs bwd;
+        bwd.dx = dx.dev;
+        bwd.dy = in_place ? dx.dev.view() : dy.dev.view();
+        bwd.x = x.dev;
+        bwd.inv_norm = inv.dev;  // the GPU's own (F32)
+        gpu().l2norm_backward(bwd);
+        bwd.dx = dx.host;
+        bwd.dy = dy.host;
+        bwd.x = x.host;
+        bwd.inv_norm = inv.host;
+        cpu().l2norm_backward(bwd);
+        CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "l2norm dx");
+      }
+}
+
+TEST_CASE("cuda gated_rmsnorm forward and backward match the CPU") {
+  uint64_t seed = 7800;
+  for (int64_t dim : {int64_t{128}, int64_t{37}})
+    for (DType dtype : {DType::kBF16, DType::kF32})
+      for (bool with_dweight : {true, false}) {
+        INFO(std::string(dtype_name(dtype)) + " dim " + std::to_string(dim) + (with_dweight ? " dweight" : ""));
+        const int64_t rows = 150;  // several dweight chunks would need more; the two stages still run
+        const Operand x = random_operand({rows, dim}, dtype, ++seed);
+        const Operand gate = random_operand({rows, dim}, dtype, ++seed, 0.1, 3.0);
+        const Operand weight = random_operand({dim}, dtype, ++seed, 0.5, 1.5);
+        Operand y = output_operand({rows, dim}, dtype), rstd = output_operand({rows}, DType::kF32);
+        kernels::GatedRmsNormArgs fwd;
+        fwd.eps = 1e-5;
+        fwd.y = y.dev;
+        fwd.rstd = rstd.dev;
+        fwd.x = x.dev;
+        fwd.gate = gate.dev;
+        fwd.weight = weight.dev;
+        gpu().gated_rmsnorm_forward(fwd);
+        fwd.y = y.host;
+        fwd.rstd = rstd.host;
+        fwd.x = x.host;
+        fwd.gate = gate.host;
+        fwd.weight = weight.host;
+        cpu().gated_rmsnorm_forward(fwd);
+        CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "gated_rmsnorm y");
+        CUDA_TEST_EXPECT_CLOSE(rstd.dev, rstd.host.view(), tolerance_for(DType::kF32), "gated_rmsnorm rstd");
+
+        const Operand dy = random_operand({rows, dim}, dtype, ++seed);
+        Operand dx = output_operand({rows, dim}, dtype), dgate = output_operand({rows, dim}, dtype);
+        Operand dweight = output_operand({dim}, DType::kF32);
+        kernels::GatedRmsNormBackwardArgs bwd;
+        bwd.dx = dx.dev;
+        bwd.dgate = dgate.dev;
+        bwd.dweight = with_dweight ? dweight.dev.view() : TensorView{};
+        bwd.dy = dy.dev;
+        bwd.x = x.dev;
+        bwd.gate = gate.dev;
+        bwd.weight = weight.dev;
+        bwd.rstd = rstd.dev;
+        gpu().gated_rmsnorm_backward(bwd);
+        bwd.dx = dx.host;
+        bwd.dgate = dgate.host;
+        bwd.dweight = with_dweight ? dweight.host.view() : TensorView{};
+        bwd.dy = dy.host;
+        bwd.x = x.host;
+        bwd.gate = gate.host;
+        bwd.weight = weight.host;
+        bwd.rstd = rstd.host;
+        cpu().gated_rmsnorm_backward(bwd);
+        CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "gated_rmsnorm dx");
+        CUDA_TEST_EXPECT_CLOSE(dgate.dev, dgate.host.view(), tolerance_for(dtype), "gated_rmsnorm dgate");
+        if (with_dweight)
+          CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "gated_rmsnorm dweight");
+      }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gates
+
+TEST_CASE("cuda kda_gate forward and backward match the CPU: softplus and lower-bound forms") {
+  uint64_t seed = 8000;
+  const int64_t tokens = 33, heads = 3, dim = 40;
+  for (double lower_bound : {0.0, -5.0})
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      INFO(std::string(dtype_name(dtype)) + " lower_bound " + std::to_string(lower_bound));
+      // |f + dt_bias| reaches past softplus's threshold of 20.
+      const Operand f = random_operand({tokens, heads * dim}, dtype, ++seed, 0.01, 24.0);
+      const Operand a_log = random_operand({heads}, DType::kF32, ++seed, 0.1, 2.0);
+      const Operand dt_bias = random_operand({heads * dim}, DType::kF32, ++seed, 0.1, 1.0);
+      Operand g = output_operand({tokens, heads, dim}, DType::kF32);
+      kernels::KdaGateArgs fwd;
+      fwd.lower_bound = lower_bound;
+      fwd.g = g.dev;
+      fwd.f = f.dev;
+      fwd.a_log = a_log.dev;
+      fwd.dt_bias = dt_bias.dev;
+      gpu().kda_gate_forward(fwd);
+      fwd.g = g.host;
+      fwd.f = f.host;
+      fwd.a_log = a_log.host;
+      fwd.dt_bias = dt_bias.host;
+      cpu().kda_gate_forward(fwd);
+      CUDA_TEST_EXPECT_CLOSE(g.dev, g.host.view(), tolerance_for(DType::kF32), "kda_gate g");
+
+      const Operand dg = random_operand({tokens, heads, dim}, DType::kF32, ++seed);
+      Operand df = output_operand({tokens, heads * dim}, dtype);
+      kernels::KdaGateBackwardArgs bwd;
+      bwd.lower_bound = lower_bound;
+      bwd.df = df.dev;
+      bwd.dg = dg.dev;
+      bwd.f = f.dev;
+      bwd.a_log = a_log.dev;
+      bwd.dt_bias = dt_bias.dev;
+      gpu().kda_gate_backward(bwd);
+      bwd.df = df.host;
+      bwd.dg = dg.host;
+      bwd.f = f.host;
+      bwd.a_log = a_log.host;
+      bwd.dt_bias = dt_bias.host;
+      cpu().kda_gate_backward(bwd);
+      CUDA_TEST_EXPECT_CLOSE(df.dev, df.host.view(), tolerance_for(dtype), "kda_gate df");
+    }
+}
+
+TEST_CASE("cuda sigmoid forward and backward match the CPU, backward in place") {
+  uint64_t seed = 8500;
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    INFO(dtype_name(dtype));
+    const int64_t n = 1001;
+    const Operand x = random_operand({n}, dtype, ++seed, 0.01, 6.0);
+    Operand y = output_operand({n}, dtype);
+    gpu().sigmoid_forward(y.dev, x.dev);
+    cpu().sigmoid_forward(y.host, x.host);
+    CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "sigmoid y");
+    // The CPU gets the GPU's y, so both differentiate at the same point.
+    Operand y_used;
+    y_used.host = download(y.dev);
+    y_used.dev = upload(y_used.host.view(), dtype);
+    const Operand dy = random_operand({n}, dtype, ++seed);
+    Operand dx;
+    dx.host = Tensor::zeros({n}, DType::kF64);
+    dx.dev = upload(dy.host.view(), dtype);  // dx is computed over dy
+    gpu().sigmoid_backward(dx.dev, dx.dev, y_used.dev);
+    cpu().sigmoid_backward(dx.host, dy.host, y_used.host);
+    CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "sigmoid dx");
+  }
+}
+
+}  // namespace
