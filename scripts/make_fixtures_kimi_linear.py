@@ -136,6 +136,7 @@ def make_config(mixers, q_lora_rank, groups, scaling, shared):
     set_all(cfg, ["layer_types"], ["linear_attention" if m == "kda" else "full_attention" for m in mixers])
     set_all(cfg, ["mlp_layer_types"], ["dense"] + ["sparse"] * (L - 1))
     set_all(cfg, ["first_k_dense_replace"], 1)
+    set_all(cfg, ["use_cache"], False)  # training: no conv/recurrent state cache
     set_all(cfg, ["linear_attn_config"], linear_attn_config)
     set_all(cfg, ["linear_num_heads", "linear_num_key_heads", "linear_num_value_heads"], c["kda_heads"])
     set_all(cfg, ["linear_head_dim", "linear_key_head_dim", "linear_value_head_dim"], c["kda_head_dim"])
@@ -328,7 +329,7 @@ def forward(pm, ids, labels):
                 store[f"router.layers.{i}.raw_weight"] = out[1].detach().clone()
             handles.append(layer.mlp.gate.register_forward_hook(router_hook))
     try:
-        out = pm(input_ids=ids)
+        out = pm(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -565,7 +566,7 @@ def make_one(name, out_root, device, seed, results):
     print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(COMMON['vocab_size']):.4f})")
     pm.eval()
     with torch.no_grad():
-        logits_eval = pm(input_ids=ids_d).logits
+        logits_eval = pm(input_ids=ids_d, use_cache=False).logits
     pm.train()
     check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
 
@@ -586,7 +587,7 @@ def make_one(name, out_root, device, seed, results):
         pm2 = PeftModel.from_pretrained(base2, adapter_dir)
         pm2.train()
         with torch.no_grad():
-            diff = (pm2(input_ids=ids_d).logits - logits.detach()).abs().max().item()
+            diff = (pm2(input_ids=ids_d, use_cache=False).logits - logits.detach()).abs().max().item()
         print(f"  reload through from_pretrained + PeftModel.from_pretrained: max |dlogits| = {diff:.2e}")
         if diff > 1e-5:
             warn.append(f"reloaded logits differ by {diff:.2e}")
