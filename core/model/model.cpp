@@ -397,6 +397,10 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
     FeedForwardStats stats = layer.ffn->read_stats(be);
     result.max_expert_load = std::max(result.max_expert_load, stats.max_expert_load);
     result.aux_loss += stats.aux_loss;
+    if (stats.routed) {
+      result.expert_load_max.push_back(stats.max_expert_load);
+      result.expert_load_min.push_back(stats.min_expert_load);
+    }
   }
   return result;
 }

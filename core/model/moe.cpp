@@ -164,16 +164,21 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
 
 FeedForwardStats MoeFfn::read_stats(kernels::Backend& backend) {
   FeedForwardStats stats;
+  stats.routed = true;
   if (!stats_offsets_.defined()) return stats;
   const int64_t e = moe_.num_experts;
   Tensor offsets({e + 1}, DType::kI32);
   backend.copy(offsets, stats_offsets_);
   const int32_t* o = offsets.ptr<int32_t>();
-  // Max over experts of (tokens routed / mean tokens per expert).
-  int64_t max_count = 0;
-  for (int64_t i = 0; i < e; ++i) max_count = std::max<int64_t>(max_count, o[i + 1] - o[i]);
+  // Max and min over experts of (tokens routed / mean tokens per expert).
+  int64_t max_count = 0, min_count = o[e];
+  for (int64_t i = 0; i < e; ++i) {
+    max_count = std::max<int64_t>(max_count, o[i + 1] - o[i]);
+    min_count = std::min<int64_t>(min_count, o[i + 1] - o[i]);
+  }
   const int64_t pairs = o[e];
   stats.max_expert_load = pairs > 0 ? static_cast<double>(max_count) * e / static_cast<double>(pairs) : 0.0;
+  stats.min_expert_load = pairs > 0 ? static_cast<double>(min_count) * e / static_cast<double>(pairs) : 0.0;
   if (stats_aux_loss_.defined()) {
     Tensor staged({1}, stats_aux_loss_.dtype());
     backend.copy(staged, stats_aux_loss_);

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <system_error>
@@ -54,6 +55,12 @@ void MetricsWriter::write(const StepMetrics& m, bool log_progress) {
       {"max_expert_load", m.max_expert_load},
   };
   for (const auto& [key, value] : m.extra) line[key] = value;
+  if (std::isfinite(m.loss_floor)) line["loss_floor"] = m.loss_floor;
+  // The per-layer arrays last: the scalars stay readable at the start of a long line.
+  if (!m.expert_load_max.empty()) {
+    line["expert_load_max"] = m.expert_load_max;
+    line["expert_load_min"] = m.expert_load_min;
+  }
   file_ << line.dump() << '\n';
   file_.flush();
   MOETRAIN_CHECK(file_.good(), ExitCode::kInternal, "writing " + path_ + " failed (disk full?)");

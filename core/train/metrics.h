@@ -1,9 +1,11 @@
 // Per-step training metrics: one JSON object per line in <run_dir>/metrics.jsonl (appended, so
-// a resumed run continues the same file) and a readable progress line in the log.
+// a resumed run continues the same file) and a readable progress line in the log. The keys are
+// described in docs/METRICS.md; scripts/plot_metrics.py draws them.
 #pragma once
 
 #include <cstdint>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,6 +21,11 @@ struct StepMetrics {
   int64_t tokens = 0;          // cumulative tokens processed
   double tokens_per_s = 0.0;
   double max_expert_load = 0.0;  // max over layers and experts of load / mean load (1 = balanced)
+  // Per MoE layer (written as arrays when the model has MoE layers): max and min over experts of
+  // load / mean load, the extremes over the step's micro-batches (docs/METRICS.md).
+  std::vector<double> expert_load_max, expert_load_min;
+  // The data's best achievable loss (synthetic data), written when finite, for plots.
+  double loss_floor = std::numeric_limits<double>::quiet_NaN();
   std::vector<std::pair<std::string, double>> extra;  // further keys, written in this order
                                                       // (e.g. aux_loss, mfu as a fraction, skipped)
 };

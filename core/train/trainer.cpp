@@ -12,6 +12,26 @@
 #include "parallel/watchdog.h"
 
 namespace moetrain {
+namespace {
+
+// Folds one micro-batch's per-layer loads into the step's: max of the maxima, min of the minima.
+void merge_expert_loads(StepRecord& record, const StepResult& result) {
+  MOETRAIN_ASSERT(result.expert_load_max.size() == result.expert_load_min.size(),
+                  "expert_load_max and expert_load_min differ in length");
+  if (record.expert_load_max.empty()) {
+    record.expert_load_max = result.expert_load_max;
+    record.expert_load_min = result.expert_load_min;
+    return;
+  }
+  MOETRAIN_ASSERT(result.expert_load_max.size() == record.expert_load_max.size(),
+                  "micro-batches report expert loads for different numbers of MoE layers");
+  for (size_t i = 0; i < result.expert_load_max.size(); ++i) {
+    record.expert_load_max[i] = std::max(record.expert_load_max[i], result.expert_load_max[i]);
+    record.expert_load_min[i] = std::min(record.expert_load_min[i], result.expert_load_min[i]);
+  }
+}
+
+}  // namespace
 
 Trainer::Trainer(const TrainerOptions& options, TrainableModel& model, BatchSource next_batch,
                  MetricsWriter* metrics)
@@ -74,6 +94,7 @@ StepRecord Trainer::train_step() {
     const StepResult result = model_.forward_backward(batches[i], grad_scale);
     loss_sum += result.loss_sum;
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
+    merge_expert_loads(record, result);
     record.aux_loss += result.aux_loss / static_cast<double>(batches.size());
   }
   watchdog_progress(fmt::format("step {}: gradient reduction", record.step + 1));
@@ -127,6 +148,9 @@ void Trainer::report(const StepRecord& record) {
   m.tokens = tokens_seen_;
   m.tokens_per_s = record.seconds > 0.0 ? static_cast<double>(record.tokens) / record.seconds : 0.0;
   m.max_expert_load = record.max_expert_load;
+  m.expert_load_max = record.expert_load_max;
+  m.expert_load_min = record.expert_load_min;
+  m.loss_floor = options_.loss_floor;
   if (record.aux_loss != 0.0) m.extra.emplace_back("aux_loss", record.aux_loss);
   if (record.model_flops > 0.0 && options_.peak_flops > 0.0 && record.seconds > 0.0) {
     // Per device: every data-parallel rank ran its share of the step's FLOPs in the same time.

@@ -35,6 +35,9 @@ struct StepResult {
   int64_t targets = 0;           // its target tokens (labels >= 0)
   double max_expert_load = 0.0;  // max over MoE layers and experts of load / mean load
   double aux_loss = 0.0;         // its load-balancing loss value (0 when disabled)
+  // Per MoE layer, in layer order: max and min over experts of load / mean load (empty when
+  // the model has no MoE layer).
+  std::vector<double> expert_load_max, expert_load_min;
 };
 
 // The model as the loop sees it.
@@ -79,6 +82,9 @@ struct StepRecord {
   int64_t tokens = 0;         // tokens in this step
   double model_flops = 0.0;   // of this step on every rank together (0: not counted)
   double max_expert_load = 0.0;
+  // Per MoE layer: the max over the step's micro-batches of their max load, and the min of
+  // their min (loads per micro-batch, as the expert GEMMs see them, not of the step's sums).
+  std::vector<double> expert_load_max, expert_load_min;
   double aux_loss = 0.0;      // mean over micro-batches
   double seconds = 0.0;
   bool skipped = false;       // update skipped (non-finite loss or grad norm, or no targets)

@@ -2,7 +2,7 @@
 // least-squares fit of a per-token target from fixed token features. It checks the loop
 // reduces the loss, that accumulating micro-batches gives the one-big-batch gradient (scale
 // 1 / targets of the whole step), that non-finite steps are skipped and stop the run after 5
-// in a row, and what metrics.jsonl and the progress line hold.
+// in a row, and what metrics.jsonl (per-layer expert loads included) and the progress line hold.
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.h"
@@ -83,6 +84,10 @@ class LeastSquaresModel : public moetrain::TrainableModel {
     if (nan_loss_calls.count(calls)) result.loss_sum = std::nan("");
     if (nan_grad_calls.count(calls)) dw[0] = INFINITY;
     result.max_expert_load = 1.0 + 0.01 * static_cast<double>(calls);
+    if (!layer_loads.empty()) {
+      result.expert_load_max = layer_loads.at(static_cast<size_t>(calls)).first;
+      result.expert_load_min = layer_loads.at(static_cast<size_t>(calls)).second;
+    }
     ++calls;
     return result;
   }
@@ -94,6 +99,8 @@ class LeastSquaresModel : public moetrain::TrainableModel {
   }
 
   std::set<int64_t> nan_loss_calls, nan_grad_calls;  // forward_backward calls to poison
+  // Per call: the (max, min) expert load of each MoE layer to report (none when empty).
+  std::vector<std::pair<std::vector<double>, std::vector<double>>> layer_loads;
   int64_t calls = 0;
 
  private:
@@ -292,6 +299,47 @@ TEST_CASE("metrics.jsonl gets one line per step and is appended on resume") {
   CHECK(lines[4].at("step").get<int64_t>() == 5);
   CHECK(lines[4].at("aux_loss").get<double>() == 0.25);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("per-layer expert loads: the max of the micro-batches' maxima and the min of their minima") {
+  const auto dir = scratch_dir("expert_load");
+  LeastSquaresModel model;
+  // Two steps of two micro-batches, two MoE layers: each layer's extremes come from either one.
+  model.layer_loads = {{{1.5, 1.1}, {0.5, 0.9}}, {{1.2, 1.4}, {0.7, 0.6}},
+                       {{2.0, 1.0}, {0.0, 1.0}}, {{1.0, 3.0}, {1.0, 0.25}}};
+  TrainerOptions options = make_options(2, 1, 2);
+  options.loss_floor = 0.125;
+  SyntheticData data(options.data, kVocab);
+  {
+    MetricsWriter writer(dir.string());
+    Trainer trainer(options, model, source(data), &writer);
+    trainer.run();
+  }
+  const std::vector<nlohmann::json> lines = read_jsonl(dir / "metrics.jsonl");
+  REQUIRE(lines.size() == 2);
+  CHECK(lines[0].at("expert_load_max").get<std::vector<double>>() == std::vector<double>{1.5, 1.4});
+  CHECK(lines[0].at("expert_load_min").get<std::vector<double>>() == std::vector<double>{0.5, 0.6});
+  CHECK(lines[1].at("expert_load_max").get<std::vector<double>>() == std::vector<double>{2.0, 3.0});
+  CHECK(lines[1].at("expert_load_min").get<std::vector<double>>() == std::vector<double>{0.0, 0.25});
+  for (const auto& line : lines) CHECK(line.at("loss_floor").get<double>() == 0.125);
+  std::filesystem::remove_all(dir);
+
+  // A model without MoE layers and data without a known floor: neither key is written.
+  const auto plain_dir = scratch_dir("no_expert_load");
+  LeastSquaresModel plain;
+  SyntheticData plain_data(options.data, kVocab);
+  options.loss_floor = std::nan("");
+  {
+    MetricsWriter writer(plain_dir.string());
+    Trainer trainer(options, plain, source(plain_data), &writer);
+    trainer.run();
+  }
+  for (const auto& line : read_jsonl(plain_dir / "metrics.jsonl")) {
+    CHECK(!line.contains("expert_load_max"));
+    CHECK(!line.contains("expert_load_min"));
+    CHECK(!line.contains("loss_floor"));
+  }
+  std::filesystem::remove_all(plain_dir);
 }
 
 TEST_CASE("mfu is the step's model FLOPs over its time and the device's peak, only when both are known") {
