@@ -9,6 +9,7 @@ packages=(
   libopenmpi-dev openmpi-bin               # MPI (mpirun for the multi-rank tests)
   libyaml-cpp-dev libspdlog-dev libfmt-dev libcxxopts-dev
   catch2 nlohmann-json3-dev zlib1g-dev
+  python3-matplotlib                       # scripts/plot_metrics.py (and its ctest)
 )
 
 # Build tools that may come from elsewhere (pip, a venv): a command on PATH is enough.

@@ -258,6 +258,17 @@ int run_training(Runtime& runtime, const Config& config) {
     log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}; metrics in {}", losses.front(), losses.back(),
                           losses.size(), std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor),
                           config.logging.run_dir + "/metrics.jsonl"));
+    // A run directory with spaces or quotes is single-quoted, so the line can be pasted as it is.
+    std::string run_dir = config.logging.run_dir;
+    if (run_dir.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-+=:,@") !=
+        std::string::npos) {
+      std::string quoted = "'";
+      for (char c : run_dir) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      run_dir = quoted + "'";
+    }
+    log::info(fmt::format("plots (PNGs next to metrics.jsonl; run from the moetrain checkout): "
+                          "python3 scripts/plot_metrics.py {}",
+                          run_dir));
   }
   return 0;
 }
