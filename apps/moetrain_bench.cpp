@@ -1,13 +1,13 @@
 // moetrain-bench: times the CUDA backend's ops and whole training steps on one GPU and states
 // each result against the H200 ceilings and peer baselines of docs/PERF.md:
-//   ops      GEMM, the MoE expert block (grouped GEMM), attention, memory-bound kernels
+//   ops      GEMM, the MoE expert block (grouped GEMM), attention, KDA, memory-bound kernels
 //   step     forward + backward of a model config (tokens/s, MFU); --op-times: per-op breakdown
 //   ep       expert-parallel dispatch + combine across GPUs against NCCL's all-to-all (mpirun)
 // Each timing is the median of `--reps` runs after warm-up, each run bracketed by a device
 // synchronize (the ops timed here run for a millisecond or more, so the synchronize is noise).
 // Inputs are random (never zeros: zeros make matrix units run faster than real data).
 //
-//   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,memory]
+//   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,kda,memory]
 //   moetrain-bench step --config FILE [--set k=v]... [--steps N] [--op-times]
 //   mpirun -np 2 moetrain-bench ep [--mib 256] [--reps N]
 #include <cublas_v2.h>
@@ -359,6 +359,56 @@ void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
                   ratio(3.65 * 2, both, "of the target time 2 x FlashAttention (7.3 ms; target >= 1)")});
 }
 
+// KDA (issue 11): B1, one segment, 32 heads of 128, BF16, against fla's chunk_kda on one H200
+// (../shared/GPU.md): fwd 1.44 / 4.29 ms and fwd+bwd 6.05 / 21.6 ms at T 8192 / 32768; T 131072
+// forward has no baseline. Inputs as the layer makes them: q, k through l2norm, g through the
+// gate, beta through sigmoid.
+void bench_kda(Backend& be, int reps, std::vector<Row>& rows) {
+  const int64_t heads = 32, dim = 128;
+  struct Case {
+    int64_t tokens;
+    double fla_fwd_ms, fla_both_ms;  // 0: no baseline, and no backward timed
+  };
+  for (const Case c : {Case{8192, 1.44, 6.05}, Case{32768, 4.29, 21.6}, Case{131072, 0.0, 0.0}}) {
+    const int64_t t = c.tokens;
+    const Shape shape{t, heads, dim};
+    auto unit_rows = [&](uint64_t seed) {
+      Tensor raw = random_device(be, shape, DType::kBF16, seed);
+      Tensor unit(shape, DType::kBF16, be.allocator()), inv({t * heads}, DType::kF32, be.allocator());
+      be.l2norm_forward({unit, inv, raw, 1e-6});
+      return unit;
+    };
+    Tensor q = unit_rows(30), k = unit_rows(31);
+    Tensor v = random_device(be, shape, DType::kBF16, 32);
+    Tensor g(shape, DType::kF32, be.allocator()), beta({t, heads}, DType::kF32, be.allocator());
+    {
+      Tensor f = random_device(be, {t, heads * dim}, DType::kBF16, 33);
+      Tensor a_log = random_device(be, {heads}, DType::kF32, 34), dt_bias = random_device(be, {heads * dim}, DType::kF32, 35);
+      be.kda_gate_forward({g, f, a_log, dt_bias, 0.0});
+      Tensor b = random_device(be, {t, heads}, DType::kF32, 36);
+      be.sigmoid_forward(beta, b);
+    }
+    Tensor cu = int_device(be, {0, static_cast<int32_t>(t)});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+    Tensor out(shape, DType::kBF16, be.allocator());
+    auto forward = [&] { be.kda_forward({out, q, k, v, g, beta, cu, scale}); };
+    const std::string name = fmt::format("kda fwd T{} H32 D128", t);
+    double fwd = median_ms(be, forward, reps);
+    rows.push_back({name, fwd, 0, 0,
+                    c.fla_fwd_ms > 0 ? ratio(c.fla_fwd_ms, fwd, fmt::format("the speed of fla chunk_kda ({} ms)", c.fla_fwd_ms).c_str())
+                                     : std::string("(no baseline)")});
+    if (c.fla_both_ms <= 0) continue;
+    Tensor dout = random_device(be, shape, DType::kBF16, 37);
+    Tensor dq(shape, DType::kBF16, be.allocator()), dk(shape, DType::kBF16, be.allocator()),
+        dv(shape, DType::kBF16, be.allocator()), dg(shape, DType::kF32, be.allocator()),
+        dbeta({t, heads}, DType::kF32, be.allocator());
+    auto backward = [&] { be.kda_backward({dq, dk, dv, dg, dbeta, dout, q, k, v, g, beta, cu, scale}); };
+    double both = median_ms(be, [&] { forward(); backward(); }, reps);
+    rows.push_back({fmt::format("kda fwd+bwd T{} H32 D128", t), both, 0, 0,
+                    ratio(c.fla_both_ms, both, fmt::format("the speed of fla chunk_kda ({} ms; target >= 1)", c.fla_both_ms).c_str())});
+  }
+}
+
 void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {
   auto add = [&](const std::string& name, double bytes, const std::function<void()>& op) {
     double ms = median_ms(be, op, reps);
@@ -564,7 +614,7 @@ int run(Runtime& runtime, int argc, char** argv) {
       "set", "config override key.path=value", cxxopts::value<std::vector<std::string>>())(
       "steps", "timed steps", cxxopts::value<int>()->default_value("5"))(
       "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"))(
-      "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, memory)",
+      "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, kda, memory)",
       cxxopts::value<std::string>()->default_value(""))(
       "op-times", "`step`: after the timed steps, time one more step op by op")("h,help", "print this usage");
   options.parse_positional({"mode"});
@@ -603,6 +653,7 @@ int run(Runtime& runtime, int argc, char** argv) {
   if (wanted("experts")) bench_experts(*backend, reps, rows);
   if (wanted("grouped")) bench_grouped_gemm(*backend, reps, rows);
   if (wanted("attention")) bench_attention(*backend, reps, rows);
+  if (wanted("kda")) bench_kda(*backend, reps, rows);
   if (wanted("memory")) bench_memory(*backend, reps, rows);
   print_rows(rows);
   return 0;
