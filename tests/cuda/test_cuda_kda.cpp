@@ -56,10 +56,11 @@ Operand uniform_f32(Shape shape, uint64_t seed, double lo, double hi) {
   return finish(std::move(t), DType::kF32);
 }
 
-// KDA's tensor-core products round operands to BF16: outputs match to a few 1e-3 relative,
-// gradients (longer chains, cancellation in dg) to about 1e-2.
-constexpr Tolerance kKdaOut{1.5e-2, 6e-2, 1.5e-2};
-constexpr Tolerance kKdaGrad{3e-2, 1e-1, 3e-2};
+// KDA's tensor-core products round operands to BF16. A double-precision model of the kernels'
+// roundings puts every output and gradient at 2e-3 .. 5e-3 relative L2 (largest element error
+// under 7e-3 of the largest element) at these shapes and decays: limits about 3x that.
+constexpr Tolerance kKdaOut{1e-2, 5e-2, 1.5e-2};
+constexpr Tolerance kKdaGrad{1.5e-2, 1e-1, 2e-2};
 
 // ---------------------------------------------------------------------------------------------
 // KDA
