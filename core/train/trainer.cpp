@@ -126,6 +126,10 @@ StepRecord Trainer::train_step() {
   tokens_seen_ += record.tokens;
   ++next_step_;
   history_.push_back(record);
+  // The per-layer loads live on in metrics.jsonl; in memory a long run's history would grow by
+  // two numbers per MoE layer per step.
+  history_.back().expert_load_max = {};
+  history_.back().expert_load_min = {};
   report(record);
   watchdog_progress(fmt::format("step {}: after the step (checkpoint, metrics)", record.step + 1));
   if (after_step_) after_step_(record);

@@ -84,6 +84,7 @@ struct StepRecord {
   double max_expert_load = 0.0;
   // Per MoE layer: the max over the step's micro-batches of their max load, and the min of
   // their min (loads per micro-batch, as the expert GEMMs see them, not of the step's sums).
+  // Empty in Trainer::history().
   std::vector<double> expert_load_max, expert_load_min;
   double aux_loss = 0.0;      // mean over micro-batches
   double seconds = 0.0;
