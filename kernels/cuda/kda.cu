@@ -93,6 +93,13 @@ const bf16* bf16_input(const TensorView& t, bf16* copy, cudaStream_t stream) {
 }
 bool needs_copy(const TensorView& t) { return !(t.dtype == DType::kBF16 && aligned16(t.data)); }
 
+// g (F32) is read 16 bytes at a time: the caller's tensor when aligned, else a copy.
+const float* g_input(const TensorView& g, float* copy, cudaStream_t stream) {
+  if (aligned16(g.data)) return static_cast<const float*>(g.data);
+  if (copy != nullptr) CUDA_CHECK(cudaMemcpyAsync(copy, g.data, g.nbytes(), cudaMemcpyDeviceToDevice, stream));
+  return copy;
+}
+
 MutOperand out_operand(const char* op, const char* name, const TensorView& t) {
   return {t.data, elem_kind(op, name, t.dtype)};
 }
@@ -123,15 +130,13 @@ void carve_forward(KdaParams& p, const Dims& d, Carver& carver) {
   p.decay = carver.take<float>(static_cast<int64_t>(d.capacity) * d.heads * d.dk);
 }
 
-void fill_common(KdaParams& p, const Dims& d, double scale, const TensorView& g, const TensorView& beta,
-                 const TensorView& cu_seqlens) {
+void fill_common(KdaParams& p, const Dims& d, double scale, const TensorView& beta, const TensorView& cu_seqlens) {
   p.tokens = d.tokens;
   p.heads = d.heads;
   p.segments = d.segments;
   p.capacity = d.capacity;
   p.scale = static_cast<float>(scale);
   p.cu_seqlens = static_cast<const int32_t*>(cu_seqlens.data);
-  p.g = static_cast<const float*>(g.data);
   p.beta = static_cast<const float*>(beta.data);
 }
 
@@ -151,7 +156,7 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
   const Dims d = dims_of(args.q, args.v, args.cu_seqlens);
   if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) return;
   KdaParams p;
-  fill_common(p, d, args.scale, args.g, args.beta, args.cu_seqlens);
+  fill_common(p, d, args.scale, args.beta, args.cu_seqlens);
   p.out = out_operand("kda_forward", "out", args.out);
   const int64_t rows = static_cast<int64_t>(d.tokens) * d.heads;
 
@@ -163,6 +168,7 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
     bf16* q16 = needs_copy(args.q) ? carver.take<bf16>(rows * d.dk) : nullptr;
     bf16* k16 = needs_copy(args.k) ? carver.take<bf16>(rows * d.dk) : nullptr;
     bf16* v16 = needs_copy(args.v) ? carver.take<bf16>(rows * d.dv) : nullptr;
+    float* g32 = aligned16(args.g.data) ? nullptr : carver.take<float>(rows * d.dk);
     carve_forward(p, d, carver);
     if (pass == 0) {
       CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&base), carver.bytes(), stream));
@@ -170,6 +176,7 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
       p.q = bf16_input(args.q, q16, stream);
       p.k = bf16_input(args.k, k16, stream);
       p.v = bf16_input(args.v, v16, stream);
+      p.g = g_input(args.g, g32, stream);
     }
   }
   build_chunk_table(p, stream);
@@ -182,7 +189,7 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
   const Dims d = dims_of(args.q, args.v, args.cu_seqlens);
   if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) return;
   KdaParams p;
-  fill_common(p, d, args.scale, args.g, args.beta, args.cu_seqlens);
+  fill_common(p, d, args.scale, args.beta, args.cu_seqlens);
   p.dq = out_operand("kda_backward", "dq", args.dq);
   p.dk = out_operand("kda_backward", "dk", args.dk);
   p.dv = out_operand("kda_backward", "dv", args.dv);
@@ -199,9 +206,11 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
     bf16* k16 = needs_copy(args.k) ? carver.take<bf16>(rows * d.dk) : nullptr;
     bf16* v16 = needs_copy(args.v) ? carver.take<bf16>(rows * d.dv) : nullptr;
     bf16* dout16 = needs_copy(args.dout) ? carver.take<bf16>(rows * d.dv) : nullptr;
+    float* g32 = aligned16(args.g.data) ? nullptr : carver.take<float>(rows * d.dk);
     carve_forward(p, d, carver);
     p.pkk = carver.take<float>(rows * kda::kChunk);
     p.minv = carver.take<bf16>(rows * kda::kChunk);
+    p.kg = carver.take<bf16>(rows * d.dk);
     p.state = carver.take<bf16>(states);
     p.dstate = carver.take<bf16>(states);
     p.vnew = carver.take<bf16>(rows * d.dv);
@@ -215,6 +224,7 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
       p.k = bf16_input(args.k, k16, stream);
       p.v = bf16_input(args.v, v16, stream);
       p.dout = bf16_input(args.dout, dout16, stream);
+      p.g = g_input(args.g, g32, stream);
     }
   }
   build_chunk_table(p, stream);

@@ -46,8 +46,7 @@ struct WySmem {
   static constexpr size_t kVBytes = sizeof(bf16) * kChunk * kVStride;
   static constexpr size_t kStateBytes = sizeof(bf16) * kDk * kVStride;
   static constexpr size_t cmax(size_t a, size_t b) { return a > b ? a : b; }
-  static constexpr size_t kK = 0;
-  static constexpr size_t kW = kK + kKBytes;
+  static constexpr size_t kW = 0;
   static constexpr size_t kKg = kW + kKBytes;
   static constexpr size_t kDw = kKg + kKBytes;
   static constexpr size_t kV = kDw + kKBytes;
@@ -69,7 +68,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
   using Smem = WySmem<kDk, kDv>;
   constexpr int kKS = Smem::kKStride, kVS = Smem::kVStride, kMS = Smem::kMStride, kPS = Smem::kPStride;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* k_st = reinterpret_cast<bf16*>(smem + Smem::kK);
   bf16* w_st = reinterpret_cast<bf16*>(smem + Smem::kW);
   bf16* kg_st = reinterpret_cast<bf16*>(smem + Smem::kKg);
   bf16* dw_st = reinterpret_cast<bf16*>(smem + Smem::kDw);
@@ -93,7 +91,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
   const int64_t row0 = static_cast<int64_t>(t0) * heads + head;
   const int64_t k_rows = static_cast<int64_t>(heads) * kDk, v_rows = static_cast<int64_t>(heads) * kDv;
 
-  load_tile_async<bf16, kDk>(k_st, kKS, p.k + row0 * kDk, k_rows, len);
   load_tile_async<bf16, kDk>(w_st, kKS, p.w + row0 * kDk, k_rows, len);
   load_tile_async<bf16, kDv>(v_st, kVS, p.v + row0 * kDv, v_rows, len);
   load_tile_async<bf16, kDv>(u_st, kVS, p.u + row0 * kDv, v_rows, len);
@@ -102,21 +99,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
                              kDk);
   load_tile_async<bf16, kChunk>(m_st, kMS, p.minv + row0 * kChunk, static_cast<int64_t>(heads) * kChunk, len);
   load_tile_async<float, kChunk>(p_st, kPS, p.pkk + row0 * kChunk, static_cast<int64_t>(heads) * kChunk, len);
+  load_tile_async<bf16, kDk>(kg_st, kKS, p.kg + row0 * kDk, k_rows, len);
   cp_async_commit();
   if (tid < kChunk) beta_st[tid] = tid < len ? p.beta[row0 + static_cast<int64_t>(tid) * heads] : 0.0f;
   cp_async_wait<0>();
   __syncthreads();
-
-  // kg = k exp(G): column tid's running sum of g.
-  if (tid < kDk) {
-    const float* g_col = p.g + row0 * kDk + tid;
-    float sum = 0.0f;
-#pragma unroll 8
-    for (int r = 0; r < kChunk; ++r) {
-      sum += r < len ? g_col[static_cast<int64_t>(r) * k_rows] : 0.0f;
-      kg_st[r * kKS + tid] = __float2bfloat16_rn(__bfloat162float(k_st[r * kKS + tid]) * __expf(sum));
-    }
-  }
   // dw = -dv_new S^T: warp (mb, nh) -> rows 16 mb, key columns nh Dk / 2.
   {
     constexpr int kTiles = kDk / 16;
@@ -131,7 +118,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
         store_bf16x2(dw_st + (16 * mb + g + 8 * h) * kKS + nh * (kDk / 2) + 8 * j + 2 * c, acc[j][2 * h],
                      acc[j][2 * h + 1]);
   }
-  __syncthreads();  // dw, kg visible; S no longer read (its space takes db, dc)
+  __syncthreads();  // dw visible; S no longer read (its space takes db, dc)
 
   // db = M^T dv_new -> dv = beta db; dc = M^T dw -> dkg = beta dc; their dbeta parts.
   float dbeta_part[2] = {0.0f, 0.0f};  // rows g, g + 8 of the warp's block
@@ -290,19 +277,21 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_b
   load_tile_async<bf16, kDv>(s_st, kVS, p.state + state0, kDv, kDh, kDh);
   load_tile_async<bf16, kDv>(ds_st, kVS, p.dstate + state0, kDv, kDh, kDh);
   load_tile_async<float, kChunk>(dp_st, kAS, p.dpkk + row0 * kChunk, static_cast<int64_t>(heads) * kChunk, len);
+  load_tile_async<float, kDh>(g_st, kFS, p.g + row0 * kDk + d_base, k_rows, len);
   cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
   if (tid < kDh) {
-    const float* g_col = p.g + row0 * kDk + d_base + tid;
+    // g -> its running sum G in place (log2 units) and the per-token decay exp(g).
     float sum = 0.0f;
 #pragma unroll 8
     for (int r = 0; r < kChunk; ++r) {
-      const float gv = r < len ? g_col[static_cast<int64_t>(r) * k_rows] : 0.0f;
+      const float gv = g_st[r * kFS + tid];
       sum += gv;
       g_st[r * kFS + tid] = sum * kLog2e;
       decay_st[r * kFS + tid] = exp2f(gv * kLog2e);
     }
   }
-  cp_async_wait<0>();
   __syncthreads();
 
   // ---- Products with the states (K = the value dims). Warp (mb, nh).

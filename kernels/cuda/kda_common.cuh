@@ -70,6 +70,7 @@ struct KdaParams {
   // ... and for the backward:
   float* pkk = nullptr;  // [T, H, 64]  sum_d k_i k_j exp(G_i - G_j), j < i (A without beta)
   bf16* minv = nullptr;  // [T, H, 64]  (I + A)^-1
+  bf16* kg = nullptr;    // [T, H, Dk]  k exp(G)
 
   // State sweeps (kda_state.cu).
   MutOperand out;          // [T, H, Dv]
@@ -312,7 +313,7 @@ void launch_kda_kernel(Kernel kernel, dim3 grid, int threads, size_t smem_bytes,
   CUDA_CHECK_LAUNCH();
 }
 
-// kda_intra.cu: w, u, qg, kt, aqk, decay (and pkk, minv when `for_backward`), one CTA per (chunk, head).
+// kda_intra.cu: w, u, qg, kt, aqk, decay (and pkk, minv, kg when `for_backward`), one CTA per (chunk, head).
 void launch_kda_intra(const KdaParams& p, int dk, int dv, bool for_backward, cudaStream_t stream);
 // kda_state.cu: the sequential sweeps, one CTA per (segment, head, 32 value columns).
 // Forward: out (or, `save`, state and vnew); backward: dstate and dvnew.

@@ -1,5 +1,6 @@
 // The chunk-local part of the KDA forward: everything that needs no state, one CTA (8 warps) per
-// (chunk, head), all intermediates in shared memory. With G the cumulative log decay inside the
+// (chunk, head), all intermediates in shared memory (the backward's call also writes P, M and
+// k exp(G), which its gradient kernels read instead of recomputing). With G the cumulative log decay inside the
 // chunk (log2 units in shared memory) and Ga = G - G_a:
 //   P[i, j]   = sum_d k_i k_j exp(G_i - G_j)           (j < i)       A = diag(beta) P
 //   Aqk[i, j] = scale sum_d q_i k_j exp(G_i - G_j)     (j <= i)
@@ -107,22 +108,24 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm90_bf16_
   load_tile_async<bf16, kDk>(k_st, kKS, p.k + row0 * kDk, static_cast<int64_t>(heads) * kDk, len);
   load_tile_async<bf16, kDk>(q_st, kKS, p.q + row0 * kDk, static_cast<int64_t>(heads) * kDk, len);
   load_tile_async<bf16, kDv>(v_st, kVS, p.v + row0 * kDv, static_cast<int64_t>(heads) * kDv, len);
+  load_tile_async<float, kDk>(g_st, kGS, p.g + row0 * kDk, static_cast<int64_t>(heads) * kDk, len);
   cp_async_commit();
   for (int i = tid; i < kChunk * kAS; i += kIntraThreads) p_st[i] = aqk_st[i] = 0.0f;
   if (tid < kChunk) beta_st[tid] = tid < len ? p.beta[row0 + static_cast<int64_t>(tid) * heads] : 0.0f;
+  cp_async_wait<0>();
+  __syncthreads();
   if (tid < kDk) {
-    // Column tid: the running sum of g (rows past the chunk add 0, so G stays at G_last there).
-    const float* g_col = p.g + row0 * kDk + tid;
+    // Column tid: g becomes its running sum G in place (rows past the chunk hold 0, so G stays
+    // at G_last there) and the per-token decay exp(g).
     float sum = 0.0f;
 #pragma unroll 8
     for (int r = 0; r < kChunk; ++r) {
-      const float gv = r < len ? g_col[static_cast<int64_t>(r) * heads * kDk] : 0.0f;
+      const float gv = g_st[r * kGS + tid];
       sum += gv;
       g_st[r * kGS + tid] = sum * kLog2e;
       decay_st[r * kGS + tid] = exp2f(gv * kLog2e);
     }
   }
-  cp_async_wait<0>();
   __syncthreads();
 
   // ---- Pairs inside a sub-chunk, exactly. Thread: row r = 16 b + i, a quarter of the d axis
@@ -330,6 +333,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm90_bf16_
       const int64_t at = (row0 + static_cast<int64_t>(r) * heads) * kDk + d0;
       store8(p.qg + at, qg);
       store8(p.kt + at, kt);
+      if constexpr (kForBackward) store8(p.kg + at, kg);
     }
   }
   if (tid < kDk) p.decay[(static_cast<int64_t>(chunk) * heads + head) * kDk + tid] = exp2f(g_st[last * kGS + tid]);
