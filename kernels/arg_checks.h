@@ -235,4 +235,53 @@ inline void expect_gated_rmsnorm_shapes(const char* op, const char* y_name, cons
   expect_numel(op, "rstd", rstd, rows_of(x));
 }
 
+// DSA family (kernels/ops.h, the DSA section).
+
+// x and `y_name` [rows, dim]; weight and bias [dim].
+inline void expect_layernorm_shapes(const char* op, const LayerNormArgs& args) {
+  const int64_t dim = last_dim(op, "x", args.x);
+  expect_shape(op, "y", args.y, args.x.shape);
+  expect_numel(op, "weight", args.weight, dim);
+  expect_numel(op, "bias", args.bias, dim);
+}
+
+// q [tokens, heads, dim], k [tokens, dim], weights [tokens, heads], topk_index [tokens, top_k].
+inline void expect_dsa_indexer_shapes(const char* op, const DsaIndexerArgs& args) {
+  expect_ndim(op, "q", args.q, 3);
+  const int64_t tokens = args.q.size(0), heads = args.q.size(1), dim = args.q.size(2);
+  expect_shape(op, "k", args.k, Shape{tokens, dim});
+  expect_shape(op, "weights", args.weights, Shape{tokens, heads});
+  expect(args.top_k >= 1, op, "top_k " + std::to_string(args.top_k) + " must be >= 1");
+  expect_shape(op, "topk_index", args.topk_index, Shape{tokens, args.top_k});
+}
+
+// q [tokens, heads, qk_dim], kv [tokens, qk_dim], `out_name` [tokens, heads, v_dim <= qk_dim],
+// lse [tokens, heads], topk_index [tokens, top_k].
+inline void expect_sparse_attention_shapes(const char* op, const TensorView& q, const TensorView& kv,
+                                           const char* out_name, const TensorView& out, const TensorView& lse,
+                                           const TensorView& topk_index) {
+  expect_ndim(op, "q", q, 3);
+  const int64_t tokens = q.size(0), heads = q.size(1), qk_dim = q.size(2);
+  expect_shape(op, "kv", kv, Shape{tokens, qk_dim});
+  expect_ndim(op, out_name, out, 3);
+  expect(out.size(0) == tokens && out.size(1) == heads && out.size(2) >= 1 && out.size(2) <= qk_dim, op,
+         describe(out_name, out) + " should be [tokens, heads, v_dim <= qk_dim] for " + describe("q", q));
+  expect_numel(op, "lse", lse, tokens * heads);
+  expect_ndim(op, "topk_index", topk_index, 2);
+  expect(topk_index.size(0) == tokens && topk_index.size(1) >= 1, op,
+         describe("topk_index", topk_index) + " should be [tokens, top_k >= 1] for " + describe("q", q));
+}
+
+// x and `y_name` [tokens, heads, dim]; gate [tokens, heads] (headwise) or [tokens, heads * dim].
+inline void expect_attention_gate_shapes(const char* op, const char* y_name, const TensorView& y, const TensorView& x,
+                                         const TensorView& gate, bool headwise) {
+  expect_ndim(op, "x", x, 3);
+  expect_shape(op, y_name, y, x.shape);
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const Shape expected = headwise ? Shape{tokens, heads} : Shape{tokens, heads * dim};
+  expect(gate.numel() == expected.numel() && rows_of(gate) == tokens, op,
+         describe("gate", gate) + " should be " + expected.str() + (headwise ? " (headwise)" : " (elementwise)") +
+             " for " + describe("x", x));
+}
+
 }  // namespace moetrain::kernels

@@ -176,6 +176,24 @@ void TimingBackend::sigmoid_forward(const TensorView& y, const TensorView& x) {
 void TimingBackend::sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) {
   timed("sigmoid_backward", [&] { inner_.sigmoid_backward(dx, dy, y); });
 }
+void TimingBackend::layernorm_forward(const LayerNormArgs& args) {
+  timed("layernorm_forward", [&] { inner_.layernorm_forward(args); });
+}
+void TimingBackend::dsa_indexer_topk(const DsaIndexerArgs& args) {
+  timed("dsa_indexer_topk", [&] { inner_.dsa_indexer_topk(args); });
+}
+void TimingBackend::sparse_attention_forward(const SparseAttentionArgs& args) {
+  timed("sparse_attention_forward", [&] { inner_.sparse_attention_forward(args); });
+}
+void TimingBackend::sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
+  timed("sparse_attention_backward", [&] { inner_.sparse_attention_backward(args); });
+}
+void TimingBackend::attention_gate_forward(const AttentionGateArgs& args) {
+  timed("attention_gate_forward", [&] { inner_.attention_gate_forward(args); });
+}
+void TimingBackend::attention_gate_backward(const AttentionGateBackwardArgs& args) {
+  timed("attention_gate_backward", [&] { inner_.attention_gate_backward(args); });
+}
 
 namespace {
 

@@ -102,6 +102,12 @@ class TimingBackend final : public Backend {
   void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) override;
   void sigmoid_forward(const TensorView& y, const TensorView& x) override;
   void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) override;
+  void layernorm_forward(const LayerNormArgs& args) override;
+  void dsa_indexer_topk(const DsaIndexerArgs& args) override;
+  void sparse_attention_forward(const SparseAttentionArgs& args) override;
+  void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override;
+  void attention_gate_forward(const AttentionGateArgs& args) override;
+  void attention_gate_backward(const AttentionGateBackwardArgs& args) override;
 
  private:
   struct Total {

@@ -9,8 +9,10 @@
 
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/attention_gate.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/dense.h"
+#include "kernels/cpu/dsa.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/kda.h"
 #include "kernels/cpu/kda_gate.h"
@@ -557,6 +559,65 @@ class CpuBackend final : public Backend {
     dispatch(op, dtype, [&](auto t) { cpu::sigmoid_backward<decltype(t)>(dx, dy, y); });
   }
 
+  void layernorm_forward(const LayerNormArgs& args) override {
+    const char* op = "layernorm_forward";
+    const DType dtype = compute_dtype(
+        op, {{"y", &args.y}, {"x", &args.x}, {"weight", &args.weight}, {"bias", &args.bias}});
+    expect_layernorm_shapes(op, args);
+    dispatch(op, dtype, [&](auto t) { cpu::layernorm_forward<decltype(t)>(args); });
+  }
+
+  void dsa_indexer_topk(const DsaIndexerArgs& args) override {
+    const char* op = "dsa_indexer_topk";
+    const DType dtype = compute_dtype(op, {{"q", &args.q}, {"k", &args.k}, {"weights", &args.weights}});
+    expect_dsa_indexer_shapes(op, args);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0));
+    dispatch(op, dtype, [&](auto t) { cpu::dsa_indexer_topk<decltype(t)>(args); });
+  }
+
+  void sparse_attention_forward(const SparseAttentionArgs& args) override {
+    const char* op = "sparse_attention_forward";
+    const DType dtype = compute_dtype(op, {{"out", &args.out}, {"lse", &args.lse}, {"q", &args.q}, {"kv", &args.kv}});
+    expect_sparse_attention_shapes(op, args.q, args.kv, "out", args.out, args.lse, args.topk_index);
+    check_selection(op, args.topk_index);
+    dispatch(op, dtype, [&](auto t) { cpu::sparse_attention_forward<decltype(t)>(args); });
+  }
+
+  void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override {
+    const char* op = "sparse_attention_backward";
+    const DType dtype = compute_dtype(op, {{"dq", &args.dq},
+                                           {"dkv", &args.dkv},
+                                           {"dout", &args.dout},
+                                           {"q", &args.q},
+                                           {"kv", &args.kv},
+                                           {"out", &args.out},
+                                           {"lse", &args.lse}});
+    expect_sparse_attention_shapes(op, args.q, args.kv, "out", args.out, args.lse, args.topk_index);
+    expect_shape(op, "dout", args.dout, args.out.shape);
+    expect_shape(op, "dq", args.dq, args.q.shape);
+    expect_shape(op, "dkv", args.dkv, args.kv.shape);
+    check_selection(op, args.topk_index);
+    dispatch(op, dtype, [&](auto t) { cpu::sparse_attention_backward<decltype(t)>(args); });
+  }
+
+  void attention_gate_forward(const AttentionGateArgs& args) override {
+    const char* op = "attention_gate_forward";
+    const DType dtype = compute_dtype(op, {{"y", &args.y}, {"x", &args.x}, {"gate", &args.gate}});
+    expect_attention_gate_shapes(op, "y", args.y, args.x, args.gate, args.headwise);
+    dispatch(op, dtype, [&](auto t) { cpu::attention_gate_forward<decltype(t)>(args); });
+  }
+
+  void attention_gate_backward(const AttentionGateBackwardArgs& args) override {
+    const char* op = "attention_gate_backward";
+    const DType dtype = compute_dtype(
+        op, {{"dx", &args.dx}, {"dgate", &args.dgate}, {"dy", &args.dy}, {"x", &args.x}, {"gate", &args.gate}});
+    expect_attention_gate_shapes(op, "dy", args.dy, args.x, args.gate, args.headwise);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dgate", args.dgate, args.gate.shape);
+    dispatch(op, dtype, [&](auto t) { cpu::attention_gate_backward<decltype(t)>(args); });
+  }
+
  private:
   static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
                               const TensorView& ids) {
@@ -568,6 +629,28 @@ class CpuBackend final : public Backend {
                               const TensorView& out, const TensorView& lse, const TensorView& cu_seqlens) {
     expect_attention_shapes(op, q, k, v, out, lse);
     expect_offsets(op, "cu_seqlens", cu_seqlens, q.size(0));
+  }
+
+  // Each row t of a sparse attention's topk_index: keys in [0, t], strictly ascending, then only -1s.
+  static void check_selection(const char* op, const TensorView& topk_index) {
+    expect_dtype(op, "topk_index", topk_index, DType::kI32);
+    const int64_t top_k = topk_index.size(1);
+    const int32_t* p = topk_index.ptr<int32_t>();
+    for (int64_t t = 0; t < topk_index.size(0); ++t) {
+      const int32_t* row = p + t * top_k;
+      int64_t i = 0;
+      for (; i < top_k && row[i] >= 0; ++i) {
+        expect(row[i] <= t && (i == 0 || row[i] > row[i - 1]), op,
+               "topk_index[" + std::to_string(t) + ", " + std::to_string(i) + "] = " + std::to_string(row[i]) +
+                   ": a query's keys must be rows <= the query's own (" + std::to_string(t) +
+                   "), in strictly ascending order");
+      }
+      for (; i < top_k; ++i) {
+        expect(row[i] == -1, op,
+               "topk_index[" + std::to_string(t) + ", " + std::to_string(i) + "] = " + std::to_string(row[i]) +
+                   ": after the first -1 a row holds only -1 (padding)");
+      }
+    }
   }
 
   static void check_combine(const char* op, const TensorView& out, const TensorView& rows, const TensorView& weight,

@@ -711,6 +711,24 @@ class CudaBackend final : public Backend {
   }
   // ---- KDA end
 
+  // ---- DSA placeholder: BEGIN (replaced by the CUDA DSA kernels; the CPU reference is kernels/cpu/dsa.h) ----
+  [[noreturn]] static void dsa_not_implemented(const char* op) {
+    fail(op, "dsa ops are not implemented on CUDA yet");
+  }
+  void layernorm_forward(const LayerNormArgs&) override { dsa_not_implemented("layernorm_forward"); }
+  void dsa_indexer_topk(const DsaIndexerArgs&) override { dsa_not_implemented("dsa_indexer_topk"); }
+  void sparse_attention_forward(const SparseAttentionArgs&) override {
+    dsa_not_implemented("sparse_attention_forward");
+  }
+  void sparse_attention_backward(const SparseAttentionBackwardArgs&) override {
+    dsa_not_implemented("sparse_attention_backward");
+  }
+  void attention_gate_forward(const AttentionGateArgs&) override { dsa_not_implemented("attention_gate_forward"); }
+  void attention_gate_backward(const AttentionGateBackwardArgs&) override {
+    dsa_not_implemented("attention_gate_backward");
+  }
+  // ---- DSA placeholder: END ----
+
  private:
   static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
                               const TensorView& ids) {

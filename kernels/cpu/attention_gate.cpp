@@ -1,0 +1,59 @@
+#include "kernels/cpu/attention_gate.h"
+
+#include <cmath>
+
+namespace moetrain::kernels::cpu {
+namespace {
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+}  // namespace
+
+template <typename T>
+void attention_gate_forward(const AttentionGateArgs& args) {
+  const int64_t rows = args.x.size(0) * args.x.size(1), dim = args.x.size(2);
+  const T* x = args.x.ptr<T>();
+  const T* gate = args.gate.ptr<T>();
+  T* y = args.y.ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < dim; ++c) {
+      const int64_t i = r * dim + c;
+      const double s = sigmoid(static_cast<double>(gate[args.headwise ? r : i]));
+      y[i] = static_cast<T>(static_cast<double>(x[i]) * s);
+    }
+  }
+}
+
+template <typename T>
+void attention_gate_backward(const AttentionGateBackwardArgs& args) {
+  const int64_t rows = args.x.size(0) * args.x.size(1), dim = args.x.size(2);
+  const T* x = args.x.ptr<T>();
+  const T* gate = args.gate.ptr<T>();
+  const T* dy = args.dy.ptr<T>();
+  T* dx = args.dx.ptr<T>();
+  T* dgate = args.dgate.ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (args.headwise) {
+      const double s = sigmoid(static_cast<double>(gate[r]));
+      double dot = 0.0;
+      for (int64_t c = 0; c < dim; ++c) dot += static_cast<double>(dy[r * dim + c]) * static_cast<double>(x[r * dim + c]);
+      dgate[r] = static_cast<T>(dot * s * (1.0 - s));
+      for (int64_t c = 0; c < dim; ++c) dx[r * dim + c] = static_cast<T>(static_cast<double>(dy[r * dim + c]) * s);
+      continue;
+    }
+    for (int64_t c = 0; c < dim; ++c) {
+      const int64_t i = r * dim + c;
+      const double s = sigmoid(static_cast<double>(gate[i]));
+      const double g = static_cast<double>(dy[i]);
+      dgate[i] = static_cast<T>(g * static_cast<double>(x[i]) * s * (1.0 - s));
+      dx[i] = static_cast<T>(g * s);
+    }
+  }
+}
+
+template void attention_gate_forward<float>(const AttentionGateArgs&);
+template void attention_gate_forward<double>(const AttentionGateArgs&);
+template void attention_gate_backward<float>(const AttentionGateBackwardArgs&);
+template void attention_gate_backward<double>(const AttentionGateBackwardArgs&);
+
+}  // namespace moetrain::kernels::cpu

@@ -1,0 +1,185 @@
+#include "kernels/cpu/dsa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace moetrain::kernels::cpu {
+namespace {
+
+template <typename T>
+double dot(const T* a, const T* b, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+  return s;
+}
+
+// The valid (>= 0) entries at the front of a topk_index row.
+int64_t selected_count(const int32_t* row, int64_t top_k) {
+  int64_t n = 0;
+  while (n < top_k && row[n] >= 0) ++n;
+  return n;
+}
+
+}  // namespace
+
+template <typename T>
+void layernorm_forward(const LayerNormArgs& args) {
+  const int64_t dim = args.x.size(-1);
+  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const T* x = args.x.ptr<T>();
+  const T* weight = args.weight.ptr<T>();
+  const T* bias = args.bias.ptr<T>();
+  T* y = args.y.ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    double mean = 0.0;
+    for (int64_t j = 0; j < dim; ++j) mean += static_cast<double>(xr[j]);
+    mean /= static_cast<double>(dim);
+    double var = 0.0;
+    for (int64_t j = 0; j < dim; ++j) var += (static_cast<double>(xr[j]) - mean) * (static_cast<double>(xr[j]) - mean);
+    const double rstd = 1.0 / std::sqrt(var / static_cast<double>(dim) + args.eps);
+    T* yr = y + r * dim;  // may be xr: each element is read before it is written
+    for (int64_t j = 0; j < dim; ++j) {
+      yr[j] = static_cast<T>((static_cast<double>(xr[j]) - mean) * rstd * static_cast<double>(weight[j]) +
+                             static_cast<double>(bias[j]));
+    }
+  }
+}
+
+template <typename T>
+void dsa_indexer_topk(const DsaIndexerArgs& args) {
+  const int64_t heads = args.q.size(1), dim = args.q.size(2);
+  const int64_t top_k = args.top_k;
+  const T* q = args.q.ptr<T>();
+  const T* k = args.k.ptr<T>();
+  const T* w = args.weights.ptr<T>();
+  int32_t* out = args.topk_index.ptr<int32_t>();
+  const int32_t* cu = args.cu_seqlens.ptr<int32_t>();
+  const int64_t segments = args.cu_seqlens.numel() - 1;
+
+  // (score, key) with the better first: higher score, then lower key. A NaN score ranks last.
+  auto better = [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::vector<std::pair<double, int64_t>> scored;
+  for (int64_t seg = 0; seg < segments; ++seg) {
+    const int64_t begin = cu[seg], end = cu[seg + 1];
+    for (int64_t t = begin; t < end; ++t) {
+      scored.clear();
+      for (int64_t s = begin; s <= t; ++s) {
+        double score = 0.0;
+        for (int64_t j = 0; j < heads; ++j) {
+          const double logit = dot(q + (t * heads + j) * dim, k + s * dim, dim);
+          score += static_cast<double>(w[t * heads + j]) * std::max(logit, 0.0);
+        }
+        score *= args.scale;
+        scored.emplace_back(std::isnan(score) ? -std::numeric_limits<double>::infinity() : score, s);
+      }
+      const int64_t kept = std::min<int64_t>(top_k, static_cast<int64_t>(scored.size()));
+      std::nth_element(scored.begin(), scored.begin() + (kept - 1), scored.end(), better);
+      std::sort(scored.begin(), scored.begin() + kept,
+                [](const auto& a, const auto& b) { return a.second < b.second; });
+      int32_t* row = out + t * top_k;
+      for (int64_t i = 0; i < top_k; ++i) row[i] = i < kept ? static_cast<int32_t>(scored[i].second) : -1;
+    }
+  }
+}
+
+template <typename T>
+void sparse_attention_forward(const SparseAttentionArgs& args) {
+  const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2);
+  const int64_t v_dim = args.out.size(2), top_k = args.topk_index.size(1);
+  const T* q = args.q.ptr<T>();
+  const T* kv = args.kv.ptr<T>();
+  const int32_t* index = args.topk_index.ptr<int32_t>();
+  T* out = args.out.ptr<T>();
+  T* lse = args.lse.ptr<T>();
+
+  std::vector<double> logits(static_cast<size_t>(top_k));
+  std::vector<double> acc(static_cast<size_t>(v_dim));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t* selected = index + t * top_k;
+    const int64_t count = selected_count(selected, top_k);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* qt = q + (t * heads + h) * qk_dim;
+      // The same arithmetic, in the same order, as attention_forward over keys begin..t.
+      double max_logit = -std::numeric_limits<double>::infinity();
+      for (int64_t i = 0; i < count; ++i) {
+        logits[i] = args.scale * dot(qt, kv + selected[i] * qk_dim, qk_dim);
+        max_logit = std::max(max_logit, logits[i]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      double denom = 0.0;
+      for (int64_t i = 0; i < count; ++i) {
+        const double p = std::exp(logits[i] - max_logit);
+        denom += p;
+        const T* value = kv + selected[i] * qk_dim;
+        for (int64_t c = 0; c < v_dim; ++c) acc[c] += p * static_cast<double>(value[c]);
+      }
+      T* ot = out + (t * heads + h) * v_dim;
+      for (int64_t c = 0; c < v_dim; ++c) ot[c] = count > 0 ? static_cast<T>(acc[c] / denom) : T(0);
+      lse[t * heads + h] = static_cast<T>(count > 0 ? max_logit + std::log(denom) : max_logit);
+    }
+  }
+}
+
+template <typename T>
+void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
+  const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2);
+  const int64_t v_dim = args.out.size(2), top_k = args.topk_index.size(1);
+  const T* q = args.q.ptr<T>();
+  const T* kv = args.kv.ptr<T>();
+  const T* out = args.out.ptr<T>();
+  const T* dout = args.dout.ptr<T>();
+  const T* lse = args.lse.ptr<T>();
+  const int32_t* index = args.topk_index.ptr<int32_t>();
+  T* dq = args.dq.ptr<T>();
+  T* dkv = args.dkv.ptr<T>();
+
+  // dkv is a sum over every (query, head) that selected the row: accumulated in double over
+  // queries, heads and selected keys in ascending order.
+  std::vector<double> dkv_acc(static_cast<size_t>(tokens * qk_dim), 0.0);
+  std::vector<double> dq_acc(static_cast<size_t>(qk_dim));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t* selected = index + t * top_k;
+    const int64_t count = selected_count(selected, top_k);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = t * heads + h;
+      const T* qt = q + row * qk_dim;
+      const T* dout_t = dout + row * v_dim;
+      const double row_lse = static_cast<double>(lse[row]);
+      const double delta = dot(dout_t, out + row * v_dim, v_dim);
+      std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t s = selected[i];
+        const T* kvs = kv + s * qk_dim;
+        const double p = std::exp(args.scale * dot(qt, kvs, qk_dim) - row_lse);
+        const double dp = dot(dout_t, kvs, v_dim);
+        const double ds = p * (dp - delta) * args.scale;
+        double* dkvs = dkv_acc.data() + s * qk_dim;
+        for (int64_t c = 0; c < qk_dim; ++c) {
+          dq_acc[c] += ds * static_cast<double>(kvs[c]);
+          dkvs[c] += ds * static_cast<double>(qt[c]);
+        }
+        for (int64_t c = 0; c < v_dim; ++c) dkvs[c] += p * static_cast<double>(dout_t[c]);
+      }
+      T* dqt = dq + row * qk_dim;
+      for (int64_t c = 0; c < qk_dim; ++c) dqt[c] = static_cast<T>(dq_acc[c]);
+    }
+  }
+  for (int64_t i = 0; i < tokens * qk_dim; ++i) dkv[i] = static_cast<T>(dkv_acc[i]);
+}
+
+template void layernorm_forward<float>(const LayerNormArgs&);
+template void layernorm_forward<double>(const LayerNormArgs&);
+template void dsa_indexer_topk<float>(const DsaIndexerArgs&);
+template void dsa_indexer_topk<double>(const DsaIndexerArgs&);
+template void sparse_attention_forward<float>(const SparseAttentionArgs&);
+template void sparse_attention_forward<double>(const SparseAttentionArgs&);
+template void sparse_attention_backward<float>(const SparseAttentionBackwardArgs&);
+template void sparse_attention_backward<double>(const SparseAttentionBackwardArgs&);
+
+}  // namespace moetrain::kernels::cpu
