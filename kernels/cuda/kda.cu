@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/kda_common.cuh"
 #include "kernels/cuda/memory.h"
 
@@ -140,6 +141,13 @@ void fill_common(KdaParams& p, const Dims& d, double scale, const TensorView& be
   p.beta = static_cast<const float*>(beta.data);
 }
 
+// The call's scratch from the backend's device allocator. Handing it back as the call returns,
+// before its kernels have run, is safe as for any temporary tensor: every user of a block is on
+// the backend's one stream (kernels/caching_allocator.h), and a same-sized call reuses the block.
+Tensor call_scratch(size_t bytes) {
+  return Tensor(Shape{static_cast<int64_t>(bytes)}, DType::kU8, cuda::device_allocator());
+}
+
 void build_chunk_table(const KdaParams& p, cudaStream_t stream) {
   kda_chunk_table_kernel<<<1, kTableThreads, 0, stream>>>(const_cast<int32_t*>(p.chunk_offsets), p.cu_seqlens,
                                                           p.segments, p.tokens, p.capacity);
@@ -161,6 +169,7 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(d.tokens) * d.heads;
 
   // Two passes over the same carving: sizes, then pointers into one allocation.
+  Tensor scratch;
   char* base = nullptr;
   for (int pass = 0; pass < 2; ++pass) {
     Carver carver(base);
@@ -171,7 +180,8 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
     float* g32 = aligned16(args.g.data) ? nullptr : carver.take<float>(rows * d.dk);
     carve_forward(p, d, carver);
     if (pass == 0) {
-      CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&base), carver.bytes(), stream));
+      scratch = call_scratch(carver.bytes());
+      base = static_cast<char*>(scratch.data());
     } else {
       p.q = bf16_input(args.q, q16, stream);
       p.k = bf16_input(args.k, k16, stream);
@@ -182,7 +192,6 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
   build_chunk_table(p, stream);
   kda::launch_kda_intra(p, d.dk, d.dv, /*for_backward=*/false, stream);
   kda::launch_kda_state_forward(p, d.dk, d.dv, /*save=*/false, stream);
-  CUDA_CHECK(cudaFreeAsync(base, stream));
 }
 
 void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
@@ -198,6 +207,7 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(d.tokens) * d.heads;
   const int64_t states = static_cast<int64_t>(d.capacity) * d.heads * d.dk * d.dv;
 
+  Tensor scratch;
   char* base = nullptr;
   for (int pass = 0; pass < 2; ++pass) {
     Carver carver(base);
@@ -218,7 +228,8 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
     p.dpkk = carver.take<float>(rows * kda::kChunk);
     p.dkg = carver.take<float>(rows * d.dk);
     if (pass == 0) {
-      CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&base), carver.bytes(), stream));
+      scratch = call_scratch(carver.bytes());
+      base = static_cast<char*>(scratch.data());
     } else {
       p.q = bf16_input(args.q, q16, stream);
       p.k = bf16_input(args.k, k16, stream);
@@ -233,7 +244,6 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
   kda::launch_kda_state_backward(p, d.dk, d.dv, stream);
   kda::launch_kda_wy_backward(p, d.dk, d.dv, stream);
   kda::launch_kda_intra_backward(p, d.dk, d.dv, stream);
-  CUDA_CHECK(cudaFreeAsync(base, stream));
 }
 
 }  // namespace moetrain::kernels::cuda_ops

@@ -18,8 +18,8 @@ namespace moetrain::kernels::cuda_ops {
 
 bool kda_head_dims_supported(int64_t k_dim, int64_t v_dim);
 
-// Scratch (BF16 copies, chunk-local intermediates, states) is stream-ordered device memory,
-// allocated and freed on `stream` within the call.
+// Scratch (BF16 copies, chunk-local intermediates, states; about 1.2 KB per token and head
+// forward, 4 KB backward at head dims 128) comes from the device allocator for the call.
 void kda_forward(const KdaArgs& args, cudaStream_t stream);
 void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream);
 

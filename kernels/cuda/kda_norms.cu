@@ -8,7 +8,9 @@
 // the same lane writes the same elements. Sums in fixed order: deterministic.
 #include "kernels/cuda/kda_norms.h"
 
+#include "core/base/tensor.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/element_access.cuh"
 
 namespace moetrain::kernels::cuda_ops {
@@ -184,15 +186,15 @@ void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args, cudaStream_t s
   const int64_t chunks = (s.rows + rows_per_chunk - 1) / rows_per_chunk;
   constexpr int kThreads = 256;
   const unsigned column_blocks = static_cast<unsigned>((s.dim + kThreads - 1) / kThreads);
-  float* partial = nullptr;
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial), sizeof(float) * chunks * s.dim, stream));
+  // A temporary like any other (the backend's one stream orders its use).
+  Tensor partials(Shape{chunks * s.dim}, DType::kF32, cuda::device_allocator());
+  float* partial = partials.ptr<float>();
   gated_rmsnorm_dweight_partial_kernel<<<dim3(column_blocks, static_cast<unsigned>(chunks)), kThreads, 0, stream>>>(
       partial, in(args.dy), in(args.x), in(args.gate), rstd, s.rows, s.dim, rows_per_chunk);
   CUDA_CHECK_LAUNCH();
   column_total_kernel<<<column_blocks, kThreads, 0, stream>>>(static_cast<float*>(args.dweight.data), partial, chunks,
                                                               s.dim);
   CUDA_CHECK_LAUNCH();
-  CUDA_CHECK(cudaFreeAsync(partial, stream));
 }
 
 }  // namespace moetrain::kernels::cuda_ops

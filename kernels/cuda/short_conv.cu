@@ -11,7 +11,9 @@
 #include "kernels/cuda/short_conv.h"
 
 #include "kernels/cuda/attention_segments.cuh"
+#include "core/base/tensor.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/element_access.cuh"
 
 namespace moetrain::kernels::cuda_ops {
@@ -191,11 +193,13 @@ void short_conv_backward(const ShortConvBackwardArgs& args, cudaStream_t stream)
     return;
   }
   const dim3 grid = grid_of(s);
-  float* partial = nullptr;
+  // Per-tile partial sums: a temporary like any other (the backend's one stream orders its use).
+  Tensor partials;
   if (want_dweight) {
-    const size_t bytes = sizeof(float) * grid.y * s.channels * kShortConvMaxWidth;
-    CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&partial), bytes, stream));
+    partials = Tensor(Shape{static_cast<int64_t>(grid.y) * s.channels * kShortConvMaxWidth}, DType::kF32,
+                      cuda::device_allocator());
   }
+  float* partial = want_dweight ? partials.ptr<float>() : nullptr;
   short_conv_backward_kernel<<<grid, kConvThreads, 0, stream>>>(
       {args.dx.data, kind_of(args.dx.dtype)}, partial, {args.dy.data, kind_of(args.dy.dtype)},
       {args.x.data, kind_of(args.x.dtype)}, {args.weight.data, kind_of(args.weight.dtype)},
@@ -206,7 +210,6 @@ void short_conv_backward(const ShortConvBackwardArgs& args, cudaStream_t stream)
     short_conv_dweight_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
         static_cast<float*>(args.dweight.data), partial, grid.y, s);
     CUDA_CHECK_LAUNCH();
-    CUDA_CHECK(cudaFreeAsync(partial, stream));
   }
 }
 
