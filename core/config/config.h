@@ -66,6 +66,19 @@ struct KdaConfig {
   bool full_rank_output_gate = false;    // K3: g_proj [H d, D] instead of g_a_proj -> g_b_proj
 };
 
+// DeepSeek Sparse Attention (the `dsa` mixer; transformers `deepseek_v32`): MLA (shaped by
+// model.mla, q LoRA required) whose queries attend only to the index_topk keys a frozen lightning
+// indexer of index_n_heads heads of index_head_dim picks (kernels/ops.h, the DSA section).
+struct DsaConfig {
+  int64_t index_n_heads = 4;
+  int64_t index_head_dim = 16;
+  int64_t index_topk = 2048;
+  // The indexer's rope on its first qk_rope_head_dim columns: false rotates the halves
+  // (transformers' deepseek_v32, DeepSeek-V3.2's inference code), true interleaved pairs (GLM-5's
+  // `indexer_rope_interleave`).
+  bool indexer_rope_interleave = false;
+};
+
 struct ModelConfig {
   std::optional<std::string> hf_dir;     // a Hugging Face model directory; fields below override it
   std::string model_type = "deepseek_v3";
@@ -78,9 +91,12 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 4096;
+  // A sigmoid gate on the attention output of mla and dsa layers before o_proj: y = attn *
+  // sigmoid(g_proj(x)), one gate per head (headwise) or per channel (elementwise, Kimi K3's).
   std::string attention_gate = "none";   // none | headwise | elementwise
   MlaConfig mla;
   KdaConfig kda;
+  DsaConfig dsa;
   MoeConfig moe;
 };
 

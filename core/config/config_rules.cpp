@@ -179,6 +179,27 @@ void check_kda(const KdaConfig& k, Rules& r) {
   }
 }
 
+// The dsa section's own ranges, and what a dsa layer needs of MLA: a q latent for the indexer's
+// queries, and room in the indexer heads for the rotated columns.
+void check_dsa(const ModelConfig& m, Rules& r) {
+  const DsaConfig& d = m.dsa;
+  r.positive("model.dsa.index_n_heads", d.index_n_heads);
+  r.positive("model.dsa.index_head_dim", d.index_head_dim);
+  r.positive("model.dsa.index_topk", d.index_topk);
+  if (std::find(m.layers.begin(), m.layers.end(), "dsa") == m.layers.end()) return;
+  if (r.known({"model.mla.q_lora_rank"}) && !m.mla.q_lora_rank) {
+    r.fail({"model.layers", "model.mla.q_lora_rank"},
+           "`model.layers` has dsa layers but `model.mla.q_lora_rank` is null: the DSA indexer takes its queries "
+           "from the q latent (q_a_proj); set model.mla.q_lora_rank (DeepSeek-V3.2: 1536)");
+  }
+  if (r.known({"model.mla.use_rope", "model.mla.qk_rope_head_dim", "model.dsa.index_head_dim"}) && m.mla.use_rope &&
+      d.index_head_dim < m.mla.qk_rope_head_dim) {
+    r.fail({"model.dsa.index_head_dim", "model.mla.qk_rope_head_dim"},
+           "`model.dsa.index_head_dim` = " + show(d.index_head_dim) + " is smaller than `model.mla.qk_rope_head_dim` = " +
+               show(m.mla.qk_rope_head_dim) + ": the indexer rotates its first qk_rope_head_dim columns");
+  }
+}
+
 void check_moe(const MoeConfig& e, Rules& r) {
   r.positive("model.moe.num_experts", e.num_experts);
   r.positive("model.moe.top_k", e.top_k);
@@ -249,6 +270,7 @@ void check_model(const ModelConfig& m, Rules& r) {
   }
   check_mla(m.mla, r);
   check_kda(m.kda, r);
+  check_dsa(m, r);
   check_moe(m.moe, r);
 }
 

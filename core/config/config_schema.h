@@ -49,6 +49,14 @@ void visit_fields(V& v, KdaConfig& c) {
 }
 
 template <class V>
+void visit_fields(V& v, DsaConfig& c) {
+  v.field("index_n_heads", c.index_n_heads);
+  v.field("index_head_dim", c.index_head_dim);
+  v.field("index_topk", c.index_topk);
+  v.field("indexer_rope_interleave", c.indexer_rope_interleave);
+}
+
+template <class V>
 void visit_fields(V& v, MoeConfig& c) {
   v.field("num_experts", c.num_experts);
   v.field("top_k", c.top_k);
@@ -82,6 +90,7 @@ void visit_fields(V& v, ModelConfig& c) {
   v.field("attention_gate", c.attention_gate);
   v.section("mla", c.mla);
   v.section("kda", c.kda);
+  v.section("dsa", c.dsa);
   v.section("moe", c.moe);
 }
 

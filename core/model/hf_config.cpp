@@ -1,4 +1,5 @@
-// Hugging Face config.json -> the model section, for model_type deepseek_v3 and kimi_linear.
+// Hugging Face config.json -> the model section, for model_type deepseek_v3, deepseek_v32 and
+// kimi_linear.
 // docs/HF_SEMANTICS.md says what each key means. Kimi-Linear's config.json comes in two
 // spellings: the released checkpoint's (Moonshot's remote code: linear_attn_config, num_experts,
 // moe_renormalize, model_max_length, ...) and what transformers 5 writes when it saves one
@@ -198,13 +199,13 @@ std::vector<std::string> kimi_layers(const Json& json, const HfJson& hf, int64_t
 }
 
 // Dense FFN layers first, then MoE: transformers' mlp_layer_types, or first_k_dense_replace
-// (default 1, as both implementations have it).
-int64_t kimi_first_k_dense(const HfJson& hf, int64_t num_layers) {
+// (default: the model type's).
+int64_t first_k_dense_from_hf(const HfJson& hf, int64_t num_layers, int64_t default_first_k) {
   const std::string& source = hf.source();
   MOETRAIN_CHECK(hf.get_or<int64_t>("moe_layer_freq", 1) == 1, ExitCode::kBadConfig,
                  fmt::format("{}: moe_layer_freq {} is not supported (every layer after the dense ones is MoE)", source,
                              hf.get_or<int64_t>("moe_layer_freq", 1)));
-  if (!hf.has("mlp_layer_types")) return hf.get_or<int64_t>("first_k_dense_replace", 1);
+  if (!hf.has("mlp_layer_types")) return hf.get_or<int64_t>("first_k_dense_replace", default_first_k);
   const auto types = hf.get<std::vector<std::string>>("mlp_layer_types");
   MOETRAIN_CHECK(static_cast<int64_t>(types.size()) == num_layers, ExitCode::kBadConfig,
                  fmt::format("{}: mlp_layer_types has {} entries for {} layers", source, types.size(), num_layers));
@@ -261,7 +262,7 @@ ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
   m.hidden_size = hf.get<int64_t>("hidden_size");
   m.num_layers = hf.get<int64_t>("num_hidden_layers");
   m.intermediate_size = hf.get<int64_t>("intermediate_size");
-  m.first_k_dense = kimi_first_k_dense(hf, m.num_layers);
+  m.first_k_dense = first_k_dense_from_hf(hf, m.num_layers, 1);  // 1: both implementations' default
   m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-5);
   m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);
   m.max_position_embeddings = hf.get_any_or<int64_t>({"model_max_length", "max_position_embeddings"}, 1048576);
@@ -274,8 +275,8 @@ ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
   // rotates anything; the qk_rope_head_dim part of q and k stays, unrotated.
   mla_from_hf(hf, m.mla);
   m.mla.use_rope = false;
-  MOETRAIN_CHECK(!hf.get_or<bool>("mla_use_output_gate", false), ExitCode::kBadConfig,
-                 fmt::format("{}: mla_use_output_gate (Kimi K3's gated MLA) is not supported yet", source));
+  // Kimi K3's gated MLA: attn * sigmoid(g_proj(x)), g_proj [heads * v_head_dim, hidden].
+  if (hf.get_or<bool>("mla_use_output_gate", false)) m.attention_gate = "elementwise";
 
   m.kda = kimi_kda(json, hf);
 
@@ -295,6 +296,25 @@ ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
   return m;
 }
 
+// DeepSeek-V3.2 (transformers DeepseekV32Config): DeepSeek-V3 with a lightning indexer in every
+// layer. Its MLA always has the q latent (the indexer reads it); mlp_layer_types, when written,
+// says which layers are dense.
+ModelConfig deepseek_v32_from_hf(const Json& json, const HfJson& hf) {
+  ModelConfig m = deepseek_v3_from_hf(json, hf);
+  m.model_type = "deepseek_v32";
+  m.layers.assign(static_cast<size_t>(m.num_layers), "dsa");
+  m.first_k_dense = first_k_dense_from_hf(hf, m.num_layers, 3);  // 3: DeepseekV32Config's default
+  MOETRAIN_CHECK(m.mla.q_lora_rank.has_value(), ExitCode::kBadConfig,
+                 fmt::format("{}: q_lora_rank is null; a deepseek_v32 model's indexer reads the q latent, so "
+                             "config.json must give q_lora_rank",
+                             hf.source()));
+  m.dsa.index_n_heads = hf.get<int64_t>("index_n_heads");
+  m.dsa.index_head_dim = hf.get<int64_t>("index_head_dim");
+  m.dsa.index_topk = hf.get<int64_t>("index_topk");
+  m.dsa.indexer_rope_interleave = hf.get_or<bool>("indexer_rope_interleave", false);
+  return m;
+}
+
 }  // namespace
 
 ModelConfig model_config_from_hf_json(const std::string& json_text, const std::string& source_name) {
@@ -308,9 +328,10 @@ ModelConfig model_config_from_hf_json(const std::string& json_text, const std::s
   const std::string model_type = HfJson(json, source_name).get<std::string>("model_type");
   HfJson hf(json, source_name, model_type);
   if (model_type == "deepseek_v3") return deepseek_v3_from_hf(json, hf);
+  if (model_type == "deepseek_v32") return deepseek_v32_from_hf(json, hf);
   if (model_type == "kimi_linear") return kimi_linear_from_hf(json, hf);
   throw Error(ExitCode::kBadConfig, fmt::format("{}: model_type \"{}\" is not supported yet (supported: deepseek_v3, "
-                                                "kimi_linear)",
+                                                "deepseek_v32, kimi_linear)",
                                                 source_name, model_type));
 }
 

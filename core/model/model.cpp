@@ -8,6 +8,7 @@
 
 #include "core/base/host_convert.h"
 #include "core/model/dense_ffn.h"
+#include "core/model/dsa.h"
 #include "core/model/fsdp_bucket.h"
 #include "core/model/kda.h"
 #include "core/model/moe.h"
@@ -76,8 +77,10 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     DecoderLayer layer;
     layer.input_norm = ctx.alloc({d});
     layer.post_attention_norm = ctx.alloc({d});
+    const RopeDeviceTables* rope = m.mla.use_rope ? &rope_ : nullptr;
     if (spec_.mixers[i] == MixerKind::kKda) layer.mixer = std::make_unique<KdaAttention>(spec_, i, ctx);
-    else layer.mixer = std::make_unique<MlaAttention>(spec_, i, ctx, m.mla.use_rope ? &rope_ : nullptr);
+    else if (spec_.mixers[i] == MixerKind::kDsa) layer.mixer = std::make_unique<DsaAttention>(spec_, i, ctx, rope);
+    else layer.mixer = std::make_unique<MlaAttention>(spec_, i, ctx, rope);
     if (spec_.ffns[i] == FfnKind::kDense) {
       layer.ffn = std::make_unique<DenseFfn>("model.layers." + std::to_string(i) + ".mlp", d, m.intermediate_size, ctx);
     } else {
@@ -148,12 +151,15 @@ std::vector<std::pair<std::string, LoraLinear*>> Model::linear_modules() {
     if (auto* kda = dynamic_cast<KdaAttention*>(layer.mixer.get())) {
       for (LoraLinear* p : kda->projections()) out.emplace_back(p->name(), p);
     }
+    if (auto* dsa = dynamic_cast<DsaAttention*>(layer.mixer.get())) {
+      for (LoraLinear* p : dsa->projections()) out.emplace_back(p->name(), p);
+    }
   }
   return out;
 }
 
 // LoRA targets by module name:
-//   q_proj q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj   MLA projections
+//   q_proj q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj g_proj o_proj   MLA's and DSA's
 //   q_proj k_proj v_proj qkv_proj f_a_proj f_b_proj b_proj g_a_proj g_b_proj g_proj o_proj   KDA's
 //   gate_proj up_proj down_proj   those projections of the dense MLPs and the shared experts
 //   shared_experts                all three projections of the shared experts

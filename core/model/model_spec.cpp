@@ -65,6 +65,11 @@ const std::map<std::string, FieldCopier>& model_field_copiers() {
       MOETRAIN_FIELD("kda.lower_bound", kda.lower_bound),
       MOETRAIN_FIELD("kda.fused_qkv", kda.fused_qkv),
       MOETRAIN_FIELD("kda.full_rank_output_gate", kda.full_rank_output_gate),
+      MOETRAIN_FIELD("dsa", dsa),
+      MOETRAIN_FIELD("dsa.index_n_heads", dsa.index_n_heads),
+      MOETRAIN_FIELD("dsa.index_head_dim", dsa.index_head_dim),
+      MOETRAIN_FIELD("dsa.index_topk", dsa.index_topk),
+      MOETRAIN_FIELD("dsa.indexer_rope_interleave", dsa.indexer_rope_interleave),
       MOETRAIN_FIELD("moe", moe),
       MOETRAIN_FIELD("moe.num_experts", moe.num_experts),
       MOETRAIN_FIELD("moe.top_k", moe.top_k),
@@ -118,11 +123,9 @@ ModelSpec resolve_model_spec(const Config& config) {
                  fmt::format("model.layers has {} entries but model.num_layers is {}", m.layers.size(), m.num_layers));
   for (size_t i = 0; i < m.layers.size(); ++i) {
     const std::string& kind = m.layers[i];
-    MOETRAIN_CHECK(kind == "mla" || kind == "kda", ExitCode::kBadConfig,
-                   fmt::format("model.layers[{}] is \"{}\": this build runs mla and kda layers so far "
-                               "(the dsa mixer is not implemented yet); use mla or kda",
-                               i, kind));
-    spec.mixers.push_back(kind == "kda" ? MixerKind::kKda : MixerKind::kMla);
+    MOETRAIN_CHECK(kind == "mla" || kind == "kda" || kind == "dsa", ExitCode::kBadConfig,
+                   fmt::format("model.layers[{}] is \"{}\"; expected mla, kda or dsa", i, kind));
+    spec.mixers.push_back(kind == "kda" ? MixerKind::kKda : kind == "dsa" ? MixerKind::kDsa : MixerKind::kMla);
     spec.ffns.push_back(static_cast<int64_t>(i) < m.first_k_dense ? FfnKind::kDense : FfnKind::kMoe);
   }
   // The merged model section must satisfy the same rules as one written in YAML.

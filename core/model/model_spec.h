@@ -24,10 +24,9 @@ struct ModelSpec {
   int64_t num_layers() const { return config.num_layers; }
 };
 
-// Reads `<hf_dir>/config.json` when config.model.hf_dir is set (model_type deepseek_v3 or
-// kimi_linear; anything else is Error(kBadConfig) naming the type and the supported ones),
-// overlays the YAML's explicit model keys, and derives the per-layer kinds. dsa layers are
-// rejected until their mixer exists (Error(kBadConfig) naming the layer).
+// Reads `<hf_dir>/config.json` when config.model.hf_dir is set (model_type deepseek_v3,
+// deepseek_v32 or kimi_linear; anything else is Error(kBadConfig) naming the type and the
+// supported ones), overlays the YAML's explicit model keys, and derives the per-layer kinds.
 ModelSpec resolve_model_spec(const Config& config);
 
 // The model section a Hugging Face config.json describes (core/model/hf_config.cpp; what each

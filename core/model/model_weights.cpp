@@ -24,6 +24,8 @@ namespace {
 
 bool is_norm_weight(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
 bool is_bias(const std::string& name) { return name.find("e_score_correction_bias") != std::string::npos; }
+// Zero at random initialisation: the router's score bias and LayerNorm biases (DSA's k_norm).
+bool is_zero_init(const std::string& name) { return is_bias(name) || name.find("norm.bias") != std::string::npos; }
 bool is_routed_experts(const WeightSlot& slot) {
   const std::string& n = slot.name;
   return slot.layout != WeightLayout::kPlain && n.size() >= 8 && n.compare(n.size() - 8, 8, ".experts") == 0;
@@ -224,7 +226,7 @@ void Model::init_random_weights() {
     RandomFill fill;
     if (is_norm_weight(slot.name)) {
       fill.constant = 1.0;
-    } else if (is_bias(slot.name)) {
+    } else if (is_zero_init(slot.name)) {
       fill.constant = 0.0;
     } else {
       // Variance 1/fan_in (embeddings 1), so every projection keeps activations at unit scale

@@ -18,24 +18,18 @@ constexpr double kI32 = 4.0;
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Bytes per token a layer's forward saves for its backward, from what the model code keeps
-// (Model::LayerSaved, MlaAttention::Saved, MoeFfn::Saved, SwigluExperts); `a` is the
-// activation dtype size, statistics (rstd, lse) are F32, indices I32.
-struct LayerActivation {
-  double bytes = 0;
-  bool estimated = false;
-};
-
-LayerActivation layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity,
-                                      const UnbuiltShapes& u) {
+// (Model::LayerSaved, MlaProjections::Saved, MlaAttention::Saved, DsaAttention::Saved,
+// KdaAttention::Saved, MoeFfn::Saved, SwigluExperts); `a` is the activation dtype size,
+// statistics (rstd, lse) are F32, indices I32.
+double layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity, const Config& config) {
   const ModelConfig& m = spec.config;
   const MlaConfig& mla = m.mla;
   const double d = static_cast<double>(m.hidden_size);
   const double h = static_cast<double>(mla.num_heads);
   const double qk = static_cast<double>(mla.qk_nope_head_dim + mla.qk_rope_head_dim);
   const double v = static_cast<double>(mla.v_head_dim);
-  LayerActivation out;
   // Layer: normed_in, hidden, normed_mid [D] and two rstd.
-  out.bytes = 3 * d * a + 2 * kF32;
+  double bytes = 3 * d * a + 2 * kF32;
   if (spec.mixers[i] == MixerKind::kKda) {
     // KdaAttention::Saved, c = H d: q/k/v before the conv (3c), after it (3c), q and k
     // normalised (2c), the forget gate's f (c) and f_a output (d), the KDA output (c), the output
@@ -45,43 +39,46 @@ LayerActivation layer_saved_per_token(const ModelSpec& spec, size_t i, double a,
     const double kd = static_cast<double>(kda.head_dim);
     const double kh = static_cast<double>(kda.num_heads);
     const double c = kh * kd;
-    out.bytes += (12 * c + kd + (kda.full_rank_output_gate ? 0 : kd)) * a + (c + 4 * kh) * kF32;
+    bytes += (12 * c + kd + (kda.full_rank_output_gate ? 0 : kd)) * a + (c + 4 * kh) * kF32;
   } else {
+    // The stages MLA and DSA share: the q LoRA path (q_a, the q latent, rstd), the kv latent
+    // and its rstd, the attention output before the gate, the gate's pre-activation.
     const double q_rank = static_cast<double>(mla.q_lora_rank.value_or(0));
     const double kv_rank = static_cast<double>(mla.kv_lora_rank);
-    if (q_rank > 0) out.bytes += 2 * q_rank * a + kF32;  // q_a, q_a_normed, rstd
-    out.bytes += 2 * kv_rank * a + kF32;                 // kv_latent, kv_normed, rstd
-    out.bytes += 2 * h * qk * a + 2 * h * v * a + h * kF32;  // q, k, v, attn, lse
-    if (m.attention_gate != "none") {
-      out.bytes += (m.attention_gate == "headwise" ? h : h * v) * a;
-      out.estimated = true;
-    }
-    if (spec.mixers[i] == MixerKind::kDsa) {
-      // Estimate: indexer q [Hi di], k [di], head weights [Hi], the selected key indices.
-      out.bytes += (static_cast<double>(u.dsa_indexer_heads * u.dsa_indexer_head_dim + u.dsa_indexer_head_dim +
-                                        u.dsa_indexer_heads)) * a +
-                   static_cast<double>(u.dsa_top_k) * kI32;
-      out.estimated = true;
+    const double rope = static_cast<double>(mla.qk_rope_head_dim);
+    if (q_rank > 0) bytes += 2 * q_rank * a + kF32;
+    bytes += kv_rank * a + kF32 + h * v * a;
+    if (m.attention_gate != "none") bytes += (m.attention_gate == "headwise" ? h : h * v) * a;
+    if (spec.mixers[i] == MixerKind::kMla) {
+      bytes += kv_rank * a + 2 * h * qk * a + h * v * a + h * kF32;  // kv_normed, q, k, v, lse
+    } else {
+      // DSA: the selected keys (at most a window's tokens), the absorbed queries and the shared
+      // latent rows [r + rope], the latent output [H r], lse; q itself only for kv_b_proj's adapter.
+      const std::vector<std::string>& targets = config.lora.targets;
+      const bool kv_b_lora = std::find(targets.begin(), targets.end(), "kv_b_proj") != targets.end();
+      const double top_k = static_cast<double>(std::min(m.dsa.index_topk, config.data.seq_len));
+      bytes += top_k * kI32 + (h + 1) * (kv_rank + rope) * a + h * kv_rank * a + h * kF32;
+      if (kv_b_lora) bytes += h * qk * a;
     }
   }
   if (spec.ffns[i] == FfnKind::kDense) {
-    out.bytes += 3 * static_cast<double>(m.intermediate_size) * a;  // gate_up pre-activations, SwiGLU output
+    bytes += 3 * static_cast<double>(m.intermediate_size) * a;  // gate_up pre-activations, SwiGLU output
   } else {
     const MoeConfig& moe = m.moe;
     const double e = static_cast<double>(moe.num_experts);
     const double k = static_cast<double>(moe.top_k);
     const double f = static_cast<double>(moe.expert_intermediate_size);
-    out.bytes += e * a + k * a + k * kI32 * 3;  // scores, topk weight, topk index, sorted_pair, pair_row
-    if (moe.aux_loss_coef > 0) out.bytes += e * a;
+    bytes += e * a + k * a + k * kI32 * 3;  // scores, topk weight, topk index, sorted_pair, pair_row
+    if (moe.aux_loss_coef > 0) bytes += e * a;
     // Routed rows (received from the EP group): routed_x, routed_out, gate_up, SwiGLU output.
-    out.bytes += capacity * k * (2 * d + 3 * f) * a;
-    out.bytes += 3 * f * static_cast<double>(moe.num_shared_experts) * a;
+    bytes += capacity * k * (2 * d + 3 * f) * a;
+    bytes += 3 * f * static_cast<double>(moe.num_shared_experts) * a;
   }
-  return out;
+  return bytes;
 }
 
-void add(std::vector<PlanItem>& items, std::string name, double bytes, std::string formula, bool estimated = false) {
-  items.push_back(PlanItem{std::move(name), bytes, std::move(formula), estimated});
+void add(std::vector<PlanItem>& items, std::string name, double bytes, std::string formula) {
+  items.push_back(PlanItem{std::move(name), bytes, std::move(formula)});
 }
 
 double sum(const std::vector<PlanItem>& items) {
@@ -112,7 +109,6 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const ModelConfig& m = spec.config;
   const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep}, m.moe.num_experts,
                         config.source_path.empty() ? "config" : config.source_path);
-  const UnbuiltShapes unbuilt;
   const double a = static_cast<double>(options.activation_bytes);
 
   MemoryPlan plan;
@@ -125,7 +121,7 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len;
   plan.micro_batches = config.data.grad_accum;
   plan.local_experts = mesh.experts_per_rank();
-  plan.params = count_model_parameters(spec, unbuilt);
+  plan.params = count_model_parameters(spec);
   plan.lora = count_lora_parameters(spec, config.lora);
   plan.gpu_bytes = options.gpu_bytes;
   plan.usable_bytes = options.gpu_bytes * (1.0 - options.reserve_fraction);
@@ -133,7 +129,6 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const LoraParameterCount& lora = plan.lora;
   const int64_t fsdp = plan.fsdp;
   const int64_t moe_layers = lora.num_moe_layers;
-  const bool any_estimate = p.estimated() > 0;
 
   // FSDP buckets: one per layer (its non-expert weights), plus the embedding, the head and the
   // final norm; each padded to a multiple of fsdp.
@@ -147,14 +142,12 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   for (int64_t b : buckets) shard_elements += ceil_div(b, fsdp);
   add(plan.fixed, "frozen weight shards (bf16)", shard_elements * kBf16,
       fmt::format("sum over {} buckets of ceil(bucket / fsdp {}) x 2 B; non-expert weights {:.3g}", buckets.size(),
-                  fsdp, static_cast<double>(p.non_expert())),
-      any_estimate);
+                  fsdp, static_cast<double>(p.non_expert())));
   const int64_t largest_edge = std::max(p.embedding, p.lm_head);
   const int64_t gathered = std::max((plan.prefetch + 1) * largest_layer, largest_edge);
   add(plan.fixed, "gathered weights (bf16)", fsdp > 1 ? gathered * kBf16 : 0.0,
       fmt::format("max((prefetch {} + 1) x largest layer {:.3g}, embedding/head {:.3g}) x 2 B; 0 when fsdp = 1",
-                  plan.prefetch, static_cast<double>(largest_layer), static_cast<double>(largest_edge)),
-      any_estimate);
+                  plan.prefetch, static_cast<double>(largest_layer), static_cast<double>(largest_edge)));
   const int64_t expert_elements = p.routed_expert_per_layer() / std::max<int64_t>(1, m.moe.num_experts);
   const double expert_bytes = static_cast<double>(plan.local_experts * moe_layers * expert_elements) * kBf16;
   add(plan.fixed, "routed experts (bf16)", expert_bytes,
@@ -186,12 +179,10 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   // Per token: activations and EP buffers.
   double checkpoint = (static_cast<double>(m.num_layers) + 1) * static_cast<double>(m.hidden_size) * a;
   double saved_sum = 0, saved_max = 0;
-  bool saved_estimated = false;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
-    LayerActivation layer = layer_saved_per_token(spec, i, a, options.capacity_factor, unbuilt);
-    saved_sum += layer.bytes;
-    saved_max = std::max(saved_max, layer.bytes);
-    saved_estimated = saved_estimated || layer.estimated;
+    const double layer = layer_saved_per_token(spec, i, a, options.capacity_factor, config);
+    saved_sum += layer;
+    saved_max = std::max(saved_max, layer);
   }
   // KDA's chunked kernels hold the state entering every 64-token chunk (F32 d x d per head) while
   // one layer's forward or backward runs; the layer does not keep them (the backward recomputes).
@@ -210,11 +201,11 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
     std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
     add(items, "layer inputs (checkpoints)", checkpoint, "(layers + 1) x D x a");
     if (recompute) {
-      add(items, "one layer's saved tensors (re-run)", saved_max, "max over layers of the saved set", saved_estimated);
+      add(items, "one layer's saved tensors (re-run)", saved_max, "max over layers of the saved set");
     } else {
-      add(items, "every layer's saved tensors", saved_sum, "sum over layers of the saved set", saved_estimated);
+      add(items, "every layer's saved tensors", saved_sum, "sum over layers of the saved set");
     }
-    add(items, "backward temporaries of one layer", saved_max, "~ the largest layer's saved set", saved_estimated);
+    add(items, "backward temporaries of one layer", saved_max, "~ the largest layer's saved set");
     add(items, "KDA chunk states (inside the op)", kda_chunk_states, "H d^2 x 4 B / 64 (one state per chunk)");
     add(items, "final norm, its gradient", final_part, "2 x D x a + 4 B");
     add(items, "EP dispatch buffers", ep_buffers, "top_k x D x a x (send 1 + receive capacity)");
@@ -225,7 +216,7 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const double micro = static_cast<double>(plan.micro_batches);
   add(plan.communication, "FSDP all-gather of frozen weights",
       micro * 2 * static_cast<double>(p.non_expert()) * kBf16 * fsdp_frac,
-      "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp", any_estimate);
+      "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
   const double world_frac = (world - 1) / world;
   add(plan.communication, "reduce-scatter of LoRA grads", non_expert_lora * kF32 * world_frac,
       "non-expert LoRA x 4 B x (world-1)/world, once per step");

@@ -28,7 +28,6 @@ struct PlanItem {
   std::string name;
   double bytes = 0;         // memory: bytes on one rank; communication: bytes one rank sends per step
   std::string formula;      // how it was computed, in words and symbols
-  bool estimated = false;   // depends on parts the model does not implement yet (kda, dsa, gate)
 };
 
 struct MemoryPlan {

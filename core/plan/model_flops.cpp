@@ -1,5 +1,7 @@
 #include "core/plan/model_flops.h"
 
+#include <algorithm>
+
 #include "core/plan/param_count.h"
 
 namespace moetrain {
@@ -26,11 +28,28 @@ ModelFlops::ModelFlops(const ModelSpec& spec, const LoraConfig& lora) {
   const double kda_weights = 3.0 * c * d + (d * kd + kd * c) + kh * d +
                              (k.full_rank_output_gate ? c * d : d * kd + kd * c) + c * d;
 
+  // The output gate's g_proj on MLA and DSA layers.
+  const double gate_weights = m.attention_gate == "headwise"      ? d * heads
+                              : m.attention_gate == "elementwise" ? d * heads * v
+                                                                  : 0.0;
+  // DSA's indexer: wq_b [Hi di, q_r], wk [di, D], weights_proj [Hi, D].
+  const DsaConfig& dsa = m.dsa;
+  const double index_heads = static_cast<double>(dsa.index_n_heads), index_dim = static_cast<double>(dsa.index_head_dim);
+  const double indexer_weights = index_heads * index_dim * static_cast<double>(a.q_lora_rank.value_or(0)) +
+                                 index_dim * d + index_heads * d;
+  index_topk_ = dsa.index_topk;
+
   frozen_per_token_ = d * static_cast<double>(m.vocab_size);  // the LM head (tied or not)
   for (size_t l = 0; l < spec.mixers.size(); ++l) {
     if (spec.mixers[l] == MixerKind::kMla) {
-      frozen_per_token_ += mla_weights;
+      frozen_per_token_ += mla_weights + gate_weights;
       attention_per_pair_ += 2.0 * (qk + v) * heads;
+    }
+    if (spec.mixers[l] == MixerKind::kDsa) {
+      frozen_per_token_ += mla_weights + gate_weights;
+      indexer_weights_per_token_ += indexer_weights;
+      indexer_per_pair_ += 2.0 * index_heads * index_dim;
+      sparse_per_pair_ += 2.0 * (2.0 * kv_rank + static_cast<double>(a.qk_rope_head_dim)) * heads;
     }
     if (spec.mixers[l] == MixerKind::kKda) {
       frozen_per_token_ += kda_weights;
@@ -53,15 +72,21 @@ ModelFlops::ModelFlops(const ModelSpec& spec, const LoraConfig& lora) {
 }
 
 StepFlops ModelFlops::step(int64_t tokens, const std::vector<int32_t>& cu_seqlens) const {
-  double pairs = 0.0;  // causal (query, key <= query) pairs within each segment
+  double pairs = 0.0;     // causal (query, key <= query) pairs within each segment
+  double selected = 0.0;  // of those, the ones a DSA top-k keeps: min(k, i + 1) for the i-th query
+  const double k = static_cast<double>(index_topk_);
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
     const double length = cu_seqlens[s + 1] - cu_seqlens[s];
     pairs += length * (length + 1.0) / 2.0;
+    const double full = std::min(length, k);  // the first `full` queries keep every key
+    selected += full * (full + 1.0) / 2.0 + (length - full) * k;
   }
+  const double n = static_cast<double>(tokens);
   StepFlops flops;
-  flops.frozen = 4.0 * frozen_per_token_ * static_cast<double>(tokens);
-  flops.lora = 6.0 * lora_per_token_ * static_cast<double>(tokens);
-  flops.attention = 3.5 * attention_per_pair_ * pairs + 3.0 * recurrence_per_token_ * static_cast<double>(tokens);
+  flops.frozen = 4.0 * frozen_per_token_ * n + 2.0 * indexer_weights_per_token_ * n;
+  flops.lora = 6.0 * lora_per_token_ * n;
+  flops.attention = 3.5 * attention_per_pair_ * pairs + 3.0 * recurrence_per_token_ * n +
+                    3.5 * sparse_per_pair_ * selected + indexer_per_pair_ * pairs;
   return flops;
 }
 

@@ -8,8 +8,12 @@
 //   - KDA's recurrence in its recurrent form: per token and head S^T k, the rank-1 update and
 //     S^T q, 6 d^2 FLOPs forward, twice that backward (the chunked kernels' extra intra-chunk
 //     work is hardware FLOPs, not model FLOPs); its projections count as frozen matmuls.
-// Recomputation is not counted (model FLOPs, not hardware FLOPs). DSA is not counted until it
-// exists.
+//   - DSA: its MLA projections as MLA's (the absorbed form multiplies by every kv_b_proj weight
+//     once per token too); sparse attention in MQA form, 2 (2 r + d_r) FLOPs per head per
+//     (query, selected key) pair forward (r = kv_lora_rank), 2.5x that backward, over
+//     min(index_topk, keys available) keys per query; the frozen indexer runs forward only: its
+//     projections 2 FLOPs per weight per token, its scores 2 Hi di per (query, key <= query) pair.
+// Recomputation is not counted (model FLOPs, not hardware FLOPs).
 #pragma once
 
 #include <cstdint>
@@ -42,6 +46,10 @@ class ModelFlops {
   double lora_per_token_ = 0.0;
   double attention_per_pair_ = 0.0;  // forward FLOPs of one (query, key) pair, summed over layers
   double recurrence_per_token_ = 0.0;  // forward FLOPs of KDA's recurrence per token, summed over layers
+  double indexer_weights_per_token_ = 0.0;  // DSA indexers' projection weights (forward only)
+  double indexer_per_pair_ = 0.0;           // DSA indexers' score FLOPs per causal pair (forward only)
+  double sparse_per_pair_ = 0.0;            // DSA forward FLOPs per (query, selected key) pair
+  int64_t index_topk_ = 0;
 };
 
 }  // namespace moetrain

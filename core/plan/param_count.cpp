@@ -10,7 +10,7 @@
 namespace moetrain {
 namespace {
 
-// MLA as core/model/mla.cpp builds it: q (direct, or q_a -> norm -> q_b), kv_a_proj_with_mqa,
+// MLA as core/model/mla_projections.cpp builds it: q (direct, or q_a -> norm -> q_b), kv_a_proj_with_mqa,
 // kv_a norm, kv_b_proj, o_proj.
 int64_t mla_weights(const ModelConfig& m) {
   const MlaConfig& a = m.mla;
@@ -28,10 +28,10 @@ int64_t mla_weights(const ModelConfig& m) {
   return n;
 }
 
-// The sigmoid output gate before o_proj (estimate: not in the model yet).
-int64_t attention_gate_weights(const ModelConfig& m) {
-  if (m.attention_gate == "headwise") return m.mla.num_heads * m.hidden_size;
-  if (m.attention_gate == "elementwise") return m.mla.num_heads * m.mla.v_head_dim * m.hidden_size;
+// The sigmoid output gate's g_proj on MLA and DSA layers: D -> its outputs.
+int64_t attention_gate_outputs(const ModelConfig& m) {
+  if (m.attention_gate == "headwise") return m.mla.num_heads;
+  if (m.attention_gate == "elementwise") return m.mla.num_heads * m.mla.v_head_dim;
   return 0;
 }
 
@@ -49,13 +49,12 @@ int64_t kda_weights(const ModelConfig& m) {
          output_gate + d + d_model * c;
 }
 
-// DSA's lightning indexer on top of MLA (estimate): wq_b [Hi di, q_lora_rank (or D)],
-// wk [di, D], its LayerNorm (weight + bias) and the per-head weights_proj [Hi, D].
-int64_t dsa_indexer_weights(const ModelConfig& m, const UnbuiltShapes& u) {
-  const int64_t q_in = m.mla.q_lora_rank.value_or(m.hidden_size);
-  const int64_t hi = u.dsa_indexer_heads;
-  const int64_t di = u.dsa_indexer_head_dim;
-  return hi * di * q_in + di * m.hidden_size + 2 * di + hi * m.hidden_size;
+// DSA's lightning indexer on top of MLA, as core/model/dsa_indexer.cpp builds it: wq_b
+// [Hi di, q_lora_rank], wk [di, D], its LayerNorm (weight + bias) and weights_proj [Hi, D].
+int64_t dsa_indexer_weights(const ModelConfig& m) {
+  const int64_t hi = m.dsa.index_n_heads;
+  const int64_t di = m.dsa.index_head_dim;
+  return hi * di * m.mla.q_lora_rank.value_or(0) + di * m.hidden_size + 2 * di + hi * m.hidden_size;
 }
 
 int64_t swiglu_weights(int64_t hidden, int64_t width) { return 3 * hidden * width; }
@@ -73,12 +72,6 @@ int64_t ModelParameterCount::non_expert() const {
 int64_t ModelParameterCount::routed_experts() const {
   int64_t n = 0;
   for (const LayerParameterCount& l : layers) n += l.routed_experts;
-  return n;
-}
-
-int64_t ModelParameterCount::estimated() const {
-  int64_t n = 0;
-  for (const LayerParameterCount& l : layers) n += l.mixer_estimated;
   return n;
 }
 
@@ -113,7 +106,7 @@ ModelSpec plan_model_spec(const ModelConfig& model) {
   return spec;
 }
 
-ModelParameterCount count_model_parameters(const ModelSpec& spec, const UnbuiltShapes& unbuilt) {
+ModelParameterCount count_model_parameters(const ModelSpec& spec) {
   const ModelConfig& m = spec.config;
   const int64_t d = m.hidden_size;
   const MoeConfig& moe = m.moe;
@@ -129,9 +122,8 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec, const UnbuiltS
     if (layer.mixer_kind == MixerKind::kKda) {
       layer.mixer = kda_weights(m);
     } else {
-      layer.mixer_estimated = attention_gate_weights(m);
-      if (spec.mixers[i] == MixerKind::kDsa) layer.mixer_estimated += dsa_indexer_weights(m, unbuilt);
-      layer.mixer = mla_weights(m) + layer.mixer_estimated;
+      layer.mixer = mla_weights(m) + attention_gate_outputs(m) * d;
+      if (spec.mixers[i] == MixerKind::kDsa) layer.mixer += dsa_indexer_weights(m);
     }
     if (layer.ffn_kind == FfnKind::kDense) {
       layer.dense_ffn = swiglu_weights(d, m.intermediate_size);
@@ -191,6 +183,7 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
       }
       if (on("kv_a_proj_with_mqa")) n += lora_pair(r, d, a.kv_lora_rank + a.qk_rope_head_dim);
       if (on("kv_b_proj")) n += lora_pair(r, a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim));
+      if (attention_gate_outputs(m) > 0 && on("g_proj")) n += lora_pair(r, d, attention_gate_outputs(m));
       if (on("o_proj")) n += lora_pair(r, a.num_heads * a.v_head_dim, d);
     }
     if (spec.ffns[i] == FfnKind::kDense) {

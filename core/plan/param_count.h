@@ -1,11 +1,8 @@
 // Parameter counts of a model from its ModelSpec alone (no tensors allocated): every frozen
 // weight and every LoRA adapter, split the way the parallel plan shards them (non-expert
-// weights over FSDP, routed experts over EP).
-//
-// For parts the model code does not implement yet (dsa's indexer, the attention output gate)
-// the counts follow DESIGN.md §1's description and are flagged `estimated`; for everything Model
-// builds (MLA, KDA, MoE, dense FFN) they equal Model::weight_slots() / Model::parameters()
-// exactly (tested).
+// weights over FSDP, routed experts over EP). They equal Model::weight_slots() /
+// Model::parameters() exactly for every layer kind Model builds (MLA, DSA, KDA, the attention
+// output gate, MoE, dense FFN; tested).
 #pragma once
 
 #include <cstdint>
@@ -16,19 +13,11 @@
 
 namespace moetrain {
 
-// Assumed shapes of the parts that exist only on paper so far (DESIGN.md §1).
-struct UnbuiltShapes {
-  int64_t dsa_indexer_heads = 64;      // lightning indexer: 64 heads x 128
-  int64_t dsa_indexer_head_dim = 128;
-  int64_t dsa_top_k = 2048;            // keys selected per query
-};
-
 struct LayerParameterCount {
   MixerKind mixer_kind = MixerKind::kMla;
   FfnKind ffn_kind = FfnKind::kDense;
   int64_t norms = 0;            // input + post-attention RMSNorm
   int64_t mixer = 0;            // attention projections and their norms (+ gate, indexer)
-  int64_t mixer_estimated = 0;  // the part of `mixer` that is an estimate
   int64_t router = 0;           // router weight + score-correction bias
   int64_t dense_ffn = 0;        // dense MLP (dense layers) or the shared experts (MoE layers)
   int64_t routed_experts = 0;   // all routed experts of the layer (E x 3 x D x F)
@@ -43,7 +32,6 @@ struct ModelParameterCount {
 
   int64_t non_expert() const;      // FSDP-sharded frozen weights
   int64_t routed_experts() const;  // EP-sharded frozen weights
-  int64_t estimated() const;
   int64_t total() const { return non_expert() + routed_experts(); }
   int64_t routed_expert_per_layer() const;  // of one MoE layer (0 without MoE layers)
 };
@@ -57,11 +45,11 @@ struct LoraParameterCount {
   int64_t total() const { return non_expert() + routed_experts(); }
 };
 
-// Per-layer mixer and FFN kinds from a model section, accepting every mixer the config
-// allows (kda, dsa too, unlike resolve_model_spec): `layers` empty means all mla.
+// Per-layer mixer and FFN kinds from a model section (as resolve_model_spec derives them, without
+// reading config.json or checking the config's rules): `layers` empty means all mla.
 ModelSpec plan_model_spec(const ModelConfig& model);
 
-ModelParameterCount count_model_parameters(const ModelSpec& spec, const UnbuiltShapes& unbuilt = {});
+ModelParameterCount count_model_parameters(const ModelSpec& spec);
 LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig& lora);
 
 }  // namespace moetrain

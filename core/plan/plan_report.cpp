@@ -15,18 +15,16 @@ std::string count(double n) {
   if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
   return fmt::format("{:.0f}", n);
 }
-const char* mark(bool estimated) { return estimated ? " *" : "  "; }
-
 void rows(std::string& out, const std::vector<PlanItem>& items, double scale) {
   for (const PlanItem& item : items) {
-    out += fmt::format("  {:<42}{}{}  {}\n", item.name, gb(item.bytes * scale), mark(item.estimated), item.formula);
+    out += fmt::format("  {:<42}{}    {}\n", item.name, gb(item.bytes * scale), item.formula);
   }
 }
 
 nlohmann::json items_json(const std::vector<PlanItem>& items) {
   nlohmann::json list = nlohmann::json::array();
   for (const PlanItem& item : items) {
-    list.push_back({{"name", item.name}, {"bytes", item.bytes}, {"formula", item.formula}, {"estimated", item.estimated}});
+    list.push_back({{"name", item.name}, {"bytes", item.bytes}, {"formula", item.formula}});
   }
   return list;
 }
@@ -38,9 +36,8 @@ std::string format_plan(const MemoryPlan& plan) {
   std::string out;
   out += fmt::format("world {} = fsdp {} x replicate {}; ep {} ({} experts per rank, {} replicas of each)\n",
                      plan.world, plan.fsdp, plan.replicate, plan.ep, plan.local_experts, plan.world / plan.ep);
-  out += fmt::format("parameters: total {} = non-expert {} + routed experts {}{}\n", count(p.total()),
-                     count(p.non_expert()), count(p.routed_experts()),
-                     p.estimated() > 0 ? fmt::format(" (of which {} estimated *)", count(p.estimated())) : "");
+  out += fmt::format("parameters: total {} = non-expert {} + routed experts {}\n", count(p.total()),
+                     count(p.non_expert()), count(p.routed_experts()));
   out += fmt::format("LoRA: {} = non-expert {} + routed experts {}\n", count(plan.lora.total()),
                      count(plan.lora.non_expert()), count(plan.lora.routed_experts()));
   out += fmt::format("micro-batch: {} tokens per rank, {} micro-batches per step, recompute {}\n\n",
@@ -75,7 +72,6 @@ std::string format_plan(const MemoryPlan& plan) {
   }
   out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? "on" : "off",
                      plan.fits() ? "fits" : "does not fit");
-  if (p.estimated() > 0) out += "* depends on dsa/gate shapes the model does not implement yet (estimates)\n";
   return out;
 }
 
@@ -92,8 +88,7 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["recompute"] = plan.recompute;
   j["parameters"] = {{"total", p.total()},
                      {"non_expert", p.non_expert()},
-                     {"routed_experts", p.routed_experts()},
-                     {"estimated", p.estimated()}};
+                     {"routed_experts", p.routed_experts()}};
   j["lora_parameters"] = {{"total", plan.lora.total()},
                           {"non_expert", plan.lora.non_expert()},
                           {"routed_experts", plan.lora.routed_experts()}};

@@ -1,4 +1,4 @@
-// Tiny hybrid models (MLA and KDA layers, MoE) and packed batches for whole-model tests.
+// Tiny hybrid models (MLA, KDA and DSA layers, MoE) and packed batches for whole-model tests.
 #pragma once
 
 #include <vector>
@@ -10,14 +10,19 @@
 namespace moetrain::testing {
 
 // 3 layers: a dense first layer, then MoE layers with grouped routing and a shared expert;
-// the mixers are MLA, KDA, MLA (every mixer the model has joins the whole-model tests here).
+// the mixers are MLA, KDA, and DSA with q LoRA (its indexer reads the q latent) or MLA without
+// (every mixer the model has joins the whole-model tests here). DSA keeps 3 keys per query,
+// fewer than most queries of tiny_batch have, so the selection matters.
 inline Config tiny_model_config(bool q_lora) {
   Config c;
   ModelConfig& m = c.model;
   m.vocab_size = 37;
   m.hidden_size = 16;
   m.num_layers = 3;
-  m.layers = {"mla", "kda", "mla"};
+  m.layers = {"mla", "kda", q_lora ? "dsa" : "mla"};
+  m.dsa.index_n_heads = 2;
+  m.dsa.index_head_dim = 6;
+  m.dsa.index_topk = 3;
   m.kda.num_heads = 2;
   m.kda.head_dim = 4;
   m.kda.conv_width = 4;

@@ -429,6 +429,7 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
       "                   beta_fast: 16.0, beta_slow: 2.0, mscale: 0.707, mscale_all_dim: 0.1}",
       "  kda: {num_heads: 3, head_dim: 8, conv_width: 3, lower_bound: -5.0, fused_qkv: true,",
       "        full_rank_output_gate: true}",
+      "  dsa: {index_n_heads: 3, index_head_dim: 10, index_topk: 99, indexer_rope_interleave: true}",
       "  moe: {num_experts: 12, top_k: 3, num_shared_experts: 2, expert_intermediate_size: 40,",
       "        scoring: softmax, num_groups: 3, topk_groups: 2, normalize_topk: false,",
       "        routed_scaling_factor: 2.446, score_correction_bias: false, aux_loss_coef: 0.001,",
@@ -452,6 +453,8 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
   CHECK(reread.model.layers == std::vector<std::string>{"kda", "mla", "dsa"});
   CHECK(reread.model.mla.q_lora_rank == std::optional<int64_t>(48));
   CHECK(reread.model.mla.rope_scaling.mscale == 0.707);
+  CHECK(reread.model.dsa.index_topk == 99);
+  CHECK(reread.model.dsa.indexer_rope_interleave);
   CHECK(reread.model.moe.bias_update_rate == 0.0003);
   CHECK(reread.model.moe.routed_scaling_factor == 2.446);
   CHECK(reread.model.rms_norm_eps == 1.0e-5);
@@ -464,7 +467,7 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
   CHECK(reread.model.kda.lower_bound == -5.0);
   CHECK(reread.model.kda.full_rank_output_gate);
   // Every key was written, so every model key reads back as explicit.
-  CHECK(reread.explicit_model_keys.size() == 12 + 8 + 7 + 6 + 14);  // model, mla, rope_scaling, kda, moe
+  CHECK(reread.explicit_model_keys.size() == 12 + 8 + 7 + 6 + 4 + 14);  // model, mla, rope_scaling, kda, dsa, moe
   // same_settings is not always true: one changed value is seen.
   reread.train.beta2 = 0.96;
   CHECK(!same_settings(original, reread));

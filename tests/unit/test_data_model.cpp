@@ -1,8 +1,8 @@
 // Packing is invisible to the model: a window holding two documents gives each document the same
 // logits, the same loss, and the same adapter gradients as running the documents on their own
-// (in double precision, to rounding): attention masks, KDA's conv and recurrent state restart at
-// the document boundary. Every mixer the model has joins this test through tiny_model_config's
-// layers (MLA and KDA today; DSA when it arrives).
+// (in double precision, to rounding): attention masks, KDA's conv and recurrent state and DSA's
+// key selection restart at the document boundary. Every mixer the model has joins this test
+// through tiny_model_config's layers (MLA, KDA and DSA).
 #include <cmath>
 #include <memory>
 

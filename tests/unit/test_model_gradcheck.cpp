@@ -1,7 +1,7 @@
 // The whole model's LoRA gradients against central differences in double: every adapter of
-// every layer kind (MLA with and without q LoRA, KDA in Kimi-Linear's and Kimi K3's forms, dense
-// MLP, routed experts, shared experts), through routing weights, RoPE with YaRN, the KDA
-// recurrence, packed documents and the masked loss.
+// every layer kind (MLA with and without q LoRA, KDA in Kimi-Linear's and Kimi K3's forms, DSA,
+// dense MLP, routed experts, shared experts), through routing weights, RoPE with YaRN, the KDA
+// recurrence, DSA's selected keys, packed documents and the masked loss.
 #include <memory>
 
 #include "catch.h"
@@ -93,10 +93,10 @@ void check_all_parameters(Fixture& f) {
 
 }  // namespace
 
-TEST_CASE("model LoRA gradients match finite differences (q LoRA, YaRN, MoE)", "[model][gradcheck]") {
+TEST_CASE("model LoRA gradients match finite differences (q LoRA, YaRN, DSA, MoE)", "[model][gradcheck]") {
   Fixture f(/*q_lora=*/true, /*aux_coef=*/0.0, /*recompute=*/false);
   // Adapters: layer 0 MLA 5 + dense 3; layer 1 KDA 9 (q, k, v, f_a, f_b, b, g_a, g_b, o) + shared 3 +
-  // experts 3; layer 2 MLA 5 + shared 3 + experts 3.
+  // experts 3; layer 2 DSA 5 (MLA's projections; its indexer is frozen) + shared 3 + experts 3.
   REQUIRE(f.model->parameters().size() == 2 * (5 + 3 + (9 + 3 + 3) + (5 + 3 + 3)));
   check_all_parameters(f);
 }

@@ -285,6 +285,10 @@ TEST_CASE("transformers 5's spelling of the same config.json gives the same mode
   ModelConfig m = model_config_from_hf_json(k3, "k3/config.json");
   CHECK(m.kda.full_rank_output_gate);
   CHECK(m.kda.lower_bound == -5.0);
+  // K3's gated MLA: g_proj [heads * v_head_dim, hidden], an elementwise gate.
+  CHECK(m.attention_gate == "none");
+  const std::string gated = with(k3, R"("mla_use_nope": true)", R"("mla_use_nope": true, "mla_use_output_gate": true)");
+  CHECK(model_config_from_hf_json(gated, "k3/config.json").attention_gate == "elementwise");
 }
 
 TEST_CASE("Kimi-Linear config.json errors name the key and the problem", "[import][kimi]") {
@@ -300,13 +304,11 @@ TEST_CASE("Kimi-Linear config.json errors name the key and the problem", "[impor
   CHECK(contains(import_error(with(kTransformersConfig, R"("linear_head_dim": 4)",
                                    R"("linear_head_dim": 4, "linear_key_head_dim": 8)")),
                  "linear_key_head_dim = 8 differs"));
-  CHECK(contains(import_error(with(kReleasedConfig, R"("mla_use_nope": true)", R"("mla_use_output_gate": true)")),
-                 "mla_use_output_gate"));
   CHECK(contains(import_error(with(kReleasedConfig, R"("moe_layer_freq": 1)", R"("moe_layer_freq": 2)")),
                  "moe_layer_freq 2 is not supported"));
   CHECK(contains(import_error(with(kReleasedConfig, R"("num_experts": 6,)", "")), "missing key \"num_experts\""));
   CHECK(contains(import_error(with(kReleasedConfig, "kimi_linear", "kimi_k9")),
-                 "supported: deepseek_v3, kimi_linear"));
+                 "supported: deepseek_v3, deepseek_v32, kimi_linear"));
 }
 
 TEST_CASE("Kimi-Linear weights in the released and in transformers 5's layout load alike", "[import][kimi]") {

@@ -82,7 +82,6 @@ TEST_CASE("parameter counts equal Model::weight_slots and Model::parameters") {
       Model model(spec, *backend, options);
 
       ModelParameterCount count = count_model_parameters(spec);
-      CHECK(count.estimated() == 0);
       CHECK(count.total() == slot_elements(model));
       CHECK(count.routed_experts() == routed_expert_elements(model));
 
@@ -112,22 +111,67 @@ TEST_CASE("a target subset counts only its adapters") {
   }
 }
 
-TEST_CASE("kda layers are counted exactly, dsa's indexer as a labelled estimate") {
+TEST_CASE("kda, dsa and the attention gate are counted exactly") {
   Config config = testing::tiny_model_config(true);
   config.model.layers = {"mla", "kda", "dsa"};
   ModelSpec spec = plan_model_spec(config.model);
   ModelParameterCount count = count_model_parameters(spec);
   REQUIRE(count.layers.size() == 3);
-  CHECK(count.layers[0].mixer_estimated == 0);
-  CHECK(count.layers[1].mixer_estimated == 0);
   // KDA by hand, D 16, H 2, d 4 (c 8), W 4: q/k/v 3*8*16, convs 3*8*4, f_a 4*16, f_b 8*4,
   // A_log 2, dt_bias 8, b_proj 2*16, g_a 4*16, g_b 8*4, o_norm 4, o_proj 16*8.
   CHECK(count.layers[1].mixer == 384 + 96 + 64 + 32 + 2 + 8 + 32 + 64 + 32 + 4 + 128);
-  // DSA = MLA + the indexer: the estimate is the difference to the MLA layer.
-  CHECK(count.layers[2].mixer - count.layers[2].mixer_estimated == count.layers[0].mixer);
-  // Indexer by hand: wq_b 64*128 x q_lora 12, wk 128 x D 16, LayerNorm 2*128, weights_proj 64 x 16.
-  CHECK(count.layers[2].mixer_estimated == 64 * 128 * 12 + 128 * 16 + 2 * 128 + 64 * 16);
-  CHECK(count.estimated() == count.layers[2].mixer_estimated);
+  // DSA = MLA + the indexer: wq_b 2*6 x q_lora 12, wk 6 x D 16, LayerNorm 2*6, weights_proj 2 x 16.
+  CHECK(count.layers[2].mixer - count.layers[0].mixer == 2 * 6 * 12 + 6 * 16 + 2 * 6 + 2 * 16);
+
+  // The gate's g_proj on both attention layers: D -> H (headwise) or H v (elementwise, v 5).
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  for (const char* gate : {"headwise", "elementwise"}) {
+    INFO(gate);
+    Config gated = config;
+    gated.model.attention_gate = gate;
+    ModelSpec gated_spec = resolve_model_spec(gated);
+    ModelParameterCount gated_count = count_model_parameters(gated_spec);
+    const int64_t g_proj = 16 * (std::string(gate) == "headwise" ? 2 : 2 * 5);
+    CHECK(gated_count.layers[0].mixer - count.layers[0].mixer == g_proj);
+    CHECK(gated_count.layers[2].mixer - count.layers[2].mixer == g_proj);
+    ModelOptions options;
+    options.lora = LoraSettings{4, 8.0, false};
+    options.lora_targets = {"g_proj", "kv_b_proj", "q_a_proj", "o_proj"};
+    Model model(gated_spec, *backend, options);
+    CHECK(gated_count.total() == slot_elements(model));
+    LoraConfig lora;
+    lora.rank = 4;
+    lora.targets = options.lora_targets;
+    CHECK(count_lora_parameters(gated_spec, lora).total() == parameter_elements(model));
+  }
+}
+
+TEST_CASE("a DSA layer's saved tensors per token, by hand") {
+  // tiny_model_config with q LoRA (12), bf16 activations (a = 2), F32 statistics, H 2, qk 6 + 4,
+  // v 5, kv rank 8, top 3 of windows of 8. Shared with MLA: q_a, q latent 2*12*a + 4, kv latent
+  // 8*a + 4, attention output 2*5*a. MLA on top: kv_normed 8*a, q and k 2*2*10*a, v 2*5*a, lse
+  // 2*4 = 124. DSA on top: 3 key ids 3*4, absorbed queries and the latent rows (2 + 1)*(8 + 4)*a,
+  // latent output 2*8*a, lse 2*4 = 124; plus q 2*10*a = 40 when kv_b_proj has an adapter.
+  Config dsa = testing::tiny_model_config(true);
+  dsa.parallel.recompute = false;
+  Config mla = dsa;
+  mla.model.layers = {"mla", "kda", "mla"};
+  auto saved = [](const Config& config) {
+    for (const PlanItem& i : make_memory_plan(config, PlanOptions{}).per_token_full)
+      if (i.name == "every layer's saved tensors") return i.bytes;
+    FAIL("no saved-tensors item");
+    return 0.0;
+  };
+  CHECK(saved(dsa) - saved(mla) == 0.0);
+  dsa.lora.targets = {"kv_b_proj"};
+  mla.lora.targets = {"kv_b_proj"};
+  CHECK(saved(dsa) - saved(mla) == 40.0);
+  // The gate's pre-activation on the two attention layers: H a headwise, H v a elementwise.
+  Config gated = mla;
+  gated.model.attention_gate = "elementwise";
+  CHECK(saved(gated) - saved(mla) == 2 * 2 * 5 * 2.0);
+  gated.model.attention_gate = "headwise";
+  CHECK(saved(gated) - saved(mla) == 2 * 2 * 2.0);
 }
 
 TEST_CASE("Kimi K3's KDA (fused qkv, full-rank output gate) counts what the model builds") {
@@ -218,7 +262,6 @@ TEST_CASE("a KDA layer's saved tensors and chunk states per token, by hand") {
   };
   const std::string saved = "every layer's saved tensors";
   CHECK(item(with_kda.per_token_full, saved).bytes - item(without.per_token_full, saved).bytes == 272.0 - 164.0);
-  CHECK(!item(with_kda.per_token_full, saved).estimated);
   CHECK(item(with_kda.per_token_full, "KDA chunk states (inside the op)").bytes == 2.0);
   CHECK(item(without.per_token_full, "KDA chunk states (inside the op)").bytes == 0.0);
 }
