@@ -776,7 +776,7 @@ class CudaBackend final : public Backend {
   static void check_kda(const char* op, const TensorView& q, const TensorView& v, const TensorView& cu_seqlens) {
     check_segments(op, cu_seqlens);
     expect(cuda_ops::kda_head_dims_supported(q.size(2), v.size(2)), op,
-           "head dims " + describe("q", q) + ", " + describe("v", v) + ": the CUDA KDA takes 64 or 128 for each");
+           "head dims " + describe("q", q) + ", " + describe("v", v) + ": the CUDA KDA takes up to 128 for each");
   }
 
   cudaStream_t stream_ = nullptr;

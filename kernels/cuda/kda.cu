@@ -1,5 +1,6 @@
-// The KDA launchers: the chunk table, BF16 copies of F32 (or misaligned) inputs, the scratch
-// buffers between the kernels, and the kernels in order (see kda.h and each kernel file).
+// The KDA launchers: the chunk table, BF16 (and head-dim padded) copies of inputs the kernels
+// cannot read as they are, the scratch buffers between the kernels, the kernels in order (see
+// kda.h and each kernel file), and padded outputs copied back.
 #include "kernels/cuda/kda.h"
 
 #include <cuda_bf16.h>
@@ -10,7 +11,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/kda_common.cuh"
-#include "kernels/cuda/memory.h"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
@@ -80,31 +80,69 @@ class Carver {
   size_t offset_ = 0;
 };
 
-// The BF16 operand the kernels read: the caller's tensor when it is BF16 and 16-byte aligned,
-// else a BF16 copy in scratch (`copy` non-null in the real pass).
-const bf16* bf16_input(const TensorView& t, bf16* copy, cudaStream_t stream) {
-  if (t.dtype == DType::kBF16 && aligned16(t.data)) return static_cast<const bf16*>(t.data);
-  if (copy != nullptr) {
-    TensorView dst = t;
-    dst.data = copy;
-    dst.dtype = DType::kBF16;
-    convert(dst, t, stream);
+// dst[r, c] = c < src_width ? src[r, c] : 0 for c < dst_width: converts, pads head dims with zero
+// columns, or takes the first columns back (any widths, any mix of BF16 and F32).
+__global__ void kda_copy_columns_kernel(MutOperand dst, int dst_width, ConstOperand src, int src_width, int64_t rows) {
+  const int64_t n = rows * dst_width;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / dst_width;
+    const int c = static_cast<int>(i - r * dst_width);
+    store_one(dst, i, c < src_width ? load_one(src, r * src_width + c) : 0.0f);
+  }
+}
+
+ElemKind kind_of(DType dtype) { return dtype == DType::kBF16 ? ElemKind::kBF16 : ElemKind::kF32; }
+
+void copy_columns(MutOperand dst, int dst_width, ConstOperand src, int src_width, int64_t rows, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int64_t n = rows * dst_width;
+  if (n == 0) return;
+  kda_copy_columns_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, dst_width, src, src_width, rows);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The kernels take head dims of 64 or 128; smaller ones run zero-padded (zero key columns add
+// nothing to any product and keep their state rows at zero; zero value columns give zero outputs).
+int padded_dim(int64_t dim) { return dim <= 64 ? 64 : 128; }
+
+// The memory the kernels read for an input: [rows, width] of `want` (BF16 for q, k, v, dout; F32
+// for g), 16-byte aligned. The caller's tensor when it is that already, else a converted and padded
+// copy carved from scratch (filled in the real pass).
+template <typename T>
+const T* stage_input(Carver& carver, const TensorView& t, DType want, int width, int64_t rows, bool fill,
+                     cudaStream_t stream) {
+  if (t.dtype == want && t.size(-1) == width && aligned16(t.data)) return static_cast<const T*>(t.data);
+  T* copy = carver.take<T>(rows * width);
+  if (fill) {
+    copy_columns({copy, kind_of(want)}, width, {t.data, kind_of(t.dtype)}, static_cast<int>(t.size(-1)), rows,
+                 stream);
   }
   return copy;
 }
-bool needs_copy(const TensorView& t) { return !(t.dtype == DType::kBF16 && aligned16(t.data)); }
 
-// g (F32) is read 16 bytes at a time: the caller's tensor when aligned, else a copy.
-const float* g_input(const TensorView& g, float* copy, cudaStream_t stream) {
-  if (aligned16(g.data)) return static_cast<const float*>(g.data);
-  if (copy != nullptr) CUDA_CHECK(cudaMemcpyAsync(copy, g.data, g.nbytes(), cudaMemcpyDeviceToDevice, stream));
-  return copy;
+// An output the kernels write [rows, width]: the caller's tensor when its head dim is `width`, else
+// an F32 buffer from scratch whose first columns `unstage` copies out after the kernels.
+struct StagedOutput {
+  MutOperand target;
+  float* buffer = nullptr;
+};
+StagedOutput stage_output(Carver& carver, const TensorView& t, int width, int64_t rows) {
+  StagedOutput o;
+  o.target = {t.data, kind_of(t.dtype)};
+  if (t.size(-1) != width) {
+    o.buffer = carver.take<float>(rows * width);
+    o.target = {o.buffer, ElemKind::kF32};
+  }
+  return o;
+}
+void unstage(const StagedOutput& o, const TensorView& t, int width, int64_t rows, cudaStream_t stream) {
+  if (o.buffer != nullptr)
+    copy_columns({t.data, kind_of(t.dtype)}, static_cast<int>(t.size(-1)), {o.buffer, ElemKind::kF32}, width, rows,
+                 stream);
 }
 
-MutOperand out_operand(const char* op, const char* name, const TensorView& t) {
-  return {t.data, elem_kind(op, name, t.dtype)};
-}
-
+// Shapes as the kernels see them (head dims padded).
 struct Dims {
   int tokens, heads, dk, dv, segments, capacity;
 };
@@ -113,8 +151,8 @@ Dims dims_of(const TensorView& q, const TensorView& v, const TensorView& cu_seql
   Dims d;
   d.tokens = static_cast<int>(q.size(0));
   d.heads = static_cast<int>(q.size(1));
-  d.dk = static_cast<int>(q.size(2));
-  d.dv = static_cast<int>(v.size(2));
+  d.dk = padded_dim(q.size(2));
+  d.dv = padded_dim(v.size(2));
   d.segments = static_cast<int>(cu_seqlens.numel() - 1);
   d.capacity = (d.tokens + kda::kChunk - 1) / kda::kChunk + d.segments;
   return d;
@@ -157,7 +195,7 @@ void build_chunk_table(const KdaParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool kda_head_dims_supported(int64_t k_dim, int64_t v_dim) {
-  return (k_dim == 64 || k_dim == 128) && (v_dim == 64 || v_dim == 128);
+  return k_dim >= 1 && k_dim <= 128 && v_dim >= 1 && v_dim <= 128;
 }
 
 void kda_forward(const KdaArgs& args, cudaStream_t stream) {
@@ -165,33 +203,28 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
   if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) return;
   KdaParams p;
   fill_common(p, d, args.scale, args.beta, args.cu_seqlens);
-  p.out = out_operand("kda_forward", "out", args.out);
   const int64_t rows = static_cast<int64_t>(d.tokens) * d.heads;
 
   // Two passes over the same carving: sizes, then pointers into one allocation.
   Tensor scratch;
-  char* base = nullptr;
+  StagedOutput out;
   for (int pass = 0; pass < 2; ++pass) {
-    Carver carver(base);
+    Carver carver(pass == 0 ? nullptr : static_cast<char*>(scratch.data()));
+    const bool fill = pass == 1;
     p.chunk_offsets = carver.take<int32_t>(d.segments + 1);
-    bf16* q16 = needs_copy(args.q) ? carver.take<bf16>(rows * d.dk) : nullptr;
-    bf16* k16 = needs_copy(args.k) ? carver.take<bf16>(rows * d.dk) : nullptr;
-    bf16* v16 = needs_copy(args.v) ? carver.take<bf16>(rows * d.dv) : nullptr;
-    float* g32 = aligned16(args.g.data) ? nullptr : carver.take<float>(rows * d.dk);
+    p.q = stage_input<bf16>(carver, args.q, DType::kBF16, d.dk, rows, fill, stream);
+    p.k = stage_input<bf16>(carver, args.k, DType::kBF16, d.dk, rows, fill, stream);
+    p.v = stage_input<bf16>(carver, args.v, DType::kBF16, d.dv, rows, fill, stream);
+    p.g = stage_input<float>(carver, args.g, DType::kF32, d.dk, rows, fill, stream);
+    out = stage_output(carver, args.out, d.dv, rows);
     carve_forward(p, d, carver);
-    if (pass == 0) {
-      scratch = call_scratch(carver.bytes());
-      base = static_cast<char*>(scratch.data());
-    } else {
-      p.q = bf16_input(args.q, q16, stream);
-      p.k = bf16_input(args.k, k16, stream);
-      p.v = bf16_input(args.v, v16, stream);
-      p.g = g_input(args.g, g32, stream);
-    }
+    if (pass == 0) scratch = call_scratch(carver.bytes());
   }
+  p.out = out.target;
   build_chunk_table(p, stream);
   kda::launch_kda_intra(p, d.dk, d.dv, /*for_backward=*/false, stream);
   kda::launch_kda_state_forward(p, d.dk, d.dv, /*save=*/false, stream);
+  unstage(out, args.out, d.dv, rows, stream);
 }
 
 void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
@@ -199,24 +232,25 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
   if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) return;
   KdaParams p;
   fill_common(p, d, args.scale, args.beta, args.cu_seqlens);
-  p.dq = out_operand("kda_backward", "dq", args.dq);
-  p.dk = out_operand("kda_backward", "dk", args.dk);
-  p.dv = out_operand("kda_backward", "dv", args.dv);
-  p.dg = static_cast<float*>(args.dg.data);
   p.dbeta = static_cast<float*>(args.dbeta.data);
   const int64_t rows = static_cast<int64_t>(d.tokens) * d.heads;
   const int64_t states = static_cast<int64_t>(d.capacity) * d.heads * d.dk * d.dv;
 
   Tensor scratch;
-  char* base = nullptr;
+  StagedOutput dq, dk, dv, dg;
   for (int pass = 0; pass < 2; ++pass) {
-    Carver carver(base);
+    Carver carver(pass == 0 ? nullptr : static_cast<char*>(scratch.data()));
+    const bool fill = pass == 1;
     p.chunk_offsets = carver.take<int32_t>(d.segments + 1);
-    bf16* q16 = needs_copy(args.q) ? carver.take<bf16>(rows * d.dk) : nullptr;
-    bf16* k16 = needs_copy(args.k) ? carver.take<bf16>(rows * d.dk) : nullptr;
-    bf16* v16 = needs_copy(args.v) ? carver.take<bf16>(rows * d.dv) : nullptr;
-    bf16* dout16 = needs_copy(args.dout) ? carver.take<bf16>(rows * d.dv) : nullptr;
-    float* g32 = aligned16(args.g.data) ? nullptr : carver.take<float>(rows * d.dk);
+    p.q = stage_input<bf16>(carver, args.q, DType::kBF16, d.dk, rows, fill, stream);
+    p.k = stage_input<bf16>(carver, args.k, DType::kBF16, d.dk, rows, fill, stream);
+    p.v = stage_input<bf16>(carver, args.v, DType::kBF16, d.dv, rows, fill, stream);
+    p.dout = stage_input<bf16>(carver, args.dout, DType::kBF16, d.dv, rows, fill, stream);
+    p.g = stage_input<float>(carver, args.g, DType::kF32, d.dk, rows, fill, stream);
+    dq = stage_output(carver, args.dq, d.dk, rows);
+    dk = stage_output(carver, args.dk, d.dk, rows);
+    dv = stage_output(carver, args.dv, d.dv, rows);
+    dg = stage_output(carver, args.dg, d.dk, rows);
     carve_forward(p, d, carver);
     p.pkk = carver.take<float>(rows * kda::kChunk);
     p.minv = carver.take<bf16>(rows * kda::kChunk);
@@ -227,23 +261,22 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
     p.dvnew = carver.take<bf16>(rows * d.dv);
     p.dpkk = carver.take<float>(rows * kda::kChunk);
     p.dkg = carver.take<float>(rows * d.dk);
-    if (pass == 0) {
-      scratch = call_scratch(carver.bytes());
-      base = static_cast<char*>(scratch.data());
-    } else {
-      p.q = bf16_input(args.q, q16, stream);
-      p.k = bf16_input(args.k, k16, stream);
-      p.v = bf16_input(args.v, v16, stream);
-      p.dout = bf16_input(args.dout, dout16, stream);
-      p.g = g_input(args.g, g32, stream);
-    }
+    if (pass == 0) scratch = call_scratch(carver.bytes());
   }
+  p.dq = dq.target;
+  p.dk = dk.target;
+  p.dv = dv.target;
+  p.dg = static_cast<float*>(dg.target.data);
   build_chunk_table(p, stream);
   kda::launch_kda_intra(p, d.dk, d.dv, /*for_backward=*/true, stream);
   kda::launch_kda_state_forward(p, d.dk, d.dv, /*save=*/true, stream);
   kda::launch_kda_state_backward(p, d.dk, d.dv, stream);
   kda::launch_kda_wy_backward(p, d.dk, d.dv, stream);
   kda::launch_kda_intra_backward(p, d.dk, d.dv, stream);
+  unstage(dq, args.dq, d.dk, rows, stream);
+  unstage(dk, args.dk, d.dk, rows, stream);
+  unstage(dv, args.dv, d.dv, rows, stream);
+  unstage(dg, args.dg, d.dk, rows, stream);
 }
 
 }  // namespace moetrain::kernels::cuda_ops

@@ -5,7 +5,8 @@
 // kept), a reverse state sweep, then kda_backward.cu (parallel over chunks). Deterministic: no
 // atomics; every gradient element is written once by one thread.
 // Inputs q, k, v, dout BF16 or F32 (F32 is rounded to BF16 first, as autocast would); g, beta and
-// their gradients F32; outputs in their own dtype. Head dims 64 or 128 (kda_head_dims_supported).
+// their gradients F32; outputs in their own dtype. Head dims up to 128: the kernels take 64 or 128,
+// smaller dims run zero-padded to those (through staged copies; kda_head_dims_supported).
 #pragma once
 
 #include <cuda_runtime.h>

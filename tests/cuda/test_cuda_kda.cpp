@@ -1,8 +1,8 @@
 // The CUDA KDA ops against the CPU reference (F64) on the same inputs: the short convolution,
 // l2norm, the KDA gate (both forms), sigmoid, the gated RMSNorm, and KDA itself forward and
-// backward (every gradient) at head dims 128 and 64, lengths 1, 63, 64, 65 and 200, and packed
-// segments (an empty one, ones shorter than the conv width and than a chunk, ones spanning
-// several chunks). Inputs BF16 and F32; outputs poisoned with NaN first, so an element a kernel
+// backward (every gradient) at head dims 128 and 64 (and padded ones: 96/72, 16, 4/5), lengths
+// 1, 63, 64, 65 and 200, and packed segments (an empty one, ones shorter than the conv width and
+// than a chunk, ones spanning several chunks). Inputs BF16 and F32; outputs poisoned with NaN first, so an element a kernel
 // forgets to write fails. KDA runs on BF16 tensor cores whatever the input dtype, so its outputs
 // are held to a BF16-operand tolerance (relative L2 ~1e-2).
 #include <algorithm>
@@ -192,6 +192,13 @@ TEST_CASE("cuda kda matches the CPU on packed segments, mixed head dims and F32 
   check_kda_case({packed, 2, 64, 128, -0.6, -0.01}, DType::kBF16, seed += 10);
   check_kda_case({packed, 2, 128, 64, -0.6, -0.01}, DType::kF32, seed += 10);
   check_kda_case({{0, 70, 200}, 1, 64, 64, -0.6, -0.01}, DType::kF32, seed += 10);
+}
+
+TEST_CASE("cuda kda matches the CPU at head dims the kernels pad (tiny models, odd sizes)") {
+  uint64_t seed = 9700;
+  check_kda_case({{0, 70, 200}, 2, 16, 16, -0.6, -0.01}, DType::kBF16, seed += 10);
+  check_kda_case({{0, 3, 130}, 3, 4, 5, -0.6, -0.01}, DType::kF32, seed += 10);
+  check_kda_case({{0, 100}, 2, 96, 72, -0.6, -0.01}, DType::kBF16, seed += 10);
 }
 
 TEST_CASE("cuda kda stays finite and matches the CPU under strong and weak decay") {
