@@ -1,0 +1,101 @@
+// DSA against an independent reference: transformers' DeepseekV32ForCausalLM with a PEFT LoRA
+// adapter on every MLA projection, the MLPs and the experts (tests/fixtures/golden/deepseek_v32*,
+// made by scripts/make_fixtures_deepseek_v32.py; docs/FIXTURES.md). Two windows of 16 tokens whose
+// queries keep the indexer's top 5 (YaRN config) or top 3 (plain RoPE) keys, so the selection
+// matters. Our HF importer loads the model directory (indexer weights included), our PEFT importer
+// the adapter; logits and loss must match to 1e-5 and every adapter gradient to 1e-4, each against
+// its own scale. Until the fixtures are generated and committed, every case here fails and says how.
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "catch.h"
+#include "core/io/hf_index.h"
+#include "core/io/safetensors.h"
+#include "core/model/model.h"
+#include "core/model/peft_adapter.h"
+#include "golden_files.h"
+#include "kernels/ops.h"
+
+using namespace moetrain;
+
+namespace {
+
+using testing::golden_batch;
+using testing::gradient_for;
+using testing::host_f64;
+using testing::scaled_error;
+
+// The fixture directory, or a failure that says how to make it.
+std::string fixture_dir(const std::string& name) {
+  const std::string dir = testing::golden_dir(name);
+  if (!std::filesystem::exists(dir + "/golden.safetensors")) {
+    FAIL("missing golden fixture " << dir << ": make it on a machine with torch, transformers 5.17, peft 0.21 "
+                                   << "(no GPU needed) with\n  python3 scripts/make_fixtures_deepseek_v32.py --out "
+                                   << "tests/fixtures/golden\nand commit tests/fixtures/golden/deepseek_v32*/ "
+                                   << "(docs/FIXTURES.md)");
+  }
+  return dir;
+}
+
+void check_fixture(const std::string& name, DType dtype, int64_t top_k) {
+  const std::string dir = fixture_dir(name);
+  SafetensorsFile golden(dir + "/golden.safetensors");
+  Batch batch = golden_batch(golden);
+  REQUIRE(batch.seq_len == 16);
+
+  Config config;
+  config.model.hf_dir = dir;
+  config.data.seq_len = batch.seq_len;
+  ModelSpec spec = resolve_model_spec(config);
+  REQUIRE(spec.mixers == std::vector<MixerKind>(spec.mixers.size(), MixerKind::kDsa));
+  REQUIRE(spec.config.dsa.index_topk == top_k);  // fewer than the window's 16 keys: the selection matters
+  auto backend = kernels::make_cpu_backend();
+  ModelOptions options = testing::golden_model_options(dir, spec);
+  options.dtype = dtype;
+  Model model(spec, *backend, options);
+  model.load_weights(HfCheckpoint(dir));
+  load_peft_adapter(model, dir + "/adapter");
+
+  Tensor logits = model.logits(batch);
+  double logits_error = scaled_error(logits, golden.read_as("logits", DType::kF64));
+  INFO(name << ": logits scaled error " << logits_error);
+  CHECK(logits_error <= 1e-5);
+
+  const int64_t targets = batch.num_targets();
+  StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
+  const double loss = result.loss_sum / static_cast<double>(targets);
+  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+  INFO(name << ": loss " << loss << " vs " << golden_loss);
+  CHECK(std::fabs(loss - golden_loss) <= 1e-5 * std::fabs(golden_loss));
+
+  std::map<std::string, Tensor> grads;
+  for (Parameter* p : model.parameters()) grads.emplace(p->name, host_f64(*backend, p->grad));
+  int compared = 0;
+  for (const std::string& key : golden.names()) {
+    if (key.rfind("grad.", 0) != 0) continue;
+    const std::string param = key.substr(5 + std::string("base_model.model.").size());
+    Tensor ours = gradient_for(grads, param);
+    double error = scaled_error(ours, golden.read_as(key, DType::kF64));
+    INFO(name << ": " << key << " scaled error " << error);
+    CHECK(error <= 1e-4);
+    ++compared;
+  }
+  CHECK(compared == static_cast<int>(SafetensorsFile(dir + "/adapter/adapter_model.safetensors").names().size()));
+}
+
+}  // namespace
+
+TEST_CASE("golden: DeepSeek-V3.2 (DSA top 5 of 16, YaRN, fused experts)", "[golden][dsa]") {
+  check_fixture("deepseek_v32", DType::kF32, 5);
+}
+
+TEST_CASE("golden: DeepSeek-V3.2 (DSA top 3 of 16, plain RoPE, per-expert checkpoint)", "[golden][dsa]") {
+  check_fixture("deepseek_v32_plain", DType::kF32, 3);
+}
+
+TEST_CASE("golden: DeepSeek-V3.2 in double precision", "[golden][dsa]") {
+  check_fixture("deepseek_v32", DType::kF64, 5);
+  check_fixture("deepseek_v32_plain", DType::kF64, 3);
+}
