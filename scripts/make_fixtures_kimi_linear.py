@@ -75,6 +75,19 @@ KDA_LINEARS = {
     "g_a": ["g_a_proj", "output_gate_down"], "g_b": ["g_b_proj", "output_gate_up"],
     "o": ["o_proj"],
 }
+# Role names are matched on the last component of a dotted module path: transformers 5.17 keeps
+# f_a_proj / f_b_proj, A_log and dt_bias in a `forget_gate` submodule of the attention.
+
+
+def kda_param(attn, leaf):
+    """A_log or dt_bias of a KDA module, wherever it sits (directly, or in forget_gate)."""
+    found = [p for n, p in attn.named_parameters() if n.split(".")[-1] == leaf]
+    check(len(found) == 1, f"{type(attn).__name__}: {len(found)} parameters named {leaf}")
+    return found[0]
+
+
+def is_kda_module(attn):
+    return any(n.split(".")[-1] == "A_log" for n, _ in attn.named_parameters())
 
 # Shared by both configs. A KDA head: 2 heads of 8; MLA: 2 heads, NoPE, rope dims kept (4).
 COMMON = dict(
@@ -147,10 +160,10 @@ def make_config(mixers, q_lora_rank, groups, scaling, shared):
 
 def kda_roles(attn):
     """{role: attribute name} of a KDA module's nn.Linear children, and its conv weights by stream."""
-    linears = {n: m for n, m in attn.named_children() if isinstance(m, torch.nn.Linear)}
+    linears = {n: m for n, m in attn.named_modules() if n and isinstance(m, torch.nn.Linear)}
     roles = {}
     for role, names in KDA_LINEARS.items():
-        found = [n for n in names if n in linears]
+        found = [n for n in linears if n.split(".")[-1] in names]
         check(len(found) == 1, f"{type(attn).__name__}: projection '{role}' not found as one of {names}; "
                                f"its linear layers are {sorted(linears)}")
         roles[role] = found[0]
@@ -183,19 +196,20 @@ def build_model(cfg, mixers, device):
     names = {}
     for i, (layer, kind) in enumerate(zip(layers, mixers)):
         attn = layer.self_attn
-        is_kda = hasattr(attn, "A_log")
+        is_kda = is_kda_module(attn)
         check(is_kda == (kind == "kda"), f"layer {i} is {type(attn).__name__}, want {kind} "
                                          f"(config.layer_types = {getattr(cfg, 'layer_types', None)})")
         if is_kda:
             roles = kda_roles(attn)
             names.setdefault("kda", roles)
             check(names["kda"] == roles, "KDA layers name their projections differently")
-            q = getattr(attn, roles["q"])
+            q = attn.get_submodule(roles["q"])
             check(q.out_features == H * d, f"layer {i}: KDA q_proj out {q.out_features}, want {H * d}")
-            check(getattr(attn, roles["b"]).out_features == H, f"layer {i}: beta projection is not [H, D]")
-            check(getattr(attn, roles["f_a"]).out_features == d, f"layer {i}: forget-gate down is not [d, D]")
+            check(attn.get_submodule(roles["b"]).out_features == H, f"layer {i}: beta projection is not [H, D]")
+            check(attn.get_submodule(roles["f_a"]).out_features == d, f"layer {i}: forget-gate down is not [d, D]")
             check(all(w.shape[1] == c["conv"] for w in conv_weights(attn, H * d)), f"layer {i}: conv width")
-            check(attn.A_log.numel() == H and attn.dt_bias.numel() == H * d, f"layer {i}: A_log / dt_bias sizes")
+            check(kda_param(attn, "A_log").numel() == H and kda_param(attn, "dt_bias").numel() == H * d,
+                  f"layer {i}: A_log / dt_bias sizes")
             act = getattr(attn.o_norm, "activation", "sigmoid")
             check(act == "sigmoid", f"layer {i}: o_norm gates with {act!r}; Moonshot's model (and moetrain) use "
                                     "sigmoid, so golden files from this transformers would not be the reference")
@@ -245,9 +259,9 @@ def attach_lora(model, seed):
     target_parameters (as make_fixtures.py); non-zero B."""
     linear_names = set()
     for layer in model.model.layers:
-        for n, m in layer.self_attn.named_children():
-            if isinstance(m, torch.nn.Linear):
-                linear_names.add(n)
+        for n, m in layer.self_attn.named_modules():
+            if n and isinstance(m, torch.nn.Linear):
+                linear_names.add(n.split(".")[-1])  # PEFT matches target_modules on the name's end
     expert_params = sorted({f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")})
     cfg = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, use_rslora=False, bias="none",
                      init_lora_weights=True, target_modules=sorted(linear_names),
@@ -363,6 +377,8 @@ class KimiNumpyReference(mf.NumpyReference):
                     if alias != key:
                         self.w.setdefault(alias, self.w[key])
             self.w.setdefault(key.replace(".block_sparse_moe.", ".mlp."), self.w[key])
+            # transformers 5.17's layout keeps A_log and dt_bias in the forget_gate submodule.
+            self.w.setdefault(key.replace(".forget_gate.", "."), self.w[key])
 
     def rms(self, x, wkey):
         # q_a / kv_a layernorms are built without eps (1e-6 always); the others use rms_norm_eps.

@@ -5,11 +5,11 @@
 namespace moetrain {
 namespace {
 
-// Our module name -> transformers 5's, for the Kimi-Linear modules that differ.
+// Our module name -> transformers 5's, for the Kimi-Linear modules that differ (transformers 5.17
+// keeps the forget gate's projections, A_log and dt_bias in a `forget_gate` submodule).
 const std::pair<const char*, const char*> kTransformersModules[] = {
-    {".self_attn.f_a_proj", ".self_attn.forget_gate_down"},  {".self_attn.f_b_proj", ".self_attn.forget_gate_up"},
-    {".self_attn.b_proj", ".self_attn.beta_proj"},           {".self_attn.g_a_proj", ".self_attn.output_gate_down"},
-    {".self_attn.g_b_proj", ".self_attn.output_gate_up"},    {".self_attn.g_proj", ".self_attn.output_gate"},
+    {".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"},
+    {".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj"},
 };
 
 // `name` with its first `from` (a whole dotted component run) replaced by `to`; empty if absent.
@@ -46,7 +46,9 @@ std::vector<HfLayout> kda_layouts(const std::string& name, const Shape& shape) {
   if (at == std::string::npos) return {};
   const std::string prefix = name.substr(0, at + 11);
   const std::string leaf = name.substr(at + 11);
-  if (leaf == "A_log" || leaf == "dt_bias") return {{whole(name, shape, true)}};
+  if (leaf == "A_log" || leaf == "dt_bias") {
+    return {{whole(name, shape, true)}, {whole(prefix + "forget_gate." + leaf, shape, true)}};
+  }
   for (int64_t j = 0; j < 3; ++j) {
     if (leaf != std::string(1, "qkv"[j]) + "_conv1d.weight") continue;
     HfPiece packed = whole(prefix + "conv1d.weight", shape, true);

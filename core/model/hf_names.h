@@ -1,15 +1,13 @@
 // Where a weight of ours lives in a Hugging Face checkpoint, and what a module is called there.
 //
 // Our names are the released checkpoints' (DeepSeek-V3's, Moonshot's Kimi-Linear). transformers 5
-// spells some Kimi-Linear modules differently in memory, which is what it saves with
-// `save_original_format=False` and what PEFT adapters on it are keyed by:
+// (5.17, read off its modeling_kimi_linear.py) spells some Kimi-Linear modules differently in
+// memory, which is what it saves with `save_original_format=False` and what PEFT adapters on it
+// are keyed by:
 //   ours (released)                      transformers 5
-//   self_attn.f_a_proj / f_b_proj        self_attn.forget_gate_down / forget_gate_up
-//   self_attn.b_proj                     self_attn.beta_proj
-//   self_attn.g_a_proj / g_b_proj        self_attn.output_gate_down / output_gate_up
-//   self_attn.g_proj (K3, full rank)     self_attn.output_gate
+//   self_attn.f_a_proj / f_b_proj        self_attn.forget_gate.f_a_proj / forget_gate.f_b_proj
+//   self_attn.A_log / dt_bias            self_attn.forget_gate.A_log [1, 1, H, 1] / forget_gate.dt_bias [H d]
 //   self_attn.{q,k,v}_conv1d [C, 1, W]   self_attn.conv1d [3C, 1, W] (q, k, v stacked)
-//   self_attn.A_log [1, 1, H, 1]         [H, 1];  dt_bias [H d] / [H, d]
 //   block_sparse_moe.{gate,shared_experts}.*       mlp.*
 //   block_sparse_moe.experts.<e>.w1 / w3 / w2      mlp.experts.gate_up_proj / down_proj (fused)
 // The loader tries each layout in turn (docs/HF_SEMANTICS.md).

@@ -12,7 +12,7 @@
 // moetrain keeps separate gate and up adapters per expert, so a fused adapter loads with A
 // copied into both (the same function of x); training may then untie them.
 // Kimi-Linear's KDA modules: keys may use our (the released checkpoint's) module names or
-// transformers 5's (forget_gate_down for f_a_proj, ...; core/model/hf_names.h).
+// transformers 5's (forget_gate.f_a_proj for f_a_proj, ...; core/model/hf_names.h).
 #pragma once
 
 #include <string>
