@@ -1,9 +1,10 @@
 // The dsa mixer in the whole model: with top-k >= the window it is dense MLA (the absorbed MQA
 // form against MlaAttention's expanded keys and values, LoRA on kv_b_proj included), with a
 // small top-k the selection changes the result; LoRA gradients against central differences in
-// double with the attention gate in both forms (and on MLA); the dsa config rules; and the import
-// of a deepseek_v32 config.json and checkpoint. (tests/unit/test_model_gradcheck.cpp and
+// double with the attention gate in both forms (and on MLA); the dsa config rules; its FLOPs by
+// hand; and the import of a deepseek_v32 config.json and checkpoint. (tests/unit/test_model_gradcheck.cpp and
 // test_data_model.cpp cover DSA through tiny_model_config too.)
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,9 @@
 #include "core/io/hf_index.h"
 #include "core/io/safetensors_writer.h"
 #include "core/model/model.h"
+#include "core/plan/memory_plan.h"
+#include "core/plan/model_flops.h"
+#include "core/plan/param_count.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
@@ -179,6 +183,58 @@ TEST_CASE("dsa config rules name the keys", "[model][dsa][config]") {
 
   const std::string yaml = "model: {vocab_size: 8, hidden_size: 8, num_layers: 1, dsa: {index_topk: 4, top_k: 2}}\n";
   CHECK(contains(error_message([&] { parse_config(yaml, "dsa.yaml"); }), "model.dsa.top_k"));
+}
+
+TEST_CASE("step FLOPs of a DSA layer and the gate, by hand", "[model][dsa][flops]") {
+  // tiny_model_config(true): D 16, MLA H 2, q LoRA 12, kv rank r 8, qk 6 + 4, v 5; indexer 2 x 6,
+  // top 3. 8 tokens in documents of 3 and 5: 6 + 15 = 21 causal pairs, of which a top 3 keeps
+  // 6 + (6 + 2 * 3) = 18.
+  Config dsa = tiny_model_config(true);
+  Config mla = dsa;
+  mla.model.layers = {"mla", "kda", "mla"};
+  const StepFlops with = ModelFlops(plan_model_spec(dsa.model), dsa.lora).step(8, {0, 3, 8});
+  const StepFlops without = ModelFlops(plan_model_spec(mla.model), mla.lora).step(8, {0, 3, 8});
+  // The same projections as MLA; the frozen indexer runs forward only: 2 x (wq_b 2*6*12 + wk 6*16 +
+  // weights_proj 2*16) per token.
+  CHECK(with.frozen - without.frozen == 2.0 * (144 + 96 + 32) * 8);
+  // Sparse attention 2 (2 r + d_r) H = 80 per selected pair, 3.5x with backward; the indexer's
+  // scores 2 Hi di = 24 per causal pair; MLA's dense 2 (qk + v) H = 60 per pair, 3.5x.
+  CHECK(with.attention - without.attention == 3.5 * 80 * 18 + 24 * 21 - 3.5 * 60 * 21);
+  CHECK(with.lora == without.lora);
+  // The gate's g_proj on both attention layers, a frozen matmul: 4 x D H v per token.
+  Config gated = dsa;
+  gated.model.attention_gate = "elementwise";
+  const StepFlops gated_step = ModelFlops(plan_model_spec(gated.model), gated.lora).step(8, {0, 3, 8});
+  CHECK(gated_step.frozen - with.frozen == 4.0 * 2 * (16 * 2 * 5) * 8);
+}
+
+TEST_CASE("the shipped configs with dsa layers say what their headers promise", "[model][dsa][config]") {
+  const std::string dir = std::string(MOETRAIN_SOURCE_DIR) + "/configs/";
+  // quickstart-dsa: KDA 3 : 1 gated DSA whose top-k is smaller than a window; it builds.
+  Config quick = load_config(dir + "quickstart-dsa.yaml");
+  ModelSpec spec = resolve_model_spec(quick);
+  CHECK(spec.mixers == std::vector<MixerKind>{MixerKind::kKda, MixerKind::kKda, MixerKind::kKda, MixerKind::kDsa});
+  CHECK(spec.config.attention_gate == "elementwise");
+  CHECK(spec.config.dsa.index_topk < quick.data.seq_len);
+  CHECK(quick.train.device == "cpu");  // until the DSA ops have CUDA kernels
+  auto backend = kernels::make_cpu_backend();
+  ModelOptions options;
+  options.lora_targets = quick.lora.targets;
+  Model model(spec, *backend, options);
+  validate_for_world(quick, 1);
+
+  // seed-2.8t: 69 KDA + 24 gated DSA layers, counted exactly; it fits 128 H200s with recompute.
+  Config seed = load_config(dir + "seed-2.8t.yaml");
+  ModelSpec seed_spec = plan_model_spec(seed.model);
+  CHECK(std::count(seed_spec.mixers.begin(), seed_spec.mixers.end(), MixerKind::kDsa) == 24);
+  CHECK(std::count(seed_spec.mixers.begin(), seed_spec.mixers.end(), MixerKind::kKda) == 69);
+  CHECK(seed.model.dsa.index_topk == 2048);
+  PlanOptions plan_options;
+  plan_options.world = 128;
+  MemoryPlan plan = make_memory_plan(seed, plan_options);
+  CHECK(plan.params.total() > 2.7e12);
+  CHECK(plan.params.total() < 2.8e12);
+  CHECK(plan.fits());
 }
 
 // ---------------------------------------------------------------------------------------------
