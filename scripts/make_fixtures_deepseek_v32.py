@@ -262,9 +262,13 @@ def forward(pm, cfg, ids, labels):
             extra[f"indexer_q.layers.{L}"] = arg(1, "q_resid").detach().clone()
             extra[f"indexer_cos.layers.{L}"] = cos.detach().clone()
             extra[f"indexer_sin.layers.{L}"] = sin.detach().clone()
-            check(torch.is_tensor(out) and not out.dtype.is_floating_point,
-                  "the indexer no longer returns integer top-k indices (a mask? update this script)")
-            extra[f"indexer.layers.{L}.raw_index"] = out.detach().clone()
+            # The top-k indices: the output itself, or (in versions that also return the scores, for
+            # the indexer's KL loss) the integer tensor of the returned tuple.
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            found = [o for o in outs if torch.is_tensor(o) and not o.dtype.is_floating_point]
+            check(len(found) == 1, f"the indexer returned {[type(o).__name__ for o in outs]}, not one integer "
+                                   "tensor of top-k indices (a mask? update this script)")
+            extra[f"indexer.layers.{L}.raw_index"] = found[0].detach().clone()
         handles.append(layer.self_attn.indexer.register_forward_hook(hook, with_kwargs=True))
     try:
         logits, loss, store = mf.forward(pm, cfg, ids, labels)
