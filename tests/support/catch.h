@@ -2,6 +2,7 @@
 #pragma once
 #if MOETRAIN_CATCH2_V3
 #include <catch2/catch_all.hpp>
+using Catch::Approx;  // Catch2 2.x has it at global scope
 #else
 #include <catch2/catch.hpp>
 #endif

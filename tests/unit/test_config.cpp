@@ -84,7 +84,7 @@ TEST_CASE("the shipped configs say what their headers promise", "[config]") {
   Config quick = load_config(dir + "quickstart.yaml");
   CHECK(quick.model.num_layers == 4);
   CHECK(quick.model.layers == std::vector<std::string>{"kda", "mla", "kda", "mla"});
-  CHECK(quick.model.kda.num_heads * quick.model.kda.head_dim == 64);
+  CHECK(quick.model.kda.num_heads * quick.model.kda.head_dim == quick.model.hidden_size);
   CHECK(quick.model.moe.num_experts == 8);
   CHECK(quick.model.moe.top_k == 2);
   CHECK(!quick.model.mla.q_lora_rank.has_value());

@@ -461,7 +461,7 @@ TEST_CASE("kda gate: both forms match the models' formulas; backward matches fin
     backend->kda_gate_forward({g, big, a_log, dt_bias, 0.0});
     for (int64_t i = 0; i < g.numel(); ++i) {
       const double x = 800.0 + get_element(dt_bias, i);
-      CHECK(get_element(g, i) == Catch::Approx(-std::exp(get_element(a_log, i / dim)) * x).epsilon(1e-12));
+      CHECK(get_element(g, i) == Approx(-std::exp(get_element(a_log, i / dim)) * x).epsilon(1e-12));
     }
   }
   SECTION("a positive lower bound and a g of other heads are rejected") {
