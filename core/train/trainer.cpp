@@ -91,7 +91,12 @@ StepRecord Trainer::train_step() {
   double loss_sum = 0.0;
   for (size_t i = 0; i < batches.size(); ++i) {
     watchdog_progress(fmt::format("step {}: forward/backward of micro-batch {}", record.step + 1, i + 1));
-    const StepResult result = model_.forward_backward(batches[i], grad_scale);
+    StepResult result;
+    try {
+      result = model_.forward_backward(batches[i], grad_scale);
+    } catch (const Error& error) {  // an out-of-memory, a bad token...: say where in the run
+      throw Error(error.code(), fmt::format("step {}, micro-batch {}: {}", record.step + 1, i + 1, error.what()));
+    }
     loss_sum += result.loss_sum;
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     merge_expert_loads(record, result);

@@ -29,11 +29,21 @@ class DeviceAllocator final : public Allocator {
       size_t free_bytes = 0;
       size_t total_bytes = 0;
       cudaMemGetInfo(&free_bytes, &total_bytes);
+      MemoryStats held;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        held = stats_;
+      }
+      // The caching allocator has already given its free blocks back before this fails.
       throw Error(ExitCode::kInternal,
                   "out of GPU memory on device " + std::to_string(current_device()) + ": asked for " +
                       std::to_string(bytes >> 20) + " MiB with " + std::to_string(free_bytes >> 20) + " of " +
-                      std::to_string(total_bytes >> 20) + " MiB free; lower data.micro_batch or "
-                      "data.seq_len, or spread the model over more ranks (parallel.fsdp, parallel.ep)");
+                      std::to_string(total_bytes >> 20) + " MiB free; moetrain's tensors hold " +
+                      std::to_string(held.allocated_bytes >> 20) + " MiB (peak " +
+                      std::to_string(held.peak_bytes >> 20) + " MiB, " + std::to_string(held.allocations) +
+                      " cudaMalloc calls so far). Lower data.micro_batch or data.seq_len, turn "
+                      "parallel.recompute on, or spread the model over more ranks (parallel.fsdp, parallel.ep); "
+                      "`moetrain plan` shows what fits");
     }
     CUDA_CHECK(status);
     std::lock_guard<std::mutex> lock(mutex_);

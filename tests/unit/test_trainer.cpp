@@ -81,6 +81,7 @@ class LeastSquaresModel : public moetrain::TrainableModel {
       db[0] += grad_scale * residual;
       ++result.targets;
     }
+    if (calls == fail_call) throw Error(ExitCode::kInternal, "out of GPU memory (simulated)");
     if (nan_loss_calls.count(calls)) result.loss_sum = std::nan("");
     if (nan_grad_calls.count(calls)) dw[0] = INFINITY;
     result.max_expert_load = 1.0 + 0.01 * static_cast<double>(calls);
@@ -99,6 +100,7 @@ class LeastSquaresModel : public moetrain::TrainableModel {
   }
 
   std::set<int64_t> nan_loss_calls, nan_grad_calls;  // forward_backward calls to poison
+  int64_t fail_call = -1;                             // the forward_backward call that throws
   // Per call: the (max, min) expert load of each MoE layer to report (none when empty).
   std::vector<std::pair<std::vector<double>, std::vector<double>>> layer_loads;
   int64_t calls = 0;
@@ -258,6 +260,24 @@ TEST_CASE("non-finite steps are skipped, and five in a row stop the run") {
   for (const auto* p : model.parameters()) {
     for (int64_t i = 0; i < p->grad.numel(); ++i) CHECK(p->grad.ptr<double>()[i] == 0.0);
   }
+}
+
+TEST_CASE("an error inside a step's forward/backward names the step and micro-batch, code kept") {
+  LeastSquaresModel model;
+  model.fail_call = 4;  // the first micro-batch of step 3 (calls count from 0, two per step)
+  TrainerOptions options = make_options(5, 1, 2);
+  SyntheticData data(options.data, kVocab);
+  Trainer trainer(options, model, source(data));
+  ExitCode code = ExitCode::kOk;
+  std::string message;
+  try {
+    trainer.run();
+  } catch (const Error& error) {
+    code = error.code();
+    message = error.what();
+  }
+  CHECK(code == ExitCode::kInternal);
+  CHECK(message == "step 3, micro-batch 1: out of GPU memory (simulated)");
 }
 
 TEST_CASE("metrics.jsonl gets one line per step and is appended on resume") {
