@@ -64,9 +64,9 @@ struct GroupedGemmArgs {
   TensorView a;
   TensorView b;
   TensorView group_offsets;
-  // Optional: group_offsets' values on the host (the caller's copy, [groups + 1]). A device
-  // backend then need not read them back, a host synchronization per call; must equal them
-  // (the CPU backend checks that they do).
+  // Optional: group_offsets' values on the host (the caller's copy, [groups + 1]), checked as
+  // prefix sums when given; they must equal the device values (the CPU backend checks that they
+  // do). The CUDA backend reads the offsets on the device and never waits for them.
   const int32_t* host_group_offsets = nullptr;
   bool transpose_b = true;
   double alpha = 1.0;

@@ -20,8 +20,8 @@
 namespace moetrain {
 
 // Row offsets of the groups (experts) of a grouped computation, int32 [G + 1]: on the backend's
-// device, and the same values on the host when the caller has them (they spare the backend a
-// read-back per grouped GEMM; kernels::GroupedGemmArgs::host_group_offsets).
+// device, and the same values on the host when the caller has them anyway (expert parallelism;
+// checked, not needed: kernels::GroupedGemmArgs::host_group_offsets).
 struct GroupOffsets {
   TensorView device;
   const int32_t* host = nullptr;
