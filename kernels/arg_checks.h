@@ -104,6 +104,13 @@ inline void expect_swiglu_shapes(const char* op, const TensorView& h, const Tens
          describe("gate_up", gate_up) + " should be [rows, 2 * width] for " + describe("h", h));
 }
 
+// SiTU's caps: beta > 0; linear_beta > 0, or 0 for an unbounded up branch.
+inline void expect_situ_betas(const char* op, double beta, double linear_beta) {
+  expect(beta > 0.0 && linear_beta >= 0.0, op,
+         "beta " + std::to_string(beta) + " should be > 0 and linear_beta " + std::to_string(linear_beta) +
+             " >= 0 (0: no cap)");
+}
+
 // out [tokens, dim], rows [tokens * top_k, dim], weight [tokens, top_k], pair_row [tokens * top_k].
 inline void expect_combine_shapes(const char* op, const TensorView& out, const TensorView& rows,
                                   const TensorView& weight, const TensorView& pair_row) {

@@ -147,6 +147,24 @@ struct SwigluBackwardArgs {
   TensorView gate_up;
 };
 
+// SiTU (Kimi K3's `hidden_act: situ`), a bounded SwiGLU: with gate_up = [g | u] per row,
+//   h = beta * tanh(g / beta) * sigmoid(g) * v,   v = linear_beta * tanh(u / linear_beta)
+// (v = u when linear_beta is 0, i.e. `activation_situ_linear_beta: null`). K3 ships beta 4 and
+// linear_beta 25. The tanh caps keep the gate below beta and the up branch inside +-linear_beta.
+struct SituArgs {
+  TensorView h;        // [rows, width] out
+  TensorView gate_up;  // [rows, 2 * width]
+  double beta = 4.0;         // > 0
+  double linear_beta = 0.0;  // > 0, or 0 for an unbounded up branch
+};
+struct SituBackwardArgs {
+  TensorView dgate_up;  // [rows, 2 * width]; may alias gate_up
+  TensorView dh;        // [rows, width]
+  TensorView gate_up;
+  double beta = 4.0;
+  double linear_beta = 0.0;
+};
+
 // MoE routing (DeepSeek-V3 / Kimi): scores = sigmoid(logits) or softmax(logits);
 // selection uses scores + bias (+ noise), restricted to the best `topk_groups` of `num_groups`
 // expert groups (a group's score: the sum of its two best selection scores, for sigmoid and
@@ -543,6 +561,9 @@ class Backend {
   // h [rows, width] = silu(gate_up[:, :width]) * gate_up[:, width:]
   virtual void swiglu_forward(const TensorView& h, const TensorView& gate_up) = 0;
   virtual void swiglu_backward(const SwigluBackwardArgs& args) = 0;
+  // SiTU (SituArgs above): the same [rows, 2 * width] -> [rows, width] layout as SwiGLU.
+  virtual void situ_forward(const SituArgs& args) = 0;
+  virtual void situ_backward(const SituBackwardArgs& args) = 0;
 
   virtual void router_forward(const RouterArgs& args) = 0;
   virtual void router_backward(const RouterBackwardArgs& args) = 0;

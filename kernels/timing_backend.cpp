@@ -108,6 +108,12 @@ void TimingBackend::swiglu_forward(const TensorView& h, const TensorView& gate_u
 void TimingBackend::swiglu_backward(const SwigluBackwardArgs& args) {
   timed("swiglu_backward", [&] { inner_.swiglu_backward(args); });
 }
+void TimingBackend::situ_forward(const SituArgs& args) {
+  timed("situ_forward", [&] { inner_.situ_forward(args); });
+}
+void TimingBackend::situ_backward(const SituBackwardArgs& args) {
+  timed("situ_backward", [&] { inner_.situ_backward(args); });
+}
 void TimingBackend::router_forward(const RouterArgs& args) {
   timed("router_forward", [&] { inner_.router_forward(args); });
 }

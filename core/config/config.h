@@ -51,6 +51,10 @@ struct MoeConfig {
   std::string aux_loss_type = "sequence";  // sequence | batch
   double router_noise = 0.0;             // std of Gaussian noise on selection scores in training
   double bias_update_rate = 0.0;         // aux-loss-free balancing: bias step per optimizer step
+  // Latent MoE (Kimi K3): the routed experts run at this width between a down-projection from
+  // hidden_size and an up-projection back (routing and the shared experts stay at hidden_size).
+  int64_t latent_size = 0;               // routed_expert_hidden_size; 0: experts at hidden_size
+  bool use_latent_norm = false;          // latent_moe_use_norm: RMSNorm on the latent weighted sum
 };
 
 // Kimi Delta Attention (the `kda` mixer; transformers `kimi_linear`'s linear-attention layers):
@@ -94,6 +98,11 @@ struct ModelConfig {
   // A sigmoid gate on the attention output of mla and dsa layers before o_proj: y = attn *
   // sigmoid(g_proj(x)), one gate per head (headwise) or per channel (elementwise, Kimi K3's).
   std::string attention_gate = "none";   // none | headwise | elementwise
+  // The gated activation of every MLP (dense, shared and routed experts): silu is SwiGLU, situ
+  // Kimi K3's beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta) (kernels/ops.h).
+  std::string hidden_act = "silu";       // silu | situ
+  double situ_beta = 4.0;                // activation_situ_beta
+  double situ_linear_beta = 0.0;         // activation_situ_linear_beta; 0: no cap on the up branch
   MlaConfig mla;
   KdaConfig kda;
   DsaConfig dsa;

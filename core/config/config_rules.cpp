@@ -9,6 +9,7 @@ namespace {
 
 const std::vector<std::string> kMixers = {"mla", "kda", "dsa"};
 const std::vector<std::string> kAttentionGates = {"none", "headwise", "elementwise"};
+const std::vector<std::string> kHiddenActs = {"silu", "situ"};
 const std::vector<std::string> kRopeScalingTypes = {"none", "yarn"};
 const std::vector<std::string> kScorings = {"sigmoid", "softmax"};
 const std::vector<std::string> kAuxLossTypes = {"sequence", "batch"};
@@ -213,6 +214,12 @@ void check_moe(const MoeConfig& e, Rules& r) {
   r.one_of("model.moe.aux_loss_type", e.aux_loss_type, kAuxLossTypes);
   r.non_negative("model.moe.router_noise", e.router_noise);
   r.non_negative("model.moe.bias_update_rate", e.bias_update_rate);
+  r.at_least<int64_t>("model.moe.latent_size", e.latent_size, 0);
+  if (r.known({"model.moe.use_latent_norm", "model.moe.latent_size"}) && e.use_latent_norm && e.latent_size == 0) {
+    r.fail({"model.moe.use_latent_norm", "model.moe.latent_size"},
+           "`model.moe.use_latent_norm` normalizes the latent experts' sum, but `model.moe.latent_size` is 0 (no latent "
+           "MoE): set latent_size (routed_expert_hidden_size) or drop use_latent_norm");
+  }
   if (e.num_experts <= 0 || e.top_k <= 0 || e.num_groups <= 0 || e.topk_groups <= 0) return;
 
   if (r.known({"model.moe.top_k", "model.moe.num_experts"}) && e.top_k > e.num_experts) {
@@ -254,6 +261,9 @@ void check_model(const ModelConfig& m, Rules& r) {
   r.positive("model.rms_norm_eps", m.rms_norm_eps);
   r.positive("model.max_position_embeddings", m.max_position_embeddings);
   r.one_of("model.attention_gate", m.attention_gate, kAttentionGates);
+  r.one_of("model.hidden_act", m.hidden_act, kHiddenActs);
+  r.positive("model.situ_beta", m.situ_beta);
+  r.non_negative("model.situ_linear_beta", m.situ_linear_beta);
   for (size_t i = 0; i < m.layers.size(); ++i) {
     r.one_of("model.layers[" + std::to_string(i) + "]", m.layers[i], kMixers);
   }

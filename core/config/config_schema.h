@@ -72,6 +72,8 @@ void visit_fields(V& v, MoeConfig& c) {
   v.field("aux_loss_type", c.aux_loss_type);
   v.field("router_noise", c.router_noise);
   v.field("bias_update_rate", c.bias_update_rate);
+  v.field("latent_size", c.latent_size);
+  v.field("use_latent_norm", c.use_latent_norm);
 }
 
 template <class V>
@@ -88,6 +90,9 @@ void visit_fields(V& v, ModelConfig& c) {
   v.field("tie_word_embeddings", c.tie_word_embeddings);
   v.field("max_position_embeddings", c.max_position_embeddings);
   v.field("attention_gate", c.attention_gate);
+  v.field("hidden_act", c.hidden_act);
+  v.field("situ_beta", c.situ_beta);
+  v.field("situ_linear_beta", c.situ_linear_beta);
   v.section("mla", c.mla);
   v.section("kda", c.kda);
   v.section("dsa", c.dsa);

@@ -11,6 +11,7 @@
 #include "core/model/dsa.h"
 #include "core/model/fsdp_bucket.h"
 #include "core/model/kda.h"
+#include "core/model/latent_moe.h"
 #include "core/model/moe.h"
 #include "core/model/rope_tables.h"
 
@@ -21,6 +22,12 @@ using kernels::RmsNormArgs;
 using kernels::RmsNormBackwardArgs;
 
 namespace {
+
+// The routed MoE of a feed-forward: a plain MoeFfn, or the one inside a latent MoE; null for dense.
+MoeFfn* routed_moe(FeedForward* ffn) {
+  if (auto* latent = dynamic_cast<LatentMoeFfn*>(ffn)) return &latent->moe;
+  return dynamic_cast<MoeFfn*>(ffn);
+}
 
 uint64_t name_hash(const std::string& name) {
   uint64_t hash = 1469598103934665603ull;  // FNV-1a
@@ -82,7 +89,13 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     else if (spec_.mixers[i] == MixerKind::kDsa) layer.mixer = std::make_unique<DsaAttention>(spec_, i, ctx, rope);
     else layer.mixer = std::make_unique<MlaAttention>(spec_, i, ctx, rope);
     if (spec_.ffns[i] == FfnKind::kDense) {
-      layer.ffn = std::make_unique<DenseFfn>("model.layers." + std::to_string(i) + ".mlp", d, m.intermediate_size, ctx);
+      auto dense = std::make_unique<DenseFfn>("model.layers." + std::to_string(i) + ".mlp", d, m.intermediate_size, ctx);
+      dense->mlp.activation = gated_activation_of(m);
+      layer.ffn = std::move(dense);
+    } else if (m.moe.latent_size > 0) {
+      auto latent = std::make_unique<LatentMoeFfn>(spec_, i, ctx, options_.parallel);
+      latent->moe.set_aux_loss_weight(options_.aux_loss_weight);
+      layer.ffn = std::move(latent);
     } else {
       auto moe = std::make_unique<MoeFfn>(spec_, i, ctx, options_.parallel);
       moe->set_aux_loss_weight(options_.aux_loss_weight);
@@ -154,6 +167,9 @@ std::vector<std::pair<std::string, LoraLinear*>> Model::linear_modules() {
     if (auto* dsa = dynamic_cast<DsaAttention*>(layer.mixer.get())) {
       for (LoraLinear* p : dsa->projections()) out.emplace_back(p->name(), p);
     }
+    if (auto* latent = dynamic_cast<LatentMoeFfn*>(layer.ffn.get())) {
+      for (LoraLinear* p : latent->projections()) out.emplace_back(p->name(), p);
+    }
   }
   return out;
 }
@@ -161,6 +177,7 @@ std::vector<std::pair<std::string, LoraLinear*>> Model::linear_modules() {
 // LoRA targets by module name:
 //   q_proj q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj g_proj o_proj   MLA's and DSA's
 //   q_proj k_proj v_proj qkv_proj f_a_proj f_b_proj b_proj g_a_proj g_b_proj g_proj o_proj   KDA's
+//   routed_expert_down_proj routed_expert_up_proj   the latent MoE's bottleneck projections
 //   gate_proj up_proj down_proj   those projections of the dense MLPs and the shared experts
 //   shared_experts                all three projections of the shared experts
 //   experts                       all three projections of every routed expert
@@ -196,7 +213,7 @@ void Model::attach_lora() {
   };
   for (DecoderLayer& layer : layers_) {
     if (auto* dense = dynamic_cast<DenseFfn*>(layer.ffn.get())) attach_swiglu(dense->mlp, false, nullptr);
-    if (auto* moe = dynamic_cast<MoeFfn*>(layer.ffn.get())) {
+    if (auto* moe = routed_moe(layer.ffn.get())) {
       attach_swiglu(moe->experts, true, "experts");
       if (moe->shared) attach_swiglu(moe->shared->mlp, false, "shared_experts");
     }
@@ -269,7 +286,7 @@ void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorVie
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
   const double eps = spec_.config.rms_norm_eps;
-  if (auto* moe = dynamic_cast<MoeFfn*>(layer.ffn.get())) {
+  if (auto* moe = routed_moe(layer.ffn.get())) {
     moe->set_noise_seed(options_.seed ^ (forward_count_ * 1000003ull + index));
   }
   s.normed_in = ctx.alloc({n, d});

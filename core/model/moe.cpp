@@ -37,12 +37,15 @@ void fill_gaussian(double* out, int64_t n, double stddev, uint64_t seed) {
 
 }  // namespace
 
-MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, const ParallelGroups* parallel)
+MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, const ParallelGroups* parallel,
+               int64_t row_width)
     : experts("model.layers." + std::to_string(layer) + ".mlp.experts",
-              parallel ? parallel->local_experts() : spec.config.moe.num_experts, spec.config.hidden_size,
-              spec.config.moe.expert_intermediate_size, /*routed=*/true, parallel ? parallel->first_expert() : 0),
+              parallel ? parallel->local_experts() : spec.config.moe.num_experts,
+              row_width > 0 ? row_width : spec.config.hidden_size, spec.config.moe.expert_intermediate_size,
+              /*routed=*/true, parallel ? parallel->first_expert() : 0),
       moe_(spec.config.moe),
       hidden_(spec.config.hidden_size),
+      row_width_(row_width > 0 ? row_width : spec.config.hidden_size),
       prefix_("model.layers." + std::to_string(layer) + ".mlp") {
   const int64_t e = moe_.num_experts;
   const int64_t local = experts.groups();
@@ -50,13 +53,15 @@ MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, co
   router_weight = ctx.alloc({e, hidden_});
   score_bias = ctx.alloc_accum({e});
   ctx.backend.fill(score_bias, 0.0);
-  experts.gate_up = ctx.alloc({local, 2 * f, hidden_});
-  experts.down = ctx.alloc({local, hidden_, f});
+  experts.gate_up = ctx.alloc({local, 2 * f, row_width_});
+  experts.down = ctx.alloc({local, row_width_, f});
+  experts.activation = gated_activation_of(spec.config);
   if (parallel && parallel->expert_parallel()) {
     dispatch_ = std::make_unique<ExpertDispatch>(*parallel->ep, e, local);
   }
   if (moe_.num_shared_experts > 0) {
     shared = std::make_unique<DenseFfn>(prefix_ + ".shared_experts", hidden_, f * moe_.num_shared_experts, ctx);
+    shared->mlp.activation = gated_activation_of(spec.config);
   }
 }
 
@@ -74,6 +79,16 @@ void MoeFfn::collect_weights(std::vector<WeightSlot>& out) {
 }
 
 void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {
+  forward_routed(ctx, out, x, x);
+  if (shared) {
+    Tensor shared_out = ctx.alloc({x.size(0), hidden_});
+    shared->forward(ctx, shared_out, x);
+    ctx.backend.axpby(out, shared_out, 1.0, 1.0);
+  }
+}
+
+void MoeFfn::forward_routed(const LayerContext& ctx, const TensorView& out, const TensorView& x,
+                            const TensorView& rows) {
   kernels::Backend& be = ctx.backend;
   const int64_t n = x.size(0);
   const int64_t e = moe_.num_experts;
@@ -115,11 +130,11 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
   s.sorted_pair = ctx.alloc({n * k}, DType::kI32);
   s.pair_row = ctx.alloc({n * k}, DType::kI32);
   be.moe_permutation(MoePermutationArgs{s.expert_offsets, s.sorted_pair, s.pair_row, s.topk_index, e});
-  s.routed_x = ctx.alloc({n * k, hidden_});
-  be.moe_permute(s.routed_x, x, s.sorted_pair, k);
+  s.routed_x = ctx.alloc({n * k, row_width_});
+  be.moe_permute(s.routed_x, rows, s.sorted_pair, k);
 
   // Experts (on the ranks that hold them), then combine.
-  s.routed_out = ctx.alloc({n * k, hidden_});
+  s.routed_out = ctx.alloc({n * k, row_width_});
   if (dispatch_) {
     // The exchange's sizes are host values: the one host synchronization of an expert-parallel
     // layer (a single rank's layer has none).
@@ -127,20 +142,15 @@ void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const Tenso
     be.copy(offsets_host, s.expert_offsets);
     s.local_offsets = dispatch_->plan(ctx, offsets_host.ptr<int32_t>());
     s.expert_rows = dispatch_->local_offsets();
-    s.local_x = ctx.alloc({dispatch_->local_rows(), hidden_});
+    s.local_x = ctx.alloc({dispatch_->local_rows(), row_width_});
     dispatch_->to_experts(ctx, s.local_x, s.routed_x);
-    Tensor local_out = ctx.alloc({dispatch_->local_rows(), hidden_});
+    Tensor local_out = ctx.alloc({dispatch_->local_rows(), row_width_});
     experts.forward(ctx, local_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()});
     dispatch_->from_experts(ctx, s.routed_out, local_out);
   } else {
     experts.forward(ctx, s.routed_out, s.routed_x, GroupOffsets{s.expert_offsets, nullptr});
   }
   be.moe_combine(MoeCombineArgs{out, s.routed_out, s.topk_weight, s.pair_row});
-  if (shared) {
-    Tensor shared_out = ctx.alloc({n, hidden_});
-    shared->forward(ctx, shared_out, x);
-    be.axpby(out, shared_out, 1.0, 1.0);
-  }
 
   stats_offsets_ = ctx.alloc({e + 1}, DType::kI32);
   be.copy(stats_offsets_, s.expert_offsets);
@@ -190,31 +200,35 @@ FeedForwardStats MoeFfn::read_stats(kernels::Backend& backend) {
 }
 
 void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) {
+  if (shared) shared->backward(ctx, dx, dout, x);
+  else ctx.backend.fill(dx, 0.0);
+  backward_routed(ctx, dx, dx, dout, /*accumulate_rows=*/true);
+}
+
+void MoeFfn::backward_routed(const LayerContext& ctx, const TensorView& dx, const TensorView& drows,
+                             const TensorView& dout, bool accumulate_rows) {
   kernels::Backend& be = ctx.backend;
-  const int64_t n = x.size(0);
+  const int64_t n = dout.size(0);
   const int64_t e = moe_.num_experts;
   const int64_t k = moe_.top_k;
   Saved& s = saved_;
 
-  if (shared) shared->backward(ctx, dx, dout, x);
-  else be.fill(dx, 0.0);
-
-  Tensor drouted_out = ctx.alloc({n * k, hidden_});
+  Tensor drouted_out = ctx.alloc({n * k, row_width_});
   Tensor dtopk_weight = ctx.alloc_accum({n, k});
   be.moe_combine_backward(
       MoeCombineBackwardArgs{drouted_out, dtopk_weight, dout, s.routed_out, s.topk_weight, s.pair_row});
-  Tensor drouted_x = ctx.alloc({n * k, hidden_});
+  Tensor drouted_x = ctx.alloc({n * k, row_width_});
   if (dispatch_) {
     // The gradients retrace the rows' journey: to the experts' ranks, through the experts, back.
-    Tensor dlocal_out = ctx.alloc({dispatch_->local_rows(), hidden_});
+    Tensor dlocal_out = ctx.alloc({dispatch_->local_rows(), row_width_});
     dispatch_->to_experts(ctx, dlocal_out, drouted_out);
-    Tensor dlocal_x = ctx.alloc({dispatch_->local_rows(), hidden_});
+    Tensor dlocal_x = ctx.alloc({dispatch_->local_rows(), row_width_});
     experts.backward(ctx, dlocal_x, dlocal_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()}, false);
     dispatch_->from_experts(ctx, drouted_x, dlocal_x);
   } else {
     experts.backward(ctx, drouted_x, drouted_out, s.routed_x, GroupOffsets{s.expert_offsets, nullptr}, false);
   }
-  be.moe_unpermute_sum(dx, drouted_x, s.pair_row, k, true);
+  be.moe_unpermute_sum(drows, drouted_x, s.pair_row, k, accumulate_rows);
 
   Tensor dlogits = ctx.alloc_accum({n, e});
   RouterBackwardArgs back;

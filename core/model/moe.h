@@ -22,8 +22,10 @@ namespace moetrain {
 
 class MoeFfn final : public FeedForward {
  public:
-  // `parallel` (may be null: one rank) decides which experts this rank holds.
-  MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, const ParallelGroups* parallel);
+  // `parallel` (may be null: one rank) decides which experts this rank holds. The routed
+  // experts run on rows of `row_width` (0: hidden_size; the latent MoE passes its latent width).
+  MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, const ParallelGroups* parallel,
+         int64_t row_width = 0);
 
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
@@ -31,6 +33,14 @@ class MoeFfn final : public FeedForward {
   void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
   FeedForwardStats read_stats(kernels::Backend& backend) override;
+
+  // The routed half alone (no shared experts), for feed-forwards that wrap it (LatentMoeFfn):
+  // route on x [n, D], send rows [n, W] through the chosen experts, out [n, W] = their weighted sum.
+  void forward_routed(const LayerContext& ctx, const TensorView& out, const TensorView& x, const TensorView& rows);
+  // drows (=, or += with accumulate_rows) from dout [n, W]; dx += the router's share (through the
+  // routing weights). drows may be dx itself (the plain MoE, where rows are x).
+  void backward_routed(const LayerContext& ctx, const TensorView& dx, const TensorView& drows, const TensorView& dout,
+                       bool accumulate_rows);
 
   // Router noise for the next forward; re-seeding with the same value makes a recomputed
   // forward route exactly as the first one did.
@@ -46,6 +56,7 @@ class MoeFfn final : public FeedForward {
  private:
   MoeConfig moe_;
   int64_t hidden_;
+  int64_t row_width_;  // the routed experts' input and output width
   std::string prefix_;
   uint64_t noise_seed_ = 0;
   double aux_loss_weight_ = 1.0;
@@ -57,7 +68,7 @@ class MoeFfn final : public FeedForward {
   struct Saved {
     Tensor scores, topk_index, topk_weight;
     Tensor expert_offsets, sorted_pair, pair_row;
-    Tensor routed_x, routed_out;  // [tokens * top_k, D], expert order
+    Tensor routed_x, routed_out;  // [tokens * top_k, W], expert order
     Tensor local_x, local_offsets;  // under expert parallelism: the rows this rank's experts ran
     // Under expert parallelism only: the host copy of the local offsets, which the exchange's
     // sizes need anyway. Without it the experts read their offsets on the device.

@@ -6,6 +6,10 @@ using kernels::CopyColumnsArgs;
 using kernels::GroupedGemmArgs;
 using kernels::GroupedGemmKind;
 
+GatedActivation gated_activation_of(const ModelConfig& model) {
+  return GatedActivation{model.hidden_act == "situ", model.situ_beta, model.situ_linear_beta};
+}
+
 namespace {
 
 GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, bool transpose_b,
@@ -106,7 +110,8 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
     be.copy_columns(CopyColumnsArgs{saved_gate_up_, delta, p == kGate ? 0 : f, 0, f, 1, true});
   }
   saved_hidden_ = ctx.alloc({rows, f});
-  be.swiglu_forward(saved_hidden_, saved_gate_up_);
+  if (activation.situ) be.situ_forward({saved_hidden_, saved_gate_up_, activation.beta, activation.linear_beta});
+  else be.swiglu_forward(saved_hidden_, saved_gate_up_);
   be.grouped_gemm(grouped(out, saved_hidden_, down, group_offsets, true));
   if (lora[kDown]) {
     int64_t rank = lora[kDown]->a.value.size(-2);
@@ -137,7 +142,11 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
     be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(kDown).shape), dout, ha, group_offsets, ad.scale));
   }
   Tensor dgate_up = ctx.alloc({rows, 2 * f});
-  be.swiglu_backward(kernels::SwigluBackwardArgs{dgate_up, dh, saved_gate_up_});
+  if (activation.situ) {
+    be.situ_backward(kernels::SituBackwardArgs{dgate_up, dh, saved_gate_up_, activation.beta, activation.linear_beta});
+  } else {
+    be.swiglu_backward(kernels::SwigluBackwardArgs{dgate_up, dh, saved_gate_up_});
+  }
   // Gate and up projections: dx = dgate_up Wgu (+ LoRA).
   if (dx.data) be.grouped_gemm(grouped(dx, dgate_up, gate_up, group_offsets, false, 1.0, accumulate_dx ? 1.0 : 0.0));
   for (Projection p : {kGate, kUp}) {

@@ -2,7 +2,7 @@
 // network g. One class serves three uses:
 //   - routed experts (G = num_experts, rows are tokens sorted by expert: MGroupedContiguous);
 //   - the shared experts and the dense MLP (G = 1, every row).
-// out = (silu(x Wg^T) * (x Wu^T)) Wd^T, with Wg and Wu stored fused as gate_up [G, 2F, D]
+// out = (act(x Wg^T, x Wu^T)) Wd^T with act SwiGLU (silu(g) * u) or K3's SiTU (GatedActivation), Wg and Wu stored fused as gate_up [G, 2F, D]
 // (gate rows first) and Wd as down [G, D, F]. Each projection may carry a LoRA adapter per
 // group; the adapters of all groups are one stacked parameter ([G, r, in] / [G, out, r]; 2-D
 // when G = 1), named `<prefix>.{gate,up,down}_proj.lora_{A,B}.weight` — export splits the
@@ -15,9 +15,20 @@
 #include <string>
 #include <vector>
 
+#include "core/config/config.h"
 #include "core/model/lora_linear.h"
 
 namespace moetrain {
+
+// The gated activation between the gate/up and the down projection: SwiGLU, or Kimi K3's SiTU
+// with its two caps (kernels/ops.h SituArgs; `model.hidden_act: situ`).
+struct GatedActivation {
+  bool situ = false;
+  double beta = 4.0;         // SiTU only
+  double linear_beta = 0.0;  // SiTU only; 0: the up branch is not capped
+};
+// The activation `model.hidden_act` (with model.situ_beta / situ_linear_beta) selects.
+GatedActivation gated_activation_of(const ModelConfig& model);
 
 // Row offsets of the groups (experts) of a grouped computation, int32 [G + 1]: on the backend's
 // device, and the same values on the host when the caller has them anyway (expert parallelism;
@@ -46,6 +57,7 @@ class SwigluExperts {
   bool routed() const { return routed_; }
   int64_t first_group() const { return first_group_; }
 
+  GatedActivation activation;  // SwiGLU unless set
   Tensor gate_up;  // [G, 2F, D], frozen
   Tensor down;     // [G, D, F], frozen
   std::array<std::unique_ptr<LoraAdapter>, 3> lora;  // per projection; null: none
@@ -55,7 +67,7 @@ class SwigluExperts {
   void add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend, uint64_t seed);
 
   // out [R, D] = FFN(x [R, D]) per group of rows (group_offsets: [G + 1]).
-  // Saves what backward needs (the gate/up pre-activations and the SwiGLU output).
+  // Saves what backward needs (the gate/up pre-activations and the activation's output).
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x, const GroupOffsets& group_offsets);
   // dx (= or +=) from dout; adapter gradients +=. Needs the forward's x and offsets again.
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x,
@@ -76,7 +88,7 @@ class SwigluExperts {
   bool routed_;
   int64_t first_group_;
   Tensor saved_gate_up_;  // [R, 2F] pre-activations
-  Tensor saved_hidden_;   // [R, F] SwiGLU output
+  Tensor saved_hidden_;   // [R, F] activation output
 };
 
 }  // namespace moetrain

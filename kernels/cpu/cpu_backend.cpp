@@ -22,6 +22,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
 #include "kernels/cpu/short_conv.h"
+#include "kernels/cpu/situ.h"
 #include "kernels/cpu/swiglu.h"
 #include "kernels/arg_checks.h"
 #include "kernels/ops.h"
@@ -259,6 +260,24 @@ class CpuBackend final : public Backend {
     expect_swiglu_shapes(op, args.dh, args.gate_up);
     expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
     dispatch(op, dtype, [&](auto t) { cpu::swiglu_backward<decltype(t)>(args); });
+  }
+
+  void situ_forward(const SituArgs& args) override {
+    const char* op = "situ_forward";
+    const DType dtype = compute_dtype(op, {{"h", &args.h}, {"gate_up", &args.gate_up}});
+    expect_swiglu_shapes(op, args.h, args.gate_up);
+    expect_situ_betas(op, args.beta, args.linear_beta);
+    dispatch(op, dtype, [&](auto t) { cpu::situ_forward<decltype(t)>(args); });
+  }
+
+  void situ_backward(const SituBackwardArgs& args) override {
+    const char* op = "situ_backward";
+    const DType dtype =
+        compute_dtype(op, {{"dgate_up", &args.dgate_up}, {"dh", &args.dh}, {"gate_up", &args.gate_up}});
+    expect_swiglu_shapes(op, args.dh, args.gate_up);
+    expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
+    expect_situ_betas(op, args.beta, args.linear_beta);
+    dispatch(op, dtype, [&](auto t) { cpu::situ_backward<decltype(t)>(args); });
   }
 
   void router_forward(const RouterArgs& args) override {

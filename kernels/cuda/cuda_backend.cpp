@@ -381,6 +381,27 @@ class CudaBackend final : public Backend {
     cuda_ops::swiglu_backward(args, stream_);
   }
 
+  void situ_forward(const SituArgs& args) override {
+    const char* op = "situ_forward";
+    expect_float(op, "h", args.h);
+    expect_float(op, "gate_up", args.gate_up);
+    expect_swiglu_shapes(op, args.h, args.gate_up);
+    expect_situ_betas(op, args.beta, args.linear_beta);
+    cuda_ops::situ_forward(args, stream_);
+  }
+
+  void situ_backward(const SituBackwardArgs& args) override {
+    const char* op = "situ_backward";
+    expect_float(op, "dgate_up", args.dgate_up);
+    expect_float(op, "dh", args.dh);
+    expect_float(op, "gate_up", args.gate_up);
+    expect_swiglu_shapes(op, args.dh, args.gate_up);
+    expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
+    expect_alias_same_dtype(op, "dgate_up", args.dgate_up, "gate_up", args.gate_up);
+    expect_situ_betas(op, args.beta, args.linear_beta);
+    cuda_ops::situ_backward(args, stream_);
+  }
+
   void router_forward(const RouterArgs& args) override {
     const char* op = "router_forward";
     expect_f32(op, "logits", args.logits);

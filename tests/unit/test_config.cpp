@@ -416,6 +416,9 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
       "  tie_word_embeddings: true",
       "  max_position_embeddings: 8192",
       "  attention_gate: headwise",
+      "  hidden_act: situ",
+      "  situ_beta: 3.5",
+      "  situ_linear_beta: 25.0",
       "  mla:",
       "    num_heads: 6",
       "    q_lora_rank: 48",
@@ -433,7 +436,8 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
       "  moe: {num_experts: 12, top_k: 3, num_shared_experts: 2, expert_intermediate_size: 40,",
       "        scoring: softmax, num_groups: 3, topk_groups: 2, normalize_topk: false,",
       "        routed_scaling_factor: 2.446, score_correction_bias: false, aux_loss_coef: 0.001,",
-      "        aux_loss_type: batch, router_noise: 0.01, bias_update_rate: 0.0003}",
+      "        aux_loss_type: batch, router_noise: 0.01, bias_update_rate: 0.0003, latent_size: 48,",
+      "        use_latent_norm: true}",
       "lora: {rank: 4, alpha: 8.5, rslora: true, targets: [kv_a_proj_with_mqa, down_proj, experts]}",
       "parallel: {fsdp: 2, ep: 3, prefetch: 0, recompute: false}",
       "data: {source: \"yes\", seq_len: 64, micro_batch: 3, grad_accum: 5, seed: 7}",
@@ -466,8 +470,10 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
   CHECK(reread.train.eps == 1.0e-10);
   CHECK(reread.model.kda.lower_bound == -5.0);
   CHECK(reread.model.kda.full_rank_output_gate);
+  CHECK(reread.model.situ_linear_beta == 25.0);
+  CHECK(reread.model.moe.latent_size == 48);
   // Every key was written, so every model key reads back as explicit.
-  CHECK(reread.explicit_model_keys.size() == 12 + 8 + 7 + 6 + 4 + 14);  // model, mla, rope_scaling, kda, dsa, moe
+  CHECK(reread.explicit_model_keys.size() == 15 + 8 + 7 + 6 + 4 + 16);  // model, mla, rope_scaling, kda, dsa, moe
   // same_settings is not always true: one changed value is seen.
   reread.train.beta2 = 0.96;
   CHECK(!same_settings(original, reread));

@@ -1,0 +1,150 @@
+// Kimi K3's feed-forward in the whole model: latent MoE (routing on the full hidden state,
+// experts in the latent width, optional latent RMSNorm, up-projection, shared experts at full
+// width) with SiTU in every MLP. LoRA gradients against central differences in double; the
+// latent projections' names and shapes; the config keys' errors.
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "catch.h"
+#include "core/base/error.h"
+#include "core/model/model.h"
+#include "gradcheck.h"
+#include "kernels/ops.h"
+#include "tiny_model.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+
+namespace {
+
+struct Fixture {
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  std::unique_ptr<Model> model;
+  Batch batch;
+  double grad_scale = 0.0;
+
+  Fixture(bool latent_norm, double aux_coef, bool recompute) {
+    Config config = tiny_k3_ffn_config(latent_norm);
+    config.model.moe.aux_loss_coef = aux_coef;
+    ModelSpec spec = resolve_model_spec(config);
+    ModelOptions options;
+    options.dtype = DType::kF64;
+    options.recompute = recompute;
+    options.lora = LoraSettings{3, 6.0, false};
+    options.lora_targets = {"routed_expert_down_proj", "routed_expert_up_proj", "experts", "shared_experts",
+                            "gate_proj", "up_proj", "down_proj", "o_proj"};
+    model = std::make_unique<Model>(spec, *backend, options);
+    model->init_random_weights();
+    // Non-zero B (and larger A) so that every adapter carries gradient to every input.
+    uint64_t seed = 200;
+    for (Parameter* p : model->parameters()) fill_random(p->value, seed++, 0.05, 0.3);
+    batch = tiny_batch(config.model.vocab_size, 5);
+    grad_scale = 1.0 / static_cast<double>(batch.num_targets());
+  }
+
+  double objective() {
+    StepResult r = model->forward_backward(batch, grad_scale);
+    return r.loss_sum * grad_scale + r.aux_loss;
+  }
+};
+
+void check_all_parameters(Fixture& f) {
+  for (Parameter* p : f.model->parameters()) f.backend->fill(p->grad, 0.0);
+  f.model->forward_backward(f.batch, f.grad_scale);
+  std::vector<Tensor> grads;
+  for (Parameter* p : f.model->parameters()) {
+    Tensor g(p->grad.shape(), DType::kF64);
+    f.backend->copy(g, p->grad);
+    grads.push_back(std::move(g));
+  }
+  GradCheckOptions options;
+  options.eps = 1e-6;
+  options.rtol = 1e-5;
+  options.atol = 1e-9;
+  options.max_elements = 6;
+  std::vector<Parameter*> params = f.model->parameters();
+  int nonzero = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    Comparison c = check_gradient([&] { return f.objective(); }, params[i]->value, grads[i], params[i]->name, options);
+    INFO(c.message);
+    CHECK(c.ok);
+    nonzero += f.backend->sum_squares(grads[i]) > 0.0;
+  }
+  CHECK(nonzero == static_cast<int>(params.size()));
+}
+
+}  // namespace
+
+TEST_CASE("latent MoE + SiTU: LoRA gradients match finite differences (latent norm)", "[model][gradcheck]") {
+  Fixture f(/*latent_norm=*/true, /*aux_coef=*/0.0, /*recompute=*/false);
+  // Layer 0: MLA o_proj + dense 3. Layers 1 (KDA) and 2 (MLA): o_proj (1 each), shared 3,
+  // experts 3, latent down + up 2.
+  REQUIRE(f.model->parameters().size() == 2 * ((1 + 3) + 2 * (1 + 3 + 3 + 2)));
+  std::set<std::string> names;
+  for (Parameter* p : f.model->parameters()) names.insert(p->name);
+  CHECK(names.count("model.layers.1.mlp.routed_expert_down_proj.lora_A.weight"));
+  CHECK(names.count("model.layers.2.mlp.routed_expert_up_proj.lora_B.weight"));
+  check_all_parameters(f);
+}
+
+TEST_CASE("latent MoE + SiTU: LoRA gradients match finite differences (no norm, aux loss, recompute)",
+          "[model][gradcheck]") {
+  Fixture f(/*latent_norm=*/false, /*aux_coef=*/0.01, /*recompute=*/true);
+  check_all_parameters(f);
+}
+
+TEST_CASE("latent MoE weights: HF names and shapes, the experts at the latent width", "[model]") {
+  for (bool latent_norm : {true, false}) {
+    Fixture f(latent_norm, 0.0, false);
+    // Plain weights by name; a SwiGLU module's gate_up and down share its name, so by layout.
+    std::map<std::string, Shape> shapes;
+    for (const WeightSlot& slot : f.model->weight_slots()) {
+      const char* suffix = slot.layout == WeightLayout::kSwigluGateUp ? "#gate_up"
+                           : slot.layout == WeightLayout::kSwigluDown ? "#down"
+                                                                       : "";
+      shapes[slot.name + suffix] = slot.tensor->shape();
+    }
+    CHECK(shapes.at("model.layers.1.mlp.routed_expert_down_proj.weight") == Shape{6, 16});
+    CHECK(shapes.at("model.layers.1.mlp.routed_expert_up_proj.weight") == Shape{16, 6});
+    CHECK(shapes.count("model.layers.1.mlp.routed_expert_norm.weight") == (latent_norm ? 1u : 0u));
+    CHECK(shapes.at("model.layers.1.mlp.gate.weight") == Shape{6, 16});  // the router reads D
+    CHECK(shapes.at("model.layers.1.mlp.experts#gate_up") == Shape{6, 16, 6});  // [E, 2F, L]
+    CHECK(shapes.at("model.layers.1.mlp.experts#down") == Shape{6, 6, 8});      // [E, L, F]
+    CHECK(shapes.at("model.layers.1.mlp.shared_experts#gate_up") == Shape{1, 16, 16});  // [1, 2F, D]
+    CHECK(shapes.count("model.layers.0.mlp.routed_expert_down_proj.weight") == 0);  // dense layer
+  }
+}
+
+TEST_CASE("latent MoE and SiTU config keys are checked", "[config]") {
+  auto message = [](const std::vector<std::string>& overrides) -> std::string {
+    std::string text =
+        "model:\n  vocab_size: 64\n  hidden_size: 32\n  num_layers: 2\n  mla:\n    num_heads: 2\n  moe:\n"
+        "    num_experts: 4\n    top_k: 2\ndata:\n  seq_len: 16\n";
+    try {
+      parse_config(text, "k3.yaml", overrides);
+    } catch (const Error& e) {
+      CHECK(e.code() == ExitCode::kBadConfig);
+      return e.what();
+    }
+    return "";
+  };
+  auto has = [](const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; };
+  CHECK(has(message({"model.hidden_act=gelu"}), "model.hidden_act"));
+  CHECK(has(message({"model.situ_beta=0"}), "model.situ_beta"));
+  CHECK(has(message({"model.situ_linear_beta=-1"}), "model.situ_linear_beta"));
+  CHECK(has(message({"model.moe.latent_size=-2"}), "model.moe.latent_size"));
+  const std::string norm_alone = message({"model.moe.use_latent_norm=true"});
+  CHECK(has(norm_alone, "model.moe.use_latent_norm"));
+  CHECK(has(norm_alone, "model.moe.latent_size"));
+  CHECK(has(message({"model.moe.latent_dim=8"}), "latent_size"));  // unknown key: did you mean
+  Config ok = parse_config(
+      "model:\n  vocab_size: 64\n  hidden_size: 32\n  num_layers: 2\n  hidden_act: situ\n  situ_beta: 4.0\n  situ_linear_beta: 25.0\n  moe:\n    latent_size: 8\n"
+      "    use_latent_norm: true\n",
+      "k3.yaml", {});
+  CHECK(ok.model.hidden_act == "situ");
+  CHECK(ok.model.situ_linear_beta == 25.0);
+  CHECK(ok.model.moe.latent_size == 8);
+  CHECK(ok.model.moe.use_latent_norm);
+}
