@@ -1,7 +1,9 @@
 // Kimi K3's feed-forward in the whole model: latent MoE (routing on the full hidden state,
 // experts in the latent width, optional latent RMSNorm, up-projection, shared experts at full
 // width) with SiTU in every MLP. LoRA gradients against central differences in double; the
-// latent projections' names and shapes; the config keys' errors.
+// latent projections' names and shapes; the forward's order against the plain MoE; the config
+// keys' errors.
+#include <cmath>
 #include <map>
 #include <memory>
 #include <set>
@@ -9,6 +11,7 @@
 
 #include "catch.h"
 #include "core/base/error.h"
+#include "core/model/latent_moe.h"
 #include "core/model/model.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
@@ -114,6 +117,65 @@ TEST_CASE("latent MoE weights: HF names and shapes, the experts at the latent wi
     CHECK(shapes.at("model.layers.1.mlp.experts#down") == Shape{6, 6, 8});      // [E, L, F]
     CHECK(shapes.at("model.layers.1.mlp.shared_experts#gate_up") == Shape{1, 16, 16});  // [1, 2F, D]
     CHECK(shapes.count("model.layers.0.mlp.routed_expert_down_proj.weight") == 0);  // dense layer
+  }
+}
+
+TEST_CASE("latent MoE forward: route on x, experts on the projection, norm on the sum, shared on x", "[model]") {
+  // L = D, down = 2 I, up = 3 I. The latent experts (gate_up halved) on z = 2x then compute what
+  // the plain MoE's experts compute on x, so with the same router and shared experts
+  //   latent(x) = 3 RMSNorm(routed(x)) + shared(x),
+  // routed(x) the plain MoE's weighted expert sum. Routing on z instead (doubled logits), the
+  // norm on z, or the shared experts on z or after the up-projection would all differ.
+  auto backend = kernels::make_cpu_backend();
+  Config plain_config = tiny_k3_ffn_config(/*latent_norm=*/true);
+  plain_config.model.moe.latent_size = 0;
+  plain_config.model.moe.use_latent_norm = false;
+  Config latent_config = tiny_k3_ffn_config(/*latent_norm=*/true);
+  const int64_t d = latent_config.model.hidden_size, n = 7;
+  latent_config.model.moe.latent_size = d;
+  BatchTensors batch;
+  batch.num_tokens = n;
+  batch.seq_len = n;
+  LayerContext ctx{*backend, DType::kF64, batch};
+  ModelSpec plain_spec = resolve_model_spec(plain_config), latent_spec = resolve_model_spec(latent_config);
+  MoeFfn plain(plain_spec, 1, ctx, nullptr);
+  LatentMoeFfn latent(latent_spec, 1, ctx, nullptr);
+  REQUIRE(plain.shared);
+  REQUIRE(latent.moe.shared);
+
+  uint64_t seed = 900;
+  for (Tensor* t : {&plain.router_weight, &plain.score_bias, &plain.experts.gate_up, &plain.experts.down,
+                    &plain.shared->mlp.gate_up, &plain.shared->mlp.down, &latent.norm}) {
+    fill_random(*t, seed++, 0.1, 1.0);
+  }
+  backend->copy(latent.moe.router_weight, plain.router_weight);
+  backend->copy(latent.moe.score_bias, plain.score_bias);
+  backend->axpby(latent.moe.experts.gate_up, plain.experts.gate_up, 0.5, 0.0);  // = 0.5 plain
+  backend->copy(latent.moe.experts.down, plain.experts.down);
+  backend->copy(latent.moe.shared->mlp.gate_up, plain.shared->mlp.gate_up);
+  backend->copy(latent.moe.shared->mlp.down, plain.shared->mlp.down);
+  backend->fill(latent.down_proj.weight, 0.0);
+  backend->fill(latent.up_proj.weight, 0.0);
+  for (int64_t i = 0; i < d; ++i) {
+    set_element(latent.down_proj.weight, i * d + i, 2.0);
+    set_element(latent.up_proj.weight, i * d + i, 3.0);
+  }
+
+  Tensor x = random_tensor({n, d}, DType::kF64, 901, 0.1, 2.0);
+  Tensor routed({n, d}, DType::kF64), shared({n, d}, DType::kF64), out({n, d}, DType::kF64);
+  plain.forward_routed(ctx, routed, x, x);
+  plain.shared->forward(ctx, shared, x);
+  latent.forward(ctx, out, x);
+  const double eps = latent_config.model.rms_norm_eps;
+  for (int64_t t = 0; t < n; ++t) {
+    double sum_sq = 0.0;
+    for (int64_t j = 0; j < d; ++j) sum_sq += get_element(routed, t * d + j) * get_element(routed, t * d + j);
+    const double rstd = 1.0 / std::sqrt(sum_sq / static_cast<double>(d) + eps);
+    for (int64_t j = 0; j < d; ++j) {
+      const double expected = 3.0 * get_element(routed, t * d + j) * rstd * get_element(latent.norm, j) +
+                              get_element(shared, t * d + j);
+      CHECK(get_element(out, t * d + j) == Approx(expected).epsilon(1e-12).margin(1e-12));
+    }
   }
 }
 
