@@ -38,6 +38,14 @@ void* CachingAllocator::allocate(size_t bytes) {
       release_cached_locked();
       ptr = upstream_.allocate(size);
     }
+    // Upstream hands out an address the cache still counts as in use only when that block was
+    // freed behind the cache's back (not through deallocate): its record is stale, and keeping
+    // it would give the new block the old size.
+    if (in_use_.count(ptr) != 0) {
+      upstream_.deallocate(ptr);
+      throw Error(ExitCode::kInternal, "caching allocator: a block still counted as in use was freed behind its "
+                                       "back (memory from device_allocator() must be returned with deallocate)");
+    }
     ++stats_.upstream_allocations;
     stats_.reserved_bytes += size;
     stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);

@@ -2,19 +2,16 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdio>
-
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
 
 namespace moetrain::kernels::cuda_ops {
 
+// The buffer goes back to the allocator it came from: freeing it with cudaFree behind the
+// caching allocator's back left the allocator a record of a block that no longer existed, and a
+// later cudaMalloc that returned the same address inherited that record's (larger) size.
 DeviceScratch::~DeviceScratch() {
-  if (data_ != nullptr) {
-    const cudaError_t status = cudaFree(data_);
-    // At process exit the runtime may already be gone (cudaErrorCudartUnloading): nothing to free.
-    if (status != cudaSuccess && status != cudaErrorCudartUnloading) std::fprintf(stderr, "moetrain: cudaFree(scratch) failed: %s\n", cudaGetErrorString(status));
-  }
+  if (data_ != nullptr) cuda::device_allocator().deallocate(data_);
 }
 
 void* DeviceScratch::reserve(size_t bytes) {
@@ -24,7 +21,10 @@ void* DeviceScratch::reserve(size_t bytes) {
   if (grown < bytes) grown = bytes;
   grown = round_up(grown < 256 ? 256 : grown);
   if (data_ != nullptr) {
-    CUDA_CHECK(cudaFree(data_));  // waits for the device: no kernel still reads the old buffer
+    // Kernels queued on the stream may still read the old buffer; the allocator may hand it out
+    // at once, which is safe only for work on that same stream. Growing is rare: wait.
+    CUDA_CHECK(cudaDeviceSynchronize());
+    cuda::device_allocator().deallocate(data_);
     data_ = nullptr;
     bytes_ = 0;
   }

@@ -1,8 +1,9 @@
 // A grow-only device buffer for the scratch space of one op call (BF16 copies of F32 GEMM
 // operands, reduction partials, uploaded index tables). Owned by the CUDA backend; every user
 // is on the backend's one stream, so a call may reuse the space of the previous one without
-// waiting: stream order already puts the previous kernels first. Growing frees the old buffer
-// with cudaFree, which waits for the device, so kernels still reading it are done first.
+// waiting: stream order already puts the previous kernels first. The buffer comes from and goes
+// back to cuda::device_allocator(); growing waits for the device first, so no kernel still
+// reads the old buffer when the allocator reuses it.
 // Pointers from reserve() stay valid until the next reserve().
 #pragma once
 

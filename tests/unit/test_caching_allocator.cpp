@@ -5,8 +5,10 @@
 #include <new>
 #include <map>
 #include <set>
+#include <string>
 
 #include "catch.h"
+#include "core/base/error.h"
 #include "core/base/tensor.h"
 #include "kernels/caching_allocator.h"
 
@@ -112,4 +114,30 @@ TEST_CASE("the cache returns its blocks when it is destroyed") {
     CHECK(upstream.held() > 0);
   }
   CHECK(upstream.held() == 0);
+}
+
+TEST_CASE("a block freed upstream behind the cache's back is refused when upstream hands it out again") {
+  // An upstream with one slot, as cudaMalloc returns a just-freed address again.
+  class OneSlot final : public Allocator {
+   public:
+    moetrain::Device device() const override { return moetrain::Device::kCPU; }
+    void* allocate(size_t bytes) override {
+      if (taken || bytes > sizeof(slot)) throw std::bad_alloc();
+      taken = true;
+      return slot;
+    }
+    void deallocate(void*) override { taken = false; }
+    alignas(64) unsigned char slot[8192];
+    bool taken = false;
+  } upstream;
+  CachingAllocator cache(upstream);
+  void* first = cache.allocate(4096);
+  upstream.deallocate(first);  // what DeviceScratch once did with cudaFree
+  try {
+    cache.allocate(1024);  // another size: upstream returns the same address
+    FAIL("the stale block was handed out again");
+  } catch (const moetrain::Error& error) {
+    CHECK(std::string(error.what()).find("freed behind its back") != std::string::npos);
+  }
+  CHECK_FALSE(upstream.taken);  // the refused block went back upstream
 }
