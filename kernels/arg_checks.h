@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/base/error.h"
 #include "core/base/tensor.h"
@@ -109,6 +110,31 @@ inline void expect_situ_betas(const char* op, double beta, double linear_beta) {
   expect(beta > 0.0 && linear_beta >= 0.0, op,
          "beta " + std::to_string(beta) + " should be > 0 and linear_beta " + std::to_string(linear_beta) +
              " >= 0 (0: no cap)");
+}
+
+// Block Attention Residuals: `io` (out or dout) [rows, dim]; every value (and every gradient in
+// `grads`, when given) [rows, dim]; probs [rows, m]; norm_weight and query [dim]. No value may be
+// `io`'s memory (the forward writes out while it still reads the values).
+inline void expect_attn_res_shapes(const char* op, const char* io_name, const TensorView& io,
+                                   const std::vector<TensorView>& values, const std::vector<TensorView>* grads,
+                                   const TensorView& probs, const TensorView& norm_weight, const TensorView& query) {
+  const int64_t m = static_cast<int64_t>(values.size());
+  expect(m >= 1 && m <= kMaxAttnResValues, op,
+         std::to_string(m) + " values, expected 1.." + std::to_string(kMaxAttnResValues));
+  expect(io.ndim() == 2, op, describe(io_name, io) + " should be [rows, dim]");
+  const int64_t rows = io.size(0), dim = io.size(1);
+  for (const TensorView& v : values) {
+    expect_shape(op, "value", v, io.shape);
+    expect(v.data != io.data || io.numel() == 0, op, std::string(io_name) + " is one of the values' memory");
+  }
+  if (grads != nullptr) {
+    expect(grads->size() == values.size(), op,
+           std::to_string(grads->size()) + " gradients for " + std::to_string(m) + " values");
+    for (const TensorView& g : *grads) expect_shape(op, "dvalue", g, io.shape);
+  }
+  expect_shape(op, "probs", probs, Shape{rows, m});
+  expect_shape(op, "norm_weight", norm_weight, Shape{dim});
+  expect_shape(op, "query", query, Shape{dim});
 }
 
 // out [tokens, dim], rows [tokens * top_k, dim], weight [tokens, top_k], pair_row [tokens * top_k].

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/base/tensor.h"
 
@@ -500,6 +501,40 @@ struct AttentionGateBackwardArgs {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Block Attention Residuals (Kimi K3; arXiv 2603.15031): instead of adding every layer's output
+// into one residual stream, a layer's input is a softmax mix over depth of the block summaries
+// kept so far and the current block's partial sum. Per row t, over m values V_i (each [rows, dim]):
+//   r_i = 1 / sqrt(mean_d V_i[t, d]^2 + eps)          (an RMSNorm without its weight: the key)
+//   s_i = r_i * sum_d norm_weight[d] * query[d] * V_i[t, d]
+//   p = softmax_i(s),   out[t] = sum_i p_i V_i[t]
+// norm_weight is the mix's RMSNorm weight and query its [1, dim] projection (the layer's learned
+// pseudo-query), both [dim] and frozen; scores, softmax and the weighted sum in fp32 (f64 on the
+// CPU in double). probs [rows, m] (accum) is saved for the backward. out must not alias a value.
+struct AttnResArgs {
+  TensorView out;                  // [rows, dim]
+  TensorView probs;                // [rows, m] accum
+  std::vector<TensorView> values;  // m >= 1 (at most kMaxAttnResValues), each [rows, dim]
+  TensorView norm_weight;          // [dim]
+  TensorView query;                // [dim]
+  double eps = 1e-5;
+};
+// dvalues[i] += dL/dV_i, with g_i = dout . V_i and ds_i = p_i (g_i - sum_j p_j g_j):
+//   dV_i[d] += p_i dout[d] + ds_i r_i (norm_weight[d] query[d] - s_i r_i V_i[t, d] / dim)
+// Each dvalues[i] is [rows, dim] in the activation or the accumulation dtype (the model keeps the
+// block summaries' gradients in the latter: they gather one term from every later layer).
+struct AttnResBackwardArgs {
+  std::vector<TensorView> dvalues;
+  TensorView dout;
+  std::vector<TensorView> values;
+  TensorView norm_weight;
+  TensorView query;
+  TensorView probs;
+  double eps = 1e-5;
+};
+// The most values one mix may take (K3: 93 layers in blocks of 12 = 8 summaries + the partial sum).
+constexpr int64_t kMaxAttnResValues = 32;
+
+// ---------------------------------------------------------------------------------------------
 
 // What running ops costs besides the kernels, for moetrain-bench and the training log. A backend
 // without a device of its own (the CPU) reports zeros.
@@ -604,6 +639,10 @@ class Backend {
   virtual void sparse_attention_backward(const SparseAttentionBackwardArgs& args) = 0;
   virtual void attention_gate_forward(const AttentionGateArgs& args) = 0;
   virtual void attention_gate_backward(const AttentionGateBackwardArgs& args) = 0;
+
+  // Block Attention Residuals' depth mix (AttnResArgs above).
+  virtual void attn_res_forward(const AttnResArgs& args) = 0;
+  virtual void attn_res_backward(const AttnResBackwardArgs& args) = 0;
 };
 
 // The CPU reference backend (always built).

@@ -108,6 +108,12 @@ void TimingBackend::swiglu_forward(const TensorView& h, const TensorView& gate_u
 void TimingBackend::swiglu_backward(const SwigluBackwardArgs& args) {
   timed("swiglu_backward", [&] { inner_.swiglu_backward(args); });
 }
+void TimingBackend::attn_res_forward(const AttnResArgs& args) {
+  timed("attn_res_forward", [&] { inner_.attn_res_forward(args); });
+}
+void TimingBackend::attn_res_backward(const AttnResBackwardArgs& args) {
+  timed("attn_res_backward", [&] { inner_.attn_res_backward(args); });
+}
 void TimingBackend::situ_forward(const SituArgs& args) {
   timed("situ_forward", [&] { inner_.situ_forward(args); });
 }

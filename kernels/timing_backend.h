@@ -78,6 +78,8 @@ class TimingBackend final : public Backend {
   void attention_backward(const AttentionBackwardArgs& args) override;
   void swiglu_forward(const TensorView& h, const TensorView& gate_up) override;
   void swiglu_backward(const SwigluBackwardArgs& args) override;
+  void attn_res_forward(const AttnResArgs& args) override;
+  void attn_res_backward(const AttnResBackwardArgs& args) override;
   void situ_forward(const SituArgs& args) override;
   void situ_backward(const SituBackwardArgs& args) override;
   void router_forward(const RouterArgs& args) override;

@@ -22,6 +22,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
 #include "kernels/cpu/short_conv.h"
+#include "kernels/cpu/attn_res.h"
 #include "kernels/cpu/situ.h"
 #include "kernels/cpu/swiglu.h"
 #include "kernels/arg_checks.h"
@@ -260,6 +261,26 @@ class CpuBackend final : public Backend {
     expect_swiglu_shapes(op, args.dh, args.gate_up);
     expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
     dispatch(op, dtype, [&](auto t) { cpu::swiglu_backward<decltype(t)>(args); });
+  }
+
+  void attn_res_forward(const AttnResArgs& args) override {
+    const char* op = "attn_res_forward";
+    const DType dtype = compute_dtype(op, {{"out", &args.out}, {"probs", &args.probs},
+                                           {"norm_weight", &args.norm_weight}, {"query", &args.query}});
+    expect_attn_res_shapes(op, "out", args.out, args.values, nullptr, args.probs, args.norm_weight, args.query);
+    for (const TensorView& v : args.values) expect_dtype(op, "value", v, dtype);
+    dispatch(op, dtype, [&](auto t) { cpu::attn_res_forward<decltype(t)>(args); });
+  }
+
+  void attn_res_backward(const AttnResBackwardArgs& args) override {
+    const char* op = "attn_res_backward";
+    const DType dtype = compute_dtype(op, {{"dout", &args.dout}, {"probs", &args.probs},
+                                           {"norm_weight", &args.norm_weight}, {"query", &args.query}});
+    expect_attn_res_shapes(op, "dout", args.dout, args.values, &args.dvalues, args.probs, args.norm_weight,
+                           args.query);
+    for (const TensorView& v : args.values) expect_dtype(op, "value", v, dtype);
+    for (const TensorView& g : args.dvalues) expect_dtype(op, "dvalue", g, dtype);
+    dispatch(op, dtype, [&](auto t) { cpu::attn_res_backward<decltype(t)>(args); });
   }
 
   void situ_forward(const SituArgs& args) override {

@@ -45,6 +45,7 @@
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/scratch.h"
 #include "kernels/cuda/short_conv.h"
+#include "kernels/cuda/attn_res.h"
 #include "kernels/cuda/swiglu.h"
 #include "kernels/arg_checks.h"
 #include "kernels/ops.h"
@@ -379,6 +380,30 @@ class CudaBackend final : public Backend {
     expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
     expect_alias_same_dtype(op, "dgate_up", args.dgate_up, "gate_up", args.gate_up);
     cuda_ops::swiglu_backward(args, stream_);
+  }
+
+  void attn_res_forward(const AttnResArgs& args) override {
+    const char* op = "attn_res_forward";
+    expect_float(op, "out", args.out);
+    expect_f32(op, "probs", args.probs);
+    expect_float(op, "norm_weight", args.norm_weight);
+    expect_float(op, "query", args.query);
+    for (const TensorView& v : args.values) expect_float(op, "value", v);
+    expect_attn_res_shapes(op, "out", args.out, args.values, nullptr, args.probs, args.norm_weight, args.query);
+    cuda_ops::attn_res_forward(args, stream_);
+  }
+
+  void attn_res_backward(const AttnResBackwardArgs& args) override {
+    const char* op = "attn_res_backward";
+    expect_float(op, "dout", args.dout);
+    expect_f32(op, "probs", args.probs);
+    expect_float(op, "norm_weight", args.norm_weight);
+    expect_float(op, "query", args.query);
+    for (const TensorView& v : args.values) expect_float(op, "value", v);
+    for (const TensorView& g : args.dvalues) expect_float(op, "dvalue", g);
+    expect_attn_res_shapes(op, "dout", args.dout, args.values, &args.dvalues, args.probs, args.norm_weight,
+                           args.query);
+    cuda_ops::attn_res_backward(args, stream_);
   }
 
   void situ_forward(const SituArgs& args) override {
