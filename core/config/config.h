@@ -103,6 +103,10 @@ struct ModelConfig {
   std::string hidden_act = "silu";       // silu | situ
   double situ_beta = 4.0;                // activation_situ_beta
   double situ_linear_beta = 0.0;         // activation_situ_linear_beta; 0: no cap on the up branch
+  // Block Attention Residuals (Kimi K3's attn_res_block_size): every block_size layers the residual
+  // stream files a summary, and each layer's attention and MLP inputs, and the final norm's, are
+  // softmax mixes over the summaries so far and the block's running sum (kernels/ops.h AttnResArgs).
+  int64_t attn_res_block_size = 0;       // 0: the plain residual stream
   MlaConfig mla;
   KdaConfig kda;
   DsaConfig dsa;

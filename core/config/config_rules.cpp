@@ -264,6 +264,15 @@ void check_model(const ModelConfig& m, Rules& r) {
   r.one_of("model.hidden_act", m.hidden_act, kHiddenActs);
   r.positive("model.situ_beta", m.situ_beta);
   r.non_negative("model.situ_linear_beta", m.situ_linear_beta);
+  r.at_least<int64_t>("model.attn_res_block_size", m.attn_res_block_size, 0);
+  // A mix takes the summaries and the running sum: at most kernels/ops.h's kMaxAttnResValues (32).
+  if (r.known({"model.attn_res_block_size", "model.num_layers"}) && m.attn_res_block_size > 0 &&
+      (m.num_layers + m.attn_res_block_size - 1) / m.attn_res_block_size + 1 > 32) {
+    r.fail({"model.attn_res_block_size", "model.num_layers"},
+           "`model.attn_res_block_size` = " + std::to_string(m.attn_res_block_size) + " makes more than 31 residual "
+           "blocks of the " + std::to_string(m.num_layers) + " layers (the depth mix takes at most 32 values): raise "
+           "it (Kimi K3 uses 12)");
+  }
   for (size_t i = 0; i < m.layers.size(); ++i) {
     r.one_of("model.layers[" + std::to_string(i) + "]", m.layers[i], kMixers);
   }

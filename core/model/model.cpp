@@ -66,6 +66,8 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
   const int64_t d = m.hidden_size;
   embed_ = ctx.alloc({m.vocab_size, d});
   final_norm_ = ctx.alloc({d});
+  auto make_mix = [&] { return AttnResMix{ctx.alloc({d}), ctx.alloc({1, d})}; };
+  if (attn_res()) output_mix_ = make_mix();
   if (!m.tie_word_embeddings) lm_head_ = ctx.alloc({m.vocab_size, d});
 
   if (m.mla.use_rope) {
@@ -84,6 +86,10 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     DecoderLayer layer;
     layer.input_norm = ctx.alloc({d});
     layer.post_attention_norm = ctx.alloc({d});
+    if (attn_res()) {
+      layer.attention_mix = make_mix();
+      layer.mlp_mix = make_mix();
+    }
     const RopeDeviceTables* rope = m.mla.use_rope ? &rope_ : nullptr;
     if (spec_.mixers[i] == MixerKind::kKda) layer.mixer = std::make_unique<KdaAttention>(spec_, i, ctx);
     else if (spec_.mixers[i] == MixerKind::kDsa) layer.mixer = std::make_unique<DsaAttention>(spec_, i, ctx, rope);
@@ -230,6 +236,13 @@ std::vector<WeightSlot> Model::layer_weight_slots(size_t index) {
   std::string prefix = "model.layers." + std::to_string(index) + ".";
   slots.push_back({prefix + "input_layernorm.weight", &layers_[index].input_norm});
   slots.push_back({prefix + "post_attention_layernorm.weight", &layers_[index].post_attention_norm});
+  if (attn_res()) {
+    DecoderLayer& layer = layers_[index];
+    slots.push_back({prefix + "self_attention_res_norm.weight", &layer.attention_mix.norm});
+    slots.push_back({prefix + "self_attention_res_proj.weight", &layer.attention_mix.query});
+    slots.push_back({prefix + "mlp_res_norm.weight", &layer.mlp_mix.norm});
+    slots.push_back({prefix + "mlp_res_proj.weight", &layer.mlp_mix.query});
+  }
   layers_[index].mixer->collect_weights(slots);
   layers_[index].ffn->collect_weights(slots);
   return slots;
@@ -243,6 +256,10 @@ std::vector<WeightSlot> Model::weight_slots() {
     slots.insert(slots.end(), layer.begin(), layer.end());
   }
   slots.push_back({"model.norm.weight", &final_norm_});
+  if (attn_res()) {
+    slots.push_back({"model.output_attn_res_norm.weight", &output_mix_.norm});
+    slots.push_back({"model.output_attn_res_proj.weight", &output_mix_.query});
+  }
   if (!spec_.config.tie_word_embeddings) slots.push_back({"lm_head.weight", &lm_head_});
   return slots;
 }
@@ -279,27 +296,80 @@ BatchTensors Model::upload(const Batch& batch) {
   return bt;
 }
 
-void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x) {
+namespace {
+
+// One depth mix (kernels/ops.h AttnResArgs): out and its probabilities [n, values] from values.
+void mix_forward(const LayerContext& ctx, const AttnResMix& mix, Tensor& out, Tensor& probs,
+                 const std::vector<TensorView>& values, double eps) {
+  const int64_t n = values.front().size(0), d = values.front().size(1);
+  out = ctx.alloc({n, d});
+  probs = ctx.alloc_accum({n, static_cast<int64_t>(values.size())});
+  ctx.backend.attn_res_forward(
+      kernels::AttnResArgs{out, probs, values, mix.norm, mix.query.view().reshaped({d}), eps});
+}
+
+void mix_backward(const LayerContext& ctx, const AttnResMix& mix, const std::vector<TensorView>& dvalues,
+                  const TensorView& dout, const std::vector<TensorView>& values, const Tensor& probs, double eps) {
+  const int64_t d = dout.size(1);
+  ctx.backend.attn_res_backward(
+      kernels::AttnResBackwardArgs{dvalues, dout, values, mix.norm, mix.query.view().reshaped({d}), probs, eps});
+}
+
+template <typename T>
+std::vector<T> with(std::vector<T> list, const T& last) {
+  list.push_back(last);
+  return list;
+}
+
+}  // namespace
+
+// Block Attention Residuals (model.attn_res_block_size = B > 0, Kimi K3; NeMo AutoModel's
+// kimi_k3 decoder layer). The stream carries the running sum h and the block summaries: the
+// inputs of layers 0, B, 2B, ... Layer i, with S the summaries filed before it:
+//   x   = mix_attention(S, h)             (h itself when S is empty: layer 0)
+//   i % B == 0: h is filed as a summary and the running sum restarts: p = mixer(norm(x))
+//   else:                                                              p = h + mixer(norm(x))
+//   y   = mix_mlp(S and h if filed, p)
+//   out = p + ffn(norm(y))
+// Without it, x = h, y = p = h + mixer(norm(h)), the plain pre-norm residual.
+void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x,
+                          const std::vector<TensorView>& summaries) {
   kernels::Backend& be = backend_;
   DecoderLayer& layer = layers_[index];
   LayerSaved& s = saved_[index];
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
   const double eps = spec_.config.rms_norm_eps;
+  const bool block_start = attn_res() && index % static_cast<size_t>(spec_.config.attn_res_block_size) == 0;
   if (auto* moe = routed_moe(layer.ffn.get())) {
     moe->set_noise_seed(options_.seed ^ (forward_count_ * 1000003ull + index));
   }
+  TensorView mixer_in = x;
+  const std::vector<TensorView> before(summaries.begin(), summaries.end() - (block_start ? 1 : 0));
+  if (!before.empty()) {
+    mix_forward(ctx, layer.attention_mix, s.mixer_in, s.mixer_probs, with(before, x), eps);
+    mixer_in = s.mixer_in;
+  }
   s.normed_in = ctx.alloc({n, d});
   s.rstd_in = ctx.alloc_accum({n});
-  be.rmsnorm_forward(RmsNormArgs{s.normed_in, s.rstd_in, x, layer.input_norm, eps});
+  be.rmsnorm_forward(RmsNormArgs{s.normed_in, s.rstd_in, mixer_in, layer.input_norm, eps});
   Tensor mixed = ctx.alloc({n, d});
   layer.mixer->forward(ctx, mixed, s.normed_in);
   s.hidden = ctx.alloc({n, d});
-  be.copy(s.hidden, x);
-  be.axpby(s.hidden, mixed, 1.0, 1.0);
+  if (block_start) {
+    be.copy(s.hidden, mixed);
+  } else {
+    be.copy(s.hidden, x);
+    be.axpby(s.hidden, mixed, 1.0, 1.0);
+  }
+  TensorView ffn_in = s.hidden;
+  if (attn_res()) {
+    mix_forward(ctx, layer.mlp_mix, s.ffn_in, s.ffn_probs, with(summaries, s.hidden.view()), eps);
+    ffn_in = s.ffn_in;
+  }
   s.normed_mid = ctx.alloc({n, d});
   s.rstd_mid = ctx.alloc_accum({n});
-  be.rmsnorm_forward(RmsNormArgs{s.normed_mid, s.rstd_mid, s.hidden, layer.post_attention_norm, eps});
+  be.rmsnorm_forward(RmsNormArgs{s.normed_mid, s.rstd_mid, ffn_in, layer.post_attention_norm, eps});
   Tensor ffn_out = ctx.alloc({n, d});
   layer.ffn->forward(ctx, ffn_out, s.normed_mid);
   be.copy(out, s.hidden);
@@ -307,22 +377,62 @@ void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorVie
 }
 
 void Model::layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
-                           const TensorView& x) {
+                           const TensorView& x, const std::vector<TensorView>& summaries,
+                           const std::vector<TensorView>& dsummaries) {
   kernels::Backend& be = backend_;
   DecoderLayer& layer = layers_[index];
   LayerSaved& s = saved_[index];
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
+  const double eps = spec_.config.rms_norm_eps;
+  const bool block_start = attn_res() && index % static_cast<size_t>(spec_.config.attn_res_block_size) == 0;
   Tensor dnormed_mid = ctx.alloc({n, d});
   layer.ffn->backward(ctx, dnormed_mid, dout, s.normed_mid);
+  // dhidden: the gradient of the sum the feed-forward's output was added to.
   Tensor dhidden = ctx.alloc({n, d});
   be.copy(dhidden, dout);
-  be.rmsnorm_backward(
-      RmsNormBackwardArgs{dhidden, {}, dnormed_mid, s.hidden, layer.post_attention_norm, s.rstd_mid, true});
+  if (s.ffn_in.defined()) {
+    Tensor dffn_in = ctx.alloc({n, d});
+    be.rmsnorm_backward(
+        RmsNormBackwardArgs{dffn_in, {}, dnormed_mid, s.ffn_in, layer.post_attention_norm, s.rstd_mid, false});
+    mix_backward(ctx, layer.mlp_mix, with(dsummaries, dhidden.view()), dffn_in, with(summaries, s.hidden.view()),
+                 s.ffn_probs, eps);
+  } else {
+    be.rmsnorm_backward(
+        RmsNormBackwardArgs{dhidden, {}, dnormed_mid, s.hidden, layer.post_attention_norm, s.rstd_mid, true});
+  }
   Tensor dnormed_in = ctx.alloc({n, d});
   layer.mixer->backward(ctx, dnormed_in, dhidden, s.normed_in);
-  be.copy(dx, dhidden);
-  be.rmsnorm_backward(RmsNormBackwardArgs{dx, {}, dnormed_in, x, layer.input_norm, s.rstd_in, true});
+  // x reaches the running sum unless the block restarts here.
+  if (block_start) be.fill(dx, 0.0);
+  else be.copy(dx, dhidden);
+  if (s.mixer_in.defined()) {
+    const std::vector<TensorView> before(summaries.begin(), summaries.end() - (block_start ? 1 : 0));
+    const std::vector<TensorView> dbefore(dsummaries.begin(), dsummaries.end() - (block_start ? 1 : 0));
+    Tensor dmixer_in = ctx.alloc({n, d});
+    be.rmsnorm_backward(RmsNormBackwardArgs{dmixer_in, {}, dnormed_in, s.mixer_in, layer.input_norm, s.rstd_in, false});
+    mix_backward(ctx, layer.attention_mix, with(dbefore, dx), dmixer_in, with(before, x), s.mixer_probs, eps);
+  } else {
+    be.rmsnorm_backward(RmsNormBackwardArgs{dx, {}, dnormed_in, x, layer.input_norm, s.rstd_in, true});
+  }
+}
+
+std::vector<TensorView> Model::summaries_for(const std::vector<Tensor>& inputs, size_t index) const {
+  std::vector<TensorView> out;
+  if (!attn_res()) return out;
+  const size_t block = static_cast<size_t>(spec_.config.attn_res_block_size);
+  for (size_t j = 0; j <= index; j += block) out.push_back(inputs[j]);
+  return out;
+}
+
+TensorView Model::final_norm_input(const LayerContext& ctx, const std::vector<Tensor>& inputs) {
+  const size_t num_layers = layers_.size();
+  if (!attn_res()) return inputs[num_layers];
+  // Every summary (the last layer sees them all) and the last layer's output.
+  mix_forward(ctx, output_mix_, final_mix_, final_mix_probs_, with(summaries_for(inputs, num_layers - 1),
+                                                                   inputs[num_layers].view()),
+              spec_.config.rms_norm_eps);
+  return final_mix_;
 }
 
 void Model::release_layer(size_t index) {
@@ -380,32 +490,58 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
   for (size_t i = 0; i < num_layers; ++i) {
     gather_layers(i, +1);
     inputs[i + 1] = ctx.alloc({n, d});
-    layer_forward(ctx, i, inputs[i + 1], inputs[i]);
+    layer_forward(ctx, i, inputs[i + 1], inputs[i], summaries_for(inputs, i));
     if (options_.recompute) release_layer(i);
     if (options_.fsdp_reshard_after_forward && i + 1 < num_layers) release_layer_weights(i);
   }
   gather_outer_weights();
   Tensor final_hidden = ctx.alloc({n, d});
   final_rstd_ = ctx.alloc_accum({n});
-  be.rmsnorm_forward(RmsNormArgs{final_hidden, final_rstd_, inputs[num_layers], final_norm_, spec_.config.rms_norm_eps});
+  const TensorView final_in = final_norm_input(ctx, inputs);
+  be.rmsnorm_forward(RmsNormArgs{final_hidden, final_rstd_, final_in, final_norm_, spec_.config.rms_norm_eps});
 
   StepResult result;
   result.targets = batch.num_targets();
   Tensor dfinal = ctx.alloc({n, d});
   Tensor losses = loss_and_grad(ctx, dfinal, final_hidden, grad_scale);
 
-  // Backward.
+  // Backward. With Block Attention Residuals each summary's gradient gathers a term from every
+  // later mix, in the accumulation dtype; it joins the stream's gradient at its own layer.
   Tensor dx = ctx.alloc({n, d});
-  be.rmsnorm_backward(RmsNormBackwardArgs{dx, {}, dfinal, inputs[num_layers], final_norm_, final_rstd_, false});
+  std::vector<Tensor> dsummaries;
+  if (!attn_res()) {
+    be.rmsnorm_backward(RmsNormBackwardArgs{dx, {}, dfinal, final_in, final_norm_, final_rstd_, false});
+  } else {
+    Tensor dmix = ctx.alloc({n, d});
+    be.rmsnorm_backward(RmsNormBackwardArgs{dmix, {}, dfinal, final_in, final_norm_, final_rstd_, false});
+    const std::vector<TensorView> summaries = summaries_for(inputs, num_layers - 1);
+    std::vector<TensorView> dviews;
+    for (size_t j = 0; j < summaries.size(); ++j) {
+      dsummaries.push_back(ctx.alloc_accum({n, d}));
+      be.fill(dsummaries.back(), 0.0);
+      dviews.push_back(dsummaries.back());
+    }
+    be.fill(dx, 0.0);
+    mix_backward(ctx, output_mix_, with(dviews, dx.view()), dmix, with(summaries, inputs[num_layers].view()),
+                 final_mix_probs_, spec_.config.rms_norm_eps);
+    final_mix_.reset();
+    final_mix_probs_.reset();
+  }
   release_outer_weights();
+  const size_t block = attn_res() ? static_cast<size_t>(spec_.config.attn_res_block_size) : 0;
   for (size_t i = num_layers; i-- > 0;) {
     gather_layers(i, -1);
+    const std::vector<TensorView> summaries = summaries_for(inputs, i);
     if (options_.recompute) {
       Tensor recomputed = ctx.alloc({n, d});
-      layer_forward(ctx, i, recomputed, inputs[i]);
+      layer_forward(ctx, i, recomputed, inputs[i], summaries);
     }
     Tensor dprev = ctx.alloc({n, d});
-    layer_backward(ctx, i, dprev, dx, inputs[i]);
+    layer_backward(ctx, i, dprev, dx, inputs[i], summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()));
+    if (block > 0 && i % block == 0) {  // inputs[i] is the last summary: its gradient is complete
+      be.axpby(dprev, dsummaries.back(), 1.0, 1.0);
+      dsummaries.pop_back();
+    }
     release_layer(i);
     release_layer_weights(i);
     inputs[i + 1].reset();
@@ -434,22 +570,27 @@ Tensor Model::logits(const Batch& batch) {
   kernels::Backend& be = backend_;
   const int64_t n = bt.num_tokens;
   const int64_t d = spec_.config.hidden_size;
-  Tensor x = ctx.alloc({n, d});
+  const size_t num_layers = layers_.size();
+  std::vector<Tensor> inputs(num_layers + 1);
+  inputs[0] = ctx.alloc({n, d});
   gather_outer_weights();
-  be.embedding_forward(x, embed_, bt.input_ids);
+  be.embedding_forward(inputs[0], embed_, bt.input_ids);
   release_outer_weights();
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  for (size_t i = 0; i < num_layers; ++i) {
     gather_layers(i, +1);
-    Tensor next = ctx.alloc({n, d});
-    layer_forward(ctx, i, next, x);
+    inputs[i + 1] = ctx.alloc({n, d});
+    layer_forward(ctx, i, inputs[i + 1], inputs[i], summaries_for(inputs, i));
     release_layer(i);
     release_layer_weights(i);
-    x = std::move(next);
+    // Only the block summaries (Block Attention Residuals) are read again.
+    if (!attn_res() || i % static_cast<size_t>(spec_.config.attn_res_block_size) != 0) inputs[i].reset();
   }
   gather_outer_weights();
   Tensor normed = ctx.alloc({n, d});
   Tensor rstd = ctx.alloc_accum({n});
-  be.rmsnorm_forward(RmsNormArgs{normed, rstd, x, final_norm_, spec_.config.rms_norm_eps});
+  be.rmsnorm_forward(RmsNormArgs{normed, rstd, final_norm_input(ctx, inputs), final_norm_, spec_.config.rms_norm_eps});
+  final_mix_.reset();
+  final_mix_probs_.reset();
   const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
   Tensor logits = ctx.alloc_accum({n, spec_.config.vocab_size});
   be.gemm(GemmArgs{logits, normed, head, false, true, 1.0, 0.0});

@@ -52,9 +52,18 @@ struct FrozenWeightBytes {
 };
 
 
+// One depth mix of Block Attention Residuals: its RMSNorm weight and pseudo-query, both [D]
+// (the checkpoint stores the query as a [1, D] projection), frozen.
+struct AttnResMix {
+  Tensor norm;   // <name>_norm.weight
+  Tensor query;  // <name>_proj.weight
+};
+
 struct DecoderLayer {
   Tensor input_norm;           // input_layernorm.weight
   Tensor post_attention_norm;  // post_attention_layernorm.weight
+  AttnResMix attention_mix;    // self_attention_res_*: the attention's input (attn_res_block_size > 0)
+  AttnResMix mlp_mix;          // mlp_res_*: the feed-forward's input
   std::unique_ptr<Mixer> mixer;
   std::unique_ptr<FeedForward> ffn;
 };
@@ -104,12 +113,28 @@ class Model final : public TrainableModel {
   LayerContext context(const BatchTensors& batch) { return LayerContext{backend_, options_.dtype, batch}; }
   DType parameter_dtype() const { return options_.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
   // x_out = layer(x_in); saves the layer's internals (and the norms' outputs) in `saved`.
+  // `hidden` is the sum the feed-forward's output is added to (x + mixer, or with Block Attention
+  // Residuals the block's running sum); mixer_in / ffn_in and their probabilities exist only when
+  // a depth mix made those inputs.
   struct LayerSaved {
     Tensor normed_in, rstd_in, hidden, normed_mid, rstd_mid;
+    Tensor mixer_in, mixer_probs, ffn_in, ffn_probs;
   };
-  void layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x);
+  // `summaries`: with Block Attention Residuals, the block summaries filed up to and including
+  // this layer (inputs of layers 0, B, 2B, ... <= index; the last is x itself at a block start);
+  // empty otherwise. The backward adds the summaries' gradients into `dsummaries` (accum dtype)
+  // and writes x's own (without its summary's share) into dx.
+  void layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x,
+                     const std::vector<TensorView>& summaries);
   void layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
-                      const TensorView& x);
+                      const TensorView& x, const std::vector<TensorView>& summaries,
+                      const std::vector<TensorView>& dsummaries);
+  bool attn_res() const { return spec_.config.attn_res_block_size > 0; }
+  // The summaries among the layer inputs `inputs` that layer `index` sees (see layer_forward).
+  std::vector<TensorView> summaries_for(const std::vector<Tensor>& inputs, size_t index) const;
+  // The final norm's input: the last layer's output (inputs.back()), or its depth mix with every
+  // summary (kept in final_mix_ for the backward).
+  TensorView final_norm_input(const LayerContext& ctx, const std::vector<Tensor>& inputs);
   void release_layer(size_t index);
   std::vector<WeightSlot> layer_weight_slots(size_t index);
   // FSDP (model_weights.cpp): at construction, each layer's (and the outer) non-expert frozen
@@ -140,6 +165,8 @@ class Model final : public TrainableModel {
   std::vector<DecoderLayer> layers_;
   std::vector<LayerSaved> saved_;
   Tensor final_rstd_;
+  AttnResMix output_mix_;   // model.output_attn_res_*: the final norm's input (attn_res_block_size > 0)
+  Tensor final_mix_, final_mix_probs_;
   uint64_t forward_count_ = 0;  // seeds router noise per forward
   // FSDP buckets: one per decoder layer, and one for embed_tokens + final norm + lm_head.
   std::vector<std::unique_ptr<FsdpBucket>> fsdp_layers_;

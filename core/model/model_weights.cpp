@@ -272,6 +272,7 @@ void Model::shard_outer_weights() {
   if (!p || !p->fsdp_sharded()) return;
   std::vector<Tensor*> outer = {&embed_, &final_norm_};
   if (!spec_.config.tie_word_embeddings) outer.push_back(&lm_head_);
+  if (attn_res()) outer.insert(outer.end(), {&output_mix_.norm, &output_mix_.query});
   fsdp_outer_ = std::make_unique<FsdpBucket>("embed+norm+lm_head", outer, *p->fsdp, backend_);
   FrozenWeightBytes bytes = frozen_non_expert_bytes();
   log::info(fmt::format("FSDP over {} ranks: frozen non-expert weights {:.3f} MiB per rank of {:.3f} MiB "

@@ -67,6 +67,19 @@ inline Config tiny_k3_ffn_config(bool latent_norm) {
   return c;
 }
 
+// A tiny Kimi K3: tiny_k3_ffn_config with 5 layers (MLA, KDA, MLA, KDA, MLA; the MLA gated per
+// channel) and Block Attention Residuals in blocks of `block` layers, so that several blocks
+// close (block 2: summaries at layers 0, 2 and 4, and the final mix over 4 values).
+inline Config tiny_k3_config(int64_t block) {
+  Config c = tiny_k3_ffn_config(/*latent_norm=*/true);
+  ModelConfig& m = c.model;
+  m.num_layers = 5;
+  m.layers = {"mla", "kda", "mla", "kda", "mla"};
+  m.attention_gate = "elementwise";
+  m.attn_res_block_size = block;
+  return c;
+}
+
 // Every projection of tiny_model_config's model (q_proj: MLA's without q LoRA, and KDA's).
 inline std::vector<std::string> all_lora_targets(bool q_lora) {
   std::vector<std::string> t = {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",

@@ -1,0 +1,146 @@
+// Block Attention Residuals in the whole model (a tiny Kimi K3: latent MoE, SiTU, gated MLA, KDA):
+// LoRA gradients against central differences in double for several block sizes, with and
+// without recompute (the summaries' gradients gather terms from every later layer and the final
+// mix, so adapters of the first layers see all of them); recompute changes no gradient; the mix
+// weights' checkpoint names and shapes; the config key's errors.
+#include <memory>
+#include <set>
+#include <string>
+
+#include "catch.h"
+#include "core/base/error.h"
+#include "core/config/config.h"
+#include "core/model/model.h"
+#include "gradcheck.h"
+#include "kernels/ops.h"
+#include "tiny_model.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+
+namespace {
+
+struct Fixture {
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  std::unique_ptr<Model> model;
+  Batch batch;
+  double grad_scale = 0.0;
+
+  Fixture(int64_t block, bool recompute) {
+    Config config = tiny_k3_config(block);
+    ModelSpec spec = resolve_model_spec(config);
+    ModelOptions options;
+    options.dtype = DType::kF64;
+    options.recompute = recompute;
+    options.lora = LoraSettings{3, 6.0, false};
+    options.lora_targets = {"o_proj", "g_proj", "kv_b_proj", "q_proj", "routed_expert_up_proj", "shared_experts",
+                            "gate_proj"};
+    model = std::make_unique<Model>(spec, *backend, options);
+    model->init_random_weights();
+    // Non-zero B (and larger A) so that every adapter carries gradient to every input.
+    uint64_t seed = 300;
+    for (Parameter* p : model->parameters()) fill_random(p->value, seed++, 0.05, 0.3);
+    batch = tiny_batch(config.model.vocab_size, 5);
+    grad_scale = 1.0 / static_cast<double>(batch.num_targets());
+  }
+
+  double objective() { return model->forward_backward(batch, grad_scale).loss_sum * grad_scale; }
+
+  std::vector<Tensor> gradients() {
+    for (Parameter* p : model->parameters()) backend->fill(p->grad, 0.0);
+    model->forward_backward(batch, grad_scale);
+    std::vector<Tensor> grads;
+    for (Parameter* p : model->parameters()) {
+      Tensor g(p->grad.shape(), DType::kF64);
+      backend->copy(g, p->grad);
+      grads.push_back(std::move(g));
+    }
+    return grads;
+  }
+};
+
+void check_all_parameters(Fixture& f) {
+  const std::vector<Tensor> grads = f.gradients();
+  GradCheckOptions options;
+  // Small steps: with blocks of 1 a routing decision lies ~1e-5 away from the base point in one
+  // direction (the finite difference at eps 1e-5 jumps to -2.69 from the analytic -2.645), and
+  // a step across it measures the jump, not the derivative.
+  options.eps = 1e-7;
+  options.rtol = 1e-5;
+  options.atol = 3e-8;  // the differences' rounding: ~1e-16 * |loss ~ 3| / eps
+  options.max_elements = 5;
+  std::vector<Parameter*> params = f.model->parameters();
+  int nonzero = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    Comparison c = check_gradient([&] { return f.objective(); }, params[i]->value, grads[i], params[i]->name, options);
+    INFO(c.message);
+    CHECK(c.ok);
+    nonzero += f.backend->sum_squares(grads[i]) > 0.0;
+  }
+  CHECK(nonzero == static_cast<int>(params.size()));
+}
+
+}  // namespace
+
+TEST_CASE("attention residuals: LoRA gradients match finite differences (blocks of 2)", "[model][gradcheck]") {
+  Fixture f(2, /*recompute=*/false);
+  check_all_parameters(f);
+}
+
+TEST_CASE("attention residuals: LoRA gradients match finite differences (blocks of 1 and 3, recompute)",
+          "[model][gradcheck]") {
+  for (int64_t block : {1, 3}) {
+    INFO("block " << block);
+    Fixture f(block, /*recompute=*/true);
+    check_all_parameters(f);
+  }
+}
+
+TEST_CASE("attention residuals: recompute changes neither the loss nor any gradient", "[model]") {
+  Fixture plain(2, false), recomputed(2, true);
+  const double loss = plain.objective(), loss_recomputed = recomputed.objective();
+  CHECK(loss == loss_recomputed);
+  const std::vector<Tensor> a = plain.gradients(), b = recomputed.gradients();
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    for (int64_t e = 0; e < a[i].numel(); ++e) CHECK(a[i].ptr<double>()[e] == b[i].ptr<double>()[e]);
+  // logits() (forward only, keeping just the summaries) agrees with the training forward.
+  Tensor logits = plain.model->logits(plain.batch);
+  CHECK(logits.numel() == plain.batch.input_ids.size() * 37);
+}
+
+TEST_CASE("attention residuals: the mix weights' checkpoint names and shapes", "[model]") {
+  Fixture f(2, false);
+  std::set<std::string> names;
+  for (const WeightSlot& slot : f.model->weight_slots()) {
+    const std::string& n = slot.name;
+    if (n.find("_res_") == std::string::npos) continue;
+    names.insert(n);
+    const bool query = n.size() > 12 && n.substr(n.size() - 12) == "_proj.weight";
+    CHECK(slot.tensor->shape() == (query ? Shape{1, 16} : Shape{16}));
+  }
+  CHECK(names.size() == 5 * 4 + 2);
+  CHECK(names.count("model.layers.4.self_attention_res_norm.weight"));
+  CHECK(names.count("model.layers.0.mlp_res_proj.weight"));
+  CHECK(names.count("model.output_attn_res_norm.weight"));
+  CHECK(names.count("model.output_attn_res_proj.weight"));
+}
+
+TEST_CASE("attention residuals: model.attn_res_block_size is checked", "[config]") {
+  auto message = [](const std::vector<std::string>& overrides) -> std::string {
+    try {
+      parse_config("model:\n  vocab_size: 64\n  hidden_size: 32\n  num_layers: 40\n  mla:\n    num_heads: 2\n"
+                   "data:\n  seq_len: 16\n",
+                   "k3.yaml", overrides);
+    } catch (const Error& e) {
+      CHECK(e.code() == ExitCode::kBadConfig);
+      return e.what();
+    }
+    return "";
+  };
+  auto has = [](const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; };
+  CHECK(has(message({"model.attn_res_block_size=-1"}), "model.attn_res_block_size"));
+  // 40 summaries and the running sum: more values than a mix takes.
+  CHECK(has(message({"model.attn_res_block_size=1"}), "more than 31 residual blocks"));
+  CHECK(message({"model.attn_res_block_size=2"}).empty());
+}
