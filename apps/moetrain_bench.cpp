@@ -500,6 +500,7 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   options.seed = static_cast<uint64_t>(config.train.seed);
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
   options.lora_targets = config.lora.targets;
+  options.fused_expert_gate_up = config.lora.expert_gate_up == "fused";
   auto build_start = std::chrono::steady_clock::now();
   Model model(spec, *backend, options);
   model.init_random_weights();

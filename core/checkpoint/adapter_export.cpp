@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include "core/checkpoint/checkpoint_format.h"
 #include "core/checkpoint/checkpoint_reader.h"
 #include "core/io/safetensors_writer.h"
+#include "core/model/swiglu_experts.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -46,11 +48,35 @@ Json unique_sorted(const Json& names) {
   return Json(std::vector<std::string>(set.begin(), set.end()));
 }
 
+// PEFT's 3-D factors of stacked expert adapters A [E, R, in] / B [E, out, R] (F32): A [E R, in]
+// with expert-major rows (the same memory), B [out, R E] with column k E + e. B times `factor`.
+Tensor peft_fused_a(const TensorView& a) {
+  Tensor out({a.size(0) * a.size(1), a.size(2)}, DType::kF32);
+  std::copy(a.ptr<float>(), a.ptr<float>() + out.numel(), out.ptr<float>());
+  return out;
+}
+Tensor peft_fused_b(const TensorView& b, double factor) {
+  const int64_t experts = b.size(0), rows = b.size(1), rank = b.size(2);
+  Tensor out({rows, rank * experts}, DType::kF32);
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t o = 0; o < rows; ++o)
+      for (int64_t k = 0; k < rank; ++k)
+        out.ptr<float>()[(o * rank + k) * experts + e] =
+            static_cast<float>(factor * b.ptr<float>()[(e * rows + o) * rank + k]);
+  return out;
+}
+
 // kTransformers5: the routed experts' stacked adapters as PEFT's 3-D adapters on the fused
-// gate_up_proj (rank 2r: [A_gate; A_up], block-diagonal B) and down_proj (rank r).
+// gate_up_proj and on down_proj (rank r). gate_up_proj's adapter has rank 2r and alpha 2 alpha
+// (rank_pattern / alpha_pattern): the model's fused one as it is, or its separate gate and up
+// adapters as [A_gate; A_up] with a block-diagonal B, scaled so that PEFT's scale for (2r,
+// 2 alpha) gives the model's function (a factor 1 without rsLoRA, 1/sqrt 2 with it).
 void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep, Json& target_parameters,
                            const std::vector<std::pair<std::string, TensorView>>& params,
-                           int64_t rank) {
+                           const AdapterExportSettings& settings) {
+  const int64_t rank = settings.rank;
+  const LoraSettings separate{settings.rank, settings.alpha, settings.rslora};
+  const double peft_gate_up_scale = fused_gate_up_settings(separate).scale();
   std::map<std::string, std::map<std::string, TensorView>> experts;  // module -> "gate_proj.lora_A.weight" -> value
   for (const auto& [name, value] : params) {
     if (value.ndim() != 3) continue;
@@ -60,55 +86,50 @@ void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep,
   }
   for (auto& [module, f] : experts) {
     const bool has_down = f.count("down_proj.lora_A.weight") != 0;
+    const bool has_fused = f.count("gate_up_proj.lora_A.weight") != 0;
     const bool has_gate_up = f.count("gate_proj.lora_A.weight") != 0 && f.count("up_proj.lora_A.weight") != 0;
     MOETRAIN_CHECK(has_gate_up || f.count("gate_proj.lora_A.weight") == f.count("up_proj.lora_A.weight"),
                    ExitCode::kBadConfig,
                    module + ": the transformers 5 adapter layout needs adapters on both gate and up of the routed "
                             "experts (target `experts`), or on neither");
     // With both targeted, PEFT nests gate_up_proj (inner: base_layer) inside down_proj.
-    if (has_gate_up) {
+    const std::string gate_up_prefix = kPeftPrefix + module + (has_down ? ".base_layer." : ".");
+    if (has_fused) {  // lora.expert_gate_up: fused: already PEFT's adapter, rank 2r
+      keep.push_back(peft_fused_a(f.at("gate_up_proj.lora_A.weight")));
+      writer.add(gate_up_prefix + "lora_A.weight", keep.back().view());
+      keep.push_back(peft_fused_b(f.at("gate_up_proj.lora_B.weight"), 1.0));
+      writer.add(gate_up_prefix + "lora_B.weight", keep.back().view());
+      target_parameters.push_back("mlp.experts.gate_up_proj");
+    }
+    if (has_gate_up) {  // separate gate and up adapters side by side
       const TensorView& ag = f.at("gate_proj.lora_A.weight");
       const TensorView& au = f.at("up_proj.lora_A.weight");
       const TensorView& bg = f.at("gate_proj.lora_B.weight");
       const TensorView& bu = f.at("up_proj.lora_B.weight");
       const int64_t e_count = ag.size(0), in = ag.size(2), width = bg.size(1), r2 = 2 * rank;
-      Tensor a = Tensor::zeros({e_count * r2, in}, DType::kF32);
-      Tensor b = Tensor::zeros({2 * width, r2 * e_count}, DType::kF32);
+      Tensor a({e_count, r2, in}, DType::kF32);
+      Tensor b = Tensor::zeros({e_count, 2 * width, r2}, DType::kF32);
       for (int64_t e = 0; e < e_count; ++e) {
-        for (int64_t k = 0; k < rank; ++k)
-          for (int64_t i = 0; i < in; ++i) {
-            a.ptr<float>()[(e * r2 + k) * in + i] = ag.ptr<float>()[(e * rank + k) * in + i];
-            a.ptr<float>()[(e * r2 + rank + k) * in + i] = au.ptr<float>()[(e * rank + k) * in + i];
-          }
+        const int64_t block = rank * in;
+        std::copy(ag.ptr<float>() + e * block, ag.ptr<float>() + (e + 1) * block, a.ptr<float>() + 2 * e * block);
+        std::copy(au.ptr<float>() + e * block, au.ptr<float>() + (e + 1) * block, a.ptr<float>() + (2 * e + 1) * block);
         for (int64_t o = 0; o < width; ++o)
           for (int64_t k = 0; k < rank; ++k) {
-            b.ptr<float>()[o * r2 * e_count + k * e_count + e] = bg.ptr<float>()[(e * width + o) * rank + k];
-            b.ptr<float>()[(width + o) * r2 * e_count + (rank + k) * e_count + e] =
-                bu.ptr<float>()[(e * width + o) * rank + k];
+            b.ptr<float>()[(e * 2 * width + o) * r2 + k] = bg.ptr<float>()[(e * width + o) * rank + k];
+            b.ptr<float>()[(e * 2 * width + width + o) * r2 + rank + k] = bu.ptr<float>()[(e * width + o) * rank + k];
           }
       }
-      std::string prefix = kPeftPrefix + module + (has_down ? ".base_layer." : ".");
-      writer.add(prefix + "lora_A.weight", a.view());
-      writer.add(prefix + "lora_B.weight", b.view());
-      keep.push_back(std::move(a));
-      keep.push_back(std::move(b));
+      keep.push_back(peft_fused_a(a.view()));
+      writer.add(gate_up_prefix + "lora_A.weight", keep.back().view());
+      keep.push_back(peft_fused_b(b.view(), separate.scale() / peft_gate_up_scale));
+      writer.add(gate_up_prefix + "lora_B.weight", keep.back().view());
       target_parameters.push_back("mlp.experts.gate_up_proj");
     }
     if (has_down) {
-      const TensorView& ad = f.at("down_proj.lora_A.weight");
-      const TensorView& bd = f.at("down_proj.lora_B.weight");
-      const int64_t e_count = ad.size(0), in = ad.size(2), out = bd.size(1);
-      Tensor a({e_count * rank, in}, DType::kF32);
-      std::copy(ad.ptr<float>(), ad.ptr<float>() + a.numel(), a.ptr<float>());
-      Tensor b({out, rank * e_count}, DType::kF32);
-      for (int64_t e = 0; e < e_count; ++e)
-        for (int64_t o = 0; o < out; ++o)
-          for (int64_t k = 0; k < rank; ++k)
-            b.ptr<float>()[o * rank * e_count + k * e_count + e] = bd.ptr<float>()[(e * out + o) * rank + k];
-      writer.add(kPeftPrefix + module + ".lora_A.weight", a.view());
-      writer.add(kPeftPrefix + module + ".lora_B.weight", b.view());
-      keep.push_back(std::move(a));
-      keep.push_back(std::move(b));
+      keep.push_back(peft_fused_a(f.at("down_proj.lora_A.weight")));
+      writer.add(kPeftPrefix + module + ".lora_A.weight", keep.back().view());
+      keep.push_back(peft_fused_b(f.at("down_proj.lora_B.weight"), 1.0));
+      writer.add(kPeftPrefix + module + ".lora_B.weight", keep.back().view());
       target_parameters.push_back("mlp.experts.down_proj");
     }
   }
@@ -140,8 +161,9 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
   Json target_parameters = Json::array(), rank_pattern = Json::object(), alpha_pattern = Json::object();
   std::vector<Tensor> fused;  // kTransformers5's re-laid routed-expert factors, alive until written
   if (settings.layout == AdapterLayout::kTransformers5) {
-    fused_expert_adapters(writer, fused, target_parameters, params, settings.rank);
-    if (!fused.empty()) {
+    fused_expert_adapters(writer, fused, target_parameters, params, settings);
+    if (std::find(target_parameters.begin(), target_parameters.end(), "mlp.experts.gate_up_proj") !=
+        target_parameters.end()) {
       rank_pattern[".*\\.gate_up_proj"] = 2 * settings.rank;
       alpha_pattern[".*\\.gate_up_proj"] = 2 * settings.alpha;
     }
@@ -161,6 +183,9 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
     }
     // A stacked routed-expert adapter: expert e's 2-D factor is row block e (views, no copy).
     MOETRAIN_ASSERT(value.ndim() == 3, "adapter tensor " + name + " is neither 2-D nor stacked 3-D");
+    MOETRAIN_CHECK(n.projection != "gate_up_proj", ExitCode::kBadConfig,
+                   name + ": the per_expert adapter layout has no key for a gate_up adapter shared by gate and up "
+                          "(lora.expert_gate_up: fused); export it with checkpoint.export_layout: transformers5");
     for (int64_t e = 0; e < value.size(0); ++e) {
       std::string key = fmt::format("{}{}.{}.{}.{}", kPeftPrefix, n.module, e, n.projection, n.factor);
       writer.add(key, value.slice_rows(e, e + 1).reshaped({value.size(1), value.size(2)}));

@@ -25,15 +25,18 @@ namespace moetrain {
 
 // How routed experts (and the MLPs) appear in the adapter.
 //   kPerExpert      target_modules with short names; routed experts as per-expert 2-D keys
-//                   `...mlp.experts.<e>.gate_proj.lora_A.weight` (transformers 4 / vLLM naming).
+//                   `...mlp.experts.<e>.gate_proj.lora_A.weight` (transformers 4 / vLLM naming);
+//                   cannot hold a fused gate_up adapter (Error kBadConfig).
 //   kTransformers5  what PEFT builds on transformers 5's fused expert tensors: attention in
 //                   target_modules; the dense MLP and shared experts through target_parameters
 //                   ("gate_proj.weight", ...; same keys as above); routed experts as PEFT's 3-D
 //                   adapters on mlp.experts.gate_up_proj / down_proj: A [E r', in] (expert-major
-//                   rows), B [out, r' E] (column k E + e). Our separate gate and up adapters become
-//                   one gate_up adapter of rank 2r with a block-diagonal B (rank_pattern and
-//                   alpha_pattern keep the scale alpha / r), as PEFT itself converts per-expert
-//                   adapters. (PEFT on transformers 5 rewrites gate_proj/up_proj/down_proj in
+//                   rows), B [out, r' E] (column k E + e). gate_up_proj's adapter has rank 2r and
+//                   alpha 2 alpha (rank_pattern / alpha_pattern, as PEFT writes its fused form):
+//                   with lora.expert_gate_up: fused the model's own adapter; with separate gate and
+//                   up adapters those side by side with a block-diagonal B, as PEFT itself
+//                   converts per-expert adapters (B scaled by 1/sqrt 2 under rsLoRA, where PEFT's
+//                   scale for (2r, 2 alpha) is sqrt 2 times alpha / sqrt r). (PEFT on transformers 5 rewrites gate_proj/up_proj/down_proj in
 //                   target_modules onto the fused experts and drops the dense MLP's adapters,
 //                   which this layout avoids.)
 enum class AdapterLayout { kPerExpert, kTransformers5 };

@@ -118,6 +118,9 @@ struct LoraConfig {
   double alpha = 16.0;
   bool rslora = false;                   // scale alpha / sqrt(rank) instead of alpha / rank
   std::vector<std::string> targets = {"q_proj", "o_proj", "experts"};
+  // The routed experts' gate and up adapters: `separate` (one of rank r each) or `fused` (PEFT's
+  // one adapter of rank 2r and alpha 2 alpha on the fused gate_up_proj, whose B mixes gate and up).
+  std::string expert_gate_up = "separate";
 };
 
 struct ParallelConfig {

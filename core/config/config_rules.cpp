@@ -17,6 +17,7 @@ const std::vector<std::string> kSchedules = {"cosine", "linear", "constant"};
 const std::vector<std::string> kDevices = {"auto", "cpu", "cuda"};
 const std::vector<std::string> kLogLevels = {"debug", "info", "warn", "error", "off"};
 const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert"};
+const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
 // Module names LoRA can wrap (the checkpoints' names for DeepSeek/Kimi modules). `experts` means
 // every routed expert's gate/up/down projections, `shared_experts` the shared experts'. KDA's
 // projections: q/k/v_proj (qkv_proj when fused), f_a/f_b_proj (forget gate), b_proj (beta),
@@ -305,6 +306,7 @@ void check_lora(const LoraConfig& l, Rules& r) {
     r.one_of(key, l.targets[i], kLoraTargets);
     if (!seen.insert(l.targets[i]).second) r.fail({key}, "`" + key + "` = `" + l.targets[i] + "` is listed twice");
   }
+  r.one_of("lora.expert_gate_up", l.expert_gate_up, kExpertGateUp);
 }
 
 void check_training(const Config& c, Rules& r) {
@@ -380,6 +382,12 @@ void check_training(const Config& c, Rules& r) {
   r.not_empty("checkpoint.resume", k.resume);
   r.not_empty("checkpoint.export_adapter", k.export_adapter);
   r.one_of("checkpoint.export_layout", k.export_layout, kExportLayouts);
+  if (k.export_layout == "per_expert" && c.lora.expert_gate_up == "fused") {
+    r.fail({"checkpoint.export_layout", "lora.expert_gate_up"},
+           "`checkpoint.export_layout` = `per_expert` cannot hold `lora.expert_gate_up` = `fused`: its per-expert "
+           "gate_proj and up_proj keys have no place for one adapter shared by gate and up; use export_layout "
+           "transformers5 (PEFT's fused gate_up_proj adapter)");
+  }
   if (k.init_adapter) r.not_empty("checkpoint.init_adapter", *k.init_adapter);
 
   const LoggingConfig& g = c.logging;

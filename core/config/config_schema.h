@@ -106,6 +106,7 @@ void visit_fields(V& v, LoraConfig& c) {
   v.field("alpha", c.alpha);
   v.field("rslora", c.rslora);
   v.field("targets", c.targets);
+  v.field("expert_gate_up", c.expert_gate_up);
 }
 
 template <class V>

@@ -213,6 +213,13 @@ void Model::attach_lora() {
       if (!by_projection && !by_group) continue;
       if (by_projection) matched.insert(projection);
       if (by_group) matched.insert(group_target);
+      if (mlp.routed() && options_.fused_expert_gate_up && p != SwigluExperts::kDown) {
+        if (p == SwigluExperts::kGate) {
+          mlp.add_fused_gate_up_lora(options_.lora, parameter_dtype(), backend_,
+                                     options_.seed ^ name_hash(mlp.prefix() + ".gate_up_proj"));
+        }
+        continue;
+      }
       mlp.add_lora(p, options_.lora, parameter_dtype(), backend_,
                    options_.seed ^ name_hash(mlp.prefix() + "." + projection));
     }

@@ -29,6 +29,9 @@ struct ModelOptions {
   uint64_t seed = 1234;              // LoRA init and random base weights
   LoraSettings lora;
   std::vector<std::string> lora_targets;
+  // lora.expert_gate_up: fused gives each routed expert PEFT's one adapter on gate_up_proj (rank
+  // 2r, SwigluExperts::gate_up_lora) instead of separate gate and up adapters of rank r.
+  bool fused_expert_gate_up = false;
   // The aux loss is a mean over the step's sequences: each micro-batch's share is
   // 1 / (grad_accum x data-parallel ranks).
   double aux_loss_weight = 1.0;

@@ -52,16 +52,33 @@ const char* SwigluExperts::projection_name(Projection p) {
   return "?";
 }
 
+LoraSettings fused_gate_up_settings(const LoraSettings& lora) {
+  return LoraSettings{2 * lora.rank, 2.0 * lora.alpha, lora.rslora};
+}
+
 void SwigluExperts::add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend,
                              uint64_t seed) {
+  MOETRAIN_ASSERT(!gate_up_lora || p == kDown, prefix_ + ": gate/up adapters next to a fused gate_up adapter");
   int64_t in = p == kDown ? width_ : hidden_;
   int64_t out = p == kDown ? hidden_ : width_;
-  std::string name = prefix_ + "." + projection_name(p);
+  lora[p] = make_adapter(prefix_ + "." + projection_name(p), in, out, settings, dtype, backend, seed);
+}
+
+void SwigluExperts::add_fused_gate_up_lora(const LoraSettings& settings, DType dtype, kernels::Backend& backend,
+                                           uint64_t seed) {
+  MOETRAIN_ASSERT(routed_ && !lora[kGate] && !lora[kUp], prefix_ + ": a fused gate_up adapter is for routed experts "
+                                                                   "without gate/up adapters");
+  gate_up_lora = make_adapter(prefix_ + ".gate_up_proj", hidden_, 2 * width_, fused_gate_up_settings(settings), dtype,
+                              backend, seed);
+}
+
+std::unique_ptr<LoraAdapter> SwigluExperts::make_adapter(const std::string& name, int64_t in, int64_t out,
+                                                         const LoraSettings& settings, DType dtype,
+                                                         kernels::Backend& backend, uint64_t seed) const {
   auto group_rng = [&](int64_t g) { return std::mt19937_64(seed ^ (0x9e3779b97f4a7c15ull * (first_group_ + g + 1))); };
   if (!routed_) {
     auto rng = group_rng(0);
-    lora[p] = make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
-    return;
+    return make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
   }
   // Stacked: one adapter per expert.
   auto adapter = std::make_unique<LoraAdapter>();
@@ -80,16 +97,16 @@ void SwigluExperts::add_lora(Projection p, const LoraSettings& settings, DType d
   backend.fill(adapter->b.value, 0.0);
   backend.fill(adapter->a.grad, 0.0);
   backend.fill(adapter->b.grad, 0.0);
-  lora[p] = std::move(adapter);
+  return adapter;
 }
 
-TensorView SwigluExperts::stacked_a(Projection p) const {
-  const Tensor& a = lora[p]->a.value;
+TensorView SwigluExperts::stacked_a(const LoraAdapter& adapter) const {
+  const Tensor& a = adapter.a.value;
   return a.view().reshaped({groups_, a.size(-2), a.size(-1)});
 }
 
-TensorView SwigluExperts::stacked_b(Projection p) const {
-  const Tensor& b = lora[p]->b.value;
+TensorView SwigluExperts::stacked_b(const LoraAdapter& adapter) const {
+  const Tensor& b = adapter.b.value;
   return b.view().reshaped({groups_, b.size(-2), b.size(-1)});
 }
 
@@ -108,6 +125,11 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
     Tensor delta = ctx.alloc({rows, f});
     be.grouped_gemm(grouped(delta, xa, stacked_b(p), group_offsets, true, lora[p]->scale));
     be.copy_columns(CopyColumnsArgs{saved_gate_up_, delta, p == kGate ? 0 : f, 0, f, 1, true});
+  }
+  if (gate_up_lora) {  // gate_up += s (x A^T) B^T over all 2F columns at once
+    Tensor xa = ctx.alloc({rows, gate_up_lora->a.value.size(-2)});
+    be.grouped_gemm(grouped(xa, x, stacked_a(*gate_up_lora), group_offsets, true));
+    be.grouped_gemm(grouped(saved_gate_up_, xa, stacked_b(*gate_up_lora), group_offsets, true, gate_up_lora->scale, 1.0));
   }
   saved_hidden_ = ctx.alloc({rows, f});
   if (activation.situ) be.situ_forward({saved_hidden_, saved_gate_up_, activation.beta, activation.linear_beta});
@@ -163,6 +185,18 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
     be.grouped_gemm(grouped(xa, x, stacked_a(p), group_offsets, true));
     be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(p).shape), dpart, xa, group_offsets, ad.scale));
   }
+  if (gate_up_lora) {
+    // gate_up += s (x A^T) B^T  =>  dB += s dgate_up^T (x A^T),  dA += s (dgate_up B)^T x,  dx += s (dgate_up B) A
+    LoraAdapter& ad = *gate_up_lora;
+    const int64_t rank = ad.a.value.size(-2);
+    Tensor dgate_up_b = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(dgate_up_b, dgate_up, stacked_b(ad), group_offsets, false));
+    if (dx.data) be.grouped_gemm(grouped(dx, dgate_up_b, stacked_a(ad), group_offsets, false, ad.scale, 1.0));
+    be.grouped_gemm(k_grouped(ad.a.grad.view().reshaped(stacked_a(ad).shape), dgate_up_b, x, group_offsets, ad.scale));
+    Tensor xa = ctx.alloc({rows, rank});
+    be.grouped_gemm(grouped(xa, x, stacked_a(ad), group_offsets, true));
+    be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(ad).shape), dgate_up, xa, group_offsets, ad.scale));
+  }
 }
 
 void SwigluExperts::release_saved() {
@@ -171,6 +205,10 @@ void SwigluExperts::release_saved() {
 }
 
 void SwigluExperts::collect_parameters(std::vector<Parameter*>& out) {
+  if (gate_up_lora) {  // where the gate and up adapters would be: gate_up, then down
+    out.push_back(&gate_up_lora->a);
+    out.push_back(&gate_up_lora->b);
+  }
   for (auto& adapter : lora) {
     if (!adapter) continue;
     out.push_back(&adapter->a);

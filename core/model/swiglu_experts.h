@@ -5,8 +5,11 @@
 // out = (act(x Wg^T, x Wu^T)) Wd^T with act SwiGLU (silu(g) * u) or K3's SiTU (GatedActivation), Wg and Wu stored fused as gate_up [G, 2F, D]
 // (gate rows first) and Wd as down [G, D, F]. Each projection may carry a LoRA adapter per
 // group; the adapters of all groups are one stacked parameter ([G, r, in] / [G, out, r]; 2-D
-// when G = 1), named `<prefix>.{gate,up,down}_proj.lora_{A,B}.weight` — export splits the
-// stacked routed-expert tensors into PEFT's per-expert 2-D keys.
+// when G = 1), named `<prefix>.{gate,up,down}_proj.lora_{A,B}.weight` — export re-lays the
+// stacked routed-expert tensors into PEFT's keys. Routed experts may instead carry PEFT's fused
+// gate_up adapter (`lora.expert_gate_up: fused`): one adapter of rank 2r on the whole [gate | up]
+// output, A [G, 2r, D], B [G, 2F, 2r], named `<prefix>.gate_up_proj.lora_{A,B}.weight`, whose B
+// mixes gate and up (separate gate and up adapters are the block-diagonal special case).
 #pragma once
 
 #include <array>
@@ -29,6 +32,11 @@ struct GatedActivation {
 };
 // The activation `model.hidden_act` (with model.situ_beta / situ_linear_beta) selects.
 GatedActivation gated_activation_of(const ModelConfig& model);
+
+// The fused gate_up adapter's rank and alpha: twice lora.rank and lora.alpha, as PEFT writes them
+// (rank_pattern / alpha_pattern {".*\\.gate_up_proj": 2r / 2 alpha}); its scale follows from those
+// (2 alpha / 2r, or 2 alpha / sqrt(2r) with rsLoRA), exactly as PEFT computes it.
+LoraSettings fused_gate_up_settings(const LoraSettings& lora);
 
 // Row offsets of the groups (experts) of a grouped computation, int32 [G + 1]: on the backend's
 // device, and the same values on the host when the caller has them anyway (expert parallelism;
@@ -61,10 +69,16 @@ class SwigluExperts {
   Tensor gate_up;  // [G, 2F, D], frozen
   Tensor down;     // [G, D, F], frozen
   std::array<std::unique_ptr<LoraAdapter>, 3> lora;  // per projection; null: none
+  // PEFT's fused adapter on the whole gate_up output (routed experts only); when set, lora[kGate]
+  // and lora[kUp] are null.
+  std::unique_ptr<LoraAdapter> gate_up_lora;
 
   // Adapters on projection p, initialised as PEFT does; group g's A is drawn from a generator
   // seeded by (seed, first_group + g), so an expert starts the same whichever rank holds it.
   void add_lora(Projection p, const LoraSettings& settings, DType dtype, kernels::Backend& backend, uint64_t seed);
+  // The fused gate_up adapter (rank and alpha of fused_gate_up_settings(settings)), initialised
+  // the same way (A ~ U(+-1/sqrt(D)), B = 0).
+  void add_fused_gate_up_lora(const LoraSettings& settings, DType dtype, kernels::Backend& backend, uint64_t seed);
 
   // out [R, D] = FFN(x [R, D]) per group of rows (group_offsets: [G + 1]).
   // Saves what backward needs (the gate/up pre-activations and the activation's output).
@@ -77,9 +91,15 @@ class SwigluExperts {
   void collect_parameters(std::vector<Parameter*>& out);
 
  private:
-  // Views of a projection's adapter as [G, r, in] / [G, out, r] for the grouped GEMM.
-  TensorView stacked_a(Projection p) const;
-  TensorView stacked_b(Projection p) const;
+  // One stacked adapter [G, r, in] / [G, out, r] (2-D when not routed and G = 1) named `name`.
+  std::unique_ptr<LoraAdapter> make_adapter(const std::string& name, int64_t in, int64_t out,
+                                            const LoraSettings& settings, DType dtype, kernels::Backend& backend,
+                                            uint64_t seed) const;
+  // Views of an adapter as [G, r, in] / [G, out, r] for the grouped GEMM.
+  TensorView stacked_a(const LoraAdapter& adapter) const;
+  TensorView stacked_b(const LoraAdapter& adapter) const;
+  TensorView stacked_a(Projection p) const { return stacked_a(*lora[p]); }
+  TensorView stacked_b(Projection p) const { return stacked_b(*lora[p]); }
 
   std::string prefix_;
   int64_t groups_;

@@ -193,7 +193,13 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
       if (m.moe.num_shared_experts > 0) {
         n += swiglu(m.moe.expert_intermediate_size * m.moe.num_shared_experts, on("shared_experts"));
       }
-      if (on("experts")) count.routed_expert_per_layer = m.moe.num_experts * swiglu(m.moe.expert_intermediate_size, true);
+      if (on("experts")) {
+        const int64_t f = m.moe.expert_intermediate_size;
+        // lora.expert_gate_up: fused: one adapter of rank 2r on gate_up (D -> 2F) instead of two of rank r.
+        const int64_t per_expert = lora.expert_gate_up == "fused" ? lora_pair(2 * r, d, 2 * f) + lora_pair(r, f, d)
+                                                                  : swiglu(f, true);
+        count.routed_expert_per_layer = m.moe.num_experts * per_expert;
+      }
     }
     count.layer_non_expert.push_back(n);
   }

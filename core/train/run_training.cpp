@@ -189,6 +189,7 @@ int run_training(Runtime& runtime, const Config& config) {
   options.seed = static_cast<uint64_t>(config.train.seed);
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
   options.lora_targets = config.lora.targets;
+  options.fused_expert_gate_up = config.lora.expert_gate_up == "fused";
   options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum * runtime.world());
   if (runtime.world() > 1) options.parallel = &groups;
   check_model_fits(config, spec, *backend, runtime);
