@@ -422,21 +422,42 @@ void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {
   const int64_t n = 65536, d = 4096;  // 512 MiB of bf16 rows
   Tensor x = random_device(be, {n, d}, DType::kBF16, 11), y({n, d}, DType::kBF16, be.allocator());
   Tensor w = random_device(be, {d}, DType::kBF16, 12), rstd({n}, DType::kF32, be.allocator());
-  Tensor dx({n, d}, DType::kBF16, be.allocator());
-  add("rmsnorm fwd [65536, 4096]", 2.0 * x.nbytes(), [&] { be.rmsnorm_forward({y, rstd, x, w, 1e-6}); });
-  add("rmsnorm bwd (dx only)", 3.0 * x.nbytes(),
-      [&] { be.rmsnorm_backward({dx, {}, y, x, w, rstd, false}); });
+  Tensor dx({n, d}, DType::kBF16, be.allocator()), dw({d}, DType::kF32, be.allocator());
+  // The norm and rope rows time kLaunches back-to-back launches per sample, as a step runs them:
+  // one launch alone would also time the host's launch-and-synchronize round trip (about a third
+  // of a rope call). Bytes: what must move per launch (rows read and written, rstd, rope's tables
+  // once per token; not the dweight partials), times kLaunches.
+  constexpr int kLaunches = 8;
+  auto launches = [](const std::function<void()>& op) {
+    return [op] {
+      for (int i = 0; i < kLaunches; ++i) op();
+    };
+  };
+  add("rmsnorm fwd [65536, 4096]", kLaunches * (2.0 * x.nbytes() + rstd.nbytes()),
+      launches([&] { be.rmsnorm_forward({y, rstd, x, w, 1e-6}); }));
+  add("rmsnorm bwd (dx only)", kLaunches * (3.0 * x.nbytes() + rstd.nbytes()),
+      launches([&] { be.rmsnorm_backward({dx, {}, y, x, w, rstd, false}); }));
+  add("rmsnorm bwd (dx +=, residual)", kLaunches * (4.0 * x.nbytes() + rstd.nbytes()),
+      launches([&] { be.rmsnorm_backward({dx, {}, y, x, w, rstd, true}); }));
+  add("rmsnorm bwd (dx and dweight)", kLaunches * (3.0 * x.nbytes() + rstd.nbytes()),
+      launches([&] { be.rmsnorm_backward({dx, dw, y, x, w, rstd, false}); }));
   Tensor gate_up = random_device(be, {n, 2 * 2048}, DType::kBF16, 13), h({n, 2048}, DType::kBF16, be.allocator());
   add("swiglu fwd [65536, 2x2048]", 1.5 * gate_up.nbytes(), [&] { be.swiglu_forward(h, gate_up); });
-  // RoPE over the rope part of MLA queries: [tokens*heads, 192] with 64 rotated columns.
+  // RoPE over the rope part of MLA queries: [tokens*heads, 192] with 64 rotated columns. Each of
+  // the kLaunches rotates its own copy of q, so that no launch finds another's rows in L2.
   const int64_t tokens = 16384, heads = 32;
-  Tensor q = random_device(be, {tokens * heads, 192}, DType::kBF16, 14);
+  Tensor q_values = random_device(be, {tokens * heads, 192}, DType::kBF16, 14);
+  Tensor q({kLaunches * tokens * heads, 192}, DType::kBF16, be.allocator());
+  auto q_part = [&](int64_t i) { return q.view().slice_rows(i * tokens * heads, (i + 1) * tokens * heads); };
+  for (int64_t i = 0; i < kLaunches; ++i) be.copy(q_part(i), q_values);
   std::vector<int32_t> positions(tokens);
   for (int64_t i = 0; i < tokens; ++i) positions[i] = static_cast<int32_t>(i);
   Tensor pos = int_device(be, positions);
   Tensor cos = random_device(be, {tokens, 32}, DType::kF32, 15), sin = random_device(be, {tokens, 32}, DType::kF32, 16);
-  add("rope in place (64 of 192 columns, 16384 tok x 32 heads)", 2.0 * tokens * heads * 64 * 2,
-      [&] { be.rope({q, q, pos, cos, sin, heads, 128, 64}); });
+  add("rope in place (64 of 192 columns, 16384 tok x 32 heads)",
+      kLaunches * (2.0 * tokens * heads * 64 * 2 + cos.nbytes() + sin.nbytes() + pos.nbytes()), [&] {
+        for (int64_t i = 0; i < kLaunches; ++i) be.rope({q_part(i), q_part(i), pos, cos, sin, heads, 128, 64});
+      });
   // Permute: gather 8 copies of each of 16384 tokens of 4096 bf16.
   const int64_t top_k = 8;
   Tensor tok = random_device(be, {tokens, d}, DType::kBF16, 17), routed({tokens * top_k, d}, DType::kBF16, be.allocator());

@@ -1,5 +1,5 @@
-// RMSNorm on the CUDA backend: one block per row, F32 math; x, y, weight, dx, dy each BF16 or
-// F32; rstd and dweight F32. Forward and backward side by side in rmsnorm.cu.
+// RMSNorm on the CUDA backend: F32 math; x, y, weight, dx, dy each BF16 or F32; rstd and dweight
+// F32. Rows are held in registers and read once (rmsnorm.cu says when, and the fallbacks).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,8 +10,8 @@
 namespace moetrain::kernels::cuda_ops {
 
 void rmsnorm_forward(const RmsNormArgs& args, cudaStream_t stream);
-// dweight (when given) is a deterministic two-stage column sum: per-chunk partials of a fixed
-// number of rows into scratch, then the chunks in order.
+// dweight (when given) is a deterministic two-stage column sum: partial rows over fixed ranges of
+// rows into scratch (fused into the dx kernel), then their total in a fixed tree.
 void rmsnorm_backward(const RmsNormBackwardArgs& args, DeviceScratch& scratch, cudaStream_t stream);
 
 }  // namespace moetrain::kernels::cuda_ops

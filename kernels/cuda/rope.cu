@@ -1,10 +1,12 @@
 // Rope has two kernels.
-// The vector kernel (rope_dim a multiple of 16 up to 512, rows and columns 16-byte aligned: the
-// MLA case): each thread owns 8 rotation pairs i = 8k .. 8k+7 of one row, so a row takes
-// rope_dim / 16 threads of one warp. It loads its inputs (two 16-byte chunks), the 8 cos and 8
-// sin values of its pairs (L1 hits for the row's other heads: adjacent rows share the token), and
-// writes its outputs as two 16-byte chunks. In place with the interleaved layout, its outputs land
-// on other threads' inputs of the same row: every thread loads first, __syncwarp, then stores.
+// The vector kernel (rope_dim a multiple of 16 up to 512, rows and columns 16-byte aligned, x and
+// out of one dtype: the MLA case): each thread owns 8 rotation pairs i = 8k .. 8k+7 of kRows rows
+// of one token (heads h, h + head_groups, ...), so a row takes rope_dim / 16 threads of one warp.
+// It loads its rows' rotated columns (two 16-byte chunks per row, kept raw in registers; nothing
+// else of the row is read in place), then the token's position and its 8 cos and 8 sin values
+// once for all its rows, rotates, and stores two 16-byte chunks per row. In place with the
+// interleaved layout, its outputs land on other threads' inputs of the same row: every thread
+// loads first, __syncwarp, then stores.
 // The staged kernel covers every other shape: each block owns `rows_per_block` whole rows. It
 // stages their rope columns in shared memory (as F32), waits, then writes the rotated pairs, so
 // the interleaved layout is safe in place. Out of place, both kernels also copy the row's other
@@ -12,9 +14,11 @@
 #include "kernels/cuda/rope.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
+#include "kernels/cuda/raw_chunk.cuh"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
@@ -23,6 +27,7 @@ constexpr int kThreads = 256;
 
 struct RopeShape {
   int64_t rows, width, heads, col_offset, rope_dim, max_position, rows_per_block;
+  int64_t tokens, head_groups;  // the vector kernel: rows / heads; heads per thread-row slot
   bool interleaved, inverse, in_place;
 };
 
@@ -81,37 +86,36 @@ __global__ void rope_staged_kernel(MutOperand out, ConstOperand x, const int32_t
 }
 
 // The vector kernel; kSets = rope_dim / 16 threads per row, a power of two up to 32 (so a row
-// never straddles warps).
-template <int kSets>
+// never straddles warps). Thread g: pair set k = g % kSets of token (g / kSets) / head_groups,
+// heads (g / kSets) % head_groups + j * head_groups for j < kRows.
+template <bool kBf16, int kSets, int kRows>
 __global__ void __launch_bounds__(kThreads)
-    rope_vector_kernel(MutOperand out, ConstOperand x, const int32_t* __restrict__ positions,
+    rope_vector_kernel(void* out, const void* x, const int32_t* __restrict__ positions,
                        const float* __restrict__ cos_table, const float* __restrict__ sin_table, RopeShape s) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row = g / kSets;
   const int k = static_cast<int>(g % kSets);
-  const bool valid = row < s.rows;
+  const int64_t slot = g / kSets;
+  const int64_t token = slot / s.head_groups;
+  const int64_t head0 = slot % s.head_groups;
   const int64_t half = s.rope_dim / 2;
-  const int64_t base = row * s.width + s.col_offset;
   const bool interleaved_in = s.interleaved && !s.inverse, interleaved_out = s.interleaved && s.inverse;
-  // a[e], b[e]: the pair 8k + e (forward: (x[2i], x[2i+1]) or (x[i], x[i + half]); inverse: the
-  // rotated values at i and i + half).
-  float a[8], b[8], c[8], sn[8];
-  bool position_ok = false;
-  if (valid) {
-    if (interleaved_in) {
-      float lo[8], hi[8];
-      load_chunk<8>(lo, x, base + 16 * k);
-      load_chunk<8>(hi, x, base + 16 * k + 8);
+  // Where a thread's two input and two output chunks sit in the row's rope columns.
+  const int64_t in_lo = interleaved_in ? 16 * k : 8 * k, in_hi = interleaved_in ? in_lo + 8 : half + 8 * k;
+  const int64_t out_lo = interleaved_out ? 16 * k : 8 * k, out_hi = interleaved_out ? out_lo + 8 : half + 8 * k;
+  int64_t base[kRows];  // the rope columns of row j, or -1 past the end
+  RawChunk<kBf16> lo[kRows], hi[kRows];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        a[e] = lo[2 * e], b[e] = lo[2 * e + 1];
-        a[4 + e] = hi[2 * e], b[4 + e] = hi[2 * e + 1];
-      }
-    } else {
-      load_chunk<8>(a, x, base + 8 * k);
-      load_chunk<8>(b, x, base + half + 8 * k);
+  for (int j = 0; j < kRows; ++j) {
+    const int64_t head = head0 + static_cast<int64_t>(j) * s.head_groups;
+    base[j] = token < s.tokens && head < s.heads ? (token * s.heads + head) * s.width + s.col_offset : -1;
+    if (base[j] >= 0) {
+      load_raw(lo[j], x, base[j] + in_lo);
+      load_raw(hi[j], x, base[j] + in_hi);
     }
-    const int64_t token = row / s.heads;
+  }
+  float c[8], sn[8];
+  bool position_ok = false;
+  if (token < s.tokens) {
     const int32_t position = positions[token];
     position_ok = position >= 0 && position < s.max_position;
     if (position_ok) {
@@ -125,51 +129,132 @@ __global__ void __launch_bounds__(kThreads)
       sn[4] = s1.x, sn[5] = s1.y, sn[6] = s1.z, sn[7] = s1.w;
     }
   }
-  // Every lane of the warp gets here (no early return above): the row's loads are done before
-  // any of its stores, which in place may overwrite another thread's inputs.
+  // Every lane of the warp gets here (no early return above): the rows' loads are done before
+  // any of their stores, which in place may overwrite another thread's inputs.
   __syncwarp();
-  if (!valid) return;
-  float first[8], second[8];  // the values for pair slot i and i + half (or 2i and 2i + 1)
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    if (!position_ok) {
-      first[e] = second[e] = nanf("");
-    } else if (!s.inverse) {
-      first[e] = a[e] * c[e] - b[e] * sn[e];
-      second[e] = b[e] * c[e] + a[e] * sn[e];
-    } else {
-      first[e] = a[e] * c[e] + b[e] * sn[e];
-      second[e] = b[e] * c[e] - a[e] * sn[e];
+  for (int j = 0; j < kRows; ++j) {
+    if (base[j] < 0) continue;
+    float fl[8], fh[8], a[8], b[8];  // a[e], b[e]: the pair 8k + e
+    unpack(lo[j], fl);
+    unpack(hi[j], fh);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (interleaved_in) {
+        a[e] = e < 4 ? fl[2 * e] : fh[2 * e - 8];
+        b[e] = e < 4 ? fl[2 * e + 1] : fh[2 * e - 7];
+      } else {
+        a[e] = fl[e];
+        b[e] = fh[e];
+      }
     }
-  }
-  // Both output layouts share one pair of 16-byte store sites.
-  float lo[8], hi[8];
-  int64_t lo_at, hi_at;
-  if (interleaved_out) {
+    float first[8], second[8];  // the values for pair slot i and i + half (or 2i and 2i + 1)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      lo[2 * e] = first[e], lo[2 * e + 1] = second[e];
-      hi[2 * e] = first[4 + e], hi[2 * e + 1] = second[4 + e];
+    for (int e = 0; e < 8; ++e) {
+      if (!position_ok) {
+        first[e] = second[e] = nanf("");
+      } else if (!s.inverse) {
+        first[e] = a[e] * c[e] - b[e] * sn[e];
+        second[e] = b[e] * c[e] + a[e] * sn[e];
+      } else {
+        first[e] = a[e] * c[e] + b[e] * sn[e];
+        second[e] = b[e] * c[e] - a[e] * sn[e];
+      }
     }
-    lo_at = base + 16 * k;
-    hi_at = lo_at + 8;
-  } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) lo[e] = first[e], hi[e] = second[e];
-    lo_at = base + 8 * k;
-    hi_at = base + half + 8 * k;
+    for (int e = 0; e < 8; ++e) {
+      if (interleaved_out) {
+        (e < 4 ? fl[2 * e] : fh[2 * e - 8]) = first[e];
+        (e < 4 ? fl[2 * e + 1] : fh[2 * e - 7]) = second[e];
+      } else {
+        fl[e] = first[e];
+        fh[e] = second[e];
+      }
+    }
+    pack(lo[j], fl);
+    pack(hi[j], fh);
   }
-  store_chunk8_wide(out, lo_at, lo);
-  store_chunk8_wide(out, hi_at, hi);
-  if (!s.in_place) {  // the columns rope leaves alone, 8 at a time (the rope columns are whole chunks)
-    const int64_t row_base = row * s.width;
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    if (base[j] < 0) continue;
+    store_raw(out, base[j] + out_lo, lo[j]);
+    store_raw(out, base[j] + out_hi, hi[j]);
+  }
+  if (s.in_place) return;
+  // Out of place: the columns rope leaves alone, 8 at a time (the rope columns are whole chunks).
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    if (base[j] < 0) continue;
+    const int64_t row_base = base[j] - s.col_offset;
     for (int64_t col = 8 * static_cast<int64_t>(k); col < s.width; col += 8 * kSets) {
       if (col >= s.col_offset && col < s.col_offset + s.rope_dim) continue;
-      float v[8];
-      load_chunk<8>(v, x, row_base + col);
-      store_chunk8_wide(out, row_base + col, v);
+      RawChunk<kBf16> v;
+      load_raw(v, x, row_base + col);
+      store_raw(out, row_base + col, v);
     }
   }
+}
+
+// Rows per thread: up to 4 rows of one token share its position and cos/sin loads, and keep
+// eight 16-byte loads in flight per thread for BF16.
+int64_t rope_rows_per_thread(int64_t heads) { return heads >= 4 ? 4 : heads >= 2 ? 2 : 1; }
+
+// Calls f(sets, rows) as std::integral_constants; false for other values.
+template <int kMaxRows, typename F>
+bool with_rope_shape(int64_t sets, int64_t rows_per_thread, F&& f) {
+  using std::integral_constant;
+  auto with_rows = [&](auto set) {
+    switch (rows_per_thread) {
+      case 1:
+        f(set, integral_constant<int, 1>{});
+        return true;
+      case 2:
+        f(set, integral_constant<int, 2>{});
+        return true;
+      case 4:
+        f(set, integral_constant<int, 4>{});
+        return true;
+      case 8:
+        if constexpr (kMaxRows >= 8) {
+          f(set, integral_constant<int, 8>{});
+          return true;
+        }
+        return false;
+      default:
+        return false;
+    }
+  };
+  switch (sets) {
+    case 1:
+      return with_rows(integral_constant<int, 1>{});
+    case 2:
+      return with_rows(integral_constant<int, 2>{});
+    case 4:
+      return with_rows(integral_constant<int, 4>{});
+    case 8:
+      return with_rows(integral_constant<int, 8>{});
+    case 16:
+      return with_rows(integral_constant<int, 16>{});
+    case 32:
+      return with_rows(integral_constant<int, 32>{});
+    default:
+      return false;
+  }
+}
+
+// The vector kernel's launch; s.head_groups set here from rows_per_thread.
+template <bool kBf16, int kMaxRows = 4>
+bool launch_rope_vector(void* out, const void* x, const int32_t* positions, const float* cos_table,
+                        const float* sin_table, RopeShape s, int64_t rows_per_thread, cudaStream_t stream) {
+  const int64_t sets = s.rope_dim / 16;
+  s.tokens = s.rows / s.heads;
+  s.head_groups = (s.heads + rows_per_thread - 1) / rows_per_thread;
+  const int64_t threads = s.tokens * s.head_groups * sets;
+  const unsigned int blocks = static_cast<unsigned int>((threads + kThreads - 1) / kThreads);
+  return with_rope_shape<kMaxRows>(sets, rows_per_thread, [&](auto set, auto rows) {
+    rope_vector_kernel<kBf16, decltype(set)::value, decltype(rows)::value>
+        <<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s);
+  });
 }
 
 ElemKind kind_of(DType dtype) { return dtype == DType::kBF16 ? ElemKind::kBF16 : ElemKind::kF32; }
@@ -195,19 +280,17 @@ void rope(const RopeArgs& args, cudaStream_t stream) {
   const auto* sin_table = static_cast<const float*>(args.sin.data);
   const int64_t sets = s.rope_dim % 16 == 0 ? s.rope_dim / 16 : 0;
   const bool vector = sets > 0 && sets <= 32 && (sets & (sets - 1)) == 0 && s.width % 8 == 0 &&
-                      s.col_offset % 8 == 0 && aligned16(out.data) && aligned16(x.data) && aligned16(cos_table) &&
-                      aligned16(sin_table);
+                      s.col_offset % 8 == 0 && out.kind == x.kind && aligned16(out.data) && aligned16(x.data) &&
+                      aligned16(cos_table) && aligned16(sin_table);
   if (vector) {
-    const unsigned int blocks = static_cast<unsigned int>((s.rows * sets + kThreads - 1) / kThreads);
-    using VectorKernel = void (*)(MutOperand, ConstOperand, const int32_t*, const float*, const float*, RopeShape);
-    const VectorKernel kernel = sets == 1    ? rope_vector_kernel<1>
-                                : sets == 2  ? rope_vector_kernel<2>
-                                : sets == 4  ? rope_vector_kernel<4>
-                                : sets == 8  ? rope_vector_kernel<8>
-                                : sets == 16 ? rope_vector_kernel<16>
-                                             : rope_vector_kernel<32>;
-    kernel<<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s);
+    const int64_t rows_per_thread = rope_rows_per_thread(s.heads);
+    const bool launched = x.kind == ElemKind::kBF16
+                              ? launch_rope_vector<true>(out.data, x.data, positions, cos_table, sin_table, s,
+                                                         rows_per_thread, stream)
+                              : launch_rope_vector<false>(out.data, x.data, positions, cos_table, sin_table, s,
+                                                          rows_per_thread, stream);
     CUDA_CHECK_LAUNCH();
+    if (!launched) throw Error(ExitCode::kInternal, "rope: no vector kernel for the shape");
     return;
   }
   // About 16 KiB of staging per block.

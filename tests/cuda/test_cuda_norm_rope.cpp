@@ -1,5 +1,7 @@
 // CUDA rmsnorm, rope, embedding and swiglu against the CPU reference (F64), in F32 and BF16,
-// at widths that take the vector path (multiples of 8) and ones that do not.
+// at widths that take each kernel layout (the vector/row kernels and the fallbacks).
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -8,86 +10,114 @@
 namespace moetrain::cuda_test {
 namespace {
 
-TEST_CASE("cuda rmsnorm forward and backward match the CPU") {
-  uint64_t seed = 2000;
-  for (int64_t dim : {int64_t{37}, int64_t{64}, int64_t{1536}})
-    for (DType dtype : {DType::kF32, DType::kBF16}) {
-      const int64_t rows = 19;
-      const Operand x = random_operand({rows, dim}, dtype, ++seed);
-      const Operand weight = random_operand({dim}, dtype, ++seed, 0.5, 1.5);
-      Operand y = output_operand({rows, dim}, dtype);
-      Operand rstd = output_operand({rows}, DType::kF32);
-      kernels::RmsNormArgs forward;
-      forward.eps = 1e-5;
-      forward.y = y.dev;
-      forward.rstd = rstd.dev;
-      forward.x = x.dev;
-      forward.weight = weight.dev;
-      gpu().rmsnorm_forward(forward);
-      forward.y = y.host;
-      forward.rstd = rstd.host;
-      forward.x = x.host;
-      forward.weight = weight.host;
-      cpu().rmsnorm_forward(forward);
-      const std::string tag = std::string(dtype_name(dtype)) + " dim " + std::to_string(dim);
-      CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "rmsnorm y " + tag);
-      CUDA_TEST_EXPECT_CLOSE(rstd.dev, rstd.host.view(), tolerance_for(DType::kF32), "rmsnorm rstd " + tag);
+// RMSNorm forward, then backward (dx = and +=, with and without dweight) on both backends. x, dx
+// and the weight in `dtype`, y and dy in `out_dtype` (another dtype than x's takes the two-pass
+// kernels). in_place: y over x, and dx over dy (without dweight, which the backends refuse).
+void check_rmsnorm(int64_t rows, int64_t dim, DType dtype, DType out_dtype, bool in_place, uint64_t& seed) {
+  const std::string tag = std::string(dtype_name(dtype)) + "/" + dtype_name(out_dtype) + " rows " +
+                          std::to_string(rows) + " dim " + std::to_string(dim) + (in_place ? " in place" : "");
+  Operand x = random_operand({rows, dim}, dtype, ++seed);
+  const Operand weight = random_operand({dim}, dtype, ++seed, 0.5, 1.5);
+  Operand y = output_operand({rows, dim}, out_dtype);
+  Operand rstd = output_operand({rows}, DType::kF32);
+  kernels::RmsNormArgs forward;
+  forward.eps = 1e-5;
+  forward.y = in_place ? x.dev.view() : y.dev.view();
+  forward.rstd = rstd.dev;
+  forward.x = x.dev;
+  forward.weight = weight.dev;
+  gpu().rmsnorm_forward(forward);
+  forward.y = y.host;
+  forward.rstd = rstd.host;
+  forward.x = x.host;
+  forward.weight = weight.host;
+  cpu().rmsnorm_forward(forward);
+  CUDA_TEST_EXPECT_CLOSE(in_place ? x.dev : y.dev, y.host.view(), tolerance_for(out_dtype), "rmsnorm y " + tag);
+  CUDA_TEST_EXPECT_CLOSE(rstd.dev, rstd.host.view(), tolerance_for(DType::kF32), "rmsnorm rstd " + tag);
+  if (in_place) x.dev = upload(x.host.view(), dtype);  // the backward's x
 
-      for (bool accumulate : {false, true})
-        for (bool with_dweight : {true, false}) {
-          const Operand dy = random_operand({rows, dim}, dtype, ++seed);
-          Operand dx = accumulate ? random_operand({rows, dim}, dtype, ++seed) : output_operand({rows, dim}, dtype);
-          Operand dweight = output_operand({dim}, DType::kF32);
-          kernels::RmsNormBackwardArgs backward;
-          backward.accumulate = accumulate;
-          // The GPU gets the rstd it computed (F32); the CPU its own (F64).
-          backward.dx = dx.dev;
-          backward.dweight = with_dweight ? dweight.dev.view() : TensorView{};
-          backward.dy = dy.dev;
-          backward.x = x.dev;
-          backward.weight = weight.dev;
-          backward.rstd = rstd.dev;
-          gpu().rmsnorm_backward(backward);
-          backward.dx = dx.host;
-          backward.dweight = with_dweight ? dweight.host.view() : TensorView{};
-          backward.dy = dy.host;
-          backward.x = x.host;
-          backward.weight = weight.host;
-          backward.rstd = rstd.host;
-          cpu().rmsnorm_backward(backward);
-          const std::string btag = tag + (accumulate ? " +=" : "");
-          CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "rmsnorm dx " + btag);
-          if (with_dweight)
-            CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "rmsnorm dweight " + btag);
-        }
+  for (bool accumulate : {false, true})
+    for (bool with_dweight : {true, false}) {
+      if (in_place && with_dweight) continue;
+      Operand dy = random_operand({rows, dim}, out_dtype, ++seed);
+      Operand dx = accumulate ? random_operand({rows, dim}, dtype, ++seed) : output_operand({rows, dim}, dtype);
+      if (in_place) dy.dev = upload(accumulate ? dx.host.view() : dy.host.view(), dtype);  // dx's start values
+      Operand dweight = output_operand({dim}, DType::kF32);
+      kernels::RmsNormBackwardArgs backward;
+      backward.accumulate = accumulate;
+      // The GPU gets the rstd it computed (F32); the CPU its own (F64).
+      backward.dx = in_place ? dy.dev.view() : dx.dev.view();
+      backward.dweight = with_dweight ? dweight.dev.view() : TensorView{};
+      backward.dy = dy.dev;
+      backward.x = x.dev;
+      backward.weight = weight.dev;
+      backward.rstd = rstd.dev;
+      if (in_place && accumulate) {
+        // dx += f(dy) with dx and dy one tensor is dx = dx + f(dx): the CPU gets dy = dx's values.
+        dy.host = Tensor(dx.host.shape(), DType::kF64);
+        std::copy(dx.host.ptr<double>(), dx.host.ptr<double>() + dx.host.numel(), dy.host.ptr<double>());
+      }
+      gpu().rmsnorm_backward(backward);
+      backward.dx = dx.host;
+      backward.dweight = with_dweight ? dweight.host.view() : TensorView{};
+      backward.dy = dy.host;
+      backward.x = x.host;
+      backward.weight = weight.host;
+      backward.rstd = rstd.host;
+      cpu().rmsnorm_backward(backward);
+      const std::string btag = tag + (accumulate ? " +=" : "") + (with_dweight ? " with dweight" : "");
+      CUDA_TEST_EXPECT_CLOSE(in_place ? dy.dev : dx.dev, dx.host.view(), tolerance_for(dtype), "rmsnorm dx " + btag);
+      if (with_dweight)
+        CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "rmsnorm dweight " + btag);
     }
 }
 
-TEST_CASE("cuda rmsnorm dweight over many rows (several reduction chunks) matches the CPU") {
-  const int64_t rows = 1000, dim = 24;
-  const Operand x = random_operand({rows, dim}, DType::kBF16, 1);
-  const Operand weight = random_operand({dim}, DType::kBF16, 2);
-  const Operand dy = random_operand({rows, dim}, DType::kBF16, 3);
-  const Operand rstd = random_operand({rows}, DType::kF32, 4, 0.5, 2.0);
-  Operand dx = output_operand({rows, dim}, DType::kBF16);
-  Operand dweight = output_operand({dim}, DType::kF32);
-  kernels::RmsNormBackwardArgs args;
-  args.dx = dx.dev;
-  args.dweight = dweight.dev;
-  args.dy = dy.dev;
-  args.x = x.dev;
-  args.weight = weight.dev;
-  args.rstd = rstd.dev;
-  gpu().rmsnorm_backward(args);
-  args.dx = dx.host;
-  args.dweight = dweight.host;
-  args.dy = dy.host;
-  args.x = x.host;
-  args.weight = weight.host;
-  args.rstd = rstd.host;
-  cpu().rmsnorm_backward(args);
-  CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "rmsnorm dweight 1000 rows");
-  CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(DType::kBF16), "rmsnorm dx 1000 rows");
+TEST_CASE("cuda rmsnorm forward and backward match the CPU") {
+  uint64_t seed = 2000;
+  // Widths for each row layout: odd (two-pass, scalar), one segment of 4 / 8 / 32 lanes, a warp
+  // with 2-16 chunks per lane, rows over several warps, and rows too long for the registers.
+  for (int64_t dim : {37, 24, 64, 256, 520, 1536, 4096, 7168})
+    for (DType dtype : {DType::kF32, DType::kBF16}) check_rmsnorm(19, dim, dtype, dtype, false, seed);
+  check_rmsnorm(3, 40000, DType::kBF16, DType::kBF16, false, seed);
+  // Mixed dtypes (two-pass) and in place.
+  check_rmsnorm(19, 1536, DType::kBF16, DType::kF32, false, seed);
+  for (int64_t dim : {64, 4096}) check_rmsnorm(19, dim, DType::kBF16, DType::kBF16, true, seed);
+}
+
+TEST_CASE("cuda rmsnorm dweight over many rows (several partial rows) matches the CPU, reproducibly") {
+  struct Shape2 {
+    int64_t rows, dim;
+  };
+  for (Shape2 k : {Shape2{1000, 24}, Shape2{3000, 1024}, Shape2{1100, 4096}}) {
+    const std::string tag = std::to_string(k.rows) + " x " + std::to_string(k.dim);
+    const Operand x = random_operand({k.rows, k.dim}, DType::kBF16, 1);
+    const Operand weight = random_operand({k.dim}, DType::kBF16, 2);
+    const Operand dy = random_operand({k.rows, k.dim}, DType::kBF16, 3);
+    const Operand rstd = random_operand({k.rows}, DType::kF32, 4, 0.5, 2.0);
+    Operand dx = output_operand({k.rows, k.dim}, DType::kBF16);
+    Operand dweight = output_operand({k.dim}, DType::kF32);
+    kernels::RmsNormBackwardArgs args;
+    args.dx = dx.dev;
+    args.dweight = dweight.dev;
+    args.dy = dy.dev;
+    args.x = x.dev;
+    args.weight = weight.dev;
+    args.rstd = rstd.dev;
+    gpu().rmsnorm_backward(args);
+    const Tensor first = download(dweight.dev);
+    gpu().rmsnorm_backward(args);
+    const Tensor second = download(dweight.dev);
+    CHECK(std::equal(first.ptr<double>(), first.ptr<double>() + first.numel(), second.ptr<double>()));
+    args.dx = dx.host;
+    args.dweight = dweight.host;
+    args.dy = dy.host;
+    args.x = x.host;
+    args.weight = weight.host;
+    args.rstd = rstd.host;
+    cpu().rmsnorm_backward(args);
+    CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "rmsnorm dweight " + tag);
+    CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(DType::kBF16), "rmsnorm dx " + tag);
+  }
 }
 
 // cos/sin tables [positions, half] of a plain rope (any angles do for the comparison).
@@ -107,30 +137,34 @@ void rope_tables(Operand& cos, Operand& sin, int64_t positions, int64_t half) {
 }
 
 TEST_CASE("cuda rope matches the CPU: both layouts, inverse, in place and not") {
-  const int64_t tokens = 11, heads = 3, max_positions = 40;
-  std::vector<int32_t> position_values;
-  for (int64_t t = 0; t < tokens; ++t) position_values.push_back(static_cast<int32_t>((t * 7) % max_positions));
-  const Operand positions = int_operand(position_values, {tokens});
+  const int64_t max_positions = 40;
   struct Case {
-    int64_t width, col_offset, rope_dim;
+    int64_t tokens, heads, width, col_offset, rope_dim;
   };
   uint64_t seed = 3000;
-  for (Case k : {Case{64, 0, 64}, Case{40, 8, 16}, Case{23, 5, 6}})
+  // Vector kernel: 1, 2, 4 (MLA's 64 of 192 columns), 8 and 32 threads per row; 1, 2 and 4 rows
+  // per thread, heads that fill the last rows partly (3, 5). Staged kernel: the odd shape.
+  for (Case k : {Case{11, 3, 64, 0, 64}, Case{11, 3, 40, 8, 16}, Case{11, 3, 23, 5, 6}, Case{9, 32, 192, 128, 64},
+                 Case{7, 5, 96, 32, 64}, Case{13, 1, 64, 0, 64}, Case{6, 4, 256, 128, 128}, Case{5, 2, 512, 0, 512}}) {
+    std::vector<int32_t> position_values;
+    for (int64_t t = 0; t < k.tokens; ++t) position_values.push_back(static_cast<int32_t>((t * 7) % max_positions));
+    const Operand positions = int_operand(position_values, {k.tokens});
+    const int64_t rows = k.tokens * k.heads;
     for (DType dtype : {DType::kF32, DType::kBF16})
       for (auto layout : {kernels::RopeLayout::kInterleaved, kernels::RopeLayout::kHalfSplit})
         for (bool inverse : {false, true})
           for (bool in_place : {false, true}) {
             Operand cos, sin;
             rope_tables(cos, sin, max_positions, k.rope_dim / 2);
-            const Operand x = random_operand({tokens * heads, k.width}, dtype, ++seed);
-            Operand out = in_place ? random_operand({tokens * heads, k.width}, dtype, 0) : output_operand({tokens * heads, k.width}, dtype);
+            const Operand x = random_operand({rows, k.width}, dtype, ++seed);
+            Operand out = in_place ? random_operand({rows, k.width}, dtype, 0) : output_operand({rows, k.width}, dtype);
             if (in_place) {  // out holds x's values and is rotated where it stands
               out.host = Tensor(x.host.shape(), DType::kF64);
               std::copy(x.host.ptr<double>(), x.host.ptr<double>() + x.host.numel(), out.host.ptr<double>());
               out.dev = upload(x.host.view(), dtype);
             }
             kernels::RopeArgs args;
-            args.heads = heads;
+            args.heads = k.heads;
             args.col_offset = k.col_offset;
             args.rope_dim = k.rope_dim;
             args.layout = layout;
@@ -148,10 +182,54 @@ TEST_CASE("cuda rope matches the CPU: both layouts, inverse, in place and not") 
             args.sin = sin.host;
             cpu().rope(args);
             CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tolerance_for(dtype),
-                                   std::string("rope ") + dtype_name(dtype) + " width " + std::to_string(k.width) +
+                                   std::string("rope ") + dtype_name(dtype) + " heads " + std::to_string(k.heads) +
+                                       " width " + std::to_string(k.width) + " rope " + std::to_string(k.rope_dim) +
                                        (layout == kernels::RopeLayout::kInterleaved ? " interleaved" : " half-split") +
                                        (inverse ? " inverse" : "") + (in_place ? " in place" : ""));
           }
+  }
+}
+
+TEST_CASE("cuda rope writes NaN into the rotated columns of a position outside the table, and nothing else") {
+  const int64_t max_positions = 8, heads = 2;
+  const Operand positions = int_operand({3, 8, -1, 0}, {4});  // tokens 1 and 2 are outside
+  struct Case {
+    int64_t width, col_offset, rope_dim;  // the vector kernel, then the staged one
+  };
+  for (Case k : {Case{96, 32, 64}, Case{23, 5, 6}}) {
+    Operand cos, sin;
+    rope_tables(cos, sin, max_positions, k.rope_dim / 2);
+    const Operand x = random_operand({4 * heads, k.width}, DType::kBF16, 7);
+    const Tensor q = upload(x.host.view(), DType::kBF16);
+    kernels::RopeArgs args;
+    args.out = q;
+    args.x = q;
+    args.positions = positions.dev;
+    args.cos = cos.dev;
+    args.sin = sin.dev;
+    args.heads = heads;
+    args.col_offset = k.col_offset;
+    args.rope_dim = k.rope_dim;
+    gpu().rope(args);
+    const Tensor got = download(q);
+    int64_t wrong = 0;
+    for (int64_t r = 0; r < 4 * heads; ++r) {
+      const bool outside = r / heads == 1 || r / heads == 2;
+      for (int64_t c = 0; c < k.width; ++c) {
+        const double value = got.ptr<double>()[r * k.width + c];
+        const bool rotated = c >= k.col_offset && c < k.col_offset + k.rope_dim;
+        if (rotated && outside) {
+          wrong += !std::isnan(value);
+        } else if (!rotated) {
+          wrong += value != x.host.ptr<double>()[r * k.width + c];
+        } else {
+          wrong += std::isnan(value);
+        }
+      }
+    }
+    INFO("width " << k.width << ": " << wrong << " wrong values");
+    CHECK(wrong == 0);
+  }
 }
 
 TEST_CASE("cuda embedding forward and backward match the CPU, repeated ids in token order") {
