@@ -63,6 +63,12 @@ HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
          " (expected Hugging Face safetensors weights there)");
   }
   for (const auto& entry : shard_of_) names_.push_back(entry.first);
+  const std::string text_prefix = "language_model.";
+  for (const std::string& name : names_) {
+    if (name.compare(0, text_prefix.size(), text_prefix) == 0 && !shard_of_.count(name.substr(text_prefix.size()))) {
+      unprefixed_.emplace(name.substr(text_prefix.size()), name);
+    }
+  }
 }
 
 void HfCheckpoint::read_index(const std::string& index_path) {
@@ -104,7 +110,7 @@ void HfCheckpoint::read_index(const std::string& index_path) {
 }
 
 std::string HfCheckpoint::file_of(const std::string& name) const {
-  auto it = shard_of_.find(name);
+  auto it = shard_of_.find(stored(name));
   if (it == shard_of_.end()) {
     fail("tensor '" + name + "' is not in model directory '" + dir_ + "' (" +
          (sharded_ ? std::string(kIndexFileName) + " does not list it" : std::string(kSingleFileName) + " lacks it") + ")");
@@ -114,7 +120,7 @@ std::string HfCheckpoint::file_of(const std::string& name) const {
 
 const SafetensorsFile& HfCheckpoint::file_for(const std::string& name) const {
   std::string path = file_of(name);
-  const std::string& file_name = shard_of_.at(name);
+  const std::string& file_name = shard_of_.at(stored(name));
   std::lock_guard<std::mutex> lock(open_mutex_);
   auto it = open_files_.find(file_name);
   if (it == open_files_.end()) {
@@ -131,7 +137,9 @@ const SafetensorsFile& HfCheckpoint::file_for(const std::string& name) const {
   return *it->second;
 }
 
-const SafetensorsTensorInfo& HfCheckpoint::info(const std::string& name) const { return file_for(name).info(name); }
+const SafetensorsTensorInfo& HfCheckpoint::info(const std::string& name) const {
+  return file_for(name).info(stored(name));
+}
 
 namespace {
 
@@ -144,19 +152,19 @@ uint64_t row_bytes(const SafetensorsTensorInfo& info, int64_t row_begin, int64_t
 }  // namespace
 
 Tensor HfCheckpoint::read_as(const std::string& name, DType dst_dtype) const {
-  Tensor t = file_for(name).read_as(name, dst_dtype);
+  Tensor t = file_for(name).read_as(stored(name), dst_dtype);
   bytes_read_ += info(name).nbytes;
   return t;
 }
 
 Tensor HfCheckpoint::read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
-  Tensor t = file_for(name).read_rows_as(name, row_begin, row_end, dst_dtype);
+  Tensor t = file_for(name).read_rows_as(stored(name), row_begin, row_end, dst_dtype);
   bytes_read_ += row_bytes(info(name), row_begin, row_end);
   return t;
 }
 
 void HfCheckpoint::read_rows(void* dst, const std::string& name, int64_t row_begin, int64_t row_end) const {
-  file_for(name).read_rows(dst, name, row_begin, row_end);
+  file_for(name).read_rows(dst, stored(name), row_begin, row_end);
   bytes_read_ += row_bytes(info(name), row_begin, row_end);
 }
 

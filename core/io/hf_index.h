@@ -31,7 +31,9 @@ class HfCheckpoint {
   bool sharded() const { return sharded_; }
   // Every tensor name, sorted (from the index, or from the single file).
   const std::vector<std::string>& names() const { return names_; }
-  bool has(const std::string& name) const { return shard_of_.count(name) != 0; }
+  // A multimodal checkpoint (Kimi K3) keeps its text model under `language_model.`: those tensors
+  // also answer to their names without the prefix, here and in every accessor below.
+  bool has(const std::string& name) const { return shard_of_.count(stored(name)) != 0; }
   // The index's "metadata", each value as JSON text ("123" for a number, "\"x\"" for a string).
   const std::map<std::string, std::string>& index_metadata() const { return index_metadata_; }
   // Path of the file that holds `name`.
@@ -51,11 +53,16 @@ class HfCheckpoint {
 
  private:
   void read_index(const std::string& index_path);
+  const std::string& stored(const std::string& name) const {
+    auto it = unprefixed_.find(name);
+    return it == unprefixed_.end() ? name : it->second;
+  }
 
   std::string dir_;
   bool sharded_ = false;
   std::map<std::string, std::string> shard_of_;  // tensor name -> file name inside dir_
   std::vector<std::string> names_;
+  std::map<std::string, std::string> unprefixed_;  // text tensor name without language_model. -> stored name
   std::map<std::string, std::string> index_metadata_;
   mutable std::mutex open_mutex_;  // loaders may read tensors from several threads
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files_;

@@ -1,5 +1,5 @@
-// Hugging Face config.json -> the model section, for model_type deepseek_v3, deepseek_v32 and
-// kimi_linear.
+// Hugging Face config.json -> the model section, for model_type deepseek_v3, deepseek_v32,
+// kimi_linear and kimi_k3.
 // docs/HF_SEMANTICS.md says what each key means. Kimi-Linear's config.json comes in two
 // spellings: the released checkpoint's (Moonshot's remote code: linear_attn_config, num_experts,
 // moe_renormalize, model_max_length, ...) and what transformers 5 writes when it saves one
@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "core/base/error.h"
+#include "core/base/log.h"
 #include "core/model/model_spec.h"
 
 namespace moetrain {
@@ -267,9 +268,10 @@ ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
   m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);
   m.max_position_embeddings = hf.get_any_or<int64_t>({"model_max_length", "max_position_embeddings"}, 1048576);
   m.layers = kimi_layers(json, hf, m.num_layers);
-  const std::string act = hf.get_or<std::string>("hidden_act", "silu");
-  MOETRAIN_CHECK(act == "silu", ExitCode::kBadConfig,
-                 fmt::format("{}: hidden_act \"{}\" is not supported (SwiGLU with silu only)", source, act));
+  m.hidden_act = hf.get_or<std::string>("hidden_act", "silu");
+  MOETRAIN_CHECK(m.hidden_act == "silu" || m.hidden_act == "situ", ExitCode::kBadConfig,
+                 fmt::format("{}: hidden_act \"{}\" is not supported (silu: SwiGLU, or Kimi K3's situ)", source,
+                             m.hidden_act));
 
   // NoPE MLA: neither Moonshot's code (mla_use_nope) nor transformers' KimiLinearAttention
   // rotates anything; the qk_rope_head_dim part of q and k stays, unrotated.
@@ -293,6 +295,55 @@ ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
   moe.normalize_topk = hf.get_any_or<bool>({"moe_renormalize", "norm_topk_prob"}, true);
   moe.routed_scaling_factor = hf.get_or<double>("routed_scaling_factor", 2.446);  // transformers' default
   moe.score_correction_bias = true;  // both implementations' routers have the bias
+  return m;
+}
+
+// A key Kimi K3 gives a default when absent but "no such thing" when null (NeMo AutoModel's
+// KimiK3TextConfig: `x: float | None = default`): the default, the value, or `none` for null.
+double k3_optional(const Json& text, const HfJson& hf, const char* key, double fallback, double none) {
+  if (!text.contains(key)) return fallback;
+  return text.at(key).is_null() ? none : hf.get<double>(key);
+}
+
+// Kimi K3 (model_type kimi_k3; NeMo AutoModel's KimiK3Config, sglang's kimi_k3): a vision-language
+// checkpoint whose text_config is a Kimi-Linear config with K3's additions. Absent keys take
+// KimiK3TextConfig's defaults, which differ from Kimi-Linear's in places (SiTU, latent MoE,
+// attention residuals in blocks of 12, gated MLA, 2 shared experts, routed scaling 1).
+ModelConfig kimi_k3_from_hf(const Json& json, const HfJson& top) {
+  const std::string& source = top.source();
+  MOETRAIN_CHECK(json.contains("text_config") && json.at("text_config").is_object(), ExitCode::kBadConfig,
+                 fmt::format("{}: a kimi_k3 config.json keeps the language model's settings in a \"text_config\" "
+                             "object, which is missing",
+                             source));
+  const Json& text = json.at("text_config");
+  const std::string text_source = source + " (text_config)";
+  HfJson hf(text, text_source, "kimi_k3");
+  ModelConfig m = kimi_linear_from_hf(text, hf);
+  m.model_type = "kimi_k3";
+  m.hidden_act = hf.get_or<std::string>("hidden_act", "situ");
+  m.situ_beta = k3_optional(text, hf, "activation_situ_beta", 4.0, 4.0);
+  m.situ_linear_beta = k3_optional(text, hf, "activation_situ_linear_beta", 25.0, 0.0);
+  MOETRAIN_CHECK(hf.get_or<bool>("mla_use_nope", true), ExitCode::kBadConfig,
+                 fmt::format("{}: mla_use_nope is false; Kimi K3's MLA layers use no rotary embedding "
+                             "(NeMo AutoModel refuses the same config)",
+                             text_source));
+  if (hf.get_or<bool>("mla_use_output_gate", true)) m.attention_gate = "elementwise";
+  MoeConfig& moe = m.moe;
+  if (!text.contains("num_shared_experts")) moe.num_shared_experts = 2;
+  moe.routed_scaling_factor = hf.get_or<double>("routed_scaling_factor", 1.0);
+  moe.latent_size = static_cast<int64_t>(k3_optional(text, hf, "routed_expert_hidden_size", 3584, 0));
+  moe.use_latent_norm = moe.latent_size > 0 && hf.get_or<bool>("latent_moe_use_norm", true);
+  m.attn_res_block_size = static_cast<int64_t>(k3_optional(text, hf, "attn_res_block_size", 12, 0));
+  MOETRAIN_CHECK(hf.get_or<int64_t>("num_nextn_predict_layers", 0) == 0, ExitCode::kBadConfig,
+                 fmt::format("{}: num_nextn_predict_layers {} (multi-token prediction layers) is not supported",
+                             text_source, hf.get_or<int64_t>("num_nextn_predict_layers", 0)));
+  if (json.contains("vision_config") && json.at("vision_config").is_object()) {
+    const Json& vision = json.at("vision_config");
+    log::info(fmt::format("{}: kimi_k3 vision tower ({} layers, hidden {}, patch {}) is not loaded: moetrain trains "
+                          "the language model (language_model.*) on text",
+                          source, vision.value("vt_num_hidden_layers", 0), vision.value("vt_hidden_size", 0),
+                          vision.value("patch_size", 0)));
+  }
   return m;
 }
 
@@ -330,8 +381,9 @@ ModelConfig model_config_from_hf_json(const std::string& json_text, const std::s
   if (model_type == "deepseek_v3") return deepseek_v3_from_hf(json, hf);
   if (model_type == "deepseek_v32") return deepseek_v32_from_hf(json, hf);
   if (model_type == "kimi_linear") return kimi_linear_from_hf(json, hf);
+  if (model_type == "kimi_k3") return kimi_k3_from_hf(json, hf);
   throw Error(ExitCode::kBadConfig, fmt::format("{}: model_type \"{}\" is not supported yet (supported: deepseek_v3, "
-                                                "deepseek_v32, kimi_linear)",
+                                                "deepseek_v32, kimi_linear, kimi_k3)",
                                                 source_name, model_type));
 }
 

@@ -2,6 +2,8 @@
 // errors, and the weights in both checkpoint layouts (Moonshot's released names and per-expert
 // w1/w2/w3 under block_sparse_moe; transformers 5's renamed KDA modules, packed conv, reshaped
 // A_log/dt_bias and fused experts): either layout loads to exactly the model that wrote it.
+// And Kimi K3 (model_type kimi_k3): its text_config, K3's defaults, and a checkpoint whose text
+// model lives under language_model. (NeMo AutoModel's kimi_k3 names).
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -308,7 +310,7 @@ TEST_CASE("Kimi-Linear config.json errors name the key and the problem", "[impor
                  "moe_layer_freq 2 is not supported"));
   CHECK(contains(import_error(with(kReleasedConfig, R"("num_experts": 6,)", "")), "missing key \"num_experts\""));
   CHECK(contains(import_error(with(kReleasedConfig, "kimi_linear", "kimi_k9")),
-                 "supported: deepseek_v3, deepseek_v32, kimi_linear"));
+                 "supported: deepseek_v3, deepseek_v32, kimi_linear, kimi_k3"));
 }
 
 TEST_CASE("Kimi-Linear weights in the released and in transformers 5's layout load alike", "[import][kimi]") {
@@ -379,4 +381,104 @@ TEST_CASE("a PEFT adapter keyed by transformers 5's KDA module names loads", "[i
     CHECK(max_diff(host_copy(*backend, p->value), keys[i].second) == 0.0);
   }
   CHECK(saw_renamed);
+}
+
+namespace {
+
+// A tiny Kimi K3 config.json as NeMo AutoModel's KimiK3Config writes it: the language model's
+// settings (Kimi-Linear's keys and K3's) in text_config, and a vision tower config.
+std::string k3_config_json(const std::string& text_extra) {
+  std::string text = with(kReleasedConfig, R"("hidden_act": "silu")", R"("hidden_act": "situ")");
+  text = with(text, R"("q_lora_rank": null)", R"("q_lora_rank": 12)");
+  text = with(text, R"("num_hidden_layers": 4)", R"("num_hidden_layers": 4)" + text_extra);
+  return R"({"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+  "vision_config": {"model_type": "kimi_k3_vision", "vt_num_hidden_layers": 2, "vt_hidden_size": 32, "patch_size": 14},
+  "text_config": )" + text + "}";
+}
+
+const char* kK3Keys = R"(, "activation_situ_beta": 3.0, "activation_situ_linear_beta": 20.0,
+  "routed_expert_hidden_size": 6, "latent_moe_use_norm": true, "attn_res_block_size": 2,
+  "mla_use_output_gate": true)";
+
+}  // namespace
+
+TEST_CASE("a Kimi K3 config.json maps its text_config onto the model section", "[import][k3]") {
+  const ModelConfig m = model_config_from_hf_json(k3_config_json(kK3Keys), "k3/config.json");
+  CHECK(m.model_type == "kimi_k3");
+  CHECK(m.layers == std::vector<std::string>{"kda", "mla", "kda", "mla"});
+  CHECK(m.hidden_act == "situ");
+  CHECK(m.situ_beta == 3.0);
+  CHECK(m.situ_linear_beta == 20.0);
+  CHECK(m.moe.latent_size == 6);
+  CHECK(m.moe.use_latent_norm);
+  CHECK(m.attn_res_block_size == 2);
+  CHECK(m.attention_gate == "elementwise");
+  CHECK(m.mla.q_lora_rank == 12);
+  CHECK(!m.mla.use_rope);
+  CHECK(m.moe.num_shared_experts == 1);           // given
+  CHECK(m.moe.routed_scaling_factor == 2.446);    // given
+
+  // Absent keys take KimiK3TextConfig's defaults, null ones switch the feature off.
+  std::string bare = with(k3_config_json(""), R"("num_shared_experts": 1,)", "");
+  bare = with(bare, R"("routed_scaling_factor": 2.446,)", "");
+  bare = with(bare, R"("hidden_act": "situ",)", "");
+  const ModelConfig d = model_config_from_hf_json(bare, "k3/config.json");
+  CHECK(d.hidden_act == "situ");
+  CHECK(d.situ_beta == 4.0);
+  CHECK(d.situ_linear_beta == 25.0);
+  CHECK(d.moe.latent_size == 3584);
+  CHECK(d.moe.use_latent_norm);
+  CHECK(d.attn_res_block_size == 12);
+  CHECK(d.attention_gate == "elementwise");
+  CHECK(d.moe.num_shared_experts == 2);
+  CHECK(d.moe.routed_scaling_factor == 1.0);
+  const ModelConfig off = model_config_from_hf_json(
+      k3_config_json(R"(, "activation_situ_linear_beta": null, "routed_expert_hidden_size": null,
+                       "attn_res_block_size": null, "mla_use_output_gate": false)"),
+      "k3/config.json");
+  CHECK(off.situ_linear_beta == 0.0);
+  CHECK(off.moe.latent_size == 0);
+  CHECK(!off.moe.use_latent_norm);
+  CHECK(off.attn_res_block_size == 0);
+  CHECK(off.attention_gate == "none");
+}
+
+TEST_CASE("Kimi K3 config.json errors name the key and the problem", "[import][k3]") {
+  CHECK(contains(import_error(R"({"model_type": "kimi_k3", "vocab_size": 10})"), "\"text_config\" object"));
+  CHECK(contains(import_error(with(k3_config_json(""), R"("mla_use_nope": true)", R"("mla_use_nope": false)")),
+                 "mla_use_nope is false"));
+  CHECK(contains(import_error(k3_config_json(R"(, "num_nextn_predict_layers": 1)")), "num_nextn_predict_layers 1"));
+  CHECK(contains(import_error(with(k3_config_json(""), R"("num_experts": 6,)", "")),
+                 "(text_config): missing key \"num_experts\""));
+}
+
+TEST_CASE("Kimi K3 weights under language_model. (the released names) load to the model that wrote them",
+          "[import][k3]") {
+  fs::path dir = scratch("k3_config");
+  std::ofstream(dir / "config.json") << k3_config_json(kK3Keys);
+  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir));
+  auto backend = kernels::make_cpu_backend();
+  std::unique_ptr<Model> model = make_model(spec, *backend);
+  model->init_random_weights();
+  // The released layout, the MoE's own modules under block_sparse_moe, and the text model under
+  // language_model. (a vision tensor beside it is ignored).
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  bool latent = false, mixes = false;
+  for (auto& [name, t] : checkpoint_tensors(*model, Layout::kReleased)) {
+    std::string n = replaced(name, ".mlp.routed_expert_", ".block_sparse_moe.routed_expert_");
+    latent = latent || n != name;
+    mixes = mixes || contains(n, "_res_proj.weight");
+    tensors.emplace_back("language_model." + n, std::move(t));
+  }
+  CHECK(latent);
+  CHECK(mixes);
+  tensors.emplace_back("vision_tower.patch_embed.proj.weight", Tensor::zeros({2, 2}, DType::kF64));
+  fs::path weights = scratch("k3_weights");
+  std::ofstream(weights / "config.json") << k3_config_json(kK3Keys);
+  write_checkpoint(weights, tensors);
+  auto other = kernels::make_cpu_backend();
+  std::unique_ptr<Model> loaded = make_model(spec, *other);
+  loaded->load_weights(HfCheckpoint(weights.string()));
+  const Batch batch = tiny_batch(spec.config.vocab_size, 11);
+  CHECK(max_diff(model->logits(batch), loaded->logits(batch)) == 0.0);
 }
