@@ -336,27 +336,71 @@ void bench_grouped_gemm(Backend& be, int reps, std::vector<Row>& rows) {
   }
 }
 
-void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
-  const int64_t t = 8192, heads = 32, dim = 128;
-  Tensor q = random_device(be, {t, heads, dim}, DType::kBF16, 6);
-  Tensor k = random_device(be, {t, heads, dim}, DType::kBF16, 7);
-  Tensor v = random_device(be, {t, heads, dim}, DType::kBF16, 8);
-  Tensor out({t, heads, dim}, DType::kBF16, be.allocator());
+// Attention (issue 14): causal, 32 heads, BF16, against FlashAttention via PyTorch SDPA on one
+// H200 (../shared/GPU.md: T 8192, D 128: 0.91 ms forward, 3.65 ms forward + backward). FLOPs: 2
+// (qk + v) per head per visible (query, key) pair forward, 3.5x that forward + backward.
+struct AttentionTimes {
+  double fwd = 0, both = 0, flops = 0;  // flops: forward
+};
+
+AttentionTimes time_attention(Backend& be, int reps, const std::vector<int32_t>& cu_seqlens, int64_t qk_dim,
+                              int64_t v_dim, bool with_backward) {
+  const int64_t t = cu_seqlens.back(), heads = 32;
+  Tensor q = random_device(be, {t, heads, qk_dim}, DType::kBF16, 6);
+  Tensor k = random_device(be, {t, heads, qk_dim}, DType::kBF16, 7);
+  Tensor v = random_device(be, {t, heads, v_dim}, DType::kBF16, 8);
+  Tensor out({t, heads, v_dim}, DType::kBF16, be.allocator());
   Tensor lse({t, heads}, DType::kF32, be.allocator());
-  Tensor dout = random_device(be, {t, heads, dim}, DType::kBF16, 9);
-  Tensor dq({t, heads, dim}, DType::kBF16, be.allocator()), dk({t, heads, dim}, DType::kBF16, be.allocator()),
-      dv({t, heads, dim}, DType::kBF16, be.allocator());
-  Tensor cu = int_device(be, {0, static_cast<int32_t>(t)});
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  Tensor dout = random_device(be, {t, heads, v_dim}, DType::kBF16, 9);
+  Tensor dq({t, heads, qk_dim}, DType::kBF16, be.allocator()), dk({t, heads, qk_dim}, DType::kBF16, be.allocator()),
+      dv({t, heads, v_dim}, DType::kBF16, be.allocator());
+  Tensor cu = int_device(be, cu_seqlens);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(qk_dim));
   auto forward = [&] { be.attention_forward({out, lse, q, k, v, cu, scale}); };
   auto backward = [&] { be.attention_backward({dq, dk, dv, dout, q, k, v, out, lse, cu, scale}); };
-  const double fwd_flops = 4.0 * t * t * heads * dim / 2;  // causal: half of the score matrix
-  double fwd = median_ms(be, forward, reps);
-  rows.push_back({"attention fwd causal T8192 H32 D128", fwd, fwd_flops / (fwd * 1e9), 0,
-                  ratio(0.91, fwd, "the speed of FlashAttention (0.91 ms)")});
-  double both = median_ms(be, [&] { forward(); backward(); }, reps);
-  rows.push_back({"attention fwd+bwd", both, 3.5 * fwd_flops / (both * 1e9), 0,
-                  ratio(3.65 * 2, both, "of the target time 2 x FlashAttention (7.3 ms; target >= 1)")});
+  AttentionTimes times;
+  for (size_t i = 0; i + 1 < cu_seqlens.size(); ++i) {
+    const double length = cu_seqlens[i + 1] - cu_seqlens[i];
+    times.flops += 2.0 * (qk_dim + v_dim) * heads * length * (length + 1) / 2;
+  }
+  times.fwd = median_ms(be, forward, reps);
+  if (with_backward) times.both = median_ms(be, [&] { forward(); backward(); }, reps);
+  return times;
+}
+
+void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
+  const int32_t t = 8192;
+  const AttentionTimes d128 = time_attention(be, reps, {0, t}, 128, 128, true);
+  rows.push_back({"attention fwd causal T8192 H32 D128", d128.fwd, d128.flops / (d128.fwd * 1e9), 0,
+                  ratio(0.91, d128.fwd, "the speed of FlashAttention (0.91 ms; target >= 1)")});
+  rows.push_back({"attention fwd+bwd", d128.both, 3.5 * d128.flops / (d128.both * 1e9), 0,
+                  ratio(3.65, d128.both, "the speed of FlashAttention (3.65 ms; target >= 1)")});
+  {
+    // The mma.sync path these replace on Hopper (attention_tensor_core.cu), for comparison.
+    setenv("MOETRAIN_ATTENTION", "mma", 1);
+    const AttentionTimes mma = time_attention(be, reps, {0, t}, 128, 128, true);
+    unsetenv("MOETRAIN_ATTENTION");
+    rows.push_back({"attention fwd+bwd, mma.sync path (MOETRAIN_ATTENTION=mma)", mma.both,
+                    3.5 * mma.flops / (mma.both * 1e9), 0,
+                    fmt::format("fwd {:.3f} ms; the Hopper path is {:.2f}x faster fwd, {:.2f}x fwd+bwd", mma.fwd,
+                                mma.fwd / d128.fwd, mma.both / d128.both)});
+  }
+  const AttentionTimes mla = time_attention(be, reps, {0, t}, 192, 128, true);
+  rows.push_back({"attention fwd MLA dims qk 192 / v 128", mla.fwd, mla.flops / (mla.fwd * 1e9), 0, ""});
+  rows.push_back({"attention fwd+bwd MLA dims", mla.both, 3.5 * mla.flops / (mla.both * 1e9), 0,
+                  ratio(mla.both, d128.both, "the D128 time (target <= 1.3)")});
+  const AttentionTimes d64 = time_attention(be, reps, {0, t}, 64, 64, true);
+  rows.push_back({"attention fwd+bwd D64", d64.both, 3.5 * d64.flops / (d64.both * 1e9), 0,
+                  fmt::format("fwd {:.3f} ms", d64.fwd)});
+  // Packed documents: 8 x 1024 tokens in one call against one 1024-token document, 8 times.
+  std::vector<int32_t> packed;
+  for (int32_t i = 0; i <= 8; ++i) packed.push_back(i * 1024);
+  const AttentionTimes docs = time_attention(be, reps, packed, 128, 128, true);
+  const AttentionTimes one_doc = time_attention(be, reps, {0, 1024}, 128, 128, true);
+  rows.push_back({"attention fwd+bwd D128, 8 packed documents of 1024", docs.both, 3.5 * docs.flops / (docs.both * 1e9),
+                  0, ratio(docs.both, 8 * one_doc.both,
+                           fmt::format("8 separate documents ({:.3f} ms; target <= 1); fwd {:.3f} ms vs {:.3f} ms",
+                                       8 * one_doc.both, docs.fwd, 8 * one_doc.fwd).c_str())});
 }
 
 // KDA (issue 11): B1, one segment, 32 heads of 128, BF16, against fla's chunk_kda on one H200

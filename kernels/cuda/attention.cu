@@ -19,9 +19,12 @@
 // Segments: a query row's segment start comes from a binary search of cu_seqlens; a tile may
 // straddle segments, so masking is per (query, key): start(t) <= s <= t.
 //
-// Two paths. BF16 operands with head dims that are multiples of 16 (up to 256) run on tensor
-// cores (attention_tensor_core.cu); everything else, and everything when MOETRAIN_ATTENTION=simt,
-// runs the SIMT kernels below: F32 FMAs from shared memory, a 16 x 16 thread grid holding a 4 x 2
+// Three paths, picked in attention_forward / attention_backward below (the one place):
+//   1. Hopper flash attention (flash_attention_sm90_*.cu: wgmma + TMA, warp-specialised) for BF16
+//      operands with head dims 64/64, 128/128 or MLA's 192/128 on an sm_90 device;
+//   2. mma.sync tensor cores (attention_tensor_core.cu) for other BF16 head dims that are
+//      multiples of 16 (up to 256), and for everything BF16 when MOETRAIN_ATTENTION=mma;
+//   3. everything else, and everything when MOETRAIN_ATTENTION=simt, runs the SIMT kernels below: F32 FMAs from shared memory, a 16 x 16 thread grid holding a 4 x 2
 // (forward scores) or 2 x 2 (backward) micro-tile of scores and 16-column-strided slices of the
 // accumulators, so value/key columns are read conflict-free (rows padded by one float). They are
 // ~16x slower than the tensor-core path (docs/PERF.md) and serve as its reference on the GPU.
@@ -36,6 +39,7 @@
 
 #include "kernels/cuda/attention_segments.cuh"
 #include "kernels/cuda/attention_tensor_core.h"
+#include "kernels/cuda/flash_attention_sm90.h"
 #include "kernels/arg_checks.h"
 #include "kernels/cuda/cuda_check.h"
 
@@ -581,8 +585,11 @@ void attention_forward(const AttentionArgs& args, cudaStream_t stream) {
   p.v = activation_in(op, "v", args.v);
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
   if (p.shape.tokens == 0) return;
-  // BF16 operands with mma-friendly head dims run on tensor cores (attention_tensor_core.cu);
-  // MOETRAIN_ATTENTION=simt forces this kernel.
+  // The paths in order (the header comment says which shapes each takes).
+  if (flash_attention_sm90_forward_supported(args)) {
+    flash_attention_sm90_forward(args, stream);
+    return;
+  }
   if (attention_tensor_core_supported(args)) {
     attention_forward_tensor_core(args, stream);
     return;
@@ -615,6 +622,10 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
   const AttentionShape& s = p.shape;
   if (s.tokens == 0) return;
+  if (flash_attention_sm90_backward_supported(args)) {  // computes its own delta
+    flash_attention_sm90_backward(args, stream);
+    return;
+  }
 
   // delta lives in stream-ordered scratch, freed on the stream after the two passes.
   const int64_t rows = static_cast<int64_t>(s.tokens) * s.heads;

@@ -4,7 +4,8 @@
 // checked shapes, devices and dtypes.
 //
 // The switch: MOETRAIN_ATTENTION=simt in the environment (read on every call) makes both
-// predicates false, so the SIMT kernels run instead.
+// predicates false, so the SIMT kernels run instead. (MOETRAIN_ATTENTION=mma keeps this path for
+// the shapes that the Hopper flash attention, flash_attention_sm90.h, would otherwise take.)
 #pragma once
 
 #include <cuda_runtime.h>

@@ -2,13 +2,18 @@
 // segment layouts with a length-1 segment, an empty one, segments that are not multiples of the
 // tiles and one longer than several tiles; head dims MLA's 192/128, small odd 10/5 and the 256
 // maximum; F32 (tight) and BF16 (relative L2 well under 1e-2) storage. Outputs are poisoned
-// with NaN first, so an element a kernel forgets to write fails the comparison.
+// with NaN first, so an element a kernel forgets to write fails the comparison. Three paths are
+// covered: the Hopper flash attention (BF16 64/64, 128/128, 192/128 on sm_90), the mma.sync
+// tensor-core path (other BF16 dims, or MOETRAIN_ATTENTION=mma) and SIMT (the rest, or =simt).
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "cuda_test_support.h"
+#include "kernels/cuda/flash_attention_sm90.h"
 
 namespace {
 
@@ -300,6 +305,121 @@ TEST_CASE("cuda attention: MOETRAIN_ATTENTION=simt switches paths, and the SIMT 
   // identical bits everywhere would mean the variable did not switch anything.
   CHECK(differs_somewhere(tensor_core.out.view(), simt.out.view()));
   CHECK(differs_somewhere(tensor_core.dk.view(), simt.dk.view()));
+}
+
+// --- The Hopper flash path (flash_attention_sm90_*.cu). Its CTAs hold 128 queries (forward, dQ)
+// or 128 keys (dK/dV); it steps over 128-key (forward) and 64-key (dQ) tiles that start at the
+// first query's segment start, and over 64-query (32 for qk 192) tiles in dK/dV. These layouts run
+// over several CTAs: totals that are not multiples of any tile, segments that straddle blocks,
+// length-1 segments at block edges, an empty segment, and tile-aligned packed documents.
+
+bool device_is_sm90() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+}
+
+const std::vector<std::vector<int32_t>> kFlashLayouts = {
+    {0, 700},                                 // one segment over 6 query blocks
+    {0, 1, 129, 130, 385, 512, 513, 901},     // length-1 segments at block edges, straddling segments
+    {0, 256, 512, 768, 1024},                 // tile-aligned packed documents
+    {0, 97, 98, 300, 300, 611},               // an empty segment, short ones inside one block
+};
+
+TEST_CASE("cuda attention: the Hopper flash path is taken on sm_90 for BF16 64/64, 128/128, 192/128 only") {
+  if (!device_is_sm90()) {
+    WARN("not a compute capability 9.0 device: the Hopper path is not expected here");
+    return;
+  }
+  struct Dims {
+    int64_t qk, v;
+    DType dtype;
+    bool expected;
+  };
+  const Dims cases[] = {{64, 64, DType::kBF16, true},   {128, 128, DType::kBF16, true},
+                        {192, 128, DType::kBF16, true}, {96, 64, DType::kBF16, false},
+                        {128, 64, DType::kBF16, false}, {128, 128, DType::kF32, false}};
+  const int64_t tokens = 8, heads = 2;
+  for (const Dims& d : cases) {
+    INFO("dims " << d.qk << "/" << d.v << " " << dtype_name(d.dtype));
+    Operand q = random_operand({tokens, heads, d.qk}, d.dtype, 800);
+    Operand v = random_operand({tokens, heads, d.v}, d.dtype, 801);
+    Operand out = output_operand({tokens, heads, d.v}, d.dtype);
+    Operand lse = output_operand({tokens, heads}, DType::kF32);
+    Operand dq = output_operand({tokens, heads, d.qk}, d.dtype);
+    Operand dv = output_operand({tokens, heads, d.v}, d.dtype);
+    Operand cu = int_operand({0, static_cast<int32_t>(tokens)}, Shape{2});
+    kernels::AttentionArgs fwd{out.dev, lse.dev, q.dev, q.dev, v.dev, cu.dev, 0.125};
+    kernels::AttentionBackwardArgs bwd{dq.dev, dq.dev, dv.dev, out.dev, q.dev, q.dev, v.dev, out.dev, lse.dev,
+                                       cu.dev, 0.125};
+    CHECK(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd) == d.expected);
+    CHECK(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd) == d.expected);
+    ScopedAttentionEnv env("mma");
+    CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd));
+    CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd));
+  }
+}
+
+TEST_CASE("cuda attention Hopper path matches the CPU reference over several blocks: BF16 64/64, 128/128, 192/128") {
+  uint64_t seed = 900;
+  for (const auto& layout : kFlashLayouts) {
+    check_attention_case({layout, 2, 64, 64}, DType::kBF16, seed += 10);
+    check_attention_case({layout, 2, 128, 128}, DType::kBF16, seed += 10);
+    check_attention_case({layout, 2, 192, 128}, DType::kBF16, seed += 10);
+  }
+}
+
+TEST_CASE("cuda attention Hopper path: the backward is deterministic and agrees with the mma.sync path") {
+  const std::vector<int32_t> cu_seqlens = {0, 1, 129, 130, 385, 512, 513, 777};
+  const int64_t tokens = cu_seqlens.back(), heads = 3;
+  for (const auto& dims : {std::pair<int64_t, int64_t>{128, 128}, std::pair<int64_t, int64_t>{192, 128}}) {
+    const int64_t qk_dim = dims.first, v_dim = dims.second;
+    INFO("dims " << qk_dim << "/" << v_dim);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(qk_dim));
+    Operand q = random_operand({tokens, heads, qk_dim}, DType::kBF16, 1000 + qk_dim, 0.05, 2.0);
+    Operand k = random_operand({tokens, heads, qk_dim}, DType::kBF16, 1001 + qk_dim, 0.05, 2.0);
+    Operand v = random_operand({tokens, heads, v_dim}, DType::kBF16, 1002 + qk_dim, 0.05, 1.0);
+    Operand dout = random_operand({tokens, heads, v_dim}, DType::kBF16, 1003 + qk_dim, 0.05, 1.0);
+    Operand cu = int_operand(cu_seqlens, Shape{static_cast<int64_t>(cu_seqlens.size())});
+    AttentionOutputs first, second, mma;
+    {
+      ScopedAttentionEnv env(nullptr);
+      first = run_gpu_attention(q, k, v, dout, cu, scale);
+      second = run_gpu_attention(q, k, v, dout, cu, scale);
+    }
+    {
+      ScopedAttentionEnv env("mma");
+      mma = run_gpu_attention(q, k, v, dout, cu, scale);
+    }
+    // Bit for bit from run to run: no atomics, a fixed order of every sum.
+    CHECK_FALSE(differs_somewhere(first.out.view(), second.out.view()));
+    CHECK_FALSE(differs_somewhere(first.lse.view(), second.lse.view()));
+    CHECK_FALSE(differs_somewhere(first.dq.view(), second.dq.view()));
+    CHECK_FALSE(differs_somewhere(first.dk.view(), second.dk.view()));
+    CHECK_FALSE(differs_somewhere(first.dv.view(), second.dv.view()));
+    // Each path is within tolerance_for(BF16) of the F64 reference, so the two agree within twice
+    // that; they tile and round differently, so identical bits would mean no switch happened.
+    const Tolerance one = tolerance_for(DType::kBF16);
+    const Tolerance bf16{2 * one.rel_l2, 2 * one.rtol, 2 * one.atol_fraction};
+    const struct {
+      const char* name;
+      const Tensor& got;
+      const Tensor& reference;
+      Tolerance tolerance;
+    } pairs[] = {{"out", first.out, mma.out, bf16},
+                 {"lse", first.lse, mma.lse, {1e-5, 1e-4, 1e-5}},
+                 {"dq", first.dq, mma.dq, bf16},
+                 {"dk", first.dk, mma.dk, bf16},
+                 {"dv", first.dv, mma.dv, bf16}};
+    for (const auto& pair : pairs) {
+      const Result r = compare(pair.got.view(), pair.reference.view(), pair.tolerance, pair.name);
+      INFO(r.message);
+      CHECK(r.ok);
+    }
+    if (device_is_sm90()) CHECK(differs_somewhere(first.dq.view(), mma.dq.view()));
+  }
 }
 
 }  // namespace

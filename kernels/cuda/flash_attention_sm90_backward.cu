@@ -1,0 +1,600 @@
+// Hopper flash attention backward (see flash_attention_sm90.h; the CPU reference is the spec).
+// Deterministic, no atomics: each output row is written once, by one CTA, summed in a fixed order.
+//
+// With P = 2^(S scale log2e - lse log2e) (S = Q K^T; lse saved by the forward), dP = dO V^T and
+// delta = rowsum(dO * O):  dS = P (dP - delta),  dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K.
+// Three launches:
+//   prep:  delta and lse log2e, head-major ([heads][tokens], rows padded to 16 bytes) so that the
+//          dK/dV kernel can stream them by TMA beside the query tiles.
+//   dK/dV: one CTA per (128 keys, head): warpgroups 1 and 2 own 64 keys each and keep dK, dV in
+//          registers; the producer streams tiles of kBlockM queries (Q, dO, lse, delta) from the
+//          block's first key to the end of its last key's segment. Per tile, per warpgroup:
+//            S^T = K Q^T, dP^T = V dO^T   wgmma from shared memory (K-major)
+//            P^T, dS^T                    in registers, F32
+//            dV += P^T dO, dK += dS^T Q   wgmma with P^T / dS^T from registers, Q / dO MN-major
+//   dQ:    one CTA per (128 queries, head), as the forward: warpgroups own 64 queries, the
+//          producer streams 64-key tiles of K and V from the segment start of the first query:
+//            S = Q K^T, dP = dO V^T       wgmma from shared memory
+//            dQ += dS K                   dS from registers, K MN-major
+// (dQ recomputes S and dP instead of summing partial dQ of the dK/dV CTAs: 7 matmuls instead of
+// 5, but no atomics and no F32 partials in memory.)
+// Masking is per (query t, key s), visible iff start(t) <= s <= t, equivalently t >= s and
+// t < end(s): the dQ pass finds start(t) once per row, the dK/dV pass end(s) once per key; tiles
+// wholly inside the visible region skip the mask.
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/flash_attention_sm90.h"
+#include "kernels/cuda/flash_attention_sm90_common.cuh"
+
+namespace moetrain::kernels::cuda_ops {
+namespace flash_sm90 {
+namespace {
+
+// Head-major F32 rows: [heads][row_stride], row_stride = tokens rounded up to 4 (16 bytes, TMA).
+int64_t head_row_stride(int64_t tokens) { return (tokens + 3) / 4 * 4; }
+
+struct BackwardParams {
+  bf16* dq = nullptr;
+  bf16* dk = nullptr;
+  bf16* dv = nullptr;
+  const float* lse_log2 = nullptr;  // [heads][row_stride]
+  const float* delta = nullptr;     // [heads][row_stride]
+  const int32_t* cu_seqlens = nullptr;
+  int tokens = 0;
+  int heads = 0;
+  int num_segments = 0;
+  int row_stride = 0;
+  float scale = 0.0f;
+  float scale_log2 = 0.0f;
+};
+
+// ---------------------------------------------------------------------------------------------
+// prep: one warp per (head, token), consecutive warps on consecutive tokens of a head.
+
+constexpr int kPrepThreads = 256;
+
+__global__ void flash_attention_backward_prep_kernel(float* delta, float* lse_log2, const bf16* dout, const bf16* out,
+                                                     const float* lse, int tokens, int heads, int v_dim,
+                                                     int row_stride) {
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= static_cast<int64_t>(tokens) * heads) return;
+  const int head = static_cast<int>(w / tokens), t = static_cast<int>(w % tokens);
+  const int64_t row = static_cast<int64_t>(t) * heads + head;
+  const bf16* g = dout + row * v_dim;
+  const bf16* o = out + row * v_dim;
+  float sum = 0.0f;
+  for (int c = 2 * lane; c < v_dim; c += 64) {  // v_dim is even (64 or 128)
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(g + c));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + c));
+    sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+  }
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) {
+    delta[static_cast<int64_t>(head) * row_stride + t] = sum;
+    lse_log2[static_cast<int64_t>(head) * row_stride + t] = lse[row] * kLog2e;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK/dV
+
+template <int kQk, int kV>
+struct DkdvTiling {
+  static constexpr int kBlockN = kConsumerWarpgroups * kWarpgroupRows;  // 128 keys
+  // Queries per step: 64, or 32 for qk 192 (dK's 96 and dV's 64 accumulator registers per thread
+  // leave room for 2 x 16 score registers only).
+  static constexpr int kBlockM = kQk > 128 ? 32 : 64;
+  static constexpr int kStages = kBlockM == 32 ? 4 : 3;
+  using KTile = SwizzledTile<kBlockN, kQk>;
+  using VTile = SwizzledTile<kBlockN, kV>;
+  using QTile = SwizzledTile<kBlockM, kQk>;
+  using DoTile = SwizzledTile<kBlockM, kV>;
+  static constexpr int kRowBytes = kBlockM * sizeof(float);  // lse or delta of one step
+  static constexpr int kVOffset = KTile::kBytes;
+  static constexpr int kQOffset = kVOffset + VTile::kBytes;
+  static constexpr int kDoOffset = kQOffset + kStages * QTile::kBytes;
+  static constexpr int kLseOffset = kDoOffset + kStages * DoTile::kBytes;
+  static constexpr int kDeltaOffset = kLseOffset + kStages * kRowBytes;
+  static constexpr int kBarrierOffset = kDeltaOffset + kStages * kRowBytes;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[], do_full[], empty[]
+  static constexpr size_t kSmemBytes = kSmemAlignment + kBarrierOffset + kBarriers * sizeof(uint64_t);
+  static_assert(kSmemBytes <= kMaxSmemBytes, "the dK/dV stages must fit in shared memory");
+  static_assert(kRowBytes % 128 == 0, "TMA destinations of the lse/delta rows stay 128-byte aligned");
+};
+
+template <int kQk, int kV>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_attention_backward_dkdv_sm90_bf16_kernel(const __grid_constant__ CUtensorMap k_map,
+                                                   const __grid_constant__ CUtensorMap v_map,
+                                                   const __grid_constant__ CUtensorMap q_map,
+                                                   const __grid_constant__ CUtensorMap dout_map,
+                                                   const __grid_constant__ CUtensorMap lse_map,
+                                                   const __grid_constant__ CUtensorMap delta_map,
+                                                   const BackwardParams p) {
+  using T = DkdvTiling<kQk, kV>;
+  using KTile = typename T::KTile;
+  using VTile = typename T::VTile;
+  using QTile = typename T::QTile;
+  using DoTile = typename T::DoTile;
+  constexpr int kBlockM = T::kBlockM;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = align_to_swizzle(smem_raw);
+  unsigned char* k_st = smem;
+  unsigned char* v_st = smem + T::kVOffset;
+  unsigned char* q_st = smem + T::kQOffset;    // [kStages]
+  unsigned char* do_st = smem + T::kDoOffset;  // [kStages]
+  float* lse_st = reinterpret_cast<float*>(smem + T::kLseOffset);      // [kStages][kBlockM]
+  float* delta_st = reinterpret_cast<float*>(smem + T::kDeltaOffset);  // [kStages][kBlockM]
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
+  uint64_t* q_full = kv_full + 1;
+  uint64_t* do_full = q_full + T::kStages;
+  uint64_t* empty = do_full + T::kStages;
+
+  const int head = blockIdx.y;
+  const int n0 = blockIdx.x * T::kBlockN;  // causal: the first key blocks see the most queries
+  const int last_key = min(n0 + T::kBlockN, p.tokens) - 1;
+  // Queries that see these keys: from the first key to the end of the last key's segment.
+  const int query_end = segment_end(p.cu_seqlens, p.num_segments, last_key, p.tokens);
+  const int n_steps = (query_end - n0 + kBlockM - 1) / kBlockM;
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(kv_full, 1);
+    for (int s = 0; s < T::kStages; ++s) {
+      sm90::barrier_init(&q_full[s], 1);
+      sm90::barrier_init(&do_full[s], 1);
+      sm90::barrier_init(&empty[s], kConsumerWarps);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 4) {
+    sm90::registers_release<kProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    for (const CUtensorMap* map : {&k_map, &v_map, &q_map, &dout_map, &lse_map, &delta_map}) {
+      sm90::tma_prefetch_descriptor(map);
+    }
+    sm90::barrier_arrive_expect_bytes(kv_full, KTile::kBytes + VTile::kBytes);
+    load_tile<KTile>(k_st, &k_map, kv_full, head, n0);
+    load_tile<VTile>(v_st, &v_map, kv_full, head, n0);
+    RingPosition<T::kStages> ring;
+    for (int i = 0; i < n_steps; ++i) {
+      const int m0 = n0 + i * kBlockM;
+      const int stage = ring.stage;
+      producer_wait(&empty[stage], ring.phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(&q_full[stage], QTile::kBytes + T::kRowBytes);
+      load_tile<QTile>(q_st + stage * QTile::kBytes, &q_map, &q_full[stage], head, m0);
+      sm90::tma_load_2d(lse_st + stage * kBlockM, &lse_map, &q_full[stage], m0, head);
+      sm90::barrier_arrive_expect_bytes(&do_full[stage], DoTile::kBytes + T::kRowBytes);
+      load_tile<DoTile>(do_st + stage * DoTile::kBytes, &dout_map, &do_full[stage], head, m0);
+      sm90::tma_load_2d(delta_st + stage * kBlockM, &delta_map, &do_full[stage], m0, head);
+      ring.advance();
+    }
+    drain_ring(empty, ring);
+    return;
+  }
+
+  sm90::registers_claim<kConsumerRegisters>();
+  const int wg = warp / 4 - 1;
+  const int quad = lane % 4;
+  const int wg_key0 = n0 + wg * kWarpgroupRows;
+  // This thread's keys (rows g and g + 8 of its warp's 16) and the ends of their segments: query t
+  // sees key s iff s <= t < end(s). Keys past the tokens see nothing (end = the key).
+  int key[2], key_end[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    key[h] = wg_key0 + (warp % 4) * 16 + lane / 4 + 8 * h;
+    key_end[h] = key[h] < p.tokens ? segment_end(p.cu_seqlens, p.num_segments, key[h], p.tokens) : key[h];
+  }
+  // Ends are monotone in s: the warpgroup's first key has the earliest.
+  const int wg_min_key_end =
+      wg_key0 < p.tokens ? segment_end(p.cu_seqlens, p.num_segments, wg_key0, p.tokens) : wg_key0;
+  auto needs_mask = [&](int m0) { return !(m0 >= wg_key0 + kWarpgroupRows - 1 && m0 + kBlockM <= wg_min_key_end); };
+  const uint32_t k_base = sm90::smem_address(k_st);
+  const uint32_t v_base = sm90::smem_address(v_st);
+  const uint32_t q_base = sm90::smem_address(q_st);
+  const uint32_t do_base = sm90::smem_address(do_st);
+
+  float dk[kQk / 2], dv[kV / 2];
+  zero(dk);
+  zero(dv);
+  float pt[kBlockM / 2], dpt[kBlockM / 2];  // P^T and dP^T (then dS^T): keys x queries
+  uint32_t pf[kBlockM / 16][4], dsf[kBlockM / 16][4];
+
+  sm90::barrier_wait(kv_full, 0);
+  RingPosition<T::kStages> ring;
+  for (int i = 0; i < n_steps; ++i) {
+    const int m0 = n0 + i * kBlockM;
+    const int stage = ring.stage;
+    const uint32_t q_stage = q_base + stage * QTile::kBytes;
+    const uint32_t do_stage = do_base + stage * DoTile::kBytes;
+    const float* lse_row = lse_st + stage * kBlockM;
+    const float* delta_row = delta_st + stage * kBlockM;
+
+    sm90::barrier_wait(&q_full[stage], ring.phase);
+    sm90::fence_registers(pt);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQk / 16; ++kk) {
+      sm90::Wgmma<kBlockM>::template mma<0, 0>(pt, KTile::k_major(k_base, wg * kWarpgroupRows, kk),
+                                               QTile::k_major(q_stage, 0, kk), kk > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit();
+    sm90::barrier_wait(&do_full[stage], ring.phase);
+    sm90::fence_registers(dpt);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kV / 16; ++kk) {
+      sm90::Wgmma<kBlockM>::template mma<0, 0>(dpt, VTile::k_major(v_base, wg * kWarpgroupRows, kk),
+                                               DoTile::k_major(do_stage, 0, kk), kk > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit();
+
+    sm90::wgmma_wait<1>();  // S^T is done
+    sm90::fence_registers(pt);
+    // P^T = 2^(S^T scale log2e - lse log2e); column 8j + 2c + e is query m0 + 8j + 2c + e.
+    auto probabilities = [&](auto masked) {
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 lse = *reinterpret_cast<const float2*>(lse_row + 8 * j + 2 * quad);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = pt[4 * j + 2 * h + e];
+            x = fast_exp2(fmaf(x, p.scale_log2, -(e == 0 ? lse.x : lse.y)));
+            if constexpr (decltype(masked)::value) {
+              const int t = m0 + 8 * j + 2 * quad + e;
+              if (t < key[h] || t >= key_end[h]) x = 0.0f;
+            }
+          }
+        }
+      }
+    };
+    if (needs_mask(m0)) {
+      probabilities(std::true_type{});
+    } else {
+      probabilities(std::false_type{});
+    }
+    accumulator_to_fragments<kBlockM>(pf, pt);
+
+    sm90::wgmma_wait<0>();  // dP^T is done
+    sm90::fence_registers(dpt);
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 delta = *reinterpret_cast<const float2*>(delta_row + 8 * j + 2 * quad);
+#pragma unroll
+      for (int i2 = 0; i2 < 4; ++i2) {
+        const int idx = 4 * j + i2;
+        dpt[idx] = pt[idx] * (dpt[idx] - ((i2 & 1) == 0 ? delta.x : delta.y));
+      }
+    }
+    accumulator_to_fragments<kBlockM>(dsf, dpt);
+
+    // dV += P^T dO and dK += dS^T Q, the step's queries as the contraction (Q, dO MN-major).
+    sm90::fence_registers(dv);
+    sm90::fence_registers(dk);
+    fence_fragments(pf);
+    fence_fragments(dsf);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      sm90::WgmmaRegisterA<kV>::template mma<1>(dv, pf[kk], DoTile::mn_major(do_stage, kk), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      sm90::WgmmaRegisterA<kQk>::template mma<1>(dk, dsf[kk], QTile::mn_major(q_stage, kk), 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(dv);
+    sm90::fence_registers(dk);
+    fence_fragments(pf);
+    fence_fragments(dsf);
+    release_stage(&empty[stage], lane);
+    ring.advance();
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (key[h] >= p.tokens) continue;
+    const int64_t row = static_cast<int64_t>(key[h]) * p.heads + head;
+    store_row_bf16<kQk>(p.dk + row * kQk, dk, h, p.scale, quad);
+    store_row_bf16<kV>(p.dv + row * kV, dv, h, 1.0f, quad);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ
+
+template <int kQk, int kV>
+struct DqTiling {
+  static constexpr int kBlockM = kConsumerWarpgroups * kWarpgroupRows;  // 128 queries
+  static constexpr int kBlockN = 64;                                    // keys per tile
+  static constexpr int kStages = 3;
+  using QTile = SwizzledTile<kBlockM, kQk>;
+  using DoTile = SwizzledTile<kBlockM, kV>;
+  using KTile = SwizzledTile<kBlockN, kQk>;
+  using VTile = SwizzledTile<kBlockN, kV>;
+  static constexpr int kDoOffset = QTile::kBytes;
+  static constexpr int kKOffset = kDoOffset + DoTile::kBytes;
+  static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * VTile::kBytes;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full (Q and dO), k_full[], v_full[], empty[]
+  static constexpr size_t kSmemBytes = kSmemAlignment + kBarrierOffset + kBarriers * sizeof(uint64_t);
+  static_assert(kSmemBytes <= kMaxSmemBytes, "the dQ stages must fit in shared memory");
+};
+
+template <int kQk, int kV>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_attention_backward_dq_sm90_bf16_kernel(const __grid_constant__ CUtensorMap q_map,
+                                                 const __grid_constant__ CUtensorMap dout_map,
+                                                 const __grid_constant__ CUtensorMap k_map,
+                                                 const __grid_constant__ CUtensorMap v_map, const BackwardParams p) {
+  using T = DqTiling<kQk, kV>;
+  using QTile = typename T::QTile;
+  using DoTile = typename T::DoTile;
+  using KTile = typename T::KTile;
+  using VTile = typename T::VTile;
+  constexpr int kBlockN = T::kBlockN;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = align_to_swizzle(smem_raw);
+  unsigned char* q_st = smem;
+  unsigned char* do_st = smem + T::kDoOffset;
+  unsigned char* k_st = smem + T::kKOffset;  // [kStages]
+  unsigned char* v_st = smem + T::kVOffset;  // [kStages]
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* v_full = k_full + T::kStages;
+  uint64_t* empty = v_full + T::kStages;
+
+  const int head = blockIdx.y;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * T::kBlockM;  // the longest blocks first
+  const int row_end = min(m0 + T::kBlockM, p.tokens);
+  const int kv_begin = segment_start(p.cu_seqlens, p.num_segments, m0);
+  const int n_tiles = (row_end - kv_begin + kBlockN - 1) / kBlockN;
+
+  if (threadIdx.x == 0) {
+    sm90::barrier_init(q_full, 1);
+    for (int s = 0; s < T::kStages; ++s) {
+      sm90::barrier_init(&k_full[s], 1);
+      sm90::barrier_init(&v_full[s], 1);
+      sm90::barrier_init(&empty[s], kConsumerWarps);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 4) {
+    sm90::registers_release<kProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    for (const CUtensorMap* map : {&q_map, &dout_map, &k_map, &v_map}) sm90::tma_prefetch_descriptor(map);
+    sm90::barrier_arrive_expect_bytes(q_full, QTile::kBytes + DoTile::kBytes);
+    load_tile<QTile>(q_st, &q_map, q_full, head, m0);
+    load_tile<DoTile>(do_st, &dout_map, q_full, head, m0);
+    RingPosition<T::kStages> ring;
+    for (int j = 0; j < n_tiles; ++j) {
+      const int n0 = kv_begin + j * kBlockN;
+      producer_wait(&empty[ring.stage], ring.phase ^ 1);
+      sm90::barrier_arrive_expect_bytes(&k_full[ring.stage], KTile::kBytes);
+      load_tile<KTile>(k_st + ring.stage * KTile::kBytes, &k_map, &k_full[ring.stage], head, n0);
+      sm90::barrier_arrive_expect_bytes(&v_full[ring.stage], VTile::kBytes);
+      load_tile<VTile>(v_st + ring.stage * VTile::kBytes, &v_map, &v_full[ring.stage], head, n0);
+      ring.advance();
+    }
+    drain_ring(empty, ring);
+    return;
+  }
+
+  sm90::registers_claim<kConsumerRegisters>();
+  const int wg = warp / 4 - 1;
+  const int quad = lane % 4;
+  const int wg_m0 = m0 + wg * kWarpgroupRows;
+  const int last_valid = p.tokens - 1;
+  int row[2], row_start[2];
+  float row_lse[2], row_delta[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row[h] = wg_m0 + (warp % 4) * 16 + lane / 4 + 8 * h;
+    row_start[h] = segment_start(p.cu_seqlens, p.num_segments, min(row[h], last_valid));
+    // Rows past the tokens are computed but never stored.
+    const bool valid = row[h] < p.tokens;
+    const int64_t at = static_cast<int64_t>(head) * p.row_stride + row[h];
+    row_lse[h] = valid ? p.lse_log2[at] : 0.0f;
+    row_delta[h] = valid ? p.delta[at] : 0.0f;
+  }
+  const int wg_last_row_start =
+      segment_start(p.cu_seqlens, p.num_segments, min(wg_m0 + kWarpgroupRows - 1, last_valid));
+  auto needs_mask = [&](int n0) { return !(n0 + kBlockN - 1 <= wg_m0 && n0 >= wg_last_row_start); };
+  const uint32_t q_base = sm90::smem_address(q_st);
+  const uint32_t do_base = sm90::smem_address(do_st);
+  const uint32_t k_base = sm90::smem_address(k_st);
+  const uint32_t v_base = sm90::smem_address(v_st);
+
+  float dq[kQk / 2];
+  zero(dq);
+  float s[kBlockN / 2], dp[kBlockN / 2];
+  uint32_t dsf[kBlockN / 16][4];
+
+  sm90::barrier_wait(q_full, 0);
+  RingPosition<T::kStages> ring;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int n0 = kv_begin + j * kBlockN;
+    const int stage = ring.stage;
+    const uint32_t k_stage = k_base + stage * KTile::kBytes;
+    const uint32_t v_stage = v_base + stage * VTile::kBytes;
+
+    sm90::barrier_wait(&k_full[stage], ring.phase);
+    sm90::fence_registers(s);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQk / 16; ++kk) {
+      sm90::Wgmma<kBlockN>::template mma<0, 0>(s, QTile::k_major(q_base, wg * kWarpgroupRows, kk),
+                                               KTile::k_major(k_stage, 0, kk), kk > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit();
+    sm90::barrier_wait(&v_full[stage], ring.phase);
+    sm90::fence_registers(dp);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kV / 16; ++kk) {
+      sm90::Wgmma<kBlockN>::template mma<0, 0>(dp, DoTile::k_major(do_base, wg * kWarpgroupRows, kk),
+                                               VTile::k_major(v_stage, 0, kk), kk > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit();
+
+    sm90::wgmma_wait<1>();  // S is done
+    sm90::fence_registers(s);
+    auto probabilities = [&](auto masked) {
+#pragma unroll
+      for (int j2 = 0; j2 < kBlockN / 8; ++j2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * j2 + 2 * h + e];
+            x = fast_exp2(fmaf(x, p.scale_log2, -row_lse[h]));
+            if constexpr (decltype(masked)::value) {
+              const int key = n0 + 8 * j2 + 2 * quad + e;
+              if (key > row[h] || key < row_start[h]) x = 0.0f;
+            }
+          }
+        }
+      }
+    };
+    if (needs_mask(n0)) {
+      probabilities(std::true_type{});
+    } else {
+      probabilities(std::false_type{});
+    }
+
+    sm90::wgmma_wait<0>();  // dP is done
+    sm90::fence_registers(dp);
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) dp[i] = s[i] * (dp[i] - row_delta[(i >> 1) & 1]);
+    accumulator_to_fragments<kBlockN>(dsf, dp);
+
+    // dQ += dS K, the tile's keys as the contraction (K MN-major).
+    sm90::fence_registers(dq);
+    fence_fragments(dsf);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      sm90::WgmmaRegisterA<kQk>::template mma<1>(dq, dsf[kk], KTile::mn_major(k_stage, kk), 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(dq);
+    fence_fragments(dsf);
+    release_stage(&empty[stage], lane);
+    ring.advance();
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (row[h] >= p.tokens) continue;
+    const int64_t at = static_cast<int64_t>(row[h]) * p.heads + head;
+    store_row_bf16<kQk>(p.dq + at * kQk, dq, h, p.scale, quad);
+  }
+}
+
+template <typename F>
+void dispatch_dims(int qk_dim, F&& f) {
+  if (qk_dim == 64) {
+    f(std::integral_constant<int, 64>{}, std::integral_constant<int, 64>{});
+  } else if (qk_dim == 128) {
+    f(std::integral_constant<int, 128>{}, std::integral_constant<int, 128>{});
+  } else {
+    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 128>{});
+  }
+}
+
+}  // namespace
+}  // namespace flash_sm90
+
+bool flash_attention_sm90_backward_supported(const AttentionBackwardArgs& args) {
+  using namespace flash_sm90;
+  if (!flash_enabled_by_environment()) return false;
+  for (const TensorView* t : {&args.q, &args.k, &args.v, &args.out, &args.dout, &args.dq, &args.dk, &args.dv}) {
+    if (!flash_bf16_operand(*t)) return false;
+  }
+  if (!flash_head_dims(args.q, args.v) || !flash_shape_fits(args.q, args.scale)) return false;
+  static const bool runs = sm90_kernel_runs_here(flash_attention_backward_dq_sm90_bf16_kernel<128, 128>);
+  return runs;
+}
+
+void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream_t stream) {
+  using namespace flash_sm90;
+  const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2), v_dim = args.v.size(2);
+  if (tokens == 0) return;
+  const int64_t row_stride = head_row_stride(tokens);
+  // lse log2e and delta live in stream-ordered scratch, freed on the stream after the passes.
+  float* rows = nullptr;
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&rows), 2 * heads * row_stride * sizeof(float), stream));
+  float* lse_log2 = rows;
+  float* delta = rows + heads * row_stride;
+  const int64_t warps = tokens * heads;
+  const unsigned prep_blocks = static_cast<unsigned>((warps * 32 + kPrepThreads - 1) / kPrepThreads);
+  flash_attention_backward_prep_kernel<<<prep_blocks, kPrepThreads, 0, stream>>>(
+      delta, lse_log2, static_cast<const bf16*>(args.dout.data), static_cast<const bf16*>(args.out.data),
+      static_cast<const float*>(args.lse.data), static_cast<int>(tokens), static_cast<int>(heads),
+      static_cast<int>(v_dim), static_cast<int>(row_stride));
+  CUDA_CHECK_LAUNCH();
+
+  BackwardParams p;
+  p.dq = static_cast<bf16*>(args.dq.data);
+  p.dk = static_cast<bf16*>(args.dk.data);
+  p.dv = static_cast<bf16*>(args.dv.data);
+  p.lse_log2 = lse_log2;
+  p.delta = delta;
+  p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
+  p.tokens = static_cast<int>(tokens);
+  p.heads = static_cast<int>(heads);
+  p.num_segments = static_cast<int>(args.cu_seqlens.numel() - 1);
+  p.row_stride = static_cast<int>(row_stride);
+  p.scale = static_cast<float>(args.scale);
+  p.scale_log2 = p.scale * kLog2e;
+  dispatch_dims(static_cast<int>(qk_dim), [&](auto qk, auto v) {
+    constexpr int kQk = decltype(qk)::value, kV = decltype(v)::value;
+    {
+      using T = DkdvTiling<kQk, kV>;
+      const CUtensorMap k_map = token_tile_map(args.k.data, tokens, heads, qk_dim, T::kBlockN);
+      const CUtensorMap v_map = token_tile_map(args.v.data, tokens, heads, v_dim, T::kBlockN);
+      const CUtensorMap q_map = token_tile_map(args.q.data, tokens, heads, qk_dim, T::kBlockM);
+      const CUtensorMap dout_map = token_tile_map(args.dout.data, tokens, heads, v_dim, T::kBlockM);
+      const CUtensorMap lse_map = head_row_map(lse_log2, tokens, heads, row_stride, T::kBlockM);
+      const CUtensorMap delta_map = head_row_map(delta, tokens, heads, row_stride, T::kBlockM);
+      auto kernel = flash_attention_backward_dkdv_sm90_bf16_kernel<kQk, kV>;
+      static bool smem_allowed[64] = {};
+      allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
+      const dim3 grid(static_cast<unsigned>((tokens + T::kBlockN - 1) / T::kBlockN), static_cast<unsigned>(heads));
+      kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(k_map, v_map, q_map, dout_map, lse_map, delta_map, p);
+      CUDA_CHECK_LAUNCH();
+    }
+    {
+      using T = DqTiling<kQk, kV>;
+      const CUtensorMap q_map = token_tile_map(args.q.data, tokens, heads, qk_dim, T::kBlockM);
+      const CUtensorMap dout_map = token_tile_map(args.dout.data, tokens, heads, v_dim, T::kBlockM);
+      const CUtensorMap k_map = token_tile_map(args.k.data, tokens, heads, qk_dim, T::kBlockN);
+      const CUtensorMap v_map = token_tile_map(args.v.data, tokens, heads, v_dim, T::kBlockN);
+      auto kernel = flash_attention_backward_dq_sm90_bf16_kernel<kQk, kV>;
+      static bool smem_allowed[64] = {};
+      allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
+      const dim3 grid(static_cast<unsigned>((tokens + T::kBlockM - 1) / T::kBlockM), static_cast<unsigned>(heads));
+      kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(q_map, dout_map, k_map, v_map, p);
+      CUDA_CHECK_LAUNCH();
+    }
+  });
+  CUDA_CHECK(cudaFreeAsync(rows, stream));
+}
+
+}  // namespace moetrain::kernels::cuda_ops
