@@ -34,6 +34,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/dense.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/dsa.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/kda.h"
 #include "kernels/cuda/kda_gate.h"
@@ -757,23 +758,110 @@ class CudaBackend final : public Backend {
   }
   // ---- KDA end
 
-  // ---- DSA placeholder: BEGIN (replaced by the CUDA DSA kernels; the CPU reference is kernels/cpu/dsa.h) ----
-  [[noreturn]] static void dsa_not_implemented(const char* op) {
-    fail(op, "dsa ops are not implemented on CUDA yet");
+  // ---- DSA (kernels/cuda/dsa*.cu, sparse_attention.cu; the CPU reference is kernels/cpu/dsa.h) ----
+  void layernorm_forward(const LayerNormArgs& args) override {
+    const char* op = "layernorm_forward";
+    expect_float(op, "y", args.y);
+    expect_float(op, "x", args.x);
+    expect_float(op, "weight", args.weight);
+    expect_float(op, "bias", args.bias);
+    expect_layernorm_shapes(op, args);
+    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    cuda_ops::layernorm_forward(args, stream_);
   }
-  void layernorm_forward(const LayerNormArgs&) override { dsa_not_implemented("layernorm_forward"); }
-  void dsa_indexer_topk(const DsaIndexerArgs&) override { dsa_not_implemented("dsa_indexer_topk"); }
-  void sparse_attention_forward(const SparseAttentionArgs&) override {
-    dsa_not_implemented("sparse_attention_forward");
+
+  void dsa_indexer_topk(const DsaIndexerArgs& args) override {
+    const char* op = "dsa_indexer_topk";
+    expect_float(op, "q", args.q);
+    expect_float(op, "k", args.k);
+    expect_f32(op, "weights", args.weights);
+    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
+    expect_dsa_indexer_shapes(op, args);
+    check_segments(op, args.cu_seqlens);
+    expect(args.q.size(2) <= cuda_ops::kDsaMaxIndexerDim, op,
+           describe("q", args.q) + ": the CUDA indexer takes head dims up to " +
+               std::to_string(cuda_ops::kDsaMaxIndexerDim));
+    expect(args.q.size(0) <= kMaxInt32, op, describe("q", args.q) + ": more tokens than int32 topk_index can name");
+    cuda_ops::dsa_indexer_topk(args, scratch_, stream_);
   }
-  void sparse_attention_backward(const SparseAttentionBackwardArgs&) override {
-    dsa_not_implemented("sparse_attention_backward");
+
+  void sparse_attention_forward(const SparseAttentionArgs& args) override {
+    const char* op = "sparse_attention_forward";
+    expect_float(op, "out", args.out);
+    expect_float(op, "q", args.q);
+    expect_float(op, "kv", args.kv);
+    expect_f32(op, "lse", args.lse);
+    check_sparse_attention(op, args.q, args.kv, args.out, args.lse, args.topk_index);
+    cuda_ops::sparse_attention_forward(args, stream_);
   }
-  void attention_gate_forward(const AttentionGateArgs&) override { dsa_not_implemented("attention_gate_forward"); }
-  void attention_gate_backward(const AttentionGateBackwardArgs&) override {
-    dsa_not_implemented("attention_gate_backward");
+
+  void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override {
+    const char* op = "sparse_attention_backward";
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &args.dq},
+                                  {"dkv", &args.dkv}, {"dout", &args.dout}, {"q", &args.q}, {"kv", &args.kv},
+                                  {"out", &args.out}})
+      expect_float(op, name, *t);
+    expect_f32(op, "lse", args.lse);
+    check_sparse_attention(op, args.q, args.kv, args.out, args.lse, args.topk_index);
+    expect_shape(op, "dout", args.dout, args.out.shape);
+    expect_shape(op, "dq", args.dq, args.q.shape);
+    expect_shape(op, "dkv", args.dkv, args.kv.shape);
+    // dq is written while other queries still read their inputs, and an F32 dkv is zeroed first
+    // (it is the accumulator): neither may share memory with an input.
+    for (const TensorView* written : {&args.dq, &args.dkv})
+      for (const TensorView* read : {&args.dout, &args.q, &args.kv, &args.out, &args.lse})
+        expect(written->data == nullptr || written->data != read->data, op,
+               "dq and dkv must not share memory with dout, q, kv, out or lse");
+    expect(args.q.size(0) * args.topk_index.size(1) <= kMaxInt32, op,
+           describe("topk_index", args.topk_index) + ": more entries than the int32 inverse index holds");
+    cuda_ops::sparse_attention_backward(args, scratch_, stream_);
   }
-  // ---- DSA placeholder: END ----
+
+  void attention_gate_forward(const AttentionGateArgs& args) override {
+    const char* op = "attention_gate_forward";
+    expect_float(op, "y", args.y);
+    expect_float(op, "x", args.x);
+    expect_float(op, "gate", args.gate);
+    expect_attention_gate_shapes(op, "y", args.y, args.x, args.gate, args.headwise);
+    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    // A headwise gate is read by a whole row of y: y must not overwrite it.
+    expect(args.y.data != args.gate.data || args.y.data == nullptr, op, "y and gate are the same memory");
+    cuda_ops::attention_gate_forward(args, stream_);
+  }
+
+  void attention_gate_backward(const AttentionGateBackwardArgs& args) override {
+    const char* op = "attention_gate_backward";
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dx", &args.dx},
+                                  {"dgate", &args.dgate}, {"dy", &args.dy}, {"x", &args.x}, {"gate", &args.gate}})
+      expect_float(op, name, *t);
+    expect_attention_gate_shapes(op, "dy", args.dy, args.x, args.gate, args.headwise);
+    expect_shape(op, "dx", args.dx, args.x.shape);
+    expect_shape(op, "dgate", args.dgate, args.gate.shape);
+    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
+    // dx may overwrite dy (each element is read before it is written), nothing else may alias.
+    for (const void* input : {args.x.data, args.gate.data, args.dgate.data})
+      expect(args.dx.data != input || args.dx.data == nullptr, op, "dx shares memory with x, gate or dgate");
+    for (const void* input : {args.dy.data, args.x.data, args.gate.data})
+      expect(args.dgate.data != input || args.dgate.data == nullptr, op, "dgate shares memory with dy, x or gate");
+    cuda_ops::attention_gate_backward(args, stream_);
+  }
+
+  // Token indices and inverse-index positions are int32.
+  static constexpr int64_t kMaxInt32 = 2147483647;
+
+  // q [tokens, heads, qk_dim], kv [tokens, qk_dim], out [tokens, heads, v_dim], lse, int32 topk_index;
+  // head dims within what the kernels hold.
+  static void check_sparse_attention(const char* op, const TensorView& q, const TensorView& kv, const TensorView& out,
+                                     const TensorView& lse, const TensorView& topk_index) {
+    expect_dtype(op, "topk_index", topk_index, DType::kI32);
+    expect_sparse_attention_shapes(op, q, kv, "out", out, lse, topk_index);
+    expect(q.size(2) <= cuda_ops::kSparseMaxQkDim && out.size(2) <= cuda_ops::kSparseMaxVDim, op,
+           describe("q", q) + ", " + describe("out", out) + ": the CUDA sparse attention takes qk_dim up to " +
+               std::to_string(cuda_ops::kSparseMaxQkDim) + " and v_dim up to " +
+               std::to_string(cuda_ops::kSparseMaxVDim));
+    expect(q.size(0) <= kMaxInt32, op, describe("q", q) + ": more tokens than int32 topk_index can name");
+  }
+  // ---- DSA end
 
  private:
   static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
