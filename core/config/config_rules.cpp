@@ -21,11 +21,13 @@ const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
 // Module names LoRA can wrap (the checkpoints' names for DeepSeek/Kimi modules). `experts` means
 // every routed expert's gate/up/down projections, `shared_experts` the shared experts'. KDA's
 // projections: q/k/v_proj (qkv_proj when fused), f_a/f_b_proj (forget gate), b_proj (beta),
-// g_a/g_b_proj or g_proj (output gate), o_proj.
+// g_a/g_b_proj or g_proj (output gate), o_proj. Kimi K3's latent MoE: routed_expert_down_proj /
+// routed_expert_up_proj.
 const std::vector<std::string> kLoraTargets = {
     "q_a_proj", "q_b_proj", "q_proj",   "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",  "k_proj",
     "v_proj",   "qkv_proj", "f_a_proj", "f_b_proj",           "b_proj",    "g_a_proj", "g_b_proj",
-    "g_proj",   "gate_proj", "up_proj", "down_proj",          "shared_experts", "experts"};
+    "g_proj",   "gate_proj", "up_proj", "down_proj",          "shared_experts", "experts",
+    "routed_expert_down_proj", "routed_expert_up_proj"};
 
 std::string join(const std::vector<std::string>& items, const char* separator) {
   std::string text;

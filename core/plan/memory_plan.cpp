@@ -28,8 +28,13 @@ double layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double c
   const double h = static_cast<double>(mla.num_heads);
   const double qk = static_cast<double>(mla.qk_nope_head_dim + mla.qk_rope_head_dim);
   const double v = static_cast<double>(mla.v_head_dim);
-  // Layer: normed_in, hidden, normed_mid [D] and two rstd.
+  // Layer: normed_in, hidden, normed_mid [D] and two rstd; with Block Attention Residuals the
+  // two mixed inputs [D] and their probabilities (one per summary and the running sum, F32).
   double bytes = 3 * d * a + 2 * kF32;
+  if (m.attn_res_block_size > 0) {
+    const double values = static_cast<double>(i / static_cast<size_t>(m.attn_res_block_size) + 2);
+    bytes += 2 * d * a + 2 * values * kF32;
+  }
   if (spec.mixers[i] == MixerKind::kKda) {
     // KdaAttention::Saved, c = H d: q/k/v before the conv (3c), after it (3c), q and k
     // normalised (2c), the forget gate's f (c) and f_a output (d), the KDA output (c), the output
@@ -70,8 +75,12 @@ double layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double c
     const double f = static_cast<double>(moe.expert_intermediate_size);
     bytes += e * a + k * a + k * kI32 * 3;  // scores, topk weight, topk index, sorted_pair, pair_row
     if (moe.aux_loss_coef > 0) bytes += e * a;
-    // Routed rows (received from the EP group): routed_x, routed_out, gate_up, SwiGLU output.
-    bytes += capacity * k * (2 * d + 3 * f) * a;
+    // Routed rows (received from the EP group): routed_x, routed_out, gate_up, SwiGLU output, at
+    // the latent width L for a latent MoE, which also keeps its projection z, the weighted sum y
+    // and its norm [L] (LatentMoeFfn::Saved).
+    const double rows = moe.latent_size > 0 ? static_cast<double>(moe.latent_size) : d;
+    bytes += capacity * k * (2 * rows + 3 * f) * a;
+    if (moe.latent_size > 0) bytes += 3 * rows * a + kF32;
     bytes += 3 * f * static_cast<double>(moe.num_shared_experts) * a;
   }
   return bytes;
@@ -198,6 +207,11 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       plan.ep > 1 ? static_cast<double>(plan.ep) * std::min<double>(k, static_cast<double>(plan.local_experts)) * d * a
                   : 0.0;
   for (bool recompute : {true, false}) {
+  // Block Attention Residuals: the final norm's mixed input [D], and through the backward the
+  // summaries' gradients, F32 [D] each (the summaries themselves are layer inputs, counted above).
+  const int64_t block = m.attn_res_block_size;
+  const double summaries = block > 0 ? static_cast<double>((m.num_layers + block - 1) / block) : 0.0;
+  const double attn_res_part = block > 0 ? static_cast<double>(m.hidden_size) * (a + summaries * kF32) : 0.0;
     std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
     add(items, "layer inputs (checkpoints)", checkpoint, "(layers + 1) x D x a");
     if (recompute) {
@@ -215,6 +229,8 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const double fsdp_frac = static_cast<double>(fsdp - 1) / static_cast<double>(fsdp);
   const double micro = static_cast<double>(plan.micro_batches);
   add(plan.communication, "FSDP all-gather of frozen weights",
+    add(items, "attention-residual summary gradients", attn_res_part,
+        fmt::format("D x (a + {:.0f} summaries x 4 B)", summaries));
       micro * 2 * static_cast<double>(p.non_expert()) * kBf16 * fsdp_frac,
       "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
   const double world_frac = (world - 1) / world;

@@ -18,7 +18,12 @@ ModelFlops::ModelFlops(const ModelSpec& spec, const LoraConfig& lora) {
   const double kv_rank = static_cast<double>(a.kv_lora_rank);
   const double mla_weights = q_weights + d * (kv_rank + static_cast<double>(a.qk_rope_head_dim)) +
                              kv_rank * heads * (static_cast<double>(a.qk_nope_head_dim) + v) + heads * v * d;
-  const double expert_weights = 3.0 * d * static_cast<double>(m.moe.expert_intermediate_size);
+  const double expert_intermediate = static_cast<double>(m.moe.expert_intermediate_size);
+  const double shared_weights = 3.0 * d * expert_intermediate;
+  // Latent MoE (K3): routed experts at the latent width, plus the down- and up-projection.
+  const double latent = static_cast<double>(m.moe.latent_size);
+  const double routed_weights = latent > 0 ? 3.0 * latent * expert_intermediate : shared_weights;
+  const double latent_weights = 2.0 * latent * d;
 
   // KDA's projections (the convs, gate and norms are elementwise, not counted) and its recurrence.
   const KdaConfig& k = m.kda;
@@ -58,7 +63,8 @@ ModelFlops::ModelFlops(const ModelSpec& spec, const LoraConfig& lora) {
     if (spec.ffns[l] == FfnKind::kDense) {
       frozen_per_token_ += 3.0 * d * static_cast<double>(m.intermediate_size);
     } else {
-      frozen_per_token_ += expert_weights * static_cast<double>(m.moe.top_k + m.moe.num_shared_experts) +
+      frozen_per_token_ += routed_weights * static_cast<double>(m.moe.top_k) +
+                           shared_weights * static_cast<double>(m.moe.num_shared_experts) + latent_weights +
                            d * static_cast<double>(m.moe.num_experts);  // + the router
     }
   }

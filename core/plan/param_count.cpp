@@ -113,12 +113,15 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec) {
   ModelParameterCount count;
   count.embedding = m.vocab_size * d;
   count.lm_head = m.tie_word_embeddings ? 0 : m.vocab_size * d;
-  count.final_norm = d;
+  // Block Attention Residuals: each depth mix has a norm weight and a query [D] (two per layer,
+  // one for the final norm's input).
+  const int64_t mix = m.attn_res_block_size > 0 ? 2 * d : 0;
+  count.final_norm = d + mix;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
     LayerParameterCount layer;
     layer.mixer_kind = spec.mixers[i];
     layer.ffn_kind = spec.ffns[i];
-    layer.norms = 2 * d;
+    layer.norms = 2 * d + 2 * mix;
     if (layer.mixer_kind == MixerKind::kKda) {
       layer.mixer = kda_weights(m);
     } else {
@@ -130,7 +133,12 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec) {
     } else {
       layer.router = moe.num_experts * d + (moe.score_correction_bias ? moe.num_experts : 0);
       layer.dense_ffn = swiglu_weights(d, moe.expert_intermediate_size * moe.num_shared_experts);
-      layer.routed_experts = moe.num_experts * swiglu_weights(d, moe.expert_intermediate_size);
+      // Latent MoE (K3): the routed experts run at the latent width L between a down- and an
+      // up-projection (frozen, counted with the shared experts) and an optional norm [L].
+      const int64_t latent = moe.latent_size;
+      if (latent > 0) layer.dense_ffn += 2 * latent * d + (moe.use_latent_norm ? latent : 0);
+      layer.routed_experts =
+          moe.num_experts * swiglu_weights(latent > 0 ? latent : d, moe.expert_intermediate_size);
     }
     count.layers.push_back(layer);
   }
@@ -145,12 +153,13 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
   const int64_t qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
   const std::set<std::string> targets(lora.targets.begin(), lora.targets.end());
   auto on = [&](const char* name) { return targets.count(name) > 0; };
-  // A SwiGLU block's adapters (gate, up: D -> F; down: F -> D), one group.
-  auto swiglu = [&](int64_t width, bool all) {
+  // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows), one group; rows is D, or
+  // the latent width for a latent MoE's routed experts.
+  auto swiglu = [&](int64_t width, bool all, int64_t rows) {
     int64_t n = 0;
-    if (all || on("gate_proj")) n += lora_pair(r, d, width);
-    if (all || on("up_proj")) n += lora_pair(r, d, width);
-    if (all || on("down_proj")) n += lora_pair(r, width, d);
+    if (all || on("gate_proj")) n += lora_pair(r, rows, width);
+    if (all || on("up_proj")) n += lora_pair(r, rows, width);
+    if (all || on("down_proj")) n += lora_pair(r, width, rows);
     return n;
   };
   LoraParameterCount count;
@@ -187,17 +196,22 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
       if (on("o_proj")) n += lora_pair(r, a.num_heads * a.v_head_dim, d);
     }
     if (spec.ffns[i] == FfnKind::kDense) {
-      n += swiglu(m.intermediate_size, false);
+      n += swiglu(m.intermediate_size, false, d);
     } else {
       ++count.num_moe_layers;
       if (m.moe.num_shared_experts > 0) {
-        n += swiglu(m.moe.expert_intermediate_size * m.moe.num_shared_experts, on("shared_experts"));
+        n += swiglu(m.moe.expert_intermediate_size * m.moe.num_shared_experts, on("shared_experts"), d);
       }
+      const int64_t latent = m.moe.latent_size;
+      if (latent > 0 && on("routed_expert_down_proj")) n += lora_pair(r, d, latent);
+      if (latent > 0 && on("routed_expert_up_proj")) n += lora_pair(r, latent, d);
       if (on("experts")) {
         const int64_t f = m.moe.expert_intermediate_size;
-        // lora.expert_gate_up: fused: one adapter of rank 2r on gate_up (D -> 2F) instead of two of rank r.
-        const int64_t per_expert = lora.expert_gate_up == "fused" ? lora_pair(2 * r, d, 2 * f) + lora_pair(r, f, d)
-                                                                  : swiglu(f, true);
+        const int64_t rows = latent > 0 ? latent : d;
+        // lora.expert_gate_up: fused: one adapter of rank 2r on gate_up (rows -> 2F) instead of two of rank r.
+        const int64_t per_expert = lora.expert_gate_up == "fused"
+                                       ? lora_pair(2 * r, rows, 2 * f) + lora_pair(r, f, rows)
+                                       : swiglu(f, true, rows);
         count.routed_expert_per_layer = m.moe.num_experts * per_expert;
       }
     }

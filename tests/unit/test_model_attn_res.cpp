@@ -11,6 +11,7 @@
 #include "core/base/error.h"
 #include "core/config/config.h"
 #include "core/model/model.h"
+#include "core/plan/param_count.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
@@ -124,6 +125,33 @@ TEST_CASE("attention residuals: the mix weights' checkpoint names and shapes", "
   CHECK(names.count("model.layers.0.mlp_res_proj.weight"));
   CHECK(names.count("model.output_attn_res_norm.weight"));
   CHECK(names.count("model.output_attn_res_proj.weight"));
+}
+
+TEST_CASE("the plan counts a tiny K3's weights and adapters as the model allocates them", "[model][plan]") {
+  // Latent MoE (projections, norm, experts at the latent width), the depth mixes, gated MLA, KDA:
+  // moetrain plan's formulas against the tensors the model holds.
+  for (int64_t block : {0, 2}) {
+    INFO("block " << block);
+    Config config = tiny_k3_config(block);
+    config.lora.rank = 3;
+    config.lora.targets = {"o_proj", "g_proj", "kv_b_proj", "q_proj", "routed_expert_up_proj",
+                           "routed_expert_down_proj", "shared_experts", "experts", "gate_proj"};
+    ModelSpec spec = resolve_model_spec(config);
+    auto backend = kernels::make_cpu_backend();
+    ModelOptions options;
+    options.dtype = DType::kF64;
+    options.lora = LoraSettings{3, 6.0, false};
+    options.lora_targets = config.lora.targets;
+    Model model(spec, *backend, options);
+    int64_t weights = 0, adapters = 0;
+    for (const WeightSlot& slot : model.weight_slots()) {
+      // The router's F32 score bias is kept whole beside the weights; the plan counts it too.
+      weights += slot.tensor->numel();
+    }
+    for (Parameter* p : model.parameters()) adapters += p->value.numel();
+    CHECK(count_model_parameters(spec).total() == weights);
+    CHECK(count_lora_parameters(spec, config.lora).total() == adapters);
+  }
 }
 
 TEST_CASE("attention residuals: model.attn_res_block_size is checked", "[config]") {
