@@ -6,9 +6,11 @@ Run on a machine with torch, transformers 5 and peft, after the C++ test that wr
     python3 scripts/check_peft_export.py /tmp/peft_export
 The directory holds adapter/ (our export of the golden noqlora model's adapter, with untied
 per-expert gate/up factors, in the per-expert layout), adapter_transformers5/ (the same adapter in
-the transformers 5 layout) and ours.safetensors (the batch and moetrain's logits). The base model
-is tests/fixtures/golden/noqlora. Each layout is loaded with PEFT and its logits compared with
-ours (to 1e-4 of their largest magnitude); exit 0 when every layout matches.
+the transformers 5 layout) and ours.safetensors (the batch and moetrain's logits), and
+adapter_fused/ with ours_fused.safetensors: a model with PEFT's fused expert adapter
+(lora.expert_gate_up: fused: gate_up_proj at rank 2r, alpha 2 alpha, a full B) exported and its
+logits. The base model is tests/fixtures/golden/noqlora. Each adapter is loaded with PEFT and its
+logits compared with ours (to 1e-4 of their largest magnitude); exit 0 when every one matches.
 """
 import os
 import sys
@@ -23,11 +25,16 @@ def main():
     export_dir = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("MOETRAIN_PEFT_EXPORT_DIR", "/tmp/peft_export")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base_dir = os.path.join(repo, "tests", "fixtures", "golden", "noqlora")
-    ours = load_file(os.path.join(export_dir, "ours.safetensors"))
-    expected = ours["logits"].float()
-    scale = expected.abs().max().item()
     ok = True
-    for layout in ("adapter", "adapter_transformers5"):
+    for layout, ours_file in (("adapter", "ours.safetensors"), ("adapter_transformers5", "ours.safetensors"),
+                              ("adapter_fused", "ours_fused.safetensors")):
+        if not os.path.exists(os.path.join(export_dir, layout)):
+            print(f"{layout}: missing from {export_dir} (run the C++ test first)")
+            ok = False
+            continue
+        ours = load_file(os.path.join(export_dir, ours_file))
+        expected = ours["logits"].float()
+        scale = expected.abs().max().item()
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
         try:
             model = PeftModel.from_pretrained(base, os.path.join(export_dir, layout))
@@ -36,6 +43,9 @@ def main():
             ok = False
             continue
         model.eval()
+        # The rank PEFT gave each routed-expert gate_up adapter (2r in the fused layouts' rank_pattern).
+        ranks = sorted({m.r["default"] for n, m in model.named_modules()
+                        if type(m).__name__ == "ParamWrapper" and getattr(m, "parameter_name", "") == "gate_up_proj"})
         with torch.no_grad():
             logits = model(input_ids=ours["input_ids"].long()).logits.float()
             with model.disable_adapter():
@@ -45,7 +55,7 @@ def main():
         good = error <= 1e-4 and base_error > 1e-3
         ok = ok and good
         print(f"{layout}: PEFT logits vs moetrain: max |diff| / max |logit| = {error:.3e} "
-              f"(without the adapter: {base_error:.3e}): {'OK' if good else 'MISMATCH'}")
+              f"(without the adapter: {base_error:.3e}; gate_up ranks {ranks}): {'OK' if good else 'MISMATCH'}")
     print("check_peft_export: " + ("OK" if ok else "MISMATCH"))
     return 0 if ok else 1
 

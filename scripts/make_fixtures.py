@@ -4,6 +4,9 @@
 Builds two tiny random DeepseekV3ForCausalLM models with transformers, attaches a PEFT LoRA adapter
 with non-zero B to every supported target (routed experts included), runs one training-mode
 forward/backward on a fixed batch and writes, per config, tests/fixtures/golden/<name>/:
+(the *_fused_gate_up configs are the same two models with PEFT's fused expert adapter: gate_up_proj
+at rank 2r and alpha 2 alpha through rank_pattern / alpha_pattern, its B random everywhere, i.e. a
+full matrix mixing gate and up, as after any PEFT training)
 
     config.json, model.safetensors   the HF model (save_pretrained, fp32)
     adapter/                         the PEFT adapter (adapter_config.json, adapter_model.safetensors)
@@ -27,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -137,6 +141,30 @@ VARIANTS = {
 }
 
 
+# PEFT's fused expert adapter (what PEFT writes when it converts gate_proj/up_proj targets on
+# transformers 5, _convert_peft_config_moe): gate_up_proj at twice the rank and alpha. The same models as
+# qlora / noqlora (fused and per-expert model files); only the routed experts' gate_up adapter differs.
+GATE_UP_PATTERN = r".*\.gate_up_proj"
+for _base in ("qlora", "noqlora"):
+    VARIANTS[f"{_base}_fused_gate_up"] = VARIANTS[_base]
+FUSED_GATE_UP = {"qlora_fused_gate_up", "noqlora_fused_gate_up"}
+
+
+def lora_patterns(name):
+    """(rank_pattern, alpha_pattern) of config `name`'s adapter."""
+    if name in FUSED_GATE_UP:
+        return {GATE_UP_PATTERN: 2 * LORA_RANK}, {GATE_UP_PATTERN: 2 * LORA_ALPHA}
+    return {}, {}
+
+
+def pattern_value(patterns, key, default):
+    r"""PEFT's get_pattern_key: the first pattern p with re.match(rf"(.*\.)?({p})$", key), else the default."""
+    for p, value in patterns.items():
+        if re.match(rf"(.*\.)?({p})$", key):
+            return value
+    return default
+
+
 def fail(msg):
     raise SystemExit(f"make_fixtures.py: FAILED: {msg}")
 
@@ -211,7 +239,7 @@ def init_weights(model, seed):
     check(n_bias == moe_layers, f"found {n_bias} e_score_correction_bias buffers, want {moe_layers}")
 
 
-def attach_lora(model, targets, seed):
+def attach_lora(model, targets, seed, rank_pattern, alpha_pattern):
     cfg = LoraConfig(
         r=LORA_RANK,
         lora_alpha=LORA_ALPHA,
@@ -221,11 +249,13 @@ def attach_lora(model, targets, seed):
         init_lora_weights=True,
         target_modules=targets,
         target_parameters=EXPERT_PARAMS + MLP_PARAMS,
+        rank_pattern=dict(rank_pattern),
+        alpha_pattern=dict(alpha_pattern),
     )
     pm = get_peft_model(model, cfg)
     live = pm.peft_config["default"]
     check(set(live.target_modules) == set(targets) and set(live.target_parameters) == set(EXPERT_PARAMS + MLP_PARAMS)
-          and not live.rank_pattern and not live.alpha_pattern,
+          and dict(live.rank_pattern or {}) == rank_pattern and dict(live.alpha_pattern or {}) == alpha_pattern,
           f"PEFT rewrote the LoRA config: target_modules={live.target_modules} target_parameters="
           f"{live.target_parameters} rank_pattern={live.rank_pattern} alpha_pattern={live.alpha_pattern}")
     gen = torch.Generator().manual_seed(seed)
@@ -417,8 +447,15 @@ class NumpyReference:
         self.ad = {k: v.astype(np.float64) for k, v in np_load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).items()}
         r, alpha = acfg["r"], acfg["lora_alpha"]
         self.scaling = alpha / math.sqrt(r) if acfg.get("use_rslora") else alpha / r
-        self.r = r
+        self.r, self.alpha, self.rslora = r, alpha, bool(acfg.get("use_rslora"))
+        self.rank_pattern, self.alpha_pattern = acfg.get("rank_pattern") or {}, acfg.get("alpha_pattern") or {}
         self.used = set()
+
+    def rank_scaling(self, key):
+        """PEFT's rank and scaling of the adapter on module or parameter `key` (rank_pattern/alpha_pattern)."""
+        r = pattern_value(self.rank_pattern, key, self.r)
+        alpha = pattern_value(self.alpha_pattern, key, self.alpha)
+        return r, (alpha / math.sqrt(r) if self.rslora else alpha / r)
 
     def override(self, key, value):
         self.ad[key] = value
@@ -432,7 +469,7 @@ class NumpyReference:
         ka, kb = f"{ADAPTER_PREFIX}{name}.lora_A.weight", f"{ADAPTER_PREFIX}{name}.lora_B.weight"
         if ka in self.ad:
             self.used.update([ka, kb])
-            y = y + (x @ self.ad[ka].T) @ self.ad[kb].T * self.scaling
+            y = y + (x @ self.ad[ka].T) @ self.ad[kb].T * self.rank_scaling(name)[1]
         return y
 
     def rope_params(self):
@@ -545,10 +582,11 @@ class NumpyReference:
             if ka not in self.ad:
                 continue
             self.used.update([ka, kb])
-            A = self.ad[ka].reshape(E, self.r, -1)  # rows e*r + k
-            Bm = self.ad[kb].reshape(self.ad[kb].shape[0], self.r, E)  # columns k*E + e
+            r, scaling = self.rank_scaling(f"{p}.{which}")  # gate_up_proj: 2r in the fused-form configs
+            A = self.ad[ka].reshape(E, r, -1)  # rows e*r + k
+            Bm = self.ad[kb].reshape(self.ad[kb].shape[0], r, E)  # columns k*E + e
             for e in range(E):
-                W[e] += self.scaling * Bm[:, :, e] @ A[e]
+                W[e] += scaling * Bm[:, :, e] @ A[e]
         return gu, dn
 
     def moe(self, x, L):
@@ -623,18 +661,21 @@ def find_expert_adapter_keys(pm, cfg):
     return found
 
 
-def check_delta_layout(pm, cfg):
+def check_delta_layout(pm, cfg, gate_up_rank=LORA_RANK):
     """Asserts PEFT's delta for every ParamWrapper equals scaling * B_e @ A_e with the documented indexing:
-    A [E*r, in] has rows e*r + k, B [out, r*E] has columns k*E + e (E = 1 for 2-D weights)."""
+    A [E*r, in] has rows e*r + k, B [out, r*E] has columns k*E + e (E = 1 for 2-D weights). The routed
+    experts' gate_up_proj adapter has rank gate_up_rank (2r in PEFT's fused form, with alpha 2 alpha:
+    the scaling is alpha / r for every adapter either way)."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    r, n3, n2 = LORA_RANK, 0, 0
+    n3, n2 = 0, 0
     for name, mod in pm.named_modules():
         if not isinstance(mod, ParamWrapper):
             continue
         E = mod.num_experts
-        check(mod.r["default"] == r and abs(mod.scaling["default"] - LORA_ALPHA / r) < 1e-12,
-              f"{name}: rank {mod.r['default']} scaling {mod.scaling['default']}, want {r} and {LORA_ALPHA / r}")
+        r = gate_up_rank if E > 1 and mod.parameter_name == "gate_up_proj" else LORA_RANK
+        check(mod.r["default"] == r and abs(mod.scaling["default"] - LORA_ALPHA / LORA_RANK) < 1e-12,
+              f"{name}: rank {mod.r['default']} scaling {mod.scaling['default']}, want {r} and {LORA_ALPHA / LORA_RANK}")
         with torch.no_grad():
             delta = mod.get_delta_weight("default").double()
             if E == 1:
@@ -682,12 +723,14 @@ def make_one(name, out_root, device, seed):
     note = save_hf_dir(model, cfg, tmp_dir, layout)
     print(f"  {note}")
 
-    pm = attach_lora(model, targets, seed + 1)
+    rank_pattern, alpha_pattern = lora_patterns(name)
+    gate_up_rank = pattern_value(rank_pattern, "model.layers.1.mlp.experts.gate_up_proj", LORA_RANK)
+    pm = attach_lora(model, targets, seed + 1, rank_pattern, alpha_pattern)
     pm.train()
     EXPERT_ADAPTER_KEYS.clear()
     EXPERT_ADAPTER_KEYS.update(find_expert_adapter_keys(pm, cfg))
     print(f"  expert adapter modules: {EXPERT_ADAPTER_KEYS}")
-    check_delta_layout(pm, cfg)
+    check_delta_layout(pm, cfg, gate_up_rank)
     adapter_dir = os.path.join(tmp_dir, "adapter")
     pm.save_pretrained(adapter_dir)
     for f in ("adapter_config.json", "adapter_model.safetensors"):
@@ -705,8 +748,15 @@ def make_one(name, out_root, device, seed):
         json.dump(acfg, f, indent=2, sort_keys=True)
         f.write("\n")
     check(acfg.get("r") == LORA_RANK and acfg.get("lora_alpha") == LORA_ALPHA and not acfg.get("use_rslora")
-          and not acfg.get("rank_pattern") and not acfg.get("alpha_pattern"),
+          and (acfg.get("rank_pattern") or {}) == rank_pattern and (acfg.get("alpha_pattern") or {}) == alpha_pattern,
           f"adapter_config.json: unexpected r/alpha/rslora/patterns: {acfg}")
+    if gate_up_rank == 2 * LORA_RANK:
+        # PEFT's fused form as after training: one B for gate and up, non-zero everywhere (not block diagonal).
+        for L in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+            key = ADAPTER_PREFIX + EXPERT_ADAPTER_KEYS["gate_up_proj"].format(L=L) + ".lora_B.weight"
+            b = adapter[key]
+            check(tuple(b.shape) == (2 * cfg.moe_intermediate_size, gate_up_rank * cfg.n_routed_experts)
+                  and bool((b != 0).all()), f"{key}: {tuple(b.shape)}, not a full rank-{gate_up_rank} B")
     print(f"  adapter_config: target_modules={acfg.get('target_modules')} "
           f"target_parameters={acfg.get('target_parameters')}")
 
@@ -759,11 +809,11 @@ def make_one(name, out_root, device, seed):
     check(set(grads) == set(adapter), f"adapter keys without gradient: {sorted(set(adapter) - set(grads))}")
 
     # Every expert's adapter must see tokens: per layer, count experts whose A rows got gradient.
-    E, r = cfg.n_routed_experts, LORA_RANK
+    E = cfg.n_routed_experts
     hit_any = np.zeros(E, bool)
     for L in moe_layers:
         key = ADAPTER_PREFIX + EXPERT_ADAPTER_KEYS["gate_up_proj"].format(L=L) + ".lora_A.weight"
-        g = grads[key].reshape(E, r, -1).abs().amax(dim=(1, 2)).numpy()
+        g = grads[key].reshape(E, gate_up_rank, -1).abs().amax(dim=(1, 2)).numpy()
         hit = g > 0
         hit_any |= hit
         print(f"  layer {L}: experts with gradient {np.flatnonzero(hit).tolist()}")
@@ -855,6 +905,8 @@ def make_one(name, out_root, device, seed):
         "expert_adapter_keys": json.dumps(EXPERT_ADAPTER_KEYS),
         "loss": f"{loss.item():.9e}",
     }
+    if rank_pattern:  # only the fused-form configs: the others' files stay byte-identical
+        meta.update(rank_pattern=json.dumps(rank_pattern), alpha_pattern=json.dumps(alpha_pattern))
     # One metadata entry: safetensors writes the metadata map in arbitrary order, one key keeps reruns identical.
     torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
                     metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})

@@ -116,7 +116,8 @@ inline Tensor fused_expert_gradient(const Tensor& gate, const Tensor& up, bool i
 
 // Our gradient (host F64) for the PEFT key `param` (without "base_model.model."); the fused
 // expert keys ("<...>.experts.base_layer.lora_A.weight" for gate_up, "<...>.experts.lora_A.weight"
-// for down) are assembled from our per-projection stacks. Takes a plain key's tensor out of `grads`.
+// for down) are assembled from our per-projection stacks, or re-laid from our fused gate_up stack
+// (lora.expert_gate_up: fused). Takes a plain key's tensor out of `grads`.
 inline Tensor gradient_for(std::map<std::string, Tensor>& grads, const std::string& param) {
   auto found = grads.find(param);
   if (found != grads.end()) return std::move(found->second);
@@ -124,6 +125,8 @@ inline Tensor gradient_for(std::map<std::string, Tensor>& grads, const std::stri
   const std::string factor = is_a ? "lora_A.weight" : "lora_B.weight";
   const std::string module = param.substr(0, param.find(".experts.") + 8);
   if (param.find(".base_layer.") != std::string::npos) {
+    auto fused = grads.find(module + ".gate_up_proj." + factor);
+    if (fused != grads.end()) return fused_expert_gradient(fused->second, Tensor(), is_a);
     return fused_expert_gradient(grads.at(module + ".gate_proj." + factor), grads.at(module + ".up_proj." + factor),
                                  is_a);
   }

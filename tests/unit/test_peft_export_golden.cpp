@@ -4,7 +4,9 @@
 // same values and same logits (this part runs in CI). With MOETRAIN_PEFT_EXPORT_DIR set, the
 // adapter, the batch and our logits are left in that directory for
 // scripts/check_peft_export.py, which loads them (both adapter layouts) with transformers + PEFT
-// on a machine with torch and compares the logits.
+// on a machine with torch and compares the logits. The same for PEFT's fused expert adapter
+// (lora.expert_gate_up: fused, every B random and non-zero: a full gate_up B):
+// adapter_fused/ and ours_fused.safetensors.
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -28,7 +30,7 @@ namespace {
 
 const std::string kModelDir = std::string(MOETRAIN_FIXTURE_DIR) + "/golden/noqlora";
 
-std::unique_ptr<Model> golden_model(kernels::Backend& backend) {
+std::unique_ptr<Model> golden_model(kernels::Backend& backend, bool fused_gate_up = false) {
   Config config;
   config.model.hf_dir = kModelDir;
   config.data.seq_len = 16;
@@ -38,6 +40,7 @@ std::unique_ptr<Model> golden_model(kernels::Backend& backend) {
   options.lora = LoraSettings{4, 8.0, false};
   options.lora_targets = {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
                           "up_proj", "down_proj", "shared_experts", "experts"};
+  options.fused_expert_gate_up = fused_gate_up;
   auto model = std::make_unique<Model>(spec, backend, options);
   model->load_weights(HfCheckpoint(kModelDir));
   return model;
@@ -61,6 +64,23 @@ ExportedParameters exported(Model& model) {
   return out;
 }
 
+// The batch and our logits (f64 forward, stored as f32) for scripts/check_peft_export.py.
+void write_ours(const Batch& batch, const Tensor& logits, const fs::path& path) {
+  Tensor ids({batch.batch_size, batch.seq_len}, DType::kI32);
+  std::copy(batch.input_ids.begin(), batch.input_ids.end(), ids.ptr<int32_t>());
+  Tensor logits32(logits.shape(), DType::kF32);
+  for (int64_t i = 0; i < logits.numel(); ++i) logits32.ptr<float>()[i] = static_cast<float>(logits.ptr<double>()[i]);
+  SafetensorsWriter writer;
+  writer.add("input_ids", ids.view());
+  writer.add("logits", logits32.view().reshaped({batch.batch_size, batch.seq_len, logits.size(1)}));
+  writer.write(path.string());
+}
+
+fs::path export_dir() {
+  const char* keep = std::getenv("MOETRAIN_PEFT_EXPORT_DIR");
+  return keep ? fs::path(keep) : fs::temp_directory_path() / "moetrain_peft_export";
+}
+
 }  // namespace
 
 TEST_CASE("an exported adapter reads back to the same values and logits", "[export][golden]") {
@@ -77,9 +97,9 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
   Batch batch = testing::golden_batch(SafetensorsFile(kModelDir + "/golden.safetensors"));
   Tensor logits = model->logits(batch);
 
-  const char* keep = std::getenv("MOETRAIN_PEFT_EXPORT_DIR");
-  fs::path dir = keep ? fs::path(keep) : fs::temp_directory_path() / "moetrain_peft_export";
-  fs::remove_all(dir);
+  fs::path dir = export_dir();
+  fs::remove_all(dir / "adapter");
+  fs::remove_all(dir / "adapter_transformers5");
   AdapterExportSettings settings;
   settings.layout = AdapterLayout::kPerExpert;
   settings.rank = 4;
@@ -103,15 +123,7 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
   INFO(c.message);
   CHECK(c.ok);
 
-  // For scripts/check_peft_export.py: the batch and our logits (f64 forward, stored as f32).
-  Tensor ids({batch.batch_size, batch.seq_len}, DType::kI32);
-  std::copy(batch.input_ids.begin(), batch.input_ids.end(), ids.ptr<int32_t>());
-  Tensor logits32(logits.shape(), DType::kF32);
-  for (int64_t i = 0; i < logits.numel(); ++i) logits32.ptr<float>()[i] = static_cast<float>(logits.ptr<double>()[i]);
-  SafetensorsWriter writer;
-  writer.add("input_ids", ids.view());
-  writer.add("logits", logits32.view().reshaped({batch.batch_size, batch.seq_len, logits.size(1)}));
-  writer.write((dir / "ours.safetensors").string());
+  write_ours(batch, logits, dir / "ours.safetensors");
   CHECK(fs::exists(dir / "adapter" / "adapter_config.json"));
 
   // The transformers 5 layout of the same adapter: gate and up become one rank-2r adapter on
@@ -131,4 +143,36 @@ TEST_CASE("an exported adapter reads back to the same values and logits", "[expo
     INFO(cf.message);
     CHECK(cf.ok);
   }
+}
+
+TEST_CASE("a fused gate_up adapter (full B) exports in PEFT's form and reads back exactly", "[export][golden][fused]") {
+  auto backend = kernels::make_cpu_backend();
+  auto model = golden_model(*backend, /*fused_gate_up=*/true);
+  // Every adapter random and non-zero (the gate_up B a full matrix, as PEFT training leaves it), each
+  // value an F32 so that the export is exact.
+  uint64_t seed = 900;
+  for (Parameter* p : model->parameters()) {
+    testing::fill_random(p->value, seed++, 0.02, 0.2);
+    for (int64_t i = 0; i < p->value.numel(); ++i) p->value.ptr<double>()[i] = static_cast<float>(p->value.ptr<double>()[i]);
+  }
+  Batch batch = testing::golden_batch(SafetensorsFile(kModelDir + "/golden.safetensors"));
+  Tensor logits = model->logits(batch);
+
+  fs::path dir = export_dir();
+  fs::remove_all(dir / "adapter_fused");
+  AdapterExportSettings settings;
+  settings.rank = 4;
+  settings.alpha = 8.0;
+  settings.base_model = kModelDir;
+  ExportedParameters values = exported(*model);
+  write_peft_adapter((dir / "adapter_fused").string(), values.views, settings);
+  write_ours(batch, logits, dir / "ours_fused.safetensors");
+
+  SafetensorsFile file((dir / "adapter_fused" / "adapter_model.safetensors").string());
+  CHECK(file.info("base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight").shape == Shape({32, 8 * 8}));
+  auto reloaded = golden_model(*backend, /*fused_gate_up=*/true);
+  load_peft_adapter(*reloaded, (dir / "adapter_fused").string());
+  testing::Comparison c = testing::compare_tensors(reloaded->logits(batch), logits, 0.0, 0.0, "logits");
+  INFO(c.message);
+  CHECK(c.ok);
 }
