@@ -148,9 +148,25 @@ inline void expect_combine_shapes(const char* op, const TensorView& out, const T
   expect_numel(op, "pair_row", pair_row, tokens * top_k);
 }
 
+// MXFP4 b (GroupedGemmArgs::b_scale): M-grouped only; a [rows, k], c [rows, n], b and b_scale
+// packed along b's input dimension (k with transpose_b, else n), a whole number of 32-groups.
+inline void expect_grouped_gemm_mxfp4_shapes(const char* op, const GroupedGemmArgs& args, int64_t groups) {
+  expect(args.kind == GroupedGemmKind::kMGrouped, op, "an MXFP4 b (b_scale given) is M-grouped only");
+  expect_ndim(op, "a", args.a, 2);
+  expect_ndim(op, "c", args.c, 2);
+  const int64_t rows = args.a.size(0), k = args.a.size(1), n = args.c.size(1);
+  expect(args.c.size(0) == rows, op, describe("c", args.c) + " and " + describe("a", args.a) + " differ in rows");
+  const int64_t outer = args.transpose_b ? n : k, packed = args.transpose_b ? k : n;
+  expect(packed % 32 == 0, op,
+         std::string(args.transpose_b ? "k " : "n ") + std::to_string(packed) + " is not a multiple of 32 (MXFP4 groups)");
+  expect_shape(op, "b", args.b, Shape{groups, outer, packed / 2});
+  expect_shape(op, "b_scale", args.b_scale, Shape{groups, outer, packed / 32});
+}
+
 // a [rows, k]; M-grouped: b [groups, k, n] (or [groups, n, k] transposed), c [rows, n];
 // K-grouped: b [rows, n], c [groups, k, n].
 inline void expect_grouped_gemm_shapes(const char* op, const GroupedGemmArgs& args, int64_t groups) {
+  if (given(args.b_scale)) return expect_grouped_gemm_mxfp4_shapes(op, args, groups);
   expect_ndim(op, "a", args.a, 2);
   const int64_t rows = args.a.size(0);
   if (args.kind == GroupedGemmKind::kMGrouped) {

@@ -72,6 +72,13 @@ struct GroupedGemmArgs {
   bool transpose_b = true;
   double alpha = 1.0;
   double beta = 0.0;
+  // Optional (kMGrouped only): b in MXFP4 (frozen Kimi K3 experts; kernels/cpu/mxfp4.h has the
+  // format), packed along its input dimension. b is then U8, two E2M1 codes per byte (the even
+  // element in the low nibble), and b_scale U8 holds one E8M0 exponent per 32 elements:
+  //   transpose_b:  b [G, n, k / 2], b_scale [G, n, k / 32]  (k % 32 == 0; HF's [out, in] weight)
+  //   otherwise:    b [G, k, n / 2], b_scale [G, k, n / 32]  (n % 32 == 0; the same weight in dy W)
+  // The product is that of the dequantized b (exact in BF16 short of overflow or subnormals).
+  TensorView b_scale;
 };
 
 // y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps), per row of length `dim`.

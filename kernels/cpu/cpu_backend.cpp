@@ -18,6 +18,7 @@
 #include "kernels/cpu/kda_gate.h"
 #include "kernels/cpu/kda_norms.h"
 #include "kernels/cpu/moe.h"
+#include "kernels/cpu/mxfp4.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
@@ -148,7 +149,13 @@ class CpuBackend final : public Backend {
 
   void grouped_gemm(const GroupedGemmArgs& args) override {
     const char* op = "grouped_gemm";
-    const DType dtype = compute_dtype(op, {{"c", &args.c}, {"a", &args.a}, {"b", &args.b}});
+    const bool mxfp4 = given(args.b_scale);  // b packed (ops.h): dequantized, then the plain GEMM
+    const DType dtype = mxfp4 ? compute_dtype(op, {{"c", &args.c}, {"a", &args.a}})
+                              : compute_dtype(op, {{"c", &args.c}, {"a", &args.a}, {"b", &args.b}});
+    if (mxfp4) {
+      expect_dtype(op, "b", args.b, DType::kU8);
+      expect_dtype(op, "b_scale", args.b_scale, DType::kU8);
+    }
     expect_ndim(op, "a", args.a, 2);
     expect_offsets(op, "group_offsets", args.group_offsets, args.a.size(0));
     expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
@@ -160,7 +167,13 @@ class CpuBackend final : public Backend {
                    " but group_offsets holds " + std::to_string(device[i]));
       }
     }
-    dispatch(op, dtype, [&](auto t) { cpu::grouped_gemm<decltype(t)>(args); });
+    dispatch(op, dtype, [&](auto t) {
+      if (mxfp4) {
+        cpu::grouped_gemm_mxfp4<decltype(t)>(args);
+      } else {
+        cpu::grouped_gemm<decltype(t)>(args);
+      }
+    });
   }
 
   void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override {

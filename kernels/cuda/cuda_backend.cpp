@@ -248,7 +248,12 @@ class CudaBackend final : public Backend {
     const char* op = "grouped_gemm";
     expect_float(op, "c", args.c);
     expect_float(op, "a", args.a);
-    expect_float(op, "b", args.b);
+    if (given(args.b_scale)) {  // an MXFP4 b (ops.h), decoded inside the kernel
+      expect_dtype(op, "b", args.b, DType::kU8);
+      expect_dtype(op, "b_scale", args.b_scale, DType::kU8);
+    } else {
+      expect_float(op, "b", args.b);
+    }
     expect_ndim(op, "a", args.a, 2);
     expect_dtype(op, "group_offsets", args.group_offsets, DType::kI32);
     expect(args.group_offsets.ndim() == 1 && args.group_offsets.numel() >= 1, op,

@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
+#include "kernels/cuda/grouped_gemm_mxfp4.h"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
@@ -411,9 +412,13 @@ GroupedGemmProblem grouped_problem(const GroupedGemmArgs& args) {
 
 void grouped_gemm(const GroupedGemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
   GroupedGemmProblem p = grouped_problem(args);
-  const Bf16Operands in = bf16_operands(args.a, args.b, ctx, stream);
+  const Bf16Operands in = bf16_operands(args.a, args.b, ctx, stream);  // an MXFP4 b (U8) passes through
   p.a = in.a;
   p.b = in.b;
+  if (args.b_scale.data != nullptr) {
+    launch_grouped_gemm_mxfp4(p, args.b_scale.data, stream);
+    return;
+  }
   launch_grouped_gemm(p, stream);
 }
 
@@ -423,6 +428,7 @@ GroupedGemmPath grouped_gemm_path(const GroupedGemmArgs& args) {
   const void* scratch_aligned = reinterpret_cast<const void*>(uintptr_t{256});
   if (args.a.dtype == DType::kF32) p.a = scratch_aligned;
   if (args.b.dtype == DType::kF32) p.b = scratch_aligned;
+  if (args.b_scale.data != nullptr) return grouped_gemm_mxfp4_path(p, args.b_scale.data);
   return grouped_gemm_path(p);
 }
 

@@ -1,0 +1,31 @@
+// The m-grouped GEMM with an MXFP4 b (kernels/ops.h GroupedGemmArgs::b_scale; the format in
+// kernels/cpu/mxfp4.h): Kimi K3's frozen routed experts, kept packed on the GPU and dequantized
+// inside the GEMM's mainloop (the H200 has no FP4 tensor cores), a quarter of the bf16 weight bytes.
+//
+//   transpose_b (forward, x W^T):  b [G, n, k / 2] U8, b_scale [G, n, k / 32] U8
+//   otherwise   (input grad, dy W): b [G, k, n / 2] U8, b_scale [G, k, n / 32] U8
+//
+// Two kernels (grouped_gemm_mxfp4.cu):
+//   - sm_90a: the persistent grouped GEMM of grouped_gemm.cu (same tiles, tile order and device
+//     offsets), except that b does not arrive by TMA: the consumer warpgroups load its packed
+//     bytes and scales from global memory into registers two K steps ahead, decode them to BF16
+//     into a swizzled shared-memory B tile (three of them in a ring) and multiply with wgmma.
+//     Taken on a 9.0 device with a, b and c 16-byte aligned, k and n multiples of 8 and k > 0.
+//   - a plain one-thread-per-output kernel for everything else.
+// The sum is that of the dequantized weight in BF16 (exact short of overflow; scale bytes 0 and 1
+// give subnormal weights, which the tensor cores may flush), F32 accumulation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/grouped_gemm.h"
+
+namespace moetrain::kernels::cuda_ops {
+
+// `p` as for launch_grouped_gemm (kMGrouped, a BF16), with p.b the packed bytes; b_scale the
+// E8M0 bytes, on the device.
+GroupedGemmPath grouped_gemm_mxfp4_path(const GroupedGemmProblem& p, const void* b_scale);
+
+void launch_grouped_gemm_mxfp4(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream);
+
+}  // namespace moetrain::kernels::cuda_ops

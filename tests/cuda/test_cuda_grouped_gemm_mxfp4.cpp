@@ -1,0 +1,326 @@
+// The MXFP4 grouped GEMM (kernels/cuda/grouped_gemm_mxfp4.h) against dequantize-then-BF16-grouped-
+// GEMM on the same GPU (the weights decoded by the CPU reference, kernels/cpu/mxfp4.h, rounded to
+// BF16, which holds them exactly) and against the CPU reference in F64: the forward x W^T and the
+// input gradient dy W, uneven and empty groups, rows not multiples of the tile, k and n tails
+// (k % 64 == 32 leaves half of the last K step's scale groups out), skewed counts, BF16 and F32
+// operands, beta 0 (poisoned outputs) and 1; shapes the wgmma kernel does not take use the
+// fallback. A one-hot A reads every code at scales 2^-125 .. 2^125 back exactly.
+// `[.bench]` (run on request: test_cuda_grouped_gemm_mxfp4 "[bench]") times it against the BF16
+// grouped GEMM at Kimi K3's expert shapes and prints a table.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.h"
+#include "kernels/cpu/mxfp4.h"
+#include "kernels/cuda/dense.h"
+
+namespace moetrain::cuda_test {
+namespace {
+
+using kernels::GroupedGemmArgs;
+using kernels::GroupedGemmKind;
+using kernels::cuda_ops::GroupedGemmPath;
+
+bool on_hopper() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+}
+
+std::vector<int32_t> prefix_sums(const std::vector<int32_t>& sizes) {
+  std::vector<int32_t> offsets{0};
+  for (int32_t s : sizes) offsets.push_back(offsets.back() + s);
+  return offsets;
+}
+
+std::vector<int32_t> skewed_sizes(int groups, int mean, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> around(mean / 2, mean * 3 / 2);
+  std::vector<int32_t> sizes(static_cast<size_t>(groups));
+  for (int g = 0; g < groups; ++g) sizes[static_cast<size_t>(g)] = around(rng);
+  for (int g = 0; g < groups; g += 13) sizes[static_cast<size_t>(g)] = 7 * mean;
+  for (int g = 5; g < groups; g += 11) sizes[static_cast<size_t>(g)] = 0;
+  return sizes;
+}
+
+// An MXFP4 weight [G, outer, inner] (packed along inner) on both sides, and its decoded values:
+// F64 on the host, BF16 on the device.
+struct Mxfp4Weight {
+  Tensor packed_host, scales_host, decoded_host;
+  Tensor packed, scales, decoded;
+};
+
+Mxfp4Weight mxfp4_weight(int64_t groups, int64_t outer, int64_t inner, uint64_t seed, int scale_lo, int scale_hi) {
+  Mxfp4Weight w;
+  w.packed_host = Tensor({groups, outer, inner / 2}, DType::kU8);
+  w.scales_host = Tensor({groups, outer, inner / 32}, DType::kU8);
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> byte(0, 255), exponent(scale_lo, scale_hi);
+  auto* bytes = static_cast<uint8_t*>(w.packed_host.data());
+  for (int64_t i = 0; i < w.packed_host.numel(); ++i) bytes[i] = static_cast<uint8_t>(byte(rng));
+  auto* exponents = static_cast<uint8_t*>(w.scales_host.data());
+  for (int64_t i = 0; i < w.scales_host.numel(); ++i) exponents[i] = static_cast<uint8_t>(exponent(rng));
+  w.decoded_host = Tensor({groups, outer, inner}, DType::kF64);
+  kernels::cpu::mxfp4_dequantize(w.decoded_host.view(), w.packed_host.view(), w.scales_host.view());
+  w.packed = upload(w.packed_host.view(), DType::kU8);
+  w.scales = upload(w.scales_host.view(), DType::kU8);
+  w.decoded = upload(w.decoded_host.view(), DType::kBF16);
+  return w;
+}
+
+struct Run {
+  DType a, c;
+  bool transpose_b;
+  double beta;
+};
+
+std::string label(const std::string& name, int64_t k, int64_t n, const Run& run) {
+  return name + " k" + std::to_string(k) + " n" + std::to_string(n) + " " + dtype_name(run.a) + "->" +
+         dtype_name(run.c) + (run.transpose_b ? " x.W^T" : " dy.W") + " beta " + std::to_string(run.beta);
+}
+
+// One M-grouped run: the MXFP4 kernel, the BF16 kernel on the decoded weight (the same device
+// sums: required equal to 1e-6), and the CPU reference in F64 on the packed weight.
+void check_mxfp4(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n, const Run& run,
+                 bool expect_fast, uint64_t seed) {
+  const std::vector<int32_t> offsets = prefix_sums(sizes);
+  const int64_t groups = static_cast<int64_t>(sizes.size()), rows = offsets.back();
+  const Operand group_offsets = int_operand(offsets, {groups + 1});
+  Operand a = random_operand({rows, k}, DType::kBF16, seed + 1);
+  a.dev = upload(a.host.view(), run.a);
+  const Mxfp4Weight w = run.transpose_b ? mxfp4_weight(groups, n, k, seed + 2, 118, 130)
+                                        : mxfp4_weight(groups, k, n, seed + 2, 118, 130);
+  Operand c = run.beta == 0.0 ? output_operand({rows, n}, run.c) : random_operand({rows, n}, run.c, seed + 3);
+  const Tensor reference_c = upload(download(c.dev).view(), run.c);
+  GroupedGemmArgs args;
+  args.kind = GroupedGemmKind::kMGrouped;
+  args.transpose_b = run.transpose_b;
+  args.alpha = 0.75;
+  args.beta = run.beta;
+  args.a = a.dev;
+  args.c = c.dev;
+  args.group_offsets = group_offsets.dev;
+  const std::string what = label(name, k, n, run);
+
+  // Dequantize, then the BF16 grouped GEMM.
+  args.b = w.decoded;
+  args.c = reference_c;
+  gpu().grouped_gemm(args);
+
+  args.b = w.packed;
+  args.b_scale = w.scales;
+  args.c = c.dev;
+  const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
+  INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
+  if (on_hopper()) CHECK(fast == expect_fast);
+  gpu().grouped_gemm(args);
+  const Tensor expected = download(reference_c);
+  CUDA_TEST_EXPECT_CLOSE(c.dev, expected.view(), (Tolerance{1e-6, 1e-6, 1e-6}), what + " vs bf16 grouped GEMM");
+
+  args.a = a.host;
+  args.b = w.packed_host;
+  args.b_scale = w.scales_host;
+  args.c = c.host;
+  args.group_offsets = group_offsets.host;
+  args.host_group_offsets = offsets.data();
+  cpu().grouped_gemm(args);
+  const Tolerance spec = run.c == DType::kBF16 ? tolerance_for(run.c) : Tolerance{1e-4, 1e-3, 1e-4};
+  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), spec, what + " vs CPU F64");
+}
+
+const Run kRuns[] = {
+    {DType::kBF16, DType::kBF16, true, 0.0}, {DType::kBF16, DType::kF32, true, 1.0},
+    {DType::kF32, DType::kBF16, true, 1.0},  {DType::kBF16, DType::kBF16, false, 1.0},
+    {DType::kBF16, DType::kF32, false, 0.0}, {DType::kF32, DType::kF32, false, 0.0},
+};
+
+TEST_CASE("cuda grouped_gemm MXFP4: uneven and empty groups, k and n tails, both layouts") {
+  // 879 rows over ten groups (four empty). Forward: k = 160 is two K steps and a half one, n = 272
+  // a full 256-column tile and a partial one; input gradient: k = 136, n = 288.
+  const std::vector<int32_t> sizes = {0, 300, 0, 129, 1, 64, 0, 257, 128, 0};
+  uint64_t seed = 10;
+  for (const Run& run : kRuns) {
+    if (run.transpose_b) {
+      check_mxfp4("uneven", sizes, 160, 272, run, true, seed += 10);
+    } else {
+      check_mxfp4("uneven", sizes, 136, 288, run, true, seed += 10);
+    }
+  }
+}
+
+TEST_CASE("cuda grouped_gemm MXFP4: the 64- and 128-column tiles") {
+  const std::vector<int32_t> sizes = {77, 0, 150, 3, 0, 260, 129, 40};
+  uint64_t seed = 200;
+  for (const Run& run : {kRuns[0], kRuns[3]}) {
+    check_mxfp4("n 40", sizes, 64, run.transpose_b ? 40 : 64, run, true, seed += 10);
+    check_mxfp4("n 96", sizes, 96, 96, run, true, seed += 10);
+    check_mxfp4("n 128", sizes, 32, 128, run, true, seed += 10);
+  }
+}
+
+TEST_CASE("cuda grouped_gemm MXFP4: random skewed counts, one group holding every row") {
+  uint64_t seed = 400;
+  const std::vector<int32_t> sizes = skewed_sizes(40, 48, 7);
+  check_mxfp4("skewed", sizes, 256, 128, kRuns[0], true, seed += 10);
+  check_mxfp4("skewed", sizes, 128, 256, kRuns[4], true, seed += 10);
+  check_mxfp4("one group", {0, 0, 517, 0}, 320, 512, kRuns[1], true, seed += 10);
+  check_mxfp4("one group", {0, 0, 517, 0}, 320, 512, kRuns[3], true, seed += 10);
+}
+
+TEST_CASE("cuda grouped_gemm MXFP4: shapes the wgmma kernel does not take use the fallback") {
+  const std::vector<int32_t> sizes = {0, 7, 0, 13, 1, 0, 140};
+  check_mxfp4("n not a multiple of 8", sizes, 64, 20, kRuns[0], false, 600);
+  check_mxfp4("k not a multiple of 8", sizes, 44, 64, kRuns[3], false, 610);
+  check_mxfp4("k not a multiple of 8", sizes, 44, 64, kRuns[5], false, 620);
+}
+
+TEST_CASE("cuda grouped_gemm MXFP4: every code at extreme scales decodes exactly (one-hot rows)") {
+  // Row r of group g is the unit vector e_(r % k): c[r] is column (or row) r % k of W[g], exact in
+  // F32. Scales 2..252 keep every weight a normal BF16 number.
+  for (bool transpose_b : {true, false}) {
+    const int64_t groups = 2, k = 128, n = 256;
+    const std::vector<int32_t> offsets = {0, static_cast<int32_t>(k), static_cast<int32_t>(2 * k)};
+    const Operand group_offsets = int_operand(offsets, {groups + 1});
+    Tensor a_host = Tensor::zeros({groups * k, k}, DType::kF64);
+    for (int64_t r = 0; r < groups * k; ++r) a_host.ptr<double>()[r * k + r % k] = 1.0;
+    const Tensor a = upload(a_host.view(), DType::kBF16);
+    const Mxfp4Weight w = transpose_b ? mxfp4_weight(groups, n, k, 77, 2, 252) : mxfp4_weight(groups, k, n, 78, 2, 252);
+    Tensor c = poisoned({groups * k, n}, DType::kF32);
+    GroupedGemmArgs args;
+    args.a = a;
+    args.b = w.packed;
+    args.b_scale = w.scales;
+    args.c = c;
+    args.group_offsets = group_offsets.dev;
+    args.transpose_b = transpose_b;
+    gpu().grouped_gemm(args);
+    const Tensor got = download(c);
+    int64_t mismatches = 0, first = -1;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t q = 0; q < k; ++q)
+        for (int64_t j = 0; j < n; ++j) {
+          const double expected = transpose_b ? w.decoded_host.ptr<double>()[(g * n + j) * k + q]
+                                              : w.decoded_host.ptr<double>()[(g * k + q) * n + j];
+          if (got.ptr<double>()[(g * k + q) * n + j] != expected) {
+            if (first < 0) first = (g * k + q) * n + j;
+            ++mismatches;
+          }
+        }
+    INFO((transpose_b ? "x.W^T" : "dy.W") << ": " << mismatches << " of " << got.numel() << " differ, first at "
+                                          << first);
+    CHECK(mismatches == 0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing at K3's expert shapes: one expert-parallel rank of eight, 112 of the 896 experts and the
+// 16384 rows that 8192 tokens x top-16 send it on average, routed uniformly at random.
+
+double median_ms(const std::function<void()>& op, int reps) {
+  cudaStream_t stream = static_cast<cudaStream_t>(gpu().stream());
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  op();  // warm-up (and the kernels' one-time attributes)
+  std::vector<float> times;
+  for (int r = 0; r < reps; ++r) {
+    cudaEventRecord(start, stream);
+    op();
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// A device tensor of `shape` whose first slice [0] (random bytes from `fill`) is copied into every
+// slice: no host array of the whole size, and every slice still a separate read.
+Tensor replicated(Shape shape, DType dtype, const std::function<void(Tensor&)>& fill) {
+  Shape first_shape = shape;
+  first_shape[0] = 1;
+  Tensor first(first_shape, dtype);
+  fill(first);
+  Tensor slice = upload(first.view(), dtype);
+  Tensor all(shape, dtype, cuda::device_allocator());
+  for (int64_t g = 0; g < shape[0]; ++g) gpu().copy(all.view().slice_rows(g, g + 1), slice.view());
+  return all;
+}
+
+TEST_CASE("cuda grouped_gemm MXFP4 timing at Kimi K3 expert shapes", "[.bench]") {
+  const int64_t experts = 112, tokens_per_rank = 1024, top_k = 16, rows = tokens_per_rank * top_k;
+  std::vector<int32_t> counts(static_cast<size_t>(experts), 0);
+  std::mt19937_64 rng(1);
+  for (int64_t i = 0; i < rows; ++i) ++counts[static_cast<size_t>(rng() % experts)];
+  const std::vector<int32_t> offsets = prefix_sums(counts);
+  const Operand group_offsets = int_operand(offsets, {experts + 1});
+  struct Shape2 {
+    const char* name;
+    int64_t out, in;  // the weight [out, in]
+  };
+  std::printf("\nMXFP4 vs BF16 grouped GEMM, %lld experts, %lld rows (K3: 8192 tokens x top-16 over EP8)\n",
+              static_cast<long long>(experts), static_cast<long long>(rows));
+  std::printf("%-34s %9s %9s %7s %9s %9s %9s %9s\n", "projection", "bf16 ms", "mxfp4 ms", "ratio", "bf16 TF/s",
+              "mxfp4 TF/s", "bf16 GB/s", "mxfp4 GB/s");
+  for (const Shape2 s : {Shape2{"gate_up 3584 -> 2x3072", 2 * 3072, 3584}, Shape2{"down 3072 -> 3584", 3584, 3072}}) {
+    auto random_bytes = [](Tensor& t) {
+      std::mt19937_64 r(7);
+      auto* p = static_cast<uint8_t*>(t.data());
+      for (size_t i = 0; i < t.nbytes(); ++i) p[i] = static_cast<uint8_t>(r());
+    };
+    auto random_scales = [](Tensor& t) {
+      std::mt19937_64 r(8);
+      auto* p = static_cast<uint8_t*>(t.data());
+      for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<uint8_t>(117 + r() % 6);
+    };
+    auto random_bf16 = [](Tensor& t) {
+      Tensor wide(t.shape(), DType::kF64);
+      testing::fill_random(wide.view(), 9, 0.001, 0.05);
+      convert_host(t.view(), wide.view());
+    };
+    const Tensor packed = replicated({experts, s.out, s.in / 2}, DType::kU8, random_bytes);
+    const Tensor scales = replicated({experts, s.out, s.in / 32}, DType::kU8, random_scales);
+    const Tensor dense = replicated({experts, s.out, s.in}, DType::kBF16, random_bf16);
+    const Operand x = random_operand({rows, s.in}, DType::kBF16, 10);
+    const Operand dy = random_operand({rows, s.out}, DType::kBF16, 11);
+    Tensor y({rows, s.out}, DType::kBF16, cuda::device_allocator());
+    Tensor dx({rows, s.in}, DType::kBF16, cuda::device_allocator());
+    for (bool forward : {true, false}) {
+      GroupedGemmArgs args;
+      args.a = forward ? x.dev : dy.dev;
+      args.c = forward ? y : dx;
+      args.transpose_b = forward;
+      args.group_offsets = group_offsets.dev;
+      args.b = dense;
+      const double bf16_ms = median_ms([&] { gpu().grouped_gemm(args); }, 20);
+      args.b = packed;
+      args.b_scale = scales;
+      const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
+      const double mxfp4_ms = median_ms([&] { gpu().grouped_gemm(args); }, 20);
+      const double flops = 2.0 * static_cast<double>(rows) * s.out * s.in;
+      const double bf16_bytes = static_cast<double>(dense.nbytes());
+      const double mxfp4_bytes = static_cast<double>(packed.nbytes() + scales.nbytes());
+      const std::string name = std::string(s.name) + (forward ? " fwd x.W^T" : " igrad dy.W");
+      std::printf("%-34s %9.3f %9.3f %7.3f %9.1f %9.1f %9.1f %9.1f%s\n", name.c_str(), bf16_ms, mxfp4_ms,
+                  bf16_ms / mxfp4_ms, flops / bf16_ms / 1e9, flops / mxfp4_ms / 1e9, bf16_bytes / bf16_ms / 1e6,
+                  mxfp4_bytes / mxfp4_ms / 1e6, fast ? "" : "  (fallback kernel!)");
+      CHECK(fast);
+    }
+  }
+  std::printf("ratio = bf16 ms / mxfp4 ms (target >= 0.9); GB/s = weight bytes read once / time\n");
+}
+
+}  // namespace
+}  // namespace moetrain::cuda_test
