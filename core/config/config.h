@@ -55,6 +55,9 @@ struct MoeConfig {
   // hidden_size and an up-projection back (routing and the shared experts stay at hidden_size).
   int64_t latent_size = 0;               // routed_expert_hidden_size; 0: experts at hidden_size
   bool use_latent_norm = false;          // latent_moe_use_norm: RMSNorm on the latent weighted sum
+  // The routed experts' frozen weights: bf16, or mxfp4 as Kimi K3 releases them (compressed-tensors
+  // mxfp4-pack-quantized), kept packed on the device and decoded inside the grouped GEMM.
+  std::string expert_format = "bf16";    // bf16 | mxfp4
 };
 
 // Kimi Delta Attention (the `kda` mixer; transformers `kimi_linear`'s linear-attention layers):

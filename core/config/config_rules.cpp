@@ -18,6 +18,7 @@ const std::vector<std::string> kDevices = {"auto", "cpu", "cuda"};
 const std::vector<std::string> kLogLevels = {"debug", "info", "warn", "error", "off"};
 const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert"};
 const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
+const std::vector<std::string> kExpertFormats = {"bf16", "mxfp4"};
 // Module names LoRA can wrap (the checkpoints' names for DeepSeek/Kimi modules). `experts` means
 // every routed expert's gate/up/down projections, `shared_experts` the shared experts'. KDA's
 // projections: q/k/v_proj (qkv_proj when fused), f_a/f_b_proj (forget gate), b_proj (beta),
@@ -253,6 +254,23 @@ void check_moe(const MoeConfig& e, Rules& r) {
   }
 }
 
+// MXFP4 packs 32 values per scale along each expert weight's input: the experts' input width
+// (latent_size, else hidden_size) and expert_intermediate_size must be whole groups.
+void check_expert_format(const ModelConfig& m, Rules& r) {
+  r.one_of("model.moe.expert_format", m.moe.expert_format, kExpertFormats);
+  if (m.moe.expert_format != "mxfp4") return;
+  auto whole_groups = [&](const char* key, int64_t value) {
+    if (r.known({key, "model.moe.expert_format"}) && value % 32 != 0) {
+      r.fail({key, "model.moe.expert_format"},
+             "`model.moe.expert_format` = `mxfp4` packs 32 values per scale along each expert weight's input, but `" +
+                 std::string(key) + "` = " + show(value) + " is not a multiple of 32: use expert_format `bf16`");
+    }
+  };
+  const bool latent = m.moe.latent_size > 0;
+  whole_groups(latent ? "model.moe.latent_size" : "model.hidden_size", latent ? m.moe.latent_size : m.hidden_size);
+  whole_groups("model.moe.expert_intermediate_size", m.moe.expert_intermediate_size);
+}
+
 void check_model(const ModelConfig& m, Rules& r) {
   if (m.hf_dir) r.not_empty("model.hf_dir", *m.hf_dir);
   r.not_empty("model.model_type", m.model_type);
@@ -294,6 +312,7 @@ void check_model(const ModelConfig& m, Rules& r) {
   check_kda(m.kda, r);
   check_dsa(m, r);
   check_moe(m.moe, r);
+  check_expert_format(m, r);
 }
 
 void check_lora(const LoraConfig& l, Rules& r) {

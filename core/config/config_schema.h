@@ -74,6 +74,7 @@ void visit_fields(V& v, MoeConfig& c) {
   v.field("bias_update_rate", c.bias_update_rate);
   v.field("latent_size", c.latent_size);
   v.field("use_latent_norm", c.use_latent_norm);
+  v.field("expert_format", c.expert_format);
 }
 
 template <class V>

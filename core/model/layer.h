@@ -29,6 +29,9 @@ struct WeightSlot {
   Tensor* tensor;  // allocated with its final shape and dtype
   WeightLayout layout = WeightLayout::kPlain;
   int64_t first_group = 0;  // routed experts: the global id of the tensor's first expert
+  // MXFP4 routed experts (model.moe.expert_format: mxfp4): `tensor` holds the packed codes
+  // [G, out, in / 2] U8 and this the E8M0 scales [G, out, in / 32] U8; null for plain weights.
+  Tensor* scale = nullptr;
 };
 
 class Mixer {

@@ -15,6 +15,7 @@
 #include "core/base/log.h"
 #include "core/io/hf_index.h"
 #include "core/model/fsdp_bucket.h"
+#include "kernels/cpu/mxfp4.h"
 #include "core/model/hf_names.h"
 #include "core/model/model.h"
 #include "parallel/watchdog.h"
@@ -149,8 +150,8 @@ void read_into(const HfCheckpoint& checkpoint, const std::string& name, const Sh
 // Routed experts: gate_up [G, 2F, D] and down [G, D, F] of this rank's experts, from the fused
 // 3-D `gate_up_proj` / `down_proj` of transformers 5, or per-expert tensors (ours, or Moonshot's
 // block_sparse_moe.experts.<e>.w1 / w3 / w2).
-void read_routed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot, double* dst) {
-  const Shape& shape = slot.tensor->shape();
+// `shape` is the experts' [G, out, in] (slot.tensor's own shape, except for MXFP4 slots).
+void read_routed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot, const Shape& shape, double* dst) {
   const int64_t groups = shape[0];
   const bool gate_up = slot.layout == WeightLayout::kSwigluGateUp;
   const std::string fused = slot.name + (gate_up ? ".gate_up_proj" : ".down_proj");
@@ -187,6 +188,101 @@ void read_routed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot,
   }
 }
 
+// MXFP4 routed experts (slot.scale set; model.moe.expert_format: mxfp4), one expert at a time so
+// the host never holds more than one expert's weights. The packed slot is [G, out, in / 2].
+struct Mxfp4Expert {
+  int64_t out, in;
+  Tensor packed, scales;  // one expert's codes [out, in / 2] and scales [out, in / 32], host
+  Mxfp4Expert(int64_t out_features, int64_t in_features)
+      : out(out_features), in(in_features), packed({out_features, in_features / 2}, DType::kU8),
+        scales({out_features, in_features / kernels::cpu::kMxfp4GroupSize}, DType::kU8) {}
+  void quantize(const double* values) {
+    kernels::cpu::mxfp4_quantize(static_cast<uint8_t*>(packed.data()), static_cast<uint8_t*>(scales.data()), values,
+                                 out, in);
+  }
+  void upload(kernels::Backend& backend, const WeightSlot& slot, int64_t g) const {
+    backend.copy(slot.tensor->view().slice_rows(g, g + 1), packed);
+    backend.copy(slot.scale->view().slice_rows(g, g + 1), scales);
+  }
+};
+
+Mxfp4Expert mxfp4_expert_of(const WeightSlot& slot) {
+  const Shape& shape = slot.tensor->shape();
+  return Mxfp4Expert(shape[1], 2 * shape[2]);
+}
+
+// Reads `name` (U8, exactly `shape`) into dst.
+void read_u8(const HfCheckpoint& checkpoint, const std::string& name, const Shape& shape, void* dst) {
+  const SafetensorsTensorInfo& info = checkpoint.info(name);
+  MOETRAIN_CHECK(info.dtype == DType::kU8 && info.shape == shape, ExitCode::kBadCheckpoint,
+                 fmt::format("{}: tensor \"{}\" in {} is {} {} but an MXFP4 expert weight of this config is U8 {} "
+                             "(compressed-tensors mxfp4-pack-quantized: [out, in / 2] codes, [out, in / 32] scales)",
+                             checkpoint.dir(), name, checkpoint.file_of(name), dtype_name(info.dtype), info.shape.str(),
+                             shape.str()));
+  checkpoint.read_rows(dst, name, 0, shape[0]);
+}
+
+// The checkpoint's packed experts, as compressed-tensors writes them: per expert and projection
+// `<weight name>_packed` and `<weight name>_scale` beside where the plain `.weight` would be (Kimi
+// K3: block_sparse_moe.experts.<e>.w1 / w3 / w2.weight_packed). Returns false when the checkpoint
+// has none for this slot (it holds plain weights, quantized on load instead).
+bool load_packed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot, kernels::Backend& backend) {
+  const bool gate_up = slot.layout == WeightLayout::kSwigluGateUp;
+  const std::vector<std::string> first = hf_expert_names(slot.name, slot.first_group, gate_up ? "gate_proj" : "down_proj");
+  size_t naming = 0;
+  while (naming < first.size() && !checkpoint.has(first[naming] + "_packed")) ++naming;
+  if (naming == first.size()) return false;
+  Mxfp4Expert expert = mxfp4_expert_of(slot);
+  const int64_t groups = expert.in / kernels::cpu::kMxfp4GroupSize;
+  for (int64_t g = 0; g < slot.tensor->size(0); ++g) {
+    watchdog_progress("loading MXFP4 experts: " + slot.name);
+    auto base = [&](const char* projection) {
+      return hf_expert_names(slot.name, slot.first_group + g, projection)[naming];
+    };
+    auto* packed = static_cast<uint8_t*>(expert.packed.data());
+    auto* scales = static_cast<uint8_t*>(expert.scales.data());
+    if (gate_up) {  // gate rows over up rows
+      const int64_t half = expert.out / 2;
+      read_u8(checkpoint, base("gate_proj") + "_packed", {half, expert.in / 2}, packed);
+      read_u8(checkpoint, base("up_proj") + "_packed", {half, expert.in / 2}, packed + half * expert.in / 2);
+      read_u8(checkpoint, base("gate_proj") + "_scale", {half, groups}, scales);
+      read_u8(checkpoint, base("up_proj") + "_scale", {half, groups}, scales + half * groups);
+    } else {
+      read_u8(checkpoint, base("down_proj") + "_packed", {expert.out, expert.in / 2}, packed);
+      read_u8(checkpoint, base("down_proj") + "_scale", {expert.out, groups}, scales);
+    }
+    expert.upload(backend, slot, g);
+  }
+  return true;
+}
+
+// BF16 expert slots need plain weights: a checkpoint of packed experts (and no plain ones) asks
+// for model.moe.expert_format: mxfp4.
+void expect_plain_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot) {
+  const bool gate_up = slot.layout == WeightLayout::kSwigluGateUp;
+  if (checkpoint.has(slot.name + (gate_up ? ".gate_up_proj" : ".down_proj"))) return;
+  for (const std::string& name : hf_expert_names(slot.name, slot.first_group, gate_up ? "gate_proj" : "down_proj")) {
+    MOETRAIN_CHECK(checkpoint.has(name) || !checkpoint.has(name + "_packed"), ExitCode::kBadConfig,
+                   fmt::format("{}: the routed experts are stored in MXFP4 (\"{}_packed\", compressed-tensors "
+                               "mxfp4-pack-quantized); set model.moe.expert_format: mxfp4 to train on them packed",
+                               checkpoint.dir(), name));
+  }
+}
+
+// A checkpoint of plain expert weights into an MXFP4 slot: each expert's weights quantized.
+void load_quantized_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot, kernels::Backend& backend) {
+  Mxfp4Expert expert = mxfp4_expert_of(slot);
+  Tensor values({expert.out, expert.in}, DType::kF64);
+  for (int64_t g = 0; g < slot.tensor->size(0); ++g) {
+    watchdog_progress("quantizing experts to MXFP4: " + slot.name);
+    WeightSlot one = slot;
+    one.first_group = slot.first_group + g;
+    read_routed_experts(checkpoint, one, Shape{1, expert.out, expert.in}, values.ptr<double>());
+    expert.quantize(values.ptr<double>());
+    expert.upload(backend, slot, g);
+  }
+}
+
 }  // namespace
 
 void Model::load_weights(const HfCheckpoint& checkpoint) {
@@ -202,9 +298,19 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
       backend_.copy(part->dst, staged);
       continue;
     }
+    if (slot.scale != nullptr) {
+      if (!load_packed_experts(checkpoint, slot, backend_)) {
+        log::info(fmt::format("{} ({}): no MXFP4 tensors (weight_packed / weight_scale) in the checkpoint; quantizing "
+                              "its weights to MXFP4 (model.moe.expert_format: mxfp4)",
+                              slot.name, slot.layout == WeightLayout::kSwigluGateUp ? "gate/up" : "down"));
+        load_quantized_experts(checkpoint, slot, backend_);
+      }
+      continue;
+    }
     Tensor host(slot.tensor->shape(), DType::kF64);
     if (is_routed_experts(slot)) {
-      read_routed_experts(checkpoint, slot, host.ptr<double>());
+      expect_plain_experts(checkpoint, slot);
+      read_routed_experts(checkpoint, slot, slot.tensor->shape(), host.ptr<double>());
     } else {
       read_flat_range(checkpoint, find_layout(checkpoint, slot), 0, host.numel(), host.ptr<double>());
     }
@@ -217,6 +323,22 @@ void Model::init_random_weights() {
   release_all_weights();  // the shards change: no gathered copy may outlive them
   for (const WeightSlot& slot : weight_slots()) {
     watchdog_progress("initialising base weights: " + slot.name);
+    if (slot.scale != nullptr) {
+      // MXFP4 experts: the values the BF16 experts would get (the same generator over the same
+      // logical elements), quantized one expert at a time.
+      Mxfp4Expert expert = mxfp4_expert_of(slot);
+      Tensor values({expert.out, expert.in}, DType::kF64);
+      RandomFill fill;
+      fill.stddev = 1.0 / std::sqrt(static_cast<double>(expert.in));
+      fill.seed = options_.seed ^ name_hash(slot.name) ^ static_cast<uint64_t>(slot.layout);
+      for (int64_t g = 0; g < slot.tensor->size(0); ++g) {
+        fill.first_element = static_cast<uint64_t>((slot.first_group + g) * expert.out * expert.in);
+        fill_random(values, fill);
+        expert.quantize(values.ptr<double>());
+        expert.upload(backend_, slot, g);
+      }
+      continue;
+    }
     const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor);
     // FSDP: this rank's range only; element i's value depends only on i, so the shards hold
     // exactly what the whole tensor would.

@@ -53,8 +53,16 @@ MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, co
   router_weight = ctx.alloc({e, hidden_});
   score_bias = ctx.alloc_accum({e});
   ctx.backend.fill(score_bias, 0.0);
-  experts.gate_up = ctx.alloc({local, 2 * f, row_width_});
-  experts.down = ctx.alloc({local, row_width_, f});
+  if (moe_.expert_format == "mxfp4") {
+    // Kept packed (frozen): codes two per byte along each weight's input, an E8M0 scale per 32.
+    experts.gate_up = ctx.alloc({local, 2 * f, row_width_ / 2}, DType::kU8);
+    experts.gate_up_scale = ctx.alloc({local, 2 * f, row_width_ / 32}, DType::kU8);
+    experts.down = ctx.alloc({local, row_width_, f / 2}, DType::kU8);
+    experts.down_scale = ctx.alloc({local, row_width_, f / 32}, DType::kU8);
+  } else {
+    experts.gate_up = ctx.alloc({local, 2 * f, row_width_});
+    experts.down = ctx.alloc({local, row_width_, f});
+  }
   experts.activation = gated_activation_of(spec.config);
   if (parallel && parallel->expert_parallel()) {
     dispatch_ = std::make_unique<ExpertDispatch>(*parallel->ep, e, local);
@@ -73,8 +81,11 @@ void MoeFfn::collect_parameters(std::vector<Parameter*>& out) {
 void MoeFfn::collect_weights(std::vector<WeightSlot>& out) {
   out.push_back({prefix_ + ".gate.weight", &router_weight});
   if (moe_.score_correction_bias) out.push_back({prefix_ + ".gate.e_score_correction_bias", &score_bias});
-  out.push_back({experts.prefix(), &experts.gate_up, WeightLayout::kSwigluGateUp, experts.first_group()});
-  out.push_back({experts.prefix(), &experts.down, WeightLayout::kSwigluDown, experts.first_group()});
+  const bool packed = experts.gate_up_scale.defined();  // MXFP4: the scales travel with the codes
+  out.push_back({experts.prefix(), &experts.gate_up, WeightLayout::kSwigluGateUp, experts.first_group(),
+                 packed ? &experts.gate_up_scale : nullptr});
+  out.push_back({experts.prefix(), &experts.down, WeightLayout::kSwigluDown, experts.first_group(),
+                 packed ? &experts.down_scale : nullptr});
   if (shared) shared->collect_weights(out);
 }
 

@@ -27,6 +27,12 @@ GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const GroupOff
   return args;
 }
 
+// The grouped GEMM on a base weight, with its MXFP4 scales when it is held packed.
+GroupedGemmArgs with_scale(GroupedGemmArgs args, const Tensor& scale) {
+  if (scale.defined()) args.b_scale = scale;
+  return args;
+}
+
 // c[g] += alpha * a[rows_g]^T b[rows_g]: the per-group weight gradient.
 GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, double alpha) {
   GroupedGemmArgs args;
@@ -116,7 +122,7 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
   int64_t rows = x.size(0);
   int64_t f = width_;
   saved_gate_up_ = ctx.alloc({rows, 2 * f});
-  be.grouped_gemm(grouped(saved_gate_up_, x, gate_up, group_offsets, true));
+  be.grouped_gemm(with_scale(grouped(saved_gate_up_, x, gate_up, group_offsets, true), gate_up_scale));
   for (Projection p : {kGate, kUp}) {
     if (!lora[p]) continue;
     int64_t rank = lora[p]->a.value.size(-2);
@@ -134,7 +140,7 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
   saved_hidden_ = ctx.alloc({rows, f});
   if (activation.situ) be.situ_forward({saved_hidden_, saved_gate_up_, activation.beta, activation.linear_beta});
   else be.swiglu_forward(saved_hidden_, saved_gate_up_);
-  be.grouped_gemm(grouped(out, saved_hidden_, down, group_offsets, true));
+  be.grouped_gemm(with_scale(grouped(out, saved_hidden_, down, group_offsets, true), down_scale));
   if (lora[kDown]) {
     int64_t rank = lora[kDown]->a.value.size(-2);
     Tensor ha = ctx.alloc({rows, rank});
@@ -150,7 +156,7 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
   int64_t f = width_;
   // Down projection: dh = dout Wd (+ LoRA).
   Tensor dh = ctx.alloc({rows, f});
-  be.grouped_gemm(grouped(dh, dout, down, group_offsets, false));
+  be.grouped_gemm(with_scale(grouped(dh, dout, down, group_offsets, false), down_scale));
   if (lora[kDown]) {
     LoraAdapter& ad = *lora[kDown];
     int64_t rank = ad.a.value.size(-2);
@@ -170,7 +176,10 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
     be.swiglu_backward(kernels::SwigluBackwardArgs{dgate_up, dh, saved_gate_up_});
   }
   // Gate and up projections: dx = dgate_up Wgu (+ LoRA).
-  if (dx.data) be.grouped_gemm(grouped(dx, dgate_up, gate_up, group_offsets, false, 1.0, accumulate_dx ? 1.0 : 0.0));
+  if (dx.data) {
+    be.grouped_gemm(
+        with_scale(grouped(dx, dgate_up, gate_up, group_offsets, false, 1.0, accumulate_dx ? 1.0 : 0.0), gate_up_scale));
+  }
   for (Projection p : {kGate, kUp}) {
     if (!lora[p]) continue;
     LoraAdapter& ad = *lora[p];

@@ -68,6 +68,11 @@ class SwigluExperts {
   GatedActivation activation;  // SwiGLU unless set
   Tensor gate_up;  // [G, 2F, D], frozen
   Tensor down;     // [G, D, F], frozen
+  // Routed experts with model.moe.expert_format mxfp4: gate_up and down hold MXFP4 codes (U8
+  // [G, 2F, D / 2] and [G, D, F / 2]) and these their E8M0 scales (U8 [G, 2F, D / 32], [G, D, F / 32];
+  // kernels/ops.h GroupedGemmArgs::b_scale); undefined for BF16 weights.
+  Tensor gate_up_scale;
+  Tensor down_scale;
   std::array<std::unique_ptr<LoraAdapter>, 3> lora;  // per projection; null: none
   // PEFT's fused adapter on the whole gate_up output (routed experts only); when set, lora[kGate]
   // and lora[kUp] are null.

@@ -158,10 +158,17 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       fmt::format("max((prefetch {} + 1) x largest layer {:.3g}, embedding/head {:.3g}) x 2 B; 0 when fsdp = 1",
                   plan.prefetch, static_cast<double>(largest_layer), static_cast<double>(largest_edge)));
   const int64_t expert_elements = p.routed_expert_per_layer() / std::max<int64_t>(1, m.moe.num_experts);
-  const double expert_bytes = static_cast<double>(plan.local_experts * moe_layers * expert_elements) * kBf16;
-  add(plan.fixed, "routed experts (bf16)", expert_bytes,
-      fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x 2 B (MXFP4 would be ~{:.1f} GB)",
-                  plan.local_experts, moe_layers, static_cast<double>(expert_elements), expert_bytes * 4.25 / 16 / 1e9));
+  // MXFP4 experts stay packed on the device: half a byte per weight and one E8M0 byte per 32.
+  const bool mxfp4 = m.moe.expert_format == "mxfp4";
+  const double expert_bytes_per = mxfp4 ? 0.5 + 1.0 / 32 : kBf16;
+  const double expert_bytes = static_cast<double>(plan.local_experts * moe_layers * expert_elements) * expert_bytes_per;
+  add(plan.fixed, mxfp4 ? "routed experts (mxfp4)" : "routed experts (bf16)", expert_bytes,
+      mxfp4 ? fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x (0.5 + 1/32) B (BF16 would be {:.1f} GB)",
+                          plan.local_experts, moe_layers, static_cast<double>(expert_elements),
+                          expert_bytes / expert_bytes_per * kBf16 / 1e9)
+            : fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x 2 B (MXFP4 would be {:.1f} GB)",
+                          plan.local_experts, moe_layers, static_cast<double>(expert_elements),
+                          expert_bytes / kBf16 * (0.5 + 1.0 / 32) / 1e9));
 
   // Adapters (core/train/optimizer.h): FP32 value and gradient whole on every rank that uses them;
   // the "Adam state" -- two moments, the reduced gradient and the all-gather's input, 16 B -- only
