@@ -141,6 +141,11 @@ __device__ __forceinline__ void drain_ring(uint64_t* empty, RingPosition<kStages
   }
 }
 
+// Arrives on named barrier `id` (counted among `threads`) without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  MOETRAIN_SM90_ASM("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // A consumer warp gives a stage back (after its warpgroup's wgmma reading it completed and its
 // lanes' own reads of it are done).
 __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {

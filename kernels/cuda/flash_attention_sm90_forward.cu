@@ -3,16 +3,19 @@
 // One CTA per (128 queries, head); the grid runs each head's blocks last-first, since causal
 // blocks further down see more keys (a shorter tail), and a head's blocks together, so that its K
 // and V stay in L2. Warpgroup 0 produces: one thread loads the Q block once and then streams
-// 128-key tiles of K and V through a ring of stages by TMA (a 'full' mbarrier per tile, K and V
-// apart so that the scores can start before V lands; an 'empty' one per stage that the 8 consumer
-// warps arrive on). Warpgroups 1 and 2 own 64 queries each:
+// 128-key tiles of K and V by TMA through two rings of stages, K and V apart (a 'full' and an
+// 'empty' mbarrier per stage each; the 8 consumer warps arrive on 'empty'), so that the scores can
+// start before V lands and a K stage is given back as soon as its scores are done. Warpgroups 1
+// and 2 own 64 queries each:
 //   S = Q K^T           wgmma, both from shared memory (K-major), F32 in registers
 //   online softmax      per row: running max m and sum l in F32, P = 2^(S scale log2e - m')
 //   O += P V            wgmma with P from registers (the S accumulator packed to BF16 is the A
 //                       fragment) and V from shared memory (MN-major)
-// The matmuls of one tile overlap the softmax of the next: tile j's S = Q K_j^T and tile j-1's
-// O += P V are issued together, the softmax of S_j runs while P V is in flight, and O is rescaled
-// once that completes. At the end O / l is stored (BF16) and lse = m scale + ln l (natural log).
+// Overlap, as in FlashAttention-3: within a warpgroup, tile j's S = Q K_j^T and tile j-1's
+// O += P V are issued together and the softmax of S_j runs while P V is in flight (O is rescaled
+// once that completes); between the two warpgroups, named barriers make them take turns issuing
+// their matmuls ("ping-pong"), so that one's softmax runs while the other's matmuls hold the
+// tensor cores. At the end O / l is stored (BF16) and lse = m scale + ln l (natural log).
 //
 // Keys: from the segment start of the block's first query to its last query, in tiles that start
 // there (so a packed document costs what it costs alone). Masking is per (query t, key s):
@@ -36,7 +39,8 @@ template <int kQk, int kV>
 struct ForwardTiling {
   static constexpr int kBlockM = kConsumerWarpgroups * kWarpgroupRows;  // 128 queries
   static constexpr int kBlockN = 128;                                   // keys per tile
-  // K + V stages that fit beside Q in 227 KB: 3 up to 128/128, 2 for 192/128.
+  // K and V stages that fit beside Q in 227 KB: 3 up to 128/128, 2 for 192/128 (with the K and V
+  // rings apart, 2 still leave a whole tile's time to each load).
   static constexpr int kStages = kQk + kV <= 256 ? 3 : 2;
   using QTile = SwizzledTile<kBlockM, kQk>;
   using KTile = SwizzledTile<kBlockN, kQk>;
@@ -44,7 +48,7 @@ struct ForwardTiling {
   static constexpr int kKOffset = QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * VTile::kBytes;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, k_full[], v_full[], empty[]
+  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
   static constexpr size_t kSmemBytes = kSmemAlignment + kBarrierOffset + kBarriers * sizeof(uint64_t);
   static_assert(kSmemBytes <= kMaxSmemBytes, "the forward's stages must fit in shared memory");
   static_assert(kBlockN % 16 == 0 && kQk % 16 == 0, "whole wgmma k-steps");
@@ -125,6 +129,17 @@ __device__ __forceinline__ void softmax_step(float (&s)[kN / 2], float (&row_max
   }
 }
 
+// Ping-pong between the consumer warpgroups: warpgroup w waits on named barrier kTurnBarrier + w
+// before issuing its matmuls and, once issued, arrives on the other's. Warpgroup 0 goes first
+// (warpgroup 1 arrives once up front), then they alternate; both issue the same number of times,
+// and warpgroup 1 skips its arrival after its last issue, so every barrier phase gets its 256
+// threads (128 waiting, 128 arriving).
+constexpr uint32_t kTurnBarrier = 1;  // ids 1 and 2 (0 is __syncthreads)
+constexpr uint32_t kTurnThreads = 2 * kWarpgroupThreads;
+
+__device__ __forceinline__ void wait_for_turn(int wg) { sm90::named_barrier_sync(kTurnBarrier + wg, kTurnThreads); }
+__device__ __forceinline__ void pass_turn(int wg) { named_barrier_arrive(kTurnBarrier + (1 - wg), kTurnThreads); }
+
 template <int kQk, int kV>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_attention_forward_sm90_bf16_kernel(const __grid_constant__ CUtensorMap q_map,
@@ -142,7 +157,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
   uint64_t* k_full = q_full + 1;
   uint64_t* v_full = k_full + T::kStages;
-  uint64_t* empty = v_full + T::kStages;
+  uint64_t* k_empty = v_full + T::kStages;
+  uint64_t* v_empty = k_empty + T::kStages;
 
   const int head = blockIdx.y;
   const int m0 = (gridDim.x - 1 - blockIdx.x) * T::kBlockM;
@@ -156,7 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < T::kStages; ++s) {
       sm90::barrier_init(&k_full[s], 1);
       sm90::barrier_init(&v_full[s], 1);
-      sm90::barrier_init(&empty[s], kConsumerWarps);
+      sm90::barrier_init(&k_empty[s], kConsumerWarps);
+      sm90::barrier_init(&v_empty[s], kConsumerWarps);
     }
     sm90::fence_barrier_init();
   }
@@ -174,14 +191,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     RingPosition<T::kStages> ring;
     for (int j = 0; j < n_tiles; ++j) {
       const int n0 = kv_begin + j * T::kBlockN;
-      producer_wait(&empty[ring.stage], ring.phase ^ 1);
+      producer_wait(&k_empty[ring.stage], ring.phase ^ 1);
       sm90::barrier_arrive_expect_bytes(&k_full[ring.stage], KTile::kBytes);
       load_tile<KTile>(k_st + ring.stage * KTile::kBytes, &k_map, &k_full[ring.stage], head, n0);
+      producer_wait(&v_empty[ring.stage], ring.phase ^ 1);
       sm90::barrier_arrive_expect_bytes(&v_full[ring.stage], VTile::kBytes);
       load_tile<VTile>(v_st + ring.stage * VTile::kBytes, &v_map, &v_full[ring.stage], head, n0);
       ring.advance();
     }
-    drain_ring(empty, ring);
+    drain_ring(k_empty, ring);
+    drain_ring(v_empty, ring);
     return;
   }
 
@@ -233,12 +252,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   sm90::barrier_wait(q_full, 0);
+  if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
   RingPosition<T::kStages> ring;
   // Tile 0: scores and softmax only (O is zero, so its correction does not matter).
   sm90::barrier_wait(&k_full[ring.stage], ring.phase);
+  wait_for_turn(wg);
   issue_scores(ring.stage);
+  pass_turn(wg);
   sm90::wgmma_wait<0>();
   sm90::fence_registers(s);
+  release_stage(&k_empty[ring.stage], lane);
   softmax(kv_begin);
   accumulator_to_fragments<T::kBlockN>(pf, s);
 
@@ -246,27 +269,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     RingPosition<T::kStages> next = ring;
     next.advance();
     sm90::barrier_wait(&k_full[next.stage], next.phase);
+    wait_for_turn(wg);
     issue_scores(next.stage);                              // S_j = Q K_j^T
     sm90::barrier_wait(&v_full[ring.stage], ring.phase);
     issue_pv(ring.stage);                                  // O += P_{j-1} V_{j-1}
+    pass_turn(wg);
     sm90::wgmma_wait<1>();                                 // S_j is done, P V may still run
     sm90::fence_registers(s);
+    release_stage(&k_empty[next.stage], lane);
     softmax(kv_begin + j * T::kBlockN);
     sm90::wgmma_wait<0>();
     sm90::fence_registers(o);
     fence_fragments(pf);
-    release_stage(&empty[ring.stage], lane);
+    release_stage(&v_empty[ring.stage], lane);
 #pragma unroll
     for (int i = 0; i < kV / 2; ++i) o[i] *= correction[(i >> 1) & 1];
     accumulator_to_fragments<T::kBlockN>(pf, s);
     ring = next;
   }
   sm90::barrier_wait(&v_full[ring.stage], ring.phase);
+  wait_for_turn(wg);
   issue_pv(ring.stage);
+  if (wg == 0) pass_turn(wg);  // the last issue of all: warpgroup 1 has none left to wait for
   sm90::wgmma_wait<0>();
   sm90::fence_registers(o);
   fence_fragments(pf);
-  release_stage(&empty[ring.stage], lane);
+  release_stage(&v_empty[ring.stage], lane);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
