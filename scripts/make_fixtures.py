@@ -954,8 +954,8 @@ def main():
     losses = {n: make_one(n, args.out, device, args.seed) for n in names}
 
     print("\n=== summary")
-    total = 0
-    for root, _, files in sorted(os.walk(args.out)):
+    total = 0  # of the configs written now (--out may hold other scripts' fixtures too)
+    for root, _, files in sorted(w for n in names for w in os.walk(os.path.join(args.out, n))):
         for f in sorted(files):
             p = os.path.join(root, f)
             size = os.path.getsize(p)

@@ -534,7 +534,9 @@ TEST_CASE("fused gate_up: the config key and its rules", "[fused][config]") {
       "model: {vocab_size: 64, hidden_size: 32, num_layers: 2, mla: {num_heads: 2}, moe: {num_experts: 4, top_k: 2}}\n"
       "data: {seq_len: 16}\n";
   CHECK(parse_config(yaml, "x.yaml").lora.expert_gate_up == "separate");
-  CHECK(parse_config(yaml + "lora: {expert_gate_up: fused}\n", "x.yaml").lora.expert_gate_up == "fused");
+  Config fused = parse_config(yaml + "lora: {expert_gate_up: fused}\n", "x.yaml");
+  CHECK(fused.lora.expert_gate_up == "fused");
+  CHECK(parse_config(config_to_yaml(fused), "resolved.yaml").lora.expert_gate_up == "fused");  // what runs save
   std::string message = error_message([&] { parse_config(yaml, "x.yaml", {"lora.expert_gate_up=fuse"}); });
   CHECK(contains(message, "lora.expert_gate_up"));
   CHECK(contains(message, "fused"));
