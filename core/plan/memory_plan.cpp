@@ -207,6 +207,11 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
           ? static_cast<double>(m.kda.num_heads * m.kda.head_dim * m.kda.head_dim) * kF32 / 64.0
           : 0.0;
   const double final_part = 2 * static_cast<double>(m.hidden_size) * a + kF32;  // final_hidden, dfinal, rstd
+  // Block Attention Residuals: the final norm's mixed input [D], and through the backward the
+  // summaries' gradients, F32 [D] each (the summaries themselves are layer inputs, counted above).
+  const int64_t block = m.attn_res_block_size;
+  const double summaries = block > 0 ? static_cast<double>((m.num_layers + block - 1) / block) : 0.0;
+  const double attn_res_part = block > 0 ? static_cast<double>(m.hidden_size) * (a + summaries * kF32) : 0.0;
   const double k = static_cast<double>(m.moe.top_k);
   const double d = static_cast<double>(m.hidden_size);
   const double ep_buffers = moe_layers > 0 && plan.ep > 1 ? k * d * a * (1 + options.capacity_factor) : 0.0;
@@ -214,11 +219,6 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       plan.ep > 1 ? static_cast<double>(plan.ep) * std::min<double>(k, static_cast<double>(plan.local_experts)) * d * a
                   : 0.0;
   for (bool recompute : {true, false}) {
-  // Block Attention Residuals: the final norm's mixed input [D], and through the backward the
-  // summaries' gradients, F32 [D] each (the summaries themselves are layer inputs, counted above).
-  const int64_t block = m.attn_res_block_size;
-  const double summaries = block > 0 ? static_cast<double>((m.num_layers + block - 1) / block) : 0.0;
-  const double attn_res_part = block > 0 ? static_cast<double>(m.hidden_size) * (a + summaries * kF32) : 0.0;
     std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
     add(items, "layer inputs (checkpoints)", checkpoint, "(layers + 1) x D x a");
     if (recompute) {
@@ -229,6 +229,8 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
     add(items, "backward temporaries of one layer", saved_max, "~ the largest layer's saved set");
     add(items, "KDA chunk states (inside the op)", kda_chunk_states, "H d^2 x 4 B / 64 (one state per chunk)");
     add(items, "final norm, its gradient", final_part, "2 x D x a + 4 B");
+    add(items, "attention-residual summary gradients", attn_res_part,
+        fmt::format("D x (a + {:.0f} summaries x 4 B)", summaries));
     add(items, "EP dispatch buffers", ep_buffers, "top_k x D x a x (send 1 + receive capacity)");
   }
 
@@ -236,8 +238,6 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const double fsdp_frac = static_cast<double>(fsdp - 1) / static_cast<double>(fsdp);
   const double micro = static_cast<double>(plan.micro_batches);
   add(plan.communication, "FSDP all-gather of frozen weights",
-    add(items, "attention-residual summary gradients", attn_res_part,
-        fmt::format("D x (a + {:.0f} summaries x 4 B)", summaries));
       micro * 2 * static_cast<double>(p.non_expert()) * kBf16 * fsdp_frac,
       "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
   const double world_frac = (world - 1) / world;
