@@ -473,7 +473,7 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
   CHECK(reread.model.situ_linear_beta == 25.0);
   CHECK(reread.model.moe.latent_size == 48);
   // Every key was written, so every model key reads back as explicit.
-  CHECK(reread.explicit_model_keys.size() == 15 + 8 + 7 + 6 + 4 + 16);  // model, mla, rope_scaling, kda, dsa, moe
+  CHECK(reread.explicit_model_keys.size() == 16 + 8 + 7 + 6 + 4 + 17);  // model, mla, rope_scaling, kda, dsa, moe
   // same_settings is not always true: one changed value is seen.
   reread.train.beta2 = 0.96;
   CHECK(!same_settings(original, reread));
