@@ -6,6 +6,14 @@
 //
 // The switch: MOETRAIN_ATTENTION=mma (or simt) in the environment, read on every call, makes both
 // predicates false.
+//
+// Measured on one H200 (moetrain-bench ops, causal, 32 heads, BF16, medians; commit 5898943):
+//   T 8192, 128/128: forward 0.943 ms (583 TFLOP/s), forward + backward 4.22 ms (SDPA on the same
+//     machine: 1.008 / 3.662 ms; the mma.sync path 2.88 / 11.5 ms)
+//   T 8192, 192/128: 1.058 / 5.56 ms (1.32x the 128/128 forward + backward); 64/64: 0.741 / 2.80 ms
+//   8 packed documents of 1024 tokens: forward + backward 0.914 ms, 0.42x eight separate calls
+// The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5):
+// that, not the kernels' speed, is most of the gap to SDPA's backward.
 #pragma once
 
 #include <cuda_runtime.h>
