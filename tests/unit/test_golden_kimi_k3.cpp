@@ -1,0 +1,162 @@
+// Kimi K3 against an independent PyTorch implementation: NVIDIA NeMo AutoModel's kimi_k3 model
+// code with a PEFT LoRA adapter (tests/fixtures/golden/kimi_k3*, made by
+// scripts/make_fixtures_kimi_k3.py; docs/FIXTURES.md). Tiny all-MLA K3 configs with every K3
+// feature that does not need KDA: gated NoPE MLA with q LoRA, SiTU MLPs, the latent MoE with two
+// shared experts and the sigmoid router, Block Attention Residuals over several closed blocks;
+// routed experts stored as BF16 weights or as MXFP4 codes and scales. Our importer loads the
+// released-style directory (text_config, language_model. names, block_sparse_moe), our PEFT
+// importer the adapter; logits and loss must match to 1e-5 and every adapter gradient to 1e-4,
+// each against its own scale.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "catch.h"
+#include "core/config/config.h"
+#include "core/io/hf_index.h"
+#include "core/io/safetensors.h"
+#include "core/model/model.h"
+#include "core/model/peft_adapter.h"
+#include "golden_files.h"
+#include "kernels/ops.h"
+
+using namespace moetrain;
+
+namespace {
+
+using testing::golden_batch;
+using testing::host_f64;
+using testing::scaled_error;
+
+constexpr const char* kPeftPrefix = "base_model.model.";
+constexpr const char* kTextPrefix = "language_model.";
+
+// The fixture directory, or a failure that says how to make it.
+std::string fixture_dir(const std::string& name) {
+  const std::string dir = testing::golden_dir(name);
+  if (!std::filesystem::exists(dir + "/golden.safetensors")) {
+    FAIL("missing golden fixture " << dir << ": make it on a machine with torch, transformers 5.17, peft 0.21 "
+                                   << "and NeMo AutoModel's source (no GPU needed) with\n  python3 "
+                                   << "scripts/make_fixtures_kimi_k3.py --out tests/fixtures/golden --nemo "
+                                   << "<Automodel checkout>\nand commit tests/fixtures/golden/kimi_k3*/ "
+                                   << "(docs/FIXTURES.md)");
+  }
+  return dir;
+}
+
+// An adapter key of the fixture (checkpoint names: "base_model.model.language_model.model.layers.1.
+// block_sparse_moe.shared_experts.gate_proj.lora_A.weight") as our parameter name
+// ("model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight").
+std::string our_parameter_name(const std::string& adapter_key) {
+  REQUIRE(adapter_key.rfind(kPeftPrefix, 0) == 0);
+  std::string name = adapter_key.substr(std::strlen(kPeftPrefix));
+  if (name.rfind(kTextPrefix, 0) == 0) name = name.substr(std::strlen(kTextPrefix));
+  const std::string moe = ".block_sparse_moe.";
+  const size_t at = name.find(moe);
+  if (at != std::string::npos) name.replace(at, moe.size(), ".mlp.");
+  return name;
+}
+
+// LoRA targets: the adapter's target_modules, and the modules whose weight target_parameters names
+// (the dense MLP's and the shared experts' gate/up/down_proj).
+std::vector<std::string> adapter_targets(const std::string& adapter_dir) {
+  std::ifstream in(adapter_dir + "/adapter_config.json");
+  const nlohmann::json config = nlohmann::json::parse(in);
+  std::vector<std::string> targets = config.at("target_modules").get<std::vector<std::string>>();
+  for (const std::string& parameter : config.value("target_parameters", std::vector<std::string>())) {
+    const std::string suffix = ".weight";
+    REQUIRE(parameter.size() > suffix.size());
+    REQUIRE(parameter.compare(parameter.size() - suffix.size(), suffix.size(), suffix) == 0);
+    targets.push_back(parameter.substr(0, parameter.size() - suffix.size()));
+  }
+  return targets;
+}
+
+// The user's view: a config naming the directory (and, for packed experts, their format).
+Config fixture_config(const std::string& dir, const std::string& expert_format, int64_t seq_len) {
+  std::string yaml = "model: {hf_dir: " + dir;
+  if (expert_format != "bf16") yaml += ", moe: {expert_format: " + expert_format + "}";
+  yaml += "}\ndata: {seq_len: " + std::to_string(seq_len) + "}\n";
+  return parse_config(yaml, "golden_kimi_k3.yaml");
+}
+
+void check_fixture(const std::string& name, const std::string& expert_format, DType dtype) {
+  const std::string dir = fixture_dir(name);
+  SafetensorsFile golden(dir + "/golden.safetensors");
+  Batch batch = golden_batch(golden);
+
+  ModelSpec spec = resolve_model_spec(fixture_config(dir, expert_format, batch.seq_len));
+  // The features the fixture was made to exercise, as the importer must read them.
+  const ModelConfig& m = spec.config;
+  REQUIRE(m.model_type == "kimi_k3");
+  REQUIRE(std::all_of(spec.mixers.begin(), spec.mixers.end(), [](MixerKind k) { return k == MixerKind::kMla; }));
+  REQUIRE(m.num_layers == 5);
+  REQUIRE(m.first_k_dense == 1);
+  REQUIRE(m.hidden_act == "situ");
+  REQUIRE(m.attention_gate == "elementwise");
+  REQUIRE(m.mla.q_lora_rank.has_value());
+  REQUIRE_FALSE(m.mla.use_rope);
+  REQUIRE(m.attn_res_block_size >= 2);
+  REQUIRE(m.moe.latent_size == 32);
+  REQUIRE(m.moe.use_latent_norm);
+  REQUIRE(m.moe.num_shared_experts == 2);
+  REQUIRE(m.moe.expert_format == expert_format);
+
+  auto backend = kernels::make_cpu_backend();
+  const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
+  ModelOptions options;
+  options.dtype = dtype;
+  options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
+  options.lora_targets = adapter_targets(dir + "/adapter");
+  Model model(spec, *backend, options);
+  model.load_weights(HfCheckpoint(dir));
+  load_peft_adapter(model, dir + "/adapter");
+
+  Tensor logits = model.logits(batch);
+  const double logits_error = scaled_error(logits, golden.read_as("logits", DType::kF64));
+  INFO(name << ": logits scaled error " << logits_error);
+  CHECK(logits_error <= 1e-5);
+
+  const int64_t targets = batch.num_targets();
+  StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
+  const double loss = result.loss_sum / static_cast<double>(targets);
+  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+  INFO(name << ": loss " << loss << " vs " << golden_loss);
+  CHECK(std::fabs(loss - golden_loss) <= 1e-5 * std::fabs(golden_loss));
+
+  std::map<std::string, Tensor> grads;
+  for (Parameter* p : model.parameters()) grads.emplace(p->name, host_f64(*backend, p->grad));
+  int compared = 0;
+  for (const std::string& key : golden.names()) {
+    if (key.rfind("grad.", 0) != 0) continue;
+    const std::string param = our_parameter_name(key.substr(5));
+    INFO(name << ": " << key << " is our " << param);
+    REQUIRE(grads.count(param) == 1);
+    const double error = scaled_error(grads.at(param), golden.read_as(key, DType::kF64));
+    INFO(name << ": " << key << " scaled error " << error);
+    CHECK(error <= 1e-4);
+    ++compared;
+  }
+  const size_t adapter_tensors = SafetensorsFile(dir + "/adapter/adapter_model.safetensors").names().size();
+  CHECK(compared == static_cast<int>(adapter_tensors));
+  CHECK(grads.size() == adapter_tensors);  // every adapter of ours has a reference gradient
+}
+
+}  // namespace
+
+TEST_CASE("golden: Kimi K3 with BF16 experts (gated MLA + SiTU + latent MoE + attention residuals)", "[golden][k3]") {
+  check_fixture("kimi_k3", "bf16", DType::kF32);
+}
+
+TEST_CASE("golden: Kimi K3 with MXFP4 experts", "[golden][k3]") { check_fixture("kimi_k3_mxfp4", "mxfp4", DType::kF32); }
+
+TEST_CASE("golden: Kimi K3 in double precision", "[golden][k3]") {
+  check_fixture("kimi_k3", "bf16", DType::kF64);
+  check_fixture("kimi_k3_mxfp4", "mxfp4", DType::kF64);
+}
