@@ -5,12 +5,16 @@
 #pragma once
 
 #include <cmath>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "core/base/host_convert.h"
 #include "core/io/safetensors.h"
+#include "core/model/hf_names.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "gradcheck.h"
@@ -89,6 +93,25 @@ inline Batch golden_batch(const SafetensorsFile& golden) {
   }
   for (int64_t w = 0; w <= b.batch_size; ++w) b.cu_seqlens.push_back(static_cast<int32_t>(w * b.seq_len));
   return b;
+}
+
+// LoRA targets in our names for a Kimi-Linear fixture's adapter: its target_modules (KDA's in
+// transformers' spelling, hf_names.h) plus the MLPs and experts it reaches through
+// target_parameters.
+inline std::vector<std::string> kimi_adapter_targets(const std::string& adapter_dir) {
+  static const char* const kKdaProjections[] = {"q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj",
+                                                "b_proj", "g_a_proj", "g_b_proj", "o_proj"};
+  std::ifstream in(adapter_dir + "/adapter_config.json");
+  const nlohmann::json config = nlohmann::json::parse(in);
+  std::vector<std::string> targets = {"gate_proj", "up_proj", "down_proj", "shared_experts", "experts"};
+  for (const std::string& module : config.at("target_modules").get<std::vector<std::string>>()) {
+    std::string ours = module;
+    for (const char* name : kKdaProjections) {
+      if (transformers_module_name(std::string(".self_attn.") + name) == ".self_attn." + module) ours = name;
+    }
+    targets.push_back(ours);
+  }
+  return targets;
 }
 
 // Our stacked routed-expert gradients (host F64) in PEFT's fused 3-D layout: the fused A feeds

@@ -31,10 +31,6 @@ using testing::gradient_for;
 using testing::host_f64;
 using testing::scaled_error;
 
-// Our names of KDA's projections; the adapter may use transformers' (hf_names.h).
-const char* const kKdaProjections[] = {"q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj",
-                                       "b_proj", "g_a_proj", "g_b_proj", "o_proj"};
-
 // The fixture directory, or a failure that says how to make it.
 std::string fixture_dir(const std::string& name) {
   const std::string dir = testing::golden_dir(name);
@@ -47,21 +43,6 @@ std::string fixture_dir(const std::string& name) {
   return dir;
 }
 
-// LoRA targets in our names: the adapter's target_modules (some in transformers' spelling) plus
-// the MLPs and experts it reaches through target_parameters.
-std::vector<std::string> adapter_targets(const std::string& adapter_dir) {
-  std::ifstream in(adapter_dir + "/adapter_config.json");
-  const nlohmann::json config = nlohmann::json::parse(in);
-  std::vector<std::string> targets = {"gate_proj", "up_proj", "down_proj", "shared_experts", "experts"};
-  for (const std::string& module : config.at("target_modules").get<std::vector<std::string>>()) {
-    std::string ours = module;
-    for (const char* name : kKdaProjections) {
-      if (transformers_module_name(std::string(".self_attn.") + name) == ".self_attn." + module) ours = name;
-    }
-    targets.push_back(ours);
-  }
-  return targets;
-}
 
 void check_fixture(const std::string& name, DType dtype) {
   const std::string dir = fixture_dir(name);
@@ -80,7 +61,7 @@ void check_fixture(const std::string& name, DType dtype) {
   ModelOptions options;
   options.dtype = dtype;
   options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
-  options.lora_targets = adapter_targets(dir + "/adapter");
+  options.lora_targets = testing::kimi_adapter_targets(dir + "/adapter");
   Model model(spec, *backend, options);
   model.load_weights(HfCheckpoint(dir));
   load_peft_adapter(model, dir + "/adapter");
