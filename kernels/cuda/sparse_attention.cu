@@ -377,24 +377,24 @@ __global__ void __launch_bounds__(kThreads) sparse_attention_backward_query_kern
 
 // Sort input: each flat position's key (entries outside [0, t]: `tokens`, sorted last and unused).
 __global__ void inverse_index_input_kernel(const int32_t* __restrict__ index, int64_t entries, int top_k, int tokens,
-                                           int32_t* __restrict__ keys, int32_t* __restrict__ positions) {
+                                           uint32_t* __restrict__ keys, int32_t* __restrict__ positions) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < entries;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int t = static_cast<int>(e / top_k);
     const int s = index[e];
-    keys[e] = s >= 0 && s <= t ? s : tokens;
+    keys[e] = static_cast<uint32_t>(s >= 0 && s <= t ? s : tokens);
     positions[e] = static_cast<int32_t>(e);
   }
 }
 
 // offsets[s] = the first sorted entry with key >= s, for s in [0, tokens] (offsets[tokens]: the
 // end of the valid entries). Entry j fills the keys after its predecessor's up to its own.
-__global__ void inverse_index_offsets_kernel(const int32_t* __restrict__ sorted_keys, int64_t entries, int tokens,
+__global__ void inverse_index_offsets_kernel(const uint32_t* __restrict__ sorted_keys, int64_t entries, int tokens,
                                              int32_t* __restrict__ offsets) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j <= entries;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int key = j < entries ? sorted_keys[j] : tokens;
-    const int previous = j > 0 ? sorted_keys[j - 1] : -1;
+    const int key = j < entries ? static_cast<int>(sorted_keys[j]) : tokens;
+    const int previous = j > 0 ? static_cast<int>(sorted_keys[j - 1]) : -1;
     for (int s = previous + 1; s <= min(key, tokens); ++s) offsets[s] = static_cast<int32_t>(j);
   }
 }
@@ -564,8 +564,8 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
   int end_bit = 1;
   while ((int64_t{1} << end_bit) <= tokens) ++end_bit;
   size_t sort_bytes = 0;
-  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const int32_t*>(nullptr),
-                                             static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr),
+                                             static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
                                              static_cast<int32_t*>(nullptr), static_cast<int>(entries), 0, end_bit,
                                              stream));
   const size_t index_bytes = DeviceScratch::round_up(static_cast<size_t>(entries) * sizeof(int32_t));
@@ -574,8 +574,8 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
   const size_t contrib_bytes = DeviceScratch::round_up(static_cast<size_t>(chunk_rows * top_k * qk) * sizeof(float));
   sort_bytes = DeviceScratch::round_up(std::max<size_t>(sort_bytes, 1));
   char* base = static_cast<char*>(scratch.reserve(4 * index_bytes + offsets_bytes + acc_bytes + contrib_bytes + sort_bytes));
-  auto* keys_in = reinterpret_cast<int32_t*>(base);
-  auto* keys_out = reinterpret_cast<int32_t*>(base + index_bytes);
+  auto* keys_in = reinterpret_cast<uint32_t*>(base);
+  auto* keys_out = reinterpret_cast<uint32_t*>(base + index_bytes);
   auto* positions_in = reinterpret_cast<int32_t*>(base + 2 * index_bytes);
   auto* positions_out = reinterpret_cast<int32_t*>(base + 3 * index_bytes);
   auto* offsets = reinterpret_cast<int32_t*>(base + 4 * index_bytes);
