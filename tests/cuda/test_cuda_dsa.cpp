@@ -429,23 +429,6 @@ double time_ms(Op op, int reps) {
 }
 
 TEST_CASE("cuda dsa timings at DeepSeek-V3.2 shapes", "[.bench]") {
-  for (int64_t tokens : {int64_t{4096}, int64_t{8192}, int64_t{32768}, int64_t{131072}}) {
-    const int64_t heads = 64, dim = 128, top_k = 2048;
-    Tensor q = tiled_random({tokens, heads, dim}, DType::kBF16, 1024, 1, 0.05, 1.0);
-    Tensor k = tiled_random({tokens, dim}, DType::kBF16, 1024, 2, 0.05, 1.0);
-    Tensor w = tiled_random({tokens, heads}, DType::kF32, 1024, 3, 0.05, 1.0);
-    Operand cu = int_operand({0, static_cast<int32_t>(tokens)}, Shape{2});
-    Tensor out(Shape{tokens, top_k}, DType::kI32, cuda::device_allocator());
-    const kernels::DsaIndexerArgs args{out, q, k, w, cu.dev, top_k, 1.0 / std::sqrt(double(heads * dim))};
-    gpu().reset_peak_memory();
-    const size_t before = gpu().stats().allocated_bytes;
-    const double ms = time_ms([&] { gpu().dsa_indexer_topk(args); }, tokens > 8192 ? 1 : 5);
-    const double flops = 2.0 * heads * dim * static_cast<double>(tokens) * (tokens + 1) / 2.0;
-    std::printf("bench indexer+topk T %lld heads %lld dim %lld top_k %lld bf16: %.3f ms (scores %.1f TFLOP/s), "
-                "extra peak memory %.1f MiB\n",
-                static_cast<long long>(tokens), static_cast<long long>(heads), static_cast<long long>(dim),
-                static_cast<long long>(top_k), ms, flops / ms / 1e9, (gpu().stats().peak_bytes - before) / 1048576.0);
-  }
   {
     const int64_t tokens = 4096, heads = 64, qk = 576, v = 512, top_k = 2048;
     Tensor q = tiled_random({tokens, heads, qk}, DType::kBF16, 256, 4, 0.05, 1.0);
@@ -476,6 +459,25 @@ TEST_CASE("cuda dsa timings at DeepSeek-V3.2 shapes", "[.bench]") {
                 static_cast<long long>(tokens), static_cast<long long>(heads), static_cast<long long>(qk),
                 static_cast<long long>(v), static_cast<long long>(top_k), fwd_ms, fwd_flops / fwd_ms / 1e9, bwd_ms,
                 2.0 * fwd_flops / bwd_ms / 1e9);
+    std::fflush(stdout);
+  }
+  for (int64_t tokens : {int64_t{4096}, int64_t{8192}, int64_t{32768}, int64_t{131072}}) {
+    const int64_t heads = 64, dim = 128, top_k = 2048;
+    Tensor q = tiled_random({tokens, heads, dim}, DType::kBF16, 1024, 1, 0.05, 1.0);
+    Tensor k = tiled_random({tokens, dim}, DType::kBF16, 1024, 2, 0.05, 1.0);
+    Tensor w = tiled_random({tokens, heads}, DType::kF32, 1024, 3, 0.05, 1.0);
+    Operand cu = int_operand({0, static_cast<int32_t>(tokens)}, Shape{2});
+    Tensor out(Shape{tokens, top_k}, DType::kI32, cuda::device_allocator());
+    const kernels::DsaIndexerArgs args{out, q, k, w, cu.dev, top_k, 1.0 / std::sqrt(double(heads * dim))};
+    gpu().reset_peak_memory();
+    const size_t before = gpu().stats().allocated_bytes;
+    const double ms = time_ms([&] { gpu().dsa_indexer_topk(args); }, tokens > 8192 ? 1 : 5);
+    const double flops = 2.0 * heads * dim * static_cast<double>(tokens) * (tokens + 1) / 2.0;
+    std::printf("bench indexer+topk T %lld heads %lld dim %lld top_k %lld bf16: %.3f ms (scores %.1f TFLOP/s), "
+                "extra peak memory %.1f MiB\n",
+                static_cast<long long>(tokens), static_cast<long long>(heads), static_cast<long long>(dim),
+                static_cast<long long>(top_k), ms, flops / ms / 1e9, (gpu().stats().peak_bytes - before) / 1048576.0);
+    std::fflush(stdout);
   }
 }
 
