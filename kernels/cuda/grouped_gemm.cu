@@ -308,7 +308,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
   unsigned char* b_stages = a_stages + T::kStages * T::kABytes;
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Broadcasts make the warp index and (below) the tile index warp-uniform in the compiler's eyes
+  // too: without them ptxas serializes every wgmma (C7520, "divergent path").
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       sm90::barrier_init(&full[s], 1);
@@ -381,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t slot_phase = 0;
   for (;;) {
     sm90::barrier_wait(&tile_full[slot], slot_phase);
-    const int t = tile_slot[slot];
+    const int t = __shfl_sync(0xffffffffu, tile_slot[slot], 0);
     __syncwarp();
     if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
     if (++slot == kTileSlots) {
