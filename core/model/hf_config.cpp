@@ -337,6 +337,20 @@ ModelConfig kimi_k3_from_hf(const Json& json, const HfJson& top) {
   MOETRAIN_CHECK(hf.get_or<int64_t>("num_nextn_predict_layers", 0) == 0, ExitCode::kBadConfig,
                  fmt::format("{}: num_nextn_predict_layers {} (multi-token prediction layers) is not supported",
                              text_source, hf.get_or<int64_t>("num_nextn_predict_layers", 0)));
+  // The released experts: compressed-tensors' MXFP4 (KimiK3Config keeps the quantization_config
+  // in text_config and copies it to the top).
+  const Json quantization = text.contains("quantization_config") ? text.at("quantization_config")
+                                                                  : json.value("quantization_config", Json());
+  if (quantization.is_object()) {
+    const std::string format = quantization.value("format", std::string());
+    MOETRAIN_CHECK(quantization.value("quant_method", std::string()) == "compressed-tensors" &&
+                       format == "mxfp4-pack-quantized",
+                   ExitCode::kBadConfig,
+                   fmt::format("{}: quantization_config {} is not supported (moetrain reads Kimi K3's "
+                               "compressed-tensors mxfp4-pack-quantized experts)",
+                               source, quantization.dump()));
+    moe.expert_format = "mxfp4";
+  }
   if (json.contains("vision_config") && json.at("vision_config").is_object()) {
     const Json& vision = json.at("vision_config");
     log::info(fmt::format("{}: kimi_k3 vision tower ({} layers, hidden {}, patch {}) is not loaded: moetrain trains "

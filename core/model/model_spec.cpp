@@ -40,6 +40,10 @@ const std::map<std::string, FieldCopier>& model_field_copiers() {
       MOETRAIN_FIELD("tie_word_embeddings", tie_word_embeddings),
       MOETRAIN_FIELD("max_position_embeddings", max_position_embeddings),
       MOETRAIN_FIELD("attention_gate", attention_gate),
+      MOETRAIN_FIELD("hidden_act", hidden_act),
+      MOETRAIN_FIELD("situ_beta", situ_beta),
+      MOETRAIN_FIELD("situ_linear_beta", situ_linear_beta),
+      MOETRAIN_FIELD("attn_res_block_size", attn_res_block_size),
       MOETRAIN_FIELD("mla", mla),
       MOETRAIN_FIELD("mla.num_heads", mla.num_heads),
       MOETRAIN_FIELD("mla.q_lora_rank", mla.q_lora_rank),
@@ -85,6 +89,9 @@ const std::map<std::string, FieldCopier>& model_field_copiers() {
       MOETRAIN_FIELD("moe.aux_loss_type", moe.aux_loss_type),
       MOETRAIN_FIELD("moe.router_noise", moe.router_noise),
       MOETRAIN_FIELD("moe.bias_update_rate", moe.bias_update_rate),
+      MOETRAIN_FIELD("moe.latent_size", moe.latent_size),
+      MOETRAIN_FIELD("moe.use_latent_norm", moe.use_latent_norm),
+      MOETRAIN_FIELD("moe.expert_format", moe.expert_format),
   };
 #undef MOETRAIN_FIELD
   return copiers;

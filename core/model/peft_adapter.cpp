@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "core/base/host_convert.h"
 #include "core/io/safetensors.h"
@@ -26,15 +27,49 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Reads adapter keys as F64, remembering which were used.
+// An adapter key in our names when it was saved under a released checkpoint's (Kimi K3's, as
+// NeMo AutoModel saves PEFT adapters): the text model under language_model., the MoE's modules
+// under block_sparse_moe, routed experts' projections as w1 / w3 / w2. Other keys are unchanged.
+std::string our_adapter_key(std::string key) {
+  const std::string text_prefix = std::string(kPeftPrefix) + "language_model.";
+  if (key.compare(0, text_prefix.size(), text_prefix) == 0) key = kPeftPrefix + key.substr(text_prefix.size());
+  const std::string moe = ".block_sparse_moe.";
+  for (size_t at = key.find(moe); at != std::string::npos; at = key.find(moe, at)) key.replace(at, moe.size(), ".mlp.");
+  const size_t experts = key.find(".mlp.experts.");
+  if (experts != std::string::npos) {
+    const size_t index = experts + std::strlen(".mlp.experts.");
+    const size_t dot = key.find_first_not_of("0123456789", index);
+    if (dot != std::string::npos && dot > index && key[dot] == '.') {
+      for (const auto& [released, ours] : {std::pair<const char*, const char*>{".w1.", ".gate_proj."},
+                                           {".w3.", ".up_proj."},
+                                           {".w2.", ".down_proj."}}) {
+        if (key.compare(dot, 4, released) == 0) {
+          key.replace(dot, 4, ours);
+          break;
+        }
+      }
+    }
+  }
+  return key;
+}
+
+// Reads adapter keys as F64, remembering which were used. A key stored under a released
+// checkpoint's names answers to ours too (our_adapter_key).
 class AdapterFile {
  public:
-  explicit AdapterFile(const std::string& path) : file_(path), path_(path) {}
+  explicit AdapterFile(const std::string& path) : file_(path), path_(path) {
+    for (const std::string& stored : file_.names()) {
+      const std::string ours = our_adapter_key(stored);
+      if (ours != stored && !file_.has(ours)) stored_name_.emplace(ours, stored);
+    }
+  }
 
-  bool has(const std::string& key) const { return file_.has(key); }
+  bool has(const std::string& key) const { return file_.has(key) || stored_name_.count(key) != 0; }
   const std::string& path() const { return path_; }
 
-  Tensor read(const std::string& key, const Shape& expected) {
+  Tensor read(const std::string& name, const Shape& expected) {
+    auto alias = stored_name_.find(name);
+    const std::string& key = alias == stored_name_.end() ? name : alias->second;
     MOETRAIN_CHECK(file_.has(key), ExitCode::kBadCheckpoint,
                    fmt::format("{}: adapter tensor \"{}\" is missing (the model has a LoRA adapter there: "
                                "lora.targets or the adapter does not match)",
@@ -61,6 +96,7 @@ class AdapterFile {
   SafetensorsFile file_;
   std::string path_;
   std::set<std::string> used_;
+  std::map<std::string, std::string> stored_name_;  // our key -> the file's, where they differ
 };
 
 void store(kernels::Backend& backend, Tensor& dst, const TensorView& host_f64) {

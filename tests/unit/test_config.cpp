@@ -8,6 +8,7 @@
 #include "catch.h"
 #include "core/base/error.h"
 #include "core/config/config.h"
+#include "core/model/model_spec.h"
 
 using namespace moetrain;
 
@@ -512,4 +513,19 @@ TEST_CASE("validate_config checks a config built in code", "[config]") {
   config.model.moe.top_k = 7;
   std::string message = bad_config_message([&] { validate_config(config); });
   CHECK(has(message, "`model.moe.top_k` = 7 must be <= `model.moe.num_experts` = 4"));
+}
+
+// Every model key a YAML file can set next to model.hf_dir overrides config.json's value
+// (core/model/model_spec.cpp's field copiers): none may be missing from that list, or a user who
+// sets it stops with an internal error.
+TEST_CASE("every model key can override an imported config.json", "[config]") {
+  Config all = parse_config(config_to_yaml(Config{}), "every_key.yaml");  // every key explicit
+  all.model.hf_dir = std::string(MOETRAIN_FIXTURE_DIR) + "/golden/kimi_linear";
+  REQUIRE(all.explicit_model_keys.size() > 50);
+  try {
+    resolve_model_spec(all);
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.code() != ExitCode::kInternal);  // a config disagreement is fine, a missing copier is not
+  }
 }

@@ -441,6 +441,14 @@ TEST_CASE("a Kimi K3 config.json maps its text_config onto the model section", "
   CHECK(!off.moe.use_latent_norm);
   CHECK(off.attn_res_block_size == 0);
   CHECK(off.attention_gate == "none");
+  CHECK(off.moe.expert_format == "bf16");
+
+  // The released experts' compressed-tensors MXFP4 makes the experts packed; another scheme stops.
+  const std::string mxfp4 = R"(, "quantization_config": {"quant_method": "compressed-tensors",
+                                 "format": "mxfp4-pack-quantized", "quantization_status": "compressed"})";
+  CHECK(model_config_from_hf_json(k3_config_json(mxfp4), "k3/config.json").moe.expert_format == "mxfp4");
+  CHECK(contains(import_error(k3_config_json(R"(, "quantization_config": {"quant_method": "fp8"})")),
+                 "is not supported (moetrain reads Kimi K3's compressed-tensors mxfp4-pack-quantized experts)"));
 }
 
 TEST_CASE("Kimi K3 config.json errors name the key and the problem", "[import][k3]") {
