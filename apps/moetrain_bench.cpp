@@ -566,6 +566,9 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
   options.lora_targets = config.lora.targets;
   options.fused_expert_gate_up = config.lora.expert_gate_up == "fused";
+  options.lora_rank_pattern = config.lora.rank_pattern;
+  options.lora_alpha_pattern = config.lora.alpha_pattern;
+  options.shared_expert_a = config.lora.expert_a == "shared";
   auto build_start = std::chrono::steady_clock::now();
   Model model(spec, *backend, options);
   model.init_random_weights();

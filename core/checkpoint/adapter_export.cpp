@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include "core/checkpoint/checkpoint_directory.h"
 #include "core/checkpoint/checkpoint_format.h"
 #include "core/checkpoint/checkpoint_reader.h"
+#include "core/config/lora_patterns.h"
 #include "core/io/safetensors_writer.h"
 #include "core/model/swiglu_experts.h"
 
@@ -48,6 +50,93 @@ Json unique_sorted(const Json& names) {
   return Json(std::vector<std::string>(set.begin(), set.end()));
 }
 
+// A regex that matches exactly `text`.
+std::string escaped(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+// A module as PEFT names it when it applies rank_pattern / alpha_pattern: `key`, a regex matching
+// exactly its name(s), and `tail`, the last component(s) of that name (gate_proj, gate_proj.weight).
+struct PeftModule {
+  std::string key, tail;
+  int64_t rank = 0;
+  double alpha = 0.0;
+};
+
+// Each module's rank and alpha, checked against its A's rank.
+class ModuleSettings {
+ public:
+  explicit ModuleSettings(const AdapterExportSettings& s)
+      : ranks_(s.rank, s.alpha, s.rank_pattern, s.alpha_pattern), rslora_(s.rslora) {}
+
+  // `module` (moetrain's name) whose A has `rank` rows per expert; fused: the routed experts'
+  // gate_up adapter of `module`'s experts.
+  LoraSettings of(const std::string& module, int64_t rank, bool fused = false) {
+    const ModuleLora m = fused ? ranks_.fused_gate_up(module.substr(0, module.rfind('.'))) : ranks_.module(module);
+    MOETRAIN_CHECK(m.rank == rank, ExitCode::kBadConfig,
+                   fmt::format("{}: the adapter has rank {} but lora.rank and lora.rank_pattern give this module "
+                               "rank {}: export it with the settings it was trained with",
+                               module, rank, m.rank));
+    return LoraSettings{m.rank, m.alpha, rslora_};
+  }
+
+ private:
+  LoraRanks ranks_;
+  bool rslora_;
+};
+
+// rank_pattern / alpha_pattern giving every module its rank and alpha under PEFT's rule
+// (first matching key): one key `.*\.<tail>` for a tail whose modules all agree, else one key per
+// module; none for a module at the default. No two keys select the same module, so the order of
+// the keys (JSON objects are written sorted) does not matter.
+void write_patterns(const std::vector<PeftModule>& modules, int64_t rank, double alpha, Json& rank_pattern,
+                    Json& alpha_pattern) {
+  std::map<std::string, std::vector<const PeftModule*>> by_tail;
+  for (const PeftModule& m : modules) by_tail[m.tail].push_back(&m);
+  for (const auto& [tail, members] : by_tail) {
+    auto fill = [&](Json& pattern, auto value_of, auto default_value) {
+      bool uniform = true;
+      for (const PeftModule* m : members) uniform &= value_of(*m) == value_of(*members.front());
+      if (uniform) {
+        if (value_of(*members.front()) != default_value) pattern[".*\\." + escaped(tail)] = value_of(*members.front());
+        return;
+      }
+      for (const PeftModule* m : members)
+        if (value_of(*m) != default_value) pattern[m->key] = value_of(*m);
+    };
+    fill(rank_pattern, [](const PeftModule& m) { return m.rank; }, rank);
+    fill(alpha_pattern, [](const PeftModule& m) { return m.alpha; }, alpha);
+  }
+}
+
+// A shared expert A [r, in] (lora.expert_a: shared) repeated for every expert of its B [E, out, r]:
+// PEFT's expert adapters have one A per expert. Other tensors are passed through.
+std::vector<std::pair<std::string, TensorView>> expand_shared_a(
+    const std::vector<std::pair<std::string, TensorView>>& params, std::vector<Tensor>& keep) {
+  std::map<std::string, TensorView> by_name(params.begin(), params.end());
+  std::vector<std::pair<std::string, TensorView>> out;
+  for (const auto& [name, value] : params) {
+    const size_t factor = name.rfind(".lora_A.weight");
+    if (value.ndim() != 2 || factor == std::string::npos || name.find(".mlp.experts.") == std::string::npos) {
+      out.emplace_back(name, value);
+      continue;
+    }
+    const auto b = by_name.find(name.substr(0, factor) + ".lora_B.weight");
+    MOETRAIN_ASSERT(b != by_name.end() && b->second.ndim() == 3, "shared expert A " + name + " without its 3-D B");
+    const int64_t experts = b->second.size(0), block = value.numel();
+    keep.emplace_back(Shape{experts, value.size(0), value.size(1)}, DType::kF32);
+    for (int64_t e = 0; e < experts; ++e)
+      std::copy(value.ptr<float>(), value.ptr<float>() + block, keep.back().ptr<float>() + e * block);
+    out.emplace_back(name, keep.back().view());
+  }
+  return out;
+}
+
 // PEFT's 3-D factors of stacked expert adapters A [E, R, in] / B [E, out, R] (F32): A [E R, in]
 // with expert-major rows (the same memory), B [out, R E] with column k E + e. B times `factor`.
 Tensor peft_fused_a(const TensorView& a) {
@@ -67,16 +156,14 @@ Tensor peft_fused_b(const TensorView& b, double factor) {
 }
 
 // kTransformers5: the routed experts' stacked adapters as PEFT's 3-D adapters on the fused
-// gate_up_proj and on down_proj (rank r). gate_up_proj's adapter has rank 2r and alpha 2 alpha
-// (rank_pattern / alpha_pattern): the model's fused one as it is, or its separate gate and up
-// adapters as [A_gate; A_up] with a block-diagonal B, scaled so that PEFT's scale for (2r,
-// 2 alpha) gives the model's function (a factor 1 without rsLoRA, 1/sqrt 2 with it).
+// gate_up_proj and on down_proj. gate_up_proj's adapter: the model's fused one as it is, or its
+// separate gate and up adapters (ranks r_g, r_u, alphas a_g, a_u) as one of rank r_g + r_u and
+// alpha a_g + a_u (2r and 2 alpha when they agree, as PEFT writes its fused form) with
+// A = [A_gate; A_up] and a block-diagonal B, each block scaled so that PEFT's scale for the pair
+// gives the model's function (a factor 1 without rsLoRA and equal settings, 1/sqrt 2 with rsLoRA).
 void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep, Json& target_parameters,
-                           const std::vector<std::pair<std::string, TensorView>>& params,
-                           const AdapterExportSettings& settings) {
-  const int64_t rank = settings.rank;
-  const LoraSettings separate{settings.rank, settings.alpha, settings.rslora};
-  const double peft_gate_up_scale = fused_gate_up_settings(separate).scale();
+                           std::vector<PeftModule>& modules, ModuleSettings& module_settings,
+                           const std::vector<std::pair<std::string, TensorView>>& params, bool rslora) {
   std::map<std::string, std::map<std::string, TensorView>> experts;  // module -> "gate_proj.lora_A.weight" -> value
   for (const auto& [name, value] : params) {
     if (value.ndim() != 3) continue;
@@ -94,43 +181,58 @@ void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep,
                             "experts (target `experts`), or on neither");
     // With both targeted, PEFT nests gate_up_proj (inner: base_layer) inside down_proj.
     const std::string gate_up_prefix = kPeftPrefix + module + (has_down ? ".base_layer." : ".");
-    if (has_fused) {  // lora.expert_gate_up: fused: already PEFT's adapter, rank 2r
-      keep.push_back(peft_fused_a(f.at("gate_up_proj.lora_A.weight")));
+    if (has_fused) {  // lora.expert_gate_up: fused: already PEFT's adapter
+      const TensorView& a = f.at("gate_up_proj.lora_A.weight");
+      const LoraSettings s = module_settings.of(module + ".gate_up_proj", a.size(1), /*fused=*/true);
+      keep.push_back(peft_fused_a(a));
       writer.add(gate_up_prefix + "lora_A.weight", keep.back().view());
       keep.push_back(peft_fused_b(f.at("gate_up_proj.lora_B.weight"), 1.0));
       writer.add(gate_up_prefix + "lora_B.weight", keep.back().view());
       target_parameters.push_back("mlp.experts.gate_up_proj");
+      modules.push_back({escaped(module + ".gate_up_proj"), "gate_up_proj", s.rank, s.alpha});
     }
     if (has_gate_up) {  // separate gate and up adapters side by side
       const TensorView& ag = f.at("gate_proj.lora_A.weight");
       const TensorView& au = f.at("up_proj.lora_A.weight");
       const TensorView& bg = f.at("gate_proj.lora_B.weight");
       const TensorView& bu = f.at("up_proj.lora_B.weight");
-      const int64_t e_count = ag.size(0), in = ag.size(2), width = bg.size(1), r2 = 2 * rank;
+      const LoraSettings gate = module_settings.of(module + ".gate_proj", ag.size(1));
+      const LoraSettings up = module_settings.of(module + ".up_proj", au.size(1));
+      const LoraSettings pair{gate.rank + up.rank, gate.alpha + up.alpha, rslora};
+      const int64_t e_count = ag.size(0), in = ag.size(2), width = bg.size(1), rg = gate.rank, ru = up.rank;
+      const int64_t r2 = pair.rank;
+      const double gate_factor = gate.scale() / pair.scale(), up_factor = up.scale() / pair.scale();
       Tensor a({e_count, r2, in}, DType::kF32);
       Tensor b = Tensor::zeros({e_count, 2 * width, r2}, DType::kF32);
       for (int64_t e = 0; e < e_count; ++e) {
-        const int64_t block = rank * in;
-        std::copy(ag.ptr<float>() + e * block, ag.ptr<float>() + (e + 1) * block, a.ptr<float>() + 2 * e * block);
-        std::copy(au.ptr<float>() + e * block, au.ptr<float>() + (e + 1) * block, a.ptr<float>() + (2 * e + 1) * block);
-        for (int64_t o = 0; o < width; ++o)
-          for (int64_t k = 0; k < rank; ++k) {
-            b.ptr<float>()[(e * 2 * width + o) * r2 + k] = bg.ptr<float>()[(e * width + o) * rank + k];
-            b.ptr<float>()[(e * 2 * width + width + o) * r2 + rank + k] = bu.ptr<float>()[(e * width + o) * rank + k];
-          }
+        std::copy(ag.ptr<float>() + e * rg * in, ag.ptr<float>() + (e + 1) * rg * in, a.ptr<float>() + e * r2 * in);
+        std::copy(au.ptr<float>() + e * ru * in, au.ptr<float>() + (e + 1) * ru * in,
+                  a.ptr<float>() + (e * r2 + rg) * in);
+        for (int64_t o = 0; o < width; ++o) {
+          for (int64_t k = 0; k < rg; ++k)
+            b.ptr<float>()[(e * 2 * width + o) * r2 + k] =
+                static_cast<float>(gate_factor * bg.ptr<float>()[(e * width + o) * rg + k]);
+          for (int64_t k = 0; k < ru; ++k)
+            b.ptr<float>()[(e * 2 * width + width + o) * r2 + rg + k] =
+                static_cast<float>(up_factor * bu.ptr<float>()[(e * width + o) * ru + k]);
+        }
       }
       keep.push_back(peft_fused_a(a.view()));
       writer.add(gate_up_prefix + "lora_A.weight", keep.back().view());
-      keep.push_back(peft_fused_b(b.view(), separate.scale() / peft_gate_up_scale));
+      keep.push_back(peft_fused_b(b.view(), 1.0));
       writer.add(gate_up_prefix + "lora_B.weight", keep.back().view());
       target_parameters.push_back("mlp.experts.gate_up_proj");
+      modules.push_back({escaped(module + ".gate_up_proj"), "gate_up_proj", pair.rank, pair.alpha});
     }
     if (has_down) {
-      keep.push_back(peft_fused_a(f.at("down_proj.lora_A.weight")));
+      const TensorView& a = f.at("down_proj.lora_A.weight");
+      const LoraSettings s = module_settings.of(module + ".down_proj", a.size(1));
+      keep.push_back(peft_fused_a(a));
       writer.add(kPeftPrefix + module + ".lora_A.weight", keep.back().view());
       keep.push_back(peft_fused_b(f.at("down_proj.lora_B.weight"), 1.0));
       writer.add(kPeftPrefix + module + ".lora_B.weight", keep.back().view());
       target_parameters.push_back("mlp.experts.down_proj");
+      modules.push_back({escaped(module + ".down_proj"), "down_proj", s.rank, s.alpha});
     }
   }
 }
@@ -142,12 +244,14 @@ AdapterExportSettings adapter_export_settings(const Config& config) {
   s.rank = config.lora.rank;
   s.alpha = config.lora.alpha;
   s.rslora = config.lora.rslora;
+  s.rank_pattern = config.lora.rank_pattern;
+  s.alpha_pattern = config.lora.alpha_pattern;
   s.base_model = config.model.hf_dir;
   s.layout = config.checkpoint.export_layout == "per_expert" ? AdapterLayout::kPerExpert : AdapterLayout::kTransformers5;
   return s;
 }
 
-void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<std::string, TensorView>>& params,
+void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<std::string, TensorView>>& given,
                         const AdapterExportSettings& settings) {
   std::error_code ec;
   MOETRAIN_CHECK(!fs::exists(fs::path(out_dir) / kManifestName, ec), ExitCode::kBadConfig,
@@ -159,23 +263,30 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
   writer.set_metadata("format", "pt");  // what PEFT's save_pretrained writes
   std::set<std::string> target_modules;
   Json target_parameters = Json::array(), rank_pattern = Json::object(), alpha_pattern = Json::object();
-  std::vector<Tensor> fused;  // kTransformers5's re-laid routed-expert factors, alive until written
-  if (settings.layout == AdapterLayout::kTransformers5) {
-    fused_expert_adapters(writer, fused, target_parameters, params, settings);
-    if (std::find(target_parameters.begin(), target_parameters.end(), "mlp.experts.gate_up_proj") !=
-        target_parameters.end()) {
-      rank_pattern[".*\\.gate_up_proj"] = 2 * settings.rank;
-      alpha_pattern[".*\\.gate_up_proj"] = 2 * settings.alpha;
-    }
-  }
+  std::vector<Tensor> fused;  // expanded shared A's and kTransformers5's re-laid factors, alive until written
+  const std::vector<std::pair<std::string, TensorView>> params = expand_shared_a(given, fused);
+  ModuleSettings module_settings(settings);
+  std::vector<PeftModule> modules;
+  const bool transformers5 = settings.layout == AdapterLayout::kTransformers5;
+  if (transformers5) fused_expert_adapters(writer, fused, target_parameters, modules, module_settings, params, settings.rslora);
   for (const auto& [name, value] : params) {
     MOETRAIN_ASSERT(value.device == Device::kCPU, "adapter tensor " + name + " is not on the host");
     AdapterName n = split_adapter_name(name);
-    if (settings.layout == AdapterLayout::kTransformers5 && value.ndim() == 3) continue;  // written above
-    if (settings.layout == AdapterLayout::kTransformers5 && n.module.find(".mlp") != std::string::npos) {
+    if (transformers5 && value.ndim() == 3) continue;  // written above
+    const std::string module = name.substr(0, name.rfind(".lora_"));
+    const bool is_a = n.factor == "lora_A.weight";
+    if (transformers5 && n.module.find(".mlp") != std::string::npos) {
       target_parameters.push_back(n.projection + ".weight");  // dense MLP / shared experts
+      if (is_a) {
+        const LoraSettings s = module_settings.of(module, value.size(0));
+        modules.push_back({escaped(module + ".weight"), n.projection + ".weight", s.rank, s.alpha});
+      }
     } else {
       target_modules.insert(n.projection);
+      if (is_a && value.ndim() == 2) {
+        const LoraSettings s = module_settings.of(module, value.size(0));
+        modules.push_back({escaped(module), n.projection, s.rank, s.alpha});
+      }
     }
     if (value.ndim() == 2) {
       writer.add(kPeftPrefix + name, value);
@@ -186,11 +297,16 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
     MOETRAIN_CHECK(n.projection != "gate_up_proj", ExitCode::kBadConfig,
                    name + ": the per_expert adapter layout has no key for a gate_up adapter shared by gate and up "
                           "(lora.expert_gate_up: fused); export it with checkpoint.export_layout: transformers5");
+    if (is_a) {  // every expert's module at once: <module>.<e>.<projection>
+      const LoraSettings s = module_settings.of(module, value.size(1));
+      modules.push_back({escaped(n.module) + "\\.[0-9]+\\." + escaped(n.projection), n.projection, s.rank, s.alpha});
+    }
     for (int64_t e = 0; e < value.size(0); ++e) {
       std::string key = fmt::format("{}{}.{}.{}.{}", kPeftPrefix, n.module, e, n.projection, n.factor);
       writer.add(key, value.slice_rows(e, e + 1).reshaped({value.size(1), value.size(2)}));
     }
   }
+  write_patterns(modules, settings.rank, settings.alpha, rank_pattern, alpha_pattern);
   writer.write_atomic((fs::path(out_dir) / "adapter_model.safetensors").string());
 
   Json config = {{"peft_type", "LORA"},

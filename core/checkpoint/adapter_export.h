@@ -11,6 +11,17 @@
 // configs usually do. Where such a name also matches a module moetrain did not adapt (e.g.
 // gate_proj of a dense MLP when only `experts` were targeted), PEFT adds a LoRA there with
 // B = 0, which changes no output.
+//
+// Per-module ranks and alphas (lora.rank_pattern / alpha_pattern) are written as the
+// rank_pattern / alpha_pattern that give each module of the written layout its rank and alpha
+// under PEFT's rule, against the names PEFT matches (which are not always moetrain's: the dense
+// MLPs' target_parameters are `...mlp.gate_proj.weight`, the routed experts' `...experts.gate_up_proj`):
+// `.*\.<name>` where every module of that short name agrees, else one key per module; a module
+// at r and lora_alpha needs none.
+//
+// A shared expert A (lora.expert_a: shared) has no PEFT form: PEFT's expert adapters hold one A
+// per expert. It is written expanded, the same A for every expert, which PEFT loads and computes
+// identically (load_peft_adapter takes it back into the shared form when all experts' A agree).
 #pragma once
 
 #include <optional>
@@ -46,13 +57,17 @@ struct AdapterExportSettings {
   int64_t rank = 8;
   double alpha = 16.0;
   bool rslora = false;
+  PatternMap<int64_t> rank_pattern;  // the model's lora.rank_pattern / alpha_pattern: each
+  PatternMap<double> alpha_pattern;  // module's alpha (its rank is its A's shape, checked)
   std::optional<std::string> base_model;  // base_model_name_or_path (model.hf_dir), null if none
 };
 
 AdapterExportSettings adapter_export_settings(const Config& config);
 
-// Writes the adapter from host tensors named by Parameter name (2-D, or the stacked 3-D
-// routed-expert adapters). Files are replaced atomically; the directory is created.
+// Writes the adapter from host tensors named by Parameter name (2-D, the stacked 3-D routed-expert
+// adapters, or a shared 2-D A beside their 3-D B). Files are replaced atomically; the directory is
+// created. A module whose rank is not what the settings' rank and rank_pattern give it is
+// Error(kBadConfig) naming it.
 void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<std::string, TensorView>>& params,
                         const AdapterExportSettings& settings);
 

@@ -120,6 +120,13 @@ std::string yaml_value(const std::vector<std::string>& values) {
   for (const std::string& value : values) items.push_back(yaml_string(value));
   return "[" + join(items, ", ") + "]";
 }
+// A pattern map as a flow map in its order: {"key": value, ...}.
+template <class T>
+std::string yaml_value(const PatternMap<T>& values) {
+  std::vector<std::string> items;
+  for (const auto& [key, value] : values) items.push_back(yaml_string(key) + ": " + yaml_value(value));
+  return "{" + join(items, ", ") + "}";
+}
 // data.source: the string, or the mixture as a flow list the reader takes back.
 std::string yaml_value(const config_schema::DataSourceField& source) {
   if (source.mixture.empty()) return yaml_string(source.selector);

@@ -6,9 +6,14 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moetrain {
+
+// A YAML map kept in the file's order (PEFT's pattern maps: the first matching key wins).
+template <class T>
+using PatternMap = std::vector<std::pair<std::string, T>>;
 
 // Rotary scaling as DeepSeek-V3 uses it (`rope_scaling` in config.json).
 struct RopeScalingConfig {
@@ -124,6 +129,14 @@ struct LoraConfig {
   // The routed experts' gate and up adapters: `separate` (one of rank r each) or `fused` (PEFT's
   // one adapter of rank 2r and alpha 2 alpha on the fused gate_up_proj, whose B mixes gate and up).
   std::string expert_gate_up = "separate";
+  // Per-module ranks and alphas, PEFT's rank_pattern / alpha_pattern: {key: value}, where a key is
+  // a module name, a short name (q_proj) or a regex that PEFT's rule matches against moetrain's
+  // module names (core/config/lora_patterns.h); the first matching key, in order, wins.
+  PatternMap<int64_t> rank_pattern;
+  PatternMap<double> alpha_pattern;
+  // The routed experts' A factors: `per_expert` (A [E, r, in], one per expert) or `shared` (one
+  // A [r, in] per projection for all the experts of a layer, with per-expert B [E, out, r]).
+  std::string expert_a = "per_expert";
 };
 
 struct ParallelConfig {

@@ -375,6 +375,35 @@ class YamlApplier {
     return ok;
   }
 
+  // A pattern map (lora.rank_pattern / alpha_pattern): {key: value, ...} in the file's order.
+  template <class T>
+  bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where, PatternMap<T>& value) {
+    if (!node.IsMap()) return type_problem(path, node, where, "a map from module-name patterns to values, like {q_proj: 16}");
+    PatternMap<T> entries;
+    bool ok = true;
+    std::set<std::string> seen;
+    for (const auto& entry : node) {
+      const KeyOrigin key_where = origin_of(entry.first);
+      if (!entry.first.IsScalar()) {
+        add_problem(key_where, "a key of `" + path + "` must be a module name or pattern, got " +
+                                   describe_node(entry.first));
+        ok = false;
+        continue;
+      }
+      const std::string& key = entry.first.Scalar();
+      if (!seen.insert(key).second) {
+        add_problem(key_where, "`" + path + "[\"" + key + "\"]` is set more than once in the same map: keep one");
+        ok = false;
+        continue;
+      }
+      T parsed{};
+      ok = read_value(path + "[\"" + key + "\"]", entry.second, key_where, parsed) && ok;
+      entries.emplace_back(key, parsed);
+    }
+    if (ok) value = entries;
+    return ok;
+  }
+
   // data.source: `synthetic` or a path prefix, or a list of {path: prefix, weight: number}.
   bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where,
                   config_schema::DataSourceField& value) {

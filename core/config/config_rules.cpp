@@ -4,6 +4,8 @@
 #include <initializer_list>
 #include <set>
 
+#include "core/config/lora_patterns.h"
+
 namespace moetrain::config_detail {
 namespace {
 
@@ -18,6 +20,7 @@ const std::vector<std::string> kDevices = {"auto", "cpu", "cuda"};
 const std::vector<std::string> kLogLevels = {"debug", "info", "warn", "error", "off"};
 const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert"};
 const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
+const std::vector<std::string> kExpertA = {"per_expert", "shared"};
 const std::vector<std::string> kExpertFormats = {"bf16", "mxfp4"};
 // Module names LoRA can wrap (the checkpoints' names for DeepSeek/Kimi modules). `experts` means
 // every routed expert's gate/up/down projections, `shared_experts` the shared experts'. KDA's
@@ -328,6 +331,21 @@ void check_lora(const LoraConfig& l, Rules& r) {
     if (!seen.insert(l.targets[i]).second) r.fail({key}, "`" + key + "` = `" + l.targets[i] + "` is listed twice");
   }
   r.one_of("lora.expert_gate_up", l.expert_gate_up, kExpertGateUp);
+  r.one_of("lora.expert_a", l.expert_a, kExpertA);
+  auto check_key = [&](const char* map, const std::string& key) {
+    const std::string problem = lora_pattern_problem(key);
+    if (!problem.empty()) r.fail({map}, "`" + std::string(map) + "[\"" + key + "\"]`: " + problem);
+  };
+  for (const auto& [key, rank] : l.rank_pattern) {
+    check_key("lora.rank_pattern", key);
+    if (rank <= 0) r.fail({"lora.rank_pattern"}, "`lora.rank_pattern[\"" + key + "\"]` = " + show(rank) + " must be > 0");
+  }
+  for (const auto& [key, alpha] : l.alpha_pattern) {
+    check_key("lora.alpha_pattern", key);
+    if (!(alpha > 0)) {
+      r.fail({"lora.alpha_pattern"}, "`lora.alpha_pattern[\"" + key + "\"]` = " + show(alpha) + " must be > 0");
+    }
+  }
 }
 
 void check_training(const Config& c, Rules& r) {

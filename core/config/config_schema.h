@@ -108,6 +108,9 @@ void visit_fields(V& v, LoraConfig& c) {
   v.field("rslora", c.rslora);
   v.field("targets", c.targets);
   v.field("expert_gate_up", c.expert_gate_up);
+  v.field("rank_pattern", c.rank_pattern);
+  v.field("alpha_pattern", c.alpha_pattern);
+  v.field("expert_a", c.expert_a);
 }
 
 template <class V>

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/base/host_convert.h"
+#include "core/config/lora_patterns.h"
 #include "core/model/dense_ffn.h"
 #include "core/model/dsa.h"
 #include "core/model/fsdp_bucket.h"
@@ -193,6 +194,13 @@ void Model::attach_lora() {
   std::set<std::string> available;  // every target this model has, for the error message
   // Per-module generators: a module's initial adapter does not depend on which others exist.
   auto rng_for = [&](const std::string& name) { return std::mt19937_64(options_.seed ^ name_hash(name)); };
+  // Per-module rank and alpha (lora.rank_pattern / alpha_pattern, PEFT's rule).
+  LoraRanks ranks(options_.lora.rank, options_.lora.alpha, options_.lora_rank_pattern, options_.lora_alpha_pattern);
+  std::vector<std::string> adapted;  // module names, for the message on a pattern that selects none
+  auto settings = [&](const std::string& module, const ModuleLora& m) {
+    adapted.push_back(module);
+    return LoraSettings{m.rank, m.alpha, options_.lora.rslora};
+  };
 
   for (auto& [name, linear] : linear_modules()) {
     std::string short_name = name.substr(name.rfind('.') + 1);
@@ -200,10 +208,12 @@ void Model::attach_lora() {
     if (!targets.count(short_name)) continue;
     matched.insert(short_name);
     auto rng = rng_for(name);
-    linear->lora = make_lora_adapter(name, linear->in_features(), linear->out_features(), options_.lora,
-                                     parameter_dtype(), backend_.allocator(), backend_, rng);
+    linear->lora = make_lora_adapter(name, linear->in_features(), linear->out_features(),
+                                     settings(name, ranks.module(name)), parameter_dtype(), backend_.allocator(),
+                                     backend_, rng);
   }
   auto attach_swiglu = [&](SwigluExperts& mlp, bool all_projections, const char* group_target) {
+    mlp.shared_lora_a = mlp.routed() && options_.shared_expert_a;
     for (auto p : {SwigluExperts::kGate, SwigluExperts::kUp, SwigluExperts::kDown}) {
       const char* projection = SwigluExperts::projection_name(p);
       available.insert(all_projections ? group_target : projection);
@@ -215,13 +225,15 @@ void Model::attach_lora() {
       if (by_group) matched.insert(group_target);
       if (mlp.routed() && options_.fused_expert_gate_up && p != SwigluExperts::kDown) {
         if (p == SwigluExperts::kGate) {
-          mlp.add_fused_gate_up_lora(options_.lora, parameter_dtype(), backend_,
-                                     options_.seed ^ name_hash(mlp.prefix() + ".gate_up_proj"));
+          const std::string module = mlp.prefix() + ".gate_up_proj";
+          mlp.add_gate_up_lora(settings(module, ranks.fused_gate_up(mlp.prefix())), parameter_dtype(), backend_,
+                               options_.seed ^ name_hash(module));
         }
         continue;
       }
-      mlp.add_lora(p, options_.lora, parameter_dtype(), backend_,
-                   options_.seed ^ name_hash(mlp.prefix() + "." + projection));
+      const std::string module = mlp.prefix() + "." + projection;
+      mlp.add_lora(p, settings(module, ranks.module(module)), parameter_dtype(), backend_,
+                   options_.seed ^ name_hash(module));
     }
   };
   for (DecoderLayer& layer : layers_) {
@@ -236,6 +248,13 @@ void Model::attach_lora() {
                    fmt::format("lora.targets: \"{}\" matches no module of this model; its targets are: {}",
                                target, fmt::join(available, ", ")));
   }
+  const std::vector<std::string> unused = ranks.unused_keys();
+  adapted.resize(std::min<size_t>(adapted.size(), 12));
+  MOETRAIN_CHECK(unused.empty(), ExitCode::kBadConfig,
+                 fmt::format("{} selects no LoRA adapter of this model (PEFT's rule: a key matches a whole "
+                             "dot-separated tail of a module name, as `q_proj` or `experts\\..*` do); its adapted "
+                             "modules are named like {}",
+                             fmt::join(unused, ", "), fmt::join(adapted, ", ")));
 }
 
 std::vector<WeightSlot> Model::layer_weight_slots(size_t index) {

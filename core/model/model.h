@@ -32,6 +32,12 @@ struct ModelOptions {
   // lora.expert_gate_up: fused gives each routed expert PEFT's one adapter on gate_up_proj (rank
   // 2r, SwigluExperts::gate_up_lora) instead of separate gate and up adapters of rank r.
   bool fused_expert_gate_up = false;
+  // lora.rank_pattern / alpha_pattern: per-module ranks and alphas (core/config/lora_patterns.h).
+  PatternMap<int64_t> lora_rank_pattern;
+  PatternMap<double> lora_alpha_pattern;
+  // lora.expert_a: shared gives each routed projection one A for all experts of the layer
+  // (SwigluExperts::shared_lora_a): a replicated parameter, B stays per expert.
+  bool shared_expert_a = false;
   // The aux loss is a mean over the step's sequences: each micro-batch's share is
   // 1 / (grad_accum x data-parallel ranks).
   double aux_loss_weight = 1.0;

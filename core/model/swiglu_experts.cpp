@@ -72,10 +72,14 @@ void SwigluExperts::add_lora(Projection p, const LoraSettings& settings, DType d
 
 void SwigluExperts::add_fused_gate_up_lora(const LoraSettings& settings, DType dtype, kernels::Backend& backend,
                                            uint64_t seed) {
+  add_gate_up_lora(fused_gate_up_settings(settings), dtype, backend, seed);
+}
+
+void SwigluExperts::add_gate_up_lora(const LoraSettings& settings, DType dtype, kernels::Backend& backend,
+                                     uint64_t seed) {
   MOETRAIN_ASSERT(routed_ && !lora[kGate] && !lora[kUp], prefix_ + ": a fused gate_up adapter is for routed experts "
                                                                    "without gate/up adapters");
-  gate_up_lora = make_adapter(prefix_ + ".gate_up_proj", hidden_, 2 * width_, fused_gate_up_settings(settings), dtype,
-                              backend, seed);
+  gate_up_lora = make_adapter(prefix_ + ".gate_up_proj", hidden_, 2 * width_, settings, dtype, backend, seed);
 }
 
 std::unique_ptr<LoraAdapter> SwigluExperts::make_adapter(const std::string& name, int64_t in, int64_t out,
@@ -85,6 +89,15 @@ std::unique_ptr<LoraAdapter> SwigluExperts::make_adapter(const std::string& name
   if (!routed_) {
     auto rng = group_rng(0);
     return make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
+  }
+  if (shared_lora_a) {  // one A [r, in] for every expert (the same on every rank), B per expert
+    std::mt19937_64 rng(seed);
+    auto adapter = make_lora_adapter(name, in, out, settings, dtype, backend.allocator(), backend, rng);
+    adapter->b.value = Tensor({groups_, out, settings.rank}, dtype, backend.allocator());
+    adapter->b.grad = Tensor({groups_, out, settings.rank}, dtype, backend.allocator());
+    backend.fill(adapter->b.value, 0.0);
+    backend.fill(adapter->b.grad, 0.0);
+    return adapter;
   }
   // Stacked: one adapter per expert.
   auto adapter = std::make_unique<LoraAdapter>();
@@ -116,6 +129,26 @@ TensorView SwigluExperts::stacked_b(const LoraAdapter& adapter) const {
   return b.view().reshaped({groups_, b.size(-2), b.size(-1)});
 }
 
+bool SwigluExperts::shares_a(const LoraAdapter& adapter) const { return routed_ && adapter.a.value.shape().ndim() == 2; }
+
+void SwigluExperts::times_a(kernels::Backend& be, const TensorView& c, const TensorView& in, const LoraAdapter& adapter,
+                            const GroupOffsets& offsets, bool a_transposed, double alpha, double beta) const {
+  if (shares_a(adapter)) {  // every row meets the same A: one dense GEMM over all groups' rows
+    be.gemm(kernels::GemmArgs{c, in, adapter.a.value, false, a_transposed, alpha, beta});
+  } else {
+    be.grouped_gemm(grouped(c, in, stacked_a(adapter), offsets, a_transposed, alpha, beta));
+  }
+}
+
+void SwigluExperts::add_a_gradient(kernels::Backend& be, LoraAdapter& adapter, const TensorView& dy_b,
+                                   const TensorView& in, const GroupOffsets& offsets) const {
+  if (shares_a(adapter)) {  // the sum over the groups of their (dy B_g)^T x: one GEMM over all rows
+    be.gemm(kernels::GemmArgs{adapter.a.grad, dy_b, in, true, false, adapter.scale, 1.0});
+  } else {
+    be.grouped_gemm(k_grouped(adapter.a.grad.view().reshaped(stacked_a(adapter).shape), dy_b, in, offsets, adapter.scale));
+  }
+}
+
 void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x,
                             const GroupOffsets& group_offsets) {
   kernels::Backend& be = ctx.backend;
@@ -127,14 +160,14 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
     if (!lora[p]) continue;
     int64_t rank = lora[p]->a.value.size(-2);
     Tensor xa = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(xa, x, stacked_a(p), group_offsets, true));
+    times_a(be, xa, x, *lora[p], group_offsets, true);
     Tensor delta = ctx.alloc({rows, f});
     be.grouped_gemm(grouped(delta, xa, stacked_b(p), group_offsets, true, lora[p]->scale));
     be.copy_columns(CopyColumnsArgs{saved_gate_up_, delta, p == kGate ? 0 : f, 0, f, 1, true});
   }
   if (gate_up_lora) {  // gate_up += s (x A^T) B^T over all 2F columns at once
     Tensor xa = ctx.alloc({rows, gate_up_lora->a.value.size(-2)});
-    be.grouped_gemm(grouped(xa, x, stacked_a(*gate_up_lora), group_offsets, true));
+    times_a(be, xa, x, *gate_up_lora, group_offsets, true);
     be.grouped_gemm(grouped(saved_gate_up_, xa, stacked_b(*gate_up_lora), group_offsets, true, gate_up_lora->scale, 1.0));
   }
   saved_hidden_ = ctx.alloc({rows, f});
@@ -144,7 +177,7 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
   if (lora[kDown]) {
     int64_t rank = lora[kDown]->a.value.size(-2);
     Tensor ha = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(ha, saved_hidden_, stacked_a(kDown), group_offsets, true));
+    times_a(be, ha, saved_hidden_, *lora[kDown], group_offsets, true);
     be.grouped_gemm(grouped(out, ha, stacked_b(kDown), group_offsets, true, lora[kDown]->scale, 1.0));
   }
 }
@@ -162,11 +195,10 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
     int64_t rank = ad.a.value.size(-2);
     Tensor dout_b = ctx.alloc({rows, rank});
     be.grouped_gemm(grouped(dout_b, dout, stacked_b(kDown), group_offsets, false));
-    be.grouped_gemm(grouped(dh, dout_b, stacked_a(kDown), group_offsets, false, ad.scale, 1.0));
-    be.grouped_gemm(k_grouped(ad.a.grad.view().reshaped(stacked_a(kDown).shape), dout_b, saved_hidden_,
-                              group_offsets, ad.scale));
+    times_a(be, dh, dout_b, ad, group_offsets, false, ad.scale, 1.0);
+    add_a_gradient(be, ad, dout_b, saved_hidden_, group_offsets);
     Tensor ha = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(ha, saved_hidden_, stacked_a(kDown), group_offsets, true));
+    times_a(be, ha, saved_hidden_, ad, group_offsets, true);
     be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(kDown).shape), dout, ha, group_offsets, ad.scale));
   }
   Tensor dgate_up = ctx.alloc({rows, 2 * f});
@@ -188,10 +220,10 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
     be.copy_columns(CopyColumnsArgs{dpart, dgate_up, 0, p == kGate ? 0 : f, f, 1, false});
     Tensor dpart_b = ctx.alloc({rows, rank});
     be.grouped_gemm(grouped(dpart_b, dpart, stacked_b(p), group_offsets, false));
-    if (dx.data) be.grouped_gemm(grouped(dx, dpart_b, stacked_a(p), group_offsets, false, ad.scale, 1.0));
-    be.grouped_gemm(k_grouped(ad.a.grad.view().reshaped(stacked_a(p).shape), dpart_b, x, group_offsets, ad.scale));
+    if (dx.data) times_a(be, dx, dpart_b, ad, group_offsets, false, ad.scale, 1.0);
+    add_a_gradient(be, ad, dpart_b, x, group_offsets);
     Tensor xa = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(xa, x, stacked_a(p), group_offsets, true));
+    times_a(be, xa, x, ad, group_offsets, true);
     be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(p).shape), dpart, xa, group_offsets, ad.scale));
   }
   if (gate_up_lora) {
@@ -200,10 +232,10 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
     const int64_t rank = ad.a.value.size(-2);
     Tensor dgate_up_b = ctx.alloc({rows, rank});
     be.grouped_gemm(grouped(dgate_up_b, dgate_up, stacked_b(ad), group_offsets, false));
-    if (dx.data) be.grouped_gemm(grouped(dx, dgate_up_b, stacked_a(ad), group_offsets, false, ad.scale, 1.0));
-    be.grouped_gemm(k_grouped(ad.a.grad.view().reshaped(stacked_a(ad).shape), dgate_up_b, x, group_offsets, ad.scale));
+    if (dx.data) times_a(be, dx, dgate_up_b, ad, group_offsets, false, ad.scale, 1.0);
+    add_a_gradient(be, ad, dgate_up_b, x, group_offsets);
     Tensor xa = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(xa, x, stacked_a(ad), group_offsets, true));
+    times_a(be, xa, x, ad, group_offsets, true);
     be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(ad).shape), dgate_up, xa, group_offsets, ad.scale));
   }
 }

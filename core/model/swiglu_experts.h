@@ -10,6 +10,9 @@
 // gate_up adapter (`lora.expert_gate_up: fused`): one adapter of rank 2r on the whole [gate | up]
 // output, A [G, 2r, D], B [G, 2F, 2r], named `<prefix>.gate_up_proj.lora_{A,B}.weight`, whose B
 // mixes gate and up (separate gate and up adapters are the block-diagonal special case).
+// With `lora.expert_a: shared` a routed projection's adapter has one A [r, in] for all its groups
+// (2-D, the same on every rank) and per-group B [G, out, r]: x A^T is one dense GEMM over all
+// rows before the grouped (x A^T) B_g^T, and A's gradient the sum over the groups (one GEMM).
 #pragma once
 
 #include <array>
@@ -77,6 +80,9 @@ class SwigluExperts {
   // PEFT's fused adapter on the whole gate_up output (routed experts only); when set, lora[kGate]
   // and lora[kUp] are null.
   std::unique_ptr<LoraAdapter> gate_up_lora;
+  // Routed experts: adapters added while this is set share one A across the groups (lora.expert_a:
+  // shared), drawn from a generator seeded by the seed alone.
+  bool shared_lora_a = false;
 
   // Adapters on projection p, initialised as PEFT does; group g's A is drawn from a generator
   // seeded by (seed, first_group + g), so an expert starts the same whichever rank holds it.
@@ -84,6 +90,8 @@ class SwigluExperts {
   // The fused gate_up adapter (rank and alpha of fused_gate_up_settings(settings)), initialised
   // the same way (A ~ U(+-1/sqrt(D)), B = 0).
   void add_fused_gate_up_lora(const LoraSettings& settings, DType dtype, kernels::Backend& backend, uint64_t seed);
+  // The same with the gate_up adapter's own rank and alpha (a rank_pattern may set them).
+  void add_gate_up_lora(const LoraSettings& settings, DType dtype, kernels::Backend& backend, uint64_t seed);
 
   // out [R, D] = FFN(x [R, D]) per group of rows (group_offsets: [G + 1]).
   // Saves what backward needs (the gate/up pre-activations and the activation's output).
@@ -96,15 +104,23 @@ class SwigluExperts {
   void collect_parameters(std::vector<Parameter*>& out);
 
  private:
-  // One stacked adapter [G, r, in] / [G, out, r] (2-D when not routed and G = 1) named `name`.
+  // One stacked adapter [G, r, in] / [G, out, r] (2-D when not routed and G = 1; A [r, in] with
+  // shared_lora_a) named `name`.
   std::unique_ptr<LoraAdapter> make_adapter(const std::string& name, int64_t in, int64_t out,
                                             const LoraSettings& settings, DType dtype, kernels::Backend& backend,
                                             uint64_t seed) const;
   // Views of an adapter as [G, r, in] / [G, out, r] for the grouped GEMM.
   TensorView stacked_a(const LoraAdapter& adapter) const;
   TensorView stacked_b(const LoraAdapter& adapter) const;
-  TensorView stacked_a(Projection p) const { return stacked_a(*lora[p]); }
   TensorView stacked_b(Projection p) const { return stacked_b(*lora[p]); }
+  bool shares_a(const LoraAdapter& adapter) const;  // one A [r, in] for all groups
+  // c = alpha in A_g^T + beta c (a_transposed) or alpha in A_g + beta c per group of rows, or with
+  // a shared A one dense GEMM.
+  void times_a(kernels::Backend& be, const TensorView& c, const TensorView& in, const LoraAdapter& adapter,
+               const GroupOffsets& offsets, bool a_transposed, double alpha = 1.0, double beta = 0.0) const;
+  // A's gradient += scale dy_b^T in per group (dy_b = dy B_g), or summed over the groups when shared.
+  void add_a_gradient(kernels::Backend& be, LoraAdapter& adapter, const TensorView& dy_b, const TensorView& in,
+                      const GroupOffsets& offsets) const;
 
   std::string prefix_;
   int64_t groups_;

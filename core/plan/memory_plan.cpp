@@ -181,9 +181,9 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       fmt::format("non-expert LoRA {:.3g} params x 8 B", non_expert_lora));
   add(plan.fixed, "adapter Adam state, sharded (fp32)", non_expert_lora / world * 4 * kF32,
       fmt::format("non-expert LoRA / world {} x 16 B", plan.world));
-  const double expert_lora = static_cast<double>(lora.routed_expert_per_layer) /
+  const double expert_lora = static_cast<double>(lora.routed_experts()) /
                              static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
-                             static_cast<double>(plan.local_experts * moe_layers);
+                             static_cast<double>(plan.local_experts);
   add(plan.fixed, "expert adapters + grads (fp32)", expert_lora * 2 * kF32,
       fmt::format("{:.3g} params of the local experts x 8 B", expert_lora));
   add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * 4 * kF32,

@@ -71,6 +71,8 @@ ModelFlops::ModelFlops(const ModelSpec& spec, const LoraConfig& lora) {
 
   const LoraParameterCount adapters = count_lora_parameters(spec, lora);
   lora_per_token_ = static_cast<double>(adapters.non_expert());
+  // A shared expert A meets every routed row: top_k per token.
+  lora_per_token_ += static_cast<double>(adapters.shared_expert_a) * static_cast<double>(m.moe.top_k - 1);
   if (m.moe.num_experts > 0) {
     lora_per_token_ += static_cast<double>(adapters.routed_experts()) * static_cast<double>(m.moe.top_k) /
                        static_cast<double>(m.moe.num_experts);

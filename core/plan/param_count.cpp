@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/base/error.h"
+#include "core/config/lora_patterns.h"
 
 namespace moetrain {
 namespace {
@@ -88,6 +89,12 @@ int64_t LoraParameterCount::non_expert() const {
   return n;
 }
 
+int64_t LoraParameterCount::routed_experts() const {
+  int64_t n = 0;
+  for (int64_t l : layer_routed_expert) n += l;
+  return n;
+}
+
 ModelSpec plan_model_spec(const ModelConfig& model) {
   ModelSpec spec;
   spec.config = model;
@@ -149,73 +156,94 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
   const ModelConfig& m = spec.config;
   const MlaConfig& a = m.mla;
   const int64_t d = m.hidden_size;
-  const int64_t r = lora.rank;
   const int64_t qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
   const std::set<std::string> targets(lora.targets.begin(), lora.targets.end());
   auto on = [&](const char* name) { return targets.count(name) > 0; };
-  // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows), one group; rows is D, or
-  // the latent width for a latent MoE's routed experts.
-  auto swiglu = [&](int64_t width, bool all, int64_t rows) {
-    int64_t n = 0;
-    if (all || on("gate_proj")) n += lora_pair(r, rows, width);
-    if (all || on("up_proj")) n += lora_pair(r, rows, width);
-    if (all || on("down_proj")) n += lora_pair(r, width, rows);
-    return n;
-  };
+  LoraRanks ranks(lora);  // each module's rank, by its name in the model (core/model)
   LoraParameterCount count;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
+    const std::string layer = "model.layers." + std::to_string(i);
     int64_t n = 0;
+    // One adapter on `module` (in -> out) when `target` is a LoRA target.
+    auto pair = [&](const std::string& module, int64_t in, int64_t out) {
+      return lora_pair(ranks.module(module).rank, in, out);
+    };
+    auto attention = [&](const char* name, int64_t in, int64_t out) {
+      if (on(name)) n += pair(layer + ".self_attn." + name, in, out);
+    };
+    // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows) on `prefix`.
+    auto swiglu = [&](const std::string& prefix, int64_t width, bool all, int64_t rows) {
+      int64_t sum = 0;
+      if (all || on("gate_proj")) sum += pair(prefix + ".gate_proj", rows, width);
+      if (all || on("up_proj")) sum += pair(prefix + ".up_proj", rows, width);
+      if (all || on("down_proj")) sum += pair(prefix + ".down_proj", width, rows);
+      return sum;
+    };
     if (spec.mixers[i] == MixerKind::kKda) {
       const KdaConfig& k = m.kda;
       const int64_t c = k.num_heads * k.head_dim;
       if (k.fused_qkv) {
-        if (on("qkv_proj")) n += lora_pair(r, d, 3 * c);
+        attention("qkv_proj", d, 3 * c);
       } else {
-        for (const char* name : {"q_proj", "k_proj", "v_proj"}) n += on(name) ? lora_pair(r, d, c) : 0;
+        for (const char* name : {"q_proj", "k_proj", "v_proj"}) attention(name, d, c);
       }
-      if (on("f_a_proj")) n += lora_pair(r, d, k.head_dim);
-      if (on("f_b_proj")) n += lora_pair(r, k.head_dim, c);
-      if (on("b_proj")) n += lora_pair(r, d, k.num_heads);
+      attention("f_a_proj", d, k.head_dim);
+      attention("f_b_proj", k.head_dim, c);
+      attention("b_proj", d, k.num_heads);
       if (k.full_rank_output_gate) {
-        if (on("g_proj")) n += lora_pair(r, d, c);
+        attention("g_proj", d, c);
       } else {
-        if (on("g_a_proj")) n += lora_pair(r, d, k.head_dim);
-        if (on("g_b_proj")) n += lora_pair(r, k.head_dim, c);
+        attention("g_a_proj", d, k.head_dim);
+        attention("g_b_proj", k.head_dim, c);
       }
-      if (on("o_proj")) n += lora_pair(r, c, d);
+      attention("o_proj", c, d);
     } else {
       if (a.q_lora_rank) {
-        if (on("q_a_proj")) n += lora_pair(r, d, *a.q_lora_rank);
-        if (on("q_b_proj")) n += lora_pair(r, *a.q_lora_rank, a.num_heads * qk);
-      } else if (on("q_proj")) {
-        n += lora_pair(r, d, a.num_heads * qk);
+        attention("q_a_proj", d, *a.q_lora_rank);
+        attention("q_b_proj", *a.q_lora_rank, a.num_heads * qk);
+      } else {
+        attention("q_proj", d, a.num_heads * qk);
       }
-      if (on("kv_a_proj_with_mqa")) n += lora_pair(r, d, a.kv_lora_rank + a.qk_rope_head_dim);
-      if (on("kv_b_proj")) n += lora_pair(r, a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim));
-      if (attention_gate_outputs(m) > 0 && on("g_proj")) n += lora_pair(r, d, attention_gate_outputs(m));
-      if (on("o_proj")) n += lora_pair(r, a.num_heads * a.v_head_dim, d);
+      attention("kv_a_proj_with_mqa", d, a.kv_lora_rank + a.qk_rope_head_dim);
+      attention("kv_b_proj", a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim));
+      if (attention_gate_outputs(m) > 0) attention("g_proj", d, attention_gate_outputs(m));
+      attention("o_proj", a.num_heads * a.v_head_dim, d);
     }
+    int64_t routed = 0;
     if (spec.ffns[i] == FfnKind::kDense) {
-      n += swiglu(m.intermediate_size, false, d);
+      n += swiglu(layer + ".mlp", m.intermediate_size, false, d);
     } else {
       ++count.num_moe_layers;
       if (m.moe.num_shared_experts > 0) {
-        n += swiglu(m.moe.expert_intermediate_size * m.moe.num_shared_experts, on("shared_experts"), d);
+        n += swiglu(layer + ".mlp.shared_experts", m.moe.expert_intermediate_size * m.moe.num_shared_experts,
+                    on("shared_experts"), d);
       }
       const int64_t latent = m.moe.latent_size;
-      if (latent > 0 && on("routed_expert_down_proj")) n += lora_pair(r, d, latent);
-      if (latent > 0 && on("routed_expert_up_proj")) n += lora_pair(r, latent, d);
+      if (latent > 0 && on("routed_expert_down_proj")) n += pair(layer + ".mlp.routed_expert_down_proj", d, latent);
+      if (latent > 0 && on("routed_expert_up_proj")) n += pair(layer + ".mlp.routed_expert_up_proj", latent, d);
       if (on("experts")) {
-        const int64_t f = m.moe.expert_intermediate_size;
+        const std::string experts = layer + ".mlp.experts";
+        const int64_t f = m.moe.expert_intermediate_size, e = m.moe.num_experts;
         const int64_t rows = latent > 0 ? latent : d;
-        // lora.expert_gate_up: fused: one adapter of rank 2r on gate_up (rows -> 2F) instead of two of rank r.
-        const int64_t per_expert = lora.expert_gate_up == "fused"
-                                       ? lora_pair(2 * r, rows, 2 * f) + lora_pair(r, f, rows)
-                                       : swiglu(f, true, rows);
-        count.routed_expert_per_layer = m.moe.num_experts * per_expert;
+        const bool shared_a = lora.expert_a == "shared";
+        // Each projection: B per expert; A per expert, or one for all (counted with the replicated).
+        auto routed_pair = [&](int64_t rank, int64_t in, int64_t out) {
+          routed += e * rank * out;
+          if (shared_a) n += rank * in, count.shared_expert_a += rank * in;
+          else routed += e * rank * in;
+        };
+        // lora.expert_gate_up: fused: one adapter on gate_up (rows -> 2F) instead of gate and up.
+        if (lora.expert_gate_up == "fused") {
+          routed_pair(ranks.fused_gate_up(experts).rank, rows, 2 * f);
+        } else {
+          routed_pair(ranks.module(experts + ".gate_proj").rank, rows, f);
+          routed_pair(ranks.module(experts + ".up_proj").rank, rows, f);
+        }
+        routed_pair(ranks.module(experts + ".down_proj").rank, f, rows);
       }
     }
     count.layer_non_expert.push_back(n);
+    count.layer_routed_expert.push_back(routed);
   }
   return count;
 }

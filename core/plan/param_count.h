@@ -36,12 +36,16 @@ struct ModelParameterCount {
   int64_t routed_expert_per_layer() const;  // of one MoE layer (0 without MoE layers)
 };
 
+// Adapters at each module's rank (lora.rank_pattern applied as the model applies it).
 struct LoraParameterCount {
-  std::vector<int64_t> layer_non_expert;  // per layer: attention, dense MLP, shared experts
-  int64_t routed_expert_per_layer = 0;    // all experts of one MoE layer (0 unless targeted)
+  // Per layer: attention, dense MLP, shared experts, and the routed experts' shared A's
+  // (lora.expert_a: shared; replicated like the rest).
+  std::vector<int64_t> layer_non_expert;
+  std::vector<int64_t> layer_routed_expert;  // per layer: the per-expert factors of all its experts
+  int64_t shared_expert_a = 0;  // the part of non_expert() that is shared expert A's (every routed row)
   int64_t num_moe_layers = 0;
   int64_t non_expert() const;
-  int64_t routed_experts() const { return routed_expert_per_layer * num_moe_layers; }
+  int64_t routed_experts() const;
   int64_t total() const { return non_expert() + routed_experts(); }
 };
 
