@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "core/base/host_convert.h"
+#include "core/config/lora_patterns.h"
 #include "core/io/safetensors.h"
 #include "core/model/hf_names.h"
 #include "core/model/swiglu_experts.h"
@@ -19,7 +20,7 @@
 namespace moetrain {
 namespace {
 
-using Json = nlohmann::json;
+using OrderedJson = nlohmann::ordered_json;
 
 constexpr const char* kPeftPrefix = "base_model.model.";
 
@@ -67,13 +68,11 @@ class AdapterFile {
   bool has(const std::string& key) const { return file_.has(key) || stored_name_.count(key) != 0; }
   const std::string& path() const { return path_; }
 
+  // The stored shape of `name`.
+  const Shape& shape(const std::string& name) const { return file_.info(stored(name)).shape; }
+
   Tensor read(const std::string& name, const Shape& expected) {
-    auto alias = stored_name_.find(name);
-    const std::string& key = alias == stored_name_.end() ? name : alias->second;
-    MOETRAIN_CHECK(file_.has(key), ExitCode::kBadCheckpoint,
-                   fmt::format("{}: adapter tensor \"{}\" is missing (the model has a LoRA adapter there: "
-                               "lora.targets or the adapter does not match)",
-                               path_, key));
+    const std::string& key = stored(name);
     const Shape& shape = file_.info(key).shape;
     MOETRAIN_CHECK(shape == expected, ExitCode::kBadCheckpoint,
                    fmt::format("{}: adapter tensor \"{}\" has shape {} but the model expects {} (check lora.rank "
@@ -93,6 +92,17 @@ class AdapterFile {
   }
 
  private:
+  // The file's key for `name` (which must be there).
+  const std::string& stored(const std::string& name) const {
+    auto alias = stored_name_.find(name);
+    const std::string& key = alias == stored_name_.end() ? name : alias->second;
+    MOETRAIN_CHECK(file_.has(key), ExitCode::kBadCheckpoint,
+                   fmt::format("{}: adapter tensor \"{}\" is missing (the model has a LoRA adapter there: "
+                               "lora.targets or the adapter does not match)",
+                               path_, key));
+    return key;
+  }
+
   SafetensorsFile file_;
   std::string path_;
   std::set<std::string> used_;
@@ -143,42 +153,49 @@ Tensor read_fused(AdapterFile& file, const std::string& key, bool is_a, int64_t 
 }
 
 // A gate_up adapter as one adapter on [gate | up] per expert: A [E, R, D], B [E, 2F, R], its
-// scale, and the file key of its B (for messages).
+// scale, the rank of its gate block when it was read from separate gate and up adapters (0 for
+// PEFT's fused adapter), and the file key of its B (for messages).
 struct GateUp {
   Tensor a, b;
   double scale = 1.0;
+  int64_t gate_rank = 0;
   std::string key;
   int64_t rank() const { return a.size(1); }
 };
 
-// Separate gate and up adapters side by side: A [A_gate; A_up], B block diagonal.
+// Separate gate and up adapters (ranks rg, ru) side by side: A [A_gate; A_up], B block diagonal,
+// at the gate's scale (the up block times up_scale / scale, 1 when they agree).
 GateUp side_by_side(const Tensor& gate_a, const Tensor& gate_b, const Tensor& up_a, const Tensor& up_b, double scale,
-                    std::string key) {
-  const int64_t experts = gate_a.size(0), r = gate_a.size(1), in = gate_a.size(2), f = gate_b.size(1);
-  GateUp g{Tensor({experts, 2 * r, in}, DType::kF64), Tensor::zeros({experts, 2 * f, 2 * r}, DType::kF64), scale,
+                    double up_scale, std::string key) {
+  const int64_t experts = gate_a.size(0), rg = gate_a.size(1), ru = up_a.size(1), in = gate_a.size(2);
+  const int64_t f = gate_b.size(1), r2 = rg + ru;
+  const double up_factor = up_scale / scale;
+  GateUp g{Tensor({experts, r2, in}, DType::kF64), Tensor::zeros({experts, 2 * f, r2}, DType::kF64), scale, rg,
            std::move(key)};
   for (int64_t e = 0; e < experts; ++e) {
-    const size_t block = static_cast<size_t>(r * in);
-    std::memcpy(g.a.ptr<double>() + e * 2 * block, gate_a.ptr<double>() + e * block, block * sizeof(double));
-    std::memcpy(g.a.ptr<double>() + (e * 2 + 1) * block, up_a.ptr<double>() + e * block, block * sizeof(double));
-    for (int64_t o = 0; o < f; ++o)
-      for (int64_t k = 0; k < r; ++k) {
-        g.b.ptr<double>()[(e * 2 * f + o) * 2 * r + k] = gate_b.ptr<double>()[(e * f + o) * r + k];
-        g.b.ptr<double>()[(e * 2 * f + f + o) * 2 * r + r + k] = up_b.ptr<double>()[(e * f + o) * r + k];
-      }
+    std::memcpy(g.a.ptr<double>() + e * r2 * in, gate_a.ptr<double>() + e * rg * in,
+                static_cast<size_t>(rg * in) * sizeof(double));
+    std::memcpy(g.a.ptr<double>() + (e * r2 + rg) * in, up_a.ptr<double>() + e * ru * in,
+                static_cast<size_t>(ru * in) * sizeof(double));
+    for (int64_t o = 0; o < f; ++o) {
+      for (int64_t k = 0; k < rg; ++k)
+        g.b.ptr<double>()[(e * 2 * f + o) * r2 + k] = gate_b.ptr<double>()[(e * f + o) * rg + k];
+      for (int64_t k = 0; k < ru; ++k)
+        g.b.ptr<double>()[(e * 2 * f + f + o) * r2 + rg + k] = up_factor * up_b.ptr<double>()[(e * f + o) * ru + k];
+    }
   }
   return g;
 }
 
-// Whether the rank-2r B [E, 2F, 2r] is block diagonal: gate rows zero in the up ranks [r, 2r) and
-// up rows zero in the gate ranks [0, r).
-bool block_diagonal(const Tensor& b, int64_t r) {
-  const int64_t experts = b.size(0), rows = b.size(1), f = rows / 2;
+// Whether B [E, 2F, R] is block diagonal at `split`: gate rows zero in the up ranks [split, R) and
+// up rows zero in the gate ranks [0, split).
+bool block_diagonal(const Tensor& b, int64_t split) {
+  const int64_t experts = b.size(0), rows = b.size(1), f = rows / 2, big_r = b.size(2);
   for (int64_t e = 0; e < experts; ++e)
     for (int64_t o = 0; o < rows; ++o) {
-      const int64_t other = o < f ? r : 0;
-      for (int64_t k = 0; k < r; ++k)
-        if (b.ptr<double>()[(e * rows + o) * 2 * r + other + k] != 0.0) return false;
+      const int64_t begin = o < f ? split : 0, end = o < f ? big_r : split;
+      for (int64_t k = begin; k < end; ++k)
+        if (b.ptr<double>()[(e * rows + o) * big_r + k] != 0.0) return false;
     }
   return true;
 }
@@ -198,15 +215,85 @@ std::pair<Tensor, Tensor> take_part(const GateUp& g, int64_t k0, int64_t o0, int
   return {std::move(a), std::move(b)};
 }
 
-// One routed-experts module's stacked adapters (3-D parameters), by "projection.factor", e.g.
+// Each module's rank and alpha on both sides: the file's (adapter_config.json's r and lora_alpha
+// with its patterns, looked up as PEFT does against the names PEFT matched when it made the file)
+// and the model's (lora.rank / alpha with lora.rank_pattern / alpha_pattern, as attach_lora does).
+class Ranks {
+ public:
+  Ranks(const PeftAdapterConfig& config, const Model& model, const std::string& dir)
+      : file_(config.rank, config.alpha, config.rank_pattern, config.alpha_pattern, "adapter_config.json"),
+        model_(model.options().lora.rank, model.options().lora.alpha, model.options().lora_rank_pattern,
+               model.options().lora_alpha_pattern),
+        rslora_(model.options().lora.rslora),
+        targets_(config.target_parameters),
+        dir_(dir) {}
+
+  // PEFT's name for a 2-D module: `<module>.weight` when target_parameters reached its weight (an
+  // entry equal to it or ending it after a dot, as PEFT matches them), else the module.
+  std::string current_key(const std::string& module) const {
+    const std::string weight = module + ".weight";
+    for (const std::string& target : targets_)
+      if (weight == target || ends_with(weight, "." + target)) return weight;
+    return module;
+  }
+
+  ModuleLora file(const std::string& current_key) { return file_.module(current_key); }
+  ModuleLora model(const std::string& module) { return model_.module(module); }
+  ModuleLora model_fused(const std::string& experts) { return model_.fused_gate_up(experts); }
+  double scale(const ModuleLora& m) const { return LoraSettings{m.rank, m.alpha, rslora_}.scale(); }
+
+  // The file's own rank for `current_key` must be its tensor's (`key` holds `stored`).
+  void check_stored(const std::string& key, int64_t stored, const std::string& current_key, const ModuleLora& f) const {
+    MOETRAIN_CHECK(stored == f.rank, ExitCode::kBadCheckpoint,
+                   fmt::format("{}: adapter tensor \"{}\" has rank {}, but adapter_config.json gives {} rank {} ({}): "
+                               "the adapter's files disagree",
+                               dir_, key, stored, current_key, f.rank, file_source(f, true)));
+  }
+
+  // A module read as it is: the file's rank and alpha must be the model's.
+  void check_equal(const std::string& current_key, const ModuleLora& f, const std::string& module,
+                   const ModuleLora& m) const {
+    MOETRAIN_CHECK(f.rank == m.rank, ExitCode::kBadConfig,
+                   fmt::format("{}: the adapter gives {} rank {} ({}) but the config gives {} rank {} ({}): set "
+                               "lora.rank_pattern to the adapter's ranks",
+                               dir_, current_key, f.rank, file_source(f, true), module, m.rank, model_source(m, true)));
+    MOETRAIN_CHECK(f.alpha == m.alpha, ExitCode::kBadConfig,
+                   fmt::format("{}: the adapter gives {} lora_alpha {} ({}) but the config gives {} alpha {} ({}): set "
+                               "lora.alpha_pattern to the adapter's alphas",
+                               dir_, current_key, f.alpha, file_source(f, false), module, m.alpha,
+                               model_source(m, false)));
+  }
+
+  std::string model_source(const ModuleLora& m, bool rank) const {
+    const int key = rank ? m.rank_key : m.alpha_key;
+    if (key < 0) return rank ? "lora.rank" : "lora.alpha";
+    return fmt::format("lora.{}[\"{}\"]", rank ? "rank_pattern" : "alpha_pattern",
+                       rank ? model_.rank_key(key) : model_.alpha_key(key));
+  }
+
+ private:
+  std::string file_source(const ModuleLora& f, bool rank) const {
+    const int key = rank ? f.rank_key : f.alpha_key;
+    if (key < 0) return rank ? "r" : "lora_alpha";
+    return fmt::format("{} \"{}\"", rank ? "rank_pattern" : "alpha_pattern",
+                       rank ? file_.rank_key(key) : file_.alpha_key(key));
+  }
+
+  LoraRanks file_, model_;
+  bool rslora_;
+  std::vector<std::string> targets_;
+  std::string dir_;
+};
+
+// One routed-experts module's adapters (3-D, or a shared 2-D A), by "projection.factor", e.g.
 // "gate_up_proj.lora_B.weight".
 using ExpertParams = std::map<std::string, Parameter*>;
 
 class ExpertLoader {
  public:
-  ExpertLoader(AdapterFile& file, const PeftAdapterConfig& config, const std::string& dir, const Model& model,
+  ExpertLoader(AdapterFile& file, const PeftAdapterConfig& config, const std::string& dir, Ranks& ranks,
                kernels::Backend& backend, ExpertRows rows)
-      : file_(file), config_(config), dir_(dir), lora_(model.options().lora), backend_(backend), rows_(rows) {
+      : file_(file), dir_(dir), ranks_(ranks), backend_(backend), rows_(rows) {
     for (const std::string& target : config.target_parameters) {
       fused_gate_up_ |= ends_with(target, "gate_up_proj");
       fused_down_ |= ends_with(target, "down_proj") && target.find("experts") != std::string::npos;
@@ -216,8 +303,8 @@ class ExpertLoader {
   void load(const std::string& module, const ExpertParams& params) {
     if (params.count("gate_up_proj.lora_A.weight") || params.count("gate_proj.lora_A.weight")) {
       GateUp source = read_gate_up(module, params);
-      if (params.count("gate_up_proj.lora_A.weight")) store_fused(params, source);
-      else store_separate(params, source);
+      if (params.count("gate_up_proj.lora_A.weight")) store_fused(module, params, source);
+      else store_separate(module, params, source);
     }
     if (params.count("down_proj.lora_A.weight")) load_down(module, params);
   }
@@ -225,8 +312,26 @@ class ExpertLoader {
  private:
   Parameter& param(const ExpertParams& params, const std::string& what) const { return *params.at(what); }
 
-  void store_rows(Parameter& p, const Tensor& all) {
+  // A B stack [E, out, r]: this rank's experts' rows.
+  void store_b(Parameter& p, const Tensor& all) {
     store(backend_, p.value, all.view().slice_rows(rows_.first, rows_.first + p.value.size(0)));
+  }
+
+  // An A stack [E, r, in]: this rank's rows, or into a shared A (lora.expert_a: shared) the one A
+  // that every expert of the file must hold alike (`key` names them in the refusal).
+  void store_a(Parameter& p, const Tensor& all, const std::string& key) {
+    if (p.value.shape().ndim() == 3) return store_b(p, all);
+    const int64_t block = all.numel() / all.size(0);
+    const double* values = all.ptr<double>();
+    for (int64_t e = 1; e < all.size(0); ++e) {
+      bool same = true;
+      for (int64_t i = 0; i < block && same; ++i) same = values[e * block + i] == values[i];
+      MOETRAIN_CHECK(same, ExitCode::kBadConfig,
+                     fmt::format("{}: \"{}\": expert {}'s A differs from expert 0's, so one A shared by every expert "
+                                 "(lora.expert_a: shared) cannot hold this adapter; set lora.expert_a: per_expert",
+                                 dir_, key, e));
+    }
+    store(backend_, p.value, all.view().slice_rows(0, 1).reshaped(p.value.shape()));
   }
 
   std::string fused_key(const std::string& module, bool down, const char* factor) const {
@@ -234,107 +339,164 @@ class ExpertLoader {
     return peft_key(module + (!down && fused_down_ ? ".base_layer." : ".") + factor);
   }
 
+  // The file's rank and alpha of `projection` for every expert (per-expert keys): each expert's A
+  // must have its rank, and all experts the same (the model's experts share one per projection).
+  ModuleLora per_expert(const std::string& module, const std::string& projection) {
+    ModuleLora first;
+    for (int64_t e = 0; e < rows_.total; ++e) {
+      const std::string name = module + "." + std::to_string(e) + "." + projection;
+      const ModuleLora f = ranks_.file(name);
+      const std::string key = peft_key(name + ".lora_A.weight");
+      ranks_.check_stored(key, file_.shape(key)[0], name, f);
+      if (e == 0) first = f;
+      MOETRAIN_CHECK(f.rank == first.rank && f.alpha == first.alpha, ExitCode::kBadCheckpoint,
+                     fmt::format("{}: the adapter gives {} rank {} and lora_alpha {} but expert 0 rank {} and "
+                                 "lora_alpha {}; moetrain's routed experts have one rank and alpha per projection",
+                                 dir_, name, f.rank, f.alpha, first.rank, first.alpha));
+    }
+    return first;
+  }
+
+  // PEFT's 3-D adapter on `current_key` (`<module>.gate_up_proj` or `.down_proj`): its rank and
+  // alpha, checked against its A [E R, in].
+  ModuleLora fused(const std::string& current_key, const std::string& a_key) {
+    const ModuleLora f = ranks_.file(current_key);
+    ranks_.check_stored(a_key, file_.shape(a_key)[0] / rows_.total, current_key, f);
+    return f;
+  }
+
   // The file's gate_up adapter, whatever its form: per-expert gate and up keys (side by side),
-  // or PEFT's fused one of rank R.
+  // or PEFT's fused one.
   GateUp read_gate_up(const std::string& module, const ExpertParams& params) {
     const bool model_fused = params.count("gate_up_proj.lora_A.weight") != 0;
-    const Shape& a_shape = param(params, model_fused ? "gate_up_proj.lora_A.weight" : "gate_proj.lora_A.weight").value.shape();
-    const Shape& b_shape = param(params, model_fused ? "gate_up_proj.lora_B.weight" : "gate_proj.lora_B.weight").value.shape();
-    const int64_t in = a_shape[2], f = model_fused ? b_shape[1] / 2 : b_shape[1], r = lora_.rank;
+    const Parameter& b = param(params, model_fused ? "gate_up_proj.lora_B.weight" : "gate_proj.lora_B.weight");
+    const Parameter& a = param(params, model_fused ? "gate_up_proj.lora_A.weight" : "gate_proj.lora_A.weight");
+    const int64_t in = a.value.size(-1), f = model_fused ? b.value.size(1) / 2 : b.value.size(1);
     const std::string first_key = peft_key(module + ".0.gate_proj.lora_A.weight");
     if (file_.has(first_key)) {
+      const ModuleLora gate = per_expert(module, "gate_proj"), up = per_expert(module, "up_proj");
       auto part = [&](const char* what, const Shape& shape) {
         return read_per_expert(file_, module, what, shape, rows_.total);
       };
-      return side_by_side(part("gate_proj.lora_A.weight", {r, in}), part("gate_proj.lora_B.weight", {f, r}),
-                          part("up_proj.lora_A.weight", {r, in}), part("up_proj.lora_B.weight", {f, r}),
-                          LoraSettings{r, config_.alpha, config_.rslora}.scale(),
-                          module + ".<e>.{gate,up}_proj (per expert)");
+      return side_by_side(part("gate_proj.lora_A.weight", {gate.rank, in}), part("gate_proj.lora_B.weight", {f, gate.rank}),
+                          part("up_proj.lora_A.weight", {up.rank, in}), part("up_proj.lora_B.weight", {f, up.rank}),
+                          ranks_.scale(gate), ranks_.scale(up), module + ".<e>.{gate,up}_proj (per expert)");
     }
     MOETRAIN_CHECK(fused_gate_up_, ExitCode::kBadCheckpoint,
                    fmt::format("{}: no adapter for the gate and up projections of {} (neither per-expert keys like "
                                "\"{}\" nor a gate_up_proj entry in target_parameters)",
                                dir_, module, first_key));
-    const int64_t big_r = config_.gate_up_rank;
     GateUp g;
     g.key = fused_key(module, false, "lora_B.weight");
-    g.a = read_fused(file_, fused_key(module, false, "lora_A.weight"), true, big_r, in, rows_.total);
-    g.b = read_fused(file_, g.key, false, big_r, 2 * f, rows_.total);
-    g.scale = LoraSettings{big_r, config_.gate_up_alpha, config_.rslora}.scale();
+    const std::string a_key = fused_key(module, false, "lora_A.weight");
+    const ModuleLora file_lora = fused(module + ".gate_up_proj", a_key);
+    g.a = read_fused(file_, a_key, true, file_lora.rank, in, rows_.total);
+    g.b = read_fused(file_, g.key, false, file_lora.rank, 2 * f, rows_.total);
+    g.scale = ranks_.scale(file_lora);
     return g;
   }
 
-  // lora.expert_gate_up: fused: any rank-2r gate_up adapter, B rescaled to the model's scale.
-  void store_fused(const ExpertParams& params, GateUp& g) {
-    const LoraSettings fused = fused_gate_up_settings(lora_);
-    MOETRAIN_CHECK(g.rank() != lora_.rank, ExitCode::kBadConfig,
-                   fmt::format("{}: \"{}\" is a rank-{} gate_up adapter (no rank_pattern: one A shared by gate and "
-                               "up), but lora.expert_gate_up: fused holds PEFT's gate_up adapter of rank 2r = {}. Set "
-                               "lora.expert_gate_up: separate, which holds this adapter exactly (its A copied into the "
-                               "gate and the up adapter)",
+  // lora.expert_gate_up: fused: a gate_up adapter of the model's fused rank, B rescaled to its scale.
+  void store_fused(const std::string& module, const ExpertParams& params, GateUp& g) {
+    const ModuleLora fused = ranks_.model_fused(module);
+    const ModuleLora gate = ranks_.model(module + ".gate_proj"), up = ranks_.model(module + ".up_proj");
+    MOETRAIN_CHECK(g.rank() == fused.rank || g.rank() != gate.rank || g.rank() != up.rank, ExitCode::kBadConfig,
+                   fmt::format("{}: \"{}\" is a rank-{} gate_up adapter (one A shared by gate and up), but "
+                               "lora.expert_gate_up: fused holds PEFT's gate_up adapter of rank {}. Set "
+                               "lora.expert_gate_up: separate, which holds this adapter exactly (its A copied into "
+                               "the gate and the up adapter)",
                                dir_, g.key, g.rank(), fused.rank));
-    MOETRAIN_CHECK(g.rank() == fused.rank, ExitCode::kBadCheckpoint, wrong_rank(g));
-    const double factor = g.scale / fused.scale();
+    MOETRAIN_CHECK(g.rank() == fused.rank, ExitCode::kBadConfig,
+                   fmt::format("{}: \"{}\" is a gate_up adapter of rank {}, but lora.expert_gate_up: fused holds one "
+                               "of rank {} here ({}, twice the gate_proj rank unless a key selects gate_up_proj): set "
+                               "lora.rank_pattern to the adapter's ranks",
+                               dir_, g.key, g.rank(), fused.rank, ranks_.model_source(fused, true)));
+    const double factor = g.scale / ranks_.scale(fused);
     if (factor != 1.0)
       for (int64_t i = 0; i < g.b.numel(); ++i) g.b.ptr<double>()[i] *= factor;
-    store_rows(param(params, "gate_up_proj.lora_A.weight"), g.a);
-    store_rows(param(params, "gate_up_proj.lora_B.weight"), g.b);
+    store_a(param(params, "gate_up_proj.lora_A.weight"), g.a, g.key);
+    store_b(param(params, "gate_up_proj.lora_B.weight"), g.b);
   }
 
-  // lora.expert_gate_up: separate: a rank-r gate_up adapter (A into both) or a rank-2r one with a
-  // block-diagonal B (split in two).
-  void store_separate(const ExpertParams& params, const GateUp& g) {
-    const int64_t r = lora_.rank, f = g.b.size(1) / 2;
-    MOETRAIN_CHECK(g.rank() == r || g.rank() == 2 * r, ExitCode::kBadCheckpoint, wrong_rank(g));
-    MOETRAIN_CHECK(g.rank() == r || block_diagonal(g.b, r), ExitCode::kBadConfig,
+  // lora.expert_gate_up: separate: a gate_up adapter of the gate's and up's ranks added up with a
+  // block-diagonal B (split in two), or of their common rank (A shared by gate and up); each part's
+  // B rescaled to its adapter's scale.
+  void store_separate(const std::string& module, const ExpertParams& params, const GateUp& g) {
+    const ModuleLora gate = ranks_.model(module + ".gate_proj"), up = ranks_.model(module + ".up_proj");
+    const int64_t f = g.b.size(1) / 2;
+    const bool shared_a = g.gate_rank == 0 && g.rank() == gate.rank && g.rank() == up.rank;
+    MOETRAIN_CHECK(shared_a || (g.rank() == gate.rank + up.rank && (g.gate_rank == 0 || g.gate_rank == gate.rank)),
+                   ExitCode::kBadConfig,
+                   fmt::format("{}: \"{}\" is a gate_up adapter of rank {}{}, but this model's gate and up adapters "
+                               "have ranks {} ({}) and {} ({}): lora.expert_gate_up: separate holds a gate_up adapter "
+                               "of their sum (B block diagonal) or, when they agree, of their rank (A shared by gate "
+                               "and up). Set lora.rank_pattern to the adapter's ranks, or lora.expert_gate_up: fused",
+                               dir_, g.key, g.rank(),
+                               g.gate_rank > 0 ? fmt::format(" (gate {}, up {})", g.gate_rank, g.rank() - g.gate_rank)
+                                               : std::string(),
+                               gate.rank, ranks_.model_source(gate, true), up.rank, ranks_.model_source(up, true)));
+    MOETRAIN_CHECK(shared_a || block_diagonal(g.b, gate.rank), ExitCode::kBadConfig,
                    fmt::format("{}: \"{}\" is PEFT's fused gate_up adapter of rank {}: its B mixes gate and up (gate "
                                "rows use the up ranks or the other way round; after any PEFT training it does), so "
-                               "separate gate and up adapters of rank {} cannot hold it. Set lora.expert_gate_up: "
-                               "fused (one rank-{} adapter on gate_up_proj, as PEFT trains it)",
-                               dir_, g.key, g.rank(), r, 2 * r));
-    const double factor = g.scale / lora_.scale();
-    const int64_t up_rank = g.rank() == r ? 0 : r;  // rank r: A is shared by gate and up
-    auto [gate_a, gate_b] = take_part(g, 0, 0, r, f, factor);
-    auto [up_a, up_b] = take_part(g, up_rank, f, r, f, factor);
-    store_rows(param(params, "gate_proj.lora_A.weight"), gate_a);
-    store_rows(param(params, "gate_proj.lora_B.weight"), gate_b);
-    store_rows(param(params, "up_proj.lora_A.weight"), up_a);
-    store_rows(param(params, "up_proj.lora_B.weight"), up_b);
-  }
-
-  std::string wrong_rank(const GateUp& g) const {
-    return fmt::format("{}: \"{}\" is a gate_up adapter of rank {} (rank_pattern), but with r {} moetrain holds a "
-                       "gate_up adapter of rank {} (lora.expert_gate_up: separate, A shared by gate and up or B block "
-                       "diagonal) or {} (fused) only; no setting of this model reads it",
-                       dir_, g.key, g.rank(), lora_.rank, lora_.rank, 2 * lora_.rank);
+                               "separate gate and up adapters of ranks {} and {} cannot hold it. Set "
+                               "lora.expert_gate_up: fused (one rank-{} adapter on gate_up_proj, as PEFT trains it)",
+                               dir_, g.key, g.rank(), gate.rank, up.rank, g.rank()));
+    auto [gate_a, gate_b] = take_part(g, 0, 0, gate.rank, f, g.scale / ranks_.scale(gate));
+    auto [up_a, up_b] = take_part(g, shared_a ? 0 : gate.rank, f, up.rank, f, g.scale / ranks_.scale(up));
+    store_a(param(params, "gate_proj.lora_A.weight"), gate_a, g.key);
+    store_b(param(params, "gate_proj.lora_B.weight"), gate_b);
+    store_a(param(params, "up_proj.lora_A.weight"), up_a, g.key);
+    store_b(param(params, "up_proj.lora_B.weight"), up_b);
   }
 
   void load_down(const std::string& module, const ExpertParams& params) {
     Parameter& a = param(params, "down_proj.lora_A.weight");
     Parameter& b = param(params, "down_proj.lora_B.weight");
-    const int64_t r = lora_.rank, f = a.value.size(2), d = b.value.size(1);
+    const int64_t f = a.value.size(-1), d = b.value.size(1);
+    const ModuleLora model = ranks_.model(module + ".down_proj");
     const std::string first_key = peft_key(module + ".0.down_proj.lora_A.weight");
     if (file_.has(first_key)) {
-      store_rows(a, read_per_expert(file_, module, "down_proj.lora_A.weight", {r, f}, rows_.total));
-      store_rows(b, read_per_expert(file_, module, "down_proj.lora_B.weight", {d, r}, rows_.total));
+      const ModuleLora f_lora = per_expert(module, "down_proj");
+      ranks_.check_equal(module + ".<e>.down_proj", f_lora, module + ".down_proj", model);
+      store_a(a, read_per_expert(file_, module, "down_proj.lora_A.weight", {model.rank, f}, rows_.total),
+              module + ".<e>.down_proj.lora_A.weight");
+      store_b(b, read_per_expert(file_, module, "down_proj.lora_B.weight", {d, model.rank}, rows_.total));
       return;
     }
     MOETRAIN_CHECK(fused_down_, ExitCode::kBadCheckpoint,
                    fmt::format("{}: no adapter for {}.down_proj (neither per-expert keys like \"{}\" nor a down_proj "
                                "entry in target_parameters)",
                                dir_, module, first_key));
-    store_rows(a, read_fused(file_, fused_key(module, true, "lora_A.weight"), true, r, f, rows_.total));
-    store_rows(b, read_fused(file_, fused_key(module, true, "lora_B.weight"), false, r, d, rows_.total));
+    const std::string a_key = fused_key(module, true, "lora_A.weight");
+    ranks_.check_equal(module + ".down_proj", fused(module + ".down_proj", a_key), module + ".down_proj", model);
+    store_a(a, read_fused(file_, a_key, true, model.rank, f, rows_.total), a_key);
+    store_b(b, read_fused(file_, fused_key(module, true, "lora_B.weight"), false, model.rank, d, rows_.total));
   }
 
   AdapterFile& file_;
-  const PeftAdapterConfig& config_;
   const std::string& dir_;
-  const LoraSettings& lora_;
+  Ranks& ranks_;
   kernels::Backend& backend_;
   ExpertRows rows_;
   bool fused_gate_up_ = false, fused_down_ = false;
 };
+
+// A pattern map of adapter_config.json, in the file's order; Error(kBadCheckpoint) naming the key
+// on a pattern moetrain does not evaluate as PEFT does, or a value that is not positive.
+template <class T>
+PatternMap<T> read_pattern(const OrderedJson& json, const char* name, const std::string& path) {
+  PatternMap<T> out;
+  if (!json.contains(name) || json[name].is_null()) return out;
+  for (const auto& [key, value] : json[name].items()) {
+    const std::string problem = lora_pattern_problem(key);
+    MOETRAIN_CHECK(problem.empty(), ExitCode::kBadCheckpoint,
+                   fmt::format("{}: {} key \"{}\": {}", path, name, key, problem));
+    out.emplace_back(key, value.template get<T>());
+    MOETRAIN_CHECK(out.back().second > 0, ExitCode::kBadCheckpoint,
+                   fmt::format("{}: {} \"{}\" must be positive", path, name, key));
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -346,10 +508,10 @@ PeftAdapterConfig read_peft_adapter_config(const std::string& dir) {
   MOETRAIN_CHECK(in.good(), ExitCode::kBadCheckpoint, "cannot read " + path + " (is " + dir + " a PEFT adapter?)");
   std::stringstream text;
   text << in.rdbuf();
-  Json json;
+  OrderedJson json;  // the patterns' order matters: PEFT takes the first matching key
   try {
-    json = Json::parse(text.str());
-  } catch (const Json::exception& e) {
+    json = OrderedJson::parse(text.str());
+  } catch (const OrderedJson::exception& e) {
     throw Error(ExitCode::kBadCheckpoint, fmt::format("{}: not valid JSON ({})", path, e.what()));
   }
   PeftAdapterConfig config;
@@ -359,31 +521,14 @@ PeftAdapterConfig read_peft_adapter_config(const std::string& dir) {
     config.rank = json.at("r").get<int64_t>();
     config.alpha = json.at("lora_alpha").get<double>();
     config.rslora = json.value("use_rslora", false);
-    config.gate_up_rank = config.rank;
-    config.gate_up_alpha = config.alpha;
-    // The one supported pattern key: gate_up_proj's (PEFT's get_pattern_key matches "(.*\.)?(key)$",
-    // so both spellings select the routed experts' gate_up_proj and nothing else).
-    auto pattern = [&](const char* key) -> const Json* {
-      const Json* value = nullptr;
-      if (!json.contains(key) || json[key].is_null()) return value;
-      for (const auto& [name, entry] : json[key].items()) {
-        MOETRAIN_CHECK(name == ".*\\.gate_up_proj" || name == "gate_up_proj", ExitCode::kBadCheckpoint,
-                       fmt::format("{}: {} {} sets a per-module value for \"{}\"; moetrain gives every adapter "
-                                   "lora.rank and lora.alpha except the routed experts' gate_up_proj "
-                                   "(\".*\\\\.gate_up_proj\")",
-                                   path, key, json[key].dump(), name));
-        value = &entry;
-      }
-      return value;
-    };
-    if (const Json* rank = pattern("rank_pattern")) config.gate_up_rank = rank->get<int64_t>();
-    if (const Json* alpha = pattern("alpha_pattern")) config.gate_up_alpha = alpha->get<double>();
-    MOETRAIN_CHECK(config.rank > 0 && config.gate_up_rank > 0 && config.alpha > 0 && config.gate_up_alpha > 0,
-                   ExitCode::kBadCheckpoint, path + ": r, lora_alpha and their patterns must be positive");
+    MOETRAIN_CHECK(config.rank > 0 && config.alpha > 0, ExitCode::kBadCheckpoint,
+                   path + ": r and lora_alpha must be positive");
+    config.rank_pattern = read_pattern<int64_t>(json, "rank_pattern", path);
+    config.alpha_pattern = read_pattern<double>(json, "alpha_pattern", path);
     if (json.contains("target_parameters") && json["target_parameters"].is_array()) {
       config.target_parameters = json["target_parameters"].get<std::vector<std::string>>();
     }
-  } catch (const Json::exception& e) {
+  } catch (const OrderedJson::exception& e) {
     throw Error(ExitCode::kBadCheckpoint, fmt::format("{}: {}", path, e.what()));
   }
   return config;
@@ -399,12 +544,14 @@ void load_peft_adapter(Model& model, const std::string& dir) {
                              dir, config.rank, config.alpha, config.rslora, lora.rank, lora.alpha, lora.rslora));
   AdapterFile file(dir + "/adapter_model.safetensors");
   kernels::Backend& backend = model.backend();
-  std::map<std::string, ExpertParams> experts;  // routed-experts module -> its stacked adapters
+  Ranks ranks(config, model, dir);
+  std::map<std::string, ExpertParams> experts;  // routed-experts module -> its adapters
 
   for (Parameter* p : model.parameters()) {
-    if (p->value.shape().ndim() == 3) {
+    const size_t factor = p->name.rfind(".lora_");
+    if (p->value.shape().ndim() == 3 || p->name.find(".mlp.experts.") != std::string::npos) {
       // "model.layers.1.mlp.experts.gate_proj.lora_A.weight" -> module, "gate_proj.lora_A.weight"
-      const size_t projection = p->name.rfind('.', p->name.rfind(".lora_") - 1);
+      const size_t projection = p->name.rfind('.', factor - 1);
       experts[p->name.substr(0, projection)][p->name.substr(projection + 1)] = p;
       continue;
     }
@@ -412,11 +559,18 @@ void load_peft_adapter(Model& model, const std::string& dir) {
     std::string key = peft_key(p->name);
     const std::string transformers_key = peft_key(transformers_module_name(p->name));
     if (!file.has(key) && file.has(transformers_key)) key = transformers_key;
+    // The module as PEFT named it, for the file's patterns; the model's rank and alpha for it.
+    const std::string file_module = key.substr(std::strlen(kPeftPrefix), key.rfind(".lora_") - std::strlen(kPeftPrefix));
+    const std::string current_key = ranks.current_key(file_module);
+    const ModuleLora f = ranks.file(current_key);
+    const bool is_a = p->name.compare(factor, std::string::npos, ".lora_A.weight") == 0;
+    ranks.check_stored(key, file.shape(key)[is_a ? 0 : 1], current_key, f);
+    if (is_a) ranks.check_equal(current_key, f, p->name.substr(0, factor), ranks.model(p->name.substr(0, factor)));
     store(backend, p->value, file.read(key, p->value.shape()));
   }
   const ParallelGroups* parallel = model.options().parallel;
   ExpertRows rows{model.spec().config.moe.num_experts, parallel ? parallel->first_expert() : 0};
-  ExpertLoader loader(file, config, dir, model, backend, rows);
+  ExpertLoader loader(file, config, dir, ranks, backend, rows);
   for (const auto& [module, params] : experts) loader.load(module, params);
   file.check_all_used();
 }

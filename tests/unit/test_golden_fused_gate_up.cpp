@@ -62,8 +62,9 @@ void check_fixture(const std::string& name, DType dtype) {
   const std::string dir = testing::golden_dir(name);
   SafetensorsFile golden(dir + "/golden.safetensors");
   const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
-  REQUIRE(adapter.gate_up_rank == 2 * adapter.rank);  // PEFT's fused form
-  REQUIRE(adapter.gate_up_alpha == 2 * adapter.alpha);
+  // PEFT's fused form
+  REQUIRE(adapter.rank_pattern == PatternMap<int64_t>{{".*\\.gate_up_proj", 2 * adapter.rank}});
+  REQUIRE(adapter.alpha_pattern == PatternMap<double>{{".*\\.gate_up_proj", 2 * adapter.alpha}});
 
   auto backend = kernels::make_cpu_backend();
   auto model = golden_model(dir, *backend, dtype, /*fused=*/true);
