@@ -1,0 +1,449 @@
+// A shared expert A (`lora.expert_a: shared`): one A [r, in] per routed projection for all experts
+// of a layer, per-expert B [E, out, r] (SwigluExperts::shared_lora_a).
+//  - it is the per-expert form with every expert's A equal: same outputs and dx, same B gradients,
+//    and A's gradient the sum of the per-expert A gradients (separate gate/up/down and fused
+//    gate_up); every gradient against central differences in double;
+//  - the whole model: gradients by finite differences, the shared A in the replicated parameter
+//    group, moetrain plan's count, checkpoint + resume bit for bit;
+//  - export writes it expanded (the same A for every expert, PEFT's per-expert form) and both
+//    model forms reload it exactly; an adapter whose experts' A differ is refused by the shared form.
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "catch.h"
+#include "core/base/error.h"
+#include "core/base/host_convert.h"
+#include "core/checkpoint/adapter_export.h"
+#include "core/checkpoint/checkpoint_session.h"
+#include "core/io/safetensors.h"
+#include "core/model/model.h"
+#include "core/model/peft_adapter.h"
+#include "core/model/swiglu_experts.h"
+#include "core/plan/param_count.h"
+#include "core/train/synthetic_data.h"
+#include "gradcheck.h"
+#include "kernels/ops.h"
+#include "tiny_model.h"
+
+using namespace moetrain;
+using namespace moetrain::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kGroups = 3, kHidden = 5, kWidth = 4, kRows = 7;
+// Rows per expert: 3, 0 (an expert without tokens), 4.
+const std::vector<int32_t> kOffsets = {0, 3, 3, 7};
+
+// Routed experts with adapters on every projection (gate and up separate, or PEFT's fused
+// gate_up), each A shared by the experts or one per expert, every tensor random and non-zero.
+struct Experts {
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  BatchTensors batch;
+  SwigluExperts mlp{"model.layers.1.mlp.experts", kGroups, kHidden, kWidth, /*routed=*/true};
+  Tensor offsets{Shape{kGroups + 1}, DType::kI32};
+  Tensor x = random_tensor({kRows, kHidden}, DType::kF64, 11);
+  Tensor dy = random_tensor({kRows, kHidden}, DType::kF64, 12);
+
+  Experts(bool shared, bool fused) {
+    mlp.gate_up = random_tensor({kGroups, 2 * kWidth, kHidden}, DType::kF64, 1);
+    mlp.down = random_tensor({kGroups, kHidden, kWidth}, DType::kF64, 2);
+    mlp.shared_lora_a = shared;
+    if (fused) {
+      mlp.add_gate_up_lora(LoraSettings{3, 5.0, false}, DType::kF64, *backend, 3);
+    } else {
+      mlp.add_lora(SwigluExperts::kGate, LoraSettings{2, 3.0, false}, DType::kF64, *backend, 3);
+      mlp.add_lora(SwigluExperts::kUp, LoraSettings{3, 2.0, false}, DType::kF64, *backend, 4);
+    }
+    mlp.add_lora(SwigluExperts::kDown, LoraSettings{2, 7.0, true}, DType::kF64, *backend, 5);
+    uint64_t seed = 20;
+    for (Parameter* p : params()) fill_random(p->value, seed++, 0.1, 0.6);
+    std::memcpy(offsets.data(), kOffsets.data(), offsets.nbytes());
+  }
+
+  std::vector<Parameter*> params() {
+    std::vector<Parameter*> out;
+    mlp.collect_parameters(out);
+    return out;
+  }
+  LayerContext ctx() { return LayerContext{*backend, DType::kF64, batch}; }
+  GroupOffsets groups() const { return GroupOffsets{offsets.view(), kOffsets.data()}; }
+
+  Tensor forward() {
+    Tensor out({kRows, kHidden}, DType::kF64);
+    mlp.forward(ctx(), out, x, groups());
+    return out;
+  }
+  double loss() { return dot(forward(), dy); }
+
+  // Gradients of loss() into the adapters' grads (zeroed first) and the returned dx.
+  Tensor backward() {
+    for (Parameter* p : params()) backend->fill(p->grad, 0.0);
+    forward();
+    Tensor dx({kRows, kHidden}, DType::kF64);
+    mlp.backward(ctx(), dx, dy, x, groups(), false);
+    return dx;
+  }
+};
+
+void check_equal(const TensorView& actual, const TensorView& expected, const std::string& name) {
+  Comparison c = compare_tensors(actual, expected, 1e-12, 1e-13, name);
+  INFO(c.message);
+  CHECK(c.ok);
+}
+
+// Per-expert adapters whose A is the shared one for every expert: the shared form's reference.
+void copy_as_per_expert(Experts& shared, Experts& per_expert) {
+  std::vector<Parameter*> s = shared.params(), p = per_expert.params();
+  REQUIRE(s.size() == p.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i]->value.shape().ndim() == 3) {  // B: as it is
+      REQUIRE(s[i]->value.shape() == p[i]->value.shape());
+      std::memcpy(p[i]->value.data(), s[i]->value.data(), s[i]->value.nbytes());
+      continue;
+    }
+    // A [r, in] into every expert's block of [E, r, in]
+    REQUIRE(p[i]->value.shape() == Shape({kGroups, s[i]->value.size(0), s[i]->value.size(1)}));
+    for (int64_t e = 0; e < kGroups; ++e)
+      std::memcpy(p[i]->value.ptr<double>() + e * s[i]->value.numel(), s[i]->value.data(), s[i]->value.nbytes());
+  }
+}
+
+// The whole tiny model with every target, in F64.
+std::unique_ptr<Model> tiny_model(kernels::Backend& backend, bool shared, bool fused) {
+  Config config = tiny_model_config(true);
+  ModelOptions options;
+  options.dtype = DType::kF64;
+  options.lora = LoraSettings{4, 8.0, false};
+  options.lora_targets = all_lora_targets(true);
+  options.fused_expert_gate_up = fused;
+  options.shared_expert_a = shared;
+  auto model = std::make_unique<Model>(resolve_model_spec(config), backend, options);
+  model->init_random_weights();
+  return model;
+}
+
+// Non-zero random adapters (B included), each value an F32 one so that the F32 export is exact.
+void randomize(Model& model, uint64_t seed) {
+  for (Parameter* p : model.parameters()) {
+    fill_random(p->value, seed++, 0.05, 0.3);
+    for (int64_t i = 0; i < p->value.numel(); ++i)
+      p->value.ptr<double>()[i] = static_cast<float>(p->value.ptr<double>()[i]);
+  }
+}
+
+Parameter* find(Model& model, const std::string& name) {
+  for (Parameter* p : model.parameters())
+    if (p->name == name) return p;
+  return nullptr;
+}
+
+// The adapters as F32 host tensors, as a checkpoint holds them.
+struct HostParameters {
+  std::vector<Tensor> values;
+  std::vector<std::pair<std::string, TensorView>> views;
+  explicit HostParameters(Model& model) {
+    for (Parameter* p : model.parameters()) {
+      values.emplace_back(p->value.shape(), DType::kF32);
+      convert_host(values.back(), p->value);
+    }
+    std::vector<Parameter*> params = model.parameters();
+    for (size_t i = 0; i < params.size(); ++i) views.emplace_back(params[i]->name, values[i].view());
+  }
+};
+
+fs::path scratch(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() / ("moetrain_test_expert_shared_a_" + name);
+  fs::remove_all(dir);
+  return dir;
+}
+
+void export_adapter(Model& model, const fs::path& dir, AdapterLayout layout) {
+  AdapterExportSettings settings;
+  settings.layout = layout;
+  settings.rank = 4;
+  settings.alpha = 8.0;
+  HostParameters values(model);
+  write_peft_adapter(dir.string(), values.views, settings);
+}
+
+const char* kGateA = "model.layers.1.mlp.experts.gate_proj.lora_A.weight";
+
+}  // namespace
+
+TEST_CASE("shared expert A: the per-expert form with equal A's; A's gradient is their sum", "[shared_a]") {
+  for (bool fused : {false, true}) {
+    INFO((fused ? "fused gate_up" : "separate gate and up"));
+    Experts shared(true, fused), per_expert(false, fused);
+    for (Parameter* p : shared.params()) {
+      const bool is_a = p->name.find("lora_A") != std::string::npos;
+      CHECK(p->value.shape().ndim() == (is_a ? 2 : 3));  // A [r, in], B [E, out, r]
+    }
+    copy_as_per_expert(shared, per_expert);
+    check_equal(shared.forward(), per_expert.forward(), "out");
+    check_equal(shared.backward(), per_expert.backward(), "dx");
+    std::vector<Parameter*> s = shared.params(), p = per_expert.params();
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (s[i]->grad.shape().ndim() == 3) {
+        check_equal(s[i]->grad, p[i]->grad, s[i]->name);
+        continue;
+      }
+      Tensor sum = Tensor::zeros(s[i]->grad.shape(), DType::kF64);
+      const int64_t block = sum.numel();
+      for (int64_t e = 0; e < kGroups; ++e)
+        for (int64_t j = 0; j < block; ++j) sum.ptr<double>()[j] += p[i]->grad.ptr<double>()[e * block + j];
+      check_equal(s[i]->grad, sum, s[i]->name + " (sum over experts)");
+      CHECK(dot(s[i]->grad, s[i]->grad) > 0.0);
+    }
+  }
+}
+
+TEST_CASE("shared expert A: every gradient matches central differences", "[shared_a][gradcheck]") {
+  for (bool fused : {false, true}) {
+    INFO((fused ? "fused gate_up" : "separate gate and up"));
+    Experts f(true, fused);
+    Tensor dx = f.backward();
+    GradCheckOptions options;
+    options.max_elements = 1000;  // every element
+    options.atol = 1e-9;
+    for (Parameter* p : f.params()) {
+      Comparison c = check_gradient([&] { return f.loss(); }, p->value, p->grad, p->name, options);
+      INFO(c.message);
+      CHECK(c.ok);
+    }
+    Comparison c = check_gradient([&] { return f.loss(); }, f.x, dx, "x", options);
+    INFO(c.message);
+    CHECK(c.ok);
+  }
+}
+
+TEST_CASE("shared expert A: whole-model gradients, the replicated group, plan's count", "[shared_a][gradcheck]") {
+  auto backend = kernels::make_cpu_backend();
+  for (bool fused : {false, true}) {
+    INFO((fused ? "fused gate_up" : "separate gate and up"));
+    auto model = tiny_model(*backend, true, fused);
+    randomize(*model, 300);
+    const std::string gate_up = fused ? "gate_up_proj" : "gate_proj";
+    Parameter* a = find(*model, "model.layers.1.mlp.experts." + gate_up + ".lora_A.weight");
+    Parameter* b = find(*model, "model.layers.2.mlp.experts.down_proj.lora_B.weight");
+    REQUIRE(a);
+    REQUIRE(b);
+    CHECK(a->value.shape() == Shape({fused ? 8 : 4, 16}));  // one A, hidden 16
+    CHECK(b->value.shape() == Shape({6, 16, 4}));           // per expert
+    // The shared A's are replicated like the attention adapters (summed over every data-parallel
+    // rank); the per-expert B's are the only 3-D parameters (sliced under expert parallelism).
+    for (ParameterGroup* group : model->parameter_groups()) {
+      for (Parameter* p : group->params()) {
+        if (p->name.find(".mlp.experts.") == std::string::npos || p->name.find("lora_A") == std::string::npos) continue;
+        CHECK(p->value.shape().ndim() == 2);
+        CHECK(group->name() == "replicated adapters");
+      }
+    }
+
+    Batch batch = tiny_batch(37, 3);
+    const double scale = 1.0 / static_cast<double>(batch.num_targets());
+    for (Parameter* p : model->parameters()) backend->fill(p->grad, 0.0);
+    model->forward_backward(batch, scale);
+    std::vector<Tensor> grads;  // copied now: every evaluation below adds to p->grad
+    for (Parameter* p : model->parameters()) {
+      grads.emplace_back(p->grad.shape(), DType::kF64);
+      backend->copy(grads.back(), p->grad);
+    }
+    GradCheckOptions options;
+    options.eps = 1e-6;
+    options.rtol = 1e-5;
+    options.atol = 1e-9;
+    options.max_elements = 8;
+    std::vector<Parameter*> params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      Parameter* p = params[i];
+      if (p->name.find(".mlp.experts.") == std::string::npos) continue;  // test_model_gradcheck covers the others
+      auto objective = [&] {
+        StepResult r = model->forward_backward(batch, scale);
+        return r.loss_sum * scale + r.aux_loss;
+      };
+      Comparison c = check_gradient(objective, p->value, grads[i], p->name, options);
+      INFO(c.message);
+      CHECK(c.ok);
+      CHECK(backend->sum_squares(grads[i]) > 0.0);
+    }
+
+    Config config = tiny_model_config(true);
+    config.lora.rank = 4;
+    config.lora.targets = all_lora_targets(true);
+    config.lora.expert_gate_up = fused ? "fused" : "separate";
+    config.lora.expert_a = "shared";
+    int64_t trainable = 0, shared_a = 0;
+    for (Parameter* p : model->parameters()) {
+      trainable += p->value.numel();
+      if (p->name.find(".mlp.experts.") != std::string::npos && p->value.shape().ndim() == 2) shared_a += p->value.numel();
+    }
+    LoraParameterCount count = count_lora_parameters(resolve_model_spec(config), config.lora);
+    CHECK(count.total() == trainable);
+    CHECK(count.shared_expert_a == shared_a);
+  }
+}
+
+TEST_CASE("shared expert A: export writes it per expert; both forms reload it exactly", "[shared_a][export]") {
+  auto backend = kernels::make_cpu_backend();
+  Batch batch = tiny_batch(37, 5);
+  for (bool fused : {false, true}) {
+    auto model = tiny_model(*backend, true, fused);
+    randomize(*model, 400);
+    Tensor logits = model->logits(batch);
+    for (AdapterLayout layout : {AdapterLayout::kTransformers5, AdapterLayout::kPerExpert}) {
+      if (fused && layout == AdapterLayout::kPerExpert) continue;  // no per-expert key for gate_up (test_fused_gate_up)
+      const bool t5 = layout == AdapterLayout::kTransformers5;
+      INFO((fused ? "fused" : "separate") << ", " << (t5 ? "transformers5" : "per_expert"));
+      fs::path dir = scratch(std::string(fused ? "fused_" : "separate_") + (t5 ? "t5" : "per_expert")) / "adapter";
+      export_adapter(*model, dir, layout);
+
+      // Every expert's A is the shared one (PEFT's layout: A [E R, in], expert-major rows).
+      SafetensorsFile file((dir / "adapter_model.safetensors").string());
+      Parameter* down_a = find(*model, "model.layers.2.mlp.experts.down_proj.lora_A.weight");
+      REQUIRE(down_a);
+      const int64_t block = down_a->value.numel();
+      for (int64_t e = 0; e < 6; ++e) {
+        const std::string key = t5 ? "base_model.model.model.layers.2.mlp.experts.lora_A.weight"
+                                   : "base_model.model.model.layers.2.mlp.experts." + std::to_string(e) +
+                                         ".down_proj.lora_A.weight";
+        Tensor written = file.read_as(key, DType::kF64);
+        const double* rows = written.ptr<double>() + (t5 ? e * block : 0);
+        for (int64_t i = 0; i < block; ++i) CHECK(rows[i] == down_a->value.ptr<double>()[i]);
+      }
+
+      for (bool shared : {true, false}) {
+        auto reloaded = tiny_model(*backend, shared, fused);
+        load_peft_adapter(*reloaded, dir.string());
+        Comparison c = compare_tensors(reloaded->logits(batch), logits, 1e-12, 1e-12, "logits");
+        INFO(c.message << (shared ? " (shared)" : " (per expert)"));
+        CHECK(c.ok);
+        if (!shared) continue;
+        std::vector<Parameter*> a = reloaded->parameters(), s = model->parameters();
+        for (size_t i = 0; i < a.size(); ++i) {
+          Comparison v = compare_tensors(a[i]->value, s[i]->value, 0.0, 0.0, a[i]->name);
+          INFO(v.message);
+          CHECK(v.ok);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("shared expert A: an adapter whose experts' A differ is refused, naming it and the fix", "[shared_a][export]") {
+  auto backend = kernels::make_cpu_backend();
+  auto per_expert = tiny_model(*backend, false, false);  // PEFT's init: a different A per expert
+  fs::path dir = scratch("differ") / "adapter";
+  export_adapter(*per_expert, dir, AdapterLayout::kPerExpert);
+  auto shared = tiny_model(*backend, true, false);
+  std::string message;
+  ExitCode code = ExitCode::kOk;
+  try {
+    load_peft_adapter(*shared, dir.string());
+  } catch (const Error& e) {
+    message = e.what();
+    code = e.code();
+  }
+  INFO(message);
+  CHECK(code == ExitCode::kBadConfig);
+  CHECK(contains(message, "expert 1's A differs from expert 0's"));
+  CHECK(contains(message, "set lora.expert_a: per_expert"));
+  CHECK(contains(message, "model.layers.1.mlp.experts"));
+}
+
+TEST_CASE("shared expert A: the config key", "[shared_a][config]") {
+  const std::string yaml =
+      "model: {vocab_size: 64, hidden_size: 32, num_layers: 2, mla: {num_heads: 2}, moe: {num_experts: 4, top_k: 2}}\n"
+      "data: {seq_len: 16}\n";
+  CHECK(parse_config(yaml, "x.yaml").lora.expert_a == "per_expert");
+  Config shared = parse_config(yaml + "lora: {expert_a: shared}\n", "x.yaml");
+  CHECK(shared.lora.expert_a == "shared");
+  CHECK(parse_config(config_to_yaml(shared), "resolved.yaml").lora.expert_a == "shared");
+  std::string message = error_message([&] { parse_config(yaml, "x.yaml", {"lora.expert_a=one"}); });
+  CHECK(contains(message, "`lora.expert_a` = `one` is not allowed: use one of per_expert | shared"));
+}
+
+TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[shared_a][checkpoint]") {
+  auto make_config = [](const std::string& name) {
+    Config c = tiny_model_config(false);
+    c.lora.rank = 4;
+    c.lora.alpha = 8.0;
+    c.lora.targets = {"o_proj", "experts"};
+    c.lora.expert_a = "shared";
+    c.data.micro_batch = 2;
+    c.train.steps = 4;
+    c.train.lr = 1e-2;
+    c.train.warmup_steps = 1;
+    c.logging.run_dir = scratch(name).string();
+    c.checkpoint.every = 2;
+    c.checkpoint.export_adapter = "false";
+    return c;
+  };
+  struct Run {
+    std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+    std::unique_ptr<Model> model;
+    std::unique_ptr<SyntheticData> data;
+    std::unique_ptr<Trainer> trainer;
+    std::unique_ptr<CheckpointGroup> group = make_single_process_group();
+    std::unique_ptr<CheckpointSession> session;
+    explicit Run(const Config& c) {
+      ModelOptions options;  // as run_training builds it
+      options.seed = static_cast<uint64_t>(c.train.seed);
+      options.lora = LoraSettings{c.lora.rank, c.lora.alpha, c.lora.rslora};
+      options.lora_targets = c.lora.targets;
+      options.shared_expert_a = c.lora.expert_a == "shared";
+      model = std::make_unique<Model>(resolve_model_spec(c), *backend, options);
+      model->init_random_weights();
+      data = std::make_unique<SyntheticData>(c.data, c.model.vocab_size);
+      TrainerOptions t;
+      t.train = c.train;
+      t.data = c.data;
+      t.logging = c.logging;
+      trainer = std::make_unique<Trainer>(t, *model, [this] { return data->next(); });
+      DataCursorAccess cursor{[this] { return data->cursor(); }, [this](uint64_t v) { data->seek(v); }, {}, {}};
+      session = std::make_unique<CheckpointSession>(c, *group, *trainer, *backend, cursor);
+      trainer->set_after_step([this](const StepRecord&) { session->after_step(); });
+    }
+  };
+  Run straight(make_config("straight"));
+  std::vector<double> expected = straight.trainer->run();
+  REQUIRE(expected.size() == 4);
+  Parameter* a = find(*straight.model, kGateA);
+  REQUIRE(a);
+  CHECK(a->value.shape() == Shape({4, 16}));
+
+  Config split = make_config("split");
+  std::vector<double> losses;
+  {
+    Run first(split);
+    first.session->resume();
+    for (int i = 0; i < 2; ++i) losses.push_back(first.trainer->train_step().loss);
+  }
+  Run second(split);
+  REQUIRE(second.session->resume());
+  for (double loss : second.trainer->run()) losses.push_back(loss);
+  REQUIRE(losses.size() == 4);
+  for (int i = 0; i < 4; ++i) CHECK(losses[i] == expected[i]);
+  HostParameters resumed(*second.model), once(*straight.model);
+  for (size_t i = 0; i < resumed.values.size(); ++i)
+    CHECK(std::memcmp(resumed.values[i].data(), once.values[i].data(), resumed.values[i].nbytes()) == 0);
+
+  // The checkpoint holds the one A whole; the exported adapter has it once per expert.
+  fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
+  export_checkpoint_adapter(split.logging.run_dir + "/checkpoints", adapter.string());
+  SafetensorsFile file((adapter / "adapter_model.safetensors").string());
+  CHECK(file.info("base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight").shape == Shape({6 * 8, 16}));
+  auto reloaded = std::make_unique<Model>(resolve_model_spec(split), *second.backend, [&] {
+    ModelOptions options;
+    options.lora = LoraSettings{4, 8.0, false};
+    options.lora_targets = split.lora.targets;
+    options.shared_expert_a = true;
+    return options;
+  }());
+  load_peft_adapter(*reloaded, adapter.string());
+  HostParameters loaded(*reloaded);
+  for (size_t i = 0; i < loaded.values.size(); ++i)
+    CHECK(std::memcmp(loaded.values[i].data(), resumed.values[i].data(), loaded.values[i].nbytes()) == 0);
+}
