@@ -196,9 +196,21 @@ struct Mxfp4Expert {
   Mxfp4Expert(int64_t out_features, int64_t in_features)
       : out(out_features), in(in_features), packed({out_features, in_features / 2}, DType::kU8),
         scales({out_features, in_features / kernels::cpu::kMxfp4GroupSize}, DType::kU8) {}
+  // Rows are independent: split over the host's cores (a K3 layer's experts are 33B weights).
   void quantize(const double* values) {
-    kernels::cpu::mxfp4_quantize(static_cast<uint8_t*>(packed.data()), static_cast<uint8_t*>(scales.data()), values,
-                                 out, in);
+    auto* codes = static_cast<uint8_t*>(packed.data());
+    auto* exponents = static_cast<uint8_t*>(scales.data());
+    const int64_t threads =
+        std::clamp<int64_t>(out * in / (1 << 20), 1, std::max(1u, std::thread::hardware_concurrency()));
+    std::vector<std::thread> workers;
+    for (int64_t t = 0; t < threads; ++t) {
+      const int64_t begin = out * t / threads, end = out * (t + 1) / threads;
+      workers.emplace_back([=] {
+        kernels::cpu::mxfp4_quantize(codes + begin * (in / 2), exponents + begin * (in / kernels::cpu::kMxfp4GroupSize),
+                                     values + begin * in, end - begin, in);
+      });
+    }
+    for (std::thread& w : workers) w.join();
   }
   void upload(kernels::Backend& backend, const WeightSlot& slot, int64_t g) const {
     backend.copy(slot.tensor->view().slice_rows(g, g + 1), packed);
@@ -327,6 +339,8 @@ void Model::init_random_weights() {
       // MXFP4 experts: the values the BF16 experts would get (the same generator over the same
       // logical elements), quantized one expert at a time.
       Mxfp4Expert expert = mxfp4_expert_of(slot);
+      log::info(fmt::format("initialising {} ({} experts of {} x {}) in MXFP4", slot.name, slot.tensor->size(0),
+                            expert.out, expert.in));
       Tensor values({expert.out, expert.in}, DType::kF64);
       RandomFill fill;
       fill.stddev = 1.0 / std::sqrt(static_cast<double>(expert.in));
