@@ -156,10 +156,13 @@ TEST_CASE("cuda golden: both fixtures again with recompute", "[cuda][golden]") {
 // tolerances above: kimi_linear logits scaled error 0.38 and loss 4.8595 vs 4.8454 (0.3%),
 // kimi_linear_t5 0.33 and 0.2%, deepseek_v32 0.58 and 1.9%, adapter gradients up to 1.07. Every
 // op of these models matches the CPU reference on the GPU (cuda_kda, cuda_dsa, ...), and the CPU
-// model matches the golden files to 1e-5, so the suspect is bf16 flipping discrete choices the
-// fp32 reference makes (top-2 of 6 experts; DSA's top 5 of 16 keys), which a max-error bound
-// cannot absorb; not yet shown (the DeepSeek-V3 bounds came from a bf16 emulation on the CPU,
-// which these fixtures still need). Until then they run and report ([!mayfail]) without failing.
+// model matches the golden files to 1e-5. The Kimi fixtures are ill-conditioned in bf16: on the
+// CPU in F32, only rounding the frozen weights to bf16 already moves the logits by 0.61
+// (kimi_linear) and 0.13 (kimi_linear_t5) scaled, against 0.011 / 0.007 for the DeepSeek-V3
+// fixtures (a one-off probe, 2026-12-01) -- discrete choices (top-2 of 6 experts) flip. For
+// deepseek_v32 the same probe gives 0.007, so its 0.58 must come from activations (bf16 indexer
+// scores choosing other keys among the top 5 of 16 is the suspect; not shown). A bf16 check of
+// these models needs better-conditioned fixtures; until then they run and report ([!mayfail]).
 TEST_CASE("cuda golden: Kimi-Linear (KDA + NoPE MLA) in bf16, both checkpoint layouts",
           "[cuda][golden][kda][!mayfail]") {
   check_against_golden("kimi_linear", /*recompute=*/false);
