@@ -196,9 +196,12 @@ void Model::attach_lora() {
   auto rng_for = [&](const std::string& name) { return std::mt19937_64(options_.seed ^ name_hash(name)); };
   // Per-module rank and alpha (lora.rank_pattern / alpha_pattern, PEFT's rule).
   LoraRanks ranks(options_.lora.rank, options_.lora.alpha, options_.lora_rank_pattern, options_.lora_alpha_pattern);
-  std::vector<std::string> adapted;  // module names, for the message on a pattern that selects none
+  // The adapted modules' names with <L> for the layer, for the message on a key that selects none.
+  std::vector<std::string> adapted;
   auto settings = [&](const std::string& module, const ModuleLora& m) {
-    adapted.push_back(module);
+    const size_t layer = std::string("model.layers.").size();
+    const std::string named = module.substr(0, layer) + "<L>" + module.substr(module.find('.', layer));
+    if (std::find(adapted.begin(), adapted.end(), named) == adapted.end()) adapted.push_back(named);
     return LoraSettings{m.rank, m.alpha, options_.lora.rslora};
   };
 
@@ -249,11 +252,10 @@ void Model::attach_lora() {
                                target, fmt::join(available, ", ")));
   }
   const std::vector<std::string> unused = ranks.unused_keys();
-  adapted.resize(std::min<size_t>(adapted.size(), 12));
   MOETRAIN_CHECK(unused.empty(), ExitCode::kBadConfig,
                  fmt::format("{} selects no LoRA adapter of this model (PEFT's rule: a key matches a whole "
                              "dot-separated tail of a module name, as `q_proj` or `experts\\..*` do); its adapted "
-                             "modules are named like {}",
+                             "modules are {}",
                              fmt::join(unused, ", "), fmt::join(adapted, ", ")));
 }
 
