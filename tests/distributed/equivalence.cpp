@@ -12,7 +12,9 @@
 // also checks that between steps each rank holds ~1/fsdp of their bytes.
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
-//       [--recompute] [--keep-gathered] [--prefetch N]
+//       [--recompute] [--keep-gathered] [--prefetch N] [--shared-a]
+// --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
+// replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
 // (EXPERTS and TOP_K default to 8 and 2; docs/SCALE.md runs 896 experts top-16 on 64 ranks.)
 #include <fmt/format.h>
 
@@ -55,6 +57,7 @@ struct ScheduleFlags {
   bool recompute = false;
   bool keep_gathered = false;
   int64_t prefetch = 1;
+  bool shared_a = false;
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -66,6 +69,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.recompute = true;
     } else if (arg == "--keep-gathered") {
       flags.keep_gathered = true;
+    } else if (arg == "--shared-a") {
+      flags.shared_a = true;
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -85,6 +90,8 @@ ModelOptions model_options(const ParallelGroups* parallel, int world, const Sche
   options.dtype = DType::kF64;
   options.lora = LoraSettings{4, 8.0, false};
   options.lora_targets = testing::all_lora_targets(true);
+  options.shared_expert_a = flags.shared_a;
+  if (flags.shared_a) options.lora_rank_pattern = {{"o_proj", 6}, {"experts\\.down_proj", 3}};
   options.parallel = parallel;
   return options;
 }
@@ -170,7 +177,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const ScheduleFlags flags = take_schedule_flags(argc, argv);
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
-                 "[--keep-gathered] [--prefetch N]");
+                 "[--keep-gathered] [--prefetch N] [--shared-a]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   MeshShape parallel;
