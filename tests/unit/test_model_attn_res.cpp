@@ -13,6 +13,7 @@
 #include "core/model/model.h"
 #include "core/plan/param_count.h"
 #include "gradcheck.h"
+#include "model_gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
 
@@ -47,38 +48,21 @@ struct Fixture {
 
   double objective() { return model->forward_backward(batch, grad_scale).loss_sum * grad_scale; }
 
-  std::vector<Tensor> gradients() {
-    for (Parameter* p : model->parameters()) backend->fill(p->grad, 0.0);
-    model->forward_backward(batch, grad_scale);
-    std::vector<Tensor> grads;
-    for (Parameter* p : model->parameters()) {
-      Tensor g(p->grad.shape(), DType::kF64);
-      backend->copy(g, p->grad);
-      grads.push_back(std::move(g));
-    }
-    return grads;
-  }
+  std::vector<Tensor> gradients() { return lora_gradients(*model, *backend, batch, grad_scale); }
 };
 
 void check_all_parameters(Fixture& f) {
-  const std::vector<Tensor> grads = f.gradients();
   GradCheckOptions options;
-  // Small steps: with blocks of 1 a routing decision lies ~1e-5 away from the base point in one
-  // direction (the finite difference at eps 1e-5 jumps to -2.69 from the analytic -2.645), and
-  // a step across it measures the jump, not the derivative.
+  // Small steps: with blocks of 1 a routing decision lies ~1e-5 from the base point in one
+  // direction (the finite difference at eps 1e-5 jumps to -2.69 from the analytic -2.645), and a
+  // step across it measures the jump, not the derivative. atol: the differences' rounding,
+  // ~1e-16 * |loss ~ 3| / eps.
   options.eps = 1e-7;
   options.rtol = 1e-5;
-  options.atol = 3e-8;  // the differences' rounding: ~1e-16 * |loss ~ 3| / eps
+  options.atol = 3e-8;
   options.max_elements = 5;
-  std::vector<Parameter*> params = f.model->parameters();
-  int nonzero = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    Comparison c = check_gradient([&] { return f.objective(); }, params[i]->value, grads[i], params[i]->name, options);
-    INFO(c.message);
-    CHECK(c.ok);
-    nonzero += f.backend->sum_squares(grads[i]) > 0.0;
-  }
-  CHECK(nonzero == static_cast<int>(params.size()));
+  check_lora_gradients(*f.model, *f.backend, lora_gradients(*f.model, *f.backend, f.batch, f.grad_scale),
+                       [&] { return f.objective(); }, options);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "core/model/latent_moe.h"
 #include "core/model/model.h"
 #include "gradcheck.h"
+#include "model_gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
 
@@ -54,28 +55,13 @@ struct Fixture {
 };
 
 void check_all_parameters(Fixture& f) {
-  for (Parameter* p : f.model->parameters()) f.backend->fill(p->grad, 0.0);
-  f.model->forward_backward(f.batch, f.grad_scale);
-  std::vector<Tensor> grads;
-  for (Parameter* p : f.model->parameters()) {
-    Tensor g(p->grad.shape(), DType::kF64);
-    f.backend->copy(g, p->grad);
-    grads.push_back(std::move(g));
-  }
   GradCheckOptions options;
   options.eps = 1e-6;
   options.rtol = 1e-5;
   options.atol = 1e-9;
   options.max_elements = 6;
-  std::vector<Parameter*> params = f.model->parameters();
-  int nonzero = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    Comparison c = check_gradient([&] { return f.objective(); }, params[i]->value, grads[i], params[i]->name, options);
-    INFO(c.message);
-    CHECK(c.ok);
-    nonzero += f.backend->sum_squares(grads[i]) > 0.0;
-  }
-  CHECK(nonzero == static_cast<int>(params.size()));
+  check_lora_gradients(*f.model, *f.backend, lora_gradients(*f.model, *f.backend, f.batch, f.grad_scale),
+                       [&] { return f.objective(); }, options);
 }
 
 }  // namespace
