@@ -131,7 +131,8 @@ void Model::group_parameters() {
     layer.mixer->collect_parameters(params);
     layer.ffn->collect_parameters(params);
     for (Parameter* param : params) {
-      // The stacked [experts, ...] adapters of the routed experts (SwigluExperts).
+      // The stacked [experts, ...] adapters of the routed experts (SwigluExperts). A shared expert
+      // A (lora.expert_a: shared, 2-D) is replicated: every rank's local experts add to its gradient.
       const bool expert_block = expert_parallel && param->value.shape().ndim() == 3;
       (expert_block ? partitioned : replicated).push_back(param);
     }
