@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -48,6 +50,32 @@ Json unique_sorted(const Json& names) {
   std::set<std::string> set;
   for (const Json& n : names) set.insert(n.get<std::string>());
   return Json(std::vector<std::string>(set.begin(), set.end()));
+}
+
+// Our module path `name` (model.layers.L.mlp.experts.E.gate_proj, ...) as the released checkpoint
+// names it (AdapterLayout::kReleased).
+std::string released_name(std::string name, bool text_under_language_model) {
+  auto replace = [&](const std::string& from, const std::string& to) {
+    const size_t at = name.find(from);
+    if (at != std::string::npos) name.replace(at, from.size(), to);
+  };
+  for (const char* moe_module : {".mlp.experts.", ".mlp.shared_experts.", ".mlp.routed_expert_"}) {
+    replace(moe_module, std::string(".block_sparse_moe.") + (moe_module + 5));
+  }
+  const size_t experts = name.find(".block_sparse_moe.experts.");
+  if (experts != std::string::npos) {
+    for (const auto& [ours, released] : {std::pair<const char*, const char*>{".gate_proj", ".w1"},
+                                         {".up_proj", ".w3"},
+                                         {".down_proj", ".w2"}}) {
+      const size_t at = name.find(ours, experts);
+      if (at != std::string::npos) {
+        name.replace(at, std::strlen(ours), released);
+        break;
+      }
+    }
+  }
+  if (text_under_language_model && name.rfind("model.", 0) == 0) name = "language_model." + name;
+  return name;
 }
 
 // A regex that matches exactly `text`.
@@ -247,7 +275,18 @@ AdapterExportSettings adapter_export_settings(const Config& config) {
   s.rank_pattern = config.lora.rank_pattern;
   s.alpha_pattern = config.lora.alpha_pattern;
   s.base_model = config.model.hf_dir;
-  s.layout = config.checkpoint.export_layout == "per_expert" ? AdapterLayout::kPerExpert : AdapterLayout::kTransformers5;
+  const std::string& layout = config.checkpoint.export_layout;
+  s.layout = layout == "per_expert" ? AdapterLayout::kPerExpert
+             : layout == "released" ? AdapterLayout::kReleased
+                                    : AdapterLayout::kTransformers5;
+  // Kimi K3's checkpoint keeps its text model under language_model.: the model type is the
+  // config's, or the imported directory's.
+  std::string model_type = config.model.model_type;
+  if (config.model.hf_dir) {
+    std::ifstream in(*config.model.hf_dir + "/config.json");
+    if (in) model_type = Json::parse(in, nullptr, /*allow_exceptions=*/false).value("model_type", model_type);
+  }
+  s.text_under_language_model = model_type == "kimi_k3";
   return s;
 }
 
@@ -268,6 +307,11 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
   ModuleSettings module_settings(settings);
   std::vector<PeftModule> modules;
   const bool transformers5 = settings.layout == AdapterLayout::kTransformers5;
+  // Module paths as the adapter names them: ours, or the released checkpoint's (kReleased).
+  auto named = [&](const std::string& module) {
+    return settings.layout == AdapterLayout::kReleased ? released_name(module, settings.text_under_language_model)
+                                                       : module;
+  };
   if (transformers5) fused_expert_adapters(writer, fused, target_parameters, modules, module_settings, params, settings.rslora);
   for (const auto& [name, value] : params) {
     MOETRAIN_ASSERT(value.device == Device::kCPU, "adapter tensor " + name + " is not on the host");
@@ -282,14 +326,14 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
         modules.push_back({escaped(module + ".weight"), n.projection + ".weight", s.rank, s.alpha});
       }
     } else {
-      target_modules.insert(n.projection);
+      if (value.ndim() == 2) target_modules.insert(n.projection);  // experts' below, in the layout's names
       if (is_a && value.ndim() == 2) {
         const LoraSettings s = module_settings.of(module, value.size(0));
-        modules.push_back({escaped(module), n.projection, s.rank, s.alpha});
+        modules.push_back({escaped(named(module)), n.projection, s.rank, s.alpha});
       }
     }
     if (value.ndim() == 2) {
-      writer.add(kPeftPrefix + name, value);
+      writer.add(kPeftPrefix + named(module) + "." + n.factor, value);
       continue;
     }
     // A stacked routed-expert adapter: expert e's 2-D factor is row block e (views, no copy).
@@ -297,12 +341,17 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
     MOETRAIN_CHECK(n.projection != "gate_up_proj", ExitCode::kBadConfig,
                    name + ": the per_expert adapter layout has no key for a gate_up adapter shared by gate and up "
                           "(lora.expert_gate_up: fused); export it with checkpoint.export_layout: transformers5");
-    if (is_a) {  // every expert's module at once: <module>.<e>.<projection>
+    // Expert e's module: <module>.<e>.<projection> (released: block_sparse_moe.experts.<e>.w1 ...).
+    const std::string expert0 = named(n.module + ".0." + n.projection);
+    const std::string projection = expert0.substr(expert0.rfind('.') + 1);
+    const std::string experts_module = expert0.substr(0, expert0.rfind(".0."));
+    target_modules.insert(projection);
+    if (is_a) {  // every expert's module at once
       const LoraSettings s = module_settings.of(module, value.size(1));
-      modules.push_back({escaped(n.module) + "\\.[0-9]+\\." + escaped(n.projection), n.projection, s.rank, s.alpha});
+      modules.push_back({escaped(experts_module) + "\\.[0-9]+\\." + escaped(projection), projection, s.rank, s.alpha});
     }
     for (int64_t e = 0; e < value.size(0); ++e) {
-      std::string key = fmt::format("{}{}.{}.{}.{}", kPeftPrefix, n.module, e, n.projection, n.factor);
+      std::string key = fmt::format("{}{}.{}.{}.{}", kPeftPrefix, experts_module, e, projection, n.factor);
       writer.add(key, value.slice_rows(e, e + 1).reshaped({value.size(1), value.size(2)}));
     }
   }

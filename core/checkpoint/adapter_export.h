@@ -50,7 +50,11 @@ namespace moetrain {
 //                   scale for (2r, 2 alpha) is sqrt 2 times alpha / sqrt r). (PEFT on transformers 5 rewrites gate_proj/up_proj/down_proj in
 //                   target_modules onto the fused experts and drops the dense MLP's adapters,
 //                   which this layout avoids.)
-enum class AdapterLayout { kPerExpert, kTransformers5 };
+//   kReleased       kPerExpert under the released checkpoint's names, as NeMo AutoModel saves a
+//                   Kimi K3 adapter: the MoE's modules under block_sparse_moe, the routed
+//                   experts' projections w1 / w3 / w2 (`...block_sparse_moe.experts.<e>.w1.lora_A
+//                   .weight`), and for kimi_k3 the text model under language_model.
+enum class AdapterLayout { kPerExpert, kTransformers5, kReleased };
 
 struct AdapterExportSettings {
   AdapterLayout layout = AdapterLayout::kTransformers5;
@@ -60,6 +64,7 @@ struct AdapterExportSettings {
   PatternMap<int64_t> rank_pattern;  // the model's lora.rank_pattern / alpha_pattern: each
   PatternMap<double> alpha_pattern;  // module's alpha (its rank is its A's shape, checked)
   std::optional<std::string> base_model;  // base_model_name_or_path (model.hf_dir), null if none
+  bool text_under_language_model = false;  // kReleased of a kimi_k3 model: keys under language_model.
 };
 
 AdapterExportSettings adapter_export_settings(const Config& config);

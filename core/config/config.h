@@ -200,7 +200,9 @@ struct CheckpointConfig {
   std::string export_adapter = "true";   // PEFT adapter at the end: true (<run_dir>/adapter) | false | a dir
   // How routed experts appear in exported adapters: transformers5 (what PEFT on transformers 5
   // loads exactly: fused expert adapters, MLPs through target_parameters) | per_expert (2-D keys
-  // per expert, transformers 4 / vLLM naming). core/checkpoint/adapter_export.h has the details.
+  // per expert, transformers 4 / vLLM naming) | released (per_expert under the released checkpoint's
+  // names: block_sparse_moe, experts' w1/w3/w2, Kimi K3's language_model.; as NeMo AutoModel saves
+  // K3 adapters). core/checkpoint/adapter_export.h has the details.
   std::string export_layout = "transformers5";
   std::optional<std::string> init_adapter;  // a PEFT adapter directory to start the LoRA weights from
 };

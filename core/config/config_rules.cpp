@@ -18,7 +18,7 @@ const std::vector<std::string> kAuxLossTypes = {"sequence", "batch"};
 const std::vector<std::string> kSchedules = {"cosine", "linear", "constant"};
 const std::vector<std::string> kDevices = {"auto", "cpu", "cuda"};
 const std::vector<std::string> kLogLevels = {"debug", "info", "warn", "error", "off"};
-const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert"};
+const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert", "released"};
 const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
 const std::vector<std::string> kExpertA = {"per_expert", "shared"};
 const std::vector<std::string> kExpertFormats = {"bf16", "mxfp4"};
@@ -421,10 +421,10 @@ void check_training(const Config& c, Rules& r) {
   r.not_empty("checkpoint.resume", k.resume);
   r.not_empty("checkpoint.export_adapter", k.export_adapter);
   r.one_of("checkpoint.export_layout", k.export_layout, kExportLayouts);
-  if (k.export_layout == "per_expert" && c.lora.expert_gate_up == "fused") {
+  if ((k.export_layout == "per_expert" || k.export_layout == "released") && c.lora.expert_gate_up == "fused") {
     r.fail({"checkpoint.export_layout", "lora.expert_gate_up"},
-           "`checkpoint.export_layout` = `per_expert` cannot hold `lora.expert_gate_up` = `fused`: its per-expert "
-           "gate_proj and up_proj keys have no place for one adapter shared by gate and up; use export_layout "
+           "`checkpoint.export_layout` = `" + k.export_layout + "` cannot hold `lora.expert_gate_up` = `fused`: its "
+           "per-expert gate and up keys have no place for one adapter shared by gate and up; use export_layout "
            "transformers5 (PEFT's fused gate_up_proj adapter)");
   }
   if (k.init_adapter) r.not_empty("checkpoint.init_adapter", *k.init_adapter);

@@ -8,9 +8,12 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "catch.h"
 #include "core/base/host_convert.h"
+#include "core/checkpoint/adapter_export.h"
+#include "core/io/safetensors.h"
 #include "core/io/hf_index.h"
 #include "core/model/hf_names.h"
 #include "core/model/model.h"
@@ -489,4 +492,65 @@ TEST_CASE("Kimi K3 weights under language_model. (the released names) load to th
   loaded->load_weights(HfCheckpoint(weights.string()));
   const Batch batch = tiny_batch(spec.config.vocab_size, 11);
   CHECK(max_diff(model->logits(batch), loaded->logits(batch)) == 0.0);
+}
+
+TEST_CASE("a Kimi K3 adapter exported under the released names loads back exactly", "[import][k3]") {
+  fs::path dir = scratch("k3_export_model");
+  std::ofstream(dir / "config.json") << k3_config_json(kK3Keys);
+  Config config = kimi_yaml_config(dir);
+  config.checkpoint.export_layout = "released";
+  config.lora.targets = {"q_proj", "o_proj", "routed_expert_down_proj", "shared_experts", "experts"};
+  ModelSpec spec = resolve_model_spec(config);
+  auto backend = kernels::make_cpu_backend();
+  auto make = [&] {
+    ModelOptions options;
+    options.dtype = DType::kF64;
+    options.lora_targets = config.lora.targets;
+    return std::make_unique<Model>(spec, *backend, options);
+  };
+  std::unique_ptr<Model> source = make(), target = make();
+  uint64_t seed = 40;
+  std::vector<Tensor> values;
+  std::vector<std::pair<std::string, TensorView>> params;
+  for (Parameter* p : source->parameters()) {
+    fill_random(p->value, seed++);
+    values.push_back(host_copy(*backend, p->value));
+  }
+  size_t i = 0;
+  for (Parameter* p : source->parameters()) params.emplace_back(p->name, values[i++].view());
+  const AdapterExportSettings settings = adapter_export_settings(config);
+  REQUIRE(settings.layout == AdapterLayout::kReleased);
+  REQUIRE(settings.text_under_language_model);  // the directory's config.json says kimi_k3
+  fs::path adapter = scratch("k3_export_adapter");
+  fs::remove_all(adapter);
+  write_peft_adapter(adapter.string(), params, settings);
+
+  // The released names: the text model under language_model., the MoE's modules under
+  // block_sparse_moe, the experts' projections w1 / w3 / w2.
+  const SafetensorsFile file((adapter / "adapter_model.safetensors").string());
+  const std::string layer = "base_model.model.language_model.model.layers.1.";
+  CHECK(file.has(layer + "self_attn.o_proj.lora_A.weight"));
+  CHECK(file.has(layer + "block_sparse_moe.experts.3.w1.lora_A.weight"));
+  CHECK(file.has(layer + "block_sparse_moe.experts.3.w3.lora_B.weight"));
+  CHECK(file.has(layer + "block_sparse_moe.experts.3.w2.lora_A.weight"));
+  CHECK(file.has(layer + "block_sparse_moe.shared_experts.gate_proj.lora_A.weight"));
+  CHECK(file.has(layer + "block_sparse_moe.routed_expert_down_proj.lora_B.weight"));
+  for (const std::string& key : file.names()) {
+    INFO(key);
+    CHECK(key.find(".mlp.experts.") == std::string::npos);
+    CHECK(key.rfind("base_model.model.language_model.", 0) == 0);
+  }
+  std::ifstream in(adapter / "adapter_config.json");
+  const nlohmann::json adapter_config = nlohmann::json::parse(in);
+  const auto targets = adapter_config.at("target_modules").get<std::vector<std::string>>();
+  for (const char* w : {"w1", "w2", "w3", "gate_proj", "routed_expert_down_proj", "o_proj"})
+    CHECK(std::find(targets.begin(), targets.end(), w) != targets.end());
+
+  load_peft_adapter(*target, adapter.string());
+  std::vector<Parameter*> loaded = target->parameters();
+  REQUIRE(loaded.size() == values.size());
+  for (size_t k = 0; k < loaded.size(); ++k) {
+    INFO(loaded[k]->name);
+    CHECK(max_diff(host_copy(*backend, loaded[k]->value), values[k]) == 0.0);
+  }
 }
