@@ -369,7 +369,7 @@ void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorVie
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
   const double eps = spec_.config.rms_norm_eps;
-  const bool block_start = attn_res() && index % static_cast<size_t>(spec_.config.attn_res_block_size) == 0;
+  const bool block_start = starts_block(index);
   if (auto* moe = routed_moe(layer.ffn.get())) {
     moe->set_noise_seed(options_.seed ^ (forward_count_ * 1000003ull + index));
   }
@@ -414,7 +414,7 @@ void Model::layer_backward(const LayerContext& ctx, size_t index, const TensorVi
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
   const double eps = spec_.config.rms_norm_eps;
-  const bool block_start = attn_res() && index % static_cast<size_t>(spec_.config.attn_res_block_size) == 0;
+  const bool block_start = starts_block(index);
   Tensor dnormed_mid = ctx.alloc({n, d});
   layer.ffn->backward(ctx, dnormed_mid, dout, s.normed_mid);
   // dhidden: the gradient of the sum the feed-forward's output was added to.
@@ -557,7 +557,6 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
     final_mix_probs_.reset();
   }
   release_outer_weights();
-  const size_t block = attn_res() ? static_cast<size_t>(spec_.config.attn_res_block_size) : 0;
   for (size_t i = num_layers; i-- > 0;) {
     gather_layers(i, -1);
     const std::vector<TensorView> summaries = summaries_for(inputs, i);
@@ -567,7 +566,7 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
     }
     Tensor dprev = ctx.alloc({n, d});
     layer_backward(ctx, i, dprev, dx, inputs[i], summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()));
-    if (block > 0 && i % block == 0) {  // inputs[i] is the last summary: its gradient is complete
+    if (starts_block(i)) {  // inputs[i] is the last summary: its gradient is complete
       be.axpby(dprev, dsummaries.back(), 1.0, 1.0);
       dsummaries.pop_back();
     }
@@ -612,7 +611,7 @@ Tensor Model::logits(const Batch& batch) {
     release_layer(i);
     release_layer_weights(i);
     // Only the block summaries (Block Attention Residuals) are read again.
-    if (!attn_res() || i % static_cast<size_t>(spec_.config.attn_res_block_size) != 0) inputs[i].reset();
+    if (!starts_block(i)) inputs[i].reset();
   }
   gather_outer_weights();
   Tensor normed = ctx.alloc({n, d});

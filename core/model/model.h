@@ -139,6 +139,10 @@ class Model final : public TrainableModel {
                       const TensorView& x, const std::vector<TensorView>& summaries,
                       const std::vector<TensorView>& dsummaries);
   bool attn_res() const { return spec_.config.attn_res_block_size > 0; }
+  // Layer `index` files the stream as a block summary (Block Attention Residuals).
+  bool starts_block(size_t index) const {
+    return attn_res() && index % static_cast<size_t>(spec_.config.attn_res_block_size) == 0;
+  }
   // The summaries among the layer inputs `inputs` that layer `index` sees (see layer_forward).
   std::vector<TensorView> summaries_for(const std::vector<Tensor>& inputs, size_t index) const;
   // The final norm's input: the last layer's output (inputs.back()), or its depth mix with every
