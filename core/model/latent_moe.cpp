@@ -13,12 +13,13 @@ LatentMoeFfn::LatentMoeFfn(const ModelSpec& spec, int64_t layer, const LayerCont
       up_proj("model.layers." + std::to_string(layer) + ".mlp.routed_expert_up_proj", spec.config.moe.latent_size,
               spec.config.hidden_size),
       latent_(spec.config.moe.latent_size),
+      use_norm_(spec.config.moe.use_latent_norm),
       eps_(spec.config.rms_norm_eps),
       prefix_("model.layers." + std::to_string(layer) + ".mlp") {
   const int64_t d = spec.config.hidden_size;
   down_proj.weight = ctx.alloc({latent_, d});
   up_proj.weight = ctx.alloc({d, latent_});
-  if (spec.config.moe.use_latent_norm) norm = ctx.alloc({latent_});
+  if (use_norm_) norm = ctx.alloc({latent_});
 }
 
 void LatentMoeFfn::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {
@@ -29,7 +30,7 @@ void LatentMoeFfn::forward(const LayerContext& ctx, const TensorView& out, const
   down_proj.forward(ctx, s.z, x);
   s.y = ctx.alloc({n, latent_});
   moe.forward_routed(ctx, s.y, x, s.z);
-  if (norm.defined()) {
+  if (use_norm_) {
     s.normed = ctx.alloc({n, latent_});
     s.rstd = ctx.alloc_accum({n});
     be.rmsnorm_forward(RmsNormArgs{s.normed, s.rstd, s.y, norm, eps_});
@@ -51,7 +52,7 @@ void LatentMoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const
   up_proj.backward(ctx, dnormed, dout, up_input(), /*accumulate_dx=*/false);
   Tensor dnorm_in;
   TensorView dy = dnormed;
-  if (norm.defined()) {
+  if (use_norm_) {
     dnorm_in = ctx.alloc({n, latent_});
     dy = dnorm_in;
     RmsNormBackwardArgs back;
@@ -84,7 +85,7 @@ void LatentMoeFfn::collect_weights(std::vector<WeightSlot>& out) {
   moe.collect_weights(out);
   out.push_back({down_proj.name() + ".weight", &down_proj.weight});
   out.push_back({up_proj.name() + ".weight", &up_proj.weight});
-  if (norm.defined()) out.push_back({prefix_ + ".routed_expert_norm.weight", &norm});
+  if (use_norm_) out.push_back({prefix_ + ".routed_expert_norm.weight", &norm});
 }
 
 }  // namespace moetrain

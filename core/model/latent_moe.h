@@ -36,9 +36,12 @@ class LatentMoeFfn final : public FeedForward {
 
  private:
   // The up-projection's input: the normed sum, or the sum itself without the norm.
-  TensorView up_input() const { return norm.defined() ? saved_.normed.view() : saved_.y.view(); }
+  TensorView up_input() const { return use_norm_ ? saved_.normed.view() : saved_.y.view(); }
 
   int64_t latent_;
+  // Whether the norm exists: not norm.defined(), which is false while FSDP holds the weight as a
+  // shard-only placeholder (it was, and a sharded model skipped the norm).
+  bool use_norm_;
   double eps_;
   std::string prefix_;
   struct Saved {

@@ -12,9 +12,10 @@
 // also checks that between steps each rank holds ~1/fsdp of their bytes.
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
-//       [--recompute] [--keep-gathered] [--prefetch N] [--shared-a]
+//       [--recompute] [--keep-gathered] [--prefetch N] [--shared-a] [--k3]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
+// --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config).
 // (EXPERTS and TOP_K default to 8 and 2; docs/SCALE.md runs 896 experts top-16 on 64 ranks.)
 #include <fmt/format.h>
 
@@ -40,8 +41,21 @@ namespace {
 constexpr int kSteps = 3;
 constexpr double kTolerance = 1e-5;
 
-Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k) {
+// k3: Kimi K3's parts on the same model: SiTU, latent MoE (experts at width 6 of 16, latent norm),
+// the per-channel attention gate and Block Attention Residuals in blocks of 2 (layer 2's attention
+// input mixes the summaries of layers 0 and 2... across FSDP-sharded mix weights).
+Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3) {
   Config config = testing::tiny_model_config(/*q_lora=*/true);
+  if (k3) {
+    ModelConfig& m = config.model;
+    m.hidden_act = "situ";
+    m.situ_beta = 0.5;
+    m.situ_linear_beta = 0.3;
+    m.moe.latent_size = 6;
+    m.moe.use_latent_norm = true;
+    m.attention_gate = "elementwise";
+    m.attn_res_block_size = 2;
+  }
   config.model.moe.num_experts = experts;  // 8 by default: divisible by every ep of the test matrix
   config.model.moe.top_k = top_k;
   config.model.moe.num_groups = 2;
@@ -58,6 +72,7 @@ struct ScheduleFlags {
   bool keep_gathered = false;
   int64_t prefetch = 1;
   bool shared_a = false;
+  bool k3 = false;
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -71,6 +86,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.keep_gathered = true;
     } else if (arg == "--shared-a") {
       flags.shared_a = true;
+    } else if (arg == "--k3") {
+      flags.k3 = true;
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -90,6 +107,10 @@ ModelOptions model_options(const ParallelGroups* parallel, int world, const Sche
   options.dtype = DType::kF64;
   options.lora = LoraSettings{4, 8.0, false};
   options.lora_targets = testing::all_lora_targets(true);
+  if (flags.k3) {
+    options.lora_targets.push_back("routed_expert_down_proj");
+    options.lora_targets.push_back("routed_expert_up_proj");
+  }
   options.shared_expert_a = flags.shared_a;
   if (flags.shared_a) options.lora_rank_pattern = {{"o_proj", 6}, {"experts\\.down_proj", 3}};
   options.parallel = parallel;
@@ -177,7 +198,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const ScheduleFlags flags = take_schedule_flags(argc, argv);
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
-                 "[--keep-gathered] [--prefetch N] [--shared-a]");
+                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   MeshShape parallel;
@@ -187,7 +208,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const int world = runtime.world();
 
   // The distributed run: one window per rank per step.
-  Config config = test_config(1, experts, top_k);
+  Config config = test_config(1, experts, top_k, flags.k3);
   ModelSpec spec = resolve_model_spec(config);
   MeshLayout layout(world, parallel, spec.config.moe.num_experts);
   DeviceMesh mesh(layout);
@@ -208,7 +229,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const FrozenWeightBytes frozen = model.frozen_non_expert_bytes();
 
   // The reference: one process, every rank's windows in one batch.
-  Config reference_config = test_config(world, experts, top_k);
+  Config reference_config = test_config(world, experts, top_k, flags.k3);
   Model reference(spec, *backend, model_options(nullptr, 1, flags));
   prepare(reference, routing);
   SyntheticData reference_data(reference_config.data, spec.config.vocab_size, 0, 1);
