@@ -12,10 +12,11 @@
 // also checks that between steps each rank holds ~1/fsdp of their bytes.
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
-//       [--recompute] [--keep-gathered] [--prefetch N] [--shared-a] [--k3]
+//       [--recompute] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
-// --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config).
+// --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config);
+// --mxfp4: the same with the routed experts packed in MXFP4.
 // (EXPERTS and TOP_K default to 8 and 2; docs/SCALE.md runs 896 experts top-16 on 64 ranks.)
 #include <fmt/format.h>
 
@@ -44,7 +45,9 @@ constexpr double kTolerance = 1e-5;
 // k3: Kimi K3's parts on the same model: SiTU, latent MoE (experts at width 6 of 16, latent norm),
 // the per-channel attention gate and Block Attention Residuals in blocks of 2 (layer 2's attention
 // input mixes the summaries of layers 0 and 2... across FSDP-sharded mix weights).
-Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3) {
+// mxfp4 (with k3): the routed experts held packed in MXFP4, at a latent width and expert width of
+// 32 (whole scale groups), so expert parallelism slices packed codes and scales.
+Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3, bool mxfp4) {
   Config config = testing::tiny_model_config(/*q_lora=*/true);
   if (k3) {
     ModelConfig& m = config.model;
@@ -55,6 +58,11 @@ Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3)
     m.moe.use_latent_norm = true;
     m.attention_gate = "elementwise";
     m.attn_res_block_size = 2;
+    if (mxfp4) {
+      m.moe.expert_format = "mxfp4";
+      m.moe.latent_size = 32;
+      m.moe.expert_intermediate_size = 32;
+    }
   }
   config.model.moe.num_experts = experts;  // 8 by default: divisible by every ep of the test matrix
   config.model.moe.top_k = top_k;
@@ -73,6 +81,7 @@ struct ScheduleFlags {
   int64_t prefetch = 1;
   bool shared_a = false;
   bool k3 = false;
+  bool mxfp4 = false;  // with k3
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -88,6 +97,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.shared_a = true;
     } else if (arg == "--k3") {
       flags.k3 = true;
+    } else if (arg == "--mxfp4") {
+      flags.k3 = flags.mxfp4 = true;
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -198,7 +209,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const ScheduleFlags flags = take_schedule_flags(argc, argv);
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
-                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3]");
+                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   MeshShape parallel;
@@ -208,7 +219,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const int world = runtime.world();
 
   // The distributed run: one window per rank per step.
-  Config config = test_config(1, experts, top_k, flags.k3);
+  Config config = test_config(1, experts, top_k, flags.k3, flags.mxfp4);
   ModelSpec spec = resolve_model_spec(config);
   MeshLayout layout(world, parallel, spec.config.moe.num_experts);
   DeviceMesh mesh(layout);
@@ -229,7 +240,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const FrozenWeightBytes frozen = model.frozen_non_expert_bytes();
 
   // The reference: one process, every rank's windows in one batch.
-  Config reference_config = test_config(world, experts, top_k, flags.k3);
+  Config reference_config = test_config(world, experts, top_k, flags.k3, flags.mxfp4);
   Model reference(spec, *backend, model_options(nullptr, 1, flags));
   prepare(reference, routing);
   SyntheticData reference_data(reference_config.data, spec.config.vocab_size, 0, 1);
