@@ -559,16 +559,8 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   kernels::TimingBackend timing(*cuda_backend);
   timing.disable();
   Backend* backend = bench.op_times ? static_cast<Backend*>(&timing) : cuda_backend.get();
-  ModelOptions options;
+  ModelOptions options = model_options_for(config);
   options.dtype = DType::kBF16;
-  options.recompute = config.parallel.recompute;
-  options.seed = static_cast<uint64_t>(config.train.seed);
-  options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
-  options.lora_targets = config.lora.targets;
-  options.fused_expert_gate_up = config.lora.expert_gate_up == "fused";
-  options.lora_rank_pattern = config.lora.rank_pattern;
-  options.lora_alpha_pattern = config.lora.alpha_pattern;
-  options.shared_expert_a = config.lora.expert_a == "shared";
   auto build_start = std::chrono::steady_clock::now();
   Model model(spec, *backend, options);
   model.init_random_weights();

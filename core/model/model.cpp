@@ -117,6 +117,21 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
   group_parameters();
 }
 
+ModelOptions model_options_for(const Config& config) {
+  ModelOptions options;
+  options.recompute = config.parallel.recompute;
+  options.fsdp_prefetch = config.parallel.prefetch;
+  options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
+  options.seed = static_cast<uint64_t>(config.train.seed);
+  options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
+  options.lora_targets = config.lora.targets;
+  options.fused_expert_gate_up = config.lora.expert_gate_up == "fused";
+  options.lora_rank_pattern = config.lora.rank_pattern;
+  options.lora_alpha_pattern = config.lora.alpha_pattern;
+  options.shared_expert_a = config.lora.expert_a == "shared";
+  return options;
+}
+
 // Data parallelism: every rank's gradient is its tokens' share of the global mean (the trainer
 // scaled by the global target count), so a step's gradient sums over ranks. Non-expert adapters
 // sum over every data-parallel rank. Under expert parallelism each rank holds one block of the

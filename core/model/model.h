@@ -51,6 +51,10 @@ struct ModelOptions {
   bool fsdp_reshard_after_forward = true;
 };
 
+// What a config asks of the model: seed, recompute, the FSDP schedule and every LoRA setting.
+// The caller adds what depends on where it runs: dtype, parallel groups, aux_loss_weight.
+ModelOptions model_options_for(const Config& config);
+
 // Frozen non-expert base weights on this rank (routed experts excluded: expert parallelism
 // slices those). `resident` counts what the rank holds now: FSDP shards, any gathered buffer,
 // and the weights kept whole (the F32 router score bias); `full` is the unsharded model's.

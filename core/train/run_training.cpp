@@ -181,18 +181,8 @@ int run_training(Runtime& runtime, const Config& config) {
                                                    : ""));
   }
 
-  ModelOptions options;
+  ModelOptions options = model_options_for(config);
   options.dtype = backend->device() == Device::kCUDA ? DType::kBF16 : DType::kF32;
-  options.recompute = config.parallel.recompute;
-  options.fsdp_prefetch = config.parallel.prefetch;
-  options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
-  options.seed = static_cast<uint64_t>(config.train.seed);
-  options.lora = LoraSettings{config.lora.rank, config.lora.alpha, config.lora.rslora};
-  options.lora_targets = config.lora.targets;
-  options.fused_expert_gate_up = config.lora.expert_gate_up == "fused";
-  options.lora_rank_pattern = config.lora.rank_pattern;
-  options.lora_alpha_pattern = config.lora.alpha_pattern;
-  options.shared_expert_a = config.lora.expert_a == "shared";
   options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum * runtime.world());
   if (runtime.world() > 1) options.parallel = &groups;
   check_model_fits(config, spec, *backend, runtime);

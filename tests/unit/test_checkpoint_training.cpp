@@ -19,6 +19,7 @@
 #include "core/train/synthetic_data.h"
 #include "core/io/safetensors.h"
 #include "tiny_model.h"
+#include "training_run.h"
 
 namespace fs = std::filesystem;
 using namespace moetrain;
@@ -43,34 +44,7 @@ Config tiny_run_config(const std::string& name) {
   return c;
 }
 
-// One process's worth of training objects, built the way run_training builds them.
-struct Run {
-  Config config;
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-  std::unique_ptr<Model> model;
-  std::unique_ptr<SyntheticData> data;
-  std::unique_ptr<Trainer> trainer;
-  std::unique_ptr<CheckpointGroup> group = make_single_process_group();
-  std::unique_ptr<CheckpointSession> session;
-
-  explicit Run(const Config& c) : config(c) {
-    ModelOptions options;
-    options.seed = static_cast<uint64_t>(c.train.seed);
-    options.lora = LoraSettings{c.lora.rank, c.lora.alpha, c.lora.rslora};
-    options.lora_targets = c.lora.targets;
-    model = std::make_unique<Model>(resolve_model_spec(c), *backend, options);
-    model->init_random_weights();
-    data = std::make_unique<SyntheticData>(c.data, c.model.vocab_size);
-    TrainerOptions t;
-    t.train = c.train;
-    t.data = c.data;
-    t.logging = c.logging;
-    trainer = std::make_unique<Trainer>(t, *model, [this] { return data->next(); });
-    DataCursorAccess cursor{[this] { return data->cursor(); }, [this](uint64_t v) { data->seek(v); }, {}, {}};
-    session = std::make_unique<CheckpointSession>(c, *group, *trainer, *backend, cursor);
-    trainer->set_after_step([this](const StepRecord&) { session->after_step(); });
-  }
-};
+using Run = testing::TrainingRun;
 
 std::vector<double> values_of(Model& model) {
   std::vector<double> all;

@@ -30,6 +30,7 @@
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
+#include "training_run.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -561,32 +562,8 @@ TEST_CASE("fused gate_up: training checkpoints and resumes bit for bit, and expo
     c.checkpoint.export_adapter = "false";
     return c;
   };
-  struct Run {
-    std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-    std::unique_ptr<Model> model;
-    std::unique_ptr<SyntheticData> data;
-    std::unique_ptr<Trainer> trainer;
-    std::unique_ptr<CheckpointGroup> group = make_single_process_group();
-    std::unique_ptr<CheckpointSession> session;
-    explicit Run(const Config& c) {
-      ModelOptions options;  // as run_training builds it
-      options.seed = static_cast<uint64_t>(c.train.seed);
-      options.lora = LoraSettings{c.lora.rank, c.lora.alpha, c.lora.rslora};
-      options.lora_targets = c.lora.targets;
-      options.fused_expert_gate_up = c.lora.expert_gate_up == "fused";
-      model = std::make_unique<Model>(resolve_model_spec(c), *backend, options);
-      model->init_random_weights();
-      data = std::make_unique<SyntheticData>(c.data, c.model.vocab_size);
-      TrainerOptions t;
-      t.train = c.train;
-      t.data = c.data;
-      t.logging = c.logging;
-      trainer = std::make_unique<Trainer>(t, *model, [this] { return data->next(); });
-      DataCursorAccess cursor{[this] { return data->cursor(); }, [this](uint64_t v) { data->seek(v); }, {}, {}};
-      session = std::make_unique<CheckpointSession>(c, *group, *trainer, *backend, cursor);
-      trainer->set_after_step([this](const StepRecord&) { session->after_step(); });
-    }
-  };
+  using Run = testing::TrainingRun;
+
   Run straight(make_config("straight"));
   std::vector<double> expected = straight.trainer->run();
   REQUIRE(expected.size() == 4);

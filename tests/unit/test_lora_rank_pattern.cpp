@@ -29,6 +29,7 @@
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
+#include "training_run.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -60,16 +61,9 @@ Config pattern_config(const std::string& gate_up = "separate", const std::string
   return c;
 }
 
-ModelOptions options_of(const Config& c) {  // as run_training builds them
-  ModelOptions options;
+ModelOptions options_of(const Config& c) {  // as run_training builds them, in double
+  ModelOptions options = model_options_for(c);
   options.dtype = DType::kF64;
-  options.seed = static_cast<uint64_t>(c.train.seed);
-  options.lora = LoraSettings{c.lora.rank, c.lora.alpha, c.lora.rslora};
-  options.lora_targets = c.lora.targets;
-  options.fused_expert_gate_up = c.lora.expert_gate_up == "fused";
-  options.lora_rank_pattern = c.lora.rank_pattern;
-  options.lora_alpha_pattern = c.lora.alpha_pattern;
-  options.shared_expert_a = c.lora.expert_a == "shared";
   return options;
 }
 
@@ -532,29 +526,8 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
     c.checkpoint.export_adapter = "false";
     return c;
   };
-  struct Run {
-    std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-    std::unique_ptr<Model> model;
-    std::unique_ptr<SyntheticData> data;
-    std::unique_ptr<Trainer> trainer;
-    std::unique_ptr<CheckpointGroup> group = make_single_process_group();
-    std::unique_ptr<CheckpointSession> session;
-    explicit Run(const Config& c) {
-      ModelOptions options = options_of(c);
-      options.dtype = DType::kF32;
-      model = std::make_unique<Model>(resolve_model_spec(c), *backend, options);
-      model->init_random_weights();
-      data = std::make_unique<SyntheticData>(c.data, c.model.vocab_size);
-      TrainerOptions t;
-      t.train = c.train;
-      t.data = c.data;
-      t.logging = c.logging;
-      trainer = std::make_unique<Trainer>(t, *model, [this] { return data->next(); });
-      DataCursorAccess cursor{[this] { return data->cursor(); }, [this](uint64_t v) { data->seek(v); }, {}, {}};
-      session = std::make_unique<CheckpointSession>(c, *group, *trainer, *backend, cursor);
-      trainer->set_after_step([this](const StepRecord&) { session->after_step(); });
-    }
-  };
+  using Run = testing::TrainingRun;
+
   Run straight(make_config("straight"));
   std::vector<double> expected = straight.trainer->run();
   REQUIRE(expected.size() == 4);
