@@ -3,6 +3,8 @@
 // without recompute (the summaries' gradients gather terms from every later layer and the final
 // mix, so adapters of the first layers see all of them); recompute changes no gradient; the mix
 // weights' checkpoint names and shapes; the config key's errors.
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <set>
 #include <string>
@@ -89,9 +91,22 @@ TEST_CASE("attention residuals: recompute changes neither the loss nor any gradi
   REQUIRE(a.size() == b.size());
   for (size_t i = 0; i < a.size(); ++i)
     for (int64_t e = 0; e < a[i].numel(); ++e) CHECK(a[i].ptr<double>()[e] == b[i].ptr<double>()[e]);
-  // logits() (forward only, keeping just the summaries) agrees with the training forward.
-  Tensor logits = plain.model->logits(plain.batch);
-  CHECK(logits.numel() == plain.batch.input_ids.size() * 37);
+  // logits() (forward only, keeping just the summaries) agrees with the training forward: the
+  // cross-entropy of its logits, computed here, is the training step's loss.
+  const Tensor logits = plain.model->logits(plain.batch);
+  const int64_t vocab = 37;
+  REQUIRE(logits.numel() == static_cast<int64_t>(plain.batch.input_ids.size()) * vocab);
+  double loss_sum = 0.0;
+  for (size_t t = 0; t < plain.batch.labels.size(); ++t) {
+    const int32_t label = plain.batch.labels[t];
+    if (label < 0) continue;
+    const double* row = logits.ptr<double>() + static_cast<int64_t>(t) * vocab;
+    const double top = *std::max_element(row, row + vocab);
+    double total = 0.0;
+    for (int64_t v = 0; v < vocab; ++v) total += std::exp(row[v] - top);
+    loss_sum += top + std::log(total) - row[label];
+  }
+  CHECK(loss_sum * plain.grad_scale == Approx(loss).epsilon(1e-12));
 }
 
 TEST_CASE("attention residuals: the mix weights' checkpoint names and shapes", "[model]") {
