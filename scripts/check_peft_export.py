@@ -11,11 +11,14 @@ adapter_fused/ with ours_fused.safetensors: a model with PEFT's fused expert ada
 (lora.expert_gate_up: fused: gate_up_proj at rank 2r, alpha 2 alpha, a full B) exported and its
 logits. The base model is tests/fixtures/golden/noqlora. Each adapter is loaded with PEFT and its
 logits compared with ours (to 1e-4 of their largest magnitude); exit 0 when every one matches.
+The per-expert layout is loaded only under transformers 4: transformers 5 has no per-expert
+modules to put it on.
 """
 import os
 import sys
 
 import torch
+import transformers
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -26,8 +29,16 @@ def main():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base_dir = os.path.join(repo, "tests", "fixtures", "golden", "noqlora")
     ok = True
-    for layout, ours_file in (("adapter", "ours.safetensors"), ("adapter_transformers5", "ours.safetensors"),
-                              ("adapter_fused", "ours_fused.safetensors")):
+    layouts = [("adapter_transformers5", "ours.safetensors"), ("adapter_fused", "ours_fused.safetensors")]
+    if int(transformers.__version__.split(".")[0]) < 5:
+        layouts.insert(0, ("adapter", "ours.safetensors"))
+    else:
+        # transformers 5 fuses the routed experts into 3-D tensors, and PEFT maps per-expert
+        # gate_proj/up_proj/down_proj targets onto them (leaving the dense MLP and shared experts
+        # without adapters), so the per-expert layout cannot reproduce our logits here.
+        print(f"adapter (per_expert layout, for transformers 4 and vLLM): not checked with transformers "
+              f"{transformers.__version__} (docs/CHECKPOINTS.md)")
+    for layout, ours_file in layouts:
         if not os.path.exists(os.path.join(export_dir, layout)):
             print(f"{layout}: missing from {export_dir} (run the C++ test first)")
             ok = False
