@@ -34,6 +34,7 @@ See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md (section 8) for t
 """
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -96,11 +97,20 @@ COMMON = dict(
     v_head_dim=8, num_experts=8, top_k=2, rms_norm_eps=1e-5, max_position_embeddings=128,
     kda_heads=2, kda_head_dim=8, conv=4,
 )
-# name -> (layer mixers, q_lora_rank, n_group / topk_group, routed_scaling_factor, shared experts,
-#          save_original_format)
+# One fixture config: its layer mixers, q_lora_rank (None: no q LoRA), (n_group, topk_group), the
+# routed scaling factor, shared experts, the save_original_format flag, experts per token, and
+# whether the frozen weights are rounded to bf16 before anything is computed (F32 still).
+Variant = collections.namedtuple("Variant", "mixers q_lora_rank groups scaling shared original_format top_k bf16_weights",
+                                 defaults=(COMMON["top_k"], False))
 VARIANTS = {
-    "kimi_linear": (["kda", "mla", "kda"], None, (2, 1), 2.446, 1, True),
-    "kimi_linear_t5": (["mla", "kda", "kda"], 12, (1, 1), 1.0, 2, False),
+    "kimi_linear": Variant(["kda", "mla", "kda"], None, (2, 1), 2.446, 1, True),
+    "kimi_linear_t5": Variant(["mla", "kda", "kda"], 12, (1, 1), 1.0, 2, False),
+    # For the GPU's bf16 check (tests/cuda/test_cuda_golden_model.cpp): kimi_linear with no
+    # decision a bf16 rounding can flip (every expert is chosen, so routing has no top-k
+    # boundary) and frozen weights that bf16 holds exactly, so what the GPU rounds is only its
+    # activations. The others are ill-conditioned in bf16 (their top-2 choices flip).
+    "kimi_linear_bf16": Variant(["kda", "mla", "kda"], None, (1, 1), 2.446, 1, True,
+                                top_k=COMMON["num_experts"], bf16_weights=True),
 }
 
 
@@ -118,7 +128,7 @@ def set_all(cfg, names, value):
             pass
 
 
-def make_config(mixers, q_lora_rank, groups, scaling, shared):
+def make_config(mixers, q_lora_rank, groups, scaling, shared, top_k):
     c = COMMON
     L = len(mixers)
     kda_layers = [i + 1 for i, m in enumerate(mixers) if m == "kda"]  # 1-based, as the released config
@@ -141,7 +151,7 @@ def make_config(mixers, q_lora_rank, groups, scaling, shared):
         fail(f"KimiLinearConfig rejected {sorted(kwargs)}: {exc}")
     # Every spelling of each setting across transformers versions (the model reads one of them).
     set_all(cfg, ["num_experts", "num_local_experts", "n_routed_experts"], c["num_experts"])
-    set_all(cfg, ["num_experts_per_token", "num_experts_per_tok"], c["top_k"])
+    set_all(cfg, ["num_experts_per_token", "num_experts_per_tok"], top_k)
     set_all(cfg, ["num_shared_experts", "n_shared_experts"], shared)
     set_all(cfg, ["num_expert_group", "n_group"], groups[0])
     set_all(cfg, ["moe_renormalize", "norm_topk_prob"], True)
@@ -227,7 +237,7 @@ def build_model(cfg, mixers, device):
 
 
 @torch.no_grad()
-def init_weights(model, seed):
+def init_weights(model, seed, bf16_weights=False):
     """Every parameter from one seeded generator. KDA's decay is kept mild (|g| <~ 0.6 per token) so
     the state carries information across the 64-token chunk boundary; see docs/FIXTURES.md."""
     gen = torch.Generator().manual_seed(seed)
@@ -248,7 +258,7 @@ def init_weights(model, seed):
             val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         else:
             fail(f"init_weights: unexpected parameter {name} {tuple(p.shape)}")
-        p.copy_(val.to(p.dtype))
+        p.copy_((val.to(torch.bfloat16) if bf16_weights else val).to(p.dtype))
     for name, b in sorted(list(model.named_buffers()) + list(model.named_parameters())):
         if name.endswith("e_score_correction_bias"):
             b.copy_((BIAS_MAX * torch.rand(b.shape, generator=gen)).to(b.dtype))
@@ -361,9 +371,10 @@ class KimiNumpyReference(mf.NumpyReference):
     """Kimi-Linear in float64 from config.json constants, model.safetensors (either layout) and the
     adapter: KDA in its recurrent form (docs/HF_SEMANTICS.md section 8), NoPE MLA, the Kimi MoE."""
 
-    def __init__(self, hf_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, roles, expert_keys):
+    def __init__(self, hf_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, top_k, roles, expert_keys):
         super().__init__(hf_dir, adapter_dir)
         self.mixers, self.groups, self.scaling_factor, self.roles = mixers, groups, scaling, roles
+        self.top_k = top_k
         self.expert_keys = expert_keys
         self.c.update(num_attention_heads=COMMON["num_attention_heads"], q_lora_rank=q_lora_rank,
                       kv_lora_rank=COMMON["kv_lora_rank"], qk_nope_head_dim=COMMON["qk_nope_head_dim"],
@@ -439,7 +450,7 @@ class KimiNumpyReference(mf.NumpyReference):
         return self.linear(o.reshape(B, T, C), f"{p}.{r['o']}")
 
     def moe(self, x, L):
-        E, K = COMMON["num_experts"], COMMON["top_k"]
+        E, K = COMMON["num_experts"], self.top_k
         G, TG = self.groups
         F_ = COMMON["moe_intermediate_size"]
         p = f"model.layers.{L}.mlp"
@@ -504,20 +515,20 @@ def checkpoint_layout(path):
 
 
 def make_one(name, out_root, device, seed, results):
-    mixers, q_lora_rank, groups, scaling, shared, original_format = VARIANTS[name]
+    mixers, q_lora_rank, groups, scaling, shared, original_format, top_k, bf16_weights = VARIANTS[name]
     out_dir = os.path.join(out_root, name)
     tmp_dir = out_dir + ".tmp"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     print(f"\n=== {name}: mixers {mixers}, q_lora_rank {q_lora_rank}, groups {groups}, scaling {scaling}, "
-          f"shared experts {shared}, save_original_format={original_format}")
+          f"shared experts {shared}, save_original_format={original_format}, top {top_k}, bf16 weights {bf16_weights}")
     warn = []
 
-    cfg = make_config(mixers, q_lora_rank, groups, scaling, shared)
+    cfg = make_config(mixers, q_lora_rank, groups, scaling, shared, top_k)
     torch.manual_seed(seed)
     model, roles = build_model(cfg, mixers, device)
     print(f"  KDA projections in memory: {roles}")
-    init_weights(model, seed)
+    init_weights(model, seed, bf16_weights)
     model.train()
     try:
         model.save_pretrained(tmp_dir, save_original_format=original_format)
@@ -556,7 +567,7 @@ def make_one(name, out_root, device, seed, results):
     moe_layers = [L for L in range(len(mixers)) if L >= 1]
     layers = pm.get_base_model().model.layers
     ns = type("RouterShape", (), dict(n_routed_experts=COMMON["num_experts"], n_group=groups[0],
-                                      topk_group=groups[1], num_experts_per_tok=COMMON["top_k"]))
+                                      topk_group=groups[1], num_experts_per_tok=top_k))
     for attempt in range(mf.MAX_DATA_TRIES):
         ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt)
         with torch.no_grad():
@@ -612,7 +623,7 @@ def make_one(name, out_root, device, seed, results):
 
     ids_np, labels_np = ids.numpy(), labels.numpy()
     try:
-        ref = KimiNumpyReference(tmp_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, roles,
+        ref = KimiNumpyReference(tmp_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, top_k, roles,
                                  expert_keys)
         ref_logits = ref.logits(ids_np)
         unused = sorted(set(adapter) - ref.used)
