@@ -1,29 +1,26 @@
 // The MXFP4 grouped GEMM (see grouped_gemm_mxfp4.h): a Hopper kernel and a plain fallback.
 //
-// sm90_grouped_gemm_mxfp4_kernel<kKMajorB, BN>: grouped_gemm.cu's m-grouped kernel (CTA tile
-// 128 x BN, K steps of 64; warpgroup 0 produces, warpgroups 1 and 2 consume 64 rows each; tiles
-// handed out in group / n-tile / m-tile order through a device counter; the per-group table built
-// from the device offsets) with b's path replaced:
-//   - A (activations, BF16) still arrives by TMA into a ring of kStages 128-byte-swizzled stages.
-//   - b's packed bytes and E8M0 scales are read by the 256 consumer threads straight from global
-//     memory into registers, two K steps ahead of their use (the `even` / `odd` register sets):
-//     each thread owns BN / 32 chunks of 8 consecutive values along the packed dimension (one
-//     32-bit word of codes) and their one or two scales. A quarter of the bytes bf16 would read,
-//     and no shared-memory staging for them.
-//   - Each K step the consumers decode their chunks to BF16 (E2M1 magnitudes by byte permutes
-//     from an 8-entry table, the sign bit by a permute's sign-replicate mode, then one bf16x2
-//     multiply by the power-of-two scale: exact) and store them, 16 bytes per chunk, into a B
-//     tile in the layout TMA would have written: K-major (the forward, b [G, n, k/2]) rows of 64
-//     k values = 128 bytes, or N-major (dy W, b [G, k, n/2]) 64-column chunks of 64 k rows; both
-//     128-byte swizzled (16-byte unit u of row r stored at u ^ (r % 8)). Then a proxy fence and a
-//     barrier of the 256 consumers, and the wgmmas of the step.
-//   - The B tiles form a ring of three: when a warpgroup writes tile (g % 3) at step g it has
-//     passed the barrier of step g - 1, which the other warpgroup reaches only after waiting for
-//     its wgmmas of step g - 3 (each step waits until one wgmma group is in flight), so nobody
-//     still reads the tile. Decoding step g + 1 overlaps the tensor cores' work on step g.
-// Out-of-range chunks (past n, or past k in the last K step) are stored as zeros: the A columns
-// past k arrive as TMA zeros, and 0 x 0 keeps the sum finite. Rows past a group's end are computed
-// from the next group's A rows and never stored, as in grouped_gemm.cu.
+// sm90_grouped_gemm_mxfp4_kernel<kKMajorB, BN>: grouped_gemm.cu's m-grouped kernel (tiles handed
+// out in group / n-tile / m-tile order through a device counter; the per-group table built from the
+// device offsets) with a 192 x BN CTA tile (BN 64 or 128, K steps of 64; warpgroup 0 produces,
+// warpgroups 1-3 consume 64 rows each) and b's path replaced. A stage is still an A tile
+// (activations, BF16, by TMA) and a B tile, but the producer warpgroup's 128 threads fill the B tile:
+//   - they read b's packed bytes and E8M0 scales straight from global memory into registers,
+//     kLoadAhead K steps ahead of their use. Each thread owns 2 x BN / 32 chunks of 8 consecutive
+//     values along the packed dimension (one 32-bit word of codes each) and their scales: a
+//     quarter of the bytes bf16 would read.
+//   - when the stage is free they decode them to BF16 (E2M1 magnitudes by byte permutes from an
+//     8-entry table, the sign bit by a permute's sign-replicate mode, then one bf16x2 multiply by
+//     the power-of-two scale: exact) and store them, 16 bytes per chunk, in the layout TMA would
+//     have written: K-major (the forward, b [G, n, k/2]) rows of 64 k values = 128 bytes, or
+//     N-major (dy W, b [G, k, n/2]) 64-column chunks of 64 k rows; both 128-byte swizzled (the
+//     16-byte unit u of row r at u ^ (r % 8)). Then a proxy fence and an arrival on the stage's
+//     'full' barrier, which completes when all 128 have arrived and A's TMA bytes have landed.
+// The consumers are grouped_gemm.cu's: wait for a full stage, wgmma, release it, so decoding
+// overlaps the tensor cores' work on earlier stages. Out-of-range chunks (past n, or past k in the
+// last K step) are stored as zeros: the A columns past k arrive as TMA zeros, and 0 x 0 keeps the
+// sum finite. Rows past a group's end are computed from the next group's A rows and never stored,
+// as in grouped_gemm.cu.
 #include "kernels/cuda/grouped_gemm_mxfp4.h"
 
 #include <cuda.h>
@@ -48,30 +45,37 @@ namespace {
 using bf16 = __nv_bfloat16;
 namespace sm90 = ::moetrain::kernels::cuda_ops::sm90;
 
-constexpr int kBM = 128;  // two consumer warpgroups x 64 rows
-constexpr int kBK = 64;   // one 128-byte swizzle row of BF16
-constexpr int kConsumerWarpgroups = 2;
-constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+// Three consumer warpgroups of 64 rows: a 192-row tile holds a whole K3 expert (~146 rows at
+// EP8), so each B tile is decoded once per expert where 128-row tiles decode it twice (the
+// rows computed are the same: a warpgroup past the group's end skips its wgmmas). Their m64n128
+// accumulators and everyone else fit in the 128 registers a 512-thread CTA gets; m64n256 would
+// not, hence B tiles of at most 128 columns and no setmaxnreg.
+constexpr int kConsumerWarpgroups = 3;
+constexpr int kBM = 64 * kConsumerWarpgroups;
+constexpr int kMaxBN = 128;
+constexpr int kBK = 64;  // one 128-byte swizzle row of BF16
+constexpr int kProducerThreads = 128;
+constexpr int kDecodeThreads = 256;  // the B tile's decoding is laid out for 256 slots: two passes of the producers
+constexpr int kDecodePasses = kDecodeThreads / kProducerThreads;
+constexpr int kLoadAhead = 2;  // K steps of packed words a producer thread holds in registers
 constexpr int kTileSlots = 2;
-constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-constexpr int kBTiles = 3;                       // the ring of decoded B tiles
-constexpr int kSharedBudgetBytes = 200 * 1024;   // A stages + B tiles, of the 227 KB a CTA may have
+constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
+constexpr int kStageBudgetBytes = 200 * 1024;  // of the 227 KB a CTA may have
 constexpr int kMaxStages = 8;
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
 constexpr int64_t kTableBudgetBytes = 24 * 1024;
 constexpr unsigned kAllLanes = 0xffffffffu;
-constexpr int kDecodeBarrier = 1;  // named barrier of the consumers (0 is __syncthreads)
+constexpr int kProducerBarrier = 1;  // named barrier of the producer warpgroup (0 is __syncthreads)
 
 template <bool kKMajorB, int kBN>
 struct Tiling {
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBN * kBK * 2;
-  static constexpr int kStages = std::min(kMaxStages, (kSharedBudgetBytes - kBTiles * kBBytes) / kABytes);
-  static constexpr int kChunks = kBN / 32;  // 8-value chunks per consumer thread and K step
-  static_assert(kBN == 64 || kBN == 128 || kBN == 256, "a B tile of whole 64-column swizzle chunks");
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
+  static constexpr int kChunks = kBN / 32;  // 8-value chunks per decoding pass of a thread and K step
+  static_assert(kBN == 64 || kBN == kMaxBN, "a B tile of whole 64-column swizzle chunks");
   static_assert(kStages >= 3, "too few stages to overlap loads with the math");
-  static_assert(kChunks * 8 * kConsumerThreads == kBN * kBK, "the consumers decode the whole B tile");
+  static_assert(kChunks * 8 * kDecodeThreads == kBN * kBK, "the decoding passes cover the whole B tile");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "tiles must start on a 1024-byte swizzle pattern");
 };
 
@@ -162,7 +166,7 @@ __device__ __forceinline__ Tile decode_tile(int t, const Params& p, GroupTable t
 // ---------------------------------------------------------------------------------------------
 // b: loading the packed chunks and decoding them into the B tile
 
-// One consumer thread's part of b for one K step: kChunks words of 8 codes, consecutive along
+// One decoding pass's part of b for one K step: kChunks words of 8 codes, consecutive along
 // the packed dimension, and the scale of each group of 32 they start (chunks 4i .. 4i + 3).
 template <int kChunks>
 struct PackedChunks {
@@ -170,16 +174,17 @@ struct PackedChunks {
   uint32_t scales[(kChunks + 3) / 4];
 };
 
-// Where a consumer thread's chunks sit in the B tile: K-major, row r = n - n0, chunks from j0
-// (k = k0 + 8 j0 ...); N-major, row r = k - k0, columns from n0 + 8 j0. Neighbouring threads
-// take neighbouring rows, so the 16-byte stores of a quarter warp hit 8 different swizzle units.
+// Where the chunks of decoding slot v (0..255: producer thread v % 128, pass v / 128) sit in the
+// B tile: K-major, row r = n - n0, chunks from j0 (k = k0 + 8 j0 ...); N-major, row r = k - k0,
+// columns from n0 + 8 j0. Neighbouring slots take neighbouring rows, so the 16-byte stores of a
+// quarter warp hit 8 different swizzle units.
 template <bool kKMajorB, int kBN>
 struct ChunkPlace {
   int row, j0;
-  __device__ explicit ChunkPlace(int consumer_thread) {
+  __device__ explicit ChunkPlace(int slot) {
     constexpr int kRows = kKMajorB ? kBN : kBK;
-    row = consumer_thread % kRows;
-    j0 = consumer_thread / kRows * Tiling<kKMajorB, kBN>::kChunks;
+    row = slot % kRows;
+    j0 = slot / kRows * Tiling<kKMajorB, kBN>::kChunks;
   }
 };
 
@@ -332,6 +337,7 @@ template <bool kKMajorB, int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap map_a, const Params p) {
   using T = Tiling<kKMajorB, kBN>;
+  using Chunks = PackedChunks<T::kChunks>;
   extern __shared__ __align__(1024) unsigned char shared[];
   uint64_t* full = reinterpret_cast<uint64_t*>(shared);
   uint64_t* empty = full + T::kStages;
@@ -342,13 +348,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   table.tiles = table.rows + p.groups + 1;
   const uintptr_t table_end = reinterpret_cast<uintptr_t>(table.tiles + p.groups + 1);
   unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
-  unsigned char* b_tiles = a_stages + T::kStages * T::kABytes;
+  unsigned char* b_stages = a_stages + T::kStages * T::kABytes;
 
   // Warp-uniform in the compiler's eyes too (a broadcast), so the wgmma paths are not divergent.
   const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
-      sm90::barrier_init(&full[s], 1);
+      // Thread 0's arrival that arms A's bytes, then every producer thread's after its decoding.
+      sm90::barrier_init(&full[s], 1 + kProducerThreads);
       sm90::barrier_init(&empty[s], kConsumerWarpgroups * 4);  // lane 0 of every consumer warp
     }
     for (int s = 0; s < kTileSlots; ++s) {
@@ -362,87 +369,89 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int total_tiles = table.tiles[p.groups];
 
   if (warp < 4) {
-    sm90::registers_release<kProducerRegisters>();
-    if (threadIdx.x != 0) return;
-    sm90::tma_prefetch_descriptor(&map_a);
+    const int thread = threadIdx.x;  // 0 .. 127
+    if (thread == 0) sm90::tma_prefetch_descriptor(&map_a);
     int stage = 0;
     uint32_t phase = 0;
     int slot = 0;
     uint32_t slot_phase = 0;
+    Chunks sets[kLoadAhead][kDecodePasses];  // the packed words of the next kLoadAhead K steps
+    auto load = [&](Chunks (&chunks)[kDecodePasses], const Tile& tile, int s) {
+#pragma unroll
+      for (int pass = 0; pass < kDecodePasses; ++pass) {
+        const ChunkPlace<kKMajorB, kBN> place(thread + pass * kProducerThreads);
+        load_chunks<kKMajorB, kBN>(chunks[pass], p, tile, s * kBK, place);
+      }
+    };
+    // One K step into the next free stage: A by TMA, B decoded from `chunks`.
+    auto produce = [&](const Chunks (&chunks)[kDecodePasses], const Tile& tile, int s) {
+      sm90::barrier_wait(&empty[stage], phase ^ 1);
+      if (thread == 0) {
+        sm90::barrier_arrive_expect_bytes(&full[stage], T::kABytes);
+        sm90::tma_load_2d(a_stages + stage * T::kABytes, &map_a, &full[stage], s * kBK, tile.m0);
+      }
+      unsigned char* b_tile = b_stages + stage * T::kBBytes;
+#pragma unroll
+      for (int pass = 0; pass < kDecodePasses; ++pass) {
+        const ChunkPlace<kKMajorB, kBN> place(thread + pass * kProducerThreads);
+        store_chunks<kKMajorB, kBN>(b_tile, chunks[pass], place);
+      }
+      sm90::fence_proxy_async_shared();
+      sm90::barrier_arrive(&full[stage]);
+      if (++stage == T::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
     for (;;) {
-      sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
-      const int t = atomicAdd(p.tile_counter, 1);
-      tile_slot[slot] = t;
-      sm90::barrier_arrive(&tile_full[slot]);
+      if (thread == 0) {
+        sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
+        const int next = atomicAdd(p.tile_counter, 1);
+        tile_slot[slot] = next;
+        sm90::barrier_arrive(&tile_full[slot]);
+      }
+      sm90::named_barrier_sync(kProducerBarrier, kProducerThreads);  // the tile index is in tile_slot
+      const int t = tile_slot[slot];
       if (++slot == kTileSlots) {
         slot = 0;
         slot_phase ^= 1;
       }
       if (t >= total_tiles) break;
       const Tile tile = decode_tile<kBN>(t, p, table);
-      for (int s = 0; s < tile.k_steps; ++s) {
-        sm90::barrier_wait(&empty[stage], phase ^ 1);
-        sm90::barrier_arrive_expect_bytes(&full[stage], T::kABytes);
-        sm90::tma_load_2d(a_stages + stage * T::kABytes, &map_a, &full[stage], s * kBK, tile.m0);
-        if (++stage == T::kStages) {
-          stage = 0;
-          phase ^= 1;
+      const int steps = tile.k_steps;
+#pragma unroll
+      for (int i = 0; i < kLoadAhead; ++i) {
+        if (i < steps) load(sets[i], tile, i);
+      }
+      for (int s0 = 0; s0 < steps; s0 += kLoadAhead) {
+#pragma unroll
+        for (int i = 0; i < kLoadAhead; ++i) {
+          const int s = s0 + i;
+          if (s < steps) {
+            produce(sets[i], tile, s);
+            if (s + kLoadAhead < steps) load(sets[i], tile, s + kLoadAhead);
+          }
         }
       }
     }
-    __threadfence();
-    if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      p.tile_counter[0] = 0;
-      p.tile_counter[1] = 0;
+    // Every CTA fetches past the end exactly once; the last one to finish fetching puts the
+    // counters back to zero for the next launch on the stream.
+    if (thread == 0) {
+      __threadfence();
+      if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        p.tile_counter[0] = 0;
+        p.tile_counter[1] = 0;
+      }
     }
     return;
   }
 
-  sm90::registers_claim<kConsumerRegisters>();
-  const int warpgroup = warp / 4 - 1;  // 0 or 1: rows [64 w, 64 w + 64) of the tile
-  const ChunkPlace<kKMajorB, kBN> place(static_cast<int>(threadIdx.x) - 128);
+  const int warpgroup = warp / 4 - 1;  // rows [64 w, 64 w + 64) of the tile
   int stage = 0;
   uint32_t phase = 0;
-  int previous_stage = 0;
-  int b_index = 0;  // the B tile the next K step decodes into
   float acc[kBN / 2];
   int slot = 0;
   uint32_t slot_phase = 0;
-  PackedChunks<T::kChunks> even, odd;
-
-  // One K step: decode `chunks` into the next B tile, wait for A, multiply.
-  auto k_step = [&](const PackedChunks<T::kChunks>& chunks, int s, bool active) {
-    unsigned char* b_tile = b_tiles + b_index * T::kBBytes;
-    store_chunks<kKMajorB, kBN>(b_tile, chunks, place);
-    sm90::fence_proxy_async_shared();
-    sm90::named_barrier_sync(kDecodeBarrier, kConsumerThreads);
-    sm90::barrier_wait(&full[stage], phase);
-    const uint32_t a_address = sm90::smem_address(a_stages + stage * T::kABytes) + warpgroup * 64 * 128;
-    const uint32_t b_address = sm90::smem_address(b_tile);
-    sm90::fence_registers(acc);
-    sm90::wgmma_fence();
-    if (active) {
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const uint64_t desc_a = sm90::matrix_descriptor(a_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
-        const uint64_t desc_b =
-            kKMajorB ? sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128))
-                     : sm90::matrix_descriptor(b_address + kk * 16 * 128, kBK * 128, 1024, sm90::swizzle_code(128));
-        sm90::Wgmma<kBN>::template mma<0, kKMajorB ? 0 : 1>(acc, desc_a, desc_b, 1);
-      }
-    }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<1>();  // the previous step's wgmmas are done: its A stage can be refilled
-    sm90::fence_registers(acc);
-    if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-    previous_stage = stage;
-    if (++stage == T::kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
-    b_index = b_index + 1 == kBTiles ? 0 : b_index + 1;
-  };
-
   for (;;) {
     sm90::barrier_wait(&tile_full[slot], slot_phase);
     const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
@@ -454,25 +463,40 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (t >= total_tiles) break;
     const Tile tile = decode_tile<kBN>(t, p, table);
-    // A warpgroup whose 64 rows all lie past the group's end multiplies nothing (but decodes its
-    // half of b: the other warpgroup needs it).
+    // A warpgroup whose 64 rows all lie past the group's end multiplies nothing.
     const bool active = tile.m0 + warpgroup * 64 < tile.m_end;
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
-    const int steps = tile.k_steps;
-    load_chunks<kKMajorB, kBN>(even, p, tile, 0, place);
-    if (steps > 1) load_chunks<kKMajorB, kBN>(odd, p, tile, kBK, place);
-    for (int s = 0; s < steps; s += 2) {
-      k_step(even, s, active);
-      if (s + 2 < steps) load_chunks<kKMajorB, kBN>(even, p, tile, (s + 2) * kBK, place);
-      if (s + 1 < steps) {
-        k_step(odd, s + 1, active);
-        if (s + 3 < steps) load_chunks<kKMajorB, kBN>(odd, p, tile, (s + 3) * kBK, place);
+    int previous_stage = 0;
+    for (int s = 0; s < tile.k_steps; ++s) {
+      sm90::barrier_wait(&full[stage], phase);
+      const uint32_t a_address = sm90::smem_address(a_stages + stage * T::kABytes) + warpgroup * 64 * 128;
+      const uint32_t b_address = sm90::smem_address(b_stages + stage * T::kBBytes);
+      sm90::fence_registers(acc);
+      sm90::wgmma_fence();
+      if (active) {
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const uint64_t desc_a = sm90::matrix_descriptor(a_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
+          const uint64_t desc_b =
+              kKMajorB ? sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128))
+                       : sm90::matrix_descriptor(b_address + kk * 16 * 128, kBK * 128, 1024, sm90::swizzle_code(128));
+          sm90::Wgmma<kBN>::template mma<0, kKMajorB ? 0 : 1>(acc, desc_a, desc_b, 1);
+        }
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // the previous step's wgmmas are done: its stage can be refilled
+      sm90::fence_registers(acc);
+      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+      previous_stage = stage;
+      if (++stage == T::kStages) {
+        stage = 0;
+        phase ^= 1;
       }
     }
     sm90::wgmma_wait<0>();
     sm90::fence_registers(acc);
-    if (steps > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+    if (tile.k_steps > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
 
     const int row_in_tile = warpgroup * 64 + warp % 4 * 16 + lane / 4;
     const int column_in_tile = 2 * (lane % 4);
@@ -574,7 +598,7 @@ DeviceInfo device_info() {
 bool have_sm90a_code() {
   static const bool have = [] {
     cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, sm90_grouped_gemm_mxfp4_kernel<true, 256>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attributes, sm90_grouped_gemm_mxfp4_kernel<true, 64>) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
@@ -634,7 +658,7 @@ size_t shared_bytes(int64_t groups) {
   using T = Tiling<kKMajorB, kBN>;
   return (2 * T::kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
          2 * static_cast<size_t>(groups + 1) * sizeof(int) + 1024 +
-         static_cast<size_t>(T::kStages) * T::kABytes + static_cast<size_t>(kBTiles) * T::kBBytes;
+         static_cast<size_t>(T::kStages) * T::kStageBytes;
 }
 
 template <bool kKMajorB, int kBN>
@@ -660,7 +684,7 @@ void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t 
   if (!attribute_set[device % kMaxDevices]) {
     CUDA_CHECK(cudaFuncSetAttribute(sm90_grouped_gemm_mxfp4_kernel<kKMajorB, kBN>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kSharedBudgetBytes + kTableBudgetBytes + 2048)));
+                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
     attribute_set[device % kMaxDevices] = true;
   }
   // Each group adds at most one partial m-tile.
@@ -675,10 +699,8 @@ template <bool kKMajorB>
 void launch_sm90_bn(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
   if (p.n <= 64) {
     launch_sm90<kKMajorB, 64>(p, b_scale, stream);
-  } else if (p.n <= 128) {
-    launch_sm90<kKMajorB, 128>(p, b_scale, stream);
   } else {
-    launch_sm90<kKMajorB, 256>(p, b_scale, stream);
+    launch_sm90<kKMajorB, kMaxBN>(p, b_scale, stream);
   }
 }
 

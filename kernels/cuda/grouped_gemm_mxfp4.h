@@ -6,11 +6,12 @@
 //   otherwise   (input grad, dy W): b [G, k, n / 2] U8, b_scale [G, k, n / 32] U8
 //
 // Two kernels (grouped_gemm_mxfp4.cu):
-//   - sm_90a: the persistent grouped GEMM of grouped_gemm.cu (same tiles, tile order and device
-//     offsets), except that b does not arrive by TMA: the consumer warpgroups load its packed
-//     bytes and scales from global memory into registers two K steps ahead, decode them to BF16
-//     into a swizzled shared-memory B tile (three of them in a ring) and multiply with wgmma.
-//     Taken on a 9.0 device with a, b and c 16-byte aligned, k and n multiples of 8 and k > 0.
+//   - sm_90a: the persistent grouped GEMM of grouped_gemm.cu (same tile order, device offsets
+//     and consumers; 192-row tiles, three consumer warpgroups), except that b does not arrive by
+//     TMA: the producer warpgroup's 128 threads load its packed bytes and scales from global
+//     memory into registers two K steps ahead and decode them to BF16 into each stage's swizzled
+//     shared-memory B tile, beside the A tile TMA brings. Taken on a 9.0 device with a, b and c
+//     16-byte aligned, k and n multiples of 8 and k > 0.
 //   - a plain one-thread-per-output kernel for everything else.
 // The sum is that of the dequantized weight in BF16 (exact short of overflow; scale bytes 0 and 1
 // give subnormal weights, which the tensor cores may flush), F32 accumulation.

@@ -222,7 +222,8 @@ TEST_CASE("cuda grouped_gemm MXFP4: every code at extreme scales decodes exactly
 
 // ---------------------------------------------------------------------------------------------
 // Timing at K3's expert shapes: one expert-parallel rank of eight, 112 of the 896 experts and the
-// 16384 rows that 8192 tokens x top-16 send it on average, routed uniformly at random.
+// 16384 rows that 8192 tokens x top-16 send it on average, routed uniformly at random. Also checks
+// the output against the BF16 kernel's on the decoded weight.
 
 double median_ms(const std::function<void()>& op, int reps) {
   cudaStream_t stream = static_cast<cudaStream_t>(gpu().stream());
@@ -275,36 +276,43 @@ TEST_CASE("cuda grouped_gemm MXFP4 timing at Kimi K3 expert shapes", "[.bench]")
   std::printf("%-34s %9s %9s %7s %9s %9s %9s %9s\n", "projection", "bf16 ms", "mxfp4 ms", "ratio", "bf16 TF/s",
               "mxfp4 TF/s", "bf16 GB/s", "mxfp4 GB/s");
   for (const Shape2 s : {Shape2{"gate_up 3584 -> 2x3072", 2 * 3072, 3584}, Shape2{"down 3072 -> 3584", 3584, 3072}}) {
-    auto random_bytes = [](Tensor& t) {
-      std::mt19937_64 r(7);
-      auto* p = static_cast<uint8_t*>(t.data());
-      for (size_t i = 0; i < t.nbytes(); ++i) p[i] = static_cast<uint8_t>(r());
+    // One expert's packed weight, replicated; the BF16 kernel multiplies its exact decoding, so
+    // the two outputs must agree (at K3's sizes every CTA runs dozens of tiles).
+    Tensor packed_slice({1, s.out, s.in / 2}, DType::kU8), scales_slice({1, s.out, s.in / 32}, DType::kU8);
+    std::mt19937_64 r(7);
+    auto* bytes = static_cast<uint8_t*>(packed_slice.data());
+    for (int64_t i = 0; i < packed_slice.numel(); ++i) bytes[i] = static_cast<uint8_t>(r());
+    auto* exponents = static_cast<uint8_t*>(scales_slice.data());
+    for (int64_t i = 0; i < scales_slice.numel(); ++i) exponents[i] = static_cast<uint8_t>(117 + r() % 6);
+    Tensor decoded_slice({1, s.out, s.in}, DType::kF64);
+    kernels::cpu::mxfp4_dequantize(decoded_slice.view(), packed_slice.view(), scales_slice.view());
+    auto copy_of = [](const Tensor* slice) {
+      return [slice](Tensor& t) {
+        if (t.dtype() == slice->dtype()) {
+          std::copy_n(static_cast<const uint8_t*>(slice->data()), t.nbytes(), static_cast<uint8_t*>(t.data()));
+        } else {
+          convert_host(t.view(), slice->view());
+        }
+      };
     };
-    auto random_scales = [](Tensor& t) {
-      std::mt19937_64 r(8);
-      auto* p = static_cast<uint8_t*>(t.data());
-      for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<uint8_t>(117 + r() % 6);
-    };
-    auto random_bf16 = [](Tensor& t) {
-      Tensor wide(t.shape(), DType::kF64);
-      testing::fill_random(wide.view(), 9, 0.001, 0.05);
-      convert_host(t.view(), wide.view());
-    };
-    const Tensor packed = replicated({experts, s.out, s.in / 2}, DType::kU8, random_bytes);
-    const Tensor scales = replicated({experts, s.out, s.in / 32}, DType::kU8, random_scales);
-    const Tensor dense = replicated({experts, s.out, s.in}, DType::kBF16, random_bf16);
+    const Tensor packed = replicated({experts, s.out, s.in / 2}, DType::kU8, copy_of(&packed_slice));
+    const Tensor scales = replicated({experts, s.out, s.in / 32}, DType::kU8, copy_of(&scales_slice));
+    const Tensor dense = replicated({experts, s.out, s.in}, DType::kBF16, copy_of(&decoded_slice));
     const Operand x = random_operand({rows, s.in}, DType::kBF16, 10);
     const Operand dy = random_operand({rows, s.out}, DType::kBF16, 11);
     Tensor y({rows, s.out}, DType::kBF16, cuda::device_allocator());
+    Tensor y_bf16({rows, s.out}, DType::kBF16, cuda::device_allocator());
     Tensor dx({rows, s.in}, DType::kBF16, cuda::device_allocator());
+    Tensor dx_bf16({rows, s.in}, DType::kBF16, cuda::device_allocator());
     for (bool forward : {true, false}) {
       GroupedGemmArgs args;
       args.a = forward ? x.dev : dy.dev;
-      args.c = forward ? y : dx;
+      args.c = forward ? y_bf16 : dx_bf16;
       args.transpose_b = forward;
       args.group_offsets = group_offsets.dev;
       args.b = dense;
       const double bf16_ms = median_ms([&] { gpu().grouped_gemm(args); }, 20);
+      args.c = forward ? y : dx;
       args.b = packed;
       args.b_scale = scales;
       const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
@@ -317,6 +325,9 @@ TEST_CASE("cuda grouped_gemm MXFP4 timing at Kimi K3 expert shapes", "[.bench]")
                   bf16_ms / mxfp4_ms, flops / bf16_ms / 1e9, flops / mxfp4_ms / 1e9, bf16_bytes / bf16_ms / 1e6,
                   mxfp4_bytes / mxfp4_ms / 1e6, fast ? "" : "  (fallback kernel!)");
       CHECK(fast);
+      const Tensor expected = download(forward ? y_bf16 : dx_bf16);
+      CUDA_TEST_EXPECT_CLOSE(forward ? y : dx, expected.view(), (Tolerance{1e-6, 1e-6, 1e-6}),
+                             name + " vs bf16 grouped GEMM of the decoded weight");
     }
   }
   std::printf("ratio = bf16 ms / mxfp4 ms (target >= 0.9); GB/s = weight bytes read once / time\n");
