@@ -5,8 +5,15 @@ The reference is an implementation that is not ours and not transformers': NeMo 
 `KimiK3ForCausalLM` (nemo_automodel/components/models/kimi_k3/model.py: gated NoPE MLA with q LoRA,
 SiTU MLPs, the latent MoE with its sigmoid router, Block Attention Residuals) and its checkpoint
 adapter (state_dict_adapter.py: the released names, `language_model.` prefix, block_sparse_moe,
-experts w1/w3/w2, MXFP4 `weight_packed` / `weight_scale`). Every layer is MLA: KDA needs fla, which
-is not installed where this runs (its golden files are the Kimi-Linear ones).
+experts w1/w3/w2, MXFP4 `weight_packed` / `weight_scale`). kimi_k3 and kimi_k3_mxfp4 are all MLA.
+kimi_k3_hybrid mixes NeMo's KimiDeltaAttention (K3's flags: q/k/v projections with one short conv
+each, full-rank output gate g_proj, bounded decay lower_bound * sigmoid(exp(A_log) (f + dt_bias)),
+lower bound -5) with MLA. NeMo's KDA layer calls fla (ShortConvolution, FusedRMSNormGated, chunk_kda
+/ fused_recurrent_kda), which is not installed where this runs; for that variant only, this script
+puts torch stand-ins under those names in NeMo's module (KDA STAND-INS below: fla's documented
+semantics, the delta rule token by token) and reports the recurrence against transformers' own torch
+chunked KDA when this transformers has one. Everything else in the layer (projections, LoRA, NeMo's
+torch decay gate, reshapes, the output gate) is NeMo's code.
 
 Per config it writes <out>/<name>/ like scripts/make_fixtures_kimi_linear.py:
 
@@ -23,6 +30,9 @@ dequantize_mxfp4), so the reference runs on exactly what the files hold. It runs
 NeMo's KimiK3MoE then takes its checkpoint-order path (_forward_reference_order); eval and train
 differ in nothing else (no dropout, no router noise), and the train-mode path (GroupedExperts'
 loop) is compared and reported.
+
+NeMo's to_hf stores the KDA A_log zero-padded to a multiple of 128 heads (the released layout);
+the fixture keeps its H entries (NeMo's from_hf reads both; moetrain's importer reads [H] only).
 
 Checks. Fatal (nothing is written): the model has the requested structure; the written checkpoint
 loads back through NeMo to the values it was written from, and its MXFP4 bytes decode (by this
@@ -42,6 +52,7 @@ checkout, or the trimmed copy in .nemo_ref/ described in docs/FIXTURES.md); CPU 
 import argparse
 import hashlib
 import importlib
+import inspect
 import json
 import math
 import os
@@ -51,10 +62,12 @@ import sys
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded (transformers' kernel-hub wrappers)
 import make_fixtures as mf  # noqa: E402  (shared helpers; it checks the imports and sets CUBLAS_WORKSPACE_CONFIG)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 import peft  # noqa: E402
 import safetensors  # noqa: E402
@@ -76,6 +89,10 @@ TEXT_PREFIX = "language_model."
 LINEAR_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "g_proj",
                   "routed_expert_down_proj", "routed_expert_up_proj"]
 MLP_PARAMS = mf.MLP_PARAMS
+# KDA's nn.Linear modules besides g_proj and o_proj (which LINEAR_TARGETS already names).
+KDA_TARGETS = ["q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj"]
+# K3's KDA settings at toy size (linear_attn_config; every config.json of this script carries them).
+KDA = dict(head_dim=8, num_heads=2, short_conv_kernel_size=4, use_full_rank_gate=True, gate_lower_bound=-5.0)
 
 # Shared by both configs. D, the latent width L and the expert width F all differ (a transposed
 # weight cannot pass unnoticed); L and F are multiples of 32 (one MXFP4 scale per 32 inputs: the
@@ -95,7 +112,26 @@ VARIANTS = {
     # Packed experts; blocks of 3 (a block closes inside the model, the last one is partial); betas
     # small enough that both tanh caps bend; group-limited routing and a scaling factor.
     "kimi_k3_mxfp4": ("mxfp4", 3, (2.0, 1.5), (2, 1), 2.5),
+    # KDA and MLA 4 : 2 (layers K K K M K M, as K3 interleaves them) with K3's released flags; blocks of 2
+    # file summaries at layers 0, 2, 4 (each KDA), so the final mix sees three summaries and the
+    # partial sum of layer 5.
+    "kimi_k3_hybrid": ("bf16", 2, (4.0, 25.0), (1, 1), 1.0),
 }
+# name -> 0-based KDA layers, number of layers, tokens per sequence, masked label positions; the
+# others: all MLA, COMMON's layers, SEQ, EXTRA_MASKED. 70 tokens = one full 64-token chunk of fla's
+# chunked kernel and a partial one (masked labels on both sides of the boundary).
+HYBRID = {
+    "kimi_k3_hybrid": ([0, 1, 2, 4], 6, 70, [(0, 2), (0, 40), (1, 0), (1, 5), (1, 66)]),
+}
+
+
+def layer_plan(name):
+    kda, n, seq, masked = HYBRID.get(name, ([], COMMON["num_hidden_layers"], SEQ, EXTRA_MASKED))
+    return types.SimpleNamespace(kda=list(kda), n=n, seq=seq, masked=list(masked))
+
+
+def linear_targets(plan):
+    return LINEAR_TARGETS + (KDA_TARGETS if plan.kda else [])
 MXFP4_SCALE_BYTES = (121, 124)  # E8M0 scales 2^-6 .. 2^-4: weights of about the size of 1/sqrt(fan_in)
 
 
@@ -173,17 +209,165 @@ def import_nemo(nemo_dir):
 
 
 # ----------------------------------------------------------------------------------------------
+# KDA STAND-INS: what NeMo's KimiDeltaAttention takes from fla, in plain torch (hybrid variant only)
+# ----------------------------------------------------------------------------------------------
+
+
+class CausalShortConv(torch.nn.Conv1d):
+    """fla.modules.ShortConvolution as NeMo builds it: a depthwise causal conv whose weight [C, 1, W]
+    meets token t with weight[:, W - 1] and t - j with weight[:, W - 1 - j] (nn.Conv1d's correlation
+    with W - 1 zeros in front, as fla's own torch reference computes it), no bias unless asked, then
+    SiLU; each document of cu_seqlens starts from zeros."""
+
+    def __init__(self, hidden_size, kernel_size, bias=False, activation="silu", backend=None, device=None,
+                 dtype=None, **_):
+        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias,
+                         padding=kernel_size - 1, device=device, dtype=dtype)
+        check(activation in (None, "silu", "swish"), f"ShortConvolution activation {activation!r} is not modelled")
+        self.activation = activation
+
+    def causal(self, x):
+        """x [B, T, C] -> [B, T, C]."""
+        T = x.shape[1]
+        y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, padding=self.kernel_size[0] - 1,
+                     groups=self.groups)[..., :T].transpose(1, 2)
+        return F.silu(y) if self.activation else y
+
+    def forward(self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, **kwargs):
+        check(residual is None and mask is None and cache is None and not output_final_state
+              and kwargs.get("cp_context") is None,
+              "ShortConvolution stand-in: residual / mask / cache / final state / context parallelism not modelled")
+        if cu_seqlens is None:
+            return self.causal(x), None
+        check(x.shape[0] == 1, "ShortConvolution with cu_seqlens takes one flattened row")
+        bounds = [int(b) for b in cu_seqlens.reshape(-1).tolist()]
+        return torch.cat([self.causal(x[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dim=1), None
+
+
+class GatedRmsNorm(torch.nn.Module):
+    """fla.modules.FusedRMSNormGated: x / sqrt(mean(x^2) + eps) * weight * act(g) over the last
+    dimension (norm first, then the gate; act sigmoid for K3, swish otherwise), in fp32."""
+
+    def __init__(self, hidden_size, elementwise_affine=True, eps=1e-5, activation="swish", device=None, dtype=None):
+        super().__init__()
+        check(elementwise_affine and activation in ("sigmoid", "swish", "silu"),
+              f"FusedRMSNormGated(elementwise_affine={elementwise_affine}, activation={activation!r}) is not modelled")
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps, self.activation = eps, activation
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.weight)
+
+    def forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+        check(residual is None and not prenorm, "FusedRMSNormGated stand-in: residual / prenorm not modelled")
+        xf, gf = x.float(), g.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        gate = torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf)
+        return (y * gate).to(x.dtype)
+
+
+def l2_normalised(x):
+    """fla's (and transformers') l2norm: x / sqrt(sum x^2 + 1e-6)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+# Options of fla's KDA kernels that change nothing here: the state's memory layout (NeMo discards the
+# state), the gate clamp to [lower_bound, 0) (NeMo's gate is inside it already), recompute, chunking.
+KDA_HARMLESS_OPTIONS = {"safe_gate", "transpose_state_layout", "state_v_first", "lower_bound", "disable_recompute",
+                        "chunk_size", "cu_seqlens_cpu"}
+KDA_CROSSCHECK = []  # (max |recurrence - transformers' chunked|, max |recurrence|) of each kernel call
+
+
+def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, **options):
+    """fla's chunk_kda / fused_recurrent_kda with a precomputed log decay g, token by token in fp32.
+    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] (<= 0), beta [B, T, H]. Per head, S [K, V] from
+    zero at each sequence or document start:
+        S <- diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = scale S^T q_t
+    with scale K^-1/2 by default and q, k L2-normalised first when asked. Returns (o, final S or None)."""
+    unknown = sorted(key for key, val in options.items() if key not in KDA_HARMLESS_OPTIONS and val is not None and val is not False)
+    check(initial_state is None and not unknown, f"KDA kernel stand-in: options not modelled: initial_state "
+          f"{initial_state is not None}, {unknown}")
+    if cu_seqlens is not None:
+        check(q.shape[0] == 1, "KDA with cu_seqlens takes one flattened row")
+        bounds = [int(b) for b in cu_seqlens.reshape(-1).tolist()]
+        parts = [recurrent_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, None, False,
+                               use_qk_l2norm_in_kernel) for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat([o for o, _ in parts], dim=1), None
+    B, T, H, K = k.shape
+    qf, kf, vf, gf, bf = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        qf, kf = l2_normalised(qf), l2_normalised(kf)
+    scale = K ** -0.5 if scale is None else scale
+    S = vf.new_zeros(B, H, K, vf.shape[-1])
+    outs = []
+    for t in range(T):
+        S = S * gf[:, t].exp().unsqueeze(-1)
+        kt = kf[:, t]
+        delta = bf[:, t].unsqueeze(-1) * (vf[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S))
+        S = S + torch.einsum("bhk,bhv->bhkv", kt, delta)
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", qf[:, t], S))
+    o = torch.stack(outs, dim=1)
+    crosscheck_kda(qf, kf, vf, gf, bf, scale, o)
+    return o.to(v.dtype), (S if output_final_state else None)
+
+
+def transformers_chunk_kda():
+    """transformers' own torch KDA for kimi_linear (chunked, 64 tokens), if this version has one taking
+    (q, k, v, g = log decay, beta) first."""
+    try:
+        mod = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
+        fn = getattr(mod, "torch_chunk_kda", None)
+        names = list(inspect.signature(fn).parameters)[:5] if callable(fn) else []
+    except Exception:  # noqa: BLE001 - only a cross-check
+        return None
+    return fn if len(names) == 5 and names[3] == "g" and names[4] == "beta" else None
+
+
+def crosscheck_kda(q, k, v, g, beta, scale, o):
+    """Records how far the recurrence is from transformers' chunked torch KDA on the same inputs
+    (q, k already normalised; its scale is K^-1/2). Reported, never fatal: versions differ in names."""
+    fn = transformers_chunk_kda()
+    if fn is None or abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        return
+    try:
+        with torch.no_grad():
+            out = fn(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach())
+        ref = out[0] if isinstance(out, (tuple, list)) else out
+        if tuple(ref.shape) == tuple(o.shape):
+            KDA_CROSSCHECK.append(((ref.float() - o.detach()).abs().max().item(), o.detach().abs().max().item()))
+    except Exception as exc:  # noqa: BLE001
+        KDA_CROSSCHECK.append((f"{type(exc).__name__}: {exc}", None))
+
+
+def install_kda_stand_ins(nemo):
+    """Puts the stand-ins under the names NeMo's kimi_k3 model module imported from fla. The decay gate
+    stays NeMo's: with fla's fused_kda_gate marked as lacking lower_bound, NeMo's _fused_kda_gate takes
+    its own _torch_kda_gate for K3's bounded gate."""
+    m = nemo.model
+
+    def no_fused_gate(*_args, **_kwargs):
+        fail("NeMo called fla's fused_kda_gate; with gate_lower_bound set it should take _torch_kda_gate")
+
+    m.ShortConvolution, m.FusedRMSNormGated = CausalShortConv, GatedRmsNorm
+    m.chunk_kda = m.fused_recurrent_kda = recurrent_kda
+    m.fused_kda_gate = no_fused_gate
+    m._FUSED_KDA_GATE_HAS_G_BIAS = m._FUSED_KDA_GATE_HAS_LOWER_BOUND = False
+    m._SHORT_CONV_OK = m._FUSED_RMSNORM_GATED_OK = m._CHUNK_KDA_OK = m._RECURRENT_KDA_OK = m._KDA_GATE_OK = True
+
+
+# ----------------------------------------------------------------------------------------------
 # config.json
 # ----------------------------------------------------------------------------------------------
 
 
-def k3_config_json(variant):
+def k3_config_json(variant, plan):
     """A released-style kimi_k3 config.json (KimiK3Config's layout): the language model's settings
     in text_config (model_type kimi_linear), a vision_config, and for packed experts the
     compressed-tensors quantization_config."""
     experts, block, (beta, linear_beta), (groups, topk_groups), scaling = variant
     c = COMMON
-    n = c["num_hidden_layers"]
+    n = plan.n
     text = dict(
         model_type="kimi_linear", architectures=["KimiK3ForCausalLM"],
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
@@ -201,9 +385,9 @@ def k3_config_json(variant):
         q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
         qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"], mla_use_nope=True,
         mla_use_output_gate=True,
-        # 1-based as released; no KDA layer (fla is absent), K3's KDA settings kept for the importer.
-        linear_attn_config=dict(kda_layers=[], full_attn_layers=list(range(1, n + 1)), head_dim=8, num_heads=2,
-                                short_conv_kernel_size=4, use_full_rank_gate=True, gate_lower_bound=-5.0),
+        # 1-based as released; K3's KDA settings also where no layer is KDA (for the importer).
+        linear_attn_config=dict(kda_layers=[L + 1 for L in plan.kda],
+                                full_attn_layers=[L + 1 for L in range(n) if L not in plan.kda], **KDA),
         attn_res_block_size=block, num_nextn_predict_layers=0,
     )
     if experts == "mxfp4":
@@ -244,7 +428,7 @@ def load_nemo_config(nemo, hf_dir, warn):
 # ----------------------------------------------------------------------------------------------
 
 
-def build_model(nemo, config, variant, device):
+def build_model(nemo, config, variant, device, plan):
     """NeMo's KimiK3ForCausalLM with the eager attention backend and the torch expert loop, in fp32."""
     experts, block, (beta, linear_beta), groups, scaling = variant
     backend = nemo.BackendConfig(attn="eager", linear="torch", rms_norm="torch", experts="torch",
@@ -259,12 +443,22 @@ def build_model(nemo, config, variant, device):
           and tc.routed_expert_hidden_size == c["routed_expert_hidden_size"] and tc.latent_moe_use_norm,
           f"NeMo's config did not take config.json's K3 settings: {tc}")
     layers = model.model.layers
-    check(list(layers) == [str(i) for i in range(c["num_hidden_layers"])], f"layers {list(layers)}")
+    check(list(layers) == [str(i) for i in range(plan.n)], f"layers {list(layers)}")
     for i, layer in layers.items():
         i = int(i)
         attn = layer.self_attn
-        check(type(attn).__name__ == "KimiMLAAttention" and attn.use_output_gate and attn.q_lora_rank == c["q_lora_rank"],
-              f"layer {i}: {type(attn).__name__}, want gated MLA with q LoRA")
+        if i in plan.kda:
+            check(type(attn).__name__ == "KimiDeltaAttention" and layer.is_linear_attn and attn.use_full_rank_gate
+                  and attn.gate_lower_bound == KDA["gate_lower_bound"] and attn.num_heads == KDA["num_heads"]
+                  and attn.head_dim == KDA["head_dim"] and attn.conv_size == KDA["short_conv_kernel_size"]
+                  and hasattr(attn, "g_proj") and not hasattr(attn, "g_a_proj")
+                  and all(isinstance(getattr(attn, f"{s}_conv1d")._fp32_params, CausalShortConv) for s in "qkv")
+                  and isinstance(attn.o_norm._fp32_params, GatedRmsNorm),
+                  f"layer {i}: {type(attn).__name__}, want K3's KDA (full-rank gate, lower bound, the stand-ins)")
+            check(getattr(attn.config, "kda_use_qk_l2norm_in_kernel", True), f"layer {i}: q/k L2 norm outside the kernel")
+        else:
+            check(type(attn).__name__ == "KimiMLAAttention" and attn.use_output_gate
+                  and attn.q_lora_rank == c["q_lora_rank"], f"layer {i}: {type(attn).__name__}, want gated MLA with q LoRA")
         check(layer.use_attn_residuals and layer.attn_res_block_size == block, f"layer {i}: no attention residuals")
         if i == 0:
             check(type(layer.mlp).__name__ == "KimiK3MLP", f"layer 0 is {type(layer.mlp).__name__}, want the dense MLP")
@@ -286,7 +480,7 @@ def build_model(nemo, config, variant, device):
 @torch.no_grad()
 def init_weights(model, seed):
     """Every parameter from one seeded generator (matrices N(0, 1/fan_in), norms 1 + 0.1 N(0, 1), the
-    router's score bias U[0, 0.2)); NeMo's own init (zero residual queries, ones) would leave the
+    router's score bias U[0, 0.2); KDA's A_log and dt_bias as below, its convs [C, 1, W] N(0, 1/W)); NeMo's own init (zero residual queries, ones) would leave the
     depth mixes uniform and hide their weights."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
@@ -298,6 +492,10 @@ def init_weights(model, seed):
             val = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
         elif "norm" in name:
             val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif name.endswith(".A_log"):  # KDA: exp(A_log) in [0.5, 3)
+            val = torch.log(0.5 + 2.5 * torch.rand(p.shape, generator=gen))
+        elif name.endswith(".dt_bias"):  # KDA: decays from ~0 (long memory) to the lower bound
+            val = -2.5 + torch.randn(p.shape, generator=gen)
         else:
             fail(f"init_weights: unexpected parameter {name} {tuple(p.shape)}")
         p.copy_(val.to(p.dtype))
@@ -307,6 +505,17 @@ def init_weights(model, seed):
 
 
 EXPERT_KEY = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+
+
+def unpadded_a_log(key, value):
+    """NeMo's to_hf writes a KDA layer's A_log [H] zero-padded to a multiple of 128 entries, as the
+    released K3 stores it; the fixture keeps the H entries (the docstring says why)."""
+    if not key.endswith(".self_attn.A_log"):
+        return value
+    heads = KDA["num_heads"]
+    check(value.ndim == 1 and value.shape[0] >= heads and not value[heads:].any(),
+          f"{key}: {tuple(value.shape)}, want [{heads}] zero-padded")
+    return value[:heads].contiguous()
 
 
 def e2m1(codes):
@@ -334,7 +543,7 @@ def checkpoint_tensors(model, experts, seed):
     gen = torch.Generator().manual_seed(seed + 7)
     out = {}
     for key in sorted(hf):
-        value = hf[key].detach().cpu().contiguous()
+        value = unpadded_a_log(key, hf[key].detach().cpu().contiguous())
         if EXPERT_KEY.search(key):
             if experts == "bf16":
                 out[key] = value.to(torch.bfloat16)
@@ -367,6 +576,7 @@ def check_loaded(model, written):
         k for k in written if not k.endswith(("_packed", "_scale"))}
     check(set(hf) == want_keys, f"to_hf names differ from the file's: {sorted(set(hf) ^ want_keys)[:6]}")
     for key, value in hf.items():
+        value = unpadded_a_log(key, value)
         if key + "_packed" in written:
             want = mxfp4_decode(written[key + "_packed"].numpy(), written[key + "_scale"].numpy())
         else:
@@ -389,18 +599,20 @@ def checkpoint_summary(keys):
 # ----------------------------------------------------------------------------------------------
 
 
-def lora_config():
+def lora_config(targets):
     return LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, use_rslora=False, bias="none",
-                      init_lora_weights=True, target_modules=list(LINEAR_TARGETS), target_parameters=list(MLP_PARAMS))
+                      init_lora_weights=True, target_modules=list(targets), target_parameters=list(MLP_PARAMS))
 
 
-def expected_adapter_modules():
+def expected_adapter_modules(plan):
     """Native module paths PEFT must wrap."""
-    n = COMMON["num_hidden_layers"]
     out = set()
-    for L in range(n):
+    for L in range(plan.n):
         p = f"model.layers.{L}"
-        out.update(f"{p}.self_attn.{m}" for m in LINEAR_TARGETS[:6])
+        if L in plan.kda:
+            out.update(f"{p}.self_attn.{m}" for m in KDA_TARGETS + ["g_proj", "o_proj"])
+        else:
+            out.update(f"{p}.self_attn.{m}" for m in LINEAR_TARGETS[:6])
         if L == 0:
             out.update(f"{p}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj"))
         else:
@@ -409,10 +621,11 @@ def expected_adapter_modules():
     return out
 
 
-def attach_lora(model, seed):
-    pm = get_peft_model(model, lora_config())
+def attach_lora(model, seed, plan):
+    targets = linear_targets(plan)
+    pm = get_peft_model(model, lora_config(targets))
     live = pm.peft_config["default"]
-    check(set(live.target_modules) == set(LINEAR_TARGETS) and set(live.target_parameters or []) == set(MLP_PARAMS)
+    check(set(live.target_modules) == set(targets) and set(live.target_parameters or []) == set(MLP_PARAMS)
           and not live.rank_pattern and not live.alpha_pattern,
           f"PEFT rewrote the LoRA config: target_modules={live.target_modules} target_parameters="
           f"{live.target_parameters} rank_pattern={live.rank_pattern} alpha_pattern={live.alpha_pattern}")
@@ -428,7 +641,7 @@ def attach_lora(model, seed):
             else:
                 val = B_STD * torch.randn(p.shape, generator=gen)
             p.copy_(val.to(p.dtype))
-    want = expected_adapter_modules()
+    want = expected_adapter_modules(plan)
     check(wrapped == want, f"PEFT wrapped {sorted(wrapped ^ want)[:8]} unlike the plan (missing or extra)")
     return pm
 
@@ -479,12 +692,12 @@ def save_adapter(pm, model, adapter_dir):
 # ----------------------------------------------------------------------------------------------
 
 
-def make_batch(vocab, seed):
+def make_batch(vocab, seed, seq=SEQ, masked=EXTRA_MASKED):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, vocab, (BATCH, seq), generator=gen)
     labels = torch.full_like(ids, IGNORE)
     labels[:, :-1] = ids[:, 1:]
-    for b, t in EXTRA_MASKED:
+    for b, t in masked:
         labels[b, t] = IGNORE
     return ids, labels
 
@@ -529,7 +742,7 @@ def forward(model, ids, labels):
     finally:
         for h in handles:
             h.remove()
-    check(tuple(logits.shape) == (BATCH, SEQ, COMMON["vocab_size"]), f"logits shape {tuple(logits.shape)}")
+    check(tuple(logits.shape) == tuple(ids.shape) + (COMMON["vocab_size"],), f"logits shape {tuple(logits.shape)}")
     return logits, mf.masked_mean_ce(logits, labels), store
 
 
@@ -548,9 +761,9 @@ def plain_name(key):
 
 
 class K3NumpyReference(mf.NumpyReference):
-    """Kimi K3 (all layers MLA) in float64 from config.json, model.safetensors and the adapter only:
-    gated NoPE MLA, SiTU MLPs, the latent MoE, block attention residuals (docs/HF_SEMANTICS.md,
-    Kimi K3 sections); MXFP4 experts decoded by mxfp4_decode."""
+    """Kimi K3 in float64 from config.json, model.safetensors and the adapter only: gated NoPE MLA,
+    KDA in its recurrent form, SiTU MLPs, the latent MoE, block attention residuals
+    (docs/HF_SEMANTICS.md, Kimi-Linear and Kimi K3 sections); MXFP4 experts decoded by mxfp4_decode."""
 
     def __init__(self, hf_dir, adapter_dir):
         # Not mf.NumpyReference's loader: numpy's safetensors reader has no BF16.
@@ -573,9 +786,46 @@ class K3NumpyReference(mf.NumpyReference):
         with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
             self.ad = {plain_name(k): f.get_tensor(k).double().numpy() for k in f.keys()}
         self.used = set()
+        self.kda_layers = {L - 1 for L in self.c["linear_attn_config"]["kda_layers"]}
 
     def override(self, key, value):
         self.ad[plain_name(key)] = value
+
+    def kda(self, h, L):
+        """KDA with q/k/v projections and one causal conv + SiLU each, per-head L2 norm, the bounded
+        decay g = lower_bound sigmoid(exp(A_log) (f + dt_bias)), the delta rule token by token, then
+        the per-head RMSNorm gated by sigmoid(g_proj(h)) and o_proj."""
+        lin = self.c["linear_attn_config"]
+        H, d, W = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
+        B, T, _ = h.shape
+        p = f"model.layers.{L}.self_attn"
+
+        def stream(s):
+            x = self.linear(h, f"{p}.{s}_proj")
+            w = self.w[f"{p}.{s}_conv1d.weight"].reshape(H * d, W)
+            y = np.zeros_like(x)
+            for j in range(W):  # weight column j meets token t - (W - 1 - j)
+                lag = W - 1 - j
+                y[:, lag:] += x[:, :T - lag] * w[:, j]
+            return (y / (1 + np.exp(-y))).reshape(B, T, H, d)
+
+        q, k, v = stream("q"), stream("k"), stream("v")
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        f = self.linear(self.linear(h, f"{p}.f_a_proj"), f"{p}.f_b_proj").reshape(B, T, H, d)
+        a = np.exp(self.w[f"{p}.A_log"].reshape(-1)[:H])[:, None]
+        g = lin["gate_lower_bound"] / (1 + np.exp(-a * (f + self.w[f"{p}.dt_bias"].reshape(H, d))))
+        beta = 1 / (1 + np.exp(-self.linear(h, f"{p}.b_proj")))  # [B, T, H]
+        S = np.zeros((B, H, d, d))  # [key channel, value channel]
+        o = np.zeros((B, T, H, d))
+        for t in range(T):
+            S = S * np.exp(g[:, t])[..., None]
+            delta = beta[:, t, :, None] * (v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], S))
+            S = S + np.einsum("bhk,bhv->bhkv", k[:, t], delta)
+            o[:, t] = np.einsum("bhk,bhkv->bhv", q[:, t], S) * d ** -0.5
+        gate = self.linear(h, f"{p}.g_proj").reshape(B, T, H, d)
+        o = o / np.sqrt((o * o).mean(-1, keepdims=True) + self.c["rms_norm_eps"]) * self.w[f"{p}.o_norm.weight"]
+        return self.linear((o / (1 + np.exp(-gate))).reshape(B, T, H * d), f"{p}.o_proj")
 
     def rms(self, x, wkey, eps=None):
         eps = self.c["rms_norm_eps"] if eps is None else eps
@@ -660,7 +910,8 @@ class K3NumpyReference(mf.NumpyReference):
             if L % block == 0:
                 blocks.append(h)
                 partial = None
-            a = self.attention(self.rms(x, f"{p}.input_layernorm.weight"), L)
+            mixer = self.kda if L in self.kda_layers else self.attention
+            a = mixer(self.rms(x, f"{p}.input_layernorm.weight"), L)
             partial = a if partial is None else partial + a
             m = self.rms(self.mix(blocks + [partial], f"{p}.mlp_res"), f"{p}.post_attention_layernorm.weight")
             h = partial + (self.moe(m, L) if L >= c["first_k_dense_replace"] else self.mlp(m, f"{p}.mlp"))
@@ -676,20 +927,25 @@ class K3NumpyReference(mf.NumpyReference):
 def make_one(nemo, name, out_root, device, seed, results):
     variant = VARIANTS[name]
     experts = variant[0]
+    plan = layer_plan(name)
+    if plan.kda:
+        install_kda_stand_ins(nemo)
+        KDA_CROSSCHECK.clear()
     out_dir = os.path.join(out_root, name)
     tmp_dir = out_dir + ".tmp"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     print(f"\n=== {name}: experts {experts}, attn_res_block_size {variant[1]}, SiTU betas {variant[2]}, "
-          f"groups {variant[3]}, routed_scaling_factor {variant[4]}")
+          f"groups {variant[3]}, routed_scaling_factor {variant[4]}"
+          + (f", KDA layers {plan.kda} of {plan.n}, {plan.seq} tokens" if plan.kda else ""))
     warn = []
 
     with open(os.path.join(tmp_dir, "config.json"), "w") as f:
-        json.dump(k3_config_json(variant), f, indent=2, sort_keys=True)
+        json.dump(k3_config_json(variant, plan), f, indent=2, sort_keys=True)
         f.write("\n")
     config = load_nemo_config(nemo, tmp_dir, warn)
     torch.manual_seed(seed)
-    model = build_model(nemo, config, variant, device)
+    model = build_model(nemo, config, variant, device, plan)
     init_weights(model, seed)
     written = checkpoint_tensors(model, experts, seed)
     torch_save_file(written, os.path.join(tmp_dir, "model.safetensors"))
@@ -701,19 +957,19 @@ def make_one(nemo, name, out_root, device, seed, results):
     print(f"  dtypes {dtypes}; loaded back through NeMo's from_hf: identical")
     model.eval()
 
-    pm = attach_lora(model, seed + 1)
+    pm = attach_lora(model, seed + 1, plan)
     adapter_dir = os.path.join(tmp_dir, "adapter")
     adapter, acfg = save_adapter(pm, model, adapter_dir)
     print(f"  adapter: {len(adapter)} tensors, target_modules={acfg.get('target_modules')} "
           f"target_parameters={acfg.get('target_parameters')}")
 
     # A batch whose routing has no near-ties (float32 C++ must pick the same experts).
-    moe_layers = list(range(1, COMMON["num_hidden_layers"]))
+    moe_layers = list(range(1, plan.n))
     groups = variant[3]
     ns = types.SimpleNamespace(n_routed_experts=COMMON["num_experts"], n_group=groups[0], topk_group=groups[1],
                                num_experts_per_tok=COMMON["num_experts_per_token"])
     for attempt in range(mf.MAX_DATA_TRIES):
-        ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt)
+        ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt, plan.seq, plan.masked)
         with torch.no_grad():
             _, _, store = forward(model, ids.to(device), labels.to(device))
         margin = math.inf
@@ -765,10 +1021,10 @@ def make_one(nemo, name, out_root, device, seed, results):
 
     # Reload: a fresh NeMo model from the files, the adapter through NeMo's from_hf names.
     try:
-        model2 = build_model(nemo, load_nemo_config(nemo, tmp_dir, warn), variant, device)
+        model2 = build_model(nemo, load_nemo_config(nemo, tmp_dir, warn), variant, device, plan)
         load_checkpoint(model2, tmp_dir)
         model2.eval()
-        pm2 = get_peft_model(model2, lora_config())
+        pm2 = get_peft_model(model2, lora_config(linear_targets(plan)))
         with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
             sd = {native_adapter_key(k): f.get_tensor(k) for k in f.keys()}
         res = set_peft_model_state_dict(pm2, sd)
@@ -802,6 +1058,12 @@ def make_one(nemo, name, out_root, device, seed, results):
                       P + "1.block_sparse_moe.shared_experts.down_proj.lora_A.weight",
                       P + "2.block_sparse_moe.routed_expert_down_proj.lora_A.weight",
                       P + "3.self_attn.g_proj.lora_B.weight", P + "4.block_sparse_moe.routed_expert_up_proj.lora_B.weight"]
+            if plan.kda:  # KDA's streams (conv + L2 norm, decay, beta, output gate, v) and an MLA layer
+                probes = [P + "0.self_attn.q_proj.lora_A.weight", P + "1.self_attn.f_a_proj.lora_A.weight",
+                          P + "2.self_attn.b_proj.lora_B.weight", P + "4.self_attn.g_proj.lora_B.weight",
+                          P + "4.self_attn.v_proj.lora_A.weight", P + "3.self_attn.q_b_proj.lora_A.weight",
+                          P + "0.mlp.up_proj.lora_B.weight",
+                          P + "5.block_sparse_moe.routed_expert_up_proj.lora_B.weight"]
             worst = 0.0
             for key in probes:
                 g = grads[key].numpy()
@@ -833,7 +1095,7 @@ def make_one(nemo, name, out_root, device, seed, results):
         golden[f"grad.{key}"] = g.contiguous()
     for key, v in store.items():
         if key.startswith(("hidden.", "attn_in.", "mlp_in.", "attn_out.", "mlp_out.")):
-            golden[key] = v.cpu().float().reshape(BATCH, SEQ, -1).contiguous()
+            golden[key] = v.cpu().float().reshape(*ids.shape, -1).contiguous()
     for L in moe_layers:
         idx = store[f"router.layers.{L}.raw_index"].cpu()
         wts = store[f"router.layers.{L}.raw_weight"].cpu()
@@ -849,6 +1111,23 @@ def make_one(nemo, name, out_root, device, seed, results):
         "min_routing_margin": f"{margin:.6e}", "experts_checkpoint": experts, "warnings": json.dumps(warn),
         "loss": f"{loss.item():.9e}",
     }
+    if plan.kda:
+        compared = [(d, o) for d, o in KDA_CROSSCHECK if o is not None]
+        worst = max((d / max(o, 1e-30) for d, o in compared), default=None)
+        failed = sorted({d for d, o in KDA_CROSSCHECK if o is None})
+        if worst is None:
+            note = "not run: " + (failed[0] if failed else "this transformers has no torch_chunk_kda")
+        else:
+            note = f"max |d| / max |o| {worst:.2e} over {len(compared)} calls"
+            if worst > 1e-4:
+                warn.append(f"the KDA recurrence differs from transformers' torch_chunk_kda by {worst:.2e}")
+        print(f"  KDA recurrence vs transformers' torch_chunk_kda: {note}")
+        meta.update({
+            "kda_layers": json.dumps(plan.kda), "warnings": json.dumps(warn),
+            "kda_kernels": "fla absent: ShortConvolution, FusedRMSNormGated, chunk_kda / fused_recurrent_kda replaced "
+                           "by this script's torch stand-ins; NeMo's own _torch_kda_gate",
+            "kda_vs_transformers_chunk_kda": note, "a_log_storage": f"[{KDA['num_heads']}] (to_hf's zero padding cut)",
+        })
     torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
                     metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})
 
