@@ -1,14 +1,21 @@
 // Causal depthwise short convolution within segments (KDA's q/k/v conv; kernels/ops.h,
 // ShortConvArgs), with SiLU, forward and backward.
 //
-// A thread owns one channel and walks a tile of kTileTokens consecutive tokens (threads of a warp
-// hold consecutive channels, so every token's loads are coalesced), keeping the last kMaxWidth
-// inputs (and, backward, pre-activation gradients) in registers with the segment each came from.
-// Windows are aligned to their newest element, so loops are over compile-time kMaxWidth with the
-// taps past `width` zero. Backward, one walk gives dx (the gradient of token u needs dz of tokens
-// u .. u + width - 1, so the walk runs kMaxWidth - 1 tokens past the tile) and each tile's partial
-// dweight; a second kernel adds the tiles' partials in order (deterministic).
+// A thread owns kChunk consecutive channels (8 with one 16-byte load per token when the rows allow
+// it, else 1) and walks a tile of kTileTokens consecutive tokens (threads of a warp hold
+// consecutive chunks, so every token's loads are coalesced), keeping the last kWindow inputs (and,
+// backward, pre-activation gradients) in registers with the segment each came from. The tile's
+// segment ids are looked up once per block into shared memory, not per thread and token. Loads run
+// kPrefetch tokens ahead of the arithmetic (the compiler cannot hoist them past the stores, which
+// may alias as far as it knows), so each warp keeps several loads in flight: the kernel is
+// bandwidth-bound. Windows are aligned to their newest element, so loops are over the compile-time
+// kWindow (4 for widths up to 4, Kimi's; else 8) with the taps past `width` zero. Backward, one walk
+// gives dx (the gradient of token u needs dz of tokens u .. u + width - 1, so the walk runs
+// kWindow - 1 tokens past the tile) and each tile's partial dweight; a second kernel adds the
+// tiles' partials in order (deterministic).
 #include "kernels/cuda/short_conv.h"
+
+#include <initializer_list>
 
 #include "kernels/cuda/attention_segments.cuh"
 #include "core/base/tensor.h"
@@ -19,8 +26,9 @@
 namespace moetrain::kernels::cuda_ops {
 namespace {
 
-constexpr int kConvThreads = 128;
-constexpr int kTileTokens = 128;
+constexpr int kConvThreads = 64;
+constexpr int kTileTokens = 64;
+constexpr int kPrefetch = 4;
 
 struct ConvShape {
   int64_t tokens;
@@ -32,122 +40,193 @@ struct ConvShape {
 
 __device__ __forceinline__ float sigmoidf(float z) { return 1.0f / (1.0f + __expf(-z)); }
 
-// The segment of token t (its index in cu_seqlens), -1 outside [0, tokens).
-__device__ __forceinline__ int segment_of(const int32_t* cu_seqlens, const ConvShape& s, int64_t t) {
-  if (t < 0 || t >= s.tokens) return -1;
-  return segment_index(cu_seqlens, s.segments, static_cast<int>(t));
+// Shared segment ids of tokens [first, first + count) (-1 outside [0, tokens)); the whole block
+// must call it.
+__device__ __forceinline__ void load_segments(int* seg, const int32_t* cu_seqlens, const ConvShape& s, int64_t first,
+                                              int count) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    const int64_t t = first + i;
+    seg[i] = t < 0 || t >= s.tokens ? -1 : segment_index(cu_seqlens, s.segments, static_cast<int>(t));
+  }
+  __syncthreads();
 }
 
-// Taps in window order: tap[j] multiplies the input j tokens back (weight column width - 1 - j).
-__device__ __forceinline__ void load_taps(float (&tap)[kShortConvMaxWidth], ConstOperand weight, int64_t c,
+// Taps in window order: tap[j][e] multiplies channel c0 + e's input j tokens back (weight column
+// width - 1 - j).
+template <int kWindow, int kChunk>
+__device__ __forceinline__ void load_taps(float (&tap)[kWindow][kChunk], ConstOperand weight, int64_t c0,
                                           int width) {
 #pragma unroll
-  for (int j = 0; j < kShortConvMaxWidth; ++j)
-    tap[j] = j < width ? load_one(weight, c * width + (width - 1 - j)) : 0.0f;
+  for (int j = 0; j < kWindow; ++j)
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) tap[j][e] = j < width ? load_one(weight, (c0 + e) * width + (width - 1 - j)) : 0.0f;
 }
 
-// Shifts a window left by one and puts (value, segment) at its newest slot.
-__device__ __forceinline__ void push(float (&value)[kShortConvMaxWidth], int (&seg)[kShortConvMaxWidth], float v,
+// Shifts a window left by one and puts (values, segment) at its newest slot.
+template <int kWindow, int kChunk>
+__device__ __forceinline__ void push(float (&value)[kWindow][kChunk], int (&seg)[kWindow], const float (&v)[kChunk],
                                      int s) {
 #pragma unroll
-  for (int j = 0; j + 1 < kShortConvMaxWidth; ++j) {
-    value[j] = value[j + 1];
+  for (int j = 0; j + 1 < kWindow; ++j) {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) value[j][e] = value[j + 1][e];
     seg[j] = seg[j + 1];
   }
-  value[kShortConvMaxWidth - 1] = v;
-  seg[kShortConvMaxWidth - 1] = s;
-}
-
-// The pre-activation of the newest token of the x window (segment `s`).
-__device__ __forceinline__ float conv_newest(const float (&x)[kShortConvMaxWidth], const int (&xs)[kShortConvMaxWidth],
-                                             const float (&tap)[kShortConvMaxWidth], int s) {
-  float z = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kShortConvMaxWidth; ++j) {
-    const int slot = kShortConvMaxWidth - 1 - j;
-    if (xs[slot] == s) z = fmaf(tap[j], x[slot], z);
-  }
-  return z;
+  for (int e = 0; e < kChunk; ++e) value[kWindow - 1][e] = v[e];
+  seg[kWindow - 1] = s;
 }
 
+// The pre-activations of the newest token of the x window (segment `s`).
+template <int kWindow, int kChunk>
+__device__ __forceinline__ void conv_newest(float (&z)[kChunk], const float (&x)[kWindow][kChunk],
+                                            const int (&xs)[kWindow], const float (&tap)[kWindow][kChunk], int s) {
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) z[e] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) {
+    const int slot = kWindow - 1 - j;
+    if (xs[slot] == s)
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) z[e] = fmaf(tap[j][e], x[slot][e], z[e]);
+  }
+}
+
+template <int kChunk>
+__device__ __forceinline__ void load_or_zero(float (&v)[kChunk], ConstOperand src, int64_t i, bool valid) {
+  if (valid) {
+    load_chunk<kChunk>(v, src, i);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) v[e] = 0.0f;
+  }
+}
+
+template <int kWindow, int kChunk>
 __global__ void __launch_bounds__(kConvThreads) short_conv_forward_kernel(MutOperand y, ConstOperand x,
                                                                           ConstOperand weight,
                                                                           const int32_t* cu_seqlens, ConvShape s) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kConvThreads + threadIdx.x;
-  if (c >= s.channels) return;
+  constexpr int kHalo = kWindow - 1;
+  __shared__ int seg_of[kTileTokens + kHalo];
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
   const int64_t t1 = min(t0 + kTileTokens, s.tokens);
-  float tap[kShortConvMaxWidth];
-  load_taps(tap, weight, c, s.width);
-  float xw[kShortConvMaxWidth];
-  int xs[kShortConvMaxWidth];
+  const int64_t first = t0 - kHalo;  // seg_of[i] is token first + i
+  load_segments(seg_of, cu_seqlens, s, first, static_cast<int>(t1 - first));
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kConvThreads + threadIdx.x) * kChunk;
+  if (c0 >= s.channels) return;
+  float tap[kWindow][kChunk];
+  load_taps(tap, weight, c0, s.width);
+  float xw[kWindow][kChunk] = {};
+  int xs[kWindow];
 #pragma unroll
-  for (int j = 0; j < kShortConvMaxWidth; ++j) {
-    xw[j] = 0.0f;
-    xs[j] = -1;
-  }
-  for (int64_t t = t0 - (kShortConvMaxWidth - 1); t < t1; ++t) {
-    const int seg = segment_of(cu_seqlens, s, t);
-    push(xw, xs, seg >= 0 ? load_one(x, t * s.channels + c) : 0.0f, seg);
-    if (t < t0) continue;
-    const float z = conv_newest(xw, xs, tap, seg);
-    store_one(y, t * s.channels + c, s.silu ? z * sigmoidf(z) : z);
+  for (int j = 0; j < kWindow; ++j) xs[j] = -1;
+  for (int64_t tb = first; tb < t1; tb += kPrefetch) {
+    float v[kPrefetch][kChunk];
+    int vs[kPrefetch];
+#pragma unroll
+    for (int p = 0; p < kPrefetch; ++p) {
+      const int64_t t = tb + p;
+      vs[p] = t < t1 ? seg_of[t - first] : -1;
+      load_or_zero(v[p], x, t * s.channels + c0, vs[p] >= 0);
+    }
+#pragma unroll
+    for (int p = 0; p < kPrefetch; ++p) {
+      const int64_t t = tb + p;
+      if (t >= t1) break;
+      push(xw, xs, v[p], vs[p]);
+      if (t < t0) continue;
+      float z[kChunk];
+      conv_newest(z, xw, xs, tap, vs[p]);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) z[e] = s.silu ? z[e] * sigmoidf(z[e]) : z[e];
+      store_chunk<kChunk>(y, t * s.channels + c0, z);
+    }
   }
 }
 
 // dx for the tile; partial[tile][c][j] = sum over the tile's tokens t of dz[t] x[t - j] (same segment).
+template <int kWindow, int kChunk>
 __global__ void __launch_bounds__(kConvThreads) short_conv_backward_kernel(MutOperand dx, float* partial,
                                                                            ConstOperand dy, ConstOperand x,
                                                                            ConstOperand weight,
                                                                            const int32_t* cu_seqlens, ConvShape s) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kConvThreads + threadIdx.x;
-  if (c >= s.channels) return;
+  constexpr int kHalo = kWindow - 1;
+  __shared__ int seg_of[kTileTokens + 2 * kHalo];
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
   const int64_t t1 = min(t0 + kTileTokens, s.tokens);
-  float tap[kShortConvMaxWidth];
-  load_taps(tap, weight, c, s.width);
-  float xw[kShortConvMaxWidth], dzw[kShortConvMaxWidth], dw[kShortConvMaxWidth];
-  int xs[kShortConvMaxWidth], dzs[kShortConvMaxWidth];
+  // dz is needed from t0 to kHalo past the tile; x from kHalo before t0 (the window of t0's
+  // pre-activation).
+  const int64_t first = t0 - kHalo, last = t1 + kHalo;  // seg_of[i] is token first + i
+  load_segments(seg_of, cu_seqlens, s, first, static_cast<int>(last - first));
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kConvThreads + threadIdx.x) * kChunk;
+  if (c0 >= s.channels) return;
+  float tap[kWindow][kChunk];
+  load_taps(tap, weight, c0, s.width);
+  float xw[kWindow][kChunk] = {}, dzw[kWindow][kChunk] = {}, dw[kWindow][kChunk] = {};
+  int xs[kWindow], dzs[kWindow];
 #pragma unroll
-  for (int j = 0; j < kShortConvMaxWidth; ++j) {
-    xw[j] = dzw[j] = dw[j] = 0.0f;
-    xs[j] = dzs[j] = -1;
-  }
-  // dz is needed from t0 on; x from kMaxWidth - 1 before it (the window of t0's pre-activation).
-  for (int64_t t = t0 - (kShortConvMaxWidth - 1); t < t1 + (kShortConvMaxWidth - 1); ++t) {
-    const int seg = segment_of(cu_seqlens, s, t);
-    push(xw, xs, seg >= 0 ? load_one(x, t * s.channels + c) : 0.0f, seg);
-    if (t < t0) continue;
-    float dz = 0.0f;
-    if (seg >= 0) {
-      dz = load_one(dy, t * s.channels + c);
-      if (s.silu) {
-        const float z = conv_newest(xw, xs, tap, seg), sg = sigmoidf(z);
-        dz *= sg * (1.0f + z * (1.0f - sg));
-      }
-      if (t < t1) {
+  for (int j = 0; j < kWindow; ++j) xs[j] = dzs[j] = -1;
+  for (int64_t tb = first; tb < last; tb += kPrefetch) {
+    float xv[kPrefetch][kChunk], dyv[kPrefetch][kChunk];
+    int vs[kPrefetch];
 #pragma unroll
-        for (int j = 0; j < kShortConvMaxWidth; ++j) {
-          const int slot = kShortConvMaxWidth - 1 - j;
-          if (xs[slot] == seg) dw[j] = fmaf(dz, xw[slot], dw[j]);
+    for (int p = 0; p < kPrefetch; ++p) {
+      const int64_t t = tb + p;
+      vs[p] = t < last ? seg_of[t - first] : -1;
+      load_or_zero(xv[p], x, t * s.channels + c0, vs[p] >= 0);
+      load_or_zero(dyv[p], dy, t * s.channels + c0, vs[p] >= 0 && t >= t0);
+    }
+#pragma unroll
+    for (int p = 0; p < kPrefetch; ++p) {
+      const int64_t t = tb + p;
+      if (t >= last) break;
+      const int seg = vs[p];
+      push(xw, xs, xv[p], seg);
+      if (t < t0) continue;
+      float dz[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) dz[e] = dyv[p][e];
+      if (seg >= 0) {
+        if (s.silu) {
+          float z[kChunk];
+          conv_newest(z, xw, xs, tap, seg);
+#pragma unroll
+          for (int e = 0; e < kChunk; ++e) {
+            const float sg = sigmoidf(z[e]);
+            dz[e] *= sg * (1.0f + z[e] * (1.0f - sg));
+          }
+        }
+        if (t < t1) {
+#pragma unroll
+          for (int j = 0; j < kWindow; ++j) {
+            const int slot = kWindow - 1 - j;
+            if (xs[slot] == seg)
+#pragma unroll
+              for (int e = 0; e < kChunk; ++e) dw[j][e] = fmaf(dz[e], xw[slot][e], dw[j][e]);
+          }
         }
       }
-    }
-    push(dzw, dzs, dz, seg);
-    // Token u = t - (kMaxWidth - 1) now has every dz it needs: dx[u] = sum_j tap[j] dz[u + j].
-    const int64_t u = t - (kShortConvMaxWidth - 1);
-    if (u >= t0 && u < t1) {
-      float sum = 0.0f;
+      push(dzw, dzs, dz, seg);
+      // Token u = t - kHalo now has every dz it needs: dx[u] = sum_j tap[j] dz[u + j].
+      const int64_t u = t - kHalo;
+      if (u >= t0 && u < t1) {
+        float sum[kChunk] = {};
 #pragma unroll
-      for (int j = 0; j < kShortConvMaxWidth; ++j)
-        if (dzs[j] == dzs[0]) sum = fmaf(tap[j], dzw[j], sum);
-      store_one(dx, u * s.channels + c, sum);
+        for (int j = 0; j < kWindow; ++j)
+          if (dzs[j] == dzs[0])
+#pragma unroll
+            for (int e = 0; e < kChunk; ++e) sum[e] = fmaf(tap[j][e], dzw[j][e], sum[e]);
+        store_chunk<kChunk>(dx, u * s.channels + c0, sum);
+      }
     }
   }
   if (partial != nullptr) {
-    float* out = partial + (static_cast<int64_t>(blockIdx.y) * s.channels + c) * kShortConvMaxWidth;
 #pragma unroll
-    for (int j = 0; j < kShortConvMaxWidth; ++j) out[j] = dw[j];
+    for (int e = 0; e < kChunk; ++e) {
+      float* out = partial + (static_cast<int64_t>(blockIdx.y) * s.channels + c0 + e) * kShortConvMaxWidth;
+#pragma unroll
+      for (int j = 0; j < kWindow; ++j) out[j] = dw[j][e];
+    }
   }
 }
 
@@ -168,8 +247,24 @@ ConvShape shape_of(const TensorView& x, const TensorView& weight, const TensorVi
   return {x.size(0), x.size(1), static_cast<int>(weight.size(1)), static_cast<int>(cu_seqlens.numel() - 1), silu};
 }
 
-dim3 grid_of(const ConvShape& s) {
-  return dim3(static_cast<unsigned>((s.channels + kConvThreads - 1) / kConvThreads),
+// The kernel's compile-time window and channel chunk for a shape: windows of 4 for Kimi's width
+// 4 (8 above), 8-channel chunks when every row starts 16-byte aligned (and only with the short
+// window, whose registers leave room for them).
+struct Variant {
+  int window;
+  int chunk;
+};
+
+Variant variant_of(const ConvShape& s, std::initializer_list<const void*> pointers) {
+  bool aligned = s.channels % 8 == 0;
+  for (const void* p : pointers) aligned = aligned && aligned16(p);
+  const int window = s.width <= 4 ? 4 : kShortConvMaxWidth;
+  return {window, window == 4 && aligned ? 8 : 1};
+}
+
+dim3 grid_of(const ConvShape& s, int chunk) {
+  const int64_t threads = (s.channels + chunk - 1) / chunk;
+  return dim3(static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads),
               static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
 }
 
@@ -178,9 +273,18 @@ dim3 grid_of(const ConvShape& s) {
 void short_conv_forward(const ShortConvArgs& args, cudaStream_t stream) {
   const ConvShape s = shape_of(args.x, args.weight, args.cu_seqlens, args.silu);
   if (s.tokens == 0 || s.channels == 0 || s.segments <= 0) return;
-  short_conv_forward_kernel<<<grid_of(s), kConvThreads, 0, stream>>>(
-      {args.y.data, kind_of(args.y.dtype)}, {args.x.data, kind_of(args.x.dtype)},
-      {args.weight.data, kind_of(args.weight.dtype)}, static_cast<const int32_t*>(args.cu_seqlens.data), s);
+  const Variant v = variant_of(s, {args.x.data, args.y.data});
+  const MutOperand y{args.y.data, kind_of(args.y.dtype)};
+  const ConstOperand x{args.x.data, kind_of(args.x.dtype)}, weight{args.weight.data, kind_of(args.weight.dtype)};
+  const auto* cu = static_cast<const int32_t*>(args.cu_seqlens.data);
+  const dim3 grid = grid_of(s, v.chunk);
+  if (v.window == 4 && v.chunk == 8) {
+    short_conv_forward_kernel<4, 8><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, s);
+  } else if (v.window == 4) {
+    short_conv_forward_kernel<4, 1><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, s);
+  } else {
+    short_conv_forward_kernel<kShortConvMaxWidth, 1><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, s);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
@@ -192,7 +296,8 @@ void short_conv_backward(const ShortConvBackwardArgs& args, cudaStream_t stream)
     if (want_dweight) CUDA_CHECK(cudaMemsetAsync(args.dweight.data, 0, args.dweight.nbytes(), stream));
     return;
   }
-  const dim3 grid = grid_of(s);
+  const Variant v = variant_of(s, {args.x.data, args.dx.data, args.dy.data});
+  const dim3 grid = grid_of(s, v.chunk);
   // Per-tile partial sums: a temporary like any other (the backend's one stream orders its use).
   Tensor partials;
   if (want_dweight) {
@@ -200,10 +305,18 @@ void short_conv_backward(const ShortConvBackwardArgs& args, cudaStream_t stream)
                       cuda::device_allocator());
   }
   float* partial = want_dweight ? partials.ptr<float>() : nullptr;
-  short_conv_backward_kernel<<<grid, kConvThreads, 0, stream>>>(
-      {args.dx.data, kind_of(args.dx.dtype)}, partial, {args.dy.data, kind_of(args.dy.dtype)},
-      {args.x.data, kind_of(args.x.dtype)}, {args.weight.data, kind_of(args.weight.dtype)},
-      static_cast<const int32_t*>(args.cu_seqlens.data), s);
+  const MutOperand dx{args.dx.data, kind_of(args.dx.dtype)};
+  const ConstOperand dy{args.dy.data, kind_of(args.dy.dtype)}, x{args.x.data, kind_of(args.x.dtype)},
+      weight{args.weight.data, kind_of(args.weight.dtype)};
+  const auto* cu = static_cast<const int32_t*>(args.cu_seqlens.data);
+  if (v.window == 4 && v.chunk == 8) {
+    short_conv_backward_kernel<4, 8><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight, cu, s);
+  } else if (v.window == 4) {
+    short_conv_backward_kernel<4, 1><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight, cu, s);
+  } else {
+    short_conv_backward_kernel<kShortConvMaxWidth, 1><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight,
+                                                                                        cu, s);
+  }
   CUDA_CHECK_LAUNCH();
   if (want_dweight) {
     const int64_t n = s.channels * s.width;

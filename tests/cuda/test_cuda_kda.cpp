@@ -212,59 +212,63 @@ TEST_CASE("cuda kda stays finite and matches the CPU under strong and weak decay
 // ---------------------------------------------------------------------------------------------
 // Short convolution
 
+// Channels 200 take the 8-channel vector path, 203 the scalar one; widths up to 4 the short window,
+// 6 the long one; 300 tokens span several tiles.
 TEST_CASE("cuda short_conv forward and backward match the CPU, packed, with and without SiLU") {
   uint64_t seed = 7000;
   const std::vector<std::vector<int32_t>> layouts = {{0, 1}, {0, 2, 2, 5, 140, 300}, {0, 257}};
   for (const auto& cu_values : layouts)
     for (DType dtype : {DType::kBF16, DType::kF32})
       for (bool silu : {true, false})
-        for (int64_t width : {int64_t{4}, int64_t{3}}) {
-          const int64_t tokens = cu_values.back(), channels = 200;
-          INFO(std::string(dtype_name(dtype)) + (silu ? " silu" : " linear") + " width " + std::to_string(width) +
-               " " + layout_name(cu_values));
-          const Operand cu = segments(cu_values);
-          const Operand x = random_operand({tokens, channels}, dtype, ++seed);
-          const Operand weight = random_operand({channels, width}, dtype, ++seed, 0.1, 0.8);
-          Operand y = output_operand({tokens, channels}, dtype);
-          kernels::ShortConvArgs fwd;
-          fwd.silu = silu;
-          fwd.y = y.dev;
-          fwd.x = x.dev;
-          fwd.weight = weight.dev;
-          fwd.cu_seqlens = cu.dev;
-          gpu().short_conv_forward(fwd);
-          fwd.y = y.host;
-          fwd.x = x.host;
-          fwd.weight = weight.host;
-          fwd.cu_seqlens = cu.host;
-          cpu().short_conv_forward(fwd);
-          CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "short_conv y");
+        for (int64_t width : {int64_t{4}, int64_t{3}, int64_t{6}})
+          for (int64_t channels : {int64_t{200}, int64_t{203}}) {
+            const int64_t tokens = cu_values.back();
+            INFO(std::string(dtype_name(dtype)) + (silu ? " silu" : " linear") + " width " + std::to_string(width) +
+                 " channels " + std::to_string(channels) + " " + layout_name(cu_values));
+            const Operand cu = segments(cu_values);
+            const Operand x = random_operand({tokens, channels}, dtype, ++seed);
+            const Operand weight = random_operand({channels, width}, dtype, ++seed, 0.1, 0.8);
+            Operand y = output_operand({tokens, channels}, dtype);
+            kernels::ShortConvArgs fwd;
+            fwd.silu = silu;
+            fwd.y = y.dev;
+            fwd.x = x.dev;
+            fwd.weight = weight.dev;
+            fwd.cu_seqlens = cu.dev;
+            gpu().short_conv_forward(fwd);
+            fwd.y = y.host;
+            fwd.x = x.host;
+            fwd.weight = weight.host;
+            fwd.cu_seqlens = cu.host;
+            cpu().short_conv_forward(fwd);
+            CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "short_conv y");
 
-          for (bool with_dweight : {true, false}) {
-            const Operand dy = random_operand({tokens, channels}, dtype, ++seed);
-            Operand dx = output_operand({tokens, channels}, dtype);
-            Operand dweight = output_operand({channels, width}, DType::kF32);
-            kernels::ShortConvBackwardArgs bwd;
-            bwd.silu = silu;
-            bwd.dx = dx.dev;
-            bwd.dweight = with_dweight ? dweight.dev.view() : TensorView{};
-            bwd.dy = dy.dev;
-            bwd.x = x.dev;
-            bwd.weight = weight.dev;
-            bwd.cu_seqlens = cu.dev;
-            gpu().short_conv_backward(bwd);
-            bwd.dx = dx.host;
-            bwd.dweight = with_dweight ? dweight.host.view() : TensorView{};
-            bwd.dy = dy.host;
-            bwd.x = x.host;
-            bwd.weight = weight.host;
-            bwd.cu_seqlens = cu.host;
-            cpu().short_conv_backward(bwd);
-            CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "short_conv dx");
-            if (with_dweight)
-              CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "short_conv dweight");
+            for (bool with_dweight : {true, false}) {
+              const Operand dy = random_operand({tokens, channels}, dtype, ++seed);
+              Operand dx = output_operand({tokens, channels}, dtype);
+              Operand dweight = output_operand({channels, width}, DType::kF32);
+              kernels::ShortConvBackwardArgs bwd;
+              bwd.silu = silu;
+              bwd.dx = dx.dev;
+              bwd.dweight = with_dweight ? dweight.dev.view() : TensorView{};
+              bwd.dy = dy.dev;
+              bwd.x = x.dev;
+              bwd.weight = weight.dev;
+              bwd.cu_seqlens = cu.dev;
+              gpu().short_conv_backward(bwd);
+              bwd.dx = dx.host;
+              bwd.dweight = with_dweight ? dweight.host.view() : TensorView{};
+              bwd.dy = dy.host;
+              bwd.x = x.host;
+              bwd.weight = weight.host;
+              bwd.cu_seqlens = cu.host;
+              cpu().short_conv_backward(bwd);
+              CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "short_conv dx");
+              if (with_dweight)
+                CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32),
+                                       "short_conv dweight");
+            }
           }
-        }
 }
 
 // ---------------------------------------------------------------------------------------------
