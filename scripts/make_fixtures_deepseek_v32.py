@@ -516,7 +516,8 @@ def make_one(name, out_root, device, seed, results):
     k = min(cfg.index_topk, SEQ)
     for L in range(cfg.num_hidden_layers):
         rows = hf_selection(store[f"indexer.layers.{L}.raw_index"].cpu(), SEQ)
-        # moetrain's layout (DsaIndexerArgs): [tokens, k], keys ascending, -1 padded; tokens b * SEQ + s.
+        # moetrain's layout (DsaIndexerArgs): [tokens, k], keys ascending, -1 padded; tokens b * SEQ + s,
+        # but keys numbered within their window (moetrain's indexer writes b * SEQ + key).
         golden[f"indexer.layers.{L}.topk_index"] = torch.tensor([r + [-1] * (k - len(r)) for r in rows],
                                                                 dtype=torch.int32)
     meta = {

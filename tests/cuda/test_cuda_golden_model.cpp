@@ -18,6 +18,7 @@
 #include "core/model/hf_names.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
+#include "dsa_golden_probe.h"
 #include "golden_files.h"
 #include "kernels/ops.h"
 
@@ -203,6 +204,40 @@ TEST_CASE("cuda golden: a doubled LoRA B falls outside the bf16 tolerances", "[c
     CHECK(std::fabs(loss - golden_loss) > kLossTolerance * std::fabs(golden_loss));
     CHECK(a_gradient_error > kGradientTolerance);
   }
+}
+
+// On demand (hidden), for the OPEN deepseek_v32 case above: where the bf16 GPU run leaves the
+// reference. Prints, per layer, the residual stream's error against the fixture, the indexer's
+// operands against a CPU F32 run, and the top-k choices that differ from the fixture's with the
+// reference's margins there (dsa_golden_probe.h); then the GPU run again with the fixture's
+// selections forced, and the CPU F32 run with the GPU's. A CPU emulation of the CUDA path's bf16
+// roundings (2026-12-02, one-off) flips 1 of layer 0's 22 contested choices (relative margin
+// 0.027), and the errors that follow flip 5 more downstream: logits 0.576, loss 4.4044, as on
+// the H200; with the fixture's selections forced it gives 0.016 and 3.6e-4 relative. The checks
+// below are that hypothesis on the GPU: forced selections land inside the bf16 tolerances.
+//   test_cuda_golden_model "[.dsa_diag]"
+TEST_CASE("cuda golden: deepseek_v32 bf16 miss, layer by layer", "[.dsa_diag]") {
+  const std::string dir = testing::golden_dir("deepseek_v32");
+  SafetensorsFile golden(dir + "/golden.safetensors");
+  const int64_t seq_len = golden_batch(golden).seq_len;
+  auto cpu = kernels::make_cpu_backend();
+  auto gpu = kernels::make_cuda_backend();
+  const testing::ProbeRun reference = testing::probe_fixture(*cpu, DType::kF32, dir);
+  testing::report_probe("CPU F32", reference, reference, golden, seq_len);
+  testing::ProbeRun free_run = testing::probe_fixture(*gpu, DType::kBF16, dir);
+  testing::report_probe("CUDA BF16", free_run, reference, golden, seq_len);
+  const auto layers = static_cast<int64_t>(reference.indexer.size());
+  const testing::ProbeRun forced =
+      testing::probe_fixture(*gpu, DType::kBF16, dir, testing::fixture_selections(golden, layers, seq_len));
+  testing::report_probe("CUDA BF16 with the fixture's selections", forced, reference, golden, seq_len);
+  std::vector<Tensor> gpu_choices;
+  for (testing::IndexerCall& call : free_run.indexer) gpu_choices.push_back(std::move(call.selected));
+  testing::report_probe("CPU F32 with the CUDA run's selections",
+                        testing::probe_fixture(*cpu, DType::kF32, dir, std::move(gpu_choices)), reference, golden,
+                        seq_len);
+  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+  CHECK(scaled_error(forced.logits, golden.read_as("logits", DType::kF64)) <= kLogitsTolerance);
+  CHECK(std::fabs(forced.loss - golden_loss) <= kLossTolerance * std::fabs(golden_loss));
 }
 
 }  // namespace moetrain
