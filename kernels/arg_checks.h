@@ -150,6 +150,15 @@ inline void expect_combine_shapes(const char* op, const TensorView& out, const T
 
 // MXFP4 b (GroupedGemmArgs::b_scale): M-grouped only; a [rows, k], c [rows, n], b and b_scale
 // packed along b's input dimension (k with transpose_b, else n), a whole number of 32-groups.
+inline void expect_random_mxfp4_shapes(const char* op, const RandomMxfp4Args& args) {
+  expect_dtype_is(op, "codes", args.codes, DType::kU8);
+  expect_dtype_is(op, "scales", args.scales, DType::kU8);
+  const int64_t cols = 2 * last_dim(op, "codes", args.codes);
+  expect(cols % 32 == 0, op, describe("codes", args.codes) + ": a row is not whole groups of 32 values");
+  expect_numel(op, "scales", args.scales, args.codes.numel() * 2 / 32);
+  expect(args.half_width >= 0.0, op, "half_width must not be negative");
+}
+
 inline void expect_grouped_gemm_mxfp4_shapes(const char* op, const GroupedGemmArgs& args, int64_t groups) {
   expect(args.kind == GroupedGemmKind::kMGrouped, op, "an MXFP4 b (b_scale given) is M-grouped only");
   expect_ndim(op, "a", args.a, 2);

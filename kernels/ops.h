@@ -81,6 +81,20 @@ struct GroupedGemmArgs {
   TensorView b_scale;
 };
 
+// The random initialisation of frozen MXFP4 weights (Kimi K3's experts: 33B values per layer, too
+// many to make and quantize on the host): codes [..., cols / 2] and scales [..., cols / 32] (U8,
+// the format of GroupedGemmArgs::b_scale; leading dimensions fold into rows) receive the MXFP4
+// quantization (kernels/cpu/mxfp4.h, mxfp4_quantize) of the uniform weights
+//   w[r, c] = uniform_weight(seed + first_element + r * cols + c, half_width)   (core/base/random.h),
+// the same bytes on every backend.
+struct RandomMxfp4Args {
+  TensorView codes;
+  TensorView scales;
+  uint64_t seed = 0;
+  uint64_t first_element = 0;
+  double half_width = 0.0;
+};
+
 // y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps), per row of length `dim`.
 struct RmsNormArgs {
   TensorView y;     // [rows, dim]
@@ -575,6 +589,8 @@ class Backend {
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
   virtual void convert(const TensorView& dst, const TensorView& src) = 0;
   virtual void fill(const TensorView& dst, double value) = 0;
+  // Random frozen MXFP4 weights, made where they live (RandomMxfp4Args).
+  virtual void random_mxfp4(const RandomMxfp4Args& args) = 0;
 
   // Elementwise: y = alpha * x + beta * y (same shapes).
   virtual void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) = 0;

@@ -61,6 +61,9 @@ void TimingBackend::convert(const TensorView& dst, const TensorView& src) {
 void TimingBackend::fill(const TensorView& dst, double value) {
   timed("fill", [&] { inner_.fill(dst, value); });
 }
+void TimingBackend::random_mxfp4(const RandomMxfp4Args& args) {
+  timed("random_mxfp4", [&] { inner_.random_mxfp4(args); });
+}
 void TimingBackend::axpby(const TensorView& y, const TensorView& x, double alpha, double beta) {
   timed("axpby", [&] { inner_.axpby(y, x, alpha, beta); });
 }

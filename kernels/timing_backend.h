@@ -65,6 +65,7 @@ class TimingBackend : public Backend {
   void copy(const TensorView& dst, const TensorView& src) override;
   void convert(const TensorView& dst, const TensorView& src) override;
   void fill(const TensorView& dst, double value) override;
+  void random_mxfp4(const RandomMxfp4Args& args) override;
   void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override;
   double sum_squares(const TensorView& x) override;
   void copy_columns(const CopyColumnsArgs& args) override;

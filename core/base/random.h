@@ -8,12 +8,22 @@
 #include <utility>
 #include <vector>
 
+#include "core/base/host_device.h"
+
 namespace moetrain {
 
-inline uint64_t mix64(uint64_t z) {
+MOETRAIN_HOST_DEVICE inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+// Random initialisation: the value of weight element `counter` (seed + its index), uniform in
+// [-half_width, half_width). A pure function of the counter, so any slice of a tensor (a rank's
+// shard or experts) holds what the whole tensor would, and the GPU can make the same values.
+MOETRAIN_HOST_DEVICE inline double uniform_weight(uint64_t counter, double half_width) {
+  const double unit = static_cast<double>(mix64(counter + 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;  // [0, 1)
+  return (2.0 * unit - 1.0) * half_width;
 }
 
 // splitmix64 (Steele, Lea, Flood 2014): a tiny generator with a fully specified output.

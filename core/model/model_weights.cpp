@@ -47,17 +47,16 @@ struct RandomFill {
   uint64_t first_element = 0;  // the tensor is a slice starting here (a rank's experts)
 };
 
+// The uniform distribution's half width for a standard deviation.
+double uniform_half_width(double stddev) { return stddev * std::sqrt(3.0); }
+
 void fill_random(const Tensor& host, const RandomFill& fill) {
   const int64_t n = host.numel();
-  const double half_width = fill.stddev * std::sqrt(3.0);
+  const double half_width = uniform_half_width(fill.stddev);
   auto fill_range = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       double v = fill.constant;
-      if (fill.stddev > 0) {
-        uint64_t counter = fill.seed + fill.first_element + static_cast<uint64_t>(i);
-        double unit = static_cast<double>(mix64(counter + 0x9e3779b97f4a7c15ull) >> 11) * 0x1.0p-53;
-        v = (2.0 * unit - 1.0) * half_width;
-      }
+      if (fill.stddev > 0) v = uniform_weight(fill.seed + fill.first_element + static_cast<uint64_t>(i), half_width);
       switch (host.dtype()) {
         case DType::kF64: host.ptr<double>()[i] = v; break;
         case DType::kF32: host.ptr<float>()[i] = static_cast<float>(v); break;
@@ -113,8 +112,20 @@ int64_t checked_row_size(const HfCheckpoint& checkpoint, const HfPiece& piece) {
   const int64_t dim0 = stored.ndim() > 0 ? stored[0] : 1;
   const int64_t row = dim0 > 0 ? stored.numel() / dim0 : 0;
   const int64_t rows = piece.rows < 0 ? dim0 : piece.rows;
-  const bool fits = piece.any_layout ? piece.first_row + rows <= dim0 && row * rows == piece.numel
-                                     : stored == piece.shape;
+  bool fits = piece.any_layout ? piece.first_row + rows <= dim0 && row * rows == piece.numel : stored == piece.shape;
+  if (!fits && piece.zero_padded && piece.rows < 0 && stored.numel() > piece.numel &&
+      (dim0 == stored.numel() || row == stored.numel())) {
+    const Tensor all = checkpoint.read_rows_as(piece.name, 0, dim0, DType::kF64);
+    int64_t nonzero = 0;
+    for (int64_t i = piece.numel; i < all.numel(); ++i) nonzero += all.ptr<double>()[i] != 0.0;
+    MOETRAIN_CHECK(nonzero == 0, ExitCode::kBadCheckpoint,
+                   fmt::format("{}: tensor \"{}\" in {} has {} elements where config.json implies {}, and {} of the "
+                               "ones past {} are not zero (a zero-padded copy, as Kimi K3 stores A_log, would be "
+                               "read): the config's head count does not match the checkpoint",
+                               checkpoint.dir(), piece.name, checkpoint.file_of(piece.name), stored.numel(),
+                               piece.numel, nonzero, piece.numel));
+    fits = true;
+  }
   if (!fits) {
     std::string expected = piece.any_layout ? fmt::format("{} elements", piece.numel) : piece.shape.str();
     if (piece.rows >= 0) expected += fmt::format(" in rows [{}, {})", piece.first_row, piece.first_row + rows);
@@ -337,20 +348,16 @@ void Model::init_random_weights() {
     watchdog_progress("initialising base weights: " + slot.name);
     if (slot.scale != nullptr) {
       // MXFP4 experts: the values the BF16 experts would get (the same generator over the same
-      // logical elements), quantized one expert at a time.
-      Mxfp4Expert expert = mxfp4_expert_of(slot);
-      log::info(fmt::format("initialising {} ({} experts of {} x {}) in MXFP4", slot.name, slot.tensor->size(0),
-                            expert.out, expert.in));
-      Tensor values({expert.out, expert.in}, DType::kF64);
-      RandomFill fill;
-      fill.stddev = 1.0 / std::sqrt(static_cast<double>(expert.in));
-      fill.seed = options_.seed ^ name_hash(slot.name) ^ static_cast<uint64_t>(slot.layout);
-      for (int64_t g = 0; g < slot.tensor->size(0); ++g) {
-        fill.first_element = static_cast<uint64_t>((slot.first_group + g) * expert.out * expert.in);
-        fill_random(values, fill);
-        expert.quantize(values.ptr<double>());
-        expert.upload(backend_, slot, g);
-      }
+      // logical elements), quantized; made by the backend where they live.
+      const int64_t out = slot.tensor->size(1), in = 2 * slot.tensor->size(2);
+      log::info(fmt::format("initialising {} ({} experts of {} x {}) in MXFP4", slot.name, slot.tensor->size(0), out, in));
+      kernels::RandomMxfp4Args args;
+      args.codes = slot.tensor->view();
+      args.scales = slot.scale->view();
+      args.seed = options_.seed ^ name_hash(slot.name) ^ static_cast<uint64_t>(slot.layout);
+      args.first_element = static_cast<uint64_t>(slot.first_group * out * in);
+      args.half_width = uniform_half_width(1.0 / std::sqrt(static_cast<double>(in)));
+      backend_.random_mxfp4(args);
       continue;
     }
     const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor);

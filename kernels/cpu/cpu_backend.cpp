@@ -108,6 +108,14 @@ class CpuBackend final : public Backend {
     cpu::fill(dst, value);
   }
 
+  void random_mxfp4(const RandomMxfp4Args& args) override {
+    const char* op = "random_mxfp4";
+    expect_host(op, "codes", args.codes);
+    expect_host(op, "scales", args.scales);
+    expect_random_mxfp4_shapes(op, args);
+    cpu::random_mxfp4(args);
+  }
+
   void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override {
     const char* op = "axpby";
     const DType dtype = compute_dtype(op, {{"y", &y}, {"x", &x}});

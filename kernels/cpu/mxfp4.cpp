@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/base/bf16.h"
+#include "core/base/random.h"
 #include "kernels/arg_checks.h"
 #include "kernels/cpu/dense.h"
 
@@ -67,22 +68,6 @@ void mxfp4_dequantize(const TensorView& out, const TensorView& packed, const Ten
   }
 }
 
-namespace {
-
-// The E2M1 code (magnitude bits only) nearest to |x| <= 6 (larger saturates to 6), ties to the
-// even mantissa bit.
-uint8_t nearest_e2m1_magnitude(double x) {
-  static const double kMagnitudes[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
-  uint8_t best = 0;
-  for (uint8_t c = 1; c < 8; ++c) {
-    const double here = std::fabs(x - kMagnitudes[c]), there = std::fabs(x - kMagnitudes[best]);
-    if (here < there || (here == there && (c & 1) == 0)) best = c;
-  }
-  return best;
-}
-
-}  // namespace
-
 void mxfp4_quantize(uint8_t* packed, uint8_t* scales, const double* values, int64_t rows, int64_t cols) {
   const int64_t groups = cols / kMxfp4GroupSize;
   for (int64_t r = 0; r < rows; ++r) {
@@ -90,25 +75,24 @@ void mxfp4_quantize(uint8_t* packed, uint8_t* scales, const double* values, int6
       const double* v = values + r * cols + g * kMxfp4GroupSize;
       double amax = 0.0;
       for (int64_t i = 0; i < kMxfp4GroupSize; ++i) amax = std::max(amax, std::fabs(v[i]));
-      // The smallest e with amax <= 6 * 2^e: frexp gives amax / 6 = f 2^x, f in [0.5, 1).
-      int exponent = -127;
-      if (amax > 0.0) {
-        int x = 0;
-        const double f = std::frexp(amax / 6.0, &x);
-        exponent = std::clamp(f == 0.5 ? x - 1 : x, -127, 127);
-      }
+      const int exponent = mxfp4_exponent(amax);
       scales[r * groups + g] = static_cast<uint8_t>(exponent + 127);
       uint8_t* bytes = packed + (r * cols + g * kMxfp4GroupSize) / 2;
-      for (int64_t i = 0; i < kMxfp4GroupSize; ++i) {
-        const uint8_t code = static_cast<uint8_t>(nearest_e2m1_magnitude(std::fabs(std::ldexp(v[i], -exponent))) |
-                                                  (std::signbit(v[i]) ? 0x8 : 0x0));
-        if (i % 2 == 0) {
-          bytes[i / 2] = code;
-        } else {
-          bytes[i / 2] = static_cast<uint8_t>(bytes[i / 2] | code << 4);
-        }
-      }
+      for (int64_t i = 0; i < kMxfp4GroupSize; i += 2)
+        bytes[i / 2] = static_cast<uint8_t>(mxfp4_code(v[i], exponent) | mxfp4_code(v[i + 1], exponent) << 4);
     }
+  }
+}
+
+void random_mxfp4(const RandomMxfp4Args& args) {
+  const int64_t cols = 2 * args.codes.size(-1), rows = args.codes.numel() / args.codes.size(-1);
+  auto* codes = static_cast<uint8_t*>(args.codes.data);
+  auto* scales = static_cast<uint8_t*>(args.scales.data);
+  std::vector<double> row(static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint64_t first = args.seed + args.first_element + static_cast<uint64_t>(r * cols);
+    for (int64_t c = 0; c < cols; ++c) row[c] = uniform_weight(first + static_cast<uint64_t>(c), args.half_width);
+    mxfp4_quantize(codes + r * (cols / 2), scales + r * (cols / kMxfp4GroupSize), row.data(), 1, cols);
   }
 }
 

@@ -15,11 +15,12 @@
 
 #include <cstdint>
 
+#include "kernels/mxfp4_format.h"
 #include "kernels/ops.h"
 
 namespace moetrain::kernels::cpu {
 
-constexpr int64_t kMxfp4GroupSize = 32;  // values per E8M0 scale
+using kernels::kMxfp4GroupSize;
 
 double e2m1_value(uint8_t code);  // the low 4 bits
 double e8m0_value(uint8_t bits);
@@ -37,6 +38,9 @@ void mxfp4_dequantize(const TensorView& out, const TensorView& packed, const Ten
 // max |v| <= 6 * 2^e (so nothing saturates; e clamped to [-127, 127]), then each v / 2^e rounded
 // to the nearest E2M1 magnitude, ties to the one with an even mantissa bit, keeping v's sign bit.
 void mxfp4_quantize(uint8_t* packed, uint8_t* scales, const double* values, int64_t rows, int64_t cols);
+
+// Backend::random_mxfp4 (ops.h): the quantized uniform weights, made one row at a time.
+void random_mxfp4(const RandomMxfp4Args& args);
 
 // The grouped GEMM with an MXFP4 b (GroupedGemmArgs::b_scale given; shapes checked by the
 // backend): b dequantized into T, then grouped_gemm<T>.

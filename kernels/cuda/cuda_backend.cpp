@@ -41,6 +41,7 @@
 #include "kernels/cuda/kda_norms.h"
 #include "kernels/cuda/memory.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/random_mxfp4.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/router.h"
@@ -196,6 +197,15 @@ class CudaBackend final : public Backend {
     uint64_t pattern = 0;
     std::memcpy(&pattern, one.data(), dtype_size(dst.dtype));
     cuda_ops::fill_pattern(dst, pattern, stream_);
+  }
+
+  void random_mxfp4(const RandomMxfp4Args& args) override {
+    const char* op = "random_mxfp4";
+    expect_device(op, "codes", args.codes);
+    expect_device(op, "scales", args.scales);
+    expect_random_mxfp4_shapes(op, args);
+    expect(reinterpret_cast<uintptr_t>(args.codes.data) % 16 == 0, op, "codes must be 16-byte aligned");
+    cuda_ops::random_mxfp4(args, stream_);
   }
 
   void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override {
