@@ -47,7 +47,9 @@ std::vector<HfLayout> kda_layouts(const std::string& name, const Shape& shape) {
   const std::string prefix = name.substr(0, at + 11);
   const std::string leaf = name.substr(at + 11);
   if (leaf == "A_log" || leaf == "dt_bias") {
-    return {{whole(name, shape, true)}, {whole(prefix + "forget_gate." + leaf, shape, true)}};
+    HfPiece released = whole(name, shape, true);
+    released.zero_padded = leaf == "A_log";
+    return {{released}, {whole(prefix + "forget_gate." + leaf, shape, true)}};
   }
   for (int64_t j = 0; j < 3; ++j) {
     if (leaf != std::string(1, "qkv"[j]) + "_conv1d.weight") continue;

@@ -30,6 +30,9 @@ struct HfPiece {
   int64_t rows = -1;        // -1: all of them
   int64_t offset = 0;
   int64_t numel = 0;
+  // A vector that may hold more elements than numel, the extra ones zero: Kimi K3 stores A_log
+  // zero-padded to a multiple of 128 heads (96 real). Its first numel elements are read.
+  bool zero_padded = false;
 };
 using HfLayout = std::vector<HfPiece>;
 

@@ -475,14 +475,22 @@ TEST_CASE("Kimi K3 weights under language_model. (the released names) load to th
   // language_model. (a vision tensor beside it is ignored).
   std::vector<std::pair<std::string, Tensor>> tensors;
   bool latent = false, mixes = false;
+  bool padded = false;
   for (auto& [name, t] : checkpoint_tensors(*model, Layout::kReleased)) {
     std::string n = replaced(name, ".mlp.routed_expert_", ".block_sparse_moe.routed_expert_");
     latent = latent || n != name;
     mixes = mixes || contains(n, "_res_proj.weight");
+    if (ends_with(n, ".self_attn.A_log")) {  // K3 pads A_log with zeros to a multiple of 128 heads
+      Tensor a_log = Tensor::zeros({128}, DType::kF64);
+      std::copy(t.ptr<double>(), t.ptr<double>() + t.numel(), a_log.ptr<double>());
+      t = std::move(a_log);
+      padded = true;
+    }
     tensors.emplace_back("language_model." + n, std::move(t));
   }
   CHECK(latent);
   CHECK(mixes);
+  CHECK(padded);
   tensors.emplace_back("vision_tower.patch_embed.proj.weight", Tensor::zeros({2, 2}, DType::kF64));
   fs::path weights = scratch("k3_weights");
   std::ofstream(weights / "config.json") << k3_config_json(kK3Keys);
@@ -492,6 +500,16 @@ TEST_CASE("Kimi K3 weights under language_model. (the released names) load to th
   loaded->load_weights(HfCheckpoint(weights.string()));
   const Batch batch = tiny_batch(spec.config.vocab_size, 11);
   CHECK(max_diff(model->logits(batch), loaded->logits(batch)) == 0.0);
+
+  // Padding that is not zero means the config's head count is not the checkpoint's.
+  for (auto& [name, t] : tensors)
+    if (ends_with(name, ".self_attn.A_log")) t.ptr<double>()[100] = 0.5;
+  fs::path bad = scratch("k3_bad_a_log");
+  std::ofstream(bad / "config.json") << k3_config_json(kK3Keys);
+  write_checkpoint(bad, tensors);
+  const std::string message = error_message([&] { loaded->load_weights(HfCheckpoint(bad.string())); });
+  CHECK(contains(message, "self_attn.A_log"));
+  CHECK(contains(message, "are not zero"));
 }
 
 TEST_CASE("a Kimi K3 adapter exported under the released names loads back exactly", "[import][k3]") {
