@@ -175,7 +175,12 @@ inline void expect_grouped_gemm_mxfp4_shapes(const char* op, const GroupedGemmAr
 // a [rows, k]; M-grouped: b [groups, k, n] (or [groups, n, k] transposed), c [rows, n];
 // K-grouped: b [rows, n], c [groups, k, n].
 inline void expect_grouped_gemm_shapes(const char* op, const GroupedGemmArgs& args, int64_t groups) {
-  if (given(args.b_scale)) return expect_grouped_gemm_mxfp4_shapes(op, args, groups);
+  expect(args.kind == GroupedGemmKind::kMGrouped || (!given(args.a2) && !given(args.b2)), op,
+         "a second product (a2, b2) is for m-grouped GEMMs only");
+  if (given(args.b_scale)) {
+    expect(!given(args.a2) && !given(args.b2), op, "a second product (a2, b2) next to an MXFP4 b");
+    return expect_grouped_gemm_mxfp4_shapes(op, args, groups);
+  }
   expect_ndim(op, "a", args.a, 2);
   const int64_t rows = args.a.size(0);
   if (args.kind == GroupedGemmKind::kMGrouped) {
@@ -186,6 +191,14 @@ inline void expect_grouped_gemm_shapes(const char* op, const GroupedGemmArgs& ar
     const int64_t n = args.transpose_b ? args.b.size(1) : args.b.size(2);
     expect(k == k_b, op, describe("a", args.a) + " . " + describe("b", args.b) + ": inner dimensions differ");
     expect_shape(op, "c", args.c, Shape{rows, n});
+    expect(given(args.a2) == given(args.b2), op, "a2 and b2 come together");
+    if (given(args.a2)) {
+      expect_ndim(op, "a2", args.a2, 2);
+      const int64_t k2 = args.a2.size(1);
+      const Shape b2_shape = args.transpose_b ? Shape{groups, n, k2} : Shape{groups, k2, n};
+      expect(args.a2.size(0) == rows, op, describe("a2", args.a2) + " and " + describe("a", args.a) + " differ in rows");
+      expect_shape(op, "b2", args.b2, b2_shape);
+    }
   } else {
     expect_ndim(op, "b", args.b, 2);
     expect(args.b.size(0) == rows, op, describe("b", args.b) + " and " + describe("a", args.a) + " differ in rows");
@@ -221,6 +234,24 @@ inline void expect_copy_columns_shapes(const char* op, const CopyColumnsArgs& ar
   expect(rows_of(args.dst) == rows_of(args.src) * args.src_row_repeat, op,
          describe("dst", args.dst) + " needs " + std::to_string(args.src_row_repeat) + " rows per row of " +
              describe("src", args.src));
+}
+
+// 3-D dst and src with one batch, the rectangle inside both.
+inline void expect_copy_block_shapes(const char* op, const CopyBlockArgs& args) {
+  expect_ndim(op, "dst", args.dst, 3);
+  expect_ndim(op, "src", args.src, 3);
+  expect(args.dst.size(0) == args.src.size(0), op,
+         describe("dst", args.dst) + " and " + describe("src", args.src) + " differ in the batch dimension");
+  expect(args.rows >= 0 && args.cols >= 0 && args.dst_row >= 0 && args.dst_col >= 0 && args.src_row >= 0 &&
+             args.src_col >= 0,
+         op, "negative rows/cols/offsets");
+  auto inside = [&](const char* name, const TensorView& t, int64_t row, int64_t col) {
+    expect(row + args.rows <= t.size(1) && col + args.cols <= t.size(2), op,
+           std::string(name) + " block [" + std::to_string(row) + ", " + std::to_string(row + args.rows) + ") x [" +
+               std::to_string(col) + ", " + std::to_string(col + args.cols) + ") exceeds " + describe(name, t));
+  };
+  inside("dst", args.dst, args.dst_row, args.dst_col);
+  inside("src", args.src, args.src_row, args.src_col);
 }
 
 // The rotated columns inside x's width `width`, x [tokens * heads, width], cos = sin [positions, rope_dim / 2].

@@ -79,6 +79,12 @@ struct GroupedGemmArgs {
   //   otherwise:    b [G, k, n / 2], b_scale [G, k, n / 32]  (n % 32 == 0; the same weight in dy W)
   // The product is that of the dequantized b (exact in BF16 short of overflow or subnormals).
   TensorView b_scale;
+  // Optional (kMGrouped, b not MXFP4): a second product summed into the same output,
+  //   c[rows_g, :] = alpha * (a[rows_g, :] . op(b[g]) + a2[rows_g, :] . op(b2[g])) + beta * c[rows_g, :]
+  // with a2 [rows, k2] and b2 [G, n, k2] (transpose_b) or [G, k2, n]: a LoRA term (x A^T) B^T
+  // folded into the base weight's GEMM as k2 more inner terms, instead of a pass of its own over c.
+  TensorView a2;
+  TensorView b2;
 };
 
 // The random initialisation of frozen MXFP4 weights (Kimi K3's experts: 33B values per layer, too
@@ -299,6 +305,22 @@ struct CopyColumnsArgs {
   int64_t src_col = 0;
   int64_t cols = 0;
   int64_t src_row_repeat = 1;
+  bool accumulate = false;
+};
+
+// A rectangle of each matrix of a batch, scaled: for b < batch, i < rows, j < cols,
+//   dst[b, dst_row + i, dst_col + j] (+)= alpha * src[b, src_row + i, src_col + j]
+// dst [batch, dst_rows, dst_width] and src [batch, src_rows, src_width] (3-D views). Packs the
+// adapters of several projections into one block-diagonal adapter for a single GEMM (and takes
+// the blocks' gradients back out); on CUDA dst and src may differ in dtype (F32 <-> BF16, rounded
+// to nearest even), on the CPU they share one.
+struct CopyBlockArgs {
+  TensorView dst;
+  TensorView src;
+  int64_t dst_row = 0, dst_col = 0;
+  int64_t src_row = 0, src_col = 0;
+  int64_t rows = 0, cols = 0;
+  double alpha = 1.0;
   bool accumulate = false;
 };
 
@@ -597,6 +619,7 @@ class Backend {
   // Sum of squares of every element, accumulated in double in a fixed order (grad norms).
   virtual double sum_squares(const TensorView& x) = 0;
   virtual void copy_columns(const CopyColumnsArgs& args) = 0;
+  virtual void copy_block(const CopyBlockArgs& args) = 0;
   // dst[t, :] = sum_h src[t, h, :]  (the backward of broadcasting over heads)
   virtual void sum_over_heads(const TensorView& dst, const TensorView& src) = 0;
 

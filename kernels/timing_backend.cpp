@@ -73,6 +73,9 @@ double TimingBackend::sum_squares(const TensorView& x) {
 void TimingBackend::copy_columns(const CopyColumnsArgs& args) {
   timed("copy_columns", [&] { inner_.copy_columns(args); });
 }
+void TimingBackend::copy_block(const CopyBlockArgs& args) {
+  timed("copy_block", [&] { inner_.copy_block(args); });
+}
 void TimingBackend::sum_over_heads(const TensorView& dst, const TensorView& src) {
   timed("sum_over_heads", [&] { inner_.sum_over_heads(dst, src); });
 }

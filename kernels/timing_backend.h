@@ -69,6 +69,7 @@ class TimingBackend : public Backend {
   void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override;
   double sum_squares(const TensorView& x) override;
   void copy_columns(const CopyColumnsArgs& args) override;
+  void copy_block(const CopyBlockArgs& args) override;
   void sum_over_heads(const TensorView& dst, const TensorView& src) override;
   void gemm(const GemmArgs& args) override;
   void grouped_gemm(const GroupedGemmArgs& args) override;

@@ -496,10 +496,14 @@ Tensor Model::loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, c
   for (int64_t begin = 0; begin < n; begin += options_.loss_chunk_rows) {
     int64_t end = std::min(n, begin + options_.loss_chunk_rows);
     Tensor logits = ctx.alloc_accum({end - begin, vocab});  // softmax statistics want F32
+    // Their gradient in the compute dtype, which the head's GEMM takes as is (BF16 on CUDA: an F32
+    // one it would first round in a pass of its own over the chunk).
+    Tensor dlogits = ctx.alloc({end - begin, vocab});
     be.gemm(GemmArgs{logits, final_hidden.slice_rows(begin, end), head, false, true, 1.0, 0.0});
-    be.cross_entropy(kernels::CrossEntropyArgs{losses.view().slice_rows(begin, end), logits, logits,
+    be.cross_entropy(kernels::CrossEntropyArgs{losses.view().slice_rows(begin, end), dlogits, logits,
                                                ctx.batch.labels.view().slice_rows(begin, end), grad_scale});
-    be.gemm(GemmArgs{dfinal.slice_rows(begin, end), logits, head, false, false, 1.0, 0.0});
+    logits.reset();
+    be.gemm(GemmArgs{dfinal.slice_rows(begin, end), dlogits, head, false, false, 1.0, 0.0});
   }
   return losses;
 }

@@ -2,7 +2,6 @@
 
 namespace moetrain {
 
-using kernels::CopyColumnsArgs;
 using kernels::GroupedGemmArgs;
 using kernels::GroupedGemmKind;
 
@@ -33,8 +32,9 @@ GroupedGemmArgs with_scale(GroupedGemmArgs args, const Tensor& scale) {
   return args;
 }
 
-// c[g] += alpha * a[rows_g]^T b[rows_g]: the per-group weight gradient.
-GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, double alpha) {
+// c[g] = alpha * a[rows_g]^T b[rows_g] + beta * c[g]: the per-group weight gradient.
+GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, double alpha,
+                          double beta) {
   GroupedGemmArgs args;
   args.kind = GroupedGemmKind::kKGrouped;
   args.c = c;
@@ -43,7 +43,7 @@ GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const GroupO
   args.group_offsets = offsets.device;
   args.host_group_offsets = offsets.host;
   args.alpha = alpha;
-  args.beta = 1.0;
+  args.beta = beta;
   return args;
 }
 
@@ -119,33 +119,131 @@ std::unique_ptr<LoraAdapter> SwigluExperts::make_adapter(const std::string& name
   return adapter;
 }
 
-TensorView SwigluExperts::stacked_a(const LoraAdapter& adapter) const {
-  const Tensor& a = adapter.a.value;
-  return a.view().reshaped({groups_, a.size(-2), a.size(-1)});
-}
-
-TensorView SwigluExperts::stacked_b(const LoraAdapter& adapter) const {
-  const Tensor& b = adapter.b.value;
-  return b.view().reshaped({groups_, b.size(-2), b.size(-1)});
-}
-
 bool SwigluExperts::shares_a(const LoraAdapter& adapter) const { return routed_ && adapter.a.value.shape().ndim() == 2; }
 
-void SwigluExperts::times_a(kernels::Backend& be, const TensorView& c, const TensorView& in, const LoraAdapter& adapter,
-                            const GroupOffsets& offsets, bool a_transposed, double alpha, double beta) const {
-  if (shares_a(adapter)) {  // every row meets the same A: one dense GEMM over all groups' rows
-    be.gemm(kernels::GemmArgs{c, in, adapter.a.value, false, a_transposed, alpha, beta});
-  } else {
-    be.grouped_gemm(grouped(c, in, stacked_a(adapter), offsets, a_transposed, alpha, beta));
+std::vector<SwigluExperts::PackedLora::Part> SwigluExperts::lora_parts(bool gate_up_output) const {
+  std::vector<PackedLora::Part> parts;
+  if (!gate_up_output) {
+    if (lora[kDown]) parts.push_back({lora[kDown].get(), 0, 0});
+    return parts;
+  }
+  if (gate_up_lora) {
+    parts.push_back({gate_up_lora.get(), 0, 0});
+    return parts;
+  }
+  int64_t rank = 0;
+  for (Projection p : {kGate, kUp}) {
+    if (!lora[p]) continue;
+    parts.push_back({lora[p].get(), p == kGate ? 0 : width_, rank});
+    rank += lora[p]->a.value.size(-2);
+  }
+  return parts;
+}
+
+void SwigluExperts::pack_lora(const LayerContext& ctx, PackedLora& packed, std::vector<PackedLora::Part> parts,
+                              int64_t in, int64_t out) const {
+  kernels::Backend& be = ctx.backend;
+  packed = PackedLora{};
+  if (parts.empty()) return;
+  packed.parts = std::move(parts);
+  for (const auto& part : packed.parts) packed.rank += part.adapter->a.value.size(-2);
+  packed.shared_a = shares_a(*packed.parts[0].adapter);
+  const int64_t a_batch = packed.shared_a ? 1 : groups_;
+  packed.a = ctx.alloc({a_batch, packed.rank, in});
+  packed.b = ctx.alloc({groups_, out, packed.rank});
+  const LoraAdapter& first = *packed.parts[0].adapter;
+  if (packed.parts.size() > 1 || first.b.value.size(-2) != out) be.fill(packed.b, 0.0);  // off the blocks
+  for (const auto& part : packed.parts) {
+    const LoraAdapter& ad = *part.adapter;
+    const int64_t r = ad.a.value.size(-2), part_out = ad.b.value.size(-2);
+    be.copy_block({packed.a, ad.a.value.view().reshaped({a_batch, r, in}), part.rank_col, 0, 0, 0, r, in, 1.0, false});
+    be.copy_block({packed.b, ad.b.value.view().reshaped({groups_, part_out, r}), part.out_row, part.rank_col, 0, 0,
+                   part_out, r, ad.scale, false});
   }
 }
 
-void SwigluExperts::add_a_gradient(kernels::Backend& be, LoraAdapter& adapter, const TensorView& dy_b,
-                                   const TensorView& in, const GroupOffsets& offsets) const {
-  if (shares_a(adapter)) {  // the sum over the groups of their (dy B_g)^T x: one GEMM over all rows
-    be.gemm(kernels::GemmArgs{adapter.a.grad, dy_b, in, true, false, adapter.scale, 1.0});
+void SwigluExperts::lora_input(const LayerContext& ctx, PackedLora& packed, const TensorView& x,
+                               const GroupOffsets& offsets) const {
+  if (packed.parts.empty()) return;
+  kernels::Backend& be = ctx.backend;
+  const int64_t in = x.size(1);
+  packed.x_a = ctx.alloc({x.size(0), packed.rank});
+  if (packed.shared_a) {  // every row meets the same A: one dense GEMM over all groups' rows
+    be.gemm(kernels::GemmArgs{packed.x_a, x, packed.a.view().reshaped({packed.rank, in}), false, true, 1.0, 0.0});
   } else {
-    be.grouped_gemm(k_grouped(adapter.a.grad.view().reshaped(stacked_a(adapter).shape), dy_b, in, offsets, adapter.scale));
+    be.grouped_gemm(grouped(packed.x_a, x, packed.a, offsets, true));
+  }
+}
+
+void SwigluExperts::project(kernels::Backend& be, GroupedGemmArgs base, const PackedLora& packed,
+                            const TensorView& lora_in, bool forward) const {
+  if (packed.parts.empty()) {
+    be.grouped_gemm(base);
+    return;
+  }
+  // Forward the LoRA term is lora_in (s B)^T, backward lora_in A: with a BF16 weight it joins the
+  // base GEMM as more inner terms (no pass of its own over c); an MXFP4 weight's kernel has no
+  // second product, and a shared A is one matrix for every group, so those take a GEMM of their own.
+  const TensorView second_b = forward ? packed.b.view() : packed.a.view();
+  if (!base.b_scale.data && (forward || !packed.shared_a)) {
+    base.a2 = lora_in;
+    base.b2 = second_b;
+    be.grouped_gemm(base);
+    return;
+  }
+  be.grouped_gemm(base);
+  if (!forward && packed.shared_a) {
+    be.gemm(kernels::GemmArgs{base.c, lora_in, second_b.reshaped({packed.rank, second_b.size(2)}), false, false,
+                              1.0, 1.0});
+  } else {
+    GroupedGemmArgs lora_term = base;
+    lora_term.a = lora_in;
+    lora_term.b = second_b;
+    lora_term.b_scale = TensorView();
+    lora_term.alpha = 1.0;
+    lora_term.beta = 1.0;
+    be.grouped_gemm(lora_term);
+  }
+}
+
+Tensor SwigluExperts::lora_dy_b(const LayerContext& ctx, const PackedLora& packed, const TensorView& dy,
+                                const GroupOffsets& offsets) const {
+  if (packed.parts.empty()) return Tensor();
+  Tensor dy_b = ctx.alloc({dy.size(0), packed.rank});
+  ctx.backend.grouped_gemm(grouped(dy_b, dy, packed.b, offsets, false));
+  return dy_b;
+}
+
+void SwigluExperts::lora_gradients(const LayerContext& ctx, const PackedLora& packed, const TensorView& dy_b,
+                                   const TensorView& dy, const TensorView& x, const GroupOffsets& offsets) const {
+  if (packed.parts.empty()) return;
+  kernels::Backend& be = ctx.backend;
+  const int64_t in = x.size(1), out = dy.size(1), rank = packed.rank;
+  const int64_t a_batch = packed.a.size(0);
+  // One adapter on the whole output takes its gradients directly; several go through a buffer
+  // the size of the packed tensors, from which each takes its blocks.
+  const LoraAdapter& first = *packed.parts[0].adapter;
+  const bool whole = packed.parts.size() == 1 && first.b.value.size(-2) == out;
+  // A: dA += dy_b^T x per group (summed over the groups when A is shared).
+  Tensor a_buffer = whole ? Tensor() : ctx.alloc_accum({a_batch, rank, in});
+  const TensorView da = whole ? first.a.grad.view().reshaped({a_batch, rank, in}) : a_buffer.view();
+  const double beta = whole ? 1.0 : 0.0;
+  if (packed.shared_a) {
+    be.gemm(kernels::GemmArgs{da.reshaped({rank, in}), dy_b, x, true, false, 1.0, beta});
+  } else {
+    be.grouped_gemm(k_grouped(da, dy_b, x, offsets, 1.0, beta));
+  }
+  // B: dB += s dy^T (x A^T) per group.
+  Tensor b_buffer = whole ? Tensor() : ctx.alloc_accum({groups_, out, rank});
+  const TensorView db = whole ? first.b.grad.view().reshaped({groups_, out, rank}) : b_buffer.view();
+  be.grouped_gemm(k_grouped(db, dy, packed.x_a, offsets, whole ? first.scale : 1.0, beta));
+  if (whole) return;
+  for (const auto& part : packed.parts) {
+    LoraAdapter& ad = *part.adapter;
+    const int64_t r = ad.a.value.size(-2), part_out = ad.b.value.size(-2);
+    be.copy_block({ad.a.grad.view().reshaped({a_batch, r, in}), a_buffer, 0, 0, part.rank_col, 0, r, in, 1.0, true});
+    be.copy_block({ad.b.grad.view().reshaped({groups_, part_out, r}), b_buffer, 0, 0, part.out_row, part.rank_col,
+                   part_out, r, ad.scale, true});
   }
 }
 
@@ -154,32 +252,19 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
   kernels::Backend& be = ctx.backend;
   int64_t rows = x.size(0);
   int64_t f = width_;
+  pack_lora(ctx, gate_up_packed_, lora_parts(true), hidden_, 2 * f);
+  pack_lora(ctx, down_packed_, lora_parts(false), f, hidden_);
+  // gate_up = x Wgu^T + (x A^T) (s B)^T
   saved_gate_up_ = ctx.alloc({rows, 2 * f});
-  be.grouped_gemm(with_scale(grouped(saved_gate_up_, x, gate_up, group_offsets, true), gate_up_scale));
-  for (Projection p : {kGate, kUp}) {
-    if (!lora[p]) continue;
-    int64_t rank = lora[p]->a.value.size(-2);
-    Tensor xa = ctx.alloc({rows, rank});
-    times_a(be, xa, x, *lora[p], group_offsets, true);
-    Tensor delta = ctx.alloc({rows, f});
-    be.grouped_gemm(grouped(delta, xa, stacked_b(p), group_offsets, true, lora[p]->scale));
-    be.copy_columns(CopyColumnsArgs{saved_gate_up_, delta, p == kGate ? 0 : f, 0, f, 1, true});
-  }
-  if (gate_up_lora) {  // gate_up += s (x A^T) B^T over all 2F columns at once
-    Tensor xa = ctx.alloc({rows, gate_up_lora->a.value.size(-2)});
-    times_a(be, xa, x, *gate_up_lora, group_offsets, true);
-    be.grouped_gemm(grouped(saved_gate_up_, xa, stacked_b(*gate_up_lora), group_offsets, true, gate_up_lora->scale, 1.0));
-  }
+  lora_input(ctx, gate_up_packed_, x, group_offsets);
+  project(be, with_scale(grouped(saved_gate_up_, x, gate_up, group_offsets, true), gate_up_scale), gate_up_packed_,
+          gate_up_packed_.x_a, true);
   saved_hidden_ = ctx.alloc({rows, f});
   if (activation.situ) be.situ_forward({saved_hidden_, saved_gate_up_, activation.beta, activation.linear_beta});
   else be.swiglu_forward(saved_hidden_, saved_gate_up_);
-  be.grouped_gemm(with_scale(grouped(out, saved_hidden_, down, group_offsets, true), down_scale));
-  if (lora[kDown]) {
-    int64_t rank = lora[kDown]->a.value.size(-2);
-    Tensor ha = ctx.alloc({rows, rank});
-    times_a(be, ha, saved_hidden_, *lora[kDown], group_offsets, true);
-    be.grouped_gemm(grouped(out, ha, stacked_b(kDown), group_offsets, true, lora[kDown]->scale, 1.0));
-  }
+  lora_input(ctx, down_packed_, saved_hidden_, group_offsets);
+  project(be, with_scale(grouped(out, saved_hidden_, down, group_offsets, true), down_scale), down_packed_,
+          down_packed_.x_a, true);
 }
 
 void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
@@ -187,62 +272,33 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
   kernels::Backend& be = ctx.backend;
   int64_t rows = x.size(0);
   int64_t f = width_;
-  // Down projection: dh = dout Wd (+ LoRA).
+  // Down projection: dh = dout Wd + (dout s B) A.
   Tensor dh = ctx.alloc({rows, f});
-  be.grouped_gemm(with_scale(grouped(dh, dout, down, group_offsets, false), down_scale));
-  if (lora[kDown]) {
-    LoraAdapter& ad = *lora[kDown];
-    int64_t rank = ad.a.value.size(-2);
-    Tensor dout_b = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(dout_b, dout, stacked_b(kDown), group_offsets, false));
-    times_a(be, dh, dout_b, ad, group_offsets, false, ad.scale, 1.0);
-    add_a_gradient(be, ad, dout_b, saved_hidden_, group_offsets);
-    Tensor ha = ctx.alloc({rows, rank});
-    times_a(be, ha, saved_hidden_, ad, group_offsets, true);
-    be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(kDown).shape), dout, ha, group_offsets, ad.scale));
-  }
+  const Tensor dout_b = lora_dy_b(ctx, down_packed_, dout, group_offsets);
+  project(be, with_scale(grouped(dh, dout, down, group_offsets, false), down_scale), down_packed_, dout_b, false);
+  lora_gradients(ctx, down_packed_, dout_b, dout, saved_hidden_, group_offsets);
   Tensor dgate_up = ctx.alloc({rows, 2 * f});
   if (activation.situ) {
     be.situ_backward(kernels::SituBackwardArgs{dgate_up, dh, saved_gate_up_, activation.beta, activation.linear_beta});
   } else {
     be.swiglu_backward(kernels::SwigluBackwardArgs{dgate_up, dh, saved_gate_up_});
   }
-  // Gate and up projections: dx = dgate_up Wgu (+ LoRA).
+  // Gate and up projections: dx (+)= dgate_up Wgu + (dgate_up s B) A.
+  const Tensor dgate_up_b = lora_dy_b(ctx, gate_up_packed_, dgate_up, group_offsets);
   if (dx.data) {
-    be.grouped_gemm(
-        with_scale(grouped(dx, dgate_up, gate_up, group_offsets, false, 1.0, accumulate_dx ? 1.0 : 0.0), gate_up_scale));
+    project(be,
+            with_scale(grouped(dx, dgate_up, gate_up, group_offsets, false, 1.0, accumulate_dx ? 1.0 : 0.0),
+                       gate_up_scale),
+            gate_up_packed_, dgate_up_b, false);
   }
-  for (Projection p : {kGate, kUp}) {
-    if (!lora[p]) continue;
-    LoraAdapter& ad = *lora[p];
-    int64_t rank = ad.a.value.size(-2);
-    Tensor dpart = ctx.alloc({rows, f});
-    be.copy_columns(CopyColumnsArgs{dpart, dgate_up, 0, p == kGate ? 0 : f, f, 1, false});
-    Tensor dpart_b = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(dpart_b, dpart, stacked_b(p), group_offsets, false));
-    if (dx.data) times_a(be, dx, dpart_b, ad, group_offsets, false, ad.scale, 1.0);
-    add_a_gradient(be, ad, dpart_b, x, group_offsets);
-    Tensor xa = ctx.alloc({rows, rank});
-    times_a(be, xa, x, ad, group_offsets, true);
-    be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(p).shape), dpart, xa, group_offsets, ad.scale));
-  }
-  if (gate_up_lora) {
-    // gate_up += s (x A^T) B^T  =>  dB += s dgate_up^T (x A^T),  dA += s (dgate_up B)^T x,  dx += s (dgate_up B) A
-    LoraAdapter& ad = *gate_up_lora;
-    const int64_t rank = ad.a.value.size(-2);
-    Tensor dgate_up_b = ctx.alloc({rows, rank});
-    be.grouped_gemm(grouped(dgate_up_b, dgate_up, stacked_b(ad), group_offsets, false));
-    if (dx.data) times_a(be, dx, dgate_up_b, ad, group_offsets, false, ad.scale, 1.0);
-    add_a_gradient(be, ad, dgate_up_b, x, group_offsets);
-    Tensor xa = ctx.alloc({rows, rank});
-    times_a(be, xa, x, ad, group_offsets, true);
-    be.grouped_gemm(k_grouped(ad.b.grad.view().reshaped(stacked_b(ad).shape), dgate_up, xa, group_offsets, ad.scale));
-  }
+  lora_gradients(ctx, gate_up_packed_, dgate_up_b, dgate_up, x, group_offsets);
 }
 
 void SwigluExperts::release_saved() {
   saved_gate_up_.reset();
   saved_hidden_.reset();
+  gate_up_packed_ = PackedLora{};
+  down_packed_ = PackedLora{};
 }
 
 void SwigluExperts::collect_parameters(std::vector<Parameter*>& out) {

@@ -109,18 +109,43 @@ class SwigluExperts {
   std::unique_ptr<LoraAdapter> make_adapter(const std::string& name, int64_t in, int64_t out,
                                             const LoraSettings& settings, DType dtype, kernels::Backend& backend,
                                             uint64_t seed) const;
-  // Views of an adapter as [G, r, in] / [G, out, r] for the grouped GEMM.
-  TensorView stacked_a(const LoraAdapter& adapter) const;
-  TensorView stacked_b(const LoraAdapter& adapter) const;
-  TensorView stacked_b(Projection p) const { return stacked_b(*lora[p]); }
   bool shares_a(const LoraAdapter& adapter) const;  // one A [r, in] for all groups
-  // c = alpha in A_g^T + beta c (a_transposed) or alpha in A_g + beta c per group of rows, or with
-  // a shared A one dense GEMM.
-  void times_a(kernels::Backend& be, const TensorView& c, const TensorView& in, const LoraAdapter& adapter,
-               const GroupOffsets& offsets, bool a_transposed, double alpha = 1.0, double beta = 0.0) const;
-  // A's gradient += scale dy_b^T in per group (dy_b = dy B_g), or summed over the groups when shared.
-  void add_a_gradient(kernels::Backend& be, LoraAdapter& adapter, const TensorView& dy_b, const TensorView& in,
-                      const GroupOffsets& offsets) const;
+
+  // The adapters on one projection's output, packed by each forward into the compute dtype so
+  // that the projection's LoRA is a few GEMMs over all groups, whatever the adapters: the A's
+  // stacked along the rank (a [G, R, in], or [1, R, in] when A is shared across the groups) and
+  // the B's times their scales as one block-diagonal B over the whole output (b [G, out, R]).
+  // Separate gate and up adapters become one rank-(r_gate + r_up) adapter on gate_up this way,
+  // and the F32 parameters are rounded to BF16 once per forward instead of once per GEMM.
+  struct PackedLora {
+    struct Part {
+      LoraAdapter* adapter = nullptr;
+      int64_t out_row = 0;   // the adapter's B covers output columns [out_row, out_row + its out)
+      int64_t rank_col = 0;  // and packed ranks [rank_col, rank_col + its r)
+    };
+    std::vector<Part> parts;  // empty: no adapter on the projection
+    int64_t rank = 0;         // R
+    bool shared_a = false;
+    Tensor a;    // [G or 1, R, in]
+    Tensor b;    // [G, out, R]
+    Tensor x_a;  // [rows, R] = x A^T of the forward, for B's gradient
+  };
+  // The adapters on gate_up (separate gate and up, or the fused one) or on down.
+  std::vector<PackedLora::Part> lora_parts(bool gate_up) const;
+  void pack_lora(const LayerContext& ctx, PackedLora& packed, std::vector<PackedLora::Part> parts, int64_t in,
+                 int64_t out) const;
+  // packed.x_a = x A^T per group (kept for B's gradient).
+  void lora_input(const LayerContext& ctx, PackedLora& packed, const TensorView& x, const GroupOffsets& offsets) const;
+  // The base projection's GEMM `base` (c = a op(W), alpha 1) plus the LoRA term: forward
+  // lora_in (s B)^T with lora_in = x A^T, backward lora_in A with lora_in = dy (s B).
+  void project(kernels::Backend& be, kernels::GroupedGemmArgs base, const PackedLora& packed,
+               const TensorView& lora_in, bool forward) const;
+  // dy (s B) per group: [rows, R] (undefined without adapters).
+  Tensor lora_dy_b(const LayerContext& ctx, const PackedLora& packed, const TensorView& dy,
+                   const GroupOffsets& offsets) const;
+  // A's gradients += dy_b^T x and B's += s dy^T (x A^T), each adapter taking its blocks.
+  void lora_gradients(const LayerContext& ctx, const PackedLora& packed, const TensorView& dy_b,
+                      const TensorView& dy, const TensorView& x, const GroupOffsets& offsets) const;
 
   std::string prefix_;
   int64_t groups_;
@@ -130,6 +155,7 @@ class SwigluExperts {
   int64_t first_group_;
   Tensor saved_gate_up_;  // [R, 2F] pre-activations
   Tensor saved_hidden_;   // [R, F] activation output
+  PackedLora gate_up_packed_, down_packed_;
 };
 
 }  // namespace moetrain

@@ -136,6 +136,14 @@ class CpuBackend final : public Backend {
     dispatch(op, dtype, [&](auto t) { cpu::copy_columns<decltype(t)>(args); });
   }
 
+  void copy_block(const CopyBlockArgs& args) override {
+    const char* op = "copy_block";
+    const DType dtype = compute_dtype(op, {{"dst", &args.dst}, {"src", &args.src}});
+    expect_copy_block_shapes(op, args);
+    expect(args.dst.data != args.src.data || args.dst.data == nullptr, op, "dst and src are the same memory");
+    dispatch(op, dtype, [&](auto t) { cpu::copy_block<decltype(t)>(args); });
+  }
+
   void sum_over_heads(const TensorView& dst, const TensorView& src) override {
     const char* op = "sum_over_heads";
     const DType dtype = compute_dtype(op, {{"dst", &dst}, {"src", &src}});
@@ -167,6 +175,10 @@ class CpuBackend final : public Backend {
     expect_ndim(op, "a", args.a, 2);
     expect_offsets(op, "group_offsets", args.group_offsets, args.a.size(0));
     expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
+    if (given(args.a2)) {
+      expect_dtype(op, "a2", args.a2, dtype);
+      expect_dtype(op, "b2", args.b2, dtype);
+    }
     if (args.host_group_offsets != nullptr) {
       const int32_t* device = args.group_offsets.ptr<int32_t>();
       for (int64_t i = 0; i < args.group_offsets.numel(); ++i) {

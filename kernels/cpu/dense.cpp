@@ -109,6 +109,10 @@ void grouped_gemm(const GroupedGemmArgs& args) {
       const int64_t row0 = offsets[g], rows = offsets[g + 1] - offsets[g];
       gemm_raw(c + row0 * n, a + row0 * k, b + g * n * k, rows, n, k, false, args.transpose_b, args.alpha,
                args.beta);
+      if (args.a2.data == nullptr) continue;
+      const int64_t k2 = args.a2.size(1);
+      gemm_raw(c + row0 * n, args.a2.ptr<T>() + row0 * k2, args.b2.ptr<T>() + g * n * k2, rows, n, k2, false,
+               args.transpose_b, args.alpha, 1.0);
     }
   } else {
     // a [rows, n_out], b [rows, n_in], c [G, n_out, n_in]: c[g] = alpha * a_g^T . b_g + beta * c[g]
@@ -155,6 +159,21 @@ void copy_columns(const CopyColumnsArgs& args) {
       for (int64_t c = 0; c < args.cols; ++c) out[c] += in[c];
     } else {
       for (int64_t c = 0; c < args.cols; ++c) out[c] = in[c];
+    }
+  }
+}
+
+template <typename T>
+void copy_block(const CopyBlockArgs& args) {
+  const int64_t batch = args.dst.size(0);
+  const int64_t dst_rows = args.dst.size(1), dst_width = args.dst.size(2);
+  const int64_t src_rows = args.src.size(1), src_width = args.src.size(2);
+  const T alpha = static_cast<T>(args.alpha);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < args.rows; ++i) {
+      T* out = args.dst.ptr<T>() + (b * dst_rows + args.dst_row + i) * dst_width + args.dst_col;
+      const T* in = args.src.ptr<T>() + (b * src_rows + args.src_row + i) * src_width + args.src_col;
+      for (int64_t j = 0; j < args.cols; ++j) out[j] = args.accumulate ? out[j] + alpha * in[j] : alpha * in[j];
     }
   }
 }
@@ -256,6 +275,7 @@ void convert(const TensorView& dst, const TensorView& src) {
   template void axpby<T>(const TensorView&, const TensorView&, double, double);              \
   template double sum_squares<T>(const TensorView&);                                          \
   template void copy_columns<T>(const CopyColumnsArgs&);                                      \
+  template void copy_block<T>(const CopyBlockArgs&);                                          \
   template void sum_over_heads<T>(const TensorView&, const TensorView&);
 MOETRAIN_INSTANTIATE_DENSE(float)
 MOETRAIN_INSTANTIATE_DENSE(double)

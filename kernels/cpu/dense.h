@@ -29,6 +29,10 @@ double sum_squares(const TensorView& x);
 template <typename T>
 void copy_columns(const CopyColumnsArgs& args);
 
+// CopyBlockArgs (kernels/ops.h): dst and src of one dtype, the product alpha * src in T.
+template <typename T>
+void copy_block(const CopyBlockArgs& args);
+
 // dst [tokens, dim] = sum over h of src [tokens, heads, dim] (src may be given as
 // [tokens * heads, dim]: row r of src belongs to token r / heads).
 template <typename T>

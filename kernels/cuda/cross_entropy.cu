@@ -104,7 +104,7 @@ void cross_entropy(const CrossEntropyArgs& args, cudaStream_t stream) {
   const int64_t rows = args.logits.size(0), vocab = args.logits.size(1);
   if (rows == 0) return;
   auto* loss = static_cast<float*>(args.loss.data);
-  const MutOperand dlogits{args.dlogits.data, kind_of(args.logits.dtype)};
+  const MutOperand dlogits{args.dlogits.data, kind_of(args.dlogits.dtype)};
   const ConstOperand logits{args.logits.data, kind_of(args.logits.dtype)};
   const auto* labels = static_cast<const int32_t*>(args.labels.data);
   const float scale = static_cast<float>(args.grad_scale);

@@ -232,6 +232,15 @@ class CudaBackend final : public Backend {
     cuda_ops::copy_columns(args, stream_);
   }
 
+  void copy_block(const CopyBlockArgs& args) override {
+    const char* op = "copy_block";
+    expect_float(op, "dst", args.dst);
+    expect_float(op, "src", args.src);
+    expect_copy_block_shapes(op, args);
+    expect(args.dst.data != args.src.data || args.dst.data == nullptr, op, "dst and src are the same memory");
+    cuda_ops::copy_block(args, stream_);
+  }
+
   void sum_over_heads(const TensorView& dst, const TensorView& src) override {
     const char* op = "sum_over_heads";
     expect_float(op, "dst", dst);
@@ -264,6 +273,8 @@ class CudaBackend final : public Backend {
     } else {
       expect_float(op, "b", args.b);
     }
+    if (given(args.a2)) expect_float(op, "a2", args.a2);
+    if (given(args.b2)) expect_float(op, "b2", args.b2);
     expect_ndim(op, "a", args.a, 2);
     expect_dtype(op, "group_offsets", args.group_offsets, DType::kI32);
     expect(args.group_offsets.ndim() == 1 && args.group_offsets.numel() >= 1, op,
@@ -580,8 +591,9 @@ class CudaBackend final : public Backend {
     expect_dtype(op, "labels", args.labels, DType::kI32);
     expect_numel(op, "labels", args.labels, rows);
     expect_numel(op, "loss", args.loss, rows);
-    if (given(args.dlogits)) {
-      expect_dtype(op, "dlogits", args.dlogits, args.logits.dtype);
+    if (given(args.dlogits)) {  // may be BF16 next to F32 logits: the head's GEMM takes it as is
+      expect_float(op, "dlogits", args.dlogits);
+      expect_alias_same_dtype(op, "dlogits", args.dlogits, "logits", args.logits);
       expect_shape(op, "dlogits", args.dlogits, args.logits.shape);
     }
     cuda_ops::cross_entropy(args, stream_);

@@ -10,6 +10,7 @@
 
 #include <cuda_bf16.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <string>
@@ -115,6 +116,34 @@ __global__ void copy_columns_kernel(MutOperand dst, ConstOperand src, ColumnCopy
       load_chunk<kChunk>(old, dst, d);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) v[e] = old[e] + v[e];
+    }
+    store_chunk<kChunk>(dst, d, v);
+  }
+}
+
+struct BlockCopyShape {
+  int64_t rows, cols, dst_rows, dst_width, src_rows, src_width, dst_row, dst_col, src_row, src_col;
+};
+
+// One chunk of kChunk columns per thread over batch x rows x cols / kChunk.
+template <int kChunk>
+__global__ void copy_block_kernel(MutOperand dst, ConstOperand src, BlockCopyShape s, float alpha, bool accumulate,
+                                  int64_t total) {
+  const int64_t chunks_per_row = s.cols / kChunk;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / chunks_per_row, c = (i % chunks_per_row) * kChunk;
+    const int64_t b = row / s.rows, r = row % s.rows;
+    const int64_t d = (b * s.dst_rows + s.dst_row + r) * s.dst_width + s.dst_col + c;
+    float v[kChunk];
+    load_chunk<kChunk>(v, src, (b * s.src_rows + s.src_row + r) * s.src_width + s.src_col + c);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) v[e] *= alpha;
+    if (accumulate) {
+      float old[kChunk];
+      load_chunk<kChunk>(old, dst, d);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) v[e] += old[e];
     }
     store_chunk<kChunk>(dst, d, v);
   }
@@ -321,34 +350,34 @@ void run_bf16_gemm(const Bf16Gemm& g, const BlasContext& ctx, cudaStream_t strea
                               d.out, &plan.algorithm, ctx.workspace, ctx.workspace_bytes, stream));
 }
 
-// BF16 device copies of the F32 ones among a and b (the others are passed through).
-struct Bf16Operands {
-  const void* a = nullptr;
-  const void* b = nullptr;
-};
+// An F32 operand with memory is rounded to BF16 for the tensor cores (an absent one, no data, is not).
+bool rounds(const TensorView& t) { return t.dtype == DType::kF32 && t.data != nullptr; }
 
-Bf16Operands bf16_operands(const TensorView& a, const TensorView& b, const BlasContext& ctx, cudaStream_t stream) {
-  const bool round_a = a.dtype == DType::kF32, round_b = b.dtype == DType::kF32;
-  const size_t a_bytes = round_a ? DeviceScratch::round_up(static_cast<size_t>(a.numel()) * 2) : 0;
-  const size_t b_bytes = round_b ? DeviceScratch::round_up(static_cast<size_t>(b.numel()) * 2) : 0;
-  Bf16Operands out{a.data, b.data};
-  if (a_bytes + b_bytes == 0) return out;
-  char* base = static_cast<char*>(ctx.scratch->reserve(a_bytes + b_bytes));
-  auto round = [&](const TensorView& t, void* dst) {
-    if (t.numel() == 0) return;
+// BF16 device copies of the F32 ones among the operands (the others are passed through), in
+// one scratch reservation: operands[i] becomes pointers[i].
+template <size_t kCount>
+std::array<const void*, kCount> bf16_operands(const std::array<const TensorView*, kCount>& operands,
+                                              const BlasContext& ctx, cudaStream_t stream) {
+  std::array<const void*, kCount> pointers{};
+  std::array<size_t, kCount> offsets{};
+  size_t bytes = 0;
+  for (size_t i = 0; i < kCount; ++i) {
+    pointers[i] = operands[i]->data;
+    offsets[i] = bytes;
+    if (rounds(*operands[i])) bytes += DeviceScratch::round_up(static_cast<size_t>(operands[i]->numel()) * 2);
+  }
+  if (bytes == 0) return pointers;
+  char* base = static_cast<char*>(ctx.scratch->reserve(bytes));
+  for (size_t i = 0; i < kCount; ++i) {
+    const TensorView& t = *operands[i];
+    if (!rounds(t)) continue;
+    pointers[i] = base + offsets[i];
+    if (t.numel() == 0) continue;
     round_f32_to_bf16_kernel<<<grid_for(t.numel(), kThreads), kThreads, 0, stream>>>(
-        static_cast<__nv_bfloat16*>(dst), static_cast<const float*>(t.data), t.numel());
+        reinterpret_cast<__nv_bfloat16*>(base + offsets[i]), static_cast<const float*>(t.data), t.numel());
     CUDA_CHECK_LAUNCH();
-  };
-  if (round_a) {
-    round(a, base);
-    out.a = base;
   }
-  if (round_b) {
-    round(b, base + a_bytes);
-    out.b = base + a_bytes;
-  }
-  return out;
+  return pointers;
 }
 
 template <int kChunk>
@@ -376,9 +405,9 @@ void gemm(const GemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
   g.alpha = static_cast<float>(args.alpha);
   g.beta = static_cast<float>(args.beta);
   if (g.k > 0) {
-    const Bf16Operands in = bf16_operands(args.a, args.b, ctx, stream);
-    g.a = in.a;
-    g.b = in.b;
+    const auto in = bf16_operands<2>({&args.a, &args.b}, ctx, stream);
+    g.a = in[0];
+    g.b = in[1];
   }
   run_bf16_gemm(g, ctx, stream);
 }
@@ -405,6 +434,11 @@ GroupedGemmProblem grouped_problem(const GroupedGemmArgs& args) {
   p.transpose_b = args.transpose_b;
   p.alpha = static_cast<float>(args.alpha);
   p.beta = static_cast<float>(args.beta);
+  if (args.a2.data != nullptr) {
+    p.a2 = args.a2.data;
+    p.b2 = args.b2.data;
+    p.k2 = args.a2.size(1);
+  }
   return p;
 }
 
@@ -412,9 +446,14 @@ GroupedGemmProblem grouped_problem(const GroupedGemmArgs& args) {
 
 void grouped_gemm(const GroupedGemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
   GroupedGemmProblem p = grouped_problem(args);
-  const Bf16Operands in = bf16_operands(args.a, args.b, ctx, stream);  // an MXFP4 b (U8) passes through
-  p.a = in.a;
-  p.b = in.b;
+  // An MXFP4 b (U8) passes through; absent a2 / b2 (no data, F32 by default) round nothing.
+  const auto in = bf16_operands<4>({&args.a, &args.b, &args.a2, &args.b2}, ctx, stream);
+  p.a = in[0];
+  p.b = in[1];
+  if (p.k2 > 0) {
+    p.a2 = in[2];
+    p.b2 = in[3];
+  }
   if (args.b_scale.data != nullptr) {
     launch_grouped_gemm_mxfp4(p, args.b_scale.data, stream);
     return;
@@ -428,6 +467,8 @@ GroupedGemmPath grouped_gemm_path(const GroupedGemmArgs& args) {
   const void* scratch_aligned = reinterpret_cast<const void*>(uintptr_t{256});
   if (args.a.dtype == DType::kF32) p.a = scratch_aligned;
   if (args.b.dtype == DType::kF32) p.b = scratch_aligned;
+  if (p.k2 > 0 && args.a2.dtype == DType::kF32) p.a2 = scratch_aligned;
+  if (p.k2 > 0 && args.b2.dtype == DType::kF32) p.b2 = scratch_aligned;
   if (args.b_scale.data != nullptr) return grouped_gemm_mxfp4_path(p, args.b_scale.data);
   return grouped_gemm_path(p);
 }
@@ -490,6 +531,35 @@ void copy_columns(const CopyColumnsArgs& args, cudaStream_t stream) {
     copy_columns_kernel<8><<<grid_for(s.rows * s.cols / 8, kThreads), kThreads, 0, stream>>>(dst, src, s, args.accumulate);
   } else {
     copy_columns_kernel<1><<<grid_for(s.rows * s.cols, kThreads), kThreads, 0, stream>>>(dst, src, s, args.accumulate);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+void copy_block(const CopyBlockArgs& args, cudaStream_t stream) {
+  BlockCopyShape s;
+  s.rows = args.rows;
+  s.cols = args.cols;
+  s.dst_rows = args.dst.size(1);
+  s.dst_width = args.dst.size(2);
+  s.src_rows = args.src.size(1);
+  s.src_width = args.src.size(2);
+  s.dst_row = args.dst_row;
+  s.dst_col = args.dst_col;
+  s.src_row = args.src_row;
+  s.src_col = args.src_col;
+  const int64_t batch = args.dst.size(0);
+  if (batch == 0 || s.rows == 0 || s.cols == 0) return;
+  const MutOperand dst{args.dst.data, kind_of(args.dst.dtype)};
+  const ConstOperand src{args.src.data, kind_of(args.src.dtype)};
+  const float alpha = static_cast<float>(args.alpha);
+  // Chunks of 8 need every chunk's start 16-byte aligned in both tensors.
+  const bool vector = s.cols % 8 == 0 && s.dst_width % 8 == 0 && s.src_width % 8 == 0 && s.dst_col % 8 == 0 &&
+                      s.src_col % 8 == 0 && aligned16(dst.data) && aligned16(src.data);
+  const int64_t total = batch * s.rows * s.cols / (vector ? 8 : 1);
+  if (vector) {
+    copy_block_kernel<8><<<grid_for(total, kThreads), kThreads, 0, stream>>>(dst, src, s, alpha, args.accumulate, total);
+  } else {
+    copy_block_kernel<1><<<grid_for(total, kThreads), kThreads, 0, stream>>>(dst, src, s, alpha, args.accumulate, total);
   }
   CUDA_CHECK_LAUNCH();
 }

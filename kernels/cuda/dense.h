@@ -68,6 +68,7 @@ void axpby(const TensorView& y, const TensorView& x, double alpha, double beta, 
 double sum_squares(const TensorView& x, DeviceScratch& scratch, cudaStream_t stream);
 
 void copy_columns(const CopyColumnsArgs& args, cudaStream_t stream);
+void copy_block(const CopyBlockArgs& args, cudaStream_t stream);
 void sum_over_heads(const TensorView& dst, const TensorView& src, cudaStream_t stream);
 
 }  // namespace moetrain::kernels::cuda_ops

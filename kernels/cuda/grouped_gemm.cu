@@ -29,6 +29,9 @@
 //     k-grouped: rows of c[g] (n_out) x columns (n_in), K = the group's rows; the last K step's
 //       rows past the group's end are zeroed in shared memory before the wgmma, so another
 //       group's rows never enter the sum. An empty group runs no K step: c[g] = beta * c[g].
+//   m-grouped with a second product (a2, b2): its K steps follow those of a . op(b) in the same
+//   tile, loaded through their own tensor maps into the same ring, so the LoRA term of a projection
+//   costs a K step or two of the base GEMM's tile instead of a pass of its own over c.
 //   A consumer warpgroup whose 64 rows all lie past the tile's end issues no wgmma (the half-empty
 //   last tile of a group, or n_out <= 64 in k-grouped). The consumers keep one wgmma group in
 //   flight: a stage is released when the next one's multiplications have been issued and the
@@ -107,6 +110,7 @@ struct Sm90Params {
   int m_extent;  // k-grouped: n_out, the rows of each c[g]
   int n;         // columns of c
   int k;         // m-grouped: the inner dimension
+  int k2;        // m-grouped: the second product's inner dimension (0: none)
   int m_tiles;   // k-grouped: tiles over n_out (m-grouped: per group, from the table)
   int n_tiles;
   float alpha;
@@ -199,6 +203,7 @@ __device__ __forceinline__ Tile decode_tile(int t, const Sm90Params& p, GroupTab
     tile.k_end = p.k;
   }
   tile.k_steps = (tile.k_end - tile.k0 + kBK - 1) / kBK;
+  if constexpr (kLayout != Layout::kKGrouped) tile.k_steps += (p.k2 + kBK - 1) / kBK;  // then a2 . op(b2)
   return tile;
 }
 
@@ -294,6 +299,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Sm
 template <Layout kLayout, int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                             const __grid_constant__ CUtensorMap map_a2, const __grid_constant__ CUtensorMap map_b2,
                              const Sm90Params p) {
   using T = Tiling<kLayout, kBN>;
   extern __shared__ __align__(1024) unsigned char shared[];
@@ -331,6 +337,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x != 0) return;
     sm90::tma_prefetch_descriptor(&map_a);
     sm90::tma_prefetch_descriptor(&map_b);
+    if (p.k2 > 0) {
+      sm90::tma_prefetch_descriptor(&map_a2);
+      sm90::tma_prefetch_descriptor(&map_b2);
+    }
     int stage = 0;
     uint32_t phase = 0;
     int slot = 0;
@@ -346,10 +356,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (t >= total_tiles) break;
       const Tile tile = decode_tile<kLayout, kBN>(t, p, table);
+      const int first_steps = (tile.k_end - tile.k0 + kBK - 1) / kBK;  // of a . op(b); the rest a2 . op(b2)
       for (int s = 0; s < tile.k_steps; ++s) {
         sm90::barrier_wait(&empty[stage], phase ^ 1);
-        load_stage<kLayout, kBN>(&map_a, &map_b, &full[stage], a_stages + stage * T::kABytes,
-                                 b_stages + stage * T::kBBytes, tile, tile.k0 + s * kBK, p);
+        const bool second = s >= first_steps;
+        load_stage<kLayout, kBN>(second ? &map_a2 : &map_a, second ? &map_b2 : &map_b, &full[stage],
+                                 a_stages + stage * T::kABytes, b_stages + stage * T::kBBytes, tile,
+                                 tile.k0 + (second ? s - first_steps : s) * kBK, p);
         if (++stage == T::kStages) {
           stage = 0;
           phase ^= 1;
@@ -458,6 +471,9 @@ struct FallbackParams {
   const int32_t* offsets;
   int64_t groups, rows;
   int64_t n, k;          // m-grouped
+  const bf16* a2;         // m-grouped, optional: a2 [rows, k2] . op(b2)
+  const bf16* b2;
+  int64_t k2;
   int64_t n_out, n_in;   // k-grouped
   int transpose_b;
   float alpha, beta;
@@ -501,6 +517,14 @@ __global__ void m_grouped_fallback_kernel(const FallbackParams p) {
     } else {
       const bf16* b = p.b + lo * p.k * p.n + j;
       for (int64_t q = 0; q < p.k; ++q) sum += __bfloat162float(a[q]) * __bfloat162float(b[q * p.n]);
+    }
+    if (p.k2 > 0) {
+      const bf16* a2 = p.a2 + r * p.k2;
+      const bf16* b2 = p.b2 + lo * p.n * p.k2;
+      for (int64_t q = 0; q < p.k2; ++q) {
+        const bf16 w = p.transpose_b ? b2[j * p.k2 + q] : b2[q * p.n + j];
+        sum += __bfloat162float(a2[q]) * __bfloat162float(w);
+      }
     }
     store_output(p, i, sum);
   }
@@ -640,7 +664,7 @@ void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
   params.alpha = p.alpha;
   params.beta = p.beta;
   params.tile_counter = tile_counters(stream);
-  CUtensorMap map_a, map_b;
+  CUtensorMap map_a{}, map_b{}, map_a2{}, map_b2{};  // a2 / b2: only with a second product
   const uint64_t rows = static_cast<uint64_t>(p.rows), groups = static_cast<uint64_t>(p.groups);
   int64_t max_tiles = 0;
   if (k_grouped) {
@@ -672,6 +696,22 @@ void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
       const uint32_t b_box[3] = {static_cast<uint32_t>(T::kBChunkColumns), kBK, 1};
       map_b = tensor_map(p.b, 3, b_dims, b_strides, b_box, T::kBSwizzle);
     }
+    // The second product's maps: the same boxes over a2 [rows, k2] and b2 (K steps past k2 read zeros).
+    params.k2 = static_cast<int>(p.k2);
+    if (p.k2 > 0) {
+      const uint64_t k2 = static_cast<uint64_t>(p.k2);
+      const uint64_t a2_dims[2] = {k2, rows}, a2_strides[1] = {k2 * 2};
+      map_a2 = tensor_map(p.a2, 2, a2_dims, a2_strides, a_box, 128);
+      if (kLayout == Layout::kMGroupedKMajorB) {
+        const uint64_t b2_dims[3] = {k2, n, groups}, b2_strides[2] = {k2 * 2, n * k2 * 2};
+        const uint32_t b2_box[3] = {kBK, static_cast<uint32_t>(kBN), 1};
+        map_b2 = tensor_map(p.b2, 3, b2_dims, b2_strides, b2_box, 128);
+      } else {
+        const uint64_t b2_dims[3] = {n, k2, groups}, b2_strides[2] = {n * 2, k2 * n * 2};
+        const uint32_t b2_box[3] = {static_cast<uint32_t>(T::kBChunkColumns), kBK, 1};
+        map_b2 = tensor_map(p.b2, 3, b2_dims, b2_strides, b2_box, T::kBSwizzle);
+      }
+    }
     // Each group adds at most one partial m-tile.
     max_tiles = ((p.rows + kBM - 1) / kBM + p.groups) * params.n_tiles;
   }
@@ -686,7 +726,8 @@ void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
     attribute_set[device % kMaxDevices] = true;
   }
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-  sm90_grouped_gemm_kernel<kLayout, kBN><<<grid, kThreads, shared_bytes, stream>>>(map_a, map_b, params);
+  sm90_grouped_gemm_kernel<kLayout, kBN><<<grid, kThreads, shared_bytes, stream>>>(map_a, map_b, map_a2, map_b2,
+                                                                                   params);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -712,6 +753,9 @@ void launch_fallback(const GroupedGemmProblem& p, cudaStream_t stream) {
   params.rows = p.rows;
   params.n = p.n;
   params.k = p.k;
+  params.a2 = static_cast<const bf16*>(p.a2);
+  params.b2 = static_cast<const bf16*>(p.b2);
+  params.k2 = p.k2;
   params.n_out = p.n_out;
   params.n_in = p.n_in;
   params.transpose_b = p.transpose_b ? 1 : 0;
@@ -735,13 +779,14 @@ bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0
 GroupedGemmPath grouped_gemm_path(const GroupedGemmProblem& p) {
   const bool m_grouped = p.kind == GroupedGemmKind::kMGrouped;
   // TMA: 16-byte aligned bases and row strides; int32 coordinates and tile counts.
-  const bool shapes = m_grouped ? p.k > 0 && p.k % 8 == 0 && p.n % 8 == 0
+  const bool shapes = m_grouped ? p.k > 0 && p.k % 8 == 0 && p.n % 8 == 0 && p.k2 % 8 == 0
                                 : p.rows > 0 && p.n_out % 8 == 0 && p.n_in % 8 == 0;
-  const int64_t widest = std::max({p.rows, p.n, p.k, p.n_out, p.n_in});
+  const int64_t widest = std::max({p.rows, p.n, p.k + p.k2, p.n_out, p.n_in});
   const bool fits = widest < (int64_t{1} << 30) && p.groups * 2 * 4 + 8 <= kTableBudgetBytes &&
                     p.groups * ((p.n_out + kBM - 1) / kBM) * ((p.n_in + 15) / 16) < (int64_t{1} << 30) &&
                     ((p.rows + kBM - 1) / kBM + p.groups) * ((p.n + 15) / 16) < (int64_t{1} << 30);
-  const bool aligned = aligned_16(p.a) && aligned_16(p.b) && aligned_16(p.c);
+  const bool aligned = aligned_16(p.a) && aligned_16(p.b) && aligned_16(p.c) &&
+                       (p.k2 == 0 || (aligned_16(p.a2) && aligned_16(p.b2)));
   if (shapes && fits && aligned && device_info().hopper && have_sm90a_code()) return GroupedGemmPath::kSm90;
   return GroupedGemmPath::kFallback;
 }

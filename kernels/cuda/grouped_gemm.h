@@ -1,7 +1,7 @@
 // The grouped GEMM of the MoE expert path (kernels/ops.h GroupedGemmArgs) in one launch, with
 // the group offsets read on the GPU: no host copy of them and no wait for the stream.
 //
-//   kMGrouped: c[rows_g, :] = alpha * a[rows_g, :] . op(b[g]) + beta * c[rows_g, :]
+//   kMGrouped: c[rows_g, :] = alpha * (a[rows_g, :] . op(b[g]) [+ a2[rows_g, :] . op(b2[g])]) + beta * c[rows_g, :]
 //   kKGrouped: c[g] = alpha * a[rows_g, :]^T . b[rows_g, :] + beta * c[g]
 //
 // Two kernels (grouped_gemm.cu):
@@ -11,7 +11,7 @@
 //     loads A and B tiles by TMA into a ring of swizzled shared-memory stages; two consumer
 //     warpgroups multiply them (wgmma, BF16 in, F32 accumulate) and store their 64 rows each.
 //     Taken when the device is compute capability 9.0, a, b and c are 16-byte aligned and the
-//     dimensions TMA needs are multiples of 8 (m-grouped: k and n; k-grouped: both widths).
+//     dimensions TMA needs are multiples of 8 (m-grouped: k, k2 and n; k-grouped: both widths).
 //   - a plain one-thread-per-output kernel for everything else (any shape, any alignment).
 // Offsets are clamped on the device into a non-decreasing sequence inside [0, rows], so wrong
 // offsets give wrong sums, never accesses outside a, b or c; the backend checks the caller's host
@@ -40,6 +40,11 @@ struct GroupedGemmProblem {
   int64_t n = 0, k = 0;                      // m-grouped: c [rows, n]
   int64_t n_out = 0, n_in = 0;               // k-grouped: c [groups, n_out, n_in]
   bool transpose_b = true;                   // m-grouped: b is [groups, n, k]
+  // m-grouped, optional (k2 > 0): a second product a2 [rows, k2] . op(b2) (b2 [groups, n, k2] or
+  // [groups, k2, n], BF16) summed into the same output: its K steps follow those of a . op(b).
+  const void* a2 = nullptr;
+  const void* b2 = nullptr;
+  int64_t k2 = 0;
   float alpha = 1.0f;
   float beta = 0.0f;                         // c is not read when 0
 };

@@ -247,6 +247,34 @@ TEST_CASE("cuda copy_columns matches the CPU (aligned and odd columns, repeat, a
       }
 }
 
+TEST_CASE("cuda copy_block matches the CPU (mixed dtypes, aligned and odd blocks, scale, accumulate)") {
+  struct Case {
+    int64_t batch, dst_rows, dst_width, src_rows, src_width, dst_row, dst_col, src_row, src_col, rows, cols;
+  };
+  // The adapter packing's shapes in small (a block-diagonal [G, 2F, 2r] from [G, F, r]), and odd ones.
+  const std::vector<Case> cases = {{3, 64, 32, 32, 16, 32, 16, 0, 0, 32, 16},
+                                   {2, 9, 13, 7, 11, 1, 3, 2, 5, 4, 6},
+                                   {4, 32, 24, 64, 48, 0, 8, 16, 24, 16, 16}};
+  const std::vector<std::pair<DType, DType>> dtypes = {
+      {DType::kF32, DType::kF32}, {DType::kBF16, DType::kF32}, {DType::kBF16, DType::kBF16}};
+  uint64_t seed = 1150;
+  for (const Case& k : cases)
+    for (const auto& [dst_dtype, src_dtype] : dtypes)
+      for (bool accumulate : {false, true}) {
+        const Operand src = random_operand({k.batch, k.src_rows, k.src_width}, src_dtype, ++seed);
+        Operand dst = random_operand({k.batch, k.dst_rows, k.dst_width}, dst_dtype, ++seed);
+        kernels::CopyBlockArgs args{dst.dev, src.dev, k.dst_row, k.dst_col, k.src_row,
+                                    k.src_col, k.rows,   k.cols,    2.0,     accumulate};
+        gpu().copy_block(args);
+        args.dst = dst.host;
+        args.src = src.host;
+        cpu().copy_block(args);
+        CUDA_TEST_EXPECT_CLOSE(dst.dev, dst.host.view(), tolerance_for(dst_dtype),
+                               std::string("copy_block ") + dtype_name(dst_dtype) + " <- " + dtype_name(src_dtype) +
+                                   " cols " + std::to_string(k.cols) + (accumulate ? " +=" : ""));
+      }
+}
+
 TEST_CASE("cuda sum_over_heads matches the CPU") {
   uint64_t seed = 1200;
   for (Shape shape : {Shape{7, 3, 13}, Shape{5, 4, 16}, Shape{3, 1, 8}})

@@ -1,7 +1,8 @@
 // The device-side grouped GEMM (kernels/cuda/grouped_gemm.h) against the CPU reference (F64):
 // M-grouped (x W^T and dy W) and K-grouped (weight gradients), with empty groups, one group
 // holding every row, row counts that are not multiples of the 128-row tile, random skewed
-// counts, the thin LoRA shapes (n or k of 16 and 32), BF16 and F32 outputs, F32 inputs, beta 0
+// counts, the thin LoRA shapes (n or k of 16 and 32), the second product a2 . op(b2) that folds
+// a LoRA term into the base GEMM, BF16 and F32 outputs, F32 inputs, beta 0
 // (outputs poisoned with NaN: every element must be written and c never read) and beta 1.
 // On a Hopper GPU the aligned shapes must take the wgmma kernel, the others the fallback.
 // The group offsets go to the GPU alone in half the runs (the kernel never sees a host copy).
@@ -82,8 +83,9 @@ std::string label(const std::string& name, const Run& run) {
 }
 
 // One M-grouped run on both backends; `expect_fast`: the wgmma kernel must be the one taken.
+// k2 > 0 adds the second product a2 [rows, k2] . op(b2) (GroupedGemmArgs::a2, b2).
 void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n, const Run& run,
-                     bool expect_fast, uint64_t seed) {
+                     bool expect_fast, uint64_t seed, int64_t k2 = 0) {
   const std::vector<int32_t> offsets = prefix_sums(sizes);
   const int64_t groups = static_cast<int64_t>(sizes.size()), rows = offsets.back();
   const Operand group_offsets = int_operand(offsets, {groups + 1});
@@ -100,7 +102,16 @@ void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes,
   args.c = c.dev;
   args.group_offsets = group_offsets.dev;
   args.host_group_offsets = run.host_offsets ? offsets.data() : nullptr;
-  const std::string what = label(name + " k" + std::to_string(k) + " n" + std::to_string(n), run);
+  Operand a2, b2;
+  if (k2 > 0) {
+    a2 = gemm_input({rows, k2}, run.dtypes.a, seed + 4);
+    b2 = gemm_input(run.transpose_b ? Shape{groups, n, k2} : Shape{groups, k2, n}, run.dtypes.b, seed + 5);
+    args.a2 = a2.dev;
+    args.b2 = b2.dev;
+  }
+  const std::string what =
+      label(name + " k" + std::to_string(k) + " n" + std::to_string(n) + (k2 > 0 ? " k2 " + std::to_string(k2) : ""),
+            run);
   const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
   INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
   if (on_hopper()) CHECK(fast == expect_fast);
@@ -108,6 +119,10 @@ void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes,
   args.a = a.host;
   args.b = b.host;
   args.c = c.host;
+  if (k2 > 0) {
+    args.a2 = a2.host;
+    args.b2 = b2.host;
+  }
   args.group_offsets = group_offsets.host;
   args.host_group_offsets = offsets.data();
   cpu().grouped_gemm(args);
@@ -193,6 +208,22 @@ TEST_CASE("cuda grouped_gemm M-grouped: the thin LoRA shapes (n or k of 16 and 3
     check_m_grouped("x.A (rank 8)", sizes, 512, 8, run, true, seed += 10);
     check_m_grouped("n 200", sizes, 88, 200, run, true, seed += 10);
   }
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: a second product (the LoRA term folded into the base GEMM)") {
+  // The expert projections' shapes in small: x W^T + (x A^T) (s B)^T with k2 = the packed rank,
+  // and dy W + (dy s B) A; k2 below one K step and past one; k2 = 12 (not a multiple of 8) falls back.
+  const std::vector<int32_t> sizes = {77, 0, 150, 3, 0, 260, 129, 40};
+  uint64_t seed = 800;
+  for (const Run& run : all_runs()) {
+    check_m_grouped("gate_up + LoRA", sizes, 256, 272, run, true, seed += 10, 32);
+    check_m_grouped("down + LoRA", sizes, 136, 96, run, true, seed += 10, 16);
+  }
+  for (const Run& run : {Run{kBf16ToBf16, true, 1.0, false}, Run{kF32ToF32, false, 0.0, true}}) {
+    check_m_grouped("rank 96", sizes, 64, 128, run, true, seed += 10, 96);
+    check_m_grouped("rank 12", sizes, 64, 128, run, false, seed += 10, 12);
+  }
+  check_m_grouped("one group", {0, 0, 517, 0}, 64, 64, {kBf16ToBf16, true, 0.0, false}, true, seed += 10, 32);
 }
 
 TEST_CASE("cuda grouped_gemm M-grouped: shapes the wgmma kernel does not take use the fallback") {

@@ -21,16 +21,19 @@ TEST_CASE("cuda cross_entropy matches the CPU: ignored labels, no gradient, alia
       // Logits of a few units: a realistic spread for softmax.
       const Operand logits = random_operand({rows, vocab}, dtype, ++seed, 0.01, 8.0);
       const std::string tag = std::string(dtype_name(dtype)) + " vocab " + std::to_string(vocab);
-      for (int mode = 0; mode < 3; ++mode) {  // 0: dlogits separate, 1: no dlogits, 2: dlogits over logits
+      // 0: dlogits separate, 1: no dlogits, 2: dlogits over logits, 3: BF16 dlogits of F32 logits
+      for (int mode = 0; mode < 4; ++mode) {
+        if (mode == 3 && dtype != DType::kF32) continue;
+        const DType grad_dtype = mode == 3 ? DType::kBF16 : dtype;
         Operand loss = output_operand({rows}, DType::kF32);
-        Operand dlogits = output_operand({rows, vocab}, dtype);
+        Operand dlogits = output_operand({rows, vocab}, grad_dtype);
         Tensor logits_copy;
         kernels::CrossEntropyArgs args;
         args.grad_scale = 0.25;
         args.loss = loss.dev;
         args.logits = logits.dev;
         args.labels = labels.dev;
-        if (mode == 0) args.dlogits = dlogits.dev;
+        if (mode == 0 || mode == 3) args.dlogits = dlogits.dev;
         if (mode == 2) {
           logits_copy = upload(logits.host.view(), dtype);
           args.logits = logits_copy;
@@ -42,9 +45,10 @@ TEST_CASE("cuda cross_entropy matches the CPU: ignored labels, no gradient, alia
         args.labels = labels.host;
         args.dlogits = mode == 1 ? TensorView{} : dlogits.host.view();
         cpu().cross_entropy(args);
-        const std::string mtag = tag + (mode == 1 ? " no grad" : mode == 2 ? " aliased" : "");
+        const std::string mtag = tag + (mode == 1 ? " no grad" : mode == 2 ? " aliased" : mode == 3 ? " bf16 grad" : "");
         CUDA_TEST_EXPECT_CLOSE(loss.dev, loss.host.view(), tolerance_for(DType::kF32), "cross_entropy loss " + mtag);
-        if (mode == 0) CUDA_TEST_EXPECT_CLOSE(dlogits.dev, dlogits.host.view(), tolerance_for(dtype), "dlogits " + mtag);
+        if (mode == 0 || mode == 3)
+          CUDA_TEST_EXPECT_CLOSE(dlogits.dev, dlogits.host.view(), tolerance_for(grad_dtype), "dlogits " + mtag);
         if (mode == 2) CUDA_TEST_EXPECT_CLOSE(logits_copy, dlogits.host.view(), tolerance_for(dtype), "dlogits " + mtag);
       }
     }

@@ -169,6 +169,67 @@ TEST_CASE("grouped gemm equals a gemm per group, empty groups included", "[cpu_o
   }
 }
 
+TEST_CASE("grouped gemm's second product equals one product over both inner dimensions", "[cpu_ops]") {
+  // c = alpha (a op(b) + a2 op(b2)) + beta c is a op(b) with a' = [a | a2] and b' = [b | b2] along k.
+  auto backend = make_cpu_backend();
+  Tensor offsets = make_i32({0, 3, 3, 7});
+  const int64_t groups = 3, rows = 7, k = 5, k2 = 3, n = 4;
+  for (bool tb : {true, false}) {
+    Tensor a = random_tensor({rows, k}, DType::kF64, 30), a2 = random_tensor({rows, k2}, DType::kF64, 31);
+    Tensor b = random_tensor(tb ? Shape{groups, n, k} : Shape{groups, k, n}, DType::kF64, 32);
+    Tensor b2 = random_tensor(tb ? Shape{groups, n, k2} : Shape{groups, k2, n}, DType::kF64, 33);
+    Tensor joined_a({rows, k + k2}, DType::kF64);
+    Tensor joined_b(tb ? Shape{groups, n, k + k2} : Shape{groups, k + k2, n}, DType::kF64);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t p = 0; p < k + k2; ++p)
+        set_element(joined_a, r * (k + k2) + p,
+                    p < k ? get_element(a, r * k + p) : get_element(a2, r * k2 + p - k));
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t p = 0; p < k + k2; ++p) {
+          const double v = p < k ? get_element(b, tb ? (g * n + j) * k + p : (g * k + p) * n + j)
+                                 : get_element(b2, tb ? (g * n + j) * k2 + p - k : (g * k2 + p - k) * n + j);
+          set_element(joined_b, tb ? (g * n + j) * (k + k2) + p : (g * (k + k2) + p) * n + j, v);
+        }
+    Tensor c = random_tensor({rows, n}, DType::kF64, 34), expected = random_tensor({rows, n}, DType::kF64, 34);
+    GroupedGemmArgs args;
+    args.c = c;
+    args.a = a;
+    args.b = b;
+    args.a2 = a2;
+    args.b2 = b2;
+    args.group_offsets = offsets;
+    args.transpose_b = tb;
+    args.alpha = 1.5;
+    args.beta = 0.25;
+    backend->grouped_gemm(args);
+    GroupedGemmArgs joined = args;
+    joined.c = expected;
+    joined.a = joined_a;
+    joined.b = joined_b;
+    joined.a2 = TensorView();
+    joined.b2 = TensorView();
+    backend->grouped_gemm(joined);
+    auto cmp = compare_tensors(c, expected, 1e-12, 1e-12, "second product");
+    INFO("tb=" << tb << ": " << cmp.message);
+    CHECK(cmp.ok);
+  }
+  // b2 must match a2's inner dimension and b's groups and columns; a k-grouped GEMM has none.
+  Tensor a = random_tensor({rows, k}, DType::kF64, 40), a2 = random_tensor({rows, k2}, DType::kF64, 41);
+  Tensor b = random_tensor({groups, n, k}, DType::kF64, 42), wrong_b2 = random_tensor({groups, n, k}, DType::kF64, 43);
+  Tensor c({rows, n}, DType::kF64);
+  GroupedGemmArgs args;
+  args.c = c;
+  args.a = a;
+  args.b = b;
+  args.a2 = a2;
+  args.b2 = wrong_b2;
+  args.group_offsets = offsets;
+  CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "b2"));
+  args.b2 = TensorView();
+  CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "a2 and b2"));
+}
+
 TEST_CASE("grouped gemm rejects offsets that do not cover the rows", "[cpu_ops]") {
   auto backend = make_cpu_backend();
   Tensor a = random_tensor({4, 2}, DType::kF32, 1), b = random_tensor({2, 3, 2}, DType::kF32, 2);
@@ -244,6 +305,38 @@ TEST_CASE("copy_columns splits, broadcasts and accumulates head parts", "[cpu_op
   Tensor dst({6, 6}, DType::kF64);
   CHECK_THROWS_AS(backend->copy_columns({dst, src, 4, 2, 3, 3, false}), Error);  // past dst's width
   CHECK_THROWS_AS(backend->copy_columns({dst, src, 1, 2, 3, 2, false}), Error);  // 2 * 2 rows != 6
+}
+
+TEST_CASE("copy_block copies, scales and accumulates a rectangle of every matrix of a batch", "[cpu_ops]") {
+  auto backend = make_cpu_backend();
+  // src [2, 4, 5], dst [2, 6, 3]: dst[b, 2 + i, 1 + j] (+)= 0.5 * src[b, 1 + i, 3 + j], i < 3, j < 2
+  Tensor src = random_tensor({2, 4, 5}, DType::kF64, 1);
+  for (bool accumulate : {false, true}) {
+    Tensor dst = random_tensor({2, 6, 3}, DType::kF64, 2);
+    Tensor before = random_tensor({2, 6, 3}, DType::kF64, 2);
+    CopyBlockArgs args{dst, src, 2, 1, 1, 3, 3, 2, 0.5, accumulate};
+    backend->copy_block(args);
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t r = 0; r < 6; ++r) {
+        for (int64_t c = 0; c < 3; ++c) {
+          const int64_t at = (b * 6 + r) * 3 + c;
+          double expected = get_element(before, at);
+          if (r >= 2 && r < 5 && c >= 1) {
+            const double v = 0.5 * get_element(src, (b * 4 + 1 + (r - 2)) * 5 + 3 + (c - 1));
+            expected = accumulate ? expected + v : v;
+          }
+          CHECK(get_element(dst, at) == expected);
+        }
+      }
+    }
+  }
+  Tensor dst({2, 6, 3}, DType::kF64);
+  CHECK_THROWS_AS(backend->copy_block({dst, src, 4, 1, 1, 3, 3, 2, 1.0, false}), Error);  // rows 4..7 of 6
+  CHECK_THROWS_AS(backend->copy_block({dst, src, 2, 1, 1, 4, 3, 2, 1.0, false}), Error);  // columns 4..6 of 5
+  Tensor other_batch({3, 6, 3}, DType::kF64);
+  CHECK_THROWS_AS(backend->copy_block({other_batch, src, 0, 0, 0, 0, 1, 1, 1.0, false}), Error);
+  Tensor flat({36}, DType::kF64);
+  CHECK_THROWS_AS(backend->copy_block({flat, src, 0, 0, 0, 0, 1, 1, 1.0, false}), Error);  // not 3-D
 }
 
 TEST_CASE("sum_over_heads sums each token's heads", "[cpu_ops]") {
