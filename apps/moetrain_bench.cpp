@@ -375,6 +375,9 @@ void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
                   ratio(0.91, d128.fwd, "the speed of FlashAttention (0.91 ms; target >= 1)")});
   rows.push_back({"attention fwd+bwd", d128.both, 3.5 * d128.flops / (d128.both * 1e9), 0,
                   ratio(3.65, d128.both, "the speed of FlashAttention (3.65 ms; target >= 1)")});
+  const AttentionTimes t32k = time_attention(be, reps, {0, 4 * t}, 128, 128, true);
+  rows.push_back({"attention fwd+bwd causal T32768 H32 D128", t32k.both, 3.5 * t32k.flops / (t32k.both * 1e9), 0,
+                  fmt::format("fwd {:.3f} ms; {}", t32k.fwd, ratio(55.5, t32k.both, "the target 55.5 ms (>= 1)"))});
   {
     // The mma.sync path these replace on Hopper (attention_tensor_core.cu), for comparison.
     setenv("MOETRAIN_ATTENTION", "mma", 1);
