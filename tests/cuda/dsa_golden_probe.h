@@ -179,10 +179,11 @@ inline double relative_margin(std::vector<double> scores, size_t k) {
 // relative top-k margin at those queries (the run's own selection, before any forcing); how many
 // queries that selection differs from a float64 top-k of the run's own operands at (non-zero: the
 // kernel's F32 score rounding flipped a choice, or a kernel bug); then the logits' scaled error
-// and the loss.
-inline void report_probe(const std::string& label, const ProbeRun& run, const ProbeRun& reference,
+// and the loss. Returns that last count summed over the layers.
+inline int report_probe(const std::string& label, const ProbeRun& run, const ProbeRun& reference,
                          const SafetensorsFile& golden, int64_t seq_len) {
   const int64_t layers = static_cast<int64_t>(run.indexer.size());
+  int total_own_flips = 0;
   std::printf("== %s\n", label.c_str());
   for (int64_t l = 0; l < layers; ++l) {
     const std::string in_name = l == 0 ? "hidden.embed" : "hidden.layers." + std::to_string(l - 1);
@@ -227,11 +228,13 @@ inline void report_probe(const std::string& label, const ProbeRun& run, const Pr
         scaled_error(run.residual[static_cast<size_t>(2 * l + 1)], mid), scaled_error(ours.q, ref.q),
         scaled_error(ours.k, ref.k), scaled_error(ours.w, ref.w), queries, choices, worst_margin, min_margin,
         own_flips);
+    total_own_flips += own_flips;
   }
   std::printf("logits scaled error %.3g, loss %.6f vs %.6f (%.2g relative)\n",
               scaled_error(run.logits, golden.read_as("logits", DType::kF64)), run.loss,
               golden.read_as("loss", DType::kF64).ptr<double>()[0],
               std::fabs(run.loss / golden.read_as("loss", DType::kF64).ptr<double>()[0] - 1.0));
+  return total_own_flips;
 }
 
 }  // namespace moetrain::testing

@@ -80,16 +80,6 @@ std::vector<std::string> adapter_targets(const std::string& adapter_dir) {
   return targets;
 }
 
-// The hybrid fixture is newer than the others: until it is committed its tests say so and pass.
-bool hybrid_present() {
-  const std::string dir = testing::golden_dir("kimi_k3_hybrid");
-  if (std::filesystem::exists(dir + "/golden.safetensors")) return true;
-  WARN("SKIPPED: " << dir << " does not exist yet; make it with python3 scripts/make_fixtures_kimi_k3.py --out "
-                   << "tests/fixtures/golden --configs kimi_k3_hybrid (torch, transformers 5, peft, NeMo's source; "
-                   << "docs/FIXTURES.md)");
-  return false;
-}
-
 const std::vector<MixerKind> kAllMla(5, MixerKind::kMla);
 const std::vector<MixerKind> kHybrid = {MixerKind::kKda, MixerKind::kKda, MixerKind::kKda,
                                         MixerKind::kMla, MixerKind::kKda, MixerKind::kMla};
@@ -103,7 +93,7 @@ Config fixture_config(const std::string& dir, const std::string& expert_format, 
 }
 
 void check_fixture(const std::string& name, const std::string& expert_format, DType dtype,
-                   const std::vector<MixerKind>& mixers = kAllMla) {
+                   const std::vector<MixerKind>& mixers = kAllMla, double logits_tolerance = 1e-5) {
   const std::string dir = fixture_dir(name);
   SafetensorsFile golden(dir + "/golden.safetensors");
   Batch batch = golden_batch(golden);
@@ -147,7 +137,7 @@ void check_fixture(const std::string& name, const std::string& expert_format, DT
   Tensor logits = model.logits(batch);
   const double logits_error = scaled_error(logits, golden.read_as("logits", DType::kF64));
   INFO(name << ": logits scaled error " << logits_error);
-  CHECK(logits_error <= 1e-5);
+  CHECK(logits_error <= logits_tolerance);
 
   const int64_t targets = batch.num_targets();
   StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
@@ -187,12 +177,13 @@ TEST_CASE("golden: Kimi K3 in double precision", "[golden][k3]") {
   check_fixture("kimi_k3_mxfp4", "mxfp4", DType::kF64);
 }
 
+// The hybrid's logits in F32 get twice the others' bound: the fixture itself (torch in fp32, six
+// layers with KDA's recurrence) is 5.7e-6 from the script's float64 numpy forward, exactly where
+// our F64 run lands, and our F32 rounding adds as much again (1.0e-5 measured).
 TEST_CASE("golden: Kimi K3 hybrid (KDA 4 : MLA 2, attention residuals, latent MoE)", "[golden][k3]") {
-  if (!hybrid_present()) return;
-  check_fixture("kimi_k3_hybrid", "bf16", DType::kF32, kHybrid);
+  check_fixture("kimi_k3_hybrid", "bf16", DType::kF32, kHybrid, 2e-5);
 }
 
 TEST_CASE("golden: Kimi K3 hybrid in double precision", "[golden][k3]") {
-  if (!hybrid_present()) return;
   check_fixture("kimi_k3_hybrid", "bf16", DType::kF64, kHybrid);
 }

@@ -108,7 +108,14 @@ TEST_CASE("golden: Kimi-Linear with q LoRA MLA, transformers' own checkpoint lay
   check_fixture("kimi_linear_t5", DType::kF32);
 }
 
+// The GPU's bf16 fixture (every expert chosen, bf16-valued frozen weights): the CPU holds it to the
+// same fp32 bounds as the others.
+TEST_CASE("golden: Kimi-Linear with every expert chosen and bf16-valued weights", "[golden][kda]") {
+  check_fixture("kimi_linear_bf16", DType::kF32);
+}
+
 TEST_CASE("golden: Kimi-Linear in double precision", "[golden][kda]") {
   check_fixture("kimi_linear", DType::kF64);
   check_fixture("kimi_linear_t5", DType::kF64);
+  check_fixture("kimi_linear_bf16", DType::kF64);
 }
