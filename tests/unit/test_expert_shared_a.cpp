@@ -23,6 +23,7 @@
 #include "core/model/swiglu_experts.h"
 #include "core/plan/param_count.h"
 #include "core/train/synthetic_data.h"
+#include "adapter_testing.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
@@ -126,40 +127,7 @@ std::unique_ptr<Model> tiny_model(kernels::Backend& backend, bool shared, bool f
   return model;
 }
 
-// Non-zero random adapters (B included), each value an F32 one so that the F32 export is exact.
-void randomize(Model& model, uint64_t seed) {
-  for (Parameter* p : model.parameters()) {
-    fill_random(p->value, seed++, 0.05, 0.3);
-    for (int64_t i = 0; i < p->value.numel(); ++i)
-      p->value.ptr<double>()[i] = static_cast<float>(p->value.ptr<double>()[i]);
-  }
-}
-
-Parameter* find(Model& model, const std::string& name) {
-  for (Parameter* p : model.parameters())
-    if (p->name == name) return p;
-  return nullptr;
-}
-
-// The adapters as F32 host tensors, as a checkpoint holds them.
-struct HostParameters {
-  std::vector<Tensor> values;
-  std::vector<std::pair<std::string, TensorView>> views;
-  explicit HostParameters(Model& model) {
-    for (Parameter* p : model.parameters()) {
-      values.emplace_back(p->value.shape(), DType::kF32);
-      convert_host(values.back(), p->value);
-    }
-    std::vector<Parameter*> params = model.parameters();
-    for (size_t i = 0; i < params.size(); ++i) views.emplace_back(params[i]->name, values[i].view());
-  }
-};
-
-fs::path scratch(const std::string& name) {
-  fs::path dir = fs::temp_directory_path() / ("moetrain_test_expert_shared_a_" + name);
-  fs::remove_all(dir);
-  return dir;
-}
+fs::path scratch(const std::string& name) { return scratch_dir("expert_shared_a", name); }
 
 void export_adapter(Model& model, const fs::path& dir, AdapterLayout layout) {
   AdapterExportSettings settings;
@@ -225,10 +193,10 @@ TEST_CASE("shared expert A: whole-model gradients, the replicated group, plan's 
   for (bool fused : {false, true}) {
     INFO((fused ? "fused gate_up" : "separate gate and up"));
     auto model = tiny_model(*backend, true, fused);
-    randomize(*model, 300);
+    randomize_adapters(*model, 300);
     const std::string gate_up = fused ? "gate_up_proj" : "gate_proj";
-    Parameter* a = find(*model, "model.layers.1.mlp.experts." + gate_up + ".lora_A.weight");
-    Parameter* b = find(*model, "model.layers.2.mlp.experts.down_proj.lora_B.weight");
+    Parameter* a = find_parameter(*model, "model.layers.1.mlp.experts." + gate_up + ".lora_A.weight");
+    Parameter* b = find_parameter(*model, "model.layers.2.mlp.experts.down_proj.lora_B.weight");
     REQUIRE(a);
     REQUIRE(b);
     CHECK(a->value.shape() == Shape({fused ? 8 : 4, 16}));  // one A, hidden 16
@@ -292,7 +260,7 @@ TEST_CASE("shared expert A: export writes it per expert; both forms reload it ex
   Batch batch = tiny_batch(37, 5);
   for (bool fused : {false, true}) {
     auto model = tiny_model(*backend, true, fused);
-    randomize(*model, 400);
+    randomize_adapters(*model, 400);
     Tensor logits = model->logits(batch);
     for (AdapterLayout layout : {AdapterLayout::kTransformers5, AdapterLayout::kPerExpert}) {
       if (fused && layout == AdapterLayout::kPerExpert) continue;  // no per-expert key for gate_up (test_fused_gate_up)
@@ -303,7 +271,7 @@ TEST_CASE("shared expert A: export writes it per expert; both forms reload it ex
 
       // Every expert's A is the shared one (PEFT's layout: A [E R, in], expert-major rows).
       SafetensorsFile file((dir / "adapter_model.safetensors").string());
-      Parameter* down_a = find(*model, "model.layers.2.mlp.experts.down_proj.lora_A.weight");
+      Parameter* down_a = find_parameter(*model, "model.layers.2.mlp.experts.down_proj.lora_A.weight");
       REQUIRE(down_a);
       const int64_t block = down_a->value.numel();
       for (int64_t e = 0; e < 6; ++e) {
@@ -387,7 +355,7 @@ TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[sha
   Run straight(make_config("straight"));
   std::vector<double> expected = straight.trainer->run();
   REQUIRE(expected.size() == 4);
-  Parameter* a = find(*straight.model, kGateA);
+  Parameter* a = find_parameter(*straight.model, kGateA);
   REQUIRE(a);
   CHECK(a->value.shape() == Shape({4, 16}));
 

@@ -27,6 +27,7 @@
 #include "core/model/swiglu_experts.h"
 #include "core/plan/param_count.h"
 #include "core/train/synthetic_data.h"
+#include "adapter_testing.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
@@ -142,47 +143,13 @@ std::unique_ptr<Model> tiny_model(kernels::Backend& backend, bool fused, bool rs
   return model;
 }
 
-// Non-zero random values for every adapter (B included), as after some training, each one an
-// F32 value (so that the F32 export changes nothing).
-void randomize(Model& model, uint64_t seed) {
-  for (Parameter* p : model.parameters()) {
-    fill_random(p->value, seed++, 0.05, 0.3);
-    for (int64_t i = 0; i < p->value.numel(); ++i)
-      p->value.ptr<double>()[i] = static_cast<float>(p->value.ptr<double>()[i]);
-  }
-}
-
 Tensor host_copy(kernels::Backend& backend, const Tensor& t) {
   Tensor out(t.shape(), t.dtype());
   backend.copy(out, t);
   return out;
 }
 
-Parameter* find(Model& model, const std::string& name) {
-  for (Parameter* p : model.parameters())
-    if (p->name == name) return p;
-  return nullptr;
-}
-
-// The adapters as F32 host tensors, as a checkpoint holds them.
-struct HostParameters {
-  std::vector<Tensor> values;
-  std::vector<std::pair<std::string, TensorView>> views;
-  explicit HostParameters(Model& model) {
-    for (Parameter* p : model.parameters()) {
-      values.emplace_back(p->value.shape(), DType::kF32);
-      convert_host(values.back(), p->value);
-    }
-    std::vector<Parameter*> params = model.parameters();
-    for (size_t i = 0; i < params.size(); ++i) views.emplace_back(params[i]->name, values[i].view());
-  }
-};
-
-fs::path scratch(const std::string& name) {
-  fs::path dir = fs::temp_directory_path() / ("moetrain_test_fused_gate_up_" + name);
-  fs::remove_all(dir);
-  return dir;
-}
+fs::path scratch(const std::string& name) { return scratch_dir("fused_gate_up", name); }
 
 void export_adapter(Model& model, const fs::path& dir, bool rslora = false) {
   AdapterExportSettings settings;
@@ -314,15 +281,15 @@ TEST_CASE("fused gate_up: separate gate and up adapters are its block-diagonal c
 TEST_CASE("fused gate_up: whole-model gradients match finite differences; plan counts its parameters", "[fused][gradcheck]") {
   auto backend = kernels::make_cpu_backend();
   auto model = tiny_model(*backend, /*fused=*/true);
-  randomize(*model, 300);
-  Parameter* a = find(*model, "model.layers.1.mlp.experts.gate_up_proj.lora_A.weight");
-  Parameter* b = find(*model, "model.layers.2.mlp.experts.gate_up_proj.lora_B.weight");
+  randomize_adapters(*model, 300);
+  Parameter* a = find_parameter(*model, "model.layers.1.mlp.experts.gate_up_proj.lora_A.weight");
+  Parameter* b = find_parameter(*model, "model.layers.2.mlp.experts.gate_up_proj.lora_B.weight");
   REQUIRE(a);
   REQUIRE(b);
   CHECK(a->value.shape() == Shape({6, 8, 16}));  // 6 experts, rank 2r = 8, hidden 16
   CHECK(b->value.shape() == Shape({6, 16, 8}));  // 2F = 16
-  CHECK(!find(*model, "model.layers.1.mlp.experts.gate_proj.lora_A.weight"));
-  CHECK(find(*model, "model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight"));  // shared: separate
+  CHECK(!find_parameter(*model, "model.layers.1.mlp.experts.gate_proj.lora_A.weight"));
+  CHECK(find_parameter(*model, "model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight"));  // shared: separate
 
   Batch batch = tiny_batch(37, 3);
   const double scale = 1.0 / static_cast<double>(batch.num_targets());
@@ -362,7 +329,7 @@ TEST_CASE("fused gate_up: whole-model gradients match finite differences; plan c
 TEST_CASE("fused gate_up: export writes PEFT's rank-2r adapter, which reloads exactly", "[fused][export]") {
   auto backend = kernels::make_cpu_backend();
   auto model = tiny_model(*backend, /*fused=*/true);
-  randomize(*model, 400);
+  randomize_adapters(*model, 400);
   Batch batch = tiny_batch(37, 5);
   Tensor logits = model->logits(batch);
   fs::path dir = scratch("export") / "adapter";
@@ -381,7 +348,7 @@ TEST_CASE("fused gate_up: export writes PEFT's rank-2r adapter, which reloads ex
   CHECK(file.info(kGateUpB).shape == Shape({16, 8 * 6}));
   CHECK(file.info("base_model.model.model.layers.1.mlp.experts.lora_B.weight").shape == Shape({16, 4 * 6}));
   // PEFT's layout of B: expert e's rank k is column k E + e.
-  Parameter* b = find(*model, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight");
+  Parameter* b = find_parameter(*model, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight");
   Tensor written = file.read_as(kGateUpB, DType::kF64);
   for (int64_t e : {0, 5})
     for (int64_t o : {0, 15})
@@ -409,7 +376,7 @@ TEST_CASE("fused gate_up: what each model form holds, and the refusals naming th
 
   SECTION("a full-B fused adapter into separate adapters: refused, set lora.expert_gate_up: fused") {
     auto fused = tiny_model(*backend, true);
-    randomize(*fused, 500);
+    randomize_adapters(*fused, 500);
     fs::path dir = scratch("full_b") / "adapter";
     export_adapter(*fused, dir);
     auto separate = tiny_model(*backend, false);
@@ -424,7 +391,7 @@ TEST_CASE("fused gate_up: what each model form holds, and the refusals naming th
   SECTION("separate adapters (block-diagonal export, and per expert) load into the fused form exactly") {
     for (bool rslora : {false, true}) {
       auto separate = tiny_model(*backend, false, rslora);
-      randomize(*separate, 600);
+      randomize_adapters(*separate, 600);
       Tensor expected = separate->logits(batch);
       fs::path root = scratch(rslora ? "separate_rslora" : "separate");
       export_adapter(*separate, root / "transformers5", rslora);
@@ -491,8 +458,8 @@ TEST_CASE("fused gate_up: what each model form holds, and the refusals naming th
     auto separate = tiny_model(*backend, false);
     CHECK(load_error(*separate, dir).first == ExitCode::kOk);  // which holds it exactly
     // A shared by gate and up; B's rows split.
-    Parameter* gate_a = find(*separate, "model.layers.1.mlp.experts.gate_proj.lora_A.weight");
-    Parameter* up_a = find(*separate, "model.layers.1.mlp.experts.up_proj.lora_A.weight");
+    Parameter* gate_a = find_parameter(*separate, "model.layers.1.mlp.experts.gate_proj.lora_A.weight");
+    Parameter* up_a = find_parameter(*separate, "model.layers.1.mlp.experts.up_proj.lora_A.weight");
     CHECK(std::memcmp(gate_a->value.data(), up_a->value.data(), gate_a->value.nbytes()) == 0);
   }
 
@@ -569,7 +536,7 @@ TEST_CASE("fused gate_up: training checkpoints and resumes bit for bit, and expo
   REQUIRE(expected.size() == 4);
   // Training moves the fused B (zero at the start) off zero everywhere: an expert that got tokens
   // has a full B, gate rows in the up ranks included.
-  Parameter* b = find(*straight.model, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight");
+  Parameter* b = find_parameter(*straight.model, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight");
   REQUIRE(b);
   const int64_t block = b->value.numel() / b->value.size(0);
   int64_t full = 0;

@@ -26,6 +26,7 @@
 #include "core/model/peft_adapter.h"
 #include "core/plan/param_count.h"
 #include "core/train/synthetic_data.h"
+#include "adapter_testing.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
@@ -73,39 +74,7 @@ std::unique_ptr<Model> make_model(kernels::Backend& backend, const Config& c) {
   return model;
 }
 
-// Non-zero random adapters (B included), each value an F32 one so that the F32 export is exact.
-void randomize(Model& model, uint64_t seed) {
-  for (Parameter* p : model.parameters()) {
-    fill_random(p->value, seed++, 0.05, 0.3);
-    for (int64_t i = 0; i < p->value.numel(); ++i)
-      p->value.ptr<double>()[i] = static_cast<float>(p->value.ptr<double>()[i]);
-  }
-}
-
-Parameter* find(Model& model, const std::string& name) {
-  for (Parameter* p : model.parameters())
-    if (p->name == name) return p;
-  return nullptr;
-}
-
-struct HostParameters {
-  std::vector<Tensor> values;
-  std::vector<std::pair<std::string, TensorView>> views;
-  explicit HostParameters(Model& model) {
-    for (Parameter* p : model.parameters()) {
-      values.emplace_back(p->value.shape(), DType::kF32);
-      convert_host(values.back(), p->value);
-    }
-    std::vector<Parameter*> params = model.parameters();
-    for (size_t i = 0; i < params.size(); ++i) views.emplace_back(params[i]->name, values[i].view());
-  }
-};
-
-fs::path scratch(const std::string& name) {
-  fs::path dir = fs::temp_directory_path() / ("moetrain_test_lora_rank_pattern_" + name);
-  fs::remove_all(dir);
-  return dir;
-}
+fs::path scratch(const std::string& name) { return scratch_dir("lora_rank_pattern", name); }
 
 void export_adapter(Model& model, const Config& c, const fs::path& dir, AdapterLayout layout) {
   AdapterExportSettings settings = adapter_export_settings(c);
@@ -243,7 +212,7 @@ TEST_CASE("lora patterns: the model gives each module its rank and alpha; unmatc
   Config c = pattern_config();
   auto model = make_model(*backend, c);
   auto shape = [&](const std::string& name) {
-    Parameter* p = find(*model, name);
+    Parameter* p = find_parameter(*model, name);
     REQUIRE(p);
     return p->value.shape();
   };
@@ -270,8 +239,8 @@ TEST_CASE("lora patterns: the model gives each module its rank and alpha; unmatc
   Config doubled = plain;
   doubled.lora.alpha_pattern = {{"o_proj", 2.0 * plain.lora.alpha}};
   auto a = make_model(*backend, plain), b = make_model(*backend, doubled);
-  randomize(*a, 50);
-  randomize(*b, 50);
+  randomize_adapters(*a, 50);
+  randomize_adapters(*b, 50);
   for (Parameter* p : a->parameters()) {
     if (p->name.find("o_proj.lora_B") == std::string::npos) continue;
     for (int64_t i = 0; i < p->value.numel(); ++i) p->value.ptr<double>()[i] *= 2.0;
@@ -298,7 +267,7 @@ TEST_CASE("lora patterns: the model gives each module its rank and alpha; unmatc
 TEST_CASE("lora patterns: whole-model gradients with mixed ranks; plan's count in every form", "[rank_pattern][gradcheck]") {
   auto backend = kernels::make_cpu_backend();
   auto model = make_model(*backend, pattern_config());
-  randomize(*model, 70);
+  randomize_adapters(*model, 70);
   Batch batch = tiny_batch(37, 4);
   const double scale = 1.0 / static_cast<double>(batch.num_targets());
   for (Parameter* p : model->parameters()) backend->fill(p->grad, 0.0);
@@ -339,8 +308,8 @@ TEST_CASE("lora patterns: whole-model gradients with mixed ranks; plan's count i
       CHECK(count_lora_parameters(resolve_model_spec(c), c.lora).total() == trainable);
       if (std::string(gate_up) == "fused") {
         // layer 1's gate_up by its own key; layer 2's twice the gate's 3.
-        CHECK(find(*m, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight")->value.size(-1) == 5);
-        CHECK(find(*m, "model.layers.2.mlp.experts.gate_up_proj.lora_B.weight")->value.size(-1) == 6);
+        CHECK(find_parameter(*m, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight")->value.size(-1) == 5);
+        CHECK(find_parameter(*m, "model.layers.2.mlp.experts.gate_up_proj.lora_B.weight")->value.size(-1) == 6);
       }
     }
 }
@@ -351,7 +320,7 @@ TEST_CASE("lora patterns: export gives each module its rank under PEFT's rule, a
   for (const char* gate_up : {"separate", "fused"}) {
     Config c = pattern_config(gate_up);
     auto model = make_model(*backend, c);
-    randomize(*model, 400);
+    randomize_adapters(*model, 400);
     Tensor logits = model->logits(batch);
     for (AdapterLayout layout : {AdapterLayout::kTransformers5, AdapterLayout::kPerExpert}) {
       const bool t5 = layout == AdapterLayout::kTransformers5;
@@ -432,7 +401,7 @@ TEST_CASE("lora patterns: --init-adapter checks the file's patterns in its order
   auto backend = kernels::make_cpu_backend();
   Config c = pattern_config();
   auto model = make_model(*backend, c);
-  randomize(*model, 500);
+  randomize_adapters(*model, 500);
   fs::path dir = scratch("init") / "adapter";
   export_adapter(*model, c, dir, AdapterLayout::kTransformers5);
   const OrderedJson original = read_json(dir / "adapter_config.json");
@@ -531,8 +500,8 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
   Run straight(make_config("straight"));
   std::vector<double> expected = straight.trainer->run();
   REQUIRE(expected.size() == 4);
-  REQUIRE(find(*straight.model, "model.layers.2.self_attn.o_proj.lora_A.weight")->value.size(0) == 6);
-  REQUIRE(find(*straight.model, "model.layers.2.mlp.experts.up_proj.lora_A.weight")->value.size(1) == 2);
+  REQUIRE(find_parameter(*straight.model, "model.layers.2.self_attn.o_proj.lora_A.weight")->value.size(0) == 6);
+  REQUIRE(find_parameter(*straight.model, "model.layers.2.mlp.experts.up_proj.lora_A.weight")->value.size(1) == 2);
 
   Config split = make_config("split");
   std::vector<double> losses;

@@ -1,0 +1,55 @@
+// Shared by the tests of the adapter forms (fused gate_up, shared expert A, per-target ranks):
+// random non-zero adapters that an F32 export keeps exactly, lookup by name, the adapters as F32
+// host tensors (what a checkpoint holds) and scratch directories.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/base/host_convert.h"
+#include "core/model/model.h"
+#include "gradcheck.h"
+
+namespace moetrain::testing {
+
+// Non-zero random values for every adapter (B included), as after some training, each one an F32
+// value (so that an F32 export changes nothing).
+inline void randomize_adapters(Model& model, uint64_t seed) {
+  for (Parameter* p : model.parameters()) {
+    fill_random(p->value, seed++, 0.05, 0.3);
+    for (int64_t i = 0; i < p->value.numel(); ++i)
+      p->value.ptr<double>()[i] = static_cast<float>(p->value.ptr<double>()[i]);
+  }
+}
+
+inline Parameter* find_parameter(Model& model, const std::string& name) {
+  for (Parameter* p : model.parameters())
+    if (p->name == name) return p;
+  return nullptr;
+}
+
+// The adapters as F32 host tensors, as a checkpoint holds them, and (name, view) pairs of them.
+struct HostParameters {
+  std::vector<Tensor> values;
+  std::vector<std::pair<std::string, TensorView>> views;
+  explicit HostParameters(Model& model) {
+    for (Parameter* p : model.parameters()) {
+      values.emplace_back(p->value.shape(), DType::kF32);
+      convert_host(values.back(), p->value);
+    }
+    std::vector<Parameter*> params = model.parameters();
+    for (size_t i = 0; i < params.size(); ++i) views.emplace_back(params[i]->name, values[i].view());
+  }
+};
+
+// An empty directory <tmp>/moetrain_test_<test>_<name>.
+inline std::filesystem::path scratch_dir(const std::string& test, const std::string& name) {
+  std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moetrain_test_" + test + "_" + name);
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+}  // namespace moetrain::testing
