@@ -3,7 +3,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
 #include <utility>
+
+#include "core/base/error.h"
 
 namespace moetrain {
 
@@ -79,7 +82,22 @@ Tensor::Tensor(Shape shape, DType dtype, Allocator& allocator) : allocator_(&all
   view_.shape = shape;
   view_.dtype = dtype;
   view_.device = allocator.device();
-  view_.data = allocator.allocate(view_.nbytes());
+  // An allocation that fails names the tensor it was for (its shape and dtype) in front of the
+  // allocator's own account (what was asked, what was free, what moetrain holds).
+  const auto what = [&] {
+    const size_t bytes = view_.nbytes();
+    const std::string size = bytes >= (size_t{1} << 20) ? std::to_string(bytes >> 20) + " MiB"
+                                                        : std::to_string(bytes) + " bytes";
+    return std::string(dtype_name(dtype)) + " tensor " + shape.str() + " (" + size + ") on the " +
+           device_name(view_.device) + ": ";
+  };
+  try {
+    view_.data = allocator.allocate(view_.nbytes());
+  } catch (const Error& error) {
+    throw Error(error.code(), what() + error.what());
+  } catch (const std::bad_alloc&) {
+    throw Error(ExitCode::kInternal, what() + "out of host memory");
+  }
 }
 
 Tensor Tensor::zeros(Shape shape, DType dtype) {

@@ -18,6 +18,15 @@
 
 namespace moetrain {
 
+namespace {
+
+// "model.layers.<i> (<mixer>) <pass>": where a step is, for the context of an error.
+std::string layer_pass(const ModelSpec& spec, size_t i, const char* pass) {
+  return fmt::format("model.layers.{} ({}) {}", i, mixer_kind_name(spec.mixers[i]), pass);
+}
+
+}  // namespace
+
 using kernels::GemmArgs;
 using kernels::RmsNormArgs;
 using kernels::RmsNormBackwardArgs;
@@ -520,6 +529,15 @@ double Model::sum_losses(const Tensor& losses) {
 }
 
 StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
+  std::string where = "the batch upload";
+  try {
+    return run_step(batch, grad_scale, where);
+  } catch (const Error& error) {
+    throw Error(error.code(), where + ": " + error.what());
+  }
+}
+
+StepResult Model::run_step(const Batch& batch, double grad_scale, std::string& where) {
   BatchTensors bt = upload(batch);
   LayerContext ctx = context(bt);
   kernels::Backend& be = backend_;
@@ -531,17 +549,20 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
   // FSDP: each layer's weights are gathered just before use (with fsdp_prefetch layers ahead)
   // and freed after; the last layer's stay gathered for the backward that starts with it.
   std::vector<Tensor> inputs(num_layers + 1);
+  where = "the embedding forward";
   inputs[0] = ctx.alloc({n, d});
   gather_outer_weights();
   be.embedding_forward(inputs[0], embed_, bt.input_ids);
   release_outer_weights();
   for (size_t i = 0; i < num_layers; ++i) {
+    where = layer_pass(spec_, i, "forward");
     gather_layers(i, +1);
     inputs[i + 1] = ctx.alloc({n, d});
     layer_forward(ctx, i, inputs[i + 1], inputs[i], summaries_for(inputs, i));
     if (options_.recompute) release_layer(i);
     if (options_.fsdp_reshard_after_forward && i + 1 < num_layers) release_layer_weights(i);
   }
+  where = "the final norm and the loss";
   gather_outer_weights();
   Tensor final_hidden = ctx.alloc({n, d});
   final_rstd_ = ctx.alloc_accum({n});
@@ -555,6 +576,7 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
 
   // Backward. With Block Attention Residuals each summary's gradient gathers a term from every
   // later mix, in the accumulation dtype; it joins the stream's gradient at its own layer.
+  where = "the final norm's backward";
   Tensor dx = ctx.alloc({n, d});
   std::vector<Tensor> dsummaries;
   if (!attn_res()) {
@@ -577,6 +599,7 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
   }
   release_outer_weights();
   for (size_t i = num_layers; i-- > 0;) {
+    where = layer_pass(spec_, i, options_.recompute ? "backward (and its recomputed forward)" : "backward");
     gather_layers(i, -1);
     const std::vector<TensorView> summaries = summaries_for(inputs, i);
     if (options_.recompute) {
@@ -598,6 +621,7 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
 
   // The host reads the loss and the statistics once, after the whole micro-batch is queued
   // (a recomputed forward routes exactly as the first did, so its statistics are the same).
+  where = "reading the loss and the statistics";
   result.loss_sum = sum_losses(losses);
   for (DecoderLayer& layer : layers_) {
     FeedForwardStats stats = layer.ffn->read_stats(be);

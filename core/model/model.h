@@ -171,6 +171,9 @@ class Model final : public TrainableModel {
   Tensor loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
                        double grad_scale);
   double sum_losses(const Tensor& losses);
+  // forward_backward's body; it keeps `where` at the part of the step it is in (an Error from it
+  // gets that in front: an out-of-memory then names the layer and pass as well as the tensor).
+  StepResult run_step(const Batch& batch, double grad_scale, std::string& where);
 
   ModelSpec spec_;
   kernels::Backend& backend_;
