@@ -16,7 +16,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
-#include "golden_files.h"
+#include "golden_checks.h"
 #include "kernels/ops.h"
 
 using namespace moetrain;
@@ -24,9 +24,6 @@ using namespace moetrain;
 namespace {
 
 using testing::golden_batch;
-using testing::gradient_for;
-using testing::host_f64;
-using testing::scaled_error;
 
 // The fixture directory, or a failure that says how to make it.
 std::string fixture_dir(const std::string& name) {
@@ -59,31 +56,8 @@ void check_fixture(const std::string& name, DType dtype, int64_t top_k) {
   model.load_weights(HfCheckpoint(dir));
   load_peft_adapter(model, dir + "/adapter");
 
-  Tensor logits = model.logits(batch);
-  double logits_error = scaled_error(logits, golden.read_as("logits", DType::kF64));
-  INFO(name << ": logits scaled error " << logits_error);
-  CHECK(logits_error <= 1e-5);
-
-  const int64_t targets = batch.num_targets();
-  StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
-  const double loss = result.loss_sum / static_cast<double>(targets);
-  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
-  INFO(name << ": loss " << loss << " vs " << golden_loss);
-  CHECK(std::fabs(loss - golden_loss) <= 1e-5 * std::fabs(golden_loss));
-
-  std::map<std::string, Tensor> grads;
-  for (Parameter* p : model.parameters()) grads.emplace(p->name, host_f64(*backend, p->grad));
-  int compared = 0;
-  for (const std::string& key : golden.names()) {
-    if (key.rfind("grad.", 0) != 0) continue;
-    const std::string param = key.substr(5 + std::string("base_model.model.").size());
-    Tensor ours = gradient_for(grads, param);
-    double error = scaled_error(ours, golden.read_as(key, DType::kF64));
-    INFO(name << ": " << key << " scaled error " << error);
-    CHECK(error <= 1e-4);
-    ++compared;
-  }
-  CHECK(compared == static_cast<int>(SafetensorsFile(dir + "/adapter/adapter_model.safetensors").names().size()));
+  testing::check_logits_and_loss(name, model, golden, batch);
+  testing::check_adapter_gradients(name, golden, testing::host_gradients(model, *backend), dir + "/adapter");
 }
 
 }  // namespace

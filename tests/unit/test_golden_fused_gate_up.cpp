@@ -24,7 +24,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
-#include "golden_files.h"
+#include "golden_checks.h"
 #include "kernels/ops.h"
 
 using namespace moetrain;
@@ -32,9 +32,7 @@ using namespace moetrain;
 namespace {
 
 using testing::golden_batch;
-using testing::gradient_for;
 using testing::host_f64;
-using testing::scaled_error;
 
 bool fixture_present(const std::string& name) {
   const std::string dir = testing::golden_dir(name);
@@ -71,33 +69,13 @@ void check_fixture(const std::string& name, DType dtype) {
   load_peft_adapter(*model, dir + "/adapter");
   Batch batch = golden_batch(golden);
 
-  double logits_error = scaled_error(model->logits(batch), golden.read_as("logits", DType::kF64));
-  INFO(name << ": logits scaled error " << logits_error);
-  CHECK(logits_error <= 1e-5);
-
-  const int64_t targets = batch.num_targets();
-  REQUIRE(targets == 25);
-  StepResult result = model->forward_backward(batch, 1.0 / static_cast<double>(targets));
-  const double loss = result.loss_sum / static_cast<double>(targets);
-  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
-  INFO(name << ": loss " << loss << " vs " << golden_loss);
-  CHECK(std::fabs(loss - golden_loss) <= 1e-5 * std::fabs(golden_loss));
-
-  std::map<std::string, Tensor> grads;
-  for (Parameter* p : model->parameters()) grads.emplace(p->name, host_f64(*backend, p->grad));
-  int compared = 0, gate_up = 0;
-  for (const std::string& key : golden.names()) {
-    if (key.rfind("grad.", 0) != 0) continue;
-    const std::string param = key.substr(5 + std::string("base_model.model.").size());
-    Tensor ours = gradient_for(grads, param);
-    double error = scaled_error(ours, golden.read_as(key, DType::kF64));
-    INFO(name << ": " << key << " scaled error " << error);
-    CHECK(error <= 1e-4);
-    ++compared;
-    gate_up += key.find(".experts.base_layer.") != std::string::npos;
-  }
-  CHECK(compared == static_cast<int>(SafetensorsFile(dir + "/adapter/adapter_model.safetensors").names().size()));
-  CHECK(gate_up == 4);  // A and B of both MoE layers
+  REQUIRE(batch.num_targets() == 25);
+  testing::check_logits_and_loss(name, *model, golden, batch);
+  const std::vector<std::string> compared =
+      testing::check_adapter_gradients(name, golden, testing::host_gradients(*model, *backend), dir + "/adapter");
+  CHECK(std::count_if(compared.begin(), compared.end(), [](const std::string& key) {
+          return key.find(".experts.base_layer.") != std::string::npos;
+        }) == 4);  // A and B of both MoE layers' fused gate_up
 
   // Separate gate and up adapters cannot hold a B that mixes them: refused, naming the fix.
   auto separate = golden_model(dir, *backend, dtype, /*fused=*/false);

@@ -25,7 +25,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
-#include "golden_files.h"
+#include "golden_checks.h"
 #include "kernels/ops.h"
 
 using namespace moetrain;
@@ -33,8 +33,6 @@ using namespace moetrain;
 namespace {
 
 using testing::golden_batch;
-using testing::host_f64;
-using testing::scaled_error;
 
 constexpr const char* kPeftPrefix = "base_model.model.";
 constexpr const char* kTextPrefix = "language_model.";
@@ -134,34 +132,15 @@ void check_fixture(const std::string& name, const std::string& expert_format, DT
   model.load_weights(HfCheckpoint(dir));
   load_peft_adapter(model, dir + "/adapter");
 
-  Tensor logits = model.logits(batch);
-  const double logits_error = scaled_error(logits, golden.read_as("logits", DType::kF64));
-  INFO(name << ": logits scaled error " << logits_error);
-  CHECK(logits_error <= logits_tolerance);
-
-  const int64_t targets = batch.num_targets();
-  StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
-  const double loss = result.loss_sum / static_cast<double>(targets);
-  const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
-  INFO(name << ": loss " << loss << " vs " << golden_loss);
-  CHECK(std::fabs(loss - golden_loss) <= 1e-5 * std::fabs(golden_loss));
-
-  std::map<std::string, Tensor> grads;
-  for (Parameter* p : model.parameters()) grads.emplace(p->name, host_f64(*backend, p->grad));
-  int compared = 0;
-  for (const std::string& key : golden.names()) {
-    if (key.rfind("grad.", 0) != 0) continue;
-    const std::string param = our_parameter_name(key.substr(5));
-    INFO(name << ": " << key << " is our " << param);
-    REQUIRE(grads.count(param) == 1);
-    const double error = scaled_error(grads.at(param), golden.read_as(key, DType::kF64));
-    INFO(name << ": " << key << " scaled error " << error);
-    CHECK(error <= 1e-4);
-    ++compared;
-  }
-  const size_t adapter_tensors = SafetensorsFile(dir + "/adapter/adapter_model.safetensors").names().size();
-  CHECK(compared == static_cast<int>(adapter_tensors));
-  CHECK(grads.size() == adapter_tensors);  // every adapter of ours has a reference gradient
+  testing::GoldenBounds bounds;
+  bounds.logits = logits_tolerance;
+  testing::check_logits_and_loss(name, model, golden, batch, bounds);
+  // Every adapter of ours has a reference gradient, under K3's names.
+  std::map<std::string, Tensor> grads = testing::host_gradients(model, *backend);
+  const size_t ours = grads.size();
+  const std::vector<std::string> compared =
+      testing::check_adapter_gradients(name, golden, std::move(grads), dir + "/adapter", 1e-4, our_parameter_name);
+  CHECK(compared.size() == ours);
 }
 
 }  // namespace
