@@ -350,7 +350,8 @@ void Model::init_random_weights() {
       // MXFP4 experts: the values the BF16 experts would get (the same generator over the same
       // logical elements), quantized; made by the backend where they live.
       const int64_t out = slot.tensor->size(1), in = 2 * slot.tensor->size(2);
-      log::info(fmt::format("initialising {} ({} experts of {} x {}) in MXFP4", slot.name, slot.tensor->size(0), out, in));
+      log::info(
+          fmt::format("initialising {} ({} experts of {} x {}) in MXFP4", slot.name, slot.tensor->size(0), out, in));
       kernels::RandomMxfp4Args args;
       args.codes = slot.tensor->view();
       args.scales = slot.scale->view();

@@ -59,7 +59,8 @@ __device__ __forceinline__ void load_taps(float (&tap)[kWindow][kChunk], ConstOp
 #pragma unroll
   for (int j = 0; j < kWindow; ++j)
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) tap[j][e] = j < width ? load_one(weight, (c0 + e) * width + (width - 1 - j)) : 0.0f;
+    for (int e = 0; e < kChunk; ++e)
+      tap[j][e] = j < width ? load_one(weight, (c0 + e) * width + (width - 1 - j)) : 0.0f;
 }
 
 // Shifts a window left by one and puts (values, segment) at its newest slot.

@@ -77,7 +77,8 @@ TEST_CASE("cuda random_mxfp4 fills a large tensor whose every group is the refer
     one.scales = host_scales.view();
     one.first_element = args.first_element + static_cast<uint64_t>(row * 3584);
     cpu().random_mxfp4(one);
-    expect_same_bytes(codes.view().slice_rows(row, row + 1), host_codes.view(), "row " + std::to_string(row) + " codes");
+    expect_same_bytes(codes.view().slice_rows(row, row + 1), host_codes.view(),
+                      "row " + std::to_string(row) + " codes");
     expect_same_bytes(scales.view().slice_rows(row, row + 1), host_scales.view(),
                       "row " + std::to_string(row) + " scales");
   }
