@@ -1,5 +1,5 @@
-// A diagnostic of the deepseek_v32 golden case (issue 12; test_cuda_golden_model.cpp runs it on
-// demand with the tag [.dsa_diag]): where does a run of the fixture's model leave the reference?
+// A probe of the deepseek_v32 golden case (test_cuda_golden_model.cpp's DeepSeek-V3.2 case, which
+// holds the GPU to the reference with its top-k choices): where does a run leave the reference?
 // ProbeBackend forwards every op to the backend it wraps (it is a disabled TimingBackend, which
 // always has every op) and records, in a forward, the residual stream (the input of every
 // hidden-size RMSNorm: each layer's input, its sum after attention, the final norm's input) and
