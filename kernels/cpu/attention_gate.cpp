@@ -2,12 +2,9 @@
 
 #include <cmath>
 
+#include "kernels/cpu/sigmoid.h"
+
 namespace moetrain::kernels::cpu {
-namespace {
-
-double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-
-}  // namespace
 
 template <typename T>
 void attention_gate_forward(const AttentionGateArgs& args) {

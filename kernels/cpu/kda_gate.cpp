@@ -2,13 +2,10 @@
 
 #include <cmath>
 
+#include "kernels/cpu/sigmoid.h"
+
 namespace moetrain::kernels::cpu {
 namespace {
-
-template <typename T>
-T sigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
-}
 
 // torch's threshold: above it softplus(x) = x to working precision, and exp(x) would overflow.
 constexpr double kSoftplusThreshold = 20.0;

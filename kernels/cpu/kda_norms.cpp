@@ -3,15 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/sigmoid.h"
+
 namespace moetrain::kernels::cpu {
-namespace {
-
-template <typename T>
-T sigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
-}
-
-}  // namespace
 
 template <typename T>
 void l2norm_forward(const L2NormArgs& args) {

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/sigmoid.h"
+
 namespace moetrain::kernels::cpu {
 namespace {
 
@@ -26,11 +28,6 @@ T conv_at(const T* x, const T* w, const ConvDims& d, int64_t start, int64_t t, i
     if (src >= start) z += w[c * d.width + i] * x[src * d.channels + c];
   }
   return z;
-}
-
-template <typename T>
-T sigmoid(T z) {
-  return T(1) / (T(1) + std::exp(-z));
 }
 
 }  // namespace

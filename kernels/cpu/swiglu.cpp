@@ -2,16 +2,9 @@
 
 #include <cmath>
 
+#include "kernels/cpu/sigmoid.h"
+
 namespace moetrain::kernels::cpu {
-namespace {
-
-// exp(-g) overflows to inf for very negative g, which correctly gives 0.
-template <typename T>
-T sigmoid(T g) {
-  return T(1) / (T(1) + std::exp(-g));
-}
-
-}  // namespace
 
 template <typename T>
 void swiglu_forward(const TensorView& h, const TensorView& gate_up) {
