@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -44,6 +45,18 @@ struct HostParameters {
     for (size_t i = 0; i < params.size(); ++i) views.emplace_back(params[i]->name, values[i].view());
   }
 };
+
+// Whether two models' adapters hold the same F32 bytes, tensor by tensor.
+inline bool same_adapter_bytes(Model& a, Model& b) {
+  const HostParameters x(a), y(b);
+  if (x.values.size() != y.values.size()) return false;
+  for (size_t i = 0; i < x.values.size(); ++i) {
+    if (x.values[i].nbytes() != y.values[i].nbytes() ||
+        std::memcmp(x.values[i].data(), y.values[i].data(), x.values[i].nbytes()) != 0)
+      return false;
+  }
+  return true;
+}
 
 // An empty directory <tmp>/moetrain_test_<test>_<name>.
 inline std::filesystem::path scratch_dir(const std::string& test, const std::string& name) {

@@ -4,12 +4,14 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "catch.h"
 #include "core/model/model.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
+#include "tiny_model.h"
 
 namespace moetrain::testing {
 
@@ -42,5 +44,33 @@ inline void check_lora_gradients(Model& model, kernels::Backend& backend, const 
   }
   CHECK(nonzero == static_cast<int>(params.size()));
 }
+
+// A model on the CPU in F64 whose adapters all hold non-zero random values (B included, and A
+// larger than its init, so every adapter carries gradient to every input), with a tiny batch:
+// what each whole-model gradient check starts from.
+struct GradcheckModel {
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  std::unique_ptr<Model> model;
+  Batch batch;
+  double grad_scale = 0.0;
+
+  GradcheckModel(const Config& config, ModelOptions options, uint64_t adapter_seed, uint64_t batch_seed) {
+    options.dtype = DType::kF64;
+    model = std::make_unique<Model>(resolve_model_spec(config), *backend, options);
+    model->init_random_weights();
+    for (Parameter* p : model->parameters()) fill_random(p->value, adapter_seed++, 0.05, 0.3);
+    batch = tiny_batch(config.model.vocab_size, batch_seed);
+    grad_scale = 1.0 / static_cast<double>(batch.num_targets());
+  }
+
+  // The objective whose gradient forward_backward accumulates (the loss and the MoE's aux loss).
+  double objective() {
+    const StepResult r = model->forward_backward(batch, grad_scale);
+    return r.loss_sum * grad_scale + r.aux_loss;
+  }
+
+  // Analytic gradients of one forward_backward, copied out.
+  std::vector<Tensor> gradients() { return lora_gradients(*model, *backend, batch, grad_scale); }
+};
 
 }  // namespace moetrain::testing

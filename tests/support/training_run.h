@@ -4,11 +4,15 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "catch.h"
 #include "core/checkpoint/checkpoint_session.h"
 #include "core/model/model.h"
 #include "core/train/synthetic_data.h"
 #include "kernels/ops.h"
+#include "tiny_model.h"
 
 namespace moetrain::testing {
 
@@ -35,5 +39,35 @@ struct TrainingRun {
     trainer->set_after_step([this](const StepRecord&) { session->after_step(); });
   }
 };
+
+// Four steps of the tiny model (tiny_model.h) with LoRA r4 / alpha 8, saving a checkpoint every
+// 2 steps into run_dir: the resume checks of the adapter forms set their targets and form on it.
+inline Config four_step_run_config(const std::string& run_dir) {
+  Config c = tiny_model_config(false);
+  c.lora.rank = 4;
+  c.lora.alpha = 8.0;
+  c.data.micro_batch = 2;
+  c.train.steps = 4;
+  c.train.lr = 1e-2;
+  c.train.warmup_steps = 1;
+  c.logging.run_dir = run_dir;
+  c.checkpoint.every = 2;
+  c.checkpoint.export_adapter = "false";
+  return c;
+}
+
+// Trains `before` steps of `c`, then resumes from its checkpoint in new objects (as a new process
+// would) and trains to the end; appends every step's loss to `losses` and returns the resumed run.
+inline std::unique_ptr<TrainingRun> run_with_resume(const Config& c, int before, std::vector<double>& losses) {
+  {
+    TrainingRun first(c);
+    first.session->resume();
+    for (int i = 0; i < before; ++i) losses.push_back(first.trainer->train_step().loss);
+  }
+  auto second = std::make_unique<TrainingRun>(c);
+  REQUIRE(second->session->resume());
+  for (double loss : second->trainer->run()) losses.push_back(loss);
+  return second;
+}
 
 }  // namespace moetrain::testing

@@ -336,18 +336,9 @@ TEST_CASE("shared expert A: the config key", "[shared_a][config]") {
 
 TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[shared_a][checkpoint]") {
   auto make_config = [](const std::string& name) {
-    Config c = tiny_model_config(false);
-    c.lora.rank = 4;
-    c.lora.alpha = 8.0;
+    Config c = testing::four_step_run_config(scratch(name).string());
     c.lora.targets = {"o_proj", "experts"};
     c.lora.expert_a = "shared";
-    c.data.micro_batch = 2;
-    c.train.steps = 4;
-    c.train.lr = 1e-2;
-    c.train.warmup_steps = 1;
-    c.logging.run_dir = scratch(name).string();
-    c.checkpoint.every = 2;
-    c.checkpoint.export_adapter = "false";
     return c;
   };
   using Run = testing::TrainingRun;
@@ -361,19 +352,11 @@ TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[sha
 
   Config split = make_config("split");
   std::vector<double> losses;
-  {
-    Run first(split);
-    first.session->resume();
-    for (int i = 0; i < 2; ++i) losses.push_back(first.trainer->train_step().loss);
-  }
-  Run second(split);
-  REQUIRE(second.session->resume());
-  for (double loss : second.trainer->run()) losses.push_back(loss);
+  std::unique_ptr<Run> resumed = testing::run_with_resume(split, 2, losses);
+  Run& second = *resumed;
   REQUIRE(losses.size() == 4);
   for (int i = 0; i < 4; ++i) CHECK(losses[i] == expected[i]);
-  HostParameters resumed(*second.model), once(*straight.model);
-  for (size_t i = 0; i < resumed.values.size(); ++i)
-    CHECK(std::memcmp(resumed.values[i].data(), once.values[i].data(), resumed.values[i].nbytes()) == 0);
+  CHECK(same_adapter_bytes(*second.model, *straight.model));
 
   // The checkpoint holds the one A whole; the exported adapter has it once per expert.
   fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
@@ -388,7 +371,5 @@ TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[sha
     return options;
   }());
   load_peft_adapter(*reloaded, adapter.string());
-  HostParameters loaded(*reloaded);
-  for (size_t i = 0; i < loaded.values.size(); ++i)
-    CHECK(std::memcmp(loaded.values[i].data(), resumed.values[i].data(), loaded.values[i].nbytes()) == 0);
+  CHECK(same_adapter_bytes(*reloaded, *second.model));
 }

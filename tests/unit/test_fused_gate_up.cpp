@@ -515,18 +515,9 @@ TEST_CASE("fused gate_up: the config key and its rules", "[fused][config]") {
 
 TEST_CASE("fused gate_up: training checkpoints and resumes bit for bit, and exports the fused adapter", "[fused][checkpoint]") {
   auto make_config = [](const std::string& name) {
-    Config c = tiny_model_config(false);
-    c.lora.rank = 4;
-    c.lora.alpha = 8.0;
+    Config c = testing::four_step_run_config(scratch(name).string());
     c.lora.targets = {"o_proj", "experts"};
     c.lora.expert_gate_up = "fused";
-    c.data.micro_batch = 2;
-    c.train.steps = 4;
-    c.train.lr = 1e-2;
-    c.train.warmup_steps = 1;
-    c.logging.run_dir = scratch(name).string();
-    c.checkpoint.every = 2;
-    c.checkpoint.export_adapter = "false";
     return c;
   };
   using Run = testing::TrainingRun;
@@ -549,18 +540,10 @@ TEST_CASE("fused gate_up: training checkpoints and resumes bit for bit, and expo
 
   Config split = make_config("split");
   std::vector<double> losses;
-  {
-    Run first(split);
-    first.session->resume();
-    for (int i = 0; i < 2; ++i) losses.push_back(first.trainer->train_step().loss);
-  }
-  Run second(split);
-  REQUIRE(second.session->resume());
-  for (double loss : second.trainer->run()) losses.push_back(loss);
+  std::unique_ptr<Run> resumed = testing::run_with_resume(split, 2, losses);
   REQUIRE(losses.size() == 4);
   for (int i = 0; i < 4; ++i) CHECK(losses[i] == expected[i]);
-  HostParameters a(*second.model), s(*straight.model);
-  for (size_t i = 0; i < a.values.size(); ++i) CHECK(std::memcmp(a.values[i].data(), s.values[i].data(), a.values[i].nbytes()) == 0);
+  CHECK(same_adapter_bytes(*resumed->model, *straight.model));
 
   fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
   export_checkpoint_adapter(split.logging.run_dir + "/checkpoints", adapter.string());

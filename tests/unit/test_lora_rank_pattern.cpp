@@ -480,19 +480,10 @@ TEST_CASE("lora patterns: --init-adapter checks the file's patterns in its order
 
 TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and exports the ranks", "[rank_pattern][checkpoint]") {
   auto make_config = [](const std::string& name) {
-    Config c = tiny_model_config(false);
-    c.lora.rank = 4;
-    c.lora.alpha = 8.0;
+    Config c = testing::four_step_run_config(scratch(name).string());
     c.lora.targets = {"o_proj", "kv_b_proj", "experts"};
     c.lora.rank_pattern = {{"o_proj", 6}, {"layers\\.2\\..*", 2}};
     c.lora.alpha_pattern = {{"experts\\.down_proj", 3.0}};
-    c.data.micro_batch = 2;
-    c.train.steps = 4;
-    c.train.lr = 1e-2;
-    c.train.warmup_steps = 1;
-    c.logging.run_dir = scratch(name).string();
-    c.checkpoint.every = 2;
-    c.checkpoint.export_adapter = "false";
     return c;
   };
   using Run = testing::TrainingRun;
@@ -505,19 +496,11 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
 
   Config split = make_config("split");
   std::vector<double> losses;
-  {
-    Run first(split);
-    first.session->resume();
-    for (int i = 0; i < 2; ++i) losses.push_back(first.trainer->train_step().loss);
-  }
-  Run second(split);
-  REQUIRE(second.session->resume());
-  for (double loss : second.trainer->run()) losses.push_back(loss);
+  std::unique_ptr<Run> resumed = testing::run_with_resume(split, 2, losses);
+  Run& second = *resumed;
   REQUIRE(losses.size() == 4);
   for (int i = 0; i < 4; ++i) CHECK(losses[i] == expected[i]);
-  HostParameters resumed(*second.model), once(*straight.model);
-  for (size_t i = 0; i < resumed.values.size(); ++i)
-    CHECK(std::memcmp(resumed.values[i].data(), once.values[i].data(), resumed.values[i].nbytes()) == 0);
+  CHECK(same_adapter_bytes(*second.model, *straight.model));
 
   // `moetrain export` takes the patterns from the checkpoint's config; --init-adapter reads them.
   fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
@@ -526,7 +509,5 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
   CHECK(config["alpha_pattern"][".*\\.down_proj"] == 3.0);
   Run fresh(make_config("fresh"));
   load_peft_adapter(*fresh.model, adapter.string());
-  HostParameters loaded(*fresh.model);
-  for (size_t i = 0; i < loaded.values.size(); ++i)
-    CHECK(std::memcmp(loaded.values[i].data(), resumed.values[i].data(), loaded.values[i].nbytes()) == 0);
+  CHECK(same_adapter_bytes(*fresh.model, *second.model));
 }

@@ -24,33 +24,17 @@ using namespace moetrain::testing;
 
 namespace {
 
-struct Fixture {
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-  std::unique_ptr<Model> model;
-  Batch batch;
-  double grad_scale = 0.0;
+ModelOptions options_of(bool recompute) {
+  ModelOptions options;
+  options.recompute = recompute;
+  options.lora = LoraSettings{3, 6.0, false};
+  options.lora_targets = {"o_proj", "g_proj", "kv_b_proj", "q_proj", "routed_expert_up_proj", "shared_experts",
+                          "gate_proj"};
+  return options;
+}
 
-  Fixture(int64_t block, bool recompute) {
-    Config config = tiny_k3_config(block);
-    ModelSpec spec = resolve_model_spec(config);
-    ModelOptions options;
-    options.dtype = DType::kF64;
-    options.recompute = recompute;
-    options.lora = LoraSettings{3, 6.0, false};
-    options.lora_targets = {"o_proj", "g_proj", "kv_b_proj", "q_proj", "routed_expert_up_proj", "shared_experts",
-                            "gate_proj"};
-    model = std::make_unique<Model>(spec, *backend, options);
-    model->init_random_weights();
-    // Non-zero B (and larger A) so that every adapter carries gradient to every input.
-    uint64_t seed = 300;
-    for (Parameter* p : model->parameters()) fill_random(p->value, seed++, 0.05, 0.3);
-    batch = tiny_batch(config.model.vocab_size, 5);
-    grad_scale = 1.0 / static_cast<double>(batch.num_targets());
-  }
-
-  double objective() { return model->forward_backward(batch, grad_scale).loss_sum * grad_scale; }
-
-  std::vector<Tensor> gradients() { return lora_gradients(*model, *backend, batch, grad_scale); }
+struct Fixture : GradcheckModel {
+  Fixture(int64_t block, bool recompute) : GradcheckModel(tiny_k3_config(block), options_of(recompute), 300, 5) {}
 };
 
 void check_all_parameters(Fixture& f) {
@@ -63,8 +47,7 @@ void check_all_parameters(Fixture& f) {
   options.rtol = 1e-5;
   options.atol = 3e-8;
   options.max_elements = 5;
-  check_lora_gradients(*f.model, *f.backend, lora_gradients(*f.model, *f.backend, f.batch, f.grad_scale),
-                       [&] { return f.objective(); }, options);
+  check_lora_gradients(*f.model, *f.backend, f.gradients(), [&] { return f.objective(); }, options);
 }
 
 }  // namespace

@@ -16,46 +16,31 @@ using namespace moetrain::testing;
 
 namespace {
 
-struct Fixture {
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-  std::unique_ptr<Model> model;
-  Batch batch;
-  double grad_scale = 0.0;
-
-  // k3_kda: the KDA layer in Kimi K3's form (fused qkv, full-rank output gate, bounded decay).
-  Fixture(bool q_lora, double aux_coef, bool recompute, bool k3_kda = false) {
-    Config config = tiny_model_config(q_lora);
-    config.model.moe.aux_loss_coef = aux_coef;
-    std::vector<std::string> targets = all_lora_targets(q_lora);
-    if (k3_kda) {
-      config.model.kda.fused_qkv = true;
-      config.model.kda.full_rank_output_gate = true;
-      config.model.kda.lower_bound = -5.0;
-      targets = {"qkv_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj", "kv_b_proj", "experts"};
-    }
-    ModelSpec spec = resolve_model_spec(config);
-    ModelOptions options;
-    options.dtype = DType::kF64;
-    options.recompute = recompute;
-    options.lora = LoraSettings{4, 8.0, false};
-    options.lora_targets = targets;
-    model = std::make_unique<Model>(spec, *backend, options);
-    model->init_random_weights();
-    // Non-zero B (and larger A) so that every adapter carries gradient to every input.
-    uint64_t seed = 100;
-    for (Parameter* p : model->parameters()) fill_random(p->value, seed++, 0.05, 0.3);
-    batch = tiny_batch(config.model.vocab_size, 3);
-    grad_scale = 1.0 / static_cast<double>(batch.num_targets());
+// k3_kda: the KDA layer in Kimi K3's form (fused qkv, full-rank output gate, bounded decay).
+Config config_of(bool q_lora, double aux_coef, bool k3_kda) {
+  Config config = tiny_model_config(q_lora);
+  config.model.moe.aux_loss_coef = aux_coef;
+  if (k3_kda) {
+    config.model.kda.fused_qkv = true;
+    config.model.kda.full_rank_output_gate = true;
+    config.model.kda.lower_bound = -5.0;
   }
+  return config;
+}
 
-  // The objective whose gradient forward_backward accumulates.
-  double objective() {
-    StepResult r = model->forward_backward(batch, grad_scale);
-    return r.loss_sum * grad_scale + r.aux_loss;
-  }
+ModelOptions options_of(bool q_lora, bool recompute, bool k3_kda) {
+  ModelOptions options;
+  options.recompute = recompute;
+  options.lora = LoraSettings{4, 8.0, false};
+  options.lora_targets = k3_kda ? std::vector<std::string>{"qkv_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj",
+                                                           "o_proj", "kv_b_proj", "experts"}
+                                : all_lora_targets(q_lora);
+  return options;
+}
 
-  // Analytic gradients of one forward_backward, copied out.
-  std::vector<Tensor> analytic_gradients() { return lora_gradients(*model, *backend, batch, grad_scale); }
+struct Fixture : GradcheckModel {
+  Fixture(bool q_lora, double aux_coef, bool recompute, bool k3_kda = false)
+      : GradcheckModel(config_of(q_lora, aux_coef, k3_kda), options_of(q_lora, recompute, k3_kda), 100, 3) {}
 };
 
 void check_all_parameters(Fixture& f) {
@@ -64,7 +49,7 @@ void check_all_parameters(Fixture& f) {
   options.rtol = 1e-5;
   options.atol = 1e-9;
   options.max_elements = 6;
-  check_lora_gradients(*f.model, *f.backend, f.analytic_gradients(), [&] { return f.objective(); }, options);
+  check_lora_gradients(*f.model, *f.backend, f.gradients(), [&] { return f.objective(); }, options);
 }
 
 }  // namespace
@@ -92,8 +77,8 @@ TEST_CASE("model LoRA gradients match finite differences (no q LoRA, aux loss, r
 TEST_CASE("recompute gives the same loss and gradients as keeping activations", "[model]") {
   Fixture keep(true, 0.01, false);
   Fixture again(true, 0.01, true);
-  std::vector<Tensor> a = keep.analytic_gradients();
-  std::vector<Tensor> b = again.analytic_gradients();
+  std::vector<Tensor> a = keep.gradients();
+  std::vector<Tensor> b = again.gradients();
   REQUIRE(a.size() == b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     Comparison c = compare_tensors(a[i], b[i], 0.0, 0.0, keep.model->parameters()[i]->name);

@@ -23,35 +23,24 @@ using namespace moetrain::testing;
 
 namespace {
 
-struct Fixture {
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-  std::unique_ptr<Model> model;
-  Batch batch;
-  double grad_scale = 0.0;
+Config config_of(bool latent_norm, double aux_coef) {
+  Config config = tiny_k3_ffn_config(latent_norm);
+  config.model.moe.aux_loss_coef = aux_coef;
+  return config;
+}
 
-  Fixture(bool latent_norm, double aux_coef, bool recompute) {
-    Config config = tiny_k3_ffn_config(latent_norm);
-    config.model.moe.aux_loss_coef = aux_coef;
-    ModelSpec spec = resolve_model_spec(config);
-    ModelOptions options;
-    options.dtype = DType::kF64;
-    options.recompute = recompute;
-    options.lora = LoraSettings{3, 6.0, false};
-    options.lora_targets = {"routed_expert_down_proj", "routed_expert_up_proj", "experts", "shared_experts",
-                            "gate_proj", "up_proj", "down_proj", "o_proj"};
-    model = std::make_unique<Model>(spec, *backend, options);
-    model->init_random_weights();
-    // Non-zero B (and larger A) so that every adapter carries gradient to every input.
-    uint64_t seed = 200;
-    for (Parameter* p : model->parameters()) fill_random(p->value, seed++, 0.05, 0.3);
-    batch = tiny_batch(config.model.vocab_size, 5);
-    grad_scale = 1.0 / static_cast<double>(batch.num_targets());
-  }
+ModelOptions options_of(bool recompute) {
+  ModelOptions options;
+  options.recompute = recompute;
+  options.lora = LoraSettings{3, 6.0, false};
+  options.lora_targets = {"routed_expert_down_proj", "routed_expert_up_proj", "experts", "shared_experts",
+                          "gate_proj", "up_proj", "down_proj", "o_proj"};
+  return options;
+}
 
-  double objective() {
-    StepResult r = model->forward_backward(batch, grad_scale);
-    return r.loss_sum * grad_scale + r.aux_loss;
-  }
+struct Fixture : GradcheckModel {
+  Fixture(bool latent_norm, double aux_coef, bool recompute)
+      : GradcheckModel(config_of(latent_norm, aux_coef), options_of(recompute), 200, 5) {}
 };
 
 void check_all_parameters(Fixture& f) {
@@ -60,8 +49,7 @@ void check_all_parameters(Fixture& f) {
   options.rtol = 1e-5;
   options.atol = 1e-9;
   options.max_elements = 6;
-  check_lora_gradients(*f.model, *f.backend, lora_gradients(*f.model, *f.backend, f.batch, f.grad_scale),
-                       [&] { return f.objective(); }, options);
+  check_lora_gradients(*f.model, *f.backend, f.gradients(), [&] { return f.objective(); }, options);
 }
 
 }  // namespace
