@@ -6,14 +6,15 @@ The reference is an implementation that is not ours and not transformers': NeMo 
 SiTU MLPs, the latent MoE with its sigmoid router, Block Attention Residuals) and its checkpoint
 adapter (state_dict_adapter.py: the released names, `language_model.` prefix, block_sparse_moe,
 experts w1/w3/w2, MXFP4 `weight_packed` / `weight_scale`). kimi_k3 and kimi_k3_mxfp4 are all MLA.
-kimi_k3_hybrid mixes NeMo's KimiDeltaAttention (K3's flags: q/k/v projections with one short conv
-each, full-rank output gate g_proj, bounded decay lower_bound * sigmoid(exp(A_log) (f + dt_bias)),
-lower bound -5) with MLA. NeMo's KDA layer calls fla (ShortConvolution, FusedRMSNormGated, chunk_kda
-/ fused_recurrent_kda), which is not installed where this runs; for that variant only, this script
+kimi_k3_hybrid (BF16 experts) and kimi_k3_hybrid_mxfp4 mix NeMo's KimiDeltaAttention (K3's flags:
+q/k/v projections with one short conv each, full-rank output gate g_proj, bounded decay
+lower_bound * sigmoid(exp(A_log) (f + dt_bias)), lower bound -5) with MLA. NeMo's KDA layer calls fla (ShortConvolution, FusedRMSNormGated, chunk_kda
+/ fused_recurrent_kda), which is not installed where this runs; for those variants only, this script
 puts torch stand-ins under those names in NeMo's module (KDA STAND-INS below: fla's documented
 semantics, the delta rule token by token) and reports the recurrence against transformers' own torch
 chunked KDA when this transformers has one. Everything else in the layer (projections, LoRA, NeMo's
-torch decay gate, reshapes, the output gate) is NeMo's code.
+torch decay gate, reshapes, the output gate) is NeMo's code. kimi_k3_bf16 and kimi_k3_mxfp4_bf16
+are hybrids conditioned for the GPU's bf16 check: every expert chosen, every frozen weight a bf16 value.
 
 Per config it writes <out>/<name>/ like scripts/make_fixtures_kimi_linear.py:
 
@@ -50,6 +51,7 @@ checkout, or the trimmed copy in .nemo_ref/ described in docs/FIXTURES.md); CPU 
 """
 
 import argparse
+import collections
 import hashlib
 import importlib
 import inspect
@@ -103,26 +105,42 @@ COMMON = dict(
     num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=64,
     routed_expert_hidden_size=32, latent_moe_use_norm=True, rms_norm_eps=1e-5,
 )
-# name -> routed expert storage, attn_res_block_size, (activation_situ_beta, activation_situ_linear_beta),
-#         (num_expert_group, topk_group), routed_scaling_factor
+# One config: routed expert storage, attn_res_block_size, (activation_situ_beta,
+# activation_situ_linear_beta), (num_expert_group, topk_group), routed_scaling_factor, experts per
+# token, and whether every frozen weight is a bf16 value (F32 still; for the GPU's bf16 check).
+Variant = collections.namedtuple("Variant", "experts block betas groups scaling top_k bf16_weights",
+                                 defaults=(COMMON["num_experts_per_token"], False))
 VARIANTS = {
     # K3's released flags (SiTU 4 / 25, one expert group, scaling 1); blocks of 2: layers 0, 2, 4 file
     # a block summary, so the final mix sees three summaries and the partial sum of layer 4.
-    "kimi_k3": ("bf16", 2, (4.0, 25.0), (1, 1), 1.0),
+    "kimi_k3": Variant("bf16", 2, (4.0, 25.0), (1, 1), 1.0),
     # Packed experts; blocks of 3 (a block closes inside the model, the last one is partial); betas
     # small enough that both tanh caps bend; group-limited routing and a scaling factor.
-    "kimi_k3_mxfp4": ("mxfp4", 3, (2.0, 1.5), (2, 1), 2.5),
+    "kimi_k3_mxfp4": Variant("mxfp4", 3, (2.0, 1.5), (2, 1), 2.5),
     # KDA and MLA 4 : 2 (layers K K K M K M, as K3 interleaves them) with K3's released flags; blocks of 2
     # file summaries at layers 0, 2, 4 (each KDA), so the final mix sees three summaries and the
     # partial sum of layer 5.
-    "kimi_k3_hybrid": ("bf16", 2, (4.0, 25.0), (1, 1), 1.0),
+    "kimi_k3_hybrid": Variant("bf16", 2, (4.0, 25.0), (1, 1), 1.0),
+    # The released model at toy size: the hybrid layers with MXFP4 experts and K3's flags; blocks of
+    # 3 file summaries at layers 0 (KDA) and 3 (MLA), and the last block (3-5) is full when the
+    # final mix reads it.
+    "kimi_k3_hybrid_mxfp4": Variant("mxfp4", 3, (4.0, 25.0), (1, 1), 1.0),
+    # For the GPU's bf16 check (tests/cuda/test_cuda_golden_model.cpp), as kimi_linear_bf16 is for
+    # Kimi-Linear: every expert is chosen (top 8 of 8), so routing has no top-k boundary a bf16
+    # rounding could flip, and every frozen weight is a bf16 value, so what the GPU rounds is only
+    # its activations. The other K3 fixtures are ill-conditioned in bf16 (their top-2 choices flip).
+    # BF16 experts; the hybrid layers, blocks of 2, a scaling factor.
+    "kimi_k3_bf16": Variant("bf16", 2, (4.0, 25.0), (1, 1), 2.5, top_k=COMMON["num_experts"], bf16_weights=True),
+    # The same with MXFP4 experts (every E2M1 value times an E8M0 scale is a bf16 value), blocks of 3
+    # and betas at which both tanh caps bend.
+    "kimi_k3_mxfp4_bf16": Variant("mxfp4", 3, (2.0, 1.5), (1, 1), 2.5, top_k=COMMON["num_experts"],
+                                  bf16_weights=True),
 }
 # name -> 0-based KDA layers, number of layers, tokens per sequence, masked label positions; the
 # others: all MLA, COMMON's layers, SEQ, EXTRA_MASKED. 70 tokens = one full 64-token chunk of fla's
 # chunked kernel and a partial one (masked labels on both sides of the boundary).
-HYBRID = {
-    "kimi_k3_hybrid": ([0, 1, 2, 4], 6, 70, [(0, 2), (0, 40), (1, 0), (1, 5), (1, 66)]),
-}
+HYBRID_PLAN = ([0, 1, 2, 4], 6, 70, [(0, 2), (0, 40), (1, 0), (1, 5), (1, 66)])
+HYBRID = {name: HYBRID_PLAN for name in ("kimi_k3_hybrid", "kimi_k3_hybrid_mxfp4", "kimi_k3_bf16", "kimi_k3_mxfp4_bf16")}
 
 
 def layer_plan(name):
@@ -209,7 +227,7 @@ def import_nemo(nemo_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# KDA STAND-INS: what NeMo's KimiDeltaAttention takes from fla, in plain torch (hybrid variant only)
+# KDA STAND-INS: what NeMo's KimiDeltaAttention takes from fla, in plain torch (hybrid variants only)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -365,7 +383,7 @@ def k3_config_json(variant, plan):
     """A released-style kimi_k3 config.json (KimiK3Config's layout): the language model's settings
     in text_config (model_type kimi_linear), a vision_config, and for packed experts the
     compressed-tensors quantization_config."""
-    experts, block, (beta, linear_beta), (groups, topk_groups), scaling = variant
+    experts, block, (beta, linear_beta), (groups, topk_groups), scaling = variant[:5]
     c = COMMON
     n = plan.n
     text = dict(
@@ -377,7 +395,7 @@ def k3_config_json(variant, plan):
         rms_norm_eps=c["rms_norm_eps"], tie_word_embeddings=False, max_position_embeddings=1024, use_cache=False,
         pad_token_id=None, bos_token_id=1, eos_token_id=2,
         moe_intermediate_size=c["moe_intermediate_size"], moe_renormalize=True, moe_router_activation_func="sigmoid",
-        num_experts=c["num_experts"], num_experts_per_token=c["num_experts_per_token"],
+        num_experts=c["num_experts"], num_experts_per_token=variant.top_k,
         num_shared_experts=c["num_shared_experts"], routed_scaling_factor=scaling, first_k_dense_replace=1,
         moe_layer_freq=1, use_grouped_topk=True, num_expert_group=groups, topk_group=topk_groups,
         topk_method="noaux_tc", routed_expert_hidden_size=c["routed_expert_hidden_size"],
@@ -430,7 +448,7 @@ def load_nemo_config(nemo, hf_dir, warn):
 
 def build_model(nemo, config, variant, device, plan):
     """NeMo's KimiK3ForCausalLM with the eager attention backend and the torch expert loop, in fp32."""
-    experts, block, (beta, linear_beta), groups, scaling = variant
+    experts, block, (beta, linear_beta), groups, scaling = variant[:5]
     backend = nemo.BackendConfig(attn="eager", linear="torch", rms_norm="torch", experts="torch",
                                  dispatcher="torch", enable_hf_state_dict_adapter=True, gate_precision=torch.float32)
     model = nemo.model.KimiK3ForCausalLM(config, backend=backend).to(device=device, dtype=torch.float32)
@@ -472,17 +490,23 @@ def build_model(nemo, config, variant, device, plan):
             check(moe.routed_expert_norm is not None and moe.shared_experts is not None
                   and moe.shared_experts.intermediate_size == F_ * c["num_shared_experts"], f"layer {i}: latent MoE parts")
             check(moe.gate.e_score_correction_bias is not None and moe.gate.n_groups == groups[0]
-                  and moe.gate.topk_groups == groups[1] and moe.gate.route_scale == scaling, f"layer {i}: router")
+                  and moe.gate.topk_groups == groups[1] and moe.gate.route_scale == scaling
+                  and moe.gate.topk == variant.top_k, f"layer {i}: router")
     check(model.model.use_attn_residuals, "no output attention-residual mix")
     return model
 
 
 @torch.no_grad()
-def init_weights(model, seed):
+def init_weights(model, seed, bf16_weights=False):
     """Every parameter from one seeded generator (matrices N(0, 1/fan_in), norms 1 + 0.1 N(0, 1), the
-    router's score bias U[0, 0.2); KDA's A_log and dt_bias as below, its convs [C, 1, W] N(0, 1/W)); NeMo's own init (zero residual queries, ones) would leave the
-    depth mixes uniform and hide their weights."""
+    router's score bias U[0, 0.2); KDA's A_log and dt_bias as below, its convs [C, 1, W] N(0, 1/W));
+    NeMo's own init (zero residual queries, ones) would leave the depth mixes uniform and hide their
+    weights. With bf16_weights each value is rounded to bf16 after it is drawn (the same draws)."""
     gen = torch.Generator().manual_seed(seed)
+
+    def rounded(val):
+        return val.to(torch.bfloat16).float() if bf16_weights else val
+
     for name, p in sorted(model.named_parameters()):
         if name.endswith("embed_tokens.weight"):
             val = torch.randn(p.shape, generator=gen)
@@ -498,10 +522,10 @@ def init_weights(model, seed):
             val = -2.5 + torch.randn(p.shape, generator=gen)
         else:
             fail(f"init_weights: unexpected parameter {name} {tuple(p.shape)}")
-        p.copy_(val.to(p.dtype))
+        p.copy_(rounded(val).to(p.dtype))
     for name, b in sorted(model.named_buffers()):
         if name.endswith("e_score_correction_bias"):
-            b.copy_((BIAS_MAX * torch.rand(b.shape, generator=gen)).to(b.dtype))
+            b.copy_(rounded(BIAS_MAX * torch.rand(b.shape, generator=gen)).to(b.dtype))
 
 
 EXPERT_KEY = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
@@ -585,6 +609,19 @@ def check_loaded(model, written):
         check(got.shape == want.shape and np.array_equal(got, want),
               f"{key}: the model NeMo loaded differs from the file (max |d| "
               f"{np.abs(got - want).max() if got.shape == want.shape else 'shape ' + str(got.shape)})")
+
+
+def check_bf16_values(written):
+    """Every frozen weight of the checkpoint is a bf16 value (MXFP4 experts as decoded), so the GPU's
+    bf16 copy of the model is exactly this one."""
+    for key, value in written.items():
+        if key.endswith("_scale"):
+            continue
+        if key.endswith("_packed"):
+            base = key[:-len("_packed")]
+            value = torch.from_numpy(mxfp4_decode(value.numpy(), written[base + "_scale"].numpy()))
+        value = value.double()
+        check(torch.equal(value.to(torch.bfloat16).double(), value), f"{key}: not every value is a bf16 value")
 
 
 def checkpoint_summary(keys):
@@ -926,7 +963,7 @@ class K3NumpyReference(mf.NumpyReference):
 
 def make_one(nemo, name, out_root, device, seed, results):
     variant = VARIANTS[name]
-    experts = variant[0]
+    experts = variant.experts
     plan = layer_plan(name)
     if plan.kda:
         install_kda_stand_ins(nemo)
@@ -935,8 +972,9 @@ def make_one(nemo, name, out_root, device, seed, results):
     tmp_dir = out_dir + ".tmp"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
-    print(f"\n=== {name}: experts {experts}, attn_res_block_size {variant[1]}, SiTU betas {variant[2]}, "
-          f"groups {variant[3]}, routed_scaling_factor {variant[4]}"
+    print(f"\n=== {name}: experts {experts}, attn_res_block_size {variant.block}, SiTU betas {variant.betas}, "
+          f"groups {variant.groups}, routed_scaling_factor {variant.scaling}, top {variant.top_k}, "
+          f"bf16 weights {variant.bf16_weights}"
           + (f", KDA layers {plan.kda} of {plan.n}, {plan.seq} tokens" if plan.kda else ""))
     warn = []
 
@@ -946,11 +984,13 @@ def make_one(nemo, name, out_root, device, seed, results):
     config = load_nemo_config(nemo, tmp_dir, warn)
     torch.manual_seed(seed)
     model = build_model(nemo, config, variant, device, plan)
-    init_weights(model, seed)
+    init_weights(model, seed, variant.bf16_weights)
     written = checkpoint_tensors(model, experts, seed)
     torch_save_file(written, os.path.join(tmp_dir, "model.safetensors"))
     load_checkpoint(model, tmp_dir)
     check_loaded(model, written)
+    if variant.bf16_weights:
+        check_bf16_values(written)
     layer0, layer1, top = checkpoint_summary(written)
     print(f"  model.safetensors ({len(written)} tensors): top {top}\n    layer 0 {layer0}\n    layer 1 {layer1}")
     dtypes = sorted({str(v.dtype) for v in written.values()})
@@ -965,9 +1005,9 @@ def make_one(nemo, name, out_root, device, seed, results):
 
     # A batch whose routing has no near-ties (float32 C++ must pick the same experts).
     moe_layers = list(range(1, plan.n))
-    groups = variant[3]
+    groups = variant.groups
     ns = types.SimpleNamespace(n_routed_experts=COMMON["num_experts"], n_group=groups[0], topk_group=groups[1],
-                               num_experts_per_tok=COMMON["num_experts_per_token"])
+                               num_experts_per_tok=variant.top_k)
     for attempt in range(mf.MAX_DATA_TRIES):
         ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt, plan.seq, plan.masked)
         with torch.no_grad():
@@ -1109,7 +1149,8 @@ def make_one(nemo, name, out_root, device, seed, results):
         "transformers": transformers.__version__, "peft": peft.__version__, "numpy": np.__version__,
         "device": str(device), "seed": str(seed), "batch_seed": str(seed + 100 + attempt),
         "min_routing_margin": f"{margin:.6e}", "experts_checkpoint": experts, "warnings": json.dumps(warn),
-        "loss": f"{loss.item():.9e}",
+        "loss": f"{loss.item():.9e}", "experts_per_token": str(variant.top_k),
+        "bf16_weights": str(variant.bf16_weights),
     }
     if plan.kda:
         compared = [(d, o) for d, o in KDA_CROSSCHECK if o is not None]
