@@ -1,13 +1,13 @@
 // moetrain-bench: times the CUDA backend's ops and whole training steps on one GPU and states
 // each result against the H200 ceilings and peer baselines of docs/PERF.md:
-//   ops      GEMM, the MoE expert block (grouped GEMM), attention, KDA, memory-bound kernels
+//   ops      GEMM, the MoE expert block (grouped GEMM), attention, KDA, DSA, memory-bound kernels
 //   step     forward + backward of a model config (tokens/s, MFU); --op-times: per-op breakdown
 //   ep       expert-parallel dispatch + combine across GPUs against NCCL's all-to-all (mpirun)
 // Each timing is the median of `--reps` runs after warm-up, each run bracketed by a device
 // synchronize (the ops timed here run for a millisecond or more, so the synchronize is noise).
 // Inputs are random (never zeros: zeros make matrix units run faster than real data).
 //
-//   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,kda,memory]
+//   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,kda,dsa,memory]
 //   moetrain-bench step --config FILE [--set k=v]... [--steps N] [--op-times]
 //   mpirun -np 2 moetrain-bench ep [--mib 256] [--reps N]
 #include <cublas_v2.h>
@@ -32,6 +32,7 @@
 #include "core/plan/model_flops.h"
 #include "core/train/synthetic_data.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/dsa.h"
 #include "kernels/cuda/device.h"
 #include "kernels/ops.h"
 #include "kernels/timing_backend.h"
@@ -456,6 +457,101 @@ void bench_kda(Backend& be, int reps, std::vector<Row>& rows) {
   }
 }
 
+// DSA (issue 12) at DeepSeek-V3.2's shape: T 4096 (one document), 64 heads, q/k dim 576, v dim
+// 512 (the latent), top-2048 as the lightning indexer (64 heads of 128) picks them from random
+// inputs. Sparse attention forward and forward + backward against the small-op PyTorch baseline
+// of ../shared/GPU.md (17.1 / 98.7 ms; target >= 5x each) and FlashMLA's published 640 TFLOP/s
+// sparse forward (H800), the forward's SIMT kernel (MOETRAIN_SPARSE_ATTENTION=simt) beside it.
+// TFLOP/s count the selected (query, key) pairs: 2 (576 + 512) per head and pair forward, 3x that
+// forward + backward (GPU.md's baseline counts all 2048 slots of every query, -1s included).
+// Then the indexer + top-k alone at T 4096, 32768, 131072: time, and the scratch one call takes
+// (on a fresh scratch, so that all of it shows) beside its [T, 2048] int32 output.
+// Big inputs repeat a random block of rows (drawing every value on the host takes seconds); the
+// indexer's keys are all distinct, so its scores do not tie. One warm-up, few repetitions: a
+// SIMT forward + backward or a T=131072 indexer call takes a good part of a second.
+double dsa_ms(Backend& be, const std::function<void()>& op, int reps) {
+  op();
+  be.synchronize();
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) {
+    auto start = std::chrono::steady_clock::now();
+    op();
+    be.synchronize();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+Tensor tiled_device(Backend& be, int64_t rows, int64_t d1, int64_t d2, int64_t block_rows, uint64_t seed) {
+  Tensor block = random_device(be, {block_rows, d1, d2}, DType::kBF16, seed);
+  Tensor out({rows, d1, d2}, DType::kBF16, be.allocator());
+  for (int64_t r = 0; r < rows; r += block_rows) {
+    const int64_t count = std::min(block_rows, rows - r);
+    be.copy(out.view().slice_rows(r, r + count), block.view().slice_rows(0, count));
+  }
+  return out;
+}
+
+void bench_dsa(Backend& be, int reps, std::vector<Row>& rows) {
+  const int64_t top_k = 2048, index_heads = 64, index_dim = 128;
+  Tensor selection;  // T 4096's, for the sparse attention
+  for (const int64_t t : {int64_t{4096}, int64_t{32768}, int64_t{131072}}) {
+    Tensor q = tiled_device(be, t, index_heads, index_dim, 1024, 40);
+    Tensor k = random_device(be, {t, index_dim}, DType::kBF16, 41);
+    Tensor w = random_device(be, {t, index_heads}, DType::kF32, 42);
+    Tensor cu = int_device(be, {0, static_cast<int32_t>(t)});
+    Tensor index({t, top_k}, DType::kI32, be.allocator());
+    const kernels::DsaIndexerArgs args{index, q, k, w, cu, top_k, 1.0 / std::sqrt(double(index_heads * index_dim))};
+    be.synchronize();
+    be.reset_peak_memory();
+    const size_t before = be.stats().allocated_bytes;
+    {
+      kernels::cuda_ops::DeviceScratch scratch;
+      kernels::cuda_ops::dsa_indexer_topk(args, scratch, static_cast<cudaStream_t>(be.stream()));
+      be.synchronize();
+    }
+    const double scratch_mib = static_cast<double>(be.stats().peak_bytes - before) / 1048576.0;
+    const double ms = dsa_ms(be, [&] { be.dsa_indexer_topk(args); }, t >= 131072 ? 1 : t >= 32768 ? 3 : reps);
+    const double flops = 2.0 * index_heads * index_dim * static_cast<double>(t) * static_cast<double>(t + 1) / 2.0;
+    rows.push_back({fmt::format("dsa indexer+top-2048 T{} (64 heads x 128)", t), ms, flops / (ms * 1e9), 0,
+                    fmt::format("scratch {:.0f} MiB + index {:.0f} MiB{}", scratch_mib,
+                                static_cast<double>(index.nbytes()) / 1048576.0,
+                                t == 4096 ? "; " + ratio(2.9, ms, "the speed of the small ops (2.9 ms)") : "")});
+    if (t == 4096) selection = std::move(index);
+  }
+  const int64_t tokens = 4096, heads = 64, qk = 576, v = 512;
+  Tensor q = tiled_device(be, tokens, heads, qk, 256, 43);
+  Tensor kv = random_device(be, {tokens, qk}, DType::kBF16, 44);
+  Tensor dout = tiled_device(be, tokens, heads, v, 256, 45);
+  Tensor out({tokens, heads, v}, DType::kBF16, be.allocator()), lse({tokens, heads}, DType::kF32, be.allocator());
+  Tensor dq({tokens, heads, qk}, DType::kBF16, be.allocator()), dkv({tokens, qk}, DType::kBF16, be.allocator());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(qk));
+  const kernels::SparseAttentionArgs fwd{out, lse, q, kv, selection, scale};
+  const kernels::SparseAttentionBackwardArgs bwd{dq, dkv, dout, q, kv, out, lse, selection, scale};
+  double pairs = 0;
+  for (int64_t t = 0; t < tokens; ++t) pairs += static_cast<double>(std::min(t + 1, top_k));
+  const double flops = 2.0 * heads * pairs * (qk + v);
+  const double fwd_ms = dsa_ms(be, [&] { be.sparse_attention_forward(fwd); }, reps);
+  const double both_ms = dsa_ms(be, [&] {
+    be.sparse_attention_forward(fwd);
+    be.sparse_attention_backward(bwd);
+  }, 3);
+  setenv("MOETRAIN_SPARSE_ATTENTION", "simt", 1);
+  const double simt_ms = dsa_ms(be, [&] { be.sparse_attention_forward(fwd); }, 3);
+  unsetenv("MOETRAIN_SPARSE_ATTENTION");
+  const double tflops = flops / (fwd_ms * 1e9);
+  rows.push_back({"dsa sparse attention fwd T4096 H64 576/512 top-2048", fwd_ms, tflops, 0,
+                  fmt::format("{}; {:.2f}x FlashMLA's 640 TFLOP/s",
+                              ratio(17.1, fwd_ms, "the speed of the small ops (17.1 ms; target >= 5)"), tflops / 640.0)});
+  rows.push_back({"dsa sparse attention fwd+bwd", both_ms, 3 * flops / (both_ms * 1e9), 0,
+                  ratio(98.7, both_ms, "the speed of the small ops (98.7 ms; target >= 5)")});
+  rows.push_back({"dsa sparse attention fwd, SIMT kernel (MOETRAIN_SPARSE_ATTENTION=simt)", simt_ms,
+                  flops / (simt_ms * 1e9), 0,
+                  fmt::format("{}; the default path is {:.2f}x faster",
+                              ratio(17.1, simt_ms, "the speed of the small ops"), simt_ms / fwd_ms)});
+}
+
 void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {
   auto add = [&](const std::string& name, double bytes, const std::function<void()>& op) {
     double ms = median_ms(be, op, reps);
@@ -678,7 +774,7 @@ int run(Runtime& runtime, int argc, char** argv) {
       "set", "config override key.path=value", cxxopts::value<std::vector<std::string>>())(
       "steps", "timed steps", cxxopts::value<int>()->default_value("5"))(
       "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"))(
-      "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, kda, memory)",
+      "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, kda, dsa, memory)",
       cxxopts::value<std::string>()->default_value(""))(
       "op-times", "`step`: after the timed steps, time one more step op by op")("h,help", "print this usage");
   options.parse_positional({"mode"});
@@ -718,6 +814,7 @@ int run(Runtime& runtime, int argc, char** argv) {
   if (wanted("grouped")) bench_grouped_gemm(*backend, reps, rows);
   if (wanted("attention")) bench_attention(*backend, reps, rows);
   if (wanted("kda")) bench_kda(*backend, reps, rows);
+  if (wanted("dsa")) bench_dsa(*backend, reps, rows);
   if (wanted("memory")) bench_memory(*backend, reps, rows);
   print_rows(rows);
   return 0;

@@ -10,6 +10,10 @@
 //   sparse_attention.cu  attention in MQA form over the selected rows, forward and a
 //                        deterministic backward (no atomics: per-(query, slot) dkv contributions
 //                        in scratch, summed per key through an inverse index in a fixed order).
+//                        SIMT, any dims and dtypes.
+//   sparse_attention_sm90.cu  the forward on Hopper tensor cores (wgmma) for BF16 at the latent
+//                        dims 576 / 512; sparse_attention_forward picks it when supported
+//                        (MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT kernel).
 //
 // Operands: activations BF16 or F32 each; indexer weights, lse: F32; topk_index, cu_seqlens:
 // int32 on the device (never read back: kernels mask entries outside [segment start, t]).
@@ -41,6 +45,11 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
                       int64_t chunk_rows = 0);
 
 void sparse_attention_forward(const SparseAttentionArgs& args, cudaStream_t stream);
+// The Hopper forward (sparse_attention_sm90.cu): BF16 q, kv, out (16-byte aligned), qk_dim 576,
+// v_dim 512, scale > 0, an sm_90a build on a 9.0 device, and MOETRAIN_SPARSE_ATTENTION not
+// "simt". Same outputs as the SIMT forward up to rounding.
+bool sparse_attention_forward_sm90_supported(const SparseAttentionArgs& args);
+void sparse_attention_forward_sm90(const SparseAttentionArgs& args, cudaStream_t stream);
 // chunk_rows: queries whose dkv contributions sit in scratch at once; 0 picks it from a 512 MiB
 // budget.
 void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceScratch& scratch, cudaStream_t stream,

@@ -1,6 +1,7 @@
 // Sparse attention in MQA form over each query's selected rows (kernels/ops.h SparseAttentionArgs;
 // kernels/cpu/dsa.cpp is the spec). SIMT kernels, F32 math; a query's heads share its gathered
-// rows, so one CTA serves a query and a group of its heads.
+// rows, so one CTA serves a query and a group of its heads. The forward hands BF16 at the latent
+// dims 576 / 512 to the Hopper kernel (sparse_attention_sm90.cu) where it runs.
 //
 // Forward: one CTA per (query, head group) walks the query's topk_index in blocks of 32 entries:
 // it gathers those kv rows into shared memory, computes the group's logits (a warp per head, a
@@ -486,6 +487,10 @@ void launch_backward_queries_cols(const BackwardParams& p, int rows, cudaStream_
 }  // namespace
 
 void sparse_attention_forward(const SparseAttentionArgs& args, cudaStream_t stream) {
+  if (sparse_attention_forward_sm90_supported(args)) {
+    sparse_attention_forward_sm90(args, stream);
+    return;
+  }
   ForwardParams p;
   p.tokens = static_cast<int>(args.q.size(0));
   p.heads = static_cast<int>(args.q.size(1));

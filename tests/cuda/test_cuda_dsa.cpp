@@ -11,7 +11,9 @@
 //     plus tol); rows past 16384 keys take the selection's global-memory path.
 //   - Sparse attention: indices from the reference indexer; out, lse, dq, dkv within the output
 //     dtype's tolerance; the backward is bitwise repeatable and bitwise the same with its dkv
-//     contributions in small chunks.
+//     contributions in small chunks. At the latent dims 576 / 512 the forward's Hopper kernel and
+//     its SIMT one (MOETRAIN_SPARSE_ATTENTION=simt) each against the CPU: packed documents, block
+//     tails, -1 selections, top_k above the keys, more heads than one CTA, an empty selection.
 // Outputs are poisoned first (NaN, or -1 bytes for indices). Tagged [.bench]: timings at
 // DeepSeek-V3.2 shapes (run with `test_cuda_dsa "[.bench]"`).
 #include <cuda_runtime.h>
@@ -20,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -386,6 +389,76 @@ TEST_CASE("cuda sparse attention forward and backward match the CPU reference", 
   };
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     for (size_t i = 0; i < cases.size(); ++i) check_sparse_case(cases[i], dtype, 300 + 10 * i);
+  }
+}
+
+// The forward at DeepSeek-V3.2's latent dims (576 / 512), where BF16 runs on the Hopper kernel
+// (sparse_attention_sm90.cu) and MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT one: both paths
+// against the CPU. `empty_query`: that query's whole selection set to -1 (out 0, lse -inf, checked
+// apart; the rest compared as usual).
+void check_latent_forward(const SparseCase& c, DType dtype, uint64_t seed, bool simt, int64_t empty_query) {
+  INFO(label(dtype, describe(c)) + (simt ? " (SIMT)" : " (default path)") +
+       (empty_query >= 0 ? " empty query " + std::to_string(empty_query) : ""));
+  if (simt) setenv("MOETRAIN_SPARSE_ATTENTION", "simt", 1);
+  const int64_t tokens = c.cu_seqlens.back();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_dim));
+  const Shape q_shape{tokens, c.heads, c.qk_dim}, kv_shape{tokens, c.qk_dim}, o_shape{tokens, c.heads, c.v_dim};
+  Operand q = random_operand(q_shape, dtype, seed, 0.05, 3.0);
+  Operand kv = random_operand(kv_shape, dtype, seed + 1, 0.05, 1.0);
+  Operand index = selection_for(c.cu_seqlens, c.top_k, seed + 2);
+  if (empty_query >= 0) {
+    std::fill_n(index.host.ptr<int32_t>() + empty_query * c.top_k, c.top_k, -1);
+    index.dev = upload(index.host.view(), DType::kI32);
+  }
+  Operand out = output_operand(o_shape, dtype);
+  Operand lse = output_operand({tokens, c.heads}, DType::kF32);
+  const kernels::SparseAttentionArgs args{out.dev, lse.dev, q.dev, kv.dev, index.dev, scale};
+  if (!simt && dtype == DType::kBF16) {
+    // On an H100/H200 from an sm_90a build the Hopper kernel must be the one tested.
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (major == 9) CHECK(kernels::cuda_ops::sparse_attention_forward_sm90_supported(args));
+  }
+  gpu().sparse_attention_forward(args);
+  cpu().sparse_attention_forward(kernels::SparseAttentionArgs{out.host, lse.host, q.host, kv.host, index.host, scale});
+  if (simt) unsetenv("MOETRAIN_SPARSE_ATTENTION");
+  Tensor got_out = download(out.dev), got_lse = download(lse.dev);
+  if (empty_query >= 0) {
+    int64_t wrong = 0;
+    for (int64_t h = 0; h < c.heads; ++h) {
+      const int64_t row = empty_query * c.heads + h;
+      wrong += got_lse.ptr<double>()[row] == -INFINITY ? 0 : 1;
+      for (int64_t j = 0; j < c.v_dim; ++j) wrong += got_out.ptr<double>()[row * c.v_dim + j] == 0.0 ? 0 : 1;
+      got_lse.ptr<double>()[row] = lse.host.ptr<double>()[row] = 0.0;  // -inf on both sides
+    }
+    CHECK(wrong == 0);
+  }
+  for (const Result& r : {compare(got_out.view(), out.host.view(), tolerance_for(dtype), "out"),
+                          compare(got_lse.view(), lse.host.view(), tolerance_for(DType::kF32), "lse")}) {
+    INFO(r.message);
+    CHECK(r.ok);
+  }
+}
+
+TEST_CASE("cuda sparse attention forward at the latent dims matches the CPU reference on both paths", "[cuda][dsa]") {
+  struct LatentCase {
+    SparseCase shape;
+    int64_t empty_query;
+  };
+  const std::vector<LatentCase> cases = {
+      {{{0, 100, 100, 230}, 64, 576, 512, 80}, -1},  // packed, an empty segment, a block tail, -1 tails
+      {{{0, 70}, 72, 576, 512, 200}, 3},             // two head groups, top_k above every key count
+      {{{0, 1, 300}, 16, 576, 512, 128}, -1},        // a length-1 segment, heads padded to 64
+      {{{0, 48}, 8, 576, 512, 24}, 40},              // one block, one query with nothing selected
+  };
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      for (bool simt : {false, true}) {
+        if (dtype == DType::kF32 && simt) continue;  // F32 runs on the SIMT kernel anyway
+        check_latent_forward(cases[i].shape, dtype, 700 + 10 * i, simt, cases[i].empty_query);
+      }
+    }
   }
 }
 
