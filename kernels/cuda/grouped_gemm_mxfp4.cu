@@ -1,4 +1,6 @@
-// The MXFP4 grouped GEMM (see grouped_gemm_mxfp4.h): a Hopper kernel and a plain fallback.
+// The MXFP4 grouped GEMM (see grouped_gemm_mxfp4.h): three Hopper kernels and a plain fallback.
+// The two with the weight as wgmma's register operand (forward_rs, input_grad_rs) are described
+// where they are defined; the general one:
 //
 // sm90_grouped_gemm_mxfp4_kernel<kKMajorB, BN>: grouped_gemm.cu's m-grouped kernel (tiles handed
 // out in group / n-tile / m-tile order through a device counter; the per-group table built from the
@@ -38,6 +40,7 @@
 #include "kernels/cuda/element_access.cuh"
 #include "kernels/cuda/sm90_primitives.cuh"
 #include "kernels/cuda/wgmma_bf16.cuh"
+#include "kernels/cuda/wgmma_bf16_rs_prefix.cuh"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
@@ -102,7 +105,7 @@ struct GroupTable {
 
 // Warp-wide, as grouped_gemm.cu: rows[i] = the offsets clamped into a non-decreasing sequence
 // inside [0, rows]; tiles[g] = the tiles of the groups before g.
-__device__ void build_group_table(const Params& p, GroupTable table, int lane) {
+__device__ void build_group_table(const Params& p, GroupTable table, int lane, int tile_rows) {
   int running_max = 0;
   for (int base = 0; base <= p.groups; base += 32) {
     const int i = base + lane;
@@ -121,7 +124,7 @@ __device__ void build_group_table(const Params& p, GroupTable table, int lane) {
   int running_tiles = 0;
   for (int base = 0; base < p.groups; base += 32) {
     const int g = base + lane;
-    const int count = g < p.groups ? (table.rows[g + 1] - table.rows[g] + kBM - 1) / kBM * p.n_tiles : 0;
+    const int count = g < p.groups ? (table.rows[g + 1] - table.rows[g] + tile_rows - 1) / tile_rows * p.n_tiles : 0;
     int sum = count;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -135,12 +138,12 @@ __device__ void build_group_table(const Params& p, GroupTable table, int lane) {
 
 struct Tile {
   int group;
-  int m0, m_end;  // rows [m0, min(m0 + 128, m_end)) of c
+  int m0, m_end;  // rows [m0, min(m0 + tile rows, m_end)) of c
   int n0;
   int k_steps;
 };
 
-template <int kBN>
+template <int kTileRows, int kTileColumns>
 __device__ __forceinline__ Tile decode_tile(int t, const Params& p, GroupTable table) {
   int lo = 0, hi = p.groups;  // tiles[lo] <= t < tiles[lo + 1]
   while (hi - lo > 1) {
@@ -155,10 +158,10 @@ __device__ __forceinline__ Tile decode_tile(int t, const Params& p, GroupTable t
   tile.group = lo;
   const int local = t - table.tiles[lo];
   const int row0 = table.rows[lo], row_end = table.rows[lo + 1];
-  const int m_tiles = (row_end - row0 + kBM - 1) / kBM;
-  tile.m0 = row0 + local % m_tiles * kBM;
+  const int m_tiles = (row_end - row0 + kTileRows - 1) / kTileRows;
+  tile.m0 = row0 + local % m_tiles * kTileRows;
   tile.m_end = row_end;
-  tile.n0 = local / m_tiles * kBN;
+  tile.n0 = local / m_tiles * kTileColumns;
   tile.k_steps = (p.k + kBK - 1) / kBK;
   return tile;
 }
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::fence_barrier_init();
   }
-  if (warp == 1) build_group_table(p, table, lane);
+  if (warp == 1) build_group_table(p, table, lane, kBM);
   __syncthreads();
   const int total_tiles = table.tiles[p.groups];
 
@@ -417,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         slot_phase ^= 1;
       }
       if (t >= total_tiles) break;
-      const Tile tile = decode_tile<kBN>(t, p, table);
+      const Tile tile = decode_tile<kBM, kBN>(t, p, table);
       const int steps = tile.k_steps;
 #pragma unroll
       for (int i = 0; i < kLoadAhead; ++i) {
@@ -462,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       slot_phase ^= 1;
     }
     if (t >= total_tiles) break;
-    const Tile tile = decode_tile<kBN>(t, p, table);
+    const Tile tile = decode_tile<kBM, kBN>(t, p, table);
     // A warpgroup whose 64 rows all lie past the group's end multiplies nothing.
     const bool active = tile.m0 + warpgroup * 64 < tile.m_end;
 #pragma unroll
@@ -507,6 +510,633 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The forward (x W^T, k a multiple of 32) with the weight as wgmma's register operand
+//
+// sm90_mxfp4_forward_kernel computes c^T = W . x^T tile by tile: the expert's weight rows (the
+// columns of c) are wgmma's M and its activation rows wgmma's N. A tile is 128 weight rows (two
+// consumer warpgroups x 64) by up to 256 rows of one group, and N is those rows rounded up to 32:
+// a K3 expert (~146 rows) is one tile column of N = 160 instead of two 128-row tiles.
+//   - The producer warpgroup's thread 0 only issues TMA copies: per K step of 64, the packed
+//     weight tile (128 rows x 32 bytes, unswizzled: the 16-byte loads below meet at most 2-way
+//     bank conflicts, a few per K step) and the activation rows in boxes of 32
+//     (128-byte swizzle, the K-major B operand). No thread decodes into shared memory.
+//   - The consumers decode the packed bytes from shared memory straight into wgmma's A register
+//     fragment: a thread's fragment rows are weight rows g and g + 8 of its warp's 16, its k pairs
+//     (2c, 2c + 1) and (2c + 8, 2c + 9) of each k16, i.e. byte c of every 4-byte word of the row's
+//     32 bytes (two 16-byte loads, then a byte permute per k16 gathers the two bytes). Decoding
+//     is decode4 below (byte permutes from 8-entry tables, then one bf16x2 multiply by the
+//     power-of-two scale: exact). The scales come from global memory (L1), two K steps ahead.
+//   - Pipelining: the fragment of K step s + 1 is decoded while the wgmmas of step s run (two
+//     fragment register sets); wait_group 1 after issuing step s frees step s - 1's registers and
+//     stage.
+//   - c is written transposed: lanes g and g ^ 1 swap one value so each stores two adjacent
+//     columns of one row of c.
+namespace forward_rs {
+
+constexpr int kWeightRows = 128;  // per tile: two consumer warpgroups x 64
+constexpr int kTokenRows = 256;   // rows of a per tile at most: wgmma's largest N
+constexpr int kBox = 32;          // rows of a per TMA box, and the step of N
+constexpr int kThreads = 128 * 3;
+constexpr int kABytes = kTokenRows * kBK * 2;
+constexpr int kBoxBytes = kBox * kBK * 2;
+constexpr int kWBytes = kWeightRows * kBK / 2;
+constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / (kABytes + kWBytes));
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K
+static_assert(kStages >= 3, "too few stages to overlap loads with the math");
+static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0, "tiles must start on a whole swizzle pattern");
+
+__device__ __forceinline__ int boxes_of(const Tile& tile) {
+  return (min(kTokenRows, tile.m_end - tile.m0) + kBox - 1) / kBox;
+}
+
+// 4 codes (the low 16 bits of `codes`: nibble i is value i) to BF16 pairs (v0, v1) and (v2, v3)
+// times the power-of-two `scale`. The magnitudes' high and low bytes come from 8-entry tables,
+// the signs as in decode_chunk.
+__device__ __forceinline__ void decode4(uint32_t codes, __nv_bfloat162 scale, uint32_t& v01, uint32_t& v23) {
+  const uint32_t magnitudes = codes & 0x7777u;
+  const uint32_t high = byte_permute(kHighBytes0, kHighBytes1, magnitudes) |
+                        ((byte_permute(0x80808080u, 0x80808080u, codes) << 1) & 0x80808080u);
+  const uint32_t low = byte_permute(kLowBytes0, kLowBytes1, magnitudes);
+  uint32_t pair[2] = {byte_permute(low, high, 0x5140u), byte_permute(low, high, 0x7362u)};
+  const __nv_bfloat162 a = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[0]), scale);
+  const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[1]), scale);
+  v01 = *reinterpret_cast<const uint32_t*>(&a);
+  v23 = *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <int kCount>
+__device__ __forceinline__ void fence_words(uint32_t (&r)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// One K step (four k16) of a warpgroup: acc (64 x kN) += fragment f[0 .. 16) . B tile.
+template <int kN, int kRegisters>
+__device__ __forceinline__ void k_step(float (&acc)[kRegisters], const uint32_t* f, uint32_t b_address) {
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
+    sm90::WgmmaRsPrefix<kN>::mma(acc, f[4 * kk], f[4 * kk + 1], f[4 * kk + 2], f[4 * kk + 3], desc_b);
+  }
+}
+
+// The K step with N = 32 boxes (boxes warp-uniform, 1 .. kRegisters / 16).
+template <int kRegisters>
+__device__ __forceinline__ void k_step_n(int boxes, float (&acc)[kRegisters], const uint32_t* f, uint32_t b_address) {
+  switch (boxes) {
+    case 1: k_step<32>(acc, f, b_address); break;
+    case 2: k_step<64>(acc, f, b_address); break;
+    case 3: k_step<96>(acc, f, b_address); break;
+    default:
+      if constexpr (kRegisters == 64) {
+        k_step<128>(acc, f, b_address);
+      } else {
+        switch (boxes) {
+          case 4: k_step<128>(acc, f, b_address); break;
+          case 5: k_step<160>(acc, f, b_address); break;
+          case 6: k_step<192>(acc, f, b_address); break;
+          case 7: k_step<224>(acc, f, b_address); break;
+          default: k_step<256>(acc, f, b_address); break;
+        }
+      }
+      break;
+  }
+}
+
+// c[m0 + token][n0 + column] for the thread's accumulators: column = weight row `row` (+ 8 for the
+// second half), token = 8 j + 2 (lane % 4) + {0, 1}. Lanes g and g ^ 1 (lane ^ 4) trade one value
+// so that each holds two adjacent columns of one token; columns past n and rows past m_end are
+// not stored (n is even, so a column pair is all in or all out).
+template <typename OutT>
+__device__ __forceinline__ void store_transposed(const float (&acc)[128], const Params& p, const Tile& tile, int boxes,
+                                                 int row, int lane) {
+  const int odd = (lane / 4) & 1;
+  const int c = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int column = tile.n0 + row + 8 * h - odd;
+    const bool column_ok = column < p.n;
+#pragma unroll
+    for (int j = 0; j < kTokenRows / 8; ++j) {
+      if (j >= boxes * (kBox / 8)) break;
+      const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+      const float other = __shfl_xor_sync(kAllLanes, odd ? v0 : v1, 4);
+      float lo = p.alpha * (odd ? other : v0), hi = p.alpha * (odd ? v1 : other);
+      const int token = tile.m0 + 8 * j + 2 * c + odd;
+      if (!column_ok || token >= tile.m_end) continue;
+      OutT* out = static_cast<OutT*>(p.c) + static_cast<int64_t>(token) * p.n + column;
+      if constexpr (std::is_same_v<OutT, float>) {
+        float2* dst = reinterpret_cast<float2*>(out);
+        if (p.beta != 0.0f) {
+          const float2 old = *dst;
+          lo += p.beta * old.x;
+          hi += p.beta * old.y;
+        }
+        *dst = make_float2(lo, hi);
+      } else {
+        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out);
+        if (p.beta != 0.0f) {
+          const float2 old = __bfloat1622float2(*dst);
+          lo += p.beta * old.x;
+          hi += p.beta * old.y;
+        }
+        *dst = __floats2bfloat162_rn(lo, hi);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_mxfp4_forward_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
+                              const Params p) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared);
+  uint64_t* empty = full + kStages;
+  uint64_t* tile_full = empty + kStages;
+  uint64_t* tile_empty = tile_full + kTileSlots;
+  int* tile_slot = reinterpret_cast<int*>(tile_empty + kTileSlots);
+  GroupTable table{tile_slot + kTileSlots, nullptr};
+  table.tiles = table.rows + p.groups + 1;
+  const uintptr_t table_end = reinterpret_cast<uintptr_t>(table.tiles + p.groups + 1);
+  unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
+  unsigned char* w_stages = a_stages + kStages * kABytes;
+
+  const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::barrier_init(&full[s], 1);
+      sm90::barrier_init(&empty[s], 2 * 4);  // lane 0 of every consumer warp
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      sm90::barrier_init(&tile_full[s], 1);
+      sm90::barrier_init(&tile_empty[s], 2 * 4);
+    }
+    sm90::fence_barrier_init();
+  }
+  if (warp == 1) build_group_table(p, table, lane, kTokenRows);
+  __syncthreads();
+  const int total_tiles = table.tiles[p.groups];
+
+  if (warp < 4) {
+    sm90::registers_release<kProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    sm90::tma_prefetch_descriptor(&map_a);
+    sm90::tma_prefetch_descriptor(&map_w);
+    int stage = 0, slot = 0;
+    uint32_t phase = 0, slot_phase = 0;
+    for (;;) {
+      sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
+      const int t = atomicAdd(p.tile_counter, 1);
+      tile_slot[slot] = t;
+      sm90::barrier_arrive(&tile_full[slot]);
+      if (++slot == kTileSlots) {
+        slot = 0;
+        slot_phase ^= 1;
+      }
+      if (t >= total_tiles) break;
+      const Tile tile = decode_tile<kTokenRows, kWeightRows>(t, p, table);
+      const int boxes = boxes_of(tile);
+      const int w_row = tile.group * p.n + tile.n0;
+      for (int s = 0; s < tile.k_steps; ++s) {
+        sm90::barrier_wait(&empty[stage], phase ^ 1);
+        sm90::barrier_arrive_expect_bytes(&full[stage], kWBytes + boxes * kBoxBytes);
+        sm90::tma_load_2d(w_stages + stage * kWBytes, &map_w, &full[stage], s * kBK / 2, w_row);
+        for (int b = 0; b < boxes; ++b) {
+          sm90::tma_load_2d(a_stages + stage * kABytes + b * kBoxBytes, &map_a, &full[stage], s * kBK,
+                            tile.m0 + b * kBox);
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    // As in the other kernel: the last CTA to finish fetching resets the counters.
+    __threadfence();
+    if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      p.tile_counter[0] = 0;
+      p.tile_counter[1] = 0;
+    }
+    return;
+  }
+
+  sm90::registers_claim<kConsumerRegisters>();
+  const int warpgroup = warp / 4 - 1;
+  // The thread's weight rows in the tile: row and row + 8.
+  const int row = warpgroup * 64 + warp % 4 * 16 + lane / 4;
+  const uint32_t gather = (lane % 4) | ((lane % 4) + 4) << 4;  // byte c of two words
+  const int scale_width = p.k / 32;
+  int stage = 0, slot = 0;
+  uint32_t phase = 0, slot_phase = 0;
+  float acc[128];
+  uint32_t frag0[16], frag1[16];
+  uint32_t scales0[4], scales1[4];  // E8M0 bytes: row, group 2s; row, 2s + 1; row + 8, 2s; row + 8, 2s + 1
+  for (;;) {
+    sm90::barrier_wait(&tile_full[slot], slot_phase);
+    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
+    __syncwarp();
+    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
+    if (++slot == kTileSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
+    if (t >= total_tiles) break;
+    const Tile tile = decode_tile<kTokenRows, kWeightRows>(t, p, table);
+    const int boxes = boxes_of(tile);
+    const int steps = tile.k_steps;
+    // A warpgroup whose 64 weight rows all lie past n decodes and multiplies nothing.
+    const bool active = tile.n0 + warpgroup * 64 < p.n;
+    const bool valid0 = tile.n0 + row < p.n, valid1 = tile.n0 + row + 8 < p.n;
+    const uint8_t* scale_row = p.scales + (static_cast<int64_t>(tile.group) * p.n + tile.n0 + row) * scale_width;
+    auto load_scales = [&](uint32_t (&sc)[4], int s) {
+      const int q = 2 * s;
+      const bool second = q + 1 < scale_width;  // k % 64 == 32: the last step has one group
+      sc[0] = valid0 ? __ldg(scale_row + q) : 127u;
+      sc[1] = valid0 && second ? __ldg(scale_row + q + 1) : 127u;
+      sc[2] = valid1 ? __ldg(scale_row + 8 * scale_width + q) : 127u;
+      sc[3] = valid1 && second ? __ldg(scale_row + 8 * scale_width + q + 1) : 127u;
+    };
+    auto decode = [&](uint32_t (&f)[16], const uint32_t (&sc)[4], int st) {
+      const unsigned char* w = w_stages + st * kWBytes + row * 32;
+      const uint4 r0 = *reinterpret_cast<const uint4*>(w);
+      const uint4 r1 = *reinterpret_cast<const uint4*>(w + 16);
+      const uint4 r2 = *reinterpret_cast<const uint4*>(w + 8 * 32);
+      const uint4 r3 = *reinterpret_cast<const uint4*>(w + 8 * 32 + 16);
+      const uint32_t words0[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+      const uint32_t words1[8] = {r2.x, r2.y, r2.z, r2.w, r3.x, r3.y, r3.z, r3.w};
+      const __nv_bfloat162 s00 = scale_pair(sc[0]), s01 = scale_pair(sc[1]);
+      const __nv_bfloat162 s10 = scale_pair(sc[2]), s11 = scale_pair(sc[3]);
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        decode4(byte_permute(words0[2 * kk], words0[2 * kk + 1], gather), kk < 2 ? s00 : s01, f[4 * kk],
+                f[4 * kk + 2]);
+        decode4(byte_permute(words1[2 * kk], words1[2 * kk + 1], gather), kk < 2 ? s10 : s11, f[4 * kk + 1],
+                f[4 * kk + 3]);
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    load_scales(scales0, 0);
+    if (steps > 1) load_scales(scales1, 1);
+    sm90::barrier_wait(&full[stage], phase);
+    if (active) decode(frag0, scales0, stage);
+    if (steps > 2) load_scales(scales0, 2);
+    int previous_stage = stage;
+    auto step = [&](uint32_t (&current)[16], uint32_t (&next)[16], uint32_t (&next_scales)[4], int s) {
+      sm90::fence_registers(acc);
+      fence_words(current);
+      sm90::wgmma_fence();
+      if (active) k_step_n(boxes, acc, current, sm90::smem_address(a_stages + stage * kABytes));
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // step s - 1 is done: its registers and stage are free
+      sm90::fence_registers(acc);
+      fence_words(next);
+      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+      previous_stage = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+      if (s + 1 < steps) {
+        sm90::barrier_wait(&full[stage], phase);
+        if (active) decode(next, next_scales, stage);
+        if (s + 3 < steps) load_scales(next_scales, s + 3);
+      }
+    };
+    for (int s = 0; s < steps; s += 2) {
+      step(frag0, frag1, scales1, s);
+      if (s + 1 < steps) step(frag1, frag0, scales0, s + 1);
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(acc);
+    if (lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+    if (p.c_f32) {
+      store_transposed<float>(acc, p, tile, boxes, row, lane);
+    } else {
+      store_transposed<bf16>(acc, p, tile, boxes, row, lane);
+    }
+  }
+}
+
+}  // namespace forward_rs
+
+// ---------------------------------------------------------------------------------------------
+// The input gradient (dy W, n a multiple of 256) with the weight as wgmma's register operand
+//
+// sm90_mxfp4_input_grad_kernel computes c^T = W^T . dy^T: the columns of c (W's packed dimension)
+// are wgmma's M, dy's rows N, W's rows K. A tile is 256 columns of c by up to 128 rows of a group
+// (N = the rows rounded up to 32). Each consumer warpgroup owns 128 columns as two m64 blocks,
+// because a thread's fragment rows cannot come from one packed byte otherwise:
+//   - W's tile, 64 k rows x 128 bytes, arrives by TMA (3-D over [G, k, n / 2]: rows past k arrive
+//     as zeros) with the 128-byte swizzle. ldmatrix.x4.trans, in 16-bit units of 4 codes, gives
+//     a thread the codes of columns 4g .. 4g + 3 of its warp's 32 (g = lane / 4) at k rows 2c and
+//     2c + 1 (c = lane % 4) of each 8-row matrix: exactly wgmma's k pairs. Fragment row g of block
+//     b is column 4g + 2b, row g + 8 column 4g + 2b + 1, so the two blocks together use all four.
+//     A nibble interleave pairs each column's two k values, then decode4 as in the forward.
+//   - The scales, one per (k row, 32 columns), differ along K, so each fragment register needs
+//     its own pair. Producer warps 1 and 2 read them from global memory and write, per stage, the
+//     BF16 pair (k 2p, 2p + 1) for every 32 columns in the order the consumers load them (two
+//     16-byte loads per K step), then arrive on the stage's 'full' barrier beside the TMA bytes.
+//   - c is written directly: a thread's accumulators of both blocks are four adjacent columns.
+namespace input_grad_rs {
+
+constexpr int kColumns = 256;    // columns of c per tile: two consumer warpgroups x two m64 blocks
+constexpr int kTokenRows = 128;  // rows of dy per tile at most (two 64-column accumulators)
+constexpr int kBox = 32;
+constexpr int kThreads = 128 * 3;
+constexpr int kABytes = kTokenRows * kBK * 2;
+constexpr int kBoxBytes = kBox * kBK * 2;
+constexpr int kWBytes = kBK * kColumns / 2;
+constexpr int kScaleStride = 68;  // words per c: 8 groups x 8 pairs, + 4 so the four c's of a warp's loads miss each other's banks
+constexpr int kSBytes = 4 * kScaleStride * 4 + 64;  // padded to a multiple of 128
+constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
+constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
+constexpr int kConverters = 64;  // threads 32 .. 95 of the producer warpgroup
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+static_assert(kStages >= 3, "too few stages to overlap loads with the math");
+static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0 && kSBytes % 128 == 0, "stage alignment");
+
+__device__ __forceinline__ int boxes_of(const Tile& tile) {
+  return (min(kTokenRows, tile.m_end - tile.m0) + kBox - 1) / kBox;
+}
+
+__device__ __forceinline__ uint32_t scale_bits(uint32_t s) { return s == 0 ? 0x0040u : s == 255 ? 0x7FC0u : s << 7; }
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Nibbles 0..7 of x to the order 0 4 1 5 2 6 3 7.
+__device__ __forceinline__ uint32_t interleave_nibbles(uint32_t x) {
+  const uint32_t y = byte_permute(x, x, 0x3120u);  // bytes 0 2 1 3: nibbles 0 1 4 5 2 3 6 7
+  return (y & 0xF00FF00Fu) | ((y << 4) & 0x0F000F00u) | ((y >> 4) & 0x00F000F0u);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_mxfp4_input_grad_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
+                                 const Params p) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(shared);
+  uint64_t* empty = full + kStages;
+  uint64_t* tile_full = empty + kStages;
+  uint64_t* tile_empty = tile_full + kTileSlots;
+  int* tile_slot = reinterpret_cast<int*>(tile_empty + kTileSlots);
+  GroupTable table{tile_slot + kTileSlots, nullptr};
+  table.tiles = table.rows + p.groups + 1;
+  const uintptr_t table_end = reinterpret_cast<uintptr_t>(table.tiles + p.groups + 1);
+  unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
+  unsigned char* w_stages = a_stages + kStages * kABytes;
+  unsigned char* s_stages = w_stages + kStages * kWBytes;
+
+  const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::barrier_init(&full[s], 1 + kConverters);
+      sm90::barrier_init(&empty[s], 2 * 4);  // lane 0 of every consumer warp
+    }
+    for (int s = 0; s < kTileSlots; ++s) {
+      sm90::barrier_init(&tile_full[s], 1);
+      sm90::barrier_init(&tile_empty[s], 2 * 4 + kConverters / 32);  // consumer and converter warps
+    }
+    sm90::fence_barrier_init();
+  }
+  if (warp == 1) build_group_table(p, table, lane, kTokenRows);
+  __syncthreads();
+  const int total_tiles = table.tiles[p.groups];
+  const int group_words = p.n / 32;  // scale bytes per k row
+
+  if (warp < 4) {
+    sm90::registers_release<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      sm90::tma_prefetch_descriptor(&map_a);
+      sm90::tma_prefetch_descriptor(&map_w);
+      int stage = 0, slot = 0;
+      uint32_t phase = 0, slot_phase = 0;
+      for (;;) {
+        sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
+        const int t = atomicAdd(p.tile_counter, 1);
+        tile_slot[slot] = t;
+        sm90::barrier_arrive(&tile_full[slot]);
+        if (++slot == kTileSlots) {
+          slot = 0;
+          slot_phase ^= 1;
+        }
+        if (t >= total_tiles) break;
+        const Tile tile = decode_tile<kTokenRows, kColumns>(t, p, table);
+        const int boxes = boxes_of(tile);
+        for (int s = 0; s < tile.k_steps; ++s) {
+          sm90::barrier_wait(&empty[stage], phase ^ 1);
+          sm90::barrier_arrive_expect_bytes(&full[stage], kWBytes + boxes * kBoxBytes);
+          sm90::tma_load_3d(w_stages + stage * kWBytes, &map_w, &full[stage], tile.n0 / 2, s * kBK, tile.group);
+          for (int b = 0; b < boxes; ++b) {
+            sm90::tma_load_2d(a_stages + stage * kABytes + b * kBoxBytes, &map_a, &full[stage], s * kBK,
+                              tile.m0 + b * kBox);
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+      __threadfence();
+      if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        p.tile_counter[0] = 0;
+        p.tile_counter[1] = 0;
+      }
+    } else if (warp == 1 || warp == 2) {
+      // Converter i: k rows 2 pr, 2 pr + 1 of each K step (pr = i / 2), 4 of the tile's 8 column
+      // groups (from 4 (i % 2)); the pair's word goes where consumer c = pr % 4 loads it, as its
+      // pair j = pr / 4 (= 2 kk + upper half) of group q.
+      const int i = threadIdx.x - 32;
+      const int pr = i / 2, first_group = (i % 2) * 4;
+      uint32_t* words_base = reinterpret_cast<uint32_t*>(s_stages) + (pr % 4) * kScaleStride + first_group * 8 + pr / 4;
+      int stage = 0, slot = 0;
+      uint32_t phase = 0, slot_phase = 0;
+      for (;;) {
+        sm90::barrier_wait(&tile_full[slot], slot_phase);
+        const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
+        __syncwarp();
+        if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
+        if (++slot == kTileSlots) {
+          slot = 0;
+          slot_phase ^= 1;
+        }
+        if (t >= total_tiles) break;
+        const Tile tile = decode_tile<kTokenRows, kColumns>(t, p, table);
+        // n % 256 == 0: the tile's 8 groups lie inside the row, 4-byte aligned.
+        const uint8_t* scale_rows =
+            p.scales + static_cast<int64_t>(tile.group) * p.k * group_words + tile.n0 / 32 + first_group;
+        for (int s = 0; s < tile.k_steps; ++s) {
+          const int k_even = s * kBK + 2 * pr;
+          // Rows past k multiply zero codes: any finite scale.
+          const uint32_t even = k_even < p.k
+                                    ? __ldg(reinterpret_cast<const uint32_t*>(scale_rows + static_cast<int64_t>(k_even) * group_words))
+                                    : 0x7F7F7F7Fu;
+          const uint32_t odd =
+              k_even + 1 < p.k
+                  ? __ldg(reinterpret_cast<const uint32_t*>(scale_rows + static_cast<int64_t>(k_even + 1) * group_words))
+                  : 0x7F7F7F7Fu;
+          sm90::barrier_wait(&empty[stage], phase ^ 1);
+          uint32_t* words = reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(words_base) + stage * kSBytes);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            words[q * 8] = scale_bits((even >> (8 * q)) & 0xFFu) | scale_bits((odd >> (8 * q)) & 0xFFu) << 16;
+          }
+          sm90::barrier_arrive(&full[stage]);
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  sm90::registers_claim<kConsumerRegisters>();
+  const int warpgroup = warp / 4 - 1;
+  const int c = lane % 4;
+  const int unit = warpgroup * 4 + warp % 4;  // the warp's 16-byte unit of a packed row; also its scale group
+  // ldmatrix q: lane l addresses k row 32 q + l of the stage (matrix l / 8, row l % 8).
+  const uint32_t row_offset = lane * 128 + ((unit ^ (lane % 8)) << 4);
+  const uint32_t scale_offset = (c * kScaleStride + unit * 8) * 4;
+  int stage = 0, slot = 0;
+  uint32_t phase = 0, slot_phase = 0;
+  float acc0[64], acc1[64];
+  uint32_t frag0[32], frag1[32];  // block 0's 16 registers, then block 1's
+  for (;;) {
+    sm90::barrier_wait(&tile_full[slot], slot_phase);
+    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
+    __syncwarp();
+    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
+    if (++slot == kTileSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
+    if (t >= total_tiles) break;
+    const Tile tile = decode_tile<kTokenRows, kColumns>(t, p, table);
+    const int boxes = boxes_of(tile);
+    const int steps = tile.k_steps;
+    const bool active = tile.n0 + warpgroup * 128 < p.n;
+    auto decode = [&](uint32_t (&f)[32], int st) {
+      const uint32_t w_base = sm90::smem_address(w_stages + st * kWBytes) + row_offset;
+      uint32_t x[2][4];
+      ldmatrix_x4_trans(x[0], w_base);
+      ldmatrix_x4_trans(x[1], w_base + 32 * 128);
+      const unsigned char* scale_base = s_stages + st * kSBytes + scale_offset;
+      const uint4 s_lo = *reinterpret_cast<const uint4*>(scale_base);
+      const uint4 s_hi = *reinterpret_cast<const uint4*>(scale_base + 16);
+      const uint32_t scale_words[8] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // j = 2 kk + upper: k rows 16 kk + 8 upper + 2c, + 1
+        const int kk = j / 2, upper = j % 2;
+        const uint32_t codes = interleave_nibbles(x[j / 4][j % 4]);
+        const __nv_bfloat162 scale = *reinterpret_cast<const __nv_bfloat162*>(&scale_words[j]);
+        forward_rs::decode4(codes, scale, f[4 * kk + 2 * upper], f[4 * kk + 2 * upper + 1]);
+        forward_rs::decode4(codes >> 16, scale, f[16 + 4 * kk + 2 * upper], f[16 + 4 * kk + 2 * upper + 1]);
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      acc0[i] = 0.0f;
+      acc1[i] = 0.0f;
+    }
+    sm90::barrier_wait(&full[stage], phase);
+    if (active) decode(frag0, stage);
+    int previous_stage = stage;
+    auto step = [&](uint32_t (&current)[32], uint32_t (&next)[32], int s) {
+      sm90::fence_registers(acc0);
+      sm90::fence_registers(acc1);
+      forward_rs::fence_words(current);
+      sm90::wgmma_fence();
+      if (active) {
+        const uint32_t b_address = sm90::smem_address(a_stages + stage * kABytes);
+        forward_rs::k_step_n(boxes, acc0, current, b_address);
+        forward_rs::k_step_n(boxes, acc1, current + 16, b_address);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
+      sm90::fence_registers(acc0);
+      sm90::fence_registers(acc1);
+      forward_rs::fence_words(next);
+      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+      previous_stage = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+      if (s + 1 < steps) {
+        sm90::barrier_wait(&full[stage], phase);
+        if (active) decode(next, stage);
+      }
+    };
+    for (int s = 0; s < steps; s += 2) {
+      step(frag0, frag1, s);
+      if (s + 1 < steps) step(frag1, frag0, s + 1);
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(acc0);
+    sm90::fence_registers(acc1);
+    if (lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+    // Columns n0 + 128 w + 32 (warp % 4) + 4 g .. + 3 (all in or all out: n % 4 == 0), rows
+    // m0 + 8 j + 2c + e.
+    const int column = tile.n0 + warpgroup * 128 + warp % 4 * 32 + (lane / 4) * 4;
+    if (column < p.n) {
+#pragma unroll
+      for (int j = 0; j < kTokenRows / 8; ++j) {
+        if (j >= boxes * (kBox / 8)) break;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int token = tile.m0 + 8 * j + 2 * c + e;
+          if (token >= tile.m_end) continue;
+          float v[4] = {p.alpha * acc0[4 * j + e], p.alpha * acc0[4 * j + 2 + e], p.alpha * acc1[4 * j + e],
+                        p.alpha * acc1[4 * j + 2 + e]};
+          const int64_t offset = static_cast<int64_t>(token) * p.n + column;
+          if (p.c_f32) {
+            float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.c) + offset);
+            if (p.beta != 0.0f) {
+              const float4 old = *dst;
+              v[0] += p.beta * old.x;
+              v[1] += p.beta * old.y;
+              v[2] += p.beta * old.z;
+              v[3] += p.beta * old.w;
+            }
+            *dst = make_float4(v[0], v[1], v[2], v[3]);
+          } else {
+            uint2* dst = reinterpret_cast<uint2*>(static_cast<bf16*>(p.c) + offset);
+            if (p.beta != 0.0f) {
+              const uint2 old = *dst;
+              const float2 o01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old.x));
+              const float2 o23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old.y));
+              v[0] += p.beta * o01.x;
+              v[1] += p.beta * o01.y;
+              v[2] += p.beta * o23.x;
+              v[3] += p.beta * o23.y;
+            }
+            const __nv_bfloat162 v01 = __floats2bfloat162_rn(v[0], v[1]), v23 = __floats2bfloat162_rn(v[2], v[3]);
+            uint2 out;
+            out.x = *reinterpret_cast<const uint32_t*>(&v01);
+            out.y = *reinterpret_cast<const uint32_t*>(&v23);
+            *dst = out;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace input_grad_rs
 
 // ---------------------------------------------------------------------------------------------
 // The fallback: one thread per output element, F32 sums in order, weights decoded on the fly.
@@ -623,20 +1253,26 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// A's tensor map: [rows, k] BF16, boxes of 128 rows x 64 columns, 128-byte swizzle.
-CUtensorMap a_tensor_map(const void* a, int64_t rows, int64_t k) {
+// A 2-D tensor map: `outer` rows of `inner` elements (row stride inner * element bytes), boxes of
+// box_rows x box_inner.
+CUtensorMap tensor_map_2d(const void* base, CUtensorMapDataType type, int element_bytes, int64_t outer, int64_t inner,
+                          int box_rows, int box_inner, CUtensorMapSwizzle swizzle) {
   CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
-  const cuuint32_t box[2] = {kBK, kBM};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * element_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult status = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a), dims, strides,
-                                         box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  const CUresult status = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+                                         CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
                  "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
   return map;
+}
+
+// A's tensor map: [rows, k] BF16, boxes of box_rows x 64 columns, 128-byte swizzle.
+CUtensorMap a_tensor_map(const void* a, int64_t rows, int64_t k, int box_rows) {
+  return tensor_map_2d(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, k, box_rows, kBK, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 int* tile_counters(cudaStream_t stream) {
@@ -677,7 +1313,7 @@ void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t 
   params.tile_counter = tile_counters(stream);
   params.packed = static_cast<const uint8_t*>(p.b);
   params.scales = static_cast<const uint8_t*>(b_scale);
-  const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k);
+  const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBM);
   static bool attribute_set[kMaxDevices] = {};  // per instantiation and device
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -692,6 +1328,92 @@ void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t 
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
   sm90_grouped_gemm_mxfp4_kernel<kKMajorB, kBN>
       <<<grid, kThreads, shared_bytes<kKMajorB, kBN>(p.groups), stream>>>(map_a, params);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The forward kernel: b [G, n, k / 2] seen as [G * n, k / 2] bytes, boxes of 128 rows x 32 bytes
+// (one K step), unswizzled; k % 32 == 0 keeps the row stride a multiple of 16 bytes.
+void launch_forward_rs(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
+  using namespace forward_rs;
+  Params params{};
+  params.c = p.c;
+  params.c_f32 = p.c_dtype == DType::kF32;
+  params.offsets = p.group_offsets;
+  params.groups = static_cast<int>(p.groups);
+  params.rows = static_cast<int>(p.rows);
+  params.n = static_cast<int>(p.n);
+  params.k = static_cast<int>(p.k);
+  params.n_tiles = static_cast<int>((p.n + kWeightRows - 1) / kWeightRows);
+  params.alpha = p.alpha;
+  params.beta = p.beta;
+  params.tile_counter = tile_counters(stream);
+  params.packed = static_cast<const uint8_t*>(p.b);
+  params.scales = static_cast<const uint8_t*>(b_scale);
+  const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBox);
+  const CUtensorMap map_w = tensor_map_2d(p.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.groups * p.n, p.k / 2, kWeightRows,
+                                          kBK / 2, CU_TENSOR_MAP_SWIZZLE_NONE);
+  static bool attribute_set[kMaxDevices] = {};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (!attribute_set[device % kMaxDevices]) {
+    CUDA_CHECK(cudaFuncSetAttribute(sm90_mxfp4_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
+    attribute_set[device % kMaxDevices] = true;
+  }
+  const size_t shared = (2 * kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
+                        2 * static_cast<size_t>(p.groups + 1) * sizeof(int) + 1024 +
+                        static_cast<size_t>(kStages) * (kABytes + kWBytes);
+  const int64_t max_tiles = ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * params.n_tiles;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
+  sm90_mxfp4_forward_kernel<<<grid, forward_rs::kThreads, shared, stream>>>(map_a, map_w, params);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The input-gradient kernel: b [G, k, n / 2] as a 3-D map (rows past a group's k arrive as
+// zeros), boxes of 64 rows x 128 bytes, 128-byte swizzle.
+void launch_input_grad_rs(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
+  using namespace input_grad_rs;
+  Params params{};
+  params.c = p.c;
+  params.c_f32 = p.c_dtype == DType::kF32;
+  params.offsets = p.group_offsets;
+  params.groups = static_cast<int>(p.groups);
+  params.rows = static_cast<int>(p.rows);
+  params.n = static_cast<int>(p.n);
+  params.k = static_cast<int>(p.k);
+  params.n_tiles = static_cast<int>((p.n + kColumns - 1) / kColumns);
+  params.alpha = p.alpha;
+  params.beta = p.beta;
+  params.tile_counter = tile_counters(stream);
+  params.packed = static_cast<const uint8_t*>(p.b);
+  params.scales = static_cast<const uint8_t*>(b_scale);
+  const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBox);
+  CUtensorMap map_w;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.n / 2), static_cast<cuuint64_t>(p.k),
+                              static_cast<cuuint64_t>(p.groups)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.n / 2), static_cast<cuuint64_t>(p.k * (p.n / 2))};
+  const cuuint32_t box[3] = {kColumns / 2, kBK, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status = encode_tiled()(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(p.b), dims,
+                                         strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
+                 "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
+  static bool attribute_set[kMaxDevices] = {};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  if (!attribute_set[device % kMaxDevices]) {
+    CUDA_CHECK(cudaFuncSetAttribute(sm90_mxfp4_input_grad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
+    attribute_set[device % kMaxDevices] = true;
+  }
+  const size_t shared = (2 * kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
+                        2 * static_cast<size_t>(p.groups + 1) * sizeof(int) + 1024 +
+                        static_cast<size_t>(kStages) * kStageBytes;
+  const int64_t max_tiles = ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * params.n_tiles;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
+  sm90_mxfp4_input_grad_kernel<<<grid, input_grad_rs::kThreads, shared, stream>>>(map_a, map_w, params);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -745,8 +1467,12 @@ void launch_grouped_gemm_mxfp4(const GroupedGemmProblem& p, const void* b_scale,
     launch_fallback(p, b_scale, stream);  // also k == 0: c = beta * c
     return;
   }
-  if (p.transpose_b) {
+  if (p.transpose_b && p.k % 32 == 0) {
+    launch_forward_rs(p, b_scale, stream);
+  } else if (p.transpose_b) {
     launch_sm90_bn<true>(p, b_scale, stream);
+  } else if (p.n % input_grad_rs::kColumns == 0 && reinterpret_cast<uintptr_t>(b_scale) % 4 == 0) {
+    launch_input_grad_rs(p, b_scale, stream);
   } else {
     launch_sm90_bn<false>(p, b_scale, stream);
   }

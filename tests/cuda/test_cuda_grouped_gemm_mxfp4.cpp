@@ -4,7 +4,9 @@
 // input gradient dy W, uneven and empty groups, rows not multiples of the tile, k and n tails
 // (k % 64 == 32 leaves half of the last K step's scale groups out), skewed counts, BF16 and F32
 // operands, beta 0 (poisoned outputs) and 1; shapes the wgmma kernel does not take use the
-// fallback. A one-hot A reads every code at scales 2^-125 .. 2^125 back exactly.
+// fallback. A one-hot A reads every code at scales 2^-125 .. 2^125 back exactly. Each of the three
+// wgmma kernels (forward and input gradient with the weight as the register operand, the
+// decode-to-shared-memory kernel for the other shapes) runs on every kind of case.
 // `[.bench]` (run on request: test_cuda_grouped_gemm_mxfp4 "[bench]") times it against the BF16
 // grouped GEMM at Kimi K3's expert shapes and prints a table.
 #include <cuda_runtime.h>
@@ -164,6 +166,25 @@ TEST_CASE("cuda grouped_gemm MXFP4: the 64- and 128-column tiles") {
     check_mxfp4("n 96", sizes, 96, 96, run, true, seed += 10);
     check_mxfp4("n 128", sizes, 32, 128, run, true, seed += 10);
   }
+}
+
+TEST_CASE("cuda grouped_gemm MXFP4: the forward kernel's every N (rows of a group rounded up to 32)") {
+  // The forward kernel (x W^T) multiplies up to 256 rows of a group per tile with N = the rows
+  // rounded up to 32: these groups take N = 32, 64, ..., 256 (and 513 rows three tiles); k = 96
+  // ends on half a K step, n = 136 on a tile of 8 weight rows (one warpgroup idle).
+  const std::vector<int32_t> sizes = {20, 50, 70, 100, 0, 130, 170, 200, 230, 256, 513, 1};
+  check_mxfp4("every N", sizes, 96, 136, kRuns[0], true, 300);
+  check_mxfp4("every N", sizes, 256, 48, kRuns[1], true, 310);
+}
+
+TEST_CASE("cuda grouped_gemm MXFP4: the input-gradient kernel's every N, k tails") {
+  // The input-gradient kernel (dy W, n % 256 == 0) multiplies up to 128 rows of a group per tile
+  // with N = the rows rounded up to 32 (these groups take N = 32 .. 128, several tiles for 130 and
+  // more rows); k = 136 ends on a K step of 8 rows, k = 72 on one of 8 after a full one.
+  const std::vector<int32_t> sizes = {20, 50, 70, 100, 0, 130, 170, 200, 513, 1};
+  check_mxfp4("every N", sizes, 136, 256, kRuns[3], true, 340);
+  check_mxfp4("every N", sizes, 64, 768, kRuns[4], true, 350);
+  check_mxfp4("every N", sizes, 72, 512, kRuns[5], true, 360);
 }
 
 TEST_CASE("cuda grouped_gemm MXFP4: random skewed counts, one group holding every row") {
