@@ -7,13 +7,18 @@
 // The switch: MOETRAIN_ATTENTION=mma (or simt) in the environment, read on every call, makes both
 // predicates false.
 //
-// Measured on one H200 (moetrain-bench ops, causal, 32 heads, BF16, medians; commit 5898943):
-//   T 8192, 128/128: forward 0.943 ms (583 TFLOP/s), forward + backward 4.22 ms (SDPA on the same
-//     machine: 1.008 / 3.662 ms; the mma.sync path 2.88 / 11.5 ms)
-//   T 8192, 192/128: 1.058 / 5.56 ms (1.32x the 128/128 forward + backward); 64/64: 0.741 / 2.80 ms
-//   8 packed documents of 1024 tokens: forward + backward 0.914 ms, 0.42x eight separate calls
-// The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5):
-// that, not the kernels' speed, is most of the gap to SDPA's backward.
+// Measured on one H200 (moetrain-bench ops, causal, 32 heads, BF16, medians; launch order in head
+// groups, session of 2026-12-01 13:00 UTC):
+//   T 8192, 128/128: forward 0.902-0.924 ms (595-610 TFLOP/s), forward + backward 3.92-4.02 ms in
+//     three runs (the order of commit 5898943, one head at a time, in the same runs: 0.946-0.953 /
+//     4.14-4.17 ms; SDPA, an earlier session: 1.008 / 3.662 ms; the mma.sync path 2.9 / 11.6 ms)
+//   T 8192, 192/128: 1.025 / 5.20 ms (1.33x the 128/128 forward + backward); 64/64: 0.738 / 2.75 ms
+//   T 32768, 128/128: forward + backward 63.4 ms (forward 14.9 ms)
+//   8 packed documents of 1024 tokens: forward + backward 0.997 ms, 0.41x eight separate calls
+// The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5).
+// A fused 5-matmul backward (dQ partials added in a fixed order through L2) ran slower in the same
+// run (4.48 against 4.14 ms forward + backward at T 8192; 4.42 with its adds left out, so not
+// for the adds): the two-kernel backward stays.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -17,7 +17,10 @@
 //            S = Q K^T, dP = dO V^T       wgmma from shared memory
 //            dQ += dS K                   dS from registers, K MN-major
 // (dQ recomputes S and dP instead of summing partial dQ of the dK/dV CTAs: 7 matmuls instead of
-// 5, but no atomics and no F32 partials in memory.)
+// 5, but no atomics and no F32 partials in memory; see flash_attention_sm90.h for the fused
+// 5-matmul trial. Leaving a step's dV, dK (or dQ) products in flight while the next step's S and
+// dP are issued also ran slower on the H200: 4.07-4.16 against 3.99 ms forward + backward.)
+// Both passes launch in ordered_block's order (heads in groups, each group's longest blocks first).
 // Masking is per (query t, key s), visible iff start(t) <= s <= t, equivalently t >= s and
 // t < end(s): the dQ pass finds start(t) once per row, the dK/dV pass end(s) once per key; tiles
 // wholly inside the visible region skip the mask.
@@ -51,6 +54,8 @@ struct BackwardParams {
   int row_stride = 0;
   float scale = 0.0f;
   float scale_log2 = 0.0f;
+  int blocks_per_head = 0;  // of the launch at hand
+  int order_group = 1;      // ordered_block's head group
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -137,8 +142,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* do_full = q_full + T::kStages;
   uint64_t* empty = do_full + T::kStages;
 
-  const int head = blockIdx.y;
-  const int n0 = blockIdx.x * T::kBlockN;  // causal: the first key blocks see the most queries
+  const OrderedBlock ob = ordered_block(p.blocks_per_head, p.heads, p.order_group);
+  const int head = ob.head;
+  const int n0 = ob.rank * T::kBlockN;  // causal: the first key blocks see the most queries
   const int last_key = min(n0 + T::kBlockN, p.tokens) - 1;
   // Queries that see these keys: from the first key to the end of the last key's segment.
   const int query_end = segment_end(p.cu_seqlens, p.num_segments, last_key, p.tokens);
@@ -356,8 +362,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* v_full = k_full + T::kStages;
   uint64_t* empty = v_full + T::kStages;
 
-  const int head = blockIdx.y;
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * T::kBlockM;  // the longest blocks first
+  const OrderedBlock ob = ordered_block(p.blocks_per_head, p.heads, p.order_group);
+  const int head = ob.head;
+  const int m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the longest blocks first
   const int row_end = min(m0 + T::kBlockM, p.tokens);
   const int kv_begin = segment_start(p.cu_seqlens, p.num_segments, m0);
   const int n_tiles = (row_end - kv_begin + kBlockN - 1) / kBlockN;
@@ -576,7 +583,9 @@ void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream
       auto kernel = flash_attention_backward_dkdv_sm90_bf16_kernel<kQk, kV>;
       static bool smem_allowed[64] = {};
       allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
-      const dim3 grid(static_cast<unsigned>((tokens + T::kBlockN - 1) / T::kBlockN), static_cast<unsigned>(heads));
+      p.blocks_per_head = static_cast<int>((tokens + T::kBlockN - 1) / T::kBlockN);
+      p.order_group = launch_order_group(p.blocks_per_head, heads);
+      const unsigned grid = static_cast<unsigned>(p.blocks_per_head * heads);
       kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(k_map, v_map, q_map, dout_map, lse_map, delta_map, p);
       CUDA_CHECK_LAUNCH();
     }
@@ -589,7 +598,9 @@ void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream
       auto kernel = flash_attention_backward_dq_sm90_bf16_kernel<kQk, kV>;
       static bool smem_allowed[64] = {};
       allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
-      const dim3 grid(static_cast<unsigned>((tokens + T::kBlockM - 1) / T::kBlockM), static_cast<unsigned>(heads));
+      p.blocks_per_head = static_cast<int>((tokens + T::kBlockM - 1) / T::kBlockM);
+      p.order_group = launch_order_group(p.blocks_per_head, heads);
+      const unsigned grid = static_cast<unsigned>(p.blocks_per_head * heads);
       kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(q_map, dout_map, k_map, v_map, p);
       CUDA_CHECK_LAUNCH();
     }

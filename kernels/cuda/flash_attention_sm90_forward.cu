@@ -1,8 +1,9 @@
 // Hopper flash attention forward (see flash_attention_sm90.h; the CPU reference is the spec).
 //
-// One CTA per (128 queries, head); the grid runs each head's blocks last-first, since causal
-// blocks further down see more keys (a shorter tail), and a head's blocks together, so that its K
-// and V stay in L2. Warpgroup 0 produces: one thread loads the Q block once and then streams
+// One CTA per (128 queries, head), launched in ordered_block's order (flash_attention_sm90_common.cuh):
+// heads in groups of at least 4, each group's blocks last-first, since causal blocks further down
+// see more keys, so that the launch ends on short blocks and a group's K and V stay in L2.
+// Warpgroup 0 produces: one thread loads the Q block once and then streams
 // 128-key tiles of K and V by TMA through two rings of stages, K and V apart (a 'full' and an
 // 'empty' mbarrier per stage each; the 8 consumer warps arrive on 'empty'), so that the scores can
 // start before V lands and a K stage is given back as soon as its scores are done. Warpgroups 1
@@ -62,6 +63,8 @@ struct ForwardParams {
   int heads = 0;
   int num_segments = 0;
   float scale_log2 = 0.0f;  // scale * log2(e), > 0
+  int blocks_per_head = 0;
+  int order_group = 1;  // ordered_block's head group
 };
 
 // The warpgroup's rows and what masking them needs.
@@ -160,8 +163,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* k_empty = v_full + T::kStages;
   uint64_t* v_empty = k_empty + T::kStages;
 
-  const int head = blockIdx.y;
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * T::kBlockM;
+  const OrderedBlock ob = ordered_block(p.blocks_per_head, p.heads, p.order_group);
+  const int head = ob.head;
+  const int m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the last block sees the most keys
   const int row_end = min(m0 + T::kBlockM, p.tokens);
   // The first row's segment starts no later than any other row's (starts are monotone in t).
   const int kv_begin = segment_start(p.cu_seqlens, p.num_segments, m0);
@@ -355,7 +359,9 @@ void flash_attention_sm90_forward(const AttentionArgs& args, cudaStream_t stream
     auto kernel = flash_attention_forward_sm90_bf16_kernel<kQk, kV>;
     static bool smem_allowed[64] = {};
     allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
-    const dim3 grid(static_cast<unsigned>((tokens + T::kBlockM - 1) / T::kBlockM), static_cast<unsigned>(heads));
+    p.blocks_per_head = static_cast<int>((tokens + T::kBlockM - 1) / T::kBlockM);
+    p.order_group = launch_order_group(p.blocks_per_head, heads);
+    const unsigned grid = static_cast<unsigned>(p.blocks_per_head * heads);
     kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(q_map, k_map, v_map, p);
     CUDA_CHECK_LAUNCH();
   });
