@@ -6,9 +6,11 @@
 // else of the row is read in place), then the token's position and its 8 cos and 8 sin values
 // once for all its rows, rotates, and stores two 16-byte chunks per row. In place with the
 // interleaved layout, its outputs land on other threads' inputs of the same row: every thread
-// loads first, __syncwarp, then stores. On the H200, MLA's layout (64 of 192 BF16 columns: a
-// 128-byte slice every 384 bytes) caps even a plain in-place copy of those slices at about 0.78
-// of the 4.2 TB/s copy ceiling (0.87 for the same bytes contiguous); this kernel reaches ~0.74.
+// loads first, __syncwarp, then stores. It is launched as a programmatic dependent launch (a rope
+// launched right after another starts as the other ends). On the H200 (8 back-to-back launches
+// timed as moetrain-bench does), MLA's layout (64 of 192 BF16 columns: a 128-byte slice every 384
+// bytes) caps even a plain in-place copy of those slices at about 0.80 of the 4.2 TB/s copy
+// ceiling (0.90 for the same bytes contiguous); moetrain-bench measures this kernel at 0.75.
 // The staged kernel covers every other shape: each block owns `rows_per_block` whole rows. It
 // stages their rope columns in shared memory (as F32), waits, then writes the rotated pairs, so
 // the interleaved layout is safe in place. Out of place, both kernels also copy the row's other
@@ -94,6 +96,13 @@ template <bool kBf16, int kSets, int kRows>
 __global__ void __launch_bounds__(kThreads)
     rope_vector_kernel(void* out, const void* x, const int32_t* __restrict__ positions,
                        const float* __restrict__ cos_table, const float* __restrict__ sin_table, RopeShape s) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent launch: wait until the kernel before it in the stream
+  // has finished and its writes are visible (before any load), then let the next kernel's blocks
+  // be scheduled as this one's finish.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int k = static_cast<int>(g % kSets);
   const int64_t slot = g / kSets;
@@ -197,12 +206,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Rows per thread: up to 4 rows of one token share its position and cos/sin loads, and keep
-// eight 16-byte loads in flight per thread for BF16.
-int64_t rope_rows_per_thread(int64_t heads) { return heads >= 4 ? 4 : heads >= 2 ? 2 : 1; }
+// Rows per thread: 2 rows of one token share its position and cos/sin loads (four 16-byte loads
+// in flight per thread for BF16). In a micro-benchmark of the MLA shape on the H200, 2 rows ran 13%
+// faster than 4 (fewer registers per thread, more threads per multiprocessor) and 4% faster than 8.
+int64_t rope_rows_per_thread(int64_t heads) { return heads >= 2 ? 2 : 1; }
 
 // Calls f(sets, rows) as std::integral_constants; false for other values.
-template <int kMaxRows, typename F>
+template <typename F>
 bool with_rope_shape(int64_t sets, int64_t rows_per_thread, F&& f) {
   using std::integral_constant;
   auto with_rows = [&](auto set) {
@@ -213,15 +223,6 @@ bool with_rope_shape(int64_t sets, int64_t rows_per_thread, F&& f) {
       case 2:
         f(set, integral_constant<int, 2>{});
         return true;
-      case 4:
-        f(set, integral_constant<int, 4>{});
-        return true;
-      case 8:
-        if constexpr (kMaxRows >= 8) {
-          f(set, integral_constant<int, 8>{});
-          return true;
-        }
-        return false;
       default:
         return false;
     }
@@ -244,18 +245,28 @@ bool with_rope_shape(int64_t sets, int64_t rows_per_thread, F&& f) {
   }
 }
 
-// The vector kernel's launch; s.head_groups set here from rows_per_thread.
-template <bool kBf16, int kMaxRows = 4>
+// The vector kernel's launch; s.head_groups set here from rows_per_thread. Launched as a
+// programmatic dependent launch (see the kernel): a rope launched right after another starts its
+// blocks while the first one's last blocks run.
+template <bool kBf16>
 bool launch_rope_vector(void* out, const void* x, const int32_t* positions, const float* cos_table,
                         const float* sin_table, RopeShape s, int64_t rows_per_thread, cudaStream_t stream) {
   const int64_t sets = s.rope_dim / 16;
   s.tokens = s.rows / s.heads;
   s.head_groups = (s.heads + rows_per_thread - 1) / rows_per_thread;
   const int64_t threads = s.tokens * s.head_groups * sets;
-  const unsigned int blocks = static_cast<unsigned int>((threads + kThreads - 1) / kThreads);
-  return with_rope_shape<kMaxRows>(sets, rows_per_thread, [&](auto set, auto rows) {
-    rope_vector_kernel<kBf16, decltype(set)::value, decltype(rows)::value>
-        <<<blocks, kThreads, 0, stream>>>(out, x, positions, cos_table, sin_table, s);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned int>((threads + kThreads - 1) / kThreads));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute dependent{};
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &dependent;
+  config.numAttrs = 1;
+  return with_rope_shape(sets, rows_per_thread, [&](auto set, auto rows) {
+    CUDA_CHECK(cudaLaunchKernelEx(&config, rope_vector_kernel<kBf16, decltype(set)::value, decltype(rows)::value>, out,
+                                  x, positions, cos_table, sin_table, s));
   });
 }
 
