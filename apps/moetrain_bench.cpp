@@ -539,6 +539,10 @@ void bench_dsa(Backend& be, int reps, std::vector<Row>& rows) {
   }, 3);
   setenv("MOETRAIN_SPARSE_ATTENTION", "simt", 1);
   const double simt_ms = dsa_ms(be, [&] { be.sparse_attention_forward(fwd); }, 3);
+  const double simt_both_ms = dsa_ms(be, [&] {
+    be.sparse_attention_forward(fwd);
+    be.sparse_attention_backward(bwd);
+  }, 1);
   unsetenv("MOETRAIN_SPARSE_ATTENTION");
   const double tflops = flops / (fwd_ms * 1e9);
   rows.push_back({"dsa sparse attention fwd T4096 H64 576/512 top-2048", fwd_ms, tflops, 0,
@@ -550,6 +554,8 @@ void bench_dsa(Backend& be, int reps, std::vector<Row>& rows) {
                   flops / (simt_ms * 1e9), 0,
                   fmt::format("{}; the default path is {:.2f}x faster",
                               ratio(17.1, simt_ms, "the speed of the small ops"), simt_ms / fwd_ms)});
+  rows.push_back({"dsa sparse attention fwd+bwd, SIMT kernels", simt_both_ms, 3 * flops / (simt_both_ms * 1e9), 0,
+                  fmt::format("one run; the default path is {:.2f}x faster", simt_both_ms / both_ms)});
 }
 
 void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {

@@ -11,9 +11,10 @@
 //                        deterministic backward (no atomics: per-(query, slot) dkv contributions
 //                        in scratch, summed per key through an inverse index in a fixed order).
 //                        SIMT, any dims and dtypes.
-//   sparse_attention_sm90.cu  the forward on Hopper tensor cores (wgmma) for BF16 at the latent
-//                        dims 576 / 512; sparse_attention_forward picks it when supported
-//                        (MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT kernel).
+//   sparse_attention_sm90.cu, sparse_attention_sm90_backward.cu  the forward and the backward's
+//                        per-query step on Hopper tensor cores (wgmma) for BF16 at the latent dims
+//                        576 / 512; sparse_attention_forward / _backward pick them when supported
+//                        (MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT kernels).
 //
 // Operands: activations BF16 or F32 each; indexer weights, lse: F32; topk_index, cu_seqlens:
 // int32 on the device (never read back: kernels mask entries outside [segment start, t]).
@@ -51,8 +52,14 @@ void sparse_attention_forward(const SparseAttentionArgs& args, cudaStream_t stre
 bool sparse_attention_forward_sm90_supported(const SparseAttentionArgs& args);
 void sparse_attention_forward_sm90(const SparseAttentionArgs& args, cudaStream_t stream);
 // chunk_rows: queries whose dkv contributions sit in scratch at once; 0 picks it from a 512 MiB
-// budget.
+// budget (2 GiB, in whole waves of the device's SMs, on the Hopper path: a chunk is one launch).
 void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceScratch& scratch, cudaStream_t stream,
                                int64_t chunk_rows = 0);
+// The Hopper backward's step 1 (sparse_attention_sm90_backward.cu) under the forward's conditions
+// (dout, out and dq BF16 too): dq and the dkv contributions of queries [chunk_begin, chunk_begin +
+// rows) into `contrib` ([rows, top_k, 576] F32, valid slots only), as the SIMT step 1 writes them.
+bool sparse_attention_backward_sm90_supported(const SparseAttentionBackwardArgs& args);
+void sparse_attention_backward_sm90_queries(const SparseAttentionBackwardArgs& args, float* contrib,
+                                            int64_t chunk_begin, int64_t rows, cudaStream_t stream);
 
 }  // namespace moetrain::kernels::cuda_ops

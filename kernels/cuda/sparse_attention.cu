@@ -1,7 +1,8 @@
 // Sparse attention in MQA form over each query's selected rows (kernels/ops.h SparseAttentionArgs;
 // kernels/cpu/dsa.cpp is the spec). SIMT kernels, F32 math; a query's heads share its gathered
 // rows, so one CTA serves a query and a group of its heads. The forward hands BF16 at the latent
-// dims 576 / 512 to the Hopper kernel (sparse_attention_sm90.cu) where it runs.
+// dims 576 / 512 to the Hopper kernel (sparse_attention_sm90.cu) where it runs, and the backward its
+// step 1 (sparse_attention_sm90_backward.cu; step 2 below is shared).
 //
 // Forward: one CTA per (query, head group) walks the query's topk_index in blocks of 32 entries:
 // it gathers those kv rows into shared memory, computes the group's logits (a warp per head, a
@@ -48,6 +49,9 @@ constexpr int kMaxBackwardHeads = 16;    // heads per backward CTA
 // dkv contributions of one chunk of queries in scratch; each query of a chunk is one CTA, so the
 // chunk should hold a few hundred (at DeepSeek-V3.2's top-2048 x 576, 512 MiB is 113 queries).
 constexpr int64_t kContribBudgetBytes = int64_t{512} << 20;
+// The Hopper step 1 runs a chunk as one launch of a CTA per query: 512 MiB would be less than one
+// wave at these dims, 2 GiB is 3 waves of 132 SMs.
+constexpr int64_t kTensorCoreContribBudgetBytes = int64_t{2048} << 20;
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory rows: F32, or BF16 when every operand read into them is BF16 (exact). Row strides
@@ -562,7 +566,17 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
   p.scale = static_cast<float>(args.scale);
   const bool dkv_f32 = args.dkv.dtype == DType::kF32;
 
-  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, kContribBudgetBytes / (top_k * qk * int64_t{4}));
+  const bool tensor_cores = sparse_attention_backward_sm90_supported(args);
+  if (chunk_rows <= 0) {
+    const int64_t budget = tensor_cores ? kTensorCoreContribBudgetBytes : kContribBudgetBytes;
+    chunk_rows = std::max<int64_t>(1, budget / (top_k * qk * int64_t{4}));
+    if (tensor_cores) {
+      int device = 0, sms = 1;
+      CUDA_CHECK(cudaGetDevice(&device));
+      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      if (chunk_rows > sms) chunk_rows = chunk_rows / sms * sms;
+    }
+  }
   chunk_rows = std::min(chunk_rows, tokens);
 
   // The stable radix sort's temporary storage, then everything carved from one scratch block.
@@ -600,7 +614,7 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
   CUDA_CHECK(cudaMemsetAsync(dkv_acc, 0, static_cast<size_t>(tokens * qk) * sizeof(float), stream));
 
   const bool bf16_rows = p.q_bf16 && p.kv_bf16 && p.dout_bf16;
-  p.group_heads = p.heads == 0 ? 1
+  p.group_heads = p.heads == 0 || tensor_cores ? 1
                   : bf16_rows ? fit_group(p.heads, kMaxBackwardHeads,
                                         [&](int g) { return backward_smem_bytes<bf16>(g, p.qk, p.v); })
                             : fit_group(p.heads, kMaxBackwardHeads,
@@ -609,7 +623,9 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
   for (int64_t begin = 0; begin < tokens && p.heads > 0; begin += chunk_rows) {
     const int64_t end = std::min(tokens, begin + chunk_rows);
     p.chunk_begin = static_cast<int>(begin);
-    if (bf16_rows) {
+    if (tensor_cores) {
+      sparse_attention_backward_sm90_queries(args, p.contrib, begin, end - begin, stream);
+    } else if (bf16_rows) {
       launch_backward_queries_cols<bf16>(p, static_cast<int>(end - begin), stream);
     } else {
       launch_backward_queries_cols<float>(p, static_cast<int>(end - begin), stream);

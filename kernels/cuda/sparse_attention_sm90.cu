@@ -24,34 +24,15 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernels/cuda/dsa.h"
-#include "kernels/cuda/flash_attention_sm90_common.cuh"
+#include "kernels/cuda/sparse_attention_sm90_common.cuh"
 
 namespace moetrain::kernels::cuda_ops {
 namespace sparse_sm90 {
 namespace {
 
-namespace fs = flash_sm90;
-using bf16 = __nv_bfloat16;
-
-constexpr int kQk = 576;
-constexpr int kV = 512;
-constexpr int kHeads = 64;       // heads per CTA: the wgmma M
-constexpr int kBlockKeys = 64;   // selected rows per block
-constexpr int kThreads = 256;    // two warpgroups
-constexpr int kWarpgroupKeys = kBlockKeys / 2;
 constexpr int kWarpgroupV = kV / 2;
-constexpr int kUnitsPerRow = kQk * 2 / 16;           // 16-byte copies per row
-constexpr int kLoadersPerRow = kThreads / kBlockKeys;  // 4 threads copy a row
-static_assert(kThreads / kHeads == kLoadersPerRow, "Q and kv tiles have the same rows");
-static_assert(kUnitsPerRow % kLoadersPerRow == 0, "a row's copies split evenly");
-
-using QTile = fs::SwizzledTile<kHeads, kQk>;
-using KvTile = fs::SwizzledTile<kBlockKeys, kQk>;
-using PTile = fs::SwizzledTile<kHeads, kBlockKeys>;
 constexpr int kKvOffset = QTile::kBytes;
 constexpr int kPOffset = kKvOffset + 2 * KvTile::kBytes;
 constexpr int kReduceOffset = kPOffset + PTile::kBytes;            // float [2][kHeads]
@@ -68,26 +49,6 @@ struct Params {
   int tokens = 0, heads = 0, top_k = 0;
   float scale_log2 = 0.0f;  // scale * log2(e), > 0
 };
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  MOETRAIN_SM90_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                    : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { MOETRAIN_SM90_ASM("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { MOETRAIN_SM90_ASM("cp.async.wait_group 0;" ::: "memory"); }
-
-// Thread `part` of a row's kLoadersPerRow copies its share of one 576-wide row (zeros when
-// !valid) into row r of a swizzled tile of `rows` rows: 16-byte unit u of 64-column chunk c lands
-// at c * rows * 128 + r * 128 + (u ^ r % 8) * 16.
-__device__ __forceinline__ void copy_row(uint32_t tile, int rows, int r, int part, const bf16* src, bool valid) {
-#pragma unroll
-  for (int i = 0; i < kUnitsPerRow / kLoadersPerRow; ++i) {
-    const int unit = part + kLoadersPerRow * i;
-    const uint32_t dst = tile + (unit / 8) * rows * fs::kSwizzleBytes + r * fs::kSwizzleBytes +
-                         (((unit % 8) ^ (r % 8)) * 16);
-    cp_async_16(dst, valid ? static_cast<const void*>(src + unit * 8) : static_cast<const void*>(src), valid);
-  }
-}
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_kernel(const Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -108,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_ker
   {
     const bool valid = h0 + load_row < p.heads;
     const bf16* src = valid ? p.q + (static_cast<int64_t>(t) * p.heads + h0 + load_row) * kQk : p.q;
-    copy_row(q_base, kHeads, load_row, load_part, src, valid);
+    copy_row<kQk>(q_base, kHeads, load_row, load_part, src, valid);
   }
   // Starts the copies of block b into `stage`; true when this thread's row is a valid entry.
   auto issue_block = [&](int b, int stage) {
@@ -116,7 +77,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_ker
     const int s = e < p.top_k ? index_row[e] : -1;
     const bool valid = s >= 0 && s <= t;
     if (load_part == 0) slots[stage * kBlockKeys + load_row] = valid ? s : -1;
-    copy_row(kv_base + stage * KvTile::kBytes, kBlockKeys, load_row, load_part,
+    copy_row<kQk>(kv_base + stage * KvTile::kBytes, kBlockKeys, load_row, load_part,
              valid ? p.kv + static_cast<int64_t>(s) * kQk : p.kv, valid);
     return valid;
   };
@@ -196,17 +157,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_ker
       row_sum[h] = row_sum[h] * correction[h] + sum;
     }
     // P (BF16) into its swizzled K-major tile: row r, columns 32 wg + 8 j + 2 quad (+1).
-    unsigned char* p_tile = smem + kPOffset;
 #pragma unroll
-    for (int j = 0; j < kWarpgroupKeys / 8; ++j) {
+    for (int j = 0; j < kWarpgroupKeys / 8; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row0 + 8 * h;
-        const int unit = wg * (kWarpgroupKeys / 8) + j;
-        *reinterpret_cast<uint32_t*>(p_tile + r * fs::kSwizzleBytes + ((unit ^ (r % 8)) * 16) + quad * 4) =
-            fs::pack_bf16x2(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-      }
-    }
+      for (int h = 0; h < 2; ++h)
+        store_pair(smem + kPOffset, row0 + 8 * h, wg * kWarpgroupKeys + 8 * j + 2 * quad, s[4 * j + 2 * h],
+                   s[4 * j + 2 * h + 1]);
 #pragma unroll
     for (int i = 0; i < kWarpgroupV / 2; ++i) o[i] *= correction[(i >> 1) & 1];
     sm90::fence_proxy_async_shared();
@@ -248,27 +204,17 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_ker
   }
 }
 
-bool aligned16(const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
-
 }  // namespace
 }  // namespace sparse_sm90
 
 bool sparse_attention_forward_sm90_supported(const SparseAttentionArgs& args) {
   using namespace sparse_sm90;
-  const char* env = std::getenv("MOETRAIN_SPARSE_ATTENTION");
-  if (env != nullptr && std::strcmp(env, "simt") == 0) return false;
-  if (args.q.dtype != DType::kBF16 || args.kv.dtype != DType::kBF16 || args.out.dtype != DType::kBF16) return false;
-  if (!aligned16(args.q) || !aligned16(args.kv) || !aligned16(args.out)) return false;
+  if (simt_forced()) return false;
+  if (!bf16_aligned(args.q) || !bf16_aligned(args.kv) || !bf16_aligned(args.out)) return false;
   if (args.q.ndim() != 3 || args.q.size(2) != kQk || args.out.size(2) != kV) return false;
   if (args.q.size(0) >= (int64_t{1} << 31) || (args.q.size(1) + kHeads - 1) / kHeads > 65535) return false;
   if (!std::isfinite(args.scale) || args.scale <= 0.0) return false;
-  static const bool runs = [] {
-    if (!fs::sm90_kernel_runs_here(sparse_attention_forward_sm90_kernel)) return false;
-    int device = 0, optin = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    return static_cast<size_t>(optin) >= kSmemBytes;
-  }();
+  static const bool runs = kernel_fits_device(sparse_attention_forward_sm90_kernel, kSmemBytes);
   return runs;
 }
 

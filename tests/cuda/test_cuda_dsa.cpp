@@ -11,9 +11,10 @@
 //     plus tol); rows past 16384 keys take the selection's global-memory path.
 //   - Sparse attention: indices from the reference indexer; out, lse, dq, dkv within the output
 //     dtype's tolerance; the backward is bitwise repeatable and bitwise the same with its dkv
-//     contributions in small chunks. At the latent dims 576 / 512 the forward's Hopper kernel and
-//     its SIMT one (MOETRAIN_SPARSE_ATTENTION=simt) each against the CPU: packed documents, block
-//     tails, -1 selections, top_k above the keys, more heads than one CTA, an empty selection.
+//     contributions in small chunks. At the latent dims 576 / 512 the Hopper kernels and the SIMT
+//     ones (MOETRAIN_SPARSE_ATTENTION=simt) each against the CPU, forward and backward: packed
+//     documents, block tails, -1 selections, top_k above the keys, more heads than one CTA (two
+//     head groups adding to the same dkv contributions), an empty selection.
 // Outputs are poisoned first (NaN, or -1 bytes for indices). Tagged [.bench]: timings at
 // DeepSeek-V3.2 shapes (run with `test_cuda_dsa "[.bench]"`).
 #include <cuda_runtime.h>
@@ -392,11 +393,11 @@ TEST_CASE("cuda sparse attention forward and backward match the CPU reference", 
   }
 }
 
-// The forward at DeepSeek-V3.2's latent dims (576 / 512), where BF16 runs on the Hopper kernel
-// (sparse_attention_sm90.cu) and MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT one: both paths
-// against the CPU. `empty_query`: that query's whole selection set to -1 (out 0, lse -inf, checked
-// apart; the rest compared as usual).
-void check_latent_forward(const SparseCase& c, DType dtype, uint64_t seed, bool simt, int64_t empty_query) {
+// Forward and backward at DeepSeek-V3.2's latent dims (576 / 512), where BF16 runs on the Hopper
+// kernels (sparse_attention_sm90*.cu) and MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT ones: both
+// paths against the CPU. `empty_query`: that query's whole selection set to -1 (out 0, lse -inf,
+// checked apart; the rest compared as usual; its dq must come out 0).
+void check_latent(const SparseCase& c, DType dtype, uint64_t seed, bool simt, int64_t empty_query) {
   INFO(label(dtype, describe(c)) + (simt ? " (SIMT)" : " (default path)") +
        (empty_query >= 0 ? " empty query " + std::to_string(empty_query) : ""));
   if (simt) setenv("MOETRAIN_SPARSE_ATTENTION", "simt", 1);
@@ -422,26 +423,65 @@ void check_latent_forward(const SparseCase& c, DType dtype, uint64_t seed, bool 
   }
   gpu().sparse_attention_forward(args);
   cpu().sparse_attention_forward(kernels::SparseAttentionArgs{out.host, lse.host, q.host, kv.host, index.host, scale});
-  if (simt) unsetenv("MOETRAIN_SPARSE_ATTENTION");
   Tensor got_out = download(out.dev), got_lse = download(lse.dev);
+  Tensor expected_lse(lse.host.shape(), DType::kF64);  // a copy: the backward below gets the -inf
+  std::memcpy(expected_lse.data(), lse.host.data(), lse.host.nbytes());
   if (empty_query >= 0) {
     int64_t wrong = 0;
     for (int64_t h = 0; h < c.heads; ++h) {
       const int64_t row = empty_query * c.heads + h;
       wrong += got_lse.ptr<double>()[row] == -INFINITY ? 0 : 1;
       for (int64_t j = 0; j < c.v_dim; ++j) wrong += got_out.ptr<double>()[row * c.v_dim + j] == 0.0 ? 0 : 1;
-      got_lse.ptr<double>()[row] = lse.host.ptr<double>()[row] = 0.0;  // -inf on both sides
+      got_lse.ptr<double>()[row] = expected_lse.ptr<double>()[row] = 0.0;  // -inf on both sides
     }
     CHECK(wrong == 0);
   }
   for (const Result& r : {compare(got_out.view(), out.host.view(), tolerance_for(dtype), "out"),
-                          compare(got_lse.view(), lse.host.view(), tolerance_for(DType::kF32), "lse")}) {
+                          compare(got_lse.view(), expected_lse.view(), tolerance_for(DType::kF32), "lse")}) {
     INFO(r.message);
     CHECK(r.ok);
   }
+
+  // Backward from the CPU's out and lse as the device stores them, on both backends.
+  round_host(out.host.view(), dtype);
+  round_host(lse.host.view(), DType::kF32);
+  Tensor out_dev = upload(out.host.view(), dtype), lse_dev = upload(lse.host.view(), DType::kF32);
+  Operand dout = random_operand(o_shape, dtype, seed + 3, 0.1, 1.0);
+  Operand dq = output_operand(q_shape, dtype);
+  Operand dkv = output_operand(kv_shape, dtype);
+  const kernels::SparseAttentionBackwardArgs bwd{dq.dev, dkv.dev, dout.dev, q.dev, kv.dev, out_dev, lse_dev,
+                                                 index.dev, scale};
+  if (!simt && dtype == DType::kBF16) {
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (major == 9) CHECK(kernels::cuda_ops::sparse_attention_backward_sm90_supported(bwd));
+  }
+  gpu().sparse_attention_backward(bwd);
+  cpu().sparse_attention_backward(kernels::SparseAttentionBackwardArgs{dq.host, dkv.host, dout.host, q.host, kv.host,
+                                                                       out.host, lse.host, index.host, scale});
+  CUDA_TEST_EXPECT_CLOSE(dq.dev, dq.host.view(), tolerance_for(dtype), "dq");
+  CUDA_TEST_EXPECT_CLOSE(dkv.dev, dkv.host.view(), tolerance_for(dtype), "dkv");
+  // Bitwise: again, and with the dkv contributions in chunks of 5 queries.
+  const Tensor dq_first = download(dq.dev), dkv_first = download(dkv.dev);
+  Tensor dq_again = poisoned(q_shape, dtype), dkv_again = poisoned(kv_shape, dtype);
+  kernels::SparseAttentionBackwardArgs again = bwd;
+  again.dq = dq_again;
+  again.dkv = dkv_again;
+  gpu().sparse_attention_backward(again);
+  CHECK(std::memcmp(download(dq_again).data(), dq_first.data(), dq_first.nbytes()) == 0);
+  CHECK(std::memcmp(download(dkv_again).data(), dkv_first.data(), dkv_first.nbytes()) == 0);
+  {
+    kernels::cuda_ops::DeviceScratch scratch;
+    kernels::cuda_ops::sparse_attention_backward(again, scratch, gpu_stream(), 5);
+    gpu().synchronize();
+  }
+  CHECK(std::memcmp(download(dkv_again).data(), dkv_first.data(), dkv_first.nbytes()) == 0);
+  CHECK(std::memcmp(download(dq_again).data(), dq_first.data(), dq_first.nbytes()) == 0);
+  if (simt) unsetenv("MOETRAIN_SPARSE_ATTENTION");
 }
 
-TEST_CASE("cuda sparse attention forward at the latent dims matches the CPU reference on both paths", "[cuda][dsa]") {
+TEST_CASE("cuda sparse attention at the latent dims matches the CPU reference on both paths", "[cuda][dsa]") {
   struct LatentCase {
     SparseCase shape;
     int64_t empty_query;
@@ -456,7 +496,7 @@ TEST_CASE("cuda sparse attention forward at the latent dims matches the CPU refe
     for (size_t i = 0; i < cases.size(); ++i) {
       for (bool simt : {false, true}) {
         if (dtype == DType::kF32 && simt) continue;  // F32 runs on the SIMT kernel anyway
-        check_latent_forward(cases[i].shape, dtype, 700 + 10 * i, simt, cases[i].empty_query);
+        check_latent(cases[i].shape, dtype, 700 + 10 * i, simt, cases[i].empty_query);
       }
     }
   }
