@@ -592,6 +592,20 @@ struct BackendStats {
   double peak_bf16_flops = 0.0;    // datasheet dense BF16 FLOP/s of the device (MFU); 0: unknown
 };
 
+// A point in a backend's queue of work (a CUDA event on its stream). wait() returns once the work
+// queued before the point is done: a host wait (BackendStats::host_waits) only when it is not done
+// yet. On the CPU, whose ops complete before they return, it never waits.
+class QueueEvent {
+ public:
+  virtual ~QueueEvent() = default;
+  virtual void wait() = 0;
+};
+// The event of a backend whose ops complete before they return.
+class DoneEvent final : public QueueEvent {
+ public:
+  void wait() override {}
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -609,6 +623,15 @@ class Backend {
   // Memory. copy: same dtype and element count, any devices. convert: dtype conversion
   // (e.g. bf16 weights to f32 compute), same device, same element count.
   virtual void copy(const TensorView& dst, const TensorView& src) = 0;
+  // Copies the host does not wait for, so that it can queue a whole step ahead of the device:
+  // host memory taking part must come from pinned_allocator() (page-locked on CUDA), and the
+  // host must not write a source or read a destination in it until an event recorded after the
+  // copy (record_event()) has been waited for. On the CPU these are copy() and host memory, and
+  // the copy is done when it returns.
+  virtual Allocator& pinned_allocator() { return host_allocator(); }
+  virtual void copy_async(const TensorView& dst, const TensorView& src) { copy(dst, src); }
+  // An event after the work queued so far.
+  virtual std::unique_ptr<QueueEvent> record_event() { return std::make_unique<DoneEvent>(); }
   virtual void convert(const TensorView& dst, const TensorView& src) = 0;
   virtual void fill(const TensorView& dst, double value) = 0;
   // Random frozen MXFP4 weights, made where they live (RandomMxfp4Args).
@@ -628,6 +651,12 @@ class Backend {
 
   // out[t, :] = table[ids[t], :]; ids int32 [tokens], checked against the table's rows.
   virtual void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) = 0;
+  // The same for ids the caller has already checked against the table's rows on the host (the
+  // model checks every batch before uploading it): a backend may skip its own check, which on
+  // CUDA reads the ids back and waits for the device. The CPU backend checks anyway.
+  virtual void embedding_forward_checked_ids(const TensorView& out, const TensorView& table, const TensorView& ids) {
+    embedding_forward(out, table, ids);
+  }
   // dtable[ids[t], :] += dout[t, :], in token order (deterministic).
   virtual void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) = 0;
 
@@ -696,7 +725,7 @@ std::unique_ptr<Backend> make_cpu_backend();
 
 // The CUDA backend on the current device (only in builds with MOETRAIN_HAVE_CUDA; callers
 // guard with it). Work is queued on the backend's own stream; copies to or from host tensors
-// synchronize it.
+// synchronize it (copy_async ones do not).
 std::unique_ptr<Backend> make_cuda_backend();
 
 }  // namespace moetrain::kernels

@@ -55,6 +55,9 @@ const char* copy_label(const TensorView& dst, const TensorView& src) {
 void TimingBackend::copy(const TensorView& dst, const TensorView& src) {
   timed(copy_label(dst, src), [&] { inner_.copy(dst, src); });
 }
+void TimingBackend::copy_async(const TensorView& dst, const TensorView& src) {
+  timed(copy_label(dst, src), [&] { inner_.copy_async(dst, src); });
+}
 void TimingBackend::convert(const TensorView& dst, const TensorView& src) {
   timed("convert", [&] { inner_.convert(dst, src); });
 }
@@ -89,6 +92,10 @@ void TimingBackend::grouped_gemm(const GroupedGemmArgs& args) {
 }
 void TimingBackend::embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) {
   timed("embedding_forward", [&] { inner_.embedding_forward(out, table, ids); });
+}
+void TimingBackend::embedding_forward_checked_ids(const TensorView& out, const TensorView& table,
+                                                  const TensorView& ids) {
+  timed("embedding_forward", [&] { inner_.embedding_forward_checked_ids(out, table, ids); });
 }
 void TimingBackend::embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) {
   timed("embedding_backward", [&] { inner_.embedding_backward(dtable, dout, ids); });

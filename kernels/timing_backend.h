@@ -10,7 +10,8 @@
 //
 // Two ops get one row per variant, because their variants cost differently: grouped_gemm by
 // kind ("grouped_gemm (m-grouped)", "(k-grouped)": weight gradients), and copy by direction
-// ("copy (to host)", "copy (to device)": each is a host sync on CUDA; plain "copy" otherwise).
+// ("copy (to host)", "copy (to device)": each is a host sync on CUDA unless it is a copy_async;
+// plain "copy" otherwise).
 //
 // Tensors that callers allocate through allocator() (the model's temporaries between ops) are
 // timed too, as the rows "allocate" and "deallocate" (host time only: on CUDA, cudaMalloc and
@@ -63,6 +64,9 @@ class TimingBackend : public Backend {
   void* stream() override { return inner_.stream(); }
 
   void copy(const TensorView& dst, const TensorView& src) override;
+  Allocator& pinned_allocator() override { return inner_.pinned_allocator(); }
+  void copy_async(const TensorView& dst, const TensorView& src) override;
+  std::unique_ptr<QueueEvent> record_event() override { return inner_.record_event(); }
   void convert(const TensorView& dst, const TensorView& src) override;
   void fill(const TensorView& dst, double value) override;
   void random_mxfp4(const RandomMxfp4Args& args) override;
@@ -74,6 +78,7 @@ class TimingBackend : public Backend {
   void gemm(const GemmArgs& args) override;
   void grouped_gemm(const GroupedGemmArgs& args) override;
   void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override;
+  void embedding_forward_checked_ids(const TensorView& out, const TensorView& table, const TensorView& ids) override;
   void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) override;
   void rmsnorm_forward(const RmsNormArgs& args) override;
   void rmsnorm_backward(const RmsNormBackwardArgs& args) override;

@@ -24,7 +24,6 @@ class LatentMoeFfn final : public FeedForward {
   void release_saved() override;
   void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
-  FeedForwardStats read_stats(kernels::Backend& backend) override { return moe.read_stats(backend); }
 
   // The LoRA-targetable projections (down, up), named as the checkpoint names them.
   std::vector<LoraLinear*> projections() { return {&down_proj, &up_proj}; }

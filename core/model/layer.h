@@ -45,7 +45,7 @@ class Mixer {
   virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
 };
 
-// Per-step statistics a feed-forward reports (the MoE's expert load).
+// Per-step statistics of a routed feed-forward (the MoE's expert load; MoeFfn::expert_loads).
 struct FeedForwardStats {
   bool routed = false;           // a routed (MoE) layer: the loads below mean something
   double max_expert_load = 0.0;  // max over experts of tokens routed / the mean per expert
@@ -62,10 +62,6 @@ class FeedForward {
   virtual void release_saved() = 0;
   virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
   virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
-  // The last forward's statistics. They stay on the device until asked for, so that reading
-  // them is one host synchronization per micro-batch, after its backward is queued, never one
-  // inside a layer.
-  virtual FeedForwardStats read_stats(kernels::Backend& /*backend*/) { return {}; }
 };
 
 }  // namespace moetrain

@@ -54,12 +54,21 @@ Tensor to_device(kernels::Backend& backend, const TensorView& host, DType dtype)
   return device;
 }
 
-Tensor int32_to_device(kernels::Backend& backend, const std::vector<int32_t>& values) {
-  Tensor host({static_cast<int64_t>(values.size())}, DType::kI32);
-  std::copy(values.begin(), values.end(), host.ptr<int32_t>());
-  Tensor device(host.shape(), DType::kI32, backend.allocator());
-  backend.copy(device, host);
-  return device;
+// `bytes` (a U8 buffer) read as a tensor of `dtype` and `shape` from byte `offset` on.
+TensorView bytes_as(const TensorView& bytes, size_t offset, DType dtype, Shape shape) {
+  return TensorView{static_cast<char*>(bytes.data) + offset, dtype, bytes.device, shape};
+}
+
+// The SwiGLU networks of a feed-forward that carry adapters: a dense MLP's, or a MoE's routed and
+// shared experts.
+std::vector<SwigluExperts*> swiglu_networks(FeedForward* ffn) {
+  if (auto* dense = dynamic_cast<DenseFfn*>(ffn)) return {&dense->mlp};
+  std::vector<SwigluExperts*> out;
+  if (MoeFfn* moe = routed_moe(ffn)) {
+    out.push_back(&moe->experts);
+    if (moe->shared) out.push_back(&moe->shared->mlp);
+  }
+  return out;
 }
 
 const BatchTensors& no_batch() {
@@ -339,11 +348,30 @@ BatchTensors Model::upload(const Batch& batch) {
                                "shorten data.seq_len or raise max_position_embeddings",
                                batch.positions[t], t, max_position));
   }
+  UploadBuffer& buffer = upload_buffers_[upload_turn_++ % upload_buffers_.size()];
+  if (buffer.copied) buffer.copied->wait();  // its last batch has left it
+  const int64_t needed = 3 * n + static_cast<int64_t>(batch.cu_seqlens.size());
+  if (!buffer.host.defined() || buffer.host.numel() < needed) {
+    // Room for the most segments a batch of n tokens can have (n + 1 offsets): batches of one size
+    // never make it grow, and a pinned allocation or free costs a wait of its own.
+    buffer.host.reset();
+    buffer.host = Tensor({std::max<int64_t>(needed, 4 * n + 1)}, DType::kI32, backend_.pinned_allocator());
+  }
+  int64_t used = 0;
+  auto upload_values = [&](const std::vector<int32_t>& values) {
+    const int64_t count = static_cast<int64_t>(values.size());
+    std::copy(values.begin(), values.end(), buffer.host.ptr<int32_t>() + used);
+    Tensor device({count}, DType::kI32, backend_.allocator());
+    backend_.copy_async(device, buffer.host.view().slice_rows(used, used + count));
+    used += count;
+    return device;
+  };
   BatchTensors bt;
-  bt.input_ids = int32_to_device(backend_, batch.input_ids);
-  bt.labels = int32_to_device(backend_, batch.labels);
-  bt.positions = int32_to_device(backend_, batch.positions);
-  bt.cu_seqlens = int32_to_device(backend_, batch.cu_seqlens);
+  bt.input_ids = upload_values(batch.input_ids);
+  bt.labels = upload_values(batch.labels);
+  bt.positions = upload_values(batch.positions);
+  bt.cu_seqlens = upload_values(batch.cu_seqlens);
+  buffer.copied = backend_.record_event();
   bt.num_tokens = n;
   bt.seq_len = batch.seq_len;
   return bt;
@@ -517,18 +545,89 @@ Tensor Model::loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, c
   return losses;
 }
 
-// Sum of the per-token losses, in token order, read back to the host.
-double Model::sum_losses(const Tensor& losses) {
-  Tensor staged(losses.shape(), losses.dtype());
-  backend_.copy(staged, losses);
-  Tensor host(losses.shape(), DType::kF64);
-  convert_host(host, staged);
-  double sum = 0.0;
-  for (int64_t i = 0; i < host.numel(); ++i) sum += host.ptr<double>()[i];
-  return sum;
+PendingStep Model::queue_results(const LayerContext& ctx, const Tensor& losses, int64_t targets) {
+  kernels::Backend& be = backend_;
+  // One buffer: the losses, then per MoE layer its offsets and (when it has one) its aux loss,
+  // each part 8-byte aligned, so that the host's reads of it are aligned.
+  struct Part {
+    TensorView device;
+    size_t offset;
+  };
+  std::vector<Part> parts;
+  size_t bytes = 0;
+  auto add = [&](const TensorView& device) {
+    parts.push_back({device, bytes});
+    bytes += (device.nbytes() + 7) / 8 * 8;
+  };
+  add(losses);
+  struct Routed {
+    size_t offsets, aux;  // parts' indices (aux: 0 when the layer has no aux loss)
+    int64_t experts;
+  };
+  std::vector<Routed> routed;
+  for (DecoderLayer& layer : layers_) {
+    MoeFfn* moe = routed_moe(layer.ffn.get());
+    if (moe == nullptr) continue;
+    MOETRAIN_ASSERT(moe->stats_offsets().defined(), "an MoE layer without statistics after its forward");
+    Routed r{parts.size(), 0, moe->stats_offsets().numel() - 1};
+    add(moe->stats_offsets());
+    if (moe->stats_aux_loss().defined()) {
+      r.aux = parts.size();
+      add(moe->stats_aux_loss());
+    }
+    routed.push_back(r);
+  }
+  Tensor gathered = ctx.alloc({static_cast<int64_t>(bytes)}, DType::kU8);
+  for (const Part& part : parts) {
+    be.copy(bytes_as(gathered, part.offset, part.device.dtype, part.device.shape), part.device);
+  }
+
+  std::shared_ptr<Tensor> host;  // a free pinned buffer, or a new one
+  for (const std::shared_ptr<Tensor>& buffer : result_buffers_) {
+    if (buffer.use_count() == 1 && buffer->nbytes() >= bytes) {
+      host = buffer;
+      break;
+    }
+  }
+  if (!host) {
+    host = std::make_shared<Tensor>(Shape{static_cast<int64_t>(bytes)}, DType::kU8, be.pinned_allocator());
+    result_buffers_.push_back(host);
+  }
+  // A buffer a dropped PendingStep left may still be being written: this copy is queued after that.
+  be.copy_async(host->view().slice_rows(0, static_cast<int64_t>(bytes)), gathered);
+  std::shared_ptr<kernels::QueueEvent> arrived = be.record_event();
+  return PendingStep([host, arrived, parts, routed, targets]() {
+    arrived->wait();
+    auto part = [&](size_t i) {
+      return bytes_as(host->view(), parts[i].offset, parts[i].device.dtype, parts[i].device.shape);
+    };
+    // The sum of the per-token losses in token order, in double.
+    Tensor values(parts[0].device.shape, DType::kF64);
+    convert_host(values, part(0));
+    StepResult result;
+    result.targets = targets;
+    for (int64_t i = 0; i < values.numel(); ++i) result.loss_sum += values.ptr<double>()[i];
+    for (const Routed& r : routed) {
+      FeedForwardStats stats = MoeFfn::expert_loads(part(r.offsets).ptr<int32_t>(), r.experts);
+      if (r.aux != 0) {
+        Tensor aux({1}, DType::kF64);
+        convert_host(aux, part(r.aux));
+        stats.aux_loss = aux.ptr<double>()[0];
+      }
+      result.max_expert_load = std::max(result.max_expert_load, stats.max_expert_load);
+      result.aux_loss += stats.aux_loss;
+      result.expert_load_max.push_back(stats.max_expert_load);
+      result.expert_load_min.push_back(stats.min_expert_load);
+    }
+    return result;
+  });
 }
 
 StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
+  return forward_backward_async(batch, grad_scale).get();
+}
+
+PendingStep Model::forward_backward_async(const Batch& batch, double grad_scale) {
   std::string where = "the batch upload";
   try {
     return run_step(batch, grad_scale, where);
@@ -537,7 +636,13 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
   }
 }
 
-StepResult Model::run_step(const Batch& batch, double grad_scale, std::string& where) {
+void Model::hold_parameters(bool hold) {
+  for (DecoderLayer& layer : layers_) {
+    for (SwigluExperts* network : swiglu_networks(layer.ffn.get())) network->hold_packed_lora(hold);
+  }
+}
+
+PendingStep Model::run_step(const Batch& batch, double grad_scale, std::string& where) {
   BatchTensors bt = upload(batch);
   LayerContext ctx = context(bt);
   kernels::Backend& be = backend_;
@@ -552,7 +657,7 @@ StepResult Model::run_step(const Batch& batch, double grad_scale, std::string& w
   where = "the embedding forward";
   inputs[0] = ctx.alloc({n, d});
   gather_outer_weights();
-  be.embedding_forward(inputs[0], embed_, bt.input_ids);
+  be.embedding_forward_checked_ids(inputs[0], embed_, bt.input_ids);  // checked in upload()
   release_outer_weights();
   for (size_t i = 0; i < num_layers; ++i) {
     where = layer_pass(spec_, i, "forward");
@@ -569,8 +674,6 @@ StepResult Model::run_step(const Batch& batch, double grad_scale, std::string& w
   const TensorView final_in = final_norm_input(ctx, inputs);
   be.rmsnorm_forward(RmsNormArgs{final_hidden, final_rstd_, final_in, final_norm_, spec_.config.rms_norm_eps});
 
-  StepResult result;
-  result.targets = batch.num_targets();
   Tensor dfinal = ctx.alloc({n, d});
   Tensor losses = loss_and_grad(ctx, dfinal, final_hidden, grad_scale);
 
@@ -619,20 +722,10 @@ StepResult Model::run_step(const Batch& batch, double grad_scale, std::string& w
   }
   ++forward_count_;
 
-  // The host reads the loss and the statistics once, after the whole micro-batch is queued
+  // The loss and the statistics go to the host in one copy, after the whole micro-batch is queued
   // (a recomputed forward routes exactly as the first did, so its statistics are the same).
-  where = "reading the loss and the statistics";
-  result.loss_sum = sum_losses(losses);
-  for (DecoderLayer& layer : layers_) {
-    FeedForwardStats stats = layer.ffn->read_stats(be);
-    result.max_expert_load = std::max(result.max_expert_load, stats.max_expert_load);
-    result.aux_loss += stats.aux_loss;
-    if (stats.routed) {
-      result.expert_load_max.push_back(stats.max_expert_load);
-      result.expert_load_min.push_back(stats.min_expert_load);
-    }
-  }
-  return result;
+  where = "the loss and statistics read-back";
+  return queue_results(ctx, losses, batch.num_targets());
 }
 
 Tensor Model::logits(const Batch& batch) {
@@ -645,7 +738,7 @@ Tensor Model::logits(const Batch& batch) {
   std::vector<Tensor> inputs(num_layers + 1);
   inputs[0] = ctx.alloc({n, d});
   gather_outer_weights();
-  be.embedding_forward(inputs[0], embed_, bt.input_ids);
+  be.embedding_forward_checked_ids(inputs[0], embed_, bt.input_ids);  // checked in upload()
   release_outer_weights();
   for (size_t i = 0; i < num_layers; ++i) {
     gather_layers(i, +1);

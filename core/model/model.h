@@ -5,6 +5,7 @@
 // inputs are kept and each layer is re-run just before its backward.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -97,7 +98,15 @@ class Model final : public TrainableModel {
   // then the routed-expert adapters this rank holds under expert parallelism.
   std::vector<Parameter*> parameters() override { return parameters_; }
   std::vector<ParameterGroup*> parameter_groups() override;
+  // forward_backward_async, then its result (which waits for the device).
   StepResult forward_backward(const Batch& batch, double grad_scale) override;
+  // Queues the micro-batch without a host wait on the device: the batch is copied from pinned
+  // staging, the embedding takes the ids this host has checked, and the loss and the MoE layers'
+  // statistics stay on the device until the result is asked for (one copy into pinned memory
+  // per micro-batch, behind an event).
+  PendingStep forward_backward_async(const Batch& batch, double grad_scale) override;
+  // Held, the experts' packed adapters (SwigluExperts::hold_packed_lora) are made once.
+  void hold_parameters(bool hold) override;
   kernels::Backend& backend() override { return backend_; }
   double sum_over_data_ranks(double local) override;
 
@@ -170,10 +179,12 @@ class Model final : public TrainableModel {
   // Per-token losses [tokens] on the device (read by sum_losses); dfinal gets their gradient.
   Tensor loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
                        double grad_scale);
-  double sum_losses(const Tensor& losses);
-  // forward_backward's body; it keeps `where` at the part of the step it is in (an Error from it
-  // gets that in front: an out-of-memory then names the layer and pass as well as the tensor).
-  StepResult run_step(const Batch& batch, double grad_scale, std::string& where);
+  // The micro-batch's losses and every MoE layer's statistics gathered on the device and copied
+  // into pinned host memory, behind an event; the PendingStep reads them when asked.
+  PendingStep queue_results(const LayerContext& ctx, const Tensor& losses, int64_t targets);
+  // forward_backward_async's body; it keeps `where` at the part of the step it is in (an Error
+  // from it gets that in front: an out-of-memory then names the layer and pass as well as the tensor).
+  PendingStep run_step(const Batch& batch, double grad_scale, std::string& where);
 
   ModelSpec spec_;
   kernels::Backend& backend_;
@@ -195,6 +206,17 @@ class Model final : public TrainableModel {
   std::vector<std::unique_ptr<ParameterGroup>> parameter_groups_;  // own the parameters' storage
   std::vector<Parameter*> parameters_;
   void note_gathered();
+  // Batch uploads go through pinned host buffers, two in turn: the host fills one while the
+  // device may still copy from the other; the event after a buffer's copies guards its refill
+  // (in a steady run long done, so no wait).
+  struct UploadBuffer {
+    Tensor host;  // int32, pinned
+    std::unique_ptr<kernels::QueueEvent> copied;
+  };
+  std::array<UploadBuffer, 2> upload_buffers_;
+  size_t upload_turn_ = 0;
+  // Pinned buffers that results come back into (U8); one a PendingStep still holds is busy.
+  std::vector<std::shared_ptr<Tensor>> result_buffers_;
 };
 
 }  // namespace moetrain

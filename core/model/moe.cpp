@@ -183,14 +183,9 @@ void MoeFfn::forward_routed(const LayerContext& ctx, const TensorView& out, cons
   }
 }
 
-FeedForwardStats MoeFfn::read_stats(kernels::Backend& backend) {
+FeedForwardStats MoeFfn::expert_loads(const int32_t* o, int64_t e) {
   FeedForwardStats stats;
   stats.routed = true;
-  if (!stats_offsets_.defined()) return stats;
-  const int64_t e = moe_.num_experts;
-  Tensor offsets({e + 1}, DType::kI32);
-  backend.copy(offsets, stats_offsets_);
-  const int32_t* o = offsets.ptr<int32_t>();
   // Max and min over experts of (tokens routed / mean tokens per expert).
   int64_t max_count = 0, min_count = o[e];
   for (int64_t i = 0; i < e; ++i) {
@@ -200,13 +195,6 @@ FeedForwardStats MoeFfn::read_stats(kernels::Backend& backend) {
   const int64_t pairs = o[e];
   stats.max_expert_load = pairs > 0 ? static_cast<double>(max_count) * e / static_cast<double>(pairs) : 0.0;
   stats.min_expert_load = pairs > 0 ? static_cast<double>(min_count) * e / static_cast<double>(pairs) : 0.0;
-  if (stats_aux_loss_.defined()) {
-    Tensor staged({1}, stats_aux_loss_.dtype());
-    backend.copy(staged, stats_aux_loss_);
-    Tensor value({1}, DType::kF64);
-    convert_host(value, staged);
-    stats.aux_loss = value.ptr<double>()[0];
-  }
   return stats;
 }
 

@@ -32,7 +32,14 @@ class MoeFfn final : public FeedForward {
   void release_saved() override;
   void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
-  FeedForwardStats read_stats(kernels::Backend& backend) override;
+
+  // The last forward's statistics, left on the device (undefined before the first forward): the
+  // expert offsets (int32 [E + 1]) and the weighted aux loss ([1] accum; undefined without one).
+  // The model reads every layer's back in one copy per micro-batch, after its backward is queued.
+  const Tensor& stats_offsets() const { return stats_offsets_; }
+  const Tensor& stats_aux_loss() const { return stats_aux_loss_; }
+  // The expert loads of a host copy of stats_offsets() (FeedForwardStats::aux_loss left 0).
+  static FeedForwardStats expert_loads(const int32_t* offsets, int64_t experts);
 
   // The routed half alone (no shared experts), for feed-forwards that wrap it (LatentMoeFfn):
   // route on x [n, D], send rows [n, W] through the chosen experts, out [n, W] = their weighted sum.
@@ -60,9 +67,7 @@ class MoeFfn final : public FeedForward {
   std::string prefix_;
   uint64_t noise_seed_ = 0;
   double aux_loss_weight_ = 1.0;
-  // The last forward's statistics, on the device until read_stats(): the expert offsets
-  // (int32 [E + 1]) and the weighted aux loss ([1], empty without one).
-  Tensor stats_offsets_, stats_aux_loss_;
+  Tensor stats_offsets_, stats_aux_loss_;  // stats_offsets(), stats_aux_loss()
   std::unique_ptr<ExpertDispatch> dispatch_;  // null without expert parallelism
 
   struct Saved {

@@ -252,8 +252,11 @@ void SwigluExperts::forward(const LayerContext& ctx, const TensorView& out, cons
   kernels::Backend& be = ctx.backend;
   int64_t rows = x.size(0);
   int64_t f = width_;
-  pack_lora(ctx, gate_up_packed_, lora_parts(true), hidden_, 2 * f);
-  pack_lora(ctx, down_packed_, lora_parts(false), f, hidden_);
+  if (!hold_packed_ || !packed_) {  // not held: every forward packs the current values
+    pack_lora(ctx, gate_up_packed_, lora_parts(true), hidden_, 2 * f);
+    pack_lora(ctx, down_packed_, lora_parts(false), f, hidden_);
+    packed_ = true;
+  }
   // gate_up = x Wgu^T + (x A^T) (s B)^T
   saved_gate_up_ = ctx.alloc({rows, 2 * f});
   lora_input(ctx, gate_up_packed_, x, group_offsets);
@@ -297,6 +300,14 @@ void SwigluExperts::backward(const LayerContext& ctx, const TensorView& dx, cons
 void SwigluExperts::release_saved() {
   saved_gate_up_.reset();
   saved_hidden_.reset();
+  gate_up_packed_.x_a.reset();
+  down_packed_.x_a.reset();
+  if (!hold_packed_) hold_packed_lora(false);
+}
+
+void SwigluExperts::hold_packed_lora(bool hold) {
+  hold_packed_ = hold;
+  packed_ = false;
   gate_up_packed_ = PackedLora{};
   down_packed_ = PackedLora{};
 }

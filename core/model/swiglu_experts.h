@@ -100,6 +100,12 @@ class SwigluExperts {
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x,
                 const GroupOffsets& group_offsets, bool accumulate_dx);
   void release_saved();
+  // While held, the adapters packed by a forward (PackedLora below) are kept and used by every
+  // later forward and backward; holding or releasing drops them, so the next forward packs the
+  // parameters' values then. The model holds them while the parameters cannot change: over an
+  // optimizer step's micro-batches (TrainableModel::hold_parameters), so they are packed once per
+  // step instead of once per forward (twice with recompute).
+  void hold_packed_lora(bool hold);
 
   void collect_parameters(std::vector<Parameter*>& out);
 
@@ -111,12 +117,13 @@ class SwigluExperts {
                                             uint64_t seed) const;
   bool shares_a(const LoraAdapter& adapter) const;  // one A [r, in] for all groups
 
-  // The adapters on one projection's output, packed by each forward into the compute dtype so
+  // The adapters on one projection's output, packed by a forward into the compute dtype so
   // that the projection's LoRA is a few GEMMs over all groups, whatever the adapters: the A's
   // stacked along the rank (a [G, R, in], or [1, R, in] when A is shared across the groups) and
   // the B's times their scales as one block-diagonal B over the whole output (b [G, out, R]).
   // Separate gate and up adapters become one rank-(r_gate + r_up) adapter on gate_up this way,
-  // and the F32 parameters are rounded to BF16 once per forward instead of once per GEMM.
+  // and the F32 parameters are rounded to BF16 once per forward (once per optimizer step while
+  // held: hold_packed_lora) instead of once per GEMM.
   struct PackedLora {
     struct Part {
       LoraAdapter* adapter = nullptr;
@@ -156,6 +163,8 @@ class SwigluExperts {
   Tensor saved_gate_up_;  // [R, 2F] pre-activations
   Tensor saved_hidden_;   // [R, F] activation output
   PackedLora gate_up_packed_, down_packed_;
+  bool hold_packed_ = false;
+  bool packed_ = false;  // gate_up_packed_ and down_packed_ hold packed adapters
 };
 
 }  // namespace moetrain

@@ -61,9 +61,13 @@ int64_t AdamW::moment_numel() const {
 }
 
 void AdamW::reduce_gradients() {
-  backend_.synchronize();  // the backward's gradients are final before a communicator reads them
+  bool synchronized = false;
   for (GroupState& g : groups_) {
     if (!g.group->sharded()) continue;
+    if (!synchronized) {  // the backward's gradients are final before a communicator reads them
+      backend_.synchronize();
+      synchronized = true;
+    }
     g.group->comm()->reduce_scatter(g.reduced.view(), g.group->grads());
     g.group->comm()->synchronize();
     backend_.fill(g.group->grads(), 0.0);  // ready for the next step's accumulation

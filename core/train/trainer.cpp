@@ -31,6 +31,18 @@ void merge_expert_loads(StepRecord& record, const StepResult& result) {
   }
 }
 
+// TrainableModel::hold_parameters over a scope (released on the way out of an exception too).
+class ParameterHold {
+ public:
+  explicit ParameterHold(TrainableModel& model) : model_(model) { model_.hold_parameters(true); }
+  ~ParameterHold() { model_.hold_parameters(false); }
+  ParameterHold(const ParameterHold&) = delete;
+  ParameterHold& operator=(const ParameterHold&) = delete;
+
+ private:
+  TrainableModel& model_;
+};
+
 }  // namespace
 
 Trainer::Trainer(const TrainerOptions& options, TrainableModel& model, BatchSource next_batch,
@@ -88,25 +100,35 @@ StepRecord Trainer::train_step() {
     if (data_ranks_ == 0.0) data_ranks_ = model_.sum_over_data_ranks(1.0);
   }
   const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
-  double loss_sum = 0.0;
-  for (size_t i = 0; i < batches.size(); ++i) {
-    watchdog_progress(fmt::format("step {}: forward/backward of micro-batch {}", record.step + 1, i + 1));
-    StepResult result;
-    try {
-      result = model_.forward_backward(batches[i], grad_scale);
-    } catch (const Error& error) {  // an out-of-memory, a bad token...: say where in the run
-      throw Error(error.code(), fmt::format("step {}, micro-batch {}: {}", record.step + 1, i + 1, error.what()));
+  // The micro-batches are queued without waiting for their results (loss, expert loads): the
+  // device runs them back to back while the host queues the next.
+  std::vector<PendingStep> results;
+  {
+    ParameterHold hold(model_);  // the parameters change only in the optimizer step below
+    for (size_t i = 0; i < batches.size(); ++i) {
+      watchdog_progress(fmt::format("step {}: forward/backward of micro-batch {}", record.step + 1, i + 1));
+      try {
+        results.push_back(model_.forward_backward_async(batches[i], grad_scale));
+      } catch (const Error& error) {  // an out-of-memory, a bad token...: say where in the run
+        throw Error(error.code(), fmt::format("step {}, micro-batch {}: {}", record.step + 1, i + 1, error.what()));
+      }
     }
+  }
+  watchdog_progress(fmt::format("step {}: gradient reduction", record.step + 1));
+  optimizer_->reduce_gradients();
+  record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);
+  // Read after the gradient norm, which has waited for the device: the results are there by then,
+  // so reading them adds no wait. The skip below needs both the loss and the norm on the host.
+  double loss_sum = 0.0;
+  for (PendingStep& pending : results) {
+    const StepResult& result = pending.get();
     loss_sum += result.loss_sum;
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     merge_expert_loads(record, result);
     record.aux_loss += result.aux_loss / static_cast<double>(batches.size());
   }
-  watchdog_progress(fmt::format("step {}: gradient reduction", record.step + 1));
-  optimizer_->reduce_gradients();
   loss_sum = model_.sum_over_data_ranks(loss_sum);
   record.loss = record.targets > 0 ? loss_sum / static_cast<double>(record.targets) : 0.0;
-  record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);
 
   const bool finite = std::isfinite(record.loss) && std::isfinite(record.grad_norm);
   if (record.targets == 0) {

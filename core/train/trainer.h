@@ -11,6 +11,13 @@
 // state untouched) with a warning, and the step still counts (its data is consumed and the lr
 // schedule moves on, as in Megatron). After max_nonfinite_steps such steps in a row the run
 // stops with Error(kInternal), naming the step and what to change.
+//
+// Host waits: the micro-batches are queued with forward_backward_async (the adapters held:
+// hold_parameters) and their results (loss, expert loads, aux loss) are read after the gradient
+// norm, the one read of a step the host must wait for (clipping and the skip above need the norm
+// on the host). The device has finished the micro-batches by then, so reading their results adds
+// no wait, and the skip, the metrics and the after-step hook (checkpoints) see the step's own
+// loss and norm, as before.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +47,28 @@ struct StepResult {
   std::vector<double> expert_load_max, expert_load_min;
 };
 
+// A micro-batch's StepResult that may still be on its way from the device: get() waits for it
+// (a host wait only when the device has not finished the micro-batch yet) and reads it once.
+class PendingStep {
+ public:
+  PendingStep() = default;
+  explicit PendingStep(StepResult ready) : result_(std::move(ready)), ready_(true) {}
+  explicit PendingStep(std::function<StepResult()> read) : read_(std::move(read)) {}
+  const StepResult& get() {
+    if (!ready_) {
+      result_ = read_();
+      read_ = nullptr;
+      ready_ = true;
+    }
+    return result_;
+  }
+
+ private:
+  std::function<StepResult()> read_;
+  StepResult result_;
+  bool ready_ = false;
+};
+
 // The model as the loop sees it.
 class TrainableModel {
  public:
@@ -49,6 +78,17 @@ class TrainableModel {
   // Forward and backward on one micro-batch: ADDS grad_scale * d(sum of target losses)/dparam
   // to every parameter's grad (plus the aux loss's gradient, by the model's own scaling).
   virtual StepResult forward_backward(const Batch& batch, double grad_scale) = 0;
+  // The same, returning once the work is queued: the result is read when asked for, so the host
+  // can queue further micro-batches (and the optimizer) while the device works. By default the
+  // work is done when forward_backward returns.
+  virtual PendingStep forward_backward_async(const Batch& batch, double grad_scale) {
+    return PendingStep(forward_backward(batch, grad_scale));
+  }
+  // hold_parameters(true): the trainable parameters keep their values until hold_parameters(false)
+  // (the trainer holds them over an optimizer step's micro-batches), so the model may reuse what
+  // it derives from them (the experts' adapters packed in the compute dtype) across
+  // forward_backward calls; false drops those copies. Not held, every call derives them afresh.
+  virtual void hold_parameters(bool /*hold*/) {}
   virtual kernels::Backend& backend() = 0;
 
   // The parameters grouped by the ranks their gradients sum over (data parallelism), in the

@@ -15,7 +15,8 @@
 // Index tensors that stay on the device (rope positions, labels, expert indices) are not read
 // back for checks; the kernels never read or write out of bounds because of them (see each
 // family's header for what they do instead). Token ids (embedding) are copied to the host and
-// checked, as the CPU backend does, which waits for the stream. Group offsets (grouped_gemm) stay
+// checked, as the CPU backend does, which waits for the stream, unless the caller has checked them
+// (embedding_forward_checked_ids: the model's batches). Group offsets (grouped_gemm) stay
 // on the device (the kernel clamps them, grouped_gemm.h); a caller's host copy is checked.
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -105,6 +106,46 @@ std::vector<int32_t> download_i32(const TensorView& t, cudaStream_t stream) {
 // cuBLASLt's recommended workspace on Hopper.
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 
+// Page-locked host memory (Backend::pinned_allocator): the device copies to and from it without
+// the host staging or waiting. cudaFreeHost waits for the device, so callers keep such buffers.
+class PinnedAllocator final : public Allocator {
+ public:
+  Device device() const override { return Device::kCPU; }
+  void* allocate(size_t bytes) override {
+    void* ptr = nullptr;
+    const cudaError_t status = cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault);
+    if (status != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it
+      throw Error(ExitCode::kInternal, "cannot allocate " + std::to_string(bytes) +
+                                           " bytes of page-locked host memory: " + cudaGetErrorString(status));
+    }
+    return ptr;
+  }
+  void deallocate(void* ptr) override { cudaFreeHost(ptr); }
+};
+
+// A cudaEvent recorded on the backend's stream (Backend::record_event).
+class StreamEvent final : public QueueEvent {
+ public:
+  explicit StreamEvent(cudaStream_t stream) {
+    CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~StreamEvent() override { cudaEventDestroy(event_); }  // fine while pending: freed once it completes
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+  void wait() override {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaSuccess) return;  // done: no wait
+    if (status != cudaErrorNotReady) CUDA_CHECK(status);
+    ++host_waits;
+    CUDA_CHECK(cudaEventSynchronize(event_));
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 // ---------------------------------------------------------------------------------------------
 
 class CudaBackend final : public Backend {
@@ -173,6 +214,31 @@ class CudaBackend final : public Backend {
     // Host memory involved: the caller may read or reuse it as soon as we return.
     if (host_src || host_dst) synchronize();
   }
+
+  Allocator& pinned_allocator() override { return pinned_; }
+
+  void copy_async(const TensorView& dst, const TensorView& src) override {
+    const char* op = "copy_async";
+    expect(dst.data != nullptr || dst.numel() == 0, op, describe("dst", dst) + " has no data");
+    expect(src.data != nullptr || src.numel() == 0, op, describe("src", src) + " has no data");
+    expect(src.dtype == dst.dtype, op, describe("src", src) + " and " + describe("dst", dst) + " differ in dtype");
+    expect_numel(op, "src", src, dst.numel());
+    if (dst.nbytes() == 0 || dst.data == src.data) return;
+    const bool host_src = src.device == Device::kCPU, host_dst = dst.device == Device::kCPU;
+    // From or to pageable memory the driver would stage the copy and wait: refuse it.
+    for (const TensorView* host : {host_src ? &src : nullptr, host_dst ? &dst : nullptr}) {
+      if (host == nullptr) continue;
+      cudaPointerAttributes attributes{};
+      CUDA_CHECK(cudaPointerGetAttributes(&attributes, host->data));
+      expect(attributes.type == cudaMemoryTypeHost, op,
+             describe(host == &src ? "src" : "dst", *host) + " is host memory not from pinned_allocator()");
+    }
+    const cudaMemcpyKind kind = host_src ? (host_dst ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
+                                         : (host_dst ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
+    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), kind, stream_));
+  }
+
+  std::unique_ptr<QueueEvent> record_event() override { return std::make_unique<StreamEvent>(stream_); }
 
   void convert(const TensorView& dst, const TensorView& src) override {
     const char* op = "convert";
@@ -297,6 +363,15 @@ class CudaBackend final : public Backend {
     expect_float(op, "table", table);
     check_embedding(op, out, table, ids);
     check_token_ids(download_i32(ids, stream_), table.size(0));
+    cuda_ops::embedding_forward(out, table, ids, stream_);
+  }
+
+  // The caller checked the ids on the host (ops.h): no read-back, no wait.
+  void embedding_forward_checked_ids(const TensorView& out, const TensorView& table, const TensorView& ids) override {
+    const char* op = "embedding_forward_checked_ids";
+    expect_float(op, "out", out);
+    expect_float(op, "table", table);
+    check_embedding(op, out, table, ids);
     cuda_ops::embedding_forward(out, table, ids, stream_);
   }
 
@@ -941,6 +1016,7 @@ class CudaBackend final : public Backend {
   }
 
   cudaStream_t stream_ = nullptr;
+  PinnedAllocator pinned_;
   cuda_ops::BlasContext blas_;
   cuda_ops::DeviceScratch gemm_scratch_;  // BF16 copies of F32 GEMM operands
   cuda_ops::GemmPlanCache gemm_plans_;    // cuBLASLt descriptors and algorithms per GEMM shape
