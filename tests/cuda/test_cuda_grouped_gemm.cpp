@@ -1,9 +1,10 @@
 // The device-side grouped GEMM (kernels/cuda/grouped_gemm.h) against the CPU reference (F64):
 // M-grouped (x W^T and dy W) and K-grouped (weight gradients), with empty groups, one group
 // holding every row, row counts that are not multiples of the 128-row tile, random skewed
-// counts, the thin LoRA shapes (n or k of 16 and 32), the second product a2 . op(b2) that folds
-// a LoRA term into the base GEMM, BF16 and F32 outputs, F32 inputs, beta 0
-// (outputs poisoned with NaN: every element must be written and c never read) and beta 1.
+// counts, every size of a group's last tile with 256-column tiles, the thin LoRA shapes (n or k
+// of 16 and 32), the second product a2 . op(b2) that folds a LoRA term into the base GEMM, BF16
+// and F32 outputs, F32 inputs, beta 0 (outputs poisoned with NaN: every element must be written
+// and c never read) and beta 1.
 // On a Hopper GPU the aligned shapes must take the wgmma kernel, the others the fallback.
 // The group offsets go to the GPU alone in half the runs (the kernel never sees a host copy).
 #include <cuda_runtime.h>
@@ -179,6 +180,19 @@ TEST_CASE("cuda grouped_gemm M-grouped: uneven and empty groups, rows not multip
   const std::vector<int32_t> sizes = {0, 300, 0, 129, 1, 64, 0, 257, 128, 0};
   uint64_t seed = 10;
   for (const Run& run : all_runs()) check_m_grouped("uneven", sizes, 136, 272, run, true, seed += 10);
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: 256-column tiles, every size of a group's last tile, partial n-tiles") {
+  // Last tiles of 1 to 128 rows (one warpgroup idle up to 64), whole 128-row tiles, and n = 600
+  // (three n-tiles, the last 88 columns: BF16 stores of 16 bytes per lane stop inside a group of
+  // four 8-column chunks) or n = 400, with and without the second product.
+  const std::vector<int32_t> sizes = {44, 0, 100, 150, 230, 256, 582, 128, 64, 1, 385, 129, 320};
+  uint64_t seed = 200;
+  for (const Run& run : all_runs()) check_m_grouped("tails", sizes, 136, 600, run, true, seed += 10);
+  for (const Run& run : {Run{kBf16ToBf16, true, 0.0, false}, Run{kBf16ToF32, false, 1.0, true}}) {
+    check_m_grouped("tails", sizes, 200, 400, run, true, seed += 10);
+    check_m_grouped("tails + LoRA", sizes, 136, 600, run, true, seed += 10, 32);
+  }
 }
 
 TEST_CASE("cuda grouped_gemm M-grouped: one group holding every row") {
