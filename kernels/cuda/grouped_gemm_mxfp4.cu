@@ -1,28 +1,40 @@
-// The MXFP4 grouped GEMM (see grouped_gemm_mxfp4.h): three Hopper kernels and a plain fallback.
-// The two with the weight as wgmma's register operand (forward_rs, input_grad_rs) are described
-// where they are defined; the general one:
+// The MXFP4 grouped GEMM (see grouped_gemm_mxfp4.h): a Hopper kernel and a plain fallback.
 //
-// sm90_grouped_gemm_mxfp4_kernel<kKMajorB, BN>: grouped_gemm.cu's m-grouped kernel (tiles handed
-// out in group / n-tile / m-tile order through a device counter; the per-group table built from the
-// device offsets) with a 192 x BN CTA tile (BN 64 or 128, K steps of 64; warpgroup 0 produces,
-// warpgroups 1-3 consume 64 rows each) and b's path replaced. A stage is still an A tile
-// (activations, BF16, by TMA) and a B tile, but the producer warpgroup's 128 threads fill the B tile:
-//   - they read b's packed bytes and E8M0 scales straight from global memory into registers,
-//     kLoadAhead K steps ahead of their use. Each thread owns 2 x BN / 32 chunks of 8 consecutive
-//     values along the packed dimension (one 32-bit word of codes each) and their scales: a
-//     quarter of the bytes bf16 would read.
-//   - when the stage is free they decode them to BF16 (E2M1 magnitudes by byte permutes from an
-//     8-entry table, the sign bit by a permute's sign-replicate mode, then one bf16x2 multiply by
-//     the power-of-two scale: exact) and store them, 16 bytes per chunk, in the layout TMA would
-//     have written: K-major (the forward, b [G, n, k/2]) rows of 64 k values = 128 bytes, or
-//     N-major (dy W, b [G, k, n/2]) 64-column chunks of 64 k rows; both 128-byte swizzled (the
-//     16-byte unit u of row r at u ^ (r % 8)). Then a proxy fence and an arrival on the stage's
-//     'full' barrier, which completes when all 128 have arrived and A's TMA bytes have landed.
-// The consumers are grouped_gemm.cu's: wait for a full stage, wgmma, release it, so decoding
-// overlaps the tensor cores' work on earlier stages. Out-of-range chunks (past n, or past k in the
-// last K step) are stored as zeros: the A columns past k arrive as TMA zeros, and 0 x 0 keeps the
-// sum finite. Rows past a group's end are computed from the next group's A rows and never stored,
-// as in grouped_gemm.cu.
+// sm90_mxfp4_kernel<kInputGrad> computes c^T = W . a^T: the expert weight is wgmma's A operand,
+// from registers, and the activations (x, or dy for the input gradient) its B operand, from shared
+// memory. The M of a tile is 128 of W's output rows (the columns of c; two consumer warpgroups x
+// 64), its N up to 256 rows of one group, the group's rows rounded up to 32: a K3 expert (~146
+// rows) is one tile of N = 160 (wgmma_bf16_rs_prefix.cuh: every N accumulates into the same
+// registers). K steps of 64.
+//   Tiles are listed by group, then 128-column block, then 256-row block and handed out in that
+//   order through a device counter (as grouped_gemm.cu: the tiles in flight share W[g] and rows of
+//   a in L2); the per-group table is built from the device offsets. Rows past a group's end are
+//   computed from the next group's rows (or TMA zeros) and never stored; so are W's rows past n.
+//   Warpgroup 0, the producer (40 registers):
+//     - thread 0 issues the TMA copies of a stage: the packed W tile (4 KB: the forward's
+//       b [G, n, k / 2] as [G * n, k / 2] bytes, 128 rows x 32 bytes; the input gradient's
+//       b [G, k, n / 2] as 3-D, 64 k rows x 64 bytes, 64-byte swizzle, k rows past the group's
+//       arriving as zeros) and a's rows in boxes of 32 x 64 (128-byte swizzle, the K-major B).
+//     - warps 1 and 2 convert the stage's E8M0 scales (global memory, byte loads) to BF16 in the
+//       order the consumers read them, then arrive on the stage's 'full' barrier beside the TMA.
+//   Warpgroups 1 and 2, the consumers (232 registers): each thread decodes, per K step, its 16
+//   A-fragment registers (rows g and g + 8 of its warp's 16, k pairs (2c, 2c + 1) and
+//   (2c + 8, 2c + 9) of each k16, g = lane / 4, c = lane % 4) straight from the packed tile while
+//   the wgmmas of the previous K step run (two fragment sets; wait_group 1 after issuing step s
+//   frees step s - 1's registers and stage):
+//     - forward: a fragment row is a W row; its k pairs are byte c of each 4-byte word of the
+//       row's 32 bytes: two 16-byte loads per row, a byte permute per k16.
+//     - input gradient: a fragment row is a W column, whose codes are nibbles of bytes along n.
+//       ldmatrix.x4.trans in 16-bit units (4 columns) gives a thread columns 4g .. 4g + 3 of a
+//       32-column chunk at k rows 2c, 2c + 1 of each 8-row matrix: wgmma's k pairs. The chunk's
+//       two warps each take two of the four (warp parity e: columns 4g + 2e, 4g + 2e + 1 are
+//       fragment rows g, g + 8), a byte permute and a nibble swap pair each column's k values.
+//       The scales differ along K, so each register has its own pair.
+//     decode4: E2M1 magnitudes by byte permutes from 8-entry tables, the sign by a permute's
+//     sign-replicate mode, then a bf16x2 multiply by the power-of-two scale (exact).
+//   c is written from the accumulators: forward transposed (lanes g and g ^ 1 trade one value so
+//   each stores two adjacent columns of one row); input gradient directly (fragment rows g, g + 8
+//   are adjacent columns).
 #include "kernels/cuda/grouped_gemm_mxfp4.h"
 
 #include <cuda.h>
@@ -39,7 +51,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
 #include "kernels/cuda/sm90_primitives.cuh"
-#include "kernels/cuda/wgmma_bf16.cuh"
 #include "kernels/cuda/wgmma_bf16_rs_prefix.cuh"
 
 namespace moetrain::kernels::cuda_ops {
@@ -48,39 +59,31 @@ namespace {
 using bf16 = __nv_bfloat16;
 namespace sm90 = ::moetrain::kernels::cuda_ops::sm90;
 
-// Three consumer warpgroups of 64 rows: a 192-row tile holds a whole K3 expert (~146 rows at
-// EP8), so each B tile is decoded once per expert where 128-row tiles decode it twice (the
-// rows computed are the same: a warpgroup past the group's end skips its wgmmas). Their m64n128
-// accumulators and everyone else fit in the 128 registers a 512-thread CTA gets; m64n256 would
-// not, hence B tiles of at most 128 columns and no setmaxnreg.
-constexpr int kConsumerWarpgroups = 3;
-constexpr int kBM = 64 * kConsumerWarpgroups;
-constexpr int kMaxBN = 128;
-constexpr int kBK = 64;  // one 128-byte swizzle row of BF16
-constexpr int kProducerThreads = 128;
-constexpr int kDecodeThreads = 256;  // the B tile's decoding is laid out for 256 slots: two passes of the producers
-constexpr int kDecodePasses = kDecodeThreads / kProducerThreads;
-constexpr int kLoadAhead = 2;  // K steps of packed words a producer thread holds in registers
-constexpr int kTileSlots = 2;
-constexpr int kThreads = kProducerThreads + 128 * kConsumerWarpgroups;
+constexpr int kBK = 64;            // one 128-byte swizzle row of BF16 activations
+constexpr int kWeightRows = 128;   // W rows (columns of c) per tile: two consumer warpgroups x 64
+constexpr int kTokenRows = 256;    // rows of a per tile at most: wgmma's largest N
+constexpr int kBox = 32;           // rows of a per TMA box, and the step of N
+constexpr int kThreads = 128 * 3;  // the producer warpgroup and two consumers
+constexpr int kABytes = kTokenRows * kBK * 2;
+constexpr int kBoxBytes = kBox * kBK * 2;
+constexpr int kWBytes = kWeightRows * kBK / 2;
+constexpr int kSBytes = 1024;  // a stage's scales as BF16: 256 words
+constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
 constexpr int kStageBudgetBytes = 200 * 1024;  // of the 227 KB a CTA may have
 constexpr int kMaxStages = 8;
+constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
+constexpr int kTileSlots = 2;
+constexpr int kConverters = 64;  // threads 32 .. 95: the scale converters
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K
+// Input gradient: a stage's scale words per c (4 chunks x 8 k pairs), + 4 so the four c's of a
+// warp's 16-byte loads fall in different banks.
+constexpr int kScaleStride = 36;
 constexpr int64_t kTableBudgetBytes = 24 * 1024;
 constexpr unsigned kAllLanes = 0xffffffffu;
-constexpr int kProducerBarrier = 1;  // named barrier of the producer warpgroup (0 is __syncthreads)
-
-template <bool kKMajorB, int kBN>
-struct Tiling {
-  static constexpr int kABytes = kBM * kBK * 2;
-  static constexpr int kBBytes = kBN * kBK * 2;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
-  static constexpr int kChunks = kBN / 32;  // 8-value chunks per decoding pass of a thread and K step
-  static_assert(kBN == 64 || kBN == kMaxBN, "a B tile of whole 64-column swizzle chunks");
-  static_assert(kStages >= 3, "too few stages to overlap loads with the math");
-  static_assert(kChunks * 8 * kDecodeThreads == kBN * kBK, "the decoding passes cover the whole B tile");
-  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "tiles must start on a 1024-byte swizzle pattern");
-};
+static_assert(kStages >= 3, "too few stages to overlap loads with the math");
+static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0 && kSBytes % 1024 == 0, "stages on whole swizzle patterns");
+static_assert(4 * kScaleStride * 4 <= kSBytes && 2 * kWeightRows * 4 <= kSBytes, "a stage's scale words");
 
 struct Params {
   void* c;
@@ -105,7 +108,7 @@ struct GroupTable {
 
 // Warp-wide, as grouped_gemm.cu: rows[i] = the offsets clamped into a non-decreasing sequence
 // inside [0, rows]; tiles[g] = the tiles of the groups before g.
-__device__ void build_group_table(const Params& p, GroupTable table, int lane, int tile_rows) {
+__device__ void build_group_table(const Params& p, GroupTable table, int lane) {
   int running_max = 0;
   for (int base = 0; base <= p.groups; base += 32) {
     const int i = base + lane;
@@ -124,7 +127,7 @@ __device__ void build_group_table(const Params& p, GroupTable table, int lane, i
   int running_tiles = 0;
   for (int base = 0; base < p.groups; base += 32) {
     const int g = base + lane;
-    const int count = g < p.groups ? (table.rows[g + 1] - table.rows[g] + tile_rows - 1) / tile_rows * p.n_tiles : 0;
+    const int count = g < p.groups ? (table.rows[g + 1] - table.rows[g] + kTokenRows - 1) / kTokenRows * p.n_tiles : 0;
     int sum = count;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -143,7 +146,6 @@ struct Tile {
   int k_steps;
 };
 
-template <int kTileRows, int kTileColumns>
 __device__ __forceinline__ Tile decode_tile(int t, const Params& p, GroupTable table) {
   int lo = 0, hi = p.groups;  // tiles[lo] <= t < tiles[lo + 1]
   while (hi - lo > 1) {
@@ -158,81 +160,17 @@ __device__ __forceinline__ Tile decode_tile(int t, const Params& p, GroupTable t
   tile.group = lo;
   const int local = t - table.tiles[lo];
   const int row0 = table.rows[lo], row_end = table.rows[lo + 1];
-  const int m_tiles = (row_end - row0 + kTileRows - 1) / kTileRows;
-  tile.m0 = row0 + local % m_tiles * kTileRows;
+  const int m_tiles = (row_end - row0 + kTokenRows - 1) / kTokenRows;
+  tile.m0 = row0 + local % m_tiles * kTokenRows;
   tile.m_end = row_end;
-  tile.n0 = local / m_tiles * kTileColumns;
+  tile.n0 = local / m_tiles * kWeightRows;
   tile.k_steps = (p.k + kBK - 1) / kBK;
   return tile;
 }
 
-// ---------------------------------------------------------------------------------------------
-// b: loading the packed chunks and decoding them into the B tile
 
-// One decoding pass's part of b for one K step: kChunks words of 8 codes, consecutive along
-// the packed dimension, and the scale of each group of 32 they start (chunks 4i .. 4i + 3).
-template <int kChunks>
-struct PackedChunks {
-  uint32_t words[kChunks];
-  uint32_t scales[(kChunks + 3) / 4];
-};
-
-// Where the chunks of decoding slot v (0..255: producer thread v % 128, pass v / 128) sit in the
-// B tile: K-major, row r = n - n0, chunks from j0 (k = k0 + 8 j0 ...); N-major, row r = k - k0,
-// columns from n0 + 8 j0. Neighbouring slots take neighbouring rows, so the 16-byte stores of a
-// quarter warp hit 8 different swizzle units.
-template <bool kKMajorB, int kBN>
-struct ChunkPlace {
-  int row, j0;
-  __device__ explicit ChunkPlace(int slot) {
-    constexpr int kRows = kKMajorB ? kBN : kBK;
-    row = slot % kRows;
-    j0 = slot / kRows * Tiling<kKMajorB, kBN>::kChunks;
-  }
-};
-
-template <bool kKMajorB, int kBN>
-__device__ __forceinline__ void load_chunks(PackedChunks<Tiling<kKMajorB, kBN>::kChunks>& out, const Params& p,
-                                            const Tile& tile, int k0, ChunkPlace<kKMajorB, kBN> place) {
-  constexpr int kChunks = Tiling<kKMajorB, kBN>::kChunks;
-  // The weight row (of b viewed as [G * outer, width]) and the first packed column.
-  const int outer = kKMajorB ? tile.n0 + place.row : k0 + place.row;
-  const int col0 = (kKMajorB ? k0 : tile.n0) + 8 * place.j0;
-  const int outer_extent = kKMajorB ? p.n : p.k, width = kKMajorB ? p.k : p.n;
-  const bool valid = outer < outer_extent && col0 < width;
-  // width is a multiple of 32, so a chunk group of 16 or 32 values is all in or all out; with 8
-  // chunks the second group of 32 may be out.
-  const bool second_valid = valid && (kChunks < 8 || col0 + 32 < width);
-  const int64_t row = static_cast<int64_t>(tile.group) * outer_extent + outer;
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) out.words[i] = 0;
-#pragma unroll
-  for (int i = 0; i < (kChunks + 3) / 4; ++i) out.scales[i] = 127;
-  if (!valid) return;
-  const uint8_t* bytes = p.packed + row * (width / 2) + col0 / 2;
-  const uint8_t* scales = p.scales + row * (width / 32) + col0 / 32;
-  if constexpr (kChunks == 2) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(bytes));
-    out.words[0] = v.x;
-    out.words[1] = v.y;
-  } else {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(bytes));
-    out.words[0] = v.x;
-    out.words[1] = v.y;
-    out.words[2] = v.z;
-    out.words[3] = v.w;
-    if constexpr (kChunks == 8) {
-      if (second_valid) {
-        const uint4 w = __ldg(reinterpret_cast<const uint4*>(bytes) + 1);
-        out.words[4] = w.x;
-        out.words[5] = w.y;
-        out.words[6] = w.z;
-        out.words[7] = w.w;
-        out.scales[1] = __ldg(scales + 1);
-      }
-    }
-  }
-  out.scales[0] = __ldg(scales);
+__device__ __forceinline__ int boxes_of(const Tile& tile) {
+  return (min(kTokenRows, tile.m_end - tile.m0) + kBox - 1) / kBox;
 }
 
 __device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b, uint32_t selector) {
@@ -246,625 +184,24 @@ __device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b, uint32_
 constexpr uint32_t kHighBytes0 = 0x3F3F3F00u, kHighBytes1 = 0x40404040u;
 constexpr uint32_t kLowBytes0 = 0xC0800000u, kLowBytes1 = 0xC0804000u;
 
-// The E8M0 scale as a BF16 pair: 2^(s - 127) (s = 0: the subnormal 2^-127; 255: NaN).
-__device__ __forceinline__ __nv_bfloat162 scale_pair(uint32_t s) {
-  const uint32_t bits = s == 0 ? 0x0040u : s == 255 ? 0x7FC0u : s << 7;
-  const uint32_t pair = bits | bits << 16;
-  return *reinterpret_cast<const __nv_bfloat162*>(&pair);
-}
-
-// 8 codes (nibble i of `word` is value i: the low nibble of a byte first) to 8 BF16 values.
-__device__ __forceinline__ uint4 decode_chunk(uint32_t word, __nv_bfloat162 scale) {
-  const uint32_t magnitudes = word & 0x77777777u;
-  uint32_t out[4];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {  // values 4 half .. 4 half + 3
-    const uint32_t selector = half ? magnitudes >> 16 : magnitudes;
-    uint32_t high = byte_permute(kHighBytes0, kHighBytes1, selector);
-    const uint32_t low = byte_permute(kLowBytes0, kLowBytes1, selector);
-    // The sign bits: a selector nibble with bit 3 set replicates the chosen byte's top bit (here
-    // 1: 0xFF), otherwise copies the byte (0x80); bit 6 tells the two apart.
-    const uint32_t signs = byte_permute(0x80808080u, 0x80808080u, half ? word >> 16 : word) << 1;
-    high |= signs & 0x80808080u;
-    out[2 * half] = byte_permute(low, high, 0x5140u);      // values 0, 1 of the four
-    out[2 * half + 1] = byte_permute(low, high, 0x7362u);  // values 2, 3
-  }
-  uint4 result;
-  uint32_t* r = &result.x;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&out[i]), scale);
-    r[i] = *reinterpret_cast<const uint32_t*>(&v);
-  }
-  return result;
-}
-
-template <bool kKMajorB, int kBN>
-__device__ __forceinline__ void store_chunks(unsigned char* b_tile, const PackedChunks<Tiling<kKMajorB, kBN>::kChunks>& in,
-                                             ChunkPlace<kKMajorB, kBN> place) {
-  constexpr int kChunks = Tiling<kKMajorB, kBN>::kChunks;
-  __nv_bfloat162 scales[(kChunks + 3) / 4];
-#pragma unroll
-  for (int i = 0; i < (kChunks + 3) / 4; ++i) scales[i] = scale_pair(in.scales[i]);
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const uint4 values = decode_chunk(in.words[i], scales[i / 4]);
-    const int j = place.j0 + i, r = place.row;
-    int offset;
-    if constexpr (kKMajorB) {
-      offset = r * 128 + ((j ^ (r & 7)) << 4);  // row r (an n), 16-byte unit j (k 8j .. 8j + 7)
-    } else {
-      offset = (j >> 3) * (kBK * 128) + r * 128 + (((j & 7) ^ (r & 7)) << 4);  // 64-column chunk, row r (a k)
-    }
-    *reinterpret_cast<uint4*>(b_tile + offset) = values;
-  }
-}
-
-// One consumer warpgroup's 64 x kBN accumulators into c (grouped_gemm.cu's store): rows past
-// m_end and columns past n are not stored (n is a multiple of 8).
-template <typename OutT, int kBN>
-__device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Params& p, const Tile& tile,
-                                           int row_in_tile, int column_in_tile) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = tile.m0 + row_in_tile + 8 * h;
-    if (row >= tile.m_end) continue;
-    OutT* out = static_cast<OutT*>(p.c) + static_cast<int64_t>(row) * p.n;
-#pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-      const int column = tile.n0 + column_in_tile + 8 * j;
-      if (column >= p.n) continue;
-      float v0 = p.alpha * acc[4 * j + 2 * h], v1 = p.alpha * acc[4 * j + 2 * h + 1];
-      if constexpr (std::is_same_v<OutT, float>) {
-        float2* dst = reinterpret_cast<float2*>(out + column);
-        if (p.beta != 0.0f) {
-          const float2 old = *dst;
-          v0 += p.beta * old.x;
-          v1 += p.beta * old.y;
-        }
-        *dst = make_float2(v0, v1);
-      } else {
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + column);
-        if (p.beta != 0.0f) {
-          const float2 old = __bfloat1622float2(*dst);
-          v0 += p.beta * old.x;
-          v1 += p.beta * old.y;
-        }
-        *dst = __floats2bfloat162_rn(v0, v1);
-      }
-    }
-  }
-}
-
-template <bool kKMajorB, int kBN>
-__global__ void __launch_bounds__(kThreads, 1)
-    sm90_grouped_gemm_mxfp4_kernel(const __grid_constant__ CUtensorMap map_a, const Params p) {
-  using T = Tiling<kKMajorB, kBN>;
-  using Chunks = PackedChunks<T::kChunks>;
-  extern __shared__ __align__(1024) unsigned char shared[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(shared);
-  uint64_t* empty = full + T::kStages;
-  uint64_t* tile_full = empty + T::kStages;
-  uint64_t* tile_empty = tile_full + kTileSlots;
-  int* tile_slot = reinterpret_cast<int*>(tile_empty + kTileSlots);
-  GroupTable table{tile_slot + kTileSlots, nullptr};
-  table.tiles = table.rows + p.groups + 1;
-  const uintptr_t table_end = reinterpret_cast<uintptr_t>(table.tiles + p.groups + 1);
-  unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
-  unsigned char* b_stages = a_stages + T::kStages * T::kABytes;
-
-  // Warp-uniform in the compiler's eyes too (a broadcast), so the wgmma paths are not divergent.
-  const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < T::kStages; ++s) {
-      // Thread 0's arrival that arms A's bytes, then every producer thread's after its decoding.
-      sm90::barrier_init(&full[s], 1 + kProducerThreads);
-      sm90::barrier_init(&empty[s], kConsumerWarpgroups * 4);  // lane 0 of every consumer warp
-    }
-    for (int s = 0; s < kTileSlots; ++s) {
-      sm90::barrier_init(&tile_full[s], 1);
-      sm90::barrier_init(&tile_empty[s], kConsumerWarpgroups * 4);
-    }
-    sm90::fence_barrier_init();
-  }
-  if (warp == 1) build_group_table(p, table, lane, kBM);
-  __syncthreads();
-  const int total_tiles = table.tiles[p.groups];
-
-  if (warp < 4) {
-    const int thread = threadIdx.x;  // 0 .. 127
-    if (thread == 0) sm90::tma_prefetch_descriptor(&map_a);
-    int stage = 0;
-    uint32_t phase = 0;
-    int slot = 0;
-    uint32_t slot_phase = 0;
-    Chunks sets[kLoadAhead][kDecodePasses];  // the packed words of the next kLoadAhead K steps
-    auto load = [&](Chunks (&chunks)[kDecodePasses], const Tile& tile, int s) {
-#pragma unroll
-      for (int pass = 0; pass < kDecodePasses; ++pass) {
-        const ChunkPlace<kKMajorB, kBN> place(thread + pass * kProducerThreads);
-        load_chunks<kKMajorB, kBN>(chunks[pass], p, tile, s * kBK, place);
-      }
-    };
-    // One K step into the next free stage: A by TMA, B decoded from `chunks`.
-    auto produce = [&](const Chunks (&chunks)[kDecodePasses], const Tile& tile, int s) {
-      sm90::barrier_wait(&empty[stage], phase ^ 1);
-      if (thread == 0) {
-        sm90::barrier_arrive_expect_bytes(&full[stage], T::kABytes);
-        sm90::tma_load_2d(a_stages + stage * T::kABytes, &map_a, &full[stage], s * kBK, tile.m0);
-      }
-      unsigned char* b_tile = b_stages + stage * T::kBBytes;
-#pragma unroll
-      for (int pass = 0; pass < kDecodePasses; ++pass) {
-        const ChunkPlace<kKMajorB, kBN> place(thread + pass * kProducerThreads);
-        store_chunks<kKMajorB, kBN>(b_tile, chunks[pass], place);
-      }
-      sm90::fence_proxy_async_shared();
-      sm90::barrier_arrive(&full[stage]);
-      if (++stage == T::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    };
-    for (;;) {
-      if (thread == 0) {
-        sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
-        const int next = atomicAdd(p.tile_counter, 1);
-        tile_slot[slot] = next;
-        sm90::barrier_arrive(&tile_full[slot]);
-      }
-      sm90::named_barrier_sync(kProducerBarrier, kProducerThreads);  // the tile index is in tile_slot
-      const int t = tile_slot[slot];
-      if (++slot == kTileSlots) {
-        slot = 0;
-        slot_phase ^= 1;
-      }
-      if (t >= total_tiles) break;
-      const Tile tile = decode_tile<kBM, kBN>(t, p, table);
-      const int steps = tile.k_steps;
-#pragma unroll
-      for (int i = 0; i < kLoadAhead; ++i) {
-        if (i < steps) load(sets[i], tile, i);
-      }
-      for (int s0 = 0; s0 < steps; s0 += kLoadAhead) {
-#pragma unroll
-        for (int i = 0; i < kLoadAhead; ++i) {
-          const int s = s0 + i;
-          if (s < steps) {
-            produce(sets[i], tile, s);
-            if (s + kLoadAhead < steps) load(sets[i], tile, s + kLoadAhead);
-          }
-        }
-      }
-    }
-    // Every CTA fetches past the end exactly once; the last one to finish fetching puts the
-    // counters back to zero for the next launch on the stream.
-    if (thread == 0) {
-      __threadfence();
-      if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-        p.tile_counter[0] = 0;
-        p.tile_counter[1] = 0;
-      }
-    }
-    return;
-  }
-
-  const int warpgroup = warp / 4 - 1;  // rows [64 w, 64 w + 64) of the tile
-  int stage = 0;
-  uint32_t phase = 0;
-  float acc[kBN / 2];
-  int slot = 0;
-  uint32_t slot_phase = 0;
-  for (;;) {
-    sm90::barrier_wait(&tile_full[slot], slot_phase);
-    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
-    __syncwarp();
-    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
-    if (++slot == kTileSlots) {
-      slot = 0;
-      slot_phase ^= 1;
-    }
-    if (t >= total_tiles) break;
-    const Tile tile = decode_tile<kBM, kBN>(t, p, table);
-    // A warpgroup whose 64 rows all lie past the group's end multiplies nothing.
-    const bool active = tile.m0 + warpgroup * 64 < tile.m_end;
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
-    int previous_stage = 0;
-    for (int s = 0; s < tile.k_steps; ++s) {
-      sm90::barrier_wait(&full[stage], phase);
-      const uint32_t a_address = sm90::smem_address(a_stages + stage * T::kABytes) + warpgroup * 64 * 128;
-      const uint32_t b_address = sm90::smem_address(b_stages + stage * T::kBBytes);
-      sm90::fence_registers(acc);
-      sm90::wgmma_fence();
-      if (active) {
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          const uint64_t desc_a = sm90::matrix_descriptor(a_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
-          const uint64_t desc_b =
-              kKMajorB ? sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128))
-                       : sm90::matrix_descriptor(b_address + kk * 16 * 128, kBK * 128, 1024, sm90::swizzle_code(128));
-          sm90::Wgmma<kBN>::template mma<0, kKMajorB ? 0 : 1>(acc, desc_a, desc_b, 1);
-        }
-      }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();  // the previous step's wgmmas are done: its stage can be refilled
-      sm90::fence_registers(acc);
-      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-      previous_stage = stage;
-      if (++stage == T::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(acc);
-    if (tile.k_steps > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-
-    const int row_in_tile = warpgroup * 64 + warp % 4 * 16 + lane / 4;
-    const int column_in_tile = 2 * (lane % 4);
-    if (p.c_f32) {
-      store_tile<float, kBN>(acc, p, tile, row_in_tile, column_in_tile);
-    } else {
-      store_tile<bf16, kBN>(acc, p, tile, row_in_tile, column_in_tile);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The forward (x W^T, k a multiple of 32) with the weight as wgmma's register operand
-//
-// sm90_mxfp4_forward_kernel computes c^T = W . x^T tile by tile: the expert's weight rows (the
-// columns of c) are wgmma's M and its activation rows wgmma's N. A tile is 128 weight rows (two
-// consumer warpgroups x 64) by up to 256 rows of one group, and N is those rows rounded up to 32:
-// a K3 expert (~146 rows) is one tile column of N = 160 instead of two 128-row tiles.
-//   - The producer warpgroup's thread 0 only issues TMA copies: per K step of 64, the packed
-//     weight tile (128 rows x 32 bytes, unswizzled: the 16-byte loads below meet at most 2-way
-//     bank conflicts, a few per K step) and the activation rows in boxes of 32
-//     (128-byte swizzle, the K-major B operand). No thread decodes into shared memory.
-//   - The consumers decode the packed bytes from shared memory straight into wgmma's A register
-//     fragment: a thread's fragment rows are weight rows g and g + 8 of its warp's 16, its k pairs
-//     (2c, 2c + 1) and (2c + 8, 2c + 9) of each k16, i.e. byte c of every 4-byte word of the row's
-//     32 bytes (two 16-byte loads, then a byte permute per k16 gathers the two bytes). Decoding
-//     is decode4 below (byte permutes from 8-entry tables, then one bf16x2 multiply by the
-//     power-of-two scale: exact). The scales come from global memory (L1), two K steps ahead.
-//   - Pipelining: the fragment of K step s + 1 is decoded while the wgmmas of step s run (two
-//     fragment register sets); wait_group 1 after issuing step s frees step s - 1's registers and
-//     stage.
-//   - c is written transposed: lanes g and g ^ 1 swap one value so each stores two adjacent
-//     columns of one row of c.
-namespace forward_rs {
-
-constexpr int kWeightRows = 128;  // per tile: two consumer warpgroups x 64
-constexpr int kTokenRows = 256;   // rows of a per tile at most: wgmma's largest N
-constexpr int kBox = 32;          // rows of a per TMA box, and the step of N
-constexpr int kThreads = 128 * 3;
-constexpr int kABytes = kTokenRows * kBK * 2;
-constexpr int kBoxBytes = kBox * kBK * 2;
-constexpr int kWBytes = kWeightRows * kBK / 2;
-constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / (kABytes + kWBytes));
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K
-static_assert(kStages >= 3, "too few stages to overlap loads with the math");
-static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0, "tiles must start on a whole swizzle pattern");
-
-__device__ __forceinline__ int boxes_of(const Tile& tile) {
-  return (min(kTokenRows, tile.m_end - tile.m0) + kBox - 1) / kBox;
-}
+// The E8M0 scale 2^(s - 127) as BF16 bits (s = 0: the subnormal 2^-127; 255: NaN).
+__device__ __forceinline__ uint32_t scale_bits(uint32_t s) { return s == 0 ? 0x0040u : s == 255 ? 0x7FC0u : s << 7; }
 
 // 4 codes (the low 16 bits of `codes`: nibble i is value i) to BF16 pairs (v0, v1) and (v2, v3)
-// times the power-of-two `scale`. The magnitudes' high and low bytes come from 8-entry tables,
-// the signs as in decode_chunk.
-__device__ __forceinline__ void decode4(uint32_t codes, __nv_bfloat162 scale, uint32_t& v01, uint32_t& v23) {
+// times `scale` (a pair of powers of two). The sign: a selector nibble with bit 3 set replicates
+// the chosen byte's top bit (0x80: 0xFF), otherwise copies it (0x80); shifted left, bit 7 tells.
+__device__ __forceinline__ void decode4(uint32_t codes, uint32_t scale, uint32_t& v01, uint32_t& v23) {
   const uint32_t magnitudes = codes & 0x7777u;
   const uint32_t high = byte_permute(kHighBytes0, kHighBytes1, magnitudes) |
                         ((byte_permute(0x80808080u, 0x80808080u, codes) << 1) & 0x80808080u);
   const uint32_t low = byte_permute(kLowBytes0, kLowBytes1, magnitudes);
   uint32_t pair[2] = {byte_permute(low, high, 0x5140u), byte_permute(low, high, 0x7362u)};
-  const __nv_bfloat162 a = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[0]), scale);
-  const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[1]), scale);
+  const __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162*>(&scale);
+  const __nv_bfloat162 a = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[0]), s);
+  const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[1]), s);
   v01 = *reinterpret_cast<const uint32_t*>(&a);
   v23 = *reinterpret_cast<const uint32_t*>(&b);
 }
-
-template <int kCount>
-__device__ __forceinline__ void fence_words(uint32_t (&r)[kCount]) {
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-
-// One K step (four k16) of a warpgroup: acc (64 x kN) += fragment f[0 .. 16) . B tile.
-template <int kN, int kRegisters>
-__device__ __forceinline__ void k_step(float (&acc)[kRegisters], const uint32_t* f, uint32_t b_address) {
-#pragma unroll
-  for (int kk = 0; kk < kBK / 16; ++kk) {
-    const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
-    sm90::WgmmaRsPrefix<kN>::mma(acc, f[4 * kk], f[4 * kk + 1], f[4 * kk + 2], f[4 * kk + 3], desc_b);
-  }
-}
-
-// The K step with N = 32 boxes (boxes warp-uniform, 1 .. kRegisters / 16).
-template <int kRegisters>
-__device__ __forceinline__ void k_step_n(int boxes, float (&acc)[kRegisters], const uint32_t* f, uint32_t b_address) {
-  switch (boxes) {
-    case 1: k_step<32>(acc, f, b_address); break;
-    case 2: k_step<64>(acc, f, b_address); break;
-    case 3: k_step<96>(acc, f, b_address); break;
-    default:
-      if constexpr (kRegisters == 64) {
-        k_step<128>(acc, f, b_address);
-      } else {
-        switch (boxes) {
-          case 4: k_step<128>(acc, f, b_address); break;
-          case 5: k_step<160>(acc, f, b_address); break;
-          case 6: k_step<192>(acc, f, b_address); break;
-          case 7: k_step<224>(acc, f, b_address); break;
-          default: k_step<256>(acc, f, b_address); break;
-        }
-      }
-      break;
-  }
-}
-
-// c[m0 + token][n0 + column] for the thread's accumulators: column = weight row `row` (+ 8 for the
-// second half), token = 8 j + 2 (lane % 4) + {0, 1}. Lanes g and g ^ 1 (lane ^ 4) trade one value
-// so that each holds two adjacent columns of one token; columns past n and rows past m_end are
-// not stored (n is even, so a column pair is all in or all out).
-template <typename OutT>
-__device__ __forceinline__ void store_transposed(const float (&acc)[128], const Params& p, const Tile& tile, int boxes,
-                                                 int row, int lane) {
-  const int odd = (lane / 4) & 1;
-  const int c = lane % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int column = tile.n0 + row + 8 * h - odd;
-    const bool column_ok = column < p.n;
-#pragma unroll
-    for (int j = 0; j < kTokenRows / 8; ++j) {
-      if (j >= boxes * (kBox / 8)) break;
-      const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-      const float other = __shfl_xor_sync(kAllLanes, odd ? v0 : v1, 4);
-      float lo = p.alpha * (odd ? other : v0), hi = p.alpha * (odd ? v1 : other);
-      const int token = tile.m0 + 8 * j + 2 * c + odd;
-      if (!column_ok || token >= tile.m_end) continue;
-      OutT* out = static_cast<OutT*>(p.c) + static_cast<int64_t>(token) * p.n + column;
-      if constexpr (std::is_same_v<OutT, float>) {
-        float2* dst = reinterpret_cast<float2*>(out);
-        if (p.beta != 0.0f) {
-          const float2 old = *dst;
-          lo += p.beta * old.x;
-          hi += p.beta * old.y;
-        }
-        *dst = make_float2(lo, hi);
-      } else {
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out);
-        if (p.beta != 0.0f) {
-          const float2 old = __bfloat1622float2(*dst);
-          lo += p.beta * old.x;
-          hi += p.beta * old.y;
-        }
-        *dst = __floats2bfloat162_rn(lo, hi);
-      }
-    }
-  }
-}
-
-__global__ void __launch_bounds__(kThreads, 1)
-    sm90_mxfp4_forward_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
-                              const Params p) {
-  extern __shared__ __align__(1024) unsigned char shared[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(shared);
-  uint64_t* empty = full + kStages;
-  uint64_t* tile_full = empty + kStages;
-  uint64_t* tile_empty = tile_full + kTileSlots;
-  int* tile_slot = reinterpret_cast<int*>(tile_empty + kTileSlots);
-  GroupTable table{tile_slot + kTileSlots, nullptr};
-  table.tiles = table.rows + p.groups + 1;
-  const uintptr_t table_end = reinterpret_cast<uintptr_t>(table.tiles + p.groups + 1);
-  unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
-  unsigned char* w_stages = a_stages + kStages * kABytes;
-
-  const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      sm90::barrier_init(&full[s], 1);
-      sm90::barrier_init(&empty[s], 2 * 4);  // lane 0 of every consumer warp
-    }
-    for (int s = 0; s < kTileSlots; ++s) {
-      sm90::barrier_init(&tile_full[s], 1);
-      sm90::barrier_init(&tile_empty[s], 2 * 4);
-    }
-    sm90::fence_barrier_init();
-  }
-  if (warp == 1) build_group_table(p, table, lane, kTokenRows);
-  __syncthreads();
-  const int total_tiles = table.tiles[p.groups];
-
-  if (warp < 4) {
-    sm90::registers_release<kProducerRegisters>();
-    if (threadIdx.x != 0) return;
-    sm90::tma_prefetch_descriptor(&map_a);
-    sm90::tma_prefetch_descriptor(&map_w);
-    int stage = 0, slot = 0;
-    uint32_t phase = 0, slot_phase = 0;
-    for (;;) {
-      sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
-      const int t = atomicAdd(p.tile_counter, 1);
-      tile_slot[slot] = t;
-      sm90::barrier_arrive(&tile_full[slot]);
-      if (++slot == kTileSlots) {
-        slot = 0;
-        slot_phase ^= 1;
-      }
-      if (t >= total_tiles) break;
-      const Tile tile = decode_tile<kTokenRows, kWeightRows>(t, p, table);
-      const int boxes = boxes_of(tile);
-      const int w_row = tile.group * p.n + tile.n0;
-      for (int s = 0; s < tile.k_steps; ++s) {
-        sm90::barrier_wait(&empty[stage], phase ^ 1);
-        sm90::barrier_arrive_expect_bytes(&full[stage], kWBytes + boxes * kBoxBytes);
-        sm90::tma_load_2d(w_stages + stage * kWBytes, &map_w, &full[stage], s * kBK / 2, w_row);
-        for (int b = 0; b < boxes; ++b) {
-          sm90::tma_load_2d(a_stages + stage * kABytes + b * kBoxBytes, &map_a, &full[stage], s * kBK,
-                            tile.m0 + b * kBox);
-        }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-    }
-    // As in the other kernel: the last CTA to finish fetching resets the counters.
-    __threadfence();
-    if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      p.tile_counter[0] = 0;
-      p.tile_counter[1] = 0;
-    }
-    return;
-  }
-
-  sm90::registers_claim<kConsumerRegisters>();
-  const int warpgroup = warp / 4 - 1;
-  // The thread's weight rows in the tile: row and row + 8.
-  const int row = warpgroup * 64 + warp % 4 * 16 + lane / 4;
-  const uint32_t gather = (lane % 4) | ((lane % 4) + 4) << 4;  // byte c of two words
-  const int scale_width = p.k / 32;
-  int stage = 0, slot = 0;
-  uint32_t phase = 0, slot_phase = 0;
-  float acc[128];
-  uint32_t frag0[16], frag1[16];
-  uint32_t scales0[4], scales1[4];  // E8M0 bytes: row, group 2s; row, 2s + 1; row + 8, 2s; row + 8, 2s + 1
-  for (;;) {
-    sm90::barrier_wait(&tile_full[slot], slot_phase);
-    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
-    __syncwarp();
-    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
-    if (++slot == kTileSlots) {
-      slot = 0;
-      slot_phase ^= 1;
-    }
-    if (t >= total_tiles) break;
-    const Tile tile = decode_tile<kTokenRows, kWeightRows>(t, p, table);
-    const int boxes = boxes_of(tile);
-    const int steps = tile.k_steps;
-    // A warpgroup whose 64 weight rows all lie past n decodes and multiplies nothing.
-    const bool active = tile.n0 + warpgroup * 64 < p.n;
-    const bool valid0 = tile.n0 + row < p.n, valid1 = tile.n0 + row + 8 < p.n;
-    const uint8_t* scale_row = p.scales + (static_cast<int64_t>(tile.group) * p.n + tile.n0 + row) * scale_width;
-    auto load_scales = [&](uint32_t (&sc)[4], int s) {
-      const int q = 2 * s;
-      const bool second = q + 1 < scale_width;  // k % 64 == 32: the last step has one group
-      sc[0] = valid0 ? __ldg(scale_row + q) : 127u;
-      sc[1] = valid0 && second ? __ldg(scale_row + q + 1) : 127u;
-      sc[2] = valid1 ? __ldg(scale_row + 8 * scale_width + q) : 127u;
-      sc[3] = valid1 && second ? __ldg(scale_row + 8 * scale_width + q + 1) : 127u;
-    };
-    auto decode = [&](uint32_t (&f)[16], const uint32_t (&sc)[4], int st) {
-      const unsigned char* w = w_stages + st * kWBytes + row * 32;
-      const uint4 r0 = *reinterpret_cast<const uint4*>(w);
-      const uint4 r1 = *reinterpret_cast<const uint4*>(w + 16);
-      const uint4 r2 = *reinterpret_cast<const uint4*>(w + 8 * 32);
-      const uint4 r3 = *reinterpret_cast<const uint4*>(w + 8 * 32 + 16);
-      const uint32_t words0[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
-      const uint32_t words1[8] = {r2.x, r2.y, r2.z, r2.w, r3.x, r3.y, r3.z, r3.w};
-      const __nv_bfloat162 s00 = scale_pair(sc[0]), s01 = scale_pair(sc[1]);
-      const __nv_bfloat162 s10 = scale_pair(sc[2]), s11 = scale_pair(sc[3]);
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        decode4(byte_permute(words0[2 * kk], words0[2 * kk + 1], gather), kk < 2 ? s00 : s01, f[4 * kk],
-                f[4 * kk + 2]);
-        decode4(byte_permute(words1[2 * kk], words1[2 * kk + 1], gather), kk < 2 ? s10 : s11, f[4 * kk + 1],
-                f[4 * kk + 3]);
-      }
-    };
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    load_scales(scales0, 0);
-    if (steps > 1) load_scales(scales1, 1);
-    sm90::barrier_wait(&full[stage], phase);
-    if (active) decode(frag0, scales0, stage);
-    if (steps > 2) load_scales(scales0, 2);
-    int previous_stage = stage;
-    auto step = [&](uint32_t (&current)[16], uint32_t (&next)[16], uint32_t (&next_scales)[4], int s) {
-      sm90::fence_registers(acc);
-      fence_words(current);
-      sm90::wgmma_fence();
-      if (active) k_step_n(boxes, acc, current, sm90::smem_address(a_stages + stage * kABytes));
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();  // step s - 1 is done: its registers and stage are free
-      sm90::fence_registers(acc);
-      fence_words(next);
-      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-      previous_stage = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-      if (s + 1 < steps) {
-        sm90::barrier_wait(&full[stage], phase);
-        if (active) decode(next, next_scales, stage);
-        if (s + 3 < steps) load_scales(next_scales, s + 3);
-      }
-    };
-    for (int s = 0; s < steps; s += 2) {
-      step(frag0, frag1, scales1, s);
-      if (s + 1 < steps) step(frag1, frag0, scales0, s + 1);
-    }
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(acc);
-    if (lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-    if (p.c_f32) {
-      store_transposed<float>(acc, p, tile, boxes, row, lane);
-    } else {
-      store_transposed<bf16>(acc, p, tile, boxes, row, lane);
-    }
-  }
-}
-
-}  // namespace forward_rs
-
-// ---------------------------------------------------------------------------------------------
-// The input gradient (dy W, n a multiple of 256) with the weight as wgmma's register operand
-//
-// sm90_mxfp4_input_grad_kernel computes c^T = W^T . dy^T: the columns of c (W's packed dimension)
-// are wgmma's M, dy's rows N, W's rows K. A tile is 256 columns of c by up to 128 rows of a group
-// (N = the rows rounded up to 32). Each consumer warpgroup owns 128 columns as two m64 blocks,
-// because a thread's fragment rows cannot come from one packed byte otherwise:
-//   - W's tile, 64 k rows x 128 bytes, arrives by TMA (3-D over [G, k, n / 2]: rows past k arrive
-//     as zeros) with the 128-byte swizzle. ldmatrix.x4.trans, in 16-bit units of 4 codes, gives
-//     a thread the codes of columns 4g .. 4g + 3 of its warp's 32 (g = lane / 4) at k rows 2c and
-//     2c + 1 (c = lane % 4) of each 8-row matrix: exactly wgmma's k pairs. Fragment row g of block
-//     b is column 4g + 2b, row g + 8 column 4g + 2b + 1, so the two blocks together use all four.
-//     A nibble interleave pairs each column's two k values, then decode4 as in the forward.
-//   - The scales, one per (k row, 32 columns), differ along K, so each fragment register needs
-//     its own pair. Producer warps 1 and 2 read them from global memory and write, per stage, the
-//     BF16 pair (k 2p, 2p + 1) for every 32 columns in the order the consumers load them (two
-//     16-byte loads per K step), then arrive on the stage's 'full' barrier beside the TMA bytes.
-//   - c is written directly: a thread's accumulators of both blocks are four adjacent columns.
-namespace input_grad_rs {
-
-constexpr int kColumns = 256;    // columns of c per tile: two consumer warpgroups x two m64 blocks
-constexpr int kTokenRows = 128;  // rows of dy per tile at most (two 64-column accumulators)
-constexpr int kBox = 32;
-constexpr int kThreads = 128 * 3;
-constexpr int kABytes = kTokenRows * kBK * 2;
-constexpr int kBoxBytes = kBox * kBK * 2;
-constexpr int kWBytes = kBK * kColumns / 2;
-constexpr int kScaleStride = 68;  // words per c: 8 groups x 8 pairs, + 4 so the four c's of a warp's loads miss each other's banks
-constexpr int kSBytes = 4 * kScaleStride * 4 + 64;  // padded to a multiple of 128
-constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
-constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
-constexpr int kConverters = 64;  // threads 32 .. 95 of the producer warpgroup
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
-static_assert(kStages >= 3, "too few stages to overlap loads with the math");
-static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0 && kSBytes % 128 == 0, "stage alignment");
-
-__device__ __forceinline__ int boxes_of(const Tile& tile) {
-  return (min(kTokenRows, tile.m_end - tile.m0) + kBox - 1) / kBox;
-}
-
-__device__ __forceinline__ uint32_t scale_bits(uint32_t s) { return s == 0 ? 0x0040u : s == 255 ? 0x7FC0u : s << 7; }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -877,15 +214,154 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 #endif
 }
 
-// Nibbles 0..7 of x to the order 0 4 1 5 2 6 3 7.
-__device__ __forceinline__ uint32_t interleave_nibbles(uint32_t x) {
-  const uint32_t y = byte_permute(x, x, 0x3120u);  // bytes 0 2 1 3: nibbles 0 1 4 5 2 3 6 7
-  return (y & 0xF00FF00Fu) | ((y << 4) & 0x0F000F00u) | ((y >> 4) & 0x00F000F0u);
+template <int kCount>
+__device__ __forceinline__ void fence_words(uint32_t (&r)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// One K step (four k16) of a warpgroup: acc (64 x kN) += fragment f . B tile.
+template <int kN>
+__device__ __forceinline__ void k_step(float (&acc)[128], const uint32_t (&f)[16], uint32_t b_address) {
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
+    sm90::WgmmaRsPrefix<kN>::mma(acc, f[4 * kk], f[4 * kk + 1], f[4 * kk + 2], f[4 * kk + 3], desc_b);
+  }
+}
+
+// The K step with N = 32 boxes (boxes warp-uniform, 1 .. 8).
+__device__ __forceinline__ void k_step_n(int boxes, float (&acc)[128], const uint32_t (&f)[16], uint32_t b_address) {
+  switch (boxes) {
+    case 1: k_step<32>(acc, f, b_address); break;
+    case 2: k_step<64>(acc, f, b_address); break;
+    case 3: k_step<96>(acc, f, b_address); break;
+    case 4: k_step<128>(acc, f, b_address); break;
+    case 5: k_step<160>(acc, f, b_address); break;
+    case 6: k_step<192>(acc, f, b_address); break;
+    case 7: k_step<224>(acc, f, b_address); break;
+    default: k_step<256>(acc, f, b_address); break;
+  }
+}
+
+// Two adjacent columns (`column`, even; n is even, so both or neither are inside) of row `token`
+// of c: alpha * (v0, v1) + beta * c.
+template <typename OutT>
+__device__ __forceinline__ void store_pair(const Params& p, int token, int column, float v0, float v1) {
+  const int64_t offset = static_cast<int64_t>(token) * p.n + column;
+  v0 *= p.alpha;
+  v1 *= p.alpha;
+  if constexpr (std::is_same_v<OutT, float>) {
+    float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + offset);
+    if (p.beta != 0.0f) {
+      const float2 old = *dst;
+      v0 += p.beta * old.x;
+      v1 += p.beta * old.y;
+    }
+    *dst = make_float2(v0, v1);
+  } else {
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.c) + offset);
+    if (p.beta != 0.0f) {
+      const float2 old = __bfloat1622float2(*dst);
+      v0 += p.beta * old.x;
+      v1 += p.beta * old.y;
+    }
+    *dst = __floats2bfloat162_rn(v0, v1);
+  }
+}
+
+// The thread's accumulators into c. Accumulator 4 j + 2 h + e is fragment row g + 8 h, token
+// 8 j + 2c + e. Forward: fragment row = column `column0` + 8 h, so lanes g and g ^ 1 (lane ^ 4)
+// trade one value to hold two adjacent columns of one token. Input gradient: fragment rows g and
+// g + 8 are columns `column0` and `column0` + 1.
+template <bool kInputGrad, typename OutT>
+__device__ __forceinline__ void store_tile(const float (&acc)[128], const Params& p, const Tile& tile, int boxes,
+                                           int column0, int lane) {
+  const int c = lane % 4;
+  if constexpr (kInputGrad) {
+    if (column0 >= p.n) return;
+#pragma unroll
+    for (int j = 0; j < kTokenRows / 8; ++j) {
+      if (j >= boxes * (kBox / 8)) break;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int token = tile.m0 + 8 * j + 2 * c + e;
+        if (token < tile.m_end) store_pair<OutT>(p, token, column0, acc[4 * j + e], acc[4 * j + 2 + e]);
+      }
+    }
+  } else {
+    const int odd = (lane / 4) & 1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int column = column0 + 8 * h - odd;
+#pragma unroll
+      for (int j = 0; j < kTokenRows / 8; ++j) {
+        if (j >= boxes * (kBox / 8)) break;
+        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+        const float other = __shfl_xor_sync(kAllLanes, odd ? v0 : v1, 4);
+        const int token = tile.m0 + 8 * j + 2 * c + odd;
+        if (column < p.n && token < tile.m_end) store_pair<OutT>(p, token, column, odd ? other : v0, odd ? v1 : other);
+      }
+    }
+  }
+}
+
+// Converter i's share of one K step's scales: four E8M0 bytes from global memory (load_scales,
+// issued two K steps ahead: the igrad's k rows are mostly L2 hits), written as BF16 into the
+// stage's words (store_scales) in the order the consumers read them.
+//   Forward: W rows 2i, 2i + 1 of the tile, groups 2s, 2s + 1: word 2 row + group holds the
+//     scale twice (both halves of a fragment register share it).
+//   Input gradient: k rows 2 pr, 2 pr + 1 (pr = i / 2) of the step, chunks 2 (i % 2) and + 1:
+//     word c * kScaleStride + chunk * 8 + j (c = pr % 4, j = pr / 4) holds (scale of k row 2 pr,
+//     of 2 pr + 1), the pair a fragment register of consumer lane c, k16 j / 2, half j % 2 needs.
+// Missing scales (rows past n or k, groups past the row) read as 1: their codes are zeros or
+// their products are never stored.
+struct ScaleBytes {
+  uint32_t b[2][2];
+};
+
+template <bool kInputGrad>
+__device__ __forceinline__ ScaleBytes load_scales(const Params& p, const Tile& tile, int s, int i) {
+  const int group_words = (kInputGrad ? p.n : p.k) / 32;
+  ScaleBytes out;
+#pragma unroll
+  for (int d = 0; d < 2; ++d) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      // Input gradient: d the k row, e the chunk. Forward: d the W row, e the group.
+      const int outer = kInputGrad ? s * kBK + 2 * (i / 2) + d : tile.n0 + 2 * i + d;
+      const int group = kInputGrad ? tile.n0 / 32 + (i % 2) * 2 + e : 2 * s + e;
+      const bool valid = outer < (kInputGrad ? p.k : p.n) && group < group_words;
+      const int64_t at =
+          (static_cast<int64_t>(tile.group) * (kInputGrad ? p.k : p.n) + outer) * group_words + group;
+      out.b[d][e] = valid ? __ldg(p.scales + at) : 127u;
+    }
+  }
+  return out;
+}
+
+template <bool kInputGrad>
+__device__ __forceinline__ void store_scales(uint32_t* words, const ScaleBytes& in, int i) {
+  if constexpr (kInputGrad) {
+    const int pr = i / 2;
+    uint32_t* out = words + (pr % 4) * kScaleStride + (i % 2) * 2 * 8 + pr / 4;
+    out[0] = scale_bits(in.b[0][0]) | scale_bits(in.b[1][0]) << 16;
+    out[8] = scale_bits(in.b[0][1]) | scale_bits(in.b[1][1]) << 16;
+  } else {
+    uint32_t bits[2][2];
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) bits[d][e] = scale_bits(in.b[d][e]) * 0x10001u;
+    }
+    *reinterpret_cast<uint4*>(words + 4 * i) = make_uint4(bits[0][0], bits[0][1], bits[1][0], bits[1][1]);
+  }
+}
+
+template <bool kInputGrad>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_mxfp4_input_grad_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
-                                 const Params p) {
+    sm90_mxfp4_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
+                      const Params p) {
   extern __shared__ __align__(1024) unsigned char shared[];
   uint64_t* full = reinterpret_cast<uint64_t*>(shared);
   uint64_t* empty = full + kStages;
@@ -899,11 +375,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* w_stages = a_stages + kStages * kABytes;
   unsigned char* s_stages = w_stages + kStages * kWBytes;
 
+  // Warp-uniform in the compiler's eyes too (a broadcast), so the wgmma paths are not divergent.
   const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      sm90::barrier_init(&full[s], 1 + kConverters);
-      sm90::barrier_init(&empty[s], 2 * 4);  // lane 0 of every consumer warp
+      sm90::barrier_init(&full[s], 1 + kConverters);  // thread 0's arrival arming the TMA bytes, the converters'
+      sm90::barrier_init(&empty[s], 2 * 4);           // lane 0 of every consumer warp
     }
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::barrier_init(&tile_full[s], 1);
@@ -911,18 +388,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::fence_barrier_init();
   }
-  if (warp == 1) build_group_table(p, table, lane, kTokenRows);
+  if (warp == 1) build_group_table(p, table, lane);
   __syncthreads();
   const int total_tiles = table.tiles[p.groups];
-  const int group_words = p.n / 32;  // scale bytes per k row
+  int stage = 0, slot = 0;
+  uint32_t phase = 0, slot_phase = 0;
+  // Consumers and converters: the next tile index from the ring thread 0 fills.
+  auto next_tile = [&]() {
+    sm90::barrier_wait(&tile_full[slot], slot_phase);
+    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
+    __syncwarp();
+    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
+    if (++slot == kTileSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
+    return t;
+  };
+  auto advance = [&]() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
 
   if (warp < 4) {
     sm90::registers_release<kProducerRegisters>();
     if (threadIdx.x == 0) {
       sm90::tma_prefetch_descriptor(&map_a);
       sm90::tma_prefetch_descriptor(&map_w);
-      int stage = 0, slot = 0;
-      uint32_t phase = 0, slot_phase = 0;
       for (;;) {
         sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
         const int t = atomicAdd(p.tile_counter, 1);
@@ -933,71 +427,47 @@ __global__ void __launch_bounds__(kThreads, 1)
           slot_phase ^= 1;
         }
         if (t >= total_tiles) break;
-        const Tile tile = decode_tile<kTokenRows, kColumns>(t, p, table);
+        const Tile tile = decode_tile(t, p, table);
         const int boxes = boxes_of(tile);
         for (int s = 0; s < tile.k_steps; ++s) {
           sm90::barrier_wait(&empty[stage], phase ^ 1);
           sm90::barrier_arrive_expect_bytes(&full[stage], kWBytes + boxes * kBoxBytes);
-          sm90::tma_load_3d(w_stages + stage * kWBytes, &map_w, &full[stage], tile.n0 / 2, s * kBK, tile.group);
+          if constexpr (kInputGrad) {
+            sm90::tma_load_3d(w_stages + stage * kWBytes, &map_w, &full[stage], tile.n0 / 2, s * kBK, tile.group);
+          } else {
+            sm90::tma_load_2d(w_stages + stage * kWBytes, &map_w, &full[stage], s * kBK / 2,
+                              tile.group * p.n + tile.n0);
+          }
           for (int b = 0; b < boxes; ++b) {
             sm90::tma_load_2d(a_stages + stage * kABytes + b * kBoxBytes, &map_a, &full[stage], s * kBK,
                               tile.m0 + b * kBox);
           }
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance();
         }
       }
+      // Every CTA fetches past the end exactly once; the last one to finish fetching puts the
+      // counters back to zero for the next launch on the stream.
       __threadfence();
       if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
         p.tile_counter[0] = 0;
         p.tile_counter[1] = 0;
       }
     } else if (warp == 1 || warp == 2) {
-      // Converter i: k rows 2 pr, 2 pr + 1 of each K step (pr = i / 2), 4 of the tile's 8 column
-      // groups (from 4 (i % 2)); the pair's word goes where consumer c = pr % 4 loads it, as its
-      // pair j = pr / 4 (= 2 kk + upper half) of group q.
       const int i = threadIdx.x - 32;
-      const int pr = i / 2, first_group = (i % 2) * 4;
-      uint32_t* words_base = reinterpret_cast<uint32_t*>(s_stages) + (pr % 4) * kScaleStride + first_group * 8 + pr / 4;
-      int stage = 0, slot = 0;
-      uint32_t phase = 0, slot_phase = 0;
       for (;;) {
-        sm90::barrier_wait(&tile_full[slot], slot_phase);
-        const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
-        __syncwarp();
-        if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
-        if (++slot == kTileSlots) {
-          slot = 0;
-          slot_phase ^= 1;
-        }
+        const int t = next_tile();
         if (t >= total_tiles) break;
-        const Tile tile = decode_tile<kTokenRows, kColumns>(t, p, table);
-        // n % 256 == 0: the tile's 8 groups lie inside the row, 4-byte aligned.
-        const uint8_t* scale_rows =
-            p.scales + static_cast<int64_t>(tile.group) * p.k * group_words + tile.n0 / 32 + first_group;
+        const Tile tile = decode_tile(t, p, table);
+        ScaleBytes next = load_scales<kInputGrad>(p, tile, 0, i), after = next;
+        if (tile.k_steps > 1) after = load_scales<kInputGrad>(p, tile, 1, i);
         for (int s = 0; s < tile.k_steps; ++s) {
-          const int k_even = s * kBK + 2 * pr;
-          // Rows past k multiply zero codes: any finite scale.
-          const uint32_t even = k_even < p.k
-                                    ? __ldg(reinterpret_cast<const uint32_t*>(scale_rows + static_cast<int64_t>(k_even) * group_words))
-                                    : 0x7F7F7F7Fu;
-          const uint32_t odd =
-              k_even + 1 < p.k
-                  ? __ldg(reinterpret_cast<const uint32_t*>(scale_rows + static_cast<int64_t>(k_even + 1) * group_words))
-                  : 0x7F7F7F7Fu;
+          const ScaleBytes current = next;
+          next = after;
+          if (s + 2 < tile.k_steps) after = load_scales<kInputGrad>(p, tile, s + 2, i);
           sm90::barrier_wait(&empty[stage], phase ^ 1);
-          uint32_t* words = reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(words_base) + stage * kSBytes);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            words[q * 8] = scale_bits((even >> (8 * q)) & 0xFFu) | scale_bits((odd >> (8 * q)) & 0xFFu) << 16;
-          }
+          store_scales<kInputGrad>(reinterpret_cast<uint32_t*>(s_stages + stage * kSBytes), current, i);
           sm90::barrier_arrive(&full[stage]);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance();
         }
       }
     }
@@ -1005,77 +475,83 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   sm90::registers_claim<kConsumerRegisters>();
-  const int warpgroup = warp / 4 - 1;
-  const int c = lane % 4;
-  const int unit = warpgroup * 4 + warp % 4;  // the warp's 16-byte unit of a packed row; also its scale group
-  // ldmatrix q: lane l addresses k row 32 q + l of the stage (matrix l / 8, row l % 8).
-  const uint32_t row_offset = lane * 128 + ((unit ^ (lane % 8)) << 4);
-  const uint32_t scale_offset = (c * kScaleStride + unit * 8) * 4;
-  int stage = 0, slot = 0;
-  uint32_t phase = 0, slot_phase = 0;
-  float acc0[64], acc1[64];
-  uint32_t frag0[32], frag1[32];  // block 0's 16 registers, then block 1's
-  for (;;) {
-    sm90::barrier_wait(&tile_full[slot], slot_phase);
-    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
-    __syncwarp();
-    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
-    if (++slot == kTileSlots) {
-      slot = 0;
-      slot_phase ^= 1;
+  const int warpgroup = warp / 4 - 1, warp_in_group = warp % 4;
+  const int g = lane / 4, c = lane % 4;
+  // Forward: the thread's W rows in the tile (fragment rows g, g + 8). Input gradient: its
+  // 32-column chunk of the tile's 128 columns, its half e of it, and its first column.
+  const int row = warpgroup * 64 + warp_in_group * 16 + g;
+  const int chunk = warpgroup * 2 + warp_in_group / 2, half = warp_in_group % 2;
+  const int column0 = kInputGrad ? chunk * 32 + 4 * g + 2 * half : row;
+  // Forward: byte c of two words. Input gradient: bytes e and 2 + e of two words (a ldmatrix
+  // register holds k row 2c's bytes 2g, 2g + 1, then k row 2c + 1's), and the ldmatrix row of
+  // this lane (k row 32 q + lane; 64-byte swizzle: unit u of row r at u ^ ((r / 2) % 4)).
+  const uint32_t selector = kInputGrad ? (half ? 0x7531u : 0x6420u) : (c | (c + 4) << 4);
+  const uint32_t ldmatrix_offset = lane * 64 + ((chunk ^ ((lane / 2) % 4)) << 4);
+  float acc[128];
+  uint32_t frag0[16], frag1[16];
+  auto decode = [&](uint32_t (&f)[16], int st) {
+    const unsigned char* scales = s_stages + st * kSBytes;
+    if constexpr (kInputGrad) {
+      uint32_t x[2][4];
+      const uint32_t w_base = sm90::smem_address(w_stages + st * kWBytes) + ldmatrix_offset;
+      ldmatrix_x4_trans(x[0], w_base);
+      ldmatrix_x4_trans(x[1], w_base + 32 * 64);
+      const uint4* pairs = reinterpret_cast<const uint4*>(scales + (c * kScaleStride + chunk * 8) * 4);
+      const uint4 p0 = pairs[0], p1 = pairs[1];
+      const uint32_t scale[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        // Registers 2 kk and 2 kk + 1: k rows 16 kk + 2c (+ 1) and 16 kk + 8 + 2c (+ 1). Per 16
+        // bits, the nibbles (k even: column lo, hi; k odd: lo, hi) swap their middle two.
+        const uint32_t y = byte_permute(x[kk / 2][(kk % 2) * 2], x[kk / 2][(kk % 2) * 2 + 1], selector);
+        const uint32_t codes = (y & 0xF00FF00Fu) | ((y << 4) & 0x0F000F00u) | ((y >> 4) & 0x00F000F0u);
+        decode4(codes, scale[2 * kk], f[4 * kk], f[4 * kk + 1]);
+        decode4(codes >> 16, scale[2 * kk + 1], f[4 * kk + 2], f[4 * kk + 3]);
+      }
+    } else {
+      const unsigned char* w = w_stages + st * kWBytes + row * 32;
+      const uint4 r0 = *reinterpret_cast<const uint4*>(w);
+      const uint4 r1 = *reinterpret_cast<const uint4*>(w + 16);
+      const uint4 r2 = *reinterpret_cast<const uint4*>(w + 8 * 32);
+      const uint4 r3 = *reinterpret_cast<const uint4*>(w + 8 * 32 + 16);
+      const uint32_t words0[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+      const uint32_t words1[8] = {r2.x, r2.y, r2.z, r2.w, r3.x, r3.y, r3.z, r3.w};
+      const uint2 s0 = *reinterpret_cast<const uint2*>(scales + row * 8);  // row g: groups 2s, 2s + 1
+      const uint2 s1 = *reinterpret_cast<const uint2*>(scales + (row + 8) * 8);
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        decode4(byte_permute(words0[2 * kk], words0[2 * kk + 1], selector), kk < 2 ? s0.x : s0.y, f[4 * kk],
+                f[4 * kk + 2]);
+        decode4(byte_permute(words1[2 * kk], words1[2 * kk + 1], selector), kk < 2 ? s1.x : s1.y, f[4 * kk + 1],
+                f[4 * kk + 3]);
+      }
     }
+  };
+  for (;;) {
+    const int t = next_tile();
     if (t >= total_tiles) break;
-    const Tile tile = decode_tile<kTokenRows, kColumns>(t, p, table);
+    const Tile tile = decode_tile(t, p, table);
     const int boxes = boxes_of(tile);
     const int steps = tile.k_steps;
-    const bool active = tile.n0 + warpgroup * 128 < p.n;
-    auto decode = [&](uint32_t (&f)[32], int st) {
-      const uint32_t w_base = sm90::smem_address(w_stages + st * kWBytes) + row_offset;
-      uint32_t x[2][4];
-      ldmatrix_x4_trans(x[0], w_base);
-      ldmatrix_x4_trans(x[1], w_base + 32 * 128);
-      const unsigned char* scale_base = s_stages + st * kSBytes + scale_offset;
-      const uint4 s_lo = *reinterpret_cast<const uint4*>(scale_base);
-      const uint4 s_hi = *reinterpret_cast<const uint4*>(scale_base + 16);
-      const uint32_t scale_words[8] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+    // A warpgroup whose 64 rows (columns of c) all lie past n decodes and multiplies nothing.
+    const bool active = tile.n0 + warpgroup * 64 < p.n;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {  // j = 2 kk + upper: k rows 16 kk + 8 upper + 2c, + 1
-        const int kk = j / 2, upper = j % 2;
-        const uint32_t codes = interleave_nibbles(x[j / 4][j % 4]);
-        const __nv_bfloat162 scale = *reinterpret_cast<const __nv_bfloat162*>(&scale_words[j]);
-        forward_rs::decode4(codes, scale, f[4 * kk + 2 * upper], f[4 * kk + 2 * upper + 1]);
-        forward_rs::decode4(codes >> 16, scale, f[16 + 4 * kk + 2 * upper], f[16 + 4 * kk + 2 * upper + 1]);
-      }
-    };
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      acc0[i] = 0.0f;
-      acc1[i] = 0.0f;
-    }
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     sm90::barrier_wait(&full[stage], phase);
     if (active) decode(frag0, stage);
     int previous_stage = stage;
-    auto step = [&](uint32_t (&current)[32], uint32_t (&next)[32], int s) {
-      sm90::fence_registers(acc0);
-      sm90::fence_registers(acc1);
-      forward_rs::fence_words(current);
+    auto step = [&](uint32_t (&current)[16], uint32_t (&next)[16], int s) {
+      sm90::fence_registers(acc);
+      fence_words(current);
       sm90::wgmma_fence();
-      if (active) {
-        const uint32_t b_address = sm90::smem_address(a_stages + stage * kABytes);
-        forward_rs::k_step_n(boxes, acc0, current, b_address);
-        forward_rs::k_step_n(boxes, acc1, current + 16, b_address);
-      }
+      if (active) k_step_n(boxes, acc, current, sm90::smem_address(a_stages + stage * kABytes));
       sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();
-      sm90::fence_registers(acc0);
-      sm90::fence_registers(acc1);
-      forward_rs::fence_words(next);
+      sm90::wgmma_wait<1>();  // step s - 1 is done: its registers and stage are free
+      sm90::fence_registers(acc);
+      fence_words(next);
       if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
       previous_stage = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      advance();
       if (s + 1 < steps) {
         sm90::barrier_wait(&full[stage], phase);
         if (active) decode(next, stage);
@@ -1086,57 +562,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (s + 1 < steps) step(frag1, frag0, s + 1);
     }
     sm90::wgmma_wait<0>();
-    sm90::fence_registers(acc0);
-    sm90::fence_registers(acc1);
+    sm90::fence_registers(acc);
     if (lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-    // Columns n0 + 128 w + 32 (warp % 4) + 4 g .. + 3 (all in or all out: n % 4 == 0), rows
-    // m0 + 8 j + 2c + e.
-    const int column = tile.n0 + warpgroup * 128 + warp % 4 * 32 + (lane / 4) * 4;
-    if (column < p.n) {
-#pragma unroll
-      for (int j = 0; j < kTokenRows / 8; ++j) {
-        if (j >= boxes * (kBox / 8)) break;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int token = tile.m0 + 8 * j + 2 * c + e;
-          if (token >= tile.m_end) continue;
-          float v[4] = {p.alpha * acc0[4 * j + e], p.alpha * acc0[4 * j + 2 + e], p.alpha * acc1[4 * j + e],
-                        p.alpha * acc1[4 * j + 2 + e]};
-          const int64_t offset = static_cast<int64_t>(token) * p.n + column;
-          if (p.c_f32) {
-            float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.c) + offset);
-            if (p.beta != 0.0f) {
-              const float4 old = *dst;
-              v[0] += p.beta * old.x;
-              v[1] += p.beta * old.y;
-              v[2] += p.beta * old.z;
-              v[3] += p.beta * old.w;
-            }
-            *dst = make_float4(v[0], v[1], v[2], v[3]);
-          } else {
-            uint2* dst = reinterpret_cast<uint2*>(static_cast<bf16*>(p.c) + offset);
-            if (p.beta != 0.0f) {
-              const uint2 old = *dst;
-              const float2 o01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old.x));
-              const float2 o23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old.y));
-              v[0] += p.beta * o01.x;
-              v[1] += p.beta * o01.y;
-              v[2] += p.beta * o23.x;
-              v[3] += p.beta * o23.y;
-            }
-            const __nv_bfloat162 v01 = __floats2bfloat162_rn(v[0], v[1]), v23 = __floats2bfloat162_rn(v[2], v[3]);
-            uint2 out;
-            out.x = *reinterpret_cast<const uint32_t*>(&v01);
-            out.y = *reinterpret_cast<const uint32_t*>(&v23);
-            *dst = out;
-          }
-        }
-      }
+    if (p.c_f32) {
+      store_tile<kInputGrad, float>(acc, p, tile, boxes, tile.n0 + column0, lane);
+    } else {
+      store_tile<kInputGrad, bf16>(acc, p, tile, boxes, tile.n0 + column0, lane);
     }
   }
 }
-
-}  // namespace input_grad_rs
 
 // ---------------------------------------------------------------------------------------------
 // The fallback: one thread per output element, F32 sums in order, weights decoded on the fly.
@@ -1228,7 +662,7 @@ DeviceInfo device_info() {
 bool have_sm90a_code() {
   static const bool have = [] {
     cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, sm90_grouped_gemm_mxfp4_kernel<true, 64>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attributes, sm90_mxfp4_kernel<false>) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
@@ -1289,52 +723,32 @@ int* tile_counters(cudaStream_t stream) {
   return counter;
 }
 
-template <bool kKMajorB, int kBN>
-size_t shared_bytes(int64_t groups) {
-  using T = Tiling<kKMajorB, kBN>;
-  return (2 * T::kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
-         2 * static_cast<size_t>(groups + 1) * sizeof(int) + 1024 +
-         static_cast<size_t>(T::kStages) * T::kStageBytes;
+// W's tensor map. Forward: b [G, n, k / 2] as [G * n, k / 2] bytes, boxes of 128 rows x 32 bytes
+// (one K step), unswizzled: the consumers' 16-byte loads meet at most 2-way bank conflicts.
+// Input gradient: b [G, k, n / 2] as 3-D (k rows past a group's arrive as zeros), boxes of 64 k
+// rows x 64 bytes (128 columns), 64-byte swizzle for the conflict-free ldmatrix. The packed
+// dimension is whole groups of 32, so the row stride is a multiple of 16 bytes.
+CUtensorMap w_tensor_map(const GroupedGemmProblem& p) {
+  CUtensorMap map;
+  const bool input_grad = !p.transpose_b;
+  const int64_t outer = input_grad ? p.k : p.n, row_bytes = (input_grad ? p.n : p.k) / 2;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(input_grad ? outer : p.groups * outer),
+                              static_cast<cuuint64_t>(input_grad ? p.groups : 1)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(row_bytes * outer)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(input_grad ? kWeightRows / 2 : kBK / 2),
+                             static_cast<cuuint32_t>(input_grad ? kBK : kWeightRows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, input_grad ? 3 : 2, const_cast<void*>(p.b),
+                                         dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                         input_grad ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
+                 "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
+  return map;
 }
 
-template <bool kKMajorB, int kBN>
+template <bool kInputGrad>
 void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
-  Params params{};
-  params.c = p.c;
-  params.c_f32 = p.c_dtype == DType::kF32;
-  params.offsets = p.group_offsets;
-  params.groups = static_cast<int>(p.groups);
-  params.rows = static_cast<int>(p.rows);
-  params.n = static_cast<int>(p.n);
-  params.k = static_cast<int>(p.k);
-  params.n_tiles = static_cast<int>((p.n + kBN - 1) / kBN);
-  params.alpha = p.alpha;
-  params.beta = p.beta;
-  params.tile_counter = tile_counters(stream);
-  params.packed = static_cast<const uint8_t*>(p.b);
-  params.scales = static_cast<const uint8_t*>(b_scale);
-  const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBM);
-  static bool attribute_set[kMaxDevices] = {};  // per instantiation and device
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (!attribute_set[device % kMaxDevices]) {
-    CUDA_CHECK(cudaFuncSetAttribute(sm90_grouped_gemm_mxfp4_kernel<kKMajorB, kBN>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
-    attribute_set[device % kMaxDevices] = true;
-  }
-  // Each group adds at most one partial m-tile.
-  const int64_t max_tiles = ((p.rows + kBM - 1) / kBM + p.groups) * params.n_tiles;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-  sm90_grouped_gemm_mxfp4_kernel<kKMajorB, kBN>
-      <<<grid, kThreads, shared_bytes<kKMajorB, kBN>(p.groups), stream>>>(map_a, params);
-  CUDA_CHECK_LAUNCH();
-}
-
-// The forward kernel: b [G, n, k / 2] seen as [G * n, k / 2] bytes, boxes of 128 rows x 32 bytes
-// (one K step), unswizzled; k % 32 == 0 keeps the row stride a multiple of 16 bytes.
-void launch_forward_rs(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
-  using namespace forward_rs;
   Params params{};
   params.c = p.c;
   params.c_f32 = p.c_dtype == DType::kF32;
@@ -1350,80 +764,23 @@ void launch_forward_rs(const GroupedGemmProblem& p, const void* b_scale, cudaStr
   params.packed = static_cast<const uint8_t*>(p.b);
   params.scales = static_cast<const uint8_t*>(b_scale);
   const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBox);
-  const CUtensorMap map_w = tensor_map_2d(p.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.groups * p.n, p.k / 2, kWeightRows,
-                                          kBK / 2, CU_TENSOR_MAP_SWIZZLE_NONE);
-  static bool attribute_set[kMaxDevices] = {};
+  const CUtensorMap map_w = w_tensor_map(p);
+  static bool attribute_set[kMaxDevices] = {};  // per instantiation and device
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   if (!attribute_set[device % kMaxDevices]) {
-    CUDA_CHECK(cudaFuncSetAttribute(sm90_mxfp4_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
-    attribute_set[device % kMaxDevices] = true;
-  }
-  const size_t shared = (2 * kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
-                        2 * static_cast<size_t>(p.groups + 1) * sizeof(int) + 1024 +
-                        static_cast<size_t>(kStages) * (kABytes + kWBytes);
-  const int64_t max_tiles = ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * params.n_tiles;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-  sm90_mxfp4_forward_kernel<<<grid, forward_rs::kThreads, shared, stream>>>(map_a, map_w, params);
-  CUDA_CHECK_LAUNCH();
-}
-
-// The input-gradient kernel: b [G, k, n / 2] as a 3-D map (rows past a group's k arrive as
-// zeros), boxes of 64 rows x 128 bytes, 128-byte swizzle.
-void launch_input_grad_rs(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
-  using namespace input_grad_rs;
-  Params params{};
-  params.c = p.c;
-  params.c_f32 = p.c_dtype == DType::kF32;
-  params.offsets = p.group_offsets;
-  params.groups = static_cast<int>(p.groups);
-  params.rows = static_cast<int>(p.rows);
-  params.n = static_cast<int>(p.n);
-  params.k = static_cast<int>(p.k);
-  params.n_tiles = static_cast<int>((p.n + kColumns - 1) / kColumns);
-  params.alpha = p.alpha;
-  params.beta = p.beta;
-  params.tile_counter = tile_counters(stream);
-  params.packed = static_cast<const uint8_t*>(p.b);
-  params.scales = static_cast<const uint8_t*>(b_scale);
-  const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBox);
-  CUtensorMap map_w;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.n / 2), static_cast<cuuint64_t>(p.k),
-                              static_cast<cuuint64_t>(p.groups)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.n / 2), static_cast<cuuint64_t>(p.k * (p.n / 2))};
-  const cuuint32_t box[3] = {kColumns / 2, kBK, 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult status = encode_tiled()(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(p.b), dims,
-                                         strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
-                 "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
-  static bool attribute_set[kMaxDevices] = {};
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (!attribute_set[device % kMaxDevices]) {
-    CUDA_CHECK(cudaFuncSetAttribute(sm90_mxfp4_input_grad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(sm90_mxfp4_kernel<kInputGrad>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
     attribute_set[device % kMaxDevices] = true;
   }
   const size_t shared = (2 * kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
                         2 * static_cast<size_t>(p.groups + 1) * sizeof(int) + 1024 +
                         static_cast<size_t>(kStages) * kStageBytes;
+  // Each group adds at most one partial row block.
   const int64_t max_tiles = ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * params.n_tiles;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-  sm90_mxfp4_input_grad_kernel<<<grid, input_grad_rs::kThreads, shared, stream>>>(map_a, map_w, params);
+  sm90_mxfp4_kernel<kInputGrad><<<grid, kThreads, shared, stream>>>(map_a, map_w, params);
   CUDA_CHECK_LAUNCH();
-}
-
-template <bool kKMajorB>
-void launch_sm90_bn(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
-  if (p.n <= 64) {
-    launch_sm90<kKMajorB, 64>(p, b_scale, stream);
-  } else {
-    launch_sm90<kKMajorB, kMaxBN>(p, b_scale, stream);
-  }
 }
 
 void launch_fallback(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
@@ -1454,7 +811,8 @@ GroupedGemmPath grouped_gemm_mxfp4_path(const GroupedGemmProblem& p, const void*
   (void)b_scale;  // read a byte at a time: any alignment
   const bool shapes = p.kind == GroupedGemmKind::kMGrouped && p.k > 0 && p.k % 8 == 0 && p.n % 8 == 0;
   const bool fits = std::max({p.rows, p.n, p.k}) < (int64_t{1} << 30) && p.groups * 2 * 4 + 8 <= kTableBudgetBytes &&
-                    ((p.rows + kBM - 1) / kBM + p.groups) * ((p.n + 63) / 64) < (int64_t{1} << 30) &&
+                    ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * ((p.n + kWeightRows - 1) / kWeightRows) <
+                        (int64_t{1} << 30) &&
                     p.groups * std::max(p.n, p.k) < (int64_t{1} << 31);
   const bool aligned = aligned_16(p.a) && aligned_16(p.b) && aligned_16(p.c);
   if (shapes && fits && aligned && device_info().hopper && have_sm90a_code()) return GroupedGemmPath::kSm90;
@@ -1467,14 +825,10 @@ void launch_grouped_gemm_mxfp4(const GroupedGemmProblem& p, const void* b_scale,
     launch_fallback(p, b_scale, stream);  // also k == 0: c = beta * c
     return;
   }
-  if (p.transpose_b && p.k % 32 == 0) {
-    launch_forward_rs(p, b_scale, stream);
-  } else if (p.transpose_b) {
-    launch_sm90_bn<true>(p, b_scale, stream);
-  } else if (p.n % input_grad_rs::kColumns == 0 && reinterpret_cast<uintptr_t>(b_scale) % 4 == 0) {
-    launch_input_grad_rs(p, b_scale, stream);
+  if (p.transpose_b) {
+    launch_sm90<false>(p, b_scale, stream);
   } else {
-    launch_sm90_bn<false>(p, b_scale, stream);
+    launch_sm90<true>(p, b_scale, stream);
   }
 }
 

@@ -5,15 +5,13 @@
 //   transpose_b (forward, x W^T):  b [G, n, k / 2] U8, b_scale [G, n, k / 32] U8
 //   otherwise   (input grad, dy W): b [G, k, n / 2] U8, b_scale [G, k, n / 32] U8
 //
-// Kernels (grouped_gemm_mxfp4.cu), on a 9.0 device with a, b and c 16-byte aligned, k and n
-// multiples of 8 and k > 0:
-//   - the forward with k % 32 == 0, and the input gradient with n % 256 == 0 (b_scale 4-byte
-//     aligned): the weight is wgmma's register operand (c^T = W . a^T): the consumer warpgroups
-//     decode its packed bytes from shared memory straight into the A fragments while the previous
-//     K step's wgmmas run, the activations are the shared-memory B operand (TMA), and N is a
-//     group's rows rounded up to 32, so a K3 expert (~146 rows) is one tile of N = 160.
-//   - otherwise the persistent grouped GEMM of grouped_gemm.cu with 192-row tiles, b decoded to
-//     BF16 in shared memory by the producer warpgroup.
+// Two kernels (grouped_gemm_mxfp4.cu):
+//   - sm_90a, on a 9.0 device with a, b and c 16-byte aligned and k, n multiples of 8: the weight
+//     is wgmma's register operand (c^T = W . a^T). The consumer warpgroups decode its packed
+//     bytes from shared memory straight into the A fragments while the previous K step's wgmmas
+//     run; the activations are the shared-memory B operand (TMA) with N = a group's rows rounded
+//     up to 32, so a K3 expert (~146 rows) is one tile of N = 160. Producer warps issue the TMA
+//     copies and convert the scales to BF16.
 //   - a plain one-thread-per-output kernel for everything else.
 // The sum is that of the dequantized weight in BF16 (exact short of overflow; scale bytes 0 and 1
 // give subnormal weights, which the tensor cores may flush), F32 accumulation.

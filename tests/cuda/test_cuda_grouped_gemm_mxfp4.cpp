@@ -4,9 +4,7 @@
 // input gradient dy W, uneven and empty groups, rows not multiples of the tile, k and n tails
 // (k % 64 == 32 leaves half of the last K step's scale groups out), skewed counts, BF16 and F32
 // operands, beta 0 (poisoned outputs) and 1; shapes the wgmma kernel does not take use the
-// fallback. A one-hot A reads every code at scales 2^-125 .. 2^125 back exactly. Each of the three
-// wgmma kernels (forward and input gradient with the weight as the register operand, the
-// decode-to-shared-memory kernel for the other shapes) runs on every kind of case.
+// fallback. A one-hot A reads every code at scales 2^-125 .. 2^125 back exactly.
 // `[.bench]` (run on request: test_cuda_grouped_gemm_mxfp4 "[bench]") times it against the BF16
 // grouped GEMM at Kimi K3's expert shapes and prints a table.
 #include <cuda_runtime.h>
@@ -158,7 +156,7 @@ TEST_CASE("cuda grouped_gemm MXFP4: uneven and empty groups, k and n tails, both
   }
 }
 
-TEST_CASE("cuda grouped_gemm MXFP4: the 64- and 128-column tiles") {
+TEST_CASE("cuda grouped_gemm MXFP4: narrow and partial weight tiles") {
   const std::vector<int32_t> sizes = {77, 0, 150, 3, 0, 260, 129, 40};
   uint64_t seed = 200;
   for (const Run& run : {kRuns[0], kRuns[3]}) {
@@ -177,14 +175,14 @@ TEST_CASE("cuda grouped_gemm MXFP4: the forward kernel's every N (rows of a grou
   check_mxfp4("every N", sizes, 256, 48, kRuns[1], true, 310);
 }
 
-TEST_CASE("cuda grouped_gemm MXFP4: the input-gradient kernel's every N, k tails") {
-  // The input-gradient kernel (dy W, n % 256 == 0) multiplies up to 128 rows of a group per tile
-  // with N = the rows rounded up to 32 (these groups take N = 32 .. 128, several tiles for 130 and
-  // more rows); k = 136 ends on a K step of 8 rows, k = 72 on one of 8 after a full one.
-  const std::vector<int32_t> sizes = {20, 50, 70, 100, 0, 130, 170, 200, 513, 1};
+TEST_CASE("cuda grouped_gemm MXFP4: the input gradient's every N, k and n tails") {
+  // dy W, as the forward: N = 32, 64, ..., 256 and three tiles for 513 rows; k = 136 ends on a K
+  // step of 8 rows, k = 72 on one of 8 after a full one; n = 160 and 800 end on 32 columns of a
+  // 128-column tile (one warpgroup idle, half of the other's warps storing nothing).
+  const std::vector<int32_t> sizes = {20, 50, 70, 100, 0, 130, 170, 200, 230, 256, 513, 1};
   check_mxfp4("every N", sizes, 136, 256, kRuns[3], true, 340);
-  check_mxfp4("every N", sizes, 64, 768, kRuns[4], true, 350);
-  check_mxfp4("every N", sizes, 72, 512, kRuns[5], true, 360);
+  check_mxfp4("every N", sizes, 64, 800, kRuns[4], true, 350);
+  check_mxfp4("every N", sizes, 72, 160, kRuns[5], true, 360);
 }
 
 TEST_CASE("cuda grouped_gemm MXFP4: random skewed counts, one group holding every row") {
