@@ -373,7 +373,7 @@ def make_one(name, out_root, device, seed, results):
                            "indexer.wk.weight", "indexer.wq_b.weight"],
           f"saved indexer tensors {indexer_keys} are not the names moetrain reads (core/model/dsa_indexer.h)")
 
-    pm = mf.attach_lora(model, MLA_TARGETS, seed + 1)
+    pm = mf.attach_lora(model, MLA_TARGETS, seed + 1, {}, {})  # no rank or alpha patterns
     pm.train()
     mf.EXPERT_ADAPTER_KEYS.clear()
     mf.EXPERT_ADAPTER_KEYS.update(mf.find_expert_adapter_keys(pm, cfg))

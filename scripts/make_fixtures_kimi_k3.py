@@ -107,9 +107,22 @@ COMMON = dict(
 )
 # One config: routed expert storage, attn_res_block_size, (activation_situ_beta,
 # activation_situ_linear_beta), (num_expert_group, topk_group), routed_scaling_factor, experts per
-# token, and whether every frozen weight is a bf16 value (F32 still; for the GPU's bf16 check).
-Variant = collections.namedtuple("Variant", "experts block betas groups scaling top_k bf16_weights",
-                                 defaults=(COMMON["num_experts_per_token"], False))
+# token, whether every frozen weight is a bf16 value (F32 still; for the GPU's bf16 check), and
+# factors on the drawn embedding and on the drawn output projections (BF16_CONDITIONED says why).
+Variant = collections.namedtuple("Variant", "experts block betas groups scaling top_k bf16_weights embed_scale out_scale",
+                                 defaults=(COMMON["num_experts_per_token"], False, 1.0, 1.0))
+# The bf16 fixtures' weights, conditioned so that bf16 activations keep the logits and gradients
+# within bf16 tolerances of the fp32 reference. With attention residuals each layer's output is
+# about as large as its input (the partial sum holds only the current block, the mixes are convex),
+# so a rounding in layer 0 reaches the logits with a gain of about 1.3 per sublayer: drawn like
+# kimi_k3_hybrid, a CPU emulation of the GPU's bf16 roundings (every activation op's output, the
+# LoRA weights) leaves the logits 0.165 / 0.134 (scaled) from fp32, and the H200 measured 0.150 /
+# 0.148. An embedding 4x larger (the first value of every depth mix) and halved attention outputs
+# (o_proj) and latent-MoE projections (routed_expert_down_proj / up_proj) lower the gain: the same
+# emulation then gives 0.018 / 0.020 (logits) and 0.12 / 0.10 (worst gradient). Powers of two, so
+# the weights stay bf16 values and the draws stay those of the other configs.
+BF16_CONDITIONED = dict(top_k=COMMON["num_experts"], bf16_weights=True, embed_scale=4.0, out_scale=0.5)
+OUT_PROJECTIONS = re.compile(r"(\.self_attn\.o_proj|\.mlp\.routed_expert_down_proj|\.mlp\.routed_expert_up_proj)\.weight$")
 VARIANTS = {
     # K3's released flags (SiTU 4 / 25, one expert group, scaling 1); blocks of 2: layers 0, 2, 4 file
     # a block summary, so the final mix sees three summaries and the partial sum of layer 4.
@@ -128,13 +141,13 @@ VARIANTS = {
     # For the GPU's bf16 check (tests/cuda/test_cuda_golden_model.cpp), as kimi_linear_bf16 is for
     # Kimi-Linear: every expert is chosen (top 8 of 8), so routing has no top-k boundary a bf16
     # rounding could flip, and every frozen weight is a bf16 value, so what the GPU rounds is only
-    # its activations. The other K3 fixtures are ill-conditioned in bf16 (their top-2 choices flip).
+    # its activations; weights conditioned as BF16_CONDITIONED says. The other K3 fixtures are
+    # ill-conditioned in bf16 (their top-2 choices flip).
     # BF16 experts; the hybrid layers, blocks of 2, a scaling factor.
-    "kimi_k3_bf16": Variant("bf16", 2, (4.0, 25.0), (1, 1), 2.5, top_k=COMMON["num_experts"], bf16_weights=True),
+    "kimi_k3_bf16": Variant("bf16", 2, (4.0, 25.0), (1, 1), 2.5, **BF16_CONDITIONED),
     # The same with MXFP4 experts (every E2M1 value times an E8M0 scale is a bf16 value), blocks of 3
     # and betas at which both tanh caps bend.
-    "kimi_k3_mxfp4_bf16": Variant("mxfp4", 3, (2.0, 1.5), (1, 1), 2.5, top_k=COMMON["num_experts"],
-                                  bf16_weights=True),
+    "kimi_k3_mxfp4_bf16": Variant("mxfp4", 3, (2.0, 1.5), (1, 1), 2.5, **BF16_CONDITIONED),
 }
 # name -> 0-based KDA layers, number of layers, tokens per sequence, masked label positions; the
 # others: all MLA, COMMON's layers, SEQ, EXTRA_MASKED. 70 tokens = one full 64-token chunk of fla's
@@ -497,16 +510,18 @@ def build_model(nemo, config, variant, device, plan):
 
 
 @torch.no_grad()
-def init_weights(model, seed, bf16_weights=False):
+def init_weights(model, seed, bf16_weights=False, embed_scale=1.0, out_scale=1.0):
     """Every parameter from one seeded generator (matrices N(0, 1/fan_in), norms 1 + 0.1 N(0, 1), the
     router's score bias U[0, 0.2); KDA's A_log and dt_bias as below, its convs [C, 1, W] N(0, 1/W));
     NeMo's own init (zero residual queries, ones) would leave the depth mixes uniform and hide their
-    weights. With bf16_weights each value is rounded to bf16 after it is drawn (the same draws)."""
+    weights. The embedding is then multiplied by embed_scale and the output projections
+    (OUT_PROJECTIONS) by out_scale; with bf16_weights each value is rounded to bf16 (the same draws)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rounded(val):
         return val.to(torch.bfloat16).float() if bf16_weights else val
 
+    scaled = 0
     for name, p in sorted(model.named_parameters()):
         if name.endswith("embed_tokens.weight"):
             val = torch.randn(p.shape, generator=gen)
@@ -522,7 +537,14 @@ def init_weights(model, seed, bf16_weights=False):
             val = -2.5 + torch.randn(p.shape, generator=gen)
         else:
             fail(f"init_weights: unexpected parameter {name} {tuple(p.shape)}")
+        if name.endswith("embed_tokens.weight"):
+            val = val * embed_scale
+        elif OUT_PROJECTIONS.search(name):
+            val = val * out_scale
+            scaled += 1
         p.copy_(rounded(val).to(p.dtype))
+    layers = len(model.model.layers)  # an o_proj in each, the two latent projections in each MoE layer
+    check(scaled == 3 * layers - 2, f"init_weights: {scaled} output projections matched, want {3 * layers - 2}")
     for name, b in sorted(model.named_buffers()):
         if name.endswith("e_score_correction_bias"):
             b.copy_(rounded(BIAS_MAX * torch.rand(b.shape, generator=gen)).to(b.dtype))
@@ -984,7 +1006,7 @@ def make_one(nemo, name, out_root, device, seed, results):
     config = load_nemo_config(nemo, tmp_dir, warn)
     torch.manual_seed(seed)
     model = build_model(nemo, config, variant, device, plan)
-    init_weights(model, seed, variant.bf16_weights)
+    init_weights(model, seed, variant.bf16_weights, variant.embed_scale, variant.out_scale)
     written = checkpoint_tensors(model, experts, seed)
     torch_save_file(written, os.path.join(tmp_dir, "model.safetensors"))
     load_checkpoint(model, tmp_dir)
@@ -1150,7 +1172,8 @@ def make_one(nemo, name, out_root, device, seed, results):
         "device": str(device), "seed": str(seed), "batch_seed": str(seed + 100 + attempt),
         "min_routing_margin": f"{margin:.6e}", "experts_checkpoint": experts, "warnings": json.dumps(warn),
         "loss": f"{loss.item():.9e}", "experts_per_token": str(variant.top_k),
-        "bf16_weights": str(variant.bf16_weights),
+        "bf16_weights": str(variant.bf16_weights), "embed_scale": str(variant.embed_scale),
+        "out_scale": str(variant.out_scale),
     }
     if plan.kda:
         compared = [(d, o) for d, o in KDA_CROSSCHECK if o is not None]

@@ -3,19 +3,16 @@
 // scripts/make_fixtures_kimi_k3.py; docs/FIXTURES.md). Tiny K3 configs: gated NoPE MLA with q LoRA,
 // SiTU MLPs, the latent MoE with two shared experts and the sigmoid router, Block Attention Residuals
 // over several closed blocks; routed experts stored as BF16 weights or as MXFP4 codes and scales;
-// kimi_k3 and kimi_k3_mxfp4 are all MLA, kimi_k3_hybrid interleaves K3's KDA (q/k/v apart, full-rank
-// output gate, decay bounded below by -5) with MLA over 70 tokens. Our importer loads the
-// released-style directory (text_config, language_model. names, block_sparse_moe), our PEFT
-// importer the adapter; logits and loss must match to 1e-5 and every adapter gradient to 1e-4,
-// each against its own scale.
+// kimi_k3 and kimi_k3_mxfp4 are all MLA; kimi_k3_hybrid (BF16 experts) and kimi_k3_hybrid_mxfp4
+// interleave K3's KDA (q/k/v apart, full-rank output gate, decay bounded below by -5) with MLA over
+// 70 tokens. Our importer loads the released-style directory (text_config, language_model. names,
+// block_sparse_moe), our PEFT importer the adapter; logits and loss must match to 1e-5 and every
+// adapter gradient to 1e-4, each against its own scale.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -26,6 +23,7 @@
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "golden_checks.h"
+#include "golden_k3.h"
 #include "kernels/ops.h"
 
 using namespace moetrain;
@@ -33,9 +31,6 @@ using namespace moetrain;
 namespace {
 
 using testing::golden_batch;
-
-constexpr const char* kPeftPrefix = "base_model.model.";
-constexpr const char* kTextPrefix = "language_model.";
 
 // The fixture directory, or a failure that says how to make it.
 std::string fixture_dir(const std::string& name) {
@@ -50,37 +45,29 @@ std::string fixture_dir(const std::string& name) {
   return dir;
 }
 
-// An adapter key of the fixture (checkpoint names: "base_model.model.language_model.model.layers.1.
-// block_sparse_moe.shared_experts.gate_proj.lora_A.weight") as our parameter name
-// ("model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight").
+// A PEFT key of the fixture ("base_model.model.language_model.model.layers.1.block_sparse_moe...")
+// as our parameter name.
 std::string our_parameter_name(const std::string& adapter_key) {
-  REQUIRE(adapter_key.rfind(kPeftPrefix, 0) == 0);
-  std::string name = adapter_key.substr(std::strlen(kPeftPrefix));
-  if (name.rfind(kTextPrefix, 0) == 0) name = name.substr(std::strlen(kTextPrefix));
-  const std::string moe = ".block_sparse_moe.";
-  const size_t at = name.find(moe);
-  if (at != std::string::npos) name.replace(at, moe.size(), ".mlp.");
-  return name;
-}
-
-// LoRA targets: the adapter's target_modules, and the modules whose weight target_parameters names
-// (the dense MLP's and the shared experts' gate/up/down_proj).
-std::vector<std::string> adapter_targets(const std::string& adapter_dir) {
-  std::ifstream in(adapter_dir + "/adapter_config.json");
-  const nlohmann::json config = nlohmann::json::parse(in);
-  std::vector<std::string> targets = config.at("target_modules").get<std::vector<std::string>>();
-  for (const std::string& parameter : config.value("target_parameters", std::vector<std::string>())) {
-    const std::string suffix = ".weight";
-    REQUIRE(parameter.size() > suffix.size());
-    REQUIRE(parameter.compare(parameter.size() - suffix.size(), suffix.size(), suffix) == 0);
-    targets.push_back(parameter.substr(0, parameter.size() - suffix.size()));
-  }
-  return targets;
+  const std::string prefix = "base_model.model.";
+  REQUIRE(adapter_key.rfind(prefix, 0) == 0);
+  return testing::k3_parameter_name(adapter_key.substr(prefix.size()));
 }
 
 const std::vector<MixerKind> kAllMla(5, MixerKind::kMla);
 const std::vector<MixerKind> kHybrid = {MixerKind::kKda, MixerKind::kKda, MixerKind::kKda,
                                         MixerKind::kMla, MixerKind::kKda, MixerKind::kMla};
+
+// A fixture and what it was made with (scripts/make_fixtures_kimi_k3.py's VARIANTS).
+struct Fixture {
+  std::string name;
+  std::string expert_format;
+  std::vector<MixerKind> mixers;
+  int64_t experts_per_token;
+};
+const Fixture kK3{"kimi_k3", "bf16", kAllMla, 2};
+const Fixture kK3Mxfp4{"kimi_k3_mxfp4", "mxfp4", kAllMla, 2};
+const Fixture kK3Hybrid{"kimi_k3_hybrid", "bf16", kHybrid, 2};
+const Fixture kK3HybridMxfp4{"kimi_k3_hybrid_mxfp4", "mxfp4", kHybrid, 2};
 
 // The user's view: a config naming the directory (and, for packed experts, their format).
 Config fixture_config(const std::string& dir, const std::string& expert_format, int64_t seq_len) {
@@ -90,8 +77,10 @@ Config fixture_config(const std::string& dir, const std::string& expert_format, 
   return parse_config(yaml, "golden_kimi_k3.yaml");
 }
 
-void check_fixture(const std::string& name, const std::string& expert_format, DType dtype,
-                   const std::vector<MixerKind>& mixers = kAllMla, double logits_tolerance = 1e-5) {
+void check_fixture(const Fixture& fixture, DType dtype, double logits_tolerance = 1e-5) {
+  const std::string& name = fixture.name;
+  const std::string& expert_format = fixture.expert_format;
+  const std::vector<MixerKind>& mixers = fixture.mixers;
   const std::string dir = fixture_dir(name);
   SafetensorsFile golden(dir + "/golden.safetensors");
   Batch batch = golden_batch(golden);
@@ -120,6 +109,8 @@ void check_fixture(const std::string& name, const std::string& expert_format, DT
   REQUIRE(m.moe.latent_size == 32);
   REQUIRE(m.moe.use_latent_norm);
   REQUIRE(m.moe.num_shared_experts == 2);
+  REQUIRE(m.moe.num_experts == 8);
+  REQUIRE(m.moe.top_k == fixture.experts_per_token);
   REQUIRE(m.moe.expert_format == expert_format);
 
   auto backend = kernels::make_cpu_backend();
@@ -127,7 +118,7 @@ void check_fixture(const std::string& name, const std::string& expert_format, DT
   ModelOptions options;
   options.dtype = dtype;
   options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
-  options.lora_targets = adapter_targets(dir + "/adapter");
+  options.lora_targets = testing::k3_adapter_targets(dir + "/adapter");
   Model model(spec, *backend, options);
   model.load_weights(HfCheckpoint(dir));
   load_peft_adapter(model, dir + "/adapter");
@@ -146,23 +137,31 @@ void check_fixture(const std::string& name, const std::string& expert_format, DT
 }  // namespace
 
 TEST_CASE("golden: Kimi K3 with BF16 experts (gated MLA + SiTU + latent MoE + attention residuals)", "[golden][k3]") {
-  check_fixture("kimi_k3", "bf16", DType::kF32);
+  check_fixture(kK3, DType::kF32);
 }
 
-TEST_CASE("golden: Kimi K3 with MXFP4 experts", "[golden][k3]") { check_fixture("kimi_k3_mxfp4", "mxfp4", DType::kF32); }
+TEST_CASE("golden: Kimi K3 with MXFP4 experts", "[golden][k3]") { check_fixture(kK3Mxfp4, DType::kF32); }
 
 TEST_CASE("golden: Kimi K3 in double precision", "[golden][k3]") {
-  check_fixture("kimi_k3", "bf16", DType::kF64);
-  check_fixture("kimi_k3_mxfp4", "mxfp4", DType::kF64);
+  check_fixture(kK3, DType::kF64);
+  check_fixture(kK3Mxfp4, DType::kF64);
 }
 
 // The hybrid's logits in F32 get twice the others' bound: the fixture itself (torch in fp32, six
 // layers with KDA's recurrence) is 5.7e-6 from the script's float64 numpy forward, exactly where
 // our F64 run lands, and our F32 rounding adds as much again (1.0e-5 measured).
 TEST_CASE("golden: Kimi K3 hybrid (KDA 4 : MLA 2, attention residuals, latent MoE)", "[golden][k3]") {
-  check_fixture("kimi_k3_hybrid", "bf16", DType::kF32, kHybrid, 2e-5);
+  check_fixture(kK3Hybrid, DType::kF32, 2e-5);
 }
 
-TEST_CASE("golden: Kimi K3 hybrid in double precision", "[golden][k3]") {
-  check_fixture("kimi_k3_hybrid", "bf16", DType::kF64, kHybrid);
+TEST_CASE("golden: Kimi K3 hybrid in double precision", "[golden][k3]") { check_fixture(kK3Hybrid, DType::kF64); }
+
+// The released layout at toy size: the hybrid layers with MXFP4 experts (blocks of 3). Measured:
+// F32 logits 7.8e-6, gradients <= 5.0e-5; F64 logits 8.0e-6 (the fixture's own fp32 error: the
+// script's float64 forward is 8.0e-6 from it), gradients <= 9.6e-5 (layer 1's KDA f_b_proj LoRA,
+// where the fp32 reference's own noise is largest; central differences of the float64 forward
+// agreed with it to 3.8e-5).
+TEST_CASE("golden: Kimi K3 hybrid with MXFP4 experts", "[golden][k3]") {
+  check_fixture(kK3HybridMxfp4, DType::kF32, 2e-5);
+  check_fixture(kK3HybridMxfp4, DType::kF64);
 }
