@@ -143,8 +143,9 @@ const Run kRuns[] = {
 };
 
 TEST_CASE("cuda grouped_gemm MXFP4: uneven and empty groups, k and n tails, both layouts") {
-  // 879 rows over ten groups (four empty). Forward: k = 160 is two K steps and a half one, n = 272
-  // a full 256-column tile and a partial one; input gradient: k = 136, n = 288.
+  // 879 rows over ten groups (four empty; 300 and 257 rows take two row tiles). Forward: k = 160
+  // is two K steps and a half one, n = 272 two full 128-column tiles and one of 16; input
+  // gradient: k = 136, n = 288 (the last tile 32 columns).
   const std::vector<int32_t> sizes = {0, 300, 0, 129, 1, 64, 0, 257, 128, 0};
   uint64_t seed = 10;
   for (const Run& run : kRuns) {
