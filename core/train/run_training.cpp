@@ -244,13 +244,23 @@ int run_training(Runtime& runtime, const Config& config) {
   CheckpointSession checkpoints(config, *group, trainer, *backend, cursor, layout);
   checkpoints.resume();
   trainer.set_after_step([&checkpoints](const StepRecord&) { checkpoints.after_step(); });
+  const int64_t waits_before = backend->stats().host_waits;
   std::vector<double> losses = trainer.run();
+  // Times the host waited for the device during the steps (checkpoints included): one per step
+  // is the gradient norm's read (core/train/trainer.h); the CPU backend never waits.
+  const int64_t waits = backend->stats().host_waits - waits_before;
   checkpoints.finish();
   log_device_memory(*backend, runtime);
   if (!losses.empty()) {
     const double floor = data->loss_floor();
-    log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}; metrics in {}", losses.front(), losses.back(),
-                          losses.size(), std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor),
+    const std::string host_waits =
+        backend->device() == Device::kCPU
+            ? ""
+            : fmt::format("; {} host waits for the device ({:.2f} per step)", waits,
+                          static_cast<double>(waits) / static_cast<double>(losses.size()));
+    log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}{}; metrics in {}", losses.front(),
+                          losses.back(), losses.size(),
+                          std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor), host_waits,
                           config.logging.run_dir + "/metrics.jsonl"));
     // A run directory with spaces or quotes is single-quoted, so the line can be pasted as it is.
     std::string run_dir = config.logging.run_dir;

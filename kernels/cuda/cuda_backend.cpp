@@ -215,7 +215,11 @@ class CudaBackend final : public Backend {
     if (host_src || host_dst) synchronize();
   }
 
-  Allocator& pinned_allocator() override { return pinned_; }
+  // One for the process, like the device allocator: a tensor from it may outlive this backend.
+  Allocator& pinned_allocator() override {
+    static PinnedAllocator pinned;
+    return pinned;
+  }
 
   void copy_async(const TensorView& dst, const TensorView& src) override {
     const char* op = "copy_async";
@@ -1016,7 +1020,6 @@ class CudaBackend final : public Backend {
   }
 
   cudaStream_t stream_ = nullptr;
-  PinnedAllocator pinned_;
   cuda_ops::BlasContext blas_;
   cuda_ops::DeviceScratch gemm_scratch_;  // BF16 copies of F32 GEMM operands
   cuda_ops::GemmPlanCache gemm_plans_;    // cuBLASLt descriptors and algorithms per GEMM shape
