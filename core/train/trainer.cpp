@@ -120,8 +120,14 @@ StepRecord Trainer::train_step() {
   // Read after the gradient norm, which has waited for the device: the results are there by then,
   // so reading them adds no wait. The skip below needs both the loss and the norm on the host.
   double loss_sum = 0.0;
-  for (PendingStep& pending : results) {
-    const StepResult& result = pending.get();
+  for (size_t i = 0; i < results.size(); ++i) {
+    StepResult result;
+    try {
+      result = results[i].get();
+    } catch (const Error& error) {  // a device failure surfaces where the host waits for it
+      throw Error(error.code(), fmt::format("step {}, micro-batch {}: reading its loss: {}", record.step + 1, i + 1,
+                                            error.what()));
+    }
     loss_sum += result.loss_sum;
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     merge_expert_loads(record, result);
