@@ -188,6 +188,18 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       fmt::format("{:.3g} params of the local experts x 8 B", expert_lora));
   add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * 4 * kF32,
       fmt::format("local experts' LoRA / {} expert replicas x 16 B", mesh.expert_replicas()));
+  // The CUDA DSA backward's scratch (kernels/cuda/sparse_attention.cu, the backend's grow-only
+  // DeviceScratch, so it stays for the run): the dkv contributions of one chunk of queries, F32
+  // [top_k, r + rope] per query, at most 2 GiB per chunk (kTensorCoreContribBudgetBytes).
+  const bool has_dsa = std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kDsa) > 0;
+  const double dsa_top_k = static_cast<double>(std::min(m.dsa.index_topk, config.data.seq_len));
+  const double dsa_row = static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim);
+  const double dsa_query_bytes = dsa_top_k * dsa_row * kF32;
+  const double dsa_chunk = std::min(static_cast<double>(plan.tokens_per_micro_batch),
+                                    std::floor(static_cast<double>(int64_t{2048} << 20) / std::max(1.0, dsa_query_bytes)));
+  add(plan.fixed, "DSA backward contribution chunk (fp32)", has_dsa ? dsa_chunk * dsa_query_bytes : 0.0,
+      fmt::format("min(tokens, 2 GiB / query) queries x top_k {:.0f} x (r + rope) {:.0f} x 4 B; 0 without DSA",
+                  dsa_top_k, dsa_row));
   add(plan.fixed, "loss chunk (fp32 logits)",
       static_cast<double>(std::min(options.loss_chunk_rows, plan.tokens_per_micro_batch) * m.vocab_size) * kF32,
       fmt::format("min({}, tokens) x vocab {} x 4 B", options.loss_chunk_rows, m.vocab_size));
@@ -206,6 +218,9 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0
           ? static_cast<double>(m.kda.num_heads * m.kda.head_dim * m.kda.head_dim) * kF32 / 64.0
           : 0.0;
+  // The DSA backward inverts the selection (which queries chose each key) by a radix sort of
+  // the (key, query) pairs and sums dkv in F32 [r + rope]: scratch for the one layer being run.
+  const double dsa_scratch_per_token = has_dsa ? 6 * dsa_top_k * kI32 + kI32 + dsa_row * kF32 : 0.0;
   const double final_part = 2 * static_cast<double>(m.hidden_size) * a + kF32;  // final_hidden, dfinal, rstd
   // Block Attention Residuals: the final norm's mixed input [D], and through the backward the
   // summaries' gradients, F32 [D] each (the summaries themselves are layer inputs, counted above).
@@ -228,6 +243,8 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
     }
     add(items, "backward temporaries of one layer", saved_max, "~ the largest layer's saved set");
     add(items, "KDA chunk states (inside the op)", kda_chunk_states, "H d^2 x 4 B / 64 (one state per chunk)");
+    add(items, "DSA backward scratch (inverse index, dkv sum)", dsa_scratch_per_token,
+        "6 x top_k x 4 B (key ids and positions, sorted copies, the sort's buffer) + 4 B (offsets) + (r + rope) x 4 B");
     add(items, "final norm, its gradient", final_part, "2 x D x a + 4 B");
     add(items, "attention-residual summary gradients", attn_res_part,
         fmt::format("D x (a + {:.0f} summaries x 4 B)", summaries));

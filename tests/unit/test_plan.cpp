@@ -174,6 +174,32 @@ TEST_CASE("a DSA layer's saved tensors per token, by hand") {
   CHECK(saved(gated) - saved(mla) == 2 * 2 * 2.0);
 }
 
+TEST_CASE("the CUDA DSA backward's scratch, by hand") {
+  // tiny_model_config: top 3 of windows of 8, kv rank 8 + rope 4. Per token: key ids and positions,
+  // their sorted copies and the sort's buffer 6*3*4, offsets 4, the F32 dkv sum 12*4 = 124. Fixed:
+  // the contributions of every query of the micro-batch (far under 2 GiB) 3*12*4 = 144 each.
+  Config dsa = testing::tiny_model_config(true);
+  Config mla = dsa;
+  mla.model.layers = {"mla", "kda", "mla"};
+  auto item = [](const std::vector<PlanItem>& items, const std::string& name) {
+    for (const PlanItem& i : items)
+      if (i.name == name) return i.bytes;
+    FAIL("no item " << name);
+    return 0.0;
+  };
+  const MemoryPlan with = make_memory_plan(dsa, PlanOptions{});
+  const MemoryPlan without = make_memory_plan(mla, PlanOptions{});
+  for (bool recompute : {true, false}) {
+    const auto& items = recompute ? with.per_token_recompute : with.per_token_full;
+    CHECK(item(items, "DSA backward scratch (inverse index, dkv sum)") == 124.0);
+    CHECK(item(recompute ? without.per_token_recompute : without.per_token_full,
+               "DSA backward scratch (inverse index, dkv sum)") == 0.0);
+  }
+  const double tokens = static_cast<double>(dsa.data.micro_batch * dsa.data.seq_len);
+  CHECK(item(with.fixed, "DSA backward contribution chunk (fp32)") == tokens * 144.0);
+  CHECK(item(without.fixed, "DSA backward contribution chunk (fp32)") == 0.0);
+}
+
 TEST_CASE("Kimi K3's KDA (fused qkv, full-rank output gate) counts what the model builds") {
   std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
   Config config = testing::tiny_model_config(false);
