@@ -15,8 +15,10 @@
 //       b [G, n, k / 2] as [G * n, k / 2] bytes, 128 rows x 32 bytes; the input gradient's
 //       b [G, k, n / 2] as 3-D, 64 k rows x 64 bytes, 64-byte swizzle, k rows past the group's
 //       arriving as zeros) and a's rows in boxes of 32 x 64 (128-byte swizzle, the K-major B).
-//     - warps 1 and 2 convert the stage's E8M0 scales (global memory, byte loads) to BF16 in the
-//       order the consumers read them, then arrive on the stage's 'full' barrier beside the TMA.
+//       Input gradient with n % 512 == 0: also the stage's scale bytes, 64 k rows x 16 groups.
+//     - warps 1 and 2 convert the stage's E8M0 scales (from that TMA box, else byte loads from
+//       global memory) to BF16 in the order the consumers read them, then arrive on the stage's
+//       'full' barrier beside the TMA.
 //   Warpgroups 1 and 2, the consumers (232 registers): each thread decodes, per K step, its 16
 //   A-fragment registers (rows g and g + 8 of its warp's 16, k pairs (2c, 2c + 1) and
 //   (2c + 8, 2c + 9) of each k16, g = lane / 4, c = lane % 4) straight from the packed tile while
@@ -28,7 +30,8 @@
 //       ldmatrix.x4.trans in 16-bit units (4 columns) gives a thread columns 4g .. 4g + 3 of a
 //       32-column chunk at k rows 2c, 2c + 1 of each 8-row matrix: wgmma's k pairs. The chunk's
 //       two warps each take two of the four (warp parity e: columns 4g + 2e, 4g + 2e + 1 are
-//       fragment rows g, g + 8), a byte permute and a nibble swap pair each column's k values.
+//       fragment rows g, g + 8), a byte permute and decode4's strided pairs give each column's
+//       k pairs.
 //       The scales differ along K, so each register has its own pair.
 //     decode4: E2M1 magnitudes by byte permutes from 8-entry tables, the sign by a permute's
 //     sign-replicate mode, then a bf16x2 multiply by the power-of-two scale (exact).
@@ -68,10 +71,18 @@ constexpr int kABytes = kTokenRows * kBK * 2;
 constexpr int kBoxBytes = kBox * kBK * 2;
 constexpr int kWBytes = kWeightRows * kBK / 2;
 constexpr int kSBytes = 1024;  // a stage's scales as BF16: 256 words
-constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
+// Input gradient with TMA scales: a stage's E8M0 bytes as copied, 64 k rows x 16 groups.
+constexpr int kRawGroups = 16;
+constexpr int kRawBytes = kBK * kRawGroups;
 constexpr int kStageBudgetBytes = 200 * 1024;  // of the 227 KB a CTA may have
 constexpr int kMaxStages = 8;
-constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
+// A stage: a, W, the scale words and (input gradient) the raw scale bytes.
+template <bool kInputGrad>
+struct StageLayout {
+  static constexpr int kBytes = kABytes + kWBytes + kSBytes + (kInputGrad ? kRawBytes : 0);
+  static constexpr int kCount = std::min(kMaxStages, kStageBudgetBytes / kBytes);
+  static_assert(kCount >= 3, "too few stages to overlap loads with the math");
+};
 constexpr int kTileSlots = 2;
 constexpr int kConverters = 64;  // threads 32 .. 95: the scale converters
 constexpr int kProducerRegisters = 40;
@@ -81,8 +92,8 @@ constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K
 constexpr int kScaleStride = 36;
 constexpr int64_t kTableBudgetBytes = 24 * 1024;
 constexpr unsigned kAllLanes = 0xffffffffu;
-static_assert(kStages >= 3, "too few stages to overlap loads with the math");
-static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0 && kSBytes % 1024 == 0, "stages on whole swizzle patterns");
+static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0 && kSBytes % 1024 == 0 && kRawBytes % 1024 == 0,
+              "stages on whole swizzle patterns");
 static_assert(4 * kScaleStride * 4 <= kSBytes && 2 * kWeightRows * 4 <= kSBytes, "a stage's scale words");
 
 struct Params {
@@ -99,6 +110,7 @@ struct Params {
   int* tile_counter;  // [2], zero between launches: the next tile, the CTAs done fetching
   const uint8_t* packed;  // b's codes
   const uint8_t* scales;  // b's E8M0 bytes
+  int scale_tma;          // input gradient: the scales arrive by TMA (map_s), not by loads
 };
 
 struct GroupTable {
@@ -187,15 +199,19 @@ constexpr uint32_t kLowBytes0 = 0xC0800000u, kLowBytes1 = 0xC0804000u;
 // The E8M0 scale 2^(s - 127) as BF16 bits (s = 0: the subnormal 2^-127; 255: NaN).
 __device__ __forceinline__ uint32_t scale_bits(uint32_t s) { return s == 0 ? 0x0040u : s == 255 ? 0x7FC0u : s << 7; }
 
-// 4 codes (the low 16 bits of `codes`: nibble i is value i) to BF16 pairs (v0, v1) and (v2, v3)
-// times `scale` (a pair of powers of two). The sign: a selector nibble with bit 3 set replicates
-// the chosen byte's top bit (0x80: 0xFF), otherwise copies it (0x80); shifted left, bit 7 tells.
+// 4 codes (the low 16 bits of `codes`: nibble i is value i) to BF16 pairs times `scale` (a pair
+// of powers of two): (v0, v1) and (v2, v3), or with kStrided (v0, v2) and (v1, v3). The sign: a
+// selector nibble with bit 3 set replicates the chosen byte's top bit (0x80: 0xFF), otherwise
+// copies it (0x80); shifted left, bit 7 tells.
+template <bool kStrided>
 __device__ __forceinline__ void decode4(uint32_t codes, uint32_t scale, uint32_t& v01, uint32_t& v23) {
   const uint32_t magnitudes = codes & 0x7777u;
   const uint32_t high = byte_permute(kHighBytes0, kHighBytes1, magnitudes) |
                         ((byte_permute(0x80808080u, 0x80808080u, codes) << 1) & 0x80808080u);
   const uint32_t low = byte_permute(kLowBytes0, kLowBytes1, magnitudes);
-  uint32_t pair[2] = {byte_permute(low, high, 0x5140u), byte_permute(low, high, 0x7362u)};
+  // Value i is byte i of `low` (selector nibble i) and of `high` (4 + i).
+  uint32_t pair[2] = {byte_permute(low, high, kStrided ? 0x6240u : 0x5140u),
+                      byte_permute(low, high, kStrided ? 0x7351u : 0x7362u)};
   const __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162*>(&scale);
   const __nv_bfloat162 a = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[0]), s);
   const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[1]), s);
@@ -306,9 +322,13 @@ __device__ __forceinline__ void store_tile(const float (&acc)[128], const Params
   }
 }
 
-// Converter i's share of one K step's scales: four E8M0 bytes from global memory (load_scales,
-// issued two K steps ahead: the igrad's k rows are mostly L2 hits), written as BF16 into the
-// stage's words (store_scales) in the order the consumers read them.
+// Converter i's share of one K step's scales: four E8M0 bytes, written as BF16 into the stage's
+// words (store_scales) in the order the consumers read them. They come from global memory
+// (load_scales, issued two K steps ahead), or for the input gradient when n % 512 == 0 from the
+// stage's raw bytes (raw_scales): thread 0 copies the step's 64 k rows x 16 groups (the tile's 4
+// and their neighbours: TMA boxes are whole 16-byte pieces) by TMA with the stage's other loads,
+// so their latency hides behind the whole ring instead of two K steps (each k row is a new L2
+// line: the input gradient's scales are L1 misses, the forward's L1 hits).
 //   Forward: W rows 2i, 2i + 1 of the tile, groups 2s, 2s + 1: word 2 row + group holds the
 //     scale twice (both halves of a fragment register share it).
 //   Input gradient: k rows 2 pr, 2 pr + 1 (pr = i / 2) of the step, chunks 2 (i % 2) and + 1:
@@ -340,6 +360,22 @@ __device__ __forceinline__ ScaleBytes load_scales(const Params& p, const Tile& t
   return out;
 }
 
+// Input gradient, TMA scales: the bytes load_scales<true> reads, from the stage's raw box
+// (row r, group column x at r * kRawGroups + x; k rows past k arrive as zeros, read as scale 2^-127:
+// their codes are zeros too). The tile's 4 groups start at column (n0 / 32) % 16, a multiple of
+// 4: each k row's two chunk bytes are one aligned 16-bit load.
+__device__ __forceinline__ ScaleBytes raw_scales(const unsigned char* raw, const Tile& tile, int i) {
+  const unsigned char* at = raw + 2 * (i / 2) * kRawGroups + (tile.n0 / 32) % kRawGroups + 2 * (i % 2);
+  ScaleBytes out;
+#pragma unroll
+  for (int d = 0; d < 2; ++d) {
+    const uint32_t two = *reinterpret_cast<const uint16_t*>(at + d * kRawGroups);
+    out.b[d][0] = two & 0xFFu;
+    out.b[d][1] = two >> 8;
+  }
+  return out;
+}
+
 template <bool kInputGrad>
 __device__ __forceinline__ void store_scales(uint32_t* words, const ScaleBytes& in, int i) {
   if constexpr (kInputGrad) {
@@ -361,11 +397,13 @@ __device__ __forceinline__ void store_scales(uint32_t* words, const ScaleBytes& 
 template <bool kInputGrad>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_mxfp4_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
-                      const Params p) {
+                      const __grid_constant__ CUtensorMap map_s, const Params p) {
+  constexpr int kStages = StageLayout<kInputGrad>::kCount;
   extern __shared__ __align__(1024) unsigned char shared[];
   uint64_t* full = reinterpret_cast<uint64_t*>(shared);
   uint64_t* empty = full + kStages;
-  uint64_t* tile_full = empty + kStages;
+  uint64_t* raw_full = empty + kStages;  // the raw scale bytes landed (input gradient, TMA scales)
+  uint64_t* tile_full = raw_full + kStages;
   uint64_t* tile_empty = tile_full + kTileSlots;
   int* tile_slot = reinterpret_cast<int*>(tile_empty + kTileSlots);
   GroupTable table{tile_slot + kTileSlots, nullptr};
@@ -374,6 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
   unsigned char* w_stages = a_stages + kStages * kABytes;
   unsigned char* s_stages = w_stages + kStages * kWBytes;
+  unsigned char* raw_stages = s_stages + kStages * kSBytes;  // input gradient only
 
   // Warp-uniform in the compiler's eyes too (a broadcast), so the wgmma paths are not divergent.
   const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
@@ -381,6 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       sm90::barrier_init(&full[s], 1 + kConverters);  // thread 0's arrival arming the TMA bytes, the converters'
       sm90::barrier_init(&empty[s], 2 * 4);           // lane 0 of every consumer warp
+      sm90::barrier_init(&raw_full[s], 1);            // thread 0 arming the raw scale bytes
     }
     for (int s = 0; s < kTileSlots; ++s) {
       sm90::barrier_init(&tile_full[s], 1);
@@ -417,6 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       sm90::tma_prefetch_descriptor(&map_a);
       sm90::tma_prefetch_descriptor(&map_w);
+      if (kInputGrad && p.scale_tma) sm90::tma_prefetch_descriptor(&map_s);
       for (;;) {
         sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
         const int t = atomicAdd(p.tile_counter, 1);
@@ -431,6 +472,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int boxes = boxes_of(tile);
         for (int s = 0; s < tile.k_steps; ++s) {
           sm90::barrier_wait(&empty[stage], phase ^ 1);
+          if (kInputGrad && p.scale_tma) {  // first: the converters wait for these bytes
+            sm90::barrier_arrive_expect_bytes(&raw_full[stage], kRawBytes);
+            sm90::tma_load_3d(raw_stages + stage * kRawBytes, &map_s, &raw_full[stage],
+                              tile.n0 / 32 / kRawGroups * kRawGroups, s * kBK, tile.group);
+          }
           sm90::barrier_arrive_expect_bytes(&full[stage], kWBytes + boxes * kBoxBytes);
           if constexpr (kInputGrad) {
             sm90::tma_load_3d(w_stages + stage * kWBytes, &map_w, &full[stage], tile.n0 / 2, s * kBK, tile.group);
@@ -458,6 +504,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int t = next_tile();
         if (t >= total_tiles) break;
         const Tile tile = decode_tile(t, p, table);
+        if (kInputGrad && p.scale_tma) {
+          // raw_full's phase completing means thread 0 saw the stage empty: the words are free.
+          for (int s = 0; s < tile.k_steps; ++s) {
+            sm90::barrier_wait(&raw_full[stage], phase);
+            const ScaleBytes current = raw_scales(raw_stages + stage * kRawBytes, tile, i);
+            store_scales<kInputGrad>(reinterpret_cast<uint32_t*>(s_stages + stage * kSBytes), current, i);
+            sm90::barrier_arrive(&full[stage]);
+            advance();
+          }
+          continue;
+        }
         ScaleBytes next = load_scales<kInputGrad>(p, tile, 0, i), after = next;
         if (tile.k_steps > 1) after = load_scales<kInputGrad>(p, tile, 1, i);
         for (int s = 0; s < tile.k_steps; ++s) {
@@ -502,11 +559,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
         // Registers 2 kk and 2 kk + 1: k rows 16 kk + 2c (+ 1) and 16 kk + 8 + 2c (+ 1). Per 16
-        // bits, the nibbles (k even: column lo, hi; k odd: lo, hi) swap their middle two.
-        const uint32_t y = byte_permute(x[kk / 2][(kk % 2) * 2], x[kk / 2][(kk % 2) * 2 + 1], selector);
-        const uint32_t codes = (y & 0xF00FF00Fu) | ((y << 4) & 0x0F000F00u) | ((y >> 4) & 0x00F000F0u);
-        decode4(codes, scale[2 * kk], f[4 * kk], f[4 * kk + 1]);
-        decode4(codes >> 16, scale[2 * kk + 1], f[4 * kk + 2], f[4 * kk + 3]);
+        // bits, the nibbles are (k even: column lo, hi; k odd: lo, hi): decode4's strided pairs
+        // are each column's (k even, k odd).
+        const uint32_t codes = byte_permute(x[kk / 2][(kk % 2) * 2], x[kk / 2][(kk % 2) * 2 + 1], selector);
+        decode4<true>(codes, scale[2 * kk], f[4 * kk], f[4 * kk + 1]);
+        decode4<true>(codes >> 16, scale[2 * kk + 1], f[4 * kk + 2], f[4 * kk + 3]);
       }
     } else {
       const unsigned char* w = w_stages + st * kWBytes + row * 32;
@@ -520,10 +577,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint2 s1 = *reinterpret_cast<const uint2*>(scales + (row + 8) * 8);
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
-        decode4(byte_permute(words0[2 * kk], words0[2 * kk + 1], selector), kk < 2 ? s0.x : s0.y, f[4 * kk],
-                f[4 * kk + 2]);
-        decode4(byte_permute(words1[2 * kk], words1[2 * kk + 1], selector), kk < 2 ? s1.x : s1.y, f[4 * kk + 1],
-                f[4 * kk + 3]);
+        decode4<false>(byte_permute(words0[2 * kk], words0[2 * kk + 1], selector), kk < 2 ? s0.x : s0.y, f[4 * kk],
+                       f[4 * kk + 2]);
+        decode4<false>(byte_permute(words1[2 * kk], words1[2 * kk + 1], selector), kk < 2 ? s1.x : s1.y,
+                       f[4 * kk + 1], f[4 * kk + 3]);
       }
     }
   };
@@ -747,8 +804,30 @@ CUtensorMap w_tensor_map(const GroupedGemmProblem& p) {
   return map;
 }
 
+// The input gradient's scales [G, k, n / 32] bytes as 3-D (k rows past a group's arrive as zeros),
+// boxes of 64 k rows x 16 bytes, when TMA can take them: rows a multiple of 16 bytes (n % 512 == 0,
+// so a 128-column tile's 4 groups never straddle two boxes), 16-byte aligned. Otherwise false and
+// the converters load the bytes themselves.
+bool scale_tensor_map(const GroupedGemmProblem& p, const void* b_scale, CUtensorMap* map) {
+  const int64_t row_bytes = p.n / 32;
+  if (p.transpose_b || row_bytes % kRawGroups != 0 || reinterpret_cast<uintptr_t>(b_scale) % 16 != 0) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(p.k),
+                              static_cast<cuuint64_t>(p.groups)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(row_bytes * p.k)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kRawGroups), static_cast<cuuint32_t>(kBK), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult status = encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(b_scale), dims,
+                                         strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                         CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
+                 "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
+  return true;
+}
+
 template <bool kInputGrad>
 void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t stream) {
+  using Stages = StageLayout<kInputGrad>;
   Params params{};
   params.c = p.c;
   params.c_f32 = p.c_dtype == DType::kF32;
@@ -765,6 +844,8 @@ void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t 
   params.scales = static_cast<const uint8_t*>(b_scale);
   const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBox);
   const CUtensorMap map_w = w_tensor_map(p);
+  CUtensorMap map_s{};  // unused unless params.scale_tma
+  params.scale_tma = scale_tensor_map(p, b_scale, &map_s) ? 1 : 0;
   static bool attribute_set[kMaxDevices] = {};  // per instantiation and device
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -773,13 +854,13 @@ void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t 
                                     static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
     attribute_set[device % kMaxDevices] = true;
   }
-  const size_t shared = (2 * kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
+  const size_t shared = (3 * Stages::kCount + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
                         2 * static_cast<size_t>(p.groups + 1) * sizeof(int) + 1024 +
-                        static_cast<size_t>(kStages) * kStageBytes;
+                        static_cast<size_t>(Stages::kCount) * Stages::kBytes;
   // Each group adds at most one partial row block.
   const int64_t max_tiles = ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * params.n_tiles;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-  sm90_mxfp4_kernel<kInputGrad><<<grid, kThreads, shared, stream>>>(map_a, map_w, params);
+  sm90_mxfp4_kernel<kInputGrad><<<grid, kThreads, shared, stream>>>(map_a, map_w, map_s, params);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -179,11 +179,16 @@ TEST_CASE("cuda grouped_gemm MXFP4: the forward kernel's every N (rows of a grou
 TEST_CASE("cuda grouped_gemm MXFP4: the input gradient's every N, k and n tails") {
   // dy W, as the forward: N = 32, 64, ..., 256 and three tiles for 513 rows; k = 136 ends on a K
   // step of 8 rows, k = 72 on one of 8 after a full one; n = 160 and 800 end on 32 columns of a
-  // 128-column tile (one warpgroup idle, half of the other's warps storing nothing).
+  // 128-column tile (one warpgroup idle, half of the other's warps storing nothing). n = 1536 and
+  // 512 (n % 512 == 0) take the scales by TMA in boxes of 16 groups: 1536 has three boxes, each
+  // shared by four tiles (the tile's groups at 0, 4, 8, 12 of the box); k = 136 and 200 end on
+  // boxes of 8 k rows inside the group (the rest arrive as zeros, not the next group's scales).
   const std::vector<int32_t> sizes = {20, 50, 70, 100, 0, 130, 170, 200, 230, 256, 513, 1};
   check_mxfp4("every N", sizes, 136, 256, kRuns[3], true, 340);
   check_mxfp4("every N", sizes, 64, 800, kRuns[4], true, 350);
   check_mxfp4("every N", sizes, 72, 160, kRuns[5], true, 360);
+  check_mxfp4("every N, TMA scales", sizes, 136, 1536, kRuns[3], true, 370);
+  check_mxfp4("every N, TMA scales", sizes, 200, 512, kRuns[4], true, 380);
 }
 
 TEST_CASE("cuda grouped_gemm MXFP4: random skewed counts, one group holding every row") {
@@ -204,9 +209,15 @@ TEST_CASE("cuda grouped_gemm MXFP4: shapes the wgmma kernel does not take use th
 
 TEST_CASE("cuda grouped_gemm MXFP4: every code at extreme scales decodes exactly (one-hot rows)") {
   // Row r of group g is the unit vector e_(r % k): c[r] is column (or row) r % k of W[g], exact in
-  // F32. Scales 2..252 keep every weight a normal BF16 number.
-  for (bool transpose_b : {true, false}) {
-    const int64_t groups = 2, k = 128, n = 256;
+  // F32. Scales 2..252 keep every weight a normal BF16 number. The input gradient with n = 512
+  // takes its scales by TMA (n = 256 by the converters' loads).
+  struct OneHotShape {
+    bool transpose_b;
+    int64_t n;
+  };
+  for (const OneHotShape& shape : {OneHotShape{true, 256}, OneHotShape{false, 256}, OneHotShape{false, 512}}) {
+    const bool transpose_b = shape.transpose_b;
+    const int64_t groups = 2, k = 128, n = shape.n;
     const std::vector<int32_t> offsets = {0, static_cast<int32_t>(k), static_cast<int32_t>(2 * k)};
     const Operand group_offsets = int_operand(offsets, {groups + 1});
     Tensor a_host = Tensor::zeros({groups * k, k}, DType::kF64);
@@ -234,8 +245,8 @@ TEST_CASE("cuda grouped_gemm MXFP4: every code at extreme scales decodes exactly
             ++mismatches;
           }
         }
-    INFO((transpose_b ? "x.W^T" : "dy.W") << ": " << mismatches << " of " << got.numel() << " differ, first at "
-                                          << first);
+    INFO((transpose_b ? "x.W^T" : "dy.W") << " n " << n << ": " << mismatches << " of " << got.numel()
+                                          << " differ, first at " << first);
     CHECK(mismatches == 0);
   }
 }
