@@ -1,11 +1,12 @@
 // The whole model on the GPU against the transformers + PEFT golden files (tests/fixtures/golden,
 // docs/FIXTURES.md): the CUDA twin of the CPU golden tests (DeepSeek-V3, Kimi-Linear's KDA + MLA
-// hybrid, DeepSeek-V3.2's DSA), under the CUDA dtype policy (BF16 activations and frozen weights,
+// hybrid, DeepSeek-V3.2's DSA, NeMo AutoModel's Kimi K3 hybrid), under the CUDA dtype policy (BF16 activations and frozen weights,
 // F32 LoRA parameters and gradients), keeping activations and with recompute. The reference is
 // fp32, so the comparison measures our bf16 rounding; the tolerances below are bf16-sized, and a
 // last test checks that they still reject a model with one adapter deliberately wrong.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,6 +21,7 @@
 #include "core/model/peft_adapter.h"
 #include "dsa_golden_probe.h"
 #include "golden_files.h"
+#include "golden_k3.h"
 #include "kernels/ops.h"
 
 namespace moetrain {
@@ -54,6 +56,7 @@ struct GoldenModel {
   std::string dir;
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<Model> model;
+  bool kimi_k3 = false;  // adapter keys under the checkpoint's names (golden_k3.h)
 
   GoldenModel(const std::string& name, bool recompute)
       : dir(testing::golden_dir(name)), backend(kernels::make_cuda_backend()) {
@@ -62,8 +65,12 @@ struct GoldenModel {
     config.data.seq_len = golden_batch(SafetensorsFile(dir + "/golden.safetensors")).seq_len;
     const ModelSpec spec = resolve_model_spec(config);
     ModelOptions options = testing::golden_model_options(dir, spec);
-    // Kimi-Linear's adapters also sit on KDA's projections, some under transformers' names.
-    if (std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0) {
+    kimi_k3 = spec.config.model_type == "kimi_k3";
+    // Kimi-Linear's adapters also sit on KDA's projections, some under transformers' names; a K3
+    // adapter names ours (and reaches the MLPs through target_parameters).
+    if (kimi_k3) {
+      options.lora_targets = testing::k3_adapter_targets(dir + "/adapter");
+    } else if (std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0) {
       options.lora_targets = testing::kimi_adapter_targets(dir + "/adapter");
     }
     options.dtype = DType::kBF16;
@@ -109,9 +116,10 @@ void check_against_golden(const std::string& name, bool recompute) {
   const StepResult result = model.forward_backward(batch, 1.0 / static_cast<double>(targets));
   const double loss = result.loss_sum / static_cast<double>(targets);
   const double golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+  const double loss_error = std::fabs(loss - golden_loss) / std::fabs(golden_loss);
   INFO(label << ": loss " << loss << " vs " << golden_loss);
   CHECK(std::isfinite(loss));
-  CHECK(std::fabs(loss - golden_loss) <= kLossTolerance * std::fabs(golden_loss));
+  CHECK(loss_error <= kLossTolerance);
 
   // Every adapter gradient, each against its own scale.
   // Under our names and transformers' (Kimi-Linear's adapter keys use the latter's).
@@ -126,14 +134,25 @@ void check_against_golden(const std::string& name, bool recompute) {
     CHECK(non_finite_count(grad) == 0);
   }
   int compared = 0;
+  double worst_gradient = 0.0;
+  std::string worst_key;
   for (const std::string& key : golden.names()) {
     if (key.rfind("grad.", 0) != 0) continue;
-    const std::string param = key.substr(std::string("grad.base_model.model.").size());
+    std::string param = key.substr(std::string("grad.base_model.model.").size());
+    if (golden_model.kimi_k3) param = testing::k3_parameter_name(param);
     const double error = scaled_error(gradient_for(grads, param), golden.read_as(key, DType::kF64));
     INFO(label << ": " << key << " scaled error " << error);
     CHECK(error <= kGradientTolerance);
+    if (error >= worst_gradient) {
+      worst_gradient = error;
+      worst_key = param;
+    }
     ++compared;
   }
+  // The measured errors, for the record (docs/FIXTURES.md quotes them).
+  std::printf("%s: logits %.3e (bound %.0e), loss %.3e (%.0e), worst of %d gradients %.3e (%.2g) at %s\n",
+              label.c_str(), logits_error, kLogitsTolerance, loss_error, kLossTolerance, compared, worst_gradient,
+              kGradientTolerance, worst_key.c_str());
   // One gradient per adapter tensor, none left unchecked.
   CHECK(compared == static_cast<int>(SafetensorsFile(golden_model.dir + "/adapter/adapter_model.safetensors").names().size()));
 }
@@ -166,6 +185,22 @@ TEST_CASE("cuda golden: Kimi-Linear conditioned for bf16 (every expert, bf16 wei
   check_against_golden("kimi_linear_bf16", /*recompute=*/true);
 }
 
+// Kimi K3's hybrid (KDA K K K M K M, gated NoPE MLA, attention residuals over closing blocks, the
+// latent MoE with SiTU experts, two shared experts, 70 tokens across KDA's 64-token chunk) from NeMo
+// AutoModel's K3 (scripts/make_fixtures_kimi_k3.py), conditioned for bf16: as kimi_linear_bf16,
+// every expert chosen and every frozen weight a bf16 value, and in addition a 4x embedding and
+// halved output projections. Without the latter, attention residuals pass a rounding in layer 0 on
+// with a gain of ~1.3 per sublayer: the H200 landed 0.150 / 0.148 off in the logits (worst gradient
+// 0.79 / 0.81), and a CPU emulation of the bf16 roundings 0.165 / 0.134, i.e. bf16 itself, not a
+// GPU defect; conditioned, that emulation gives 0.018 / 0.020 (docs/FIXTURES.md). The other K3
+// fixtures route top 2 of 8 and are not checked here. kimi_k3_mxfp4_bf16 (the same with MXFP4
+// experts) is not held to these bounds yet: on the H200 its logits (0.023) and loss pass but 26
+// adapter gradients of layers 0-2 land 0.15-0.60 off (docs/FIXTURES.md); the CPU holds it to 1e-5.
+TEST_CASE("cuda golden: Kimi K3 hybrid conditioned for bf16, BF16 experts", "[cuda][golden][k3]") {
+  check_against_golden("kimi_k3_bf16", /*recompute=*/false);
+  check_against_golden("kimi_k3_bf16", /*recompute=*/true);
+}
+
 // The tolerances are loose enough for bf16; this checks they are still tight enough to catch a
 // real mistake: with one adapter's B doubled (as a wrong LoRA scaling on one module would be),
 // the logits, the loss and that adapter's A gradient must each leave their tolerance band. In
@@ -195,6 +230,37 @@ TEST_CASE("cuda golden: a doubled LoRA B falls outside the bf16 tolerances", "[c
     CHECK(std::fabs(loss - golden_loss) > kLossTolerance * std::fabs(golden_loss));
     CHECK(a_gradient_error > kGradientTolerance);
   }
+}
+
+// The same check on the conditioned K3: the 4x embedding damps every error, so a doubled LoRA B in
+// layer 0's MLP must still leave the logits' and its A gradient's bands (CPU F32: logits 0.195,
+// A gradient 1.5, ~4x and ~10x the bounds). The loss moves only 7.6e-4 there, under its bound:
+// not asserted.
+TEST_CASE("cuda golden: a doubled LoRA B on the conditioned K3 falls outside the bf16 tolerances", "[cuda][golden][k3]") {
+  const std::string module = "model.layers.0.mlp.up_proj.";
+  GoldenModel golden_model("kimi_k3_bf16", /*recompute=*/false);
+  Model& model = *golden_model.model;
+  golden_model.scale_parameter(module + "lora_B.weight", 2.0);
+  SafetensorsFile golden(golden_model.dir + "/golden.safetensors");
+  const Batch batch = golden_batch(golden);
+  const double logits_error = scaled_error(model.logits(batch), golden.read_as("logits", DType::kF64));
+  const double targets = static_cast<double>(batch.num_targets());
+  model.forward_backward(batch, 1.0 / targets);
+  std::string golden_key;
+  for (const std::string& key : golden.names()) {
+    const std::string prefix = "grad.base_model.model.";
+    if (key.rfind(prefix, 0) == 0 && testing::k3_parameter_name(key.substr(prefix.size())) == module + "lora_A.weight")
+      golden_key = key;
+  }
+  REQUIRE_FALSE(golden_key.empty());
+  double a_gradient_error = 0.0;
+  for (Parameter* p : model.parameters())
+    if (p->name == module + "lora_A.weight")
+      a_gradient_error = scaled_error(host_f64(*golden_model.backend, p->grad), golden.read_as(golden_key, DType::kF64));
+  std::printf("kimi_k3_bf16 with %slora_B doubled: logits %.3e, A gradient %.3e\n", module.c_str(), logits_error,
+              a_gradient_error);
+  CHECK(logits_error > kLogitsTolerance);
+  CHECK(a_gradient_error > kGradientTolerance);
 }
 
 // DeepSeek-V3.2 (DSA, top 5 of 16 keys). A free bf16 run of the fixture leaves the reference

@@ -1,11 +1,11 @@
 // DSA against an independent reference: transformers' DeepseekV32ForCausalLM with a PEFT LoRA
 // adapter on every MLA projection, the MLPs and the experts (tests/fixtures/golden/deepseek_v32*,
 // made by scripts/make_fixtures_deepseek_v32.py; docs/FIXTURES.md). Two windows of 16 tokens whose
-// queries keep the indexer's top 5 keys (YaRN config), so the selection matters. (The script's
-// second config, plain RoPE with top 3, stops at its own check: transformers 5.17's indexer selects
-// differently from our documented algorithm there; docs/FIXTURES.md.) Our HF importer loads the model directory (indexer weights included), our PEFT importer
-// the adapter; logits and loss must match to 1e-5 and every adapter gradient to 1e-4, each against
-// its own scale. Until the fixtures are generated and committed, every case here fails and says how.
+// queries keep the indexer's top 5 keys (deepseek_v32: YaRN, fused experts) or top 3
+// (deepseek_v32_plain: default RoPE, per-expert checkpoint), so the selection matters. Our HF
+// importer loads the model directory (indexer weights included), our PEFT importer the adapter;
+// logits and loss must match to 1e-5 and every adapter gradient to 1e-4, each against its own
+// scale. Until the fixtures are generated and committed, every case here fails and says how.
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -68,4 +68,9 @@ TEST_CASE("golden: DeepSeek-V3.2 (DSA top 5 of 16, YaRN, fused experts)", "[gold
 
 TEST_CASE("golden: DeepSeek-V3.2 in double precision", "[golden][dsa]") {
   check_fixture("deepseek_v32", DType::kF64, 5);
+}
+
+TEST_CASE("golden: DeepSeek-V3.2 with plain RoPE (DSA top 3 of 16, per-expert checkpoint)", "[golden][dsa]") {
+  check_fixture("deepseek_v32_plain", DType::kF32, 3);
+  check_fixture("deepseek_v32_plain", DType::kF64, 3);
 }

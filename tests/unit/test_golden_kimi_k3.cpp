@@ -3,7 +3,8 @@
 // scripts/make_fixtures_kimi_k3.py; docs/FIXTURES.md). Tiny K3 configs: gated NoPE MLA with q LoRA,
 // SiTU MLPs, the latent MoE with two shared experts and the sigmoid router, Block Attention Residuals
 // over several closed blocks; routed experts stored as BF16 weights or as MXFP4 codes and scales;
-// kimi_k3 and kimi_k3_mxfp4 are all MLA; kimi_k3_hybrid (BF16 experts) and kimi_k3_hybrid_mxfp4
+// kimi_k3 and kimi_k3_mxfp4 are all MLA; kimi_k3_hybrid (BF16 experts), kimi_k3_hybrid_mxfp4 and the
+// two made for the GPU's bf16 check (kimi_k3_bf16, kimi_k3_mxfp4_bf16: every expert chosen)
 // interleave K3's KDA (q/k/v apart, full-rank output gate, decay bounded below by -5) with MLA over
 // 70 tokens. Our importer loads the released-style directory (text_config, language_model. names,
 // block_sparse_moe), our PEFT importer the adapter; logits and loss must match to 1e-5 and every
@@ -68,6 +69,10 @@ const Fixture kK3{"kimi_k3", "bf16", kAllMla, 2};
 const Fixture kK3Mxfp4{"kimi_k3_mxfp4", "mxfp4", kAllMla, 2};
 const Fixture kK3Hybrid{"kimi_k3_hybrid", "bf16", kHybrid, 2};
 const Fixture kK3HybridMxfp4{"kimi_k3_hybrid_mxfp4", "mxfp4", kHybrid, 2};
+// Made for the GPU's bf16 check (every expert chosen, bf16-valued weights); the CPU holds them to
+// the same bounds as the others.
+const Fixture kK3Bf16{"kimi_k3_bf16", "bf16", kHybrid, 8};
+const Fixture kK3Mxfp4Bf16{"kimi_k3_mxfp4_bf16", "mxfp4", kHybrid, 8};
 
 // The user's view: a config naming the directory (and, for packed experts, their format).
 Config fixture_config(const std::string& dir, const std::string& expert_format, int64_t seq_len) {
@@ -164,4 +169,11 @@ TEST_CASE("golden: Kimi K3 hybrid in double precision", "[golden][k3]") { check_
 TEST_CASE("golden: Kimi K3 hybrid with MXFP4 experts", "[golden][k3]") {
   check_fixture(kK3HybridMxfp4, DType::kF32, 2e-5);
   check_fixture(kK3HybridMxfp4, DType::kF64);
+}
+
+TEST_CASE("golden: Kimi K3 hybrids conditioned for bf16 (every expert, bf16 weights)", "[golden][k3]") {
+  check_fixture(kK3Bf16, DType::kF32, 2e-5);
+  check_fixture(kK3Bf16, DType::kF64);
+  check_fixture(kK3Mxfp4Bf16, DType::kF32, 2e-5);
+  check_fixture(kK3Mxfp4Bf16, DType::kF64);
 }
