@@ -200,19 +200,25 @@ class CudaBackend final : public Backend {
   }
   void reset_peak_memory() override { cuda::reset_peak_memory(); }
 
-  void copy(const TensorView& dst, const TensorView& src) override {
-    const char* op = "copy";
+  // The checks copy and copy_async share; false when there is nothing to move.
+  static bool check_copy(const char* op, const TensorView& dst, const TensorView& src) {
     expect(dst.data != nullptr || dst.numel() == 0, op, describe("dst", dst) + " has no data");
     expect(src.data != nullptr || src.numel() == 0, op, describe("src", src) + " has no data");
     expect(src.dtype == dst.dtype, op, describe("src", src) + " and " + describe("dst", dst) + " differ in dtype");
     expect_numel(op, "src", src, dst.numel());
-    if (dst.nbytes() == 0 || dst.data == src.data) return;
+    return dst.nbytes() != 0 && dst.data != src.data;
+  }
+  static cudaMemcpyKind copy_kind(const TensorView& dst, const TensorView& src) {
     const bool host_src = src.device == Device::kCPU, host_dst = dst.device == Device::kCPU;
-    const cudaMemcpyKind kind = host_src ? (host_dst ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
-                                         : (host_dst ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
-    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), kind, stream_));
+    return host_src ? (host_dst ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
+                    : (host_dst ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
+  }
+
+  void copy(const TensorView& dst, const TensorView& src) override {
+    if (!check_copy("copy", dst, src)) return;
+    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), copy_kind(dst, src), stream_));
     // Host memory involved: the caller may read or reuse it as soon as we return.
-    if (host_src || host_dst) synchronize();
+    if (src.device == Device::kCPU || dst.device == Device::kCPU) synchronize();
   }
 
   // One for the process, like the device allocator: a tensor from it may outlive this backend.
@@ -223,23 +229,17 @@ class CudaBackend final : public Backend {
 
   void copy_async(const TensorView& dst, const TensorView& src) override {
     const char* op = "copy_async";
-    expect(dst.data != nullptr || dst.numel() == 0, op, describe("dst", dst) + " has no data");
-    expect(src.data != nullptr || src.numel() == 0, op, describe("src", src) + " has no data");
-    expect(src.dtype == dst.dtype, op, describe("src", src) + " and " + describe("dst", dst) + " differ in dtype");
-    expect_numel(op, "src", src, dst.numel());
-    if (dst.nbytes() == 0 || dst.data == src.data) return;
-    const bool host_src = src.device == Device::kCPU, host_dst = dst.device == Device::kCPU;
+    if (!check_copy(op, dst, src)) return;
     // From or to pageable memory the driver would stage the copy and wait: refuse it.
-    for (const TensorView* host : {host_src ? &src : nullptr, host_dst ? &dst : nullptr}) {
+    for (const TensorView* host : {src.device == Device::kCPU ? &src : nullptr,
+                                   dst.device == Device::kCPU ? &dst : nullptr}) {
       if (host == nullptr) continue;
       cudaPointerAttributes attributes{};
       CUDA_CHECK(cudaPointerGetAttributes(&attributes, host->data));
       expect(attributes.type == cudaMemoryTypeHost, op,
              describe(host == &src ? "src" : "dst", *host) + " is host memory not from pinned_allocator()");
     }
-    const cudaMemcpyKind kind = host_src ? (host_dst ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
-                                         : (host_dst ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
-    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), kind, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), copy_kind(dst, src), stream_));
   }
 
   std::unique_ptr<QueueEvent> record_event() override { return std::make_unique<StreamEvent>(stream_); }
