@@ -191,6 +191,25 @@ TEST_CASE("cuda grouped_gemm MXFP4: the input gradient's every N, k and n tails"
   check_mxfp4("every N, TMA scales", sizes, 200, 512, kRuns[4], true, 380);
 }
 
+TEST_CASE("cuda grouped_gemm MXFP4: the kimi_k3_mxfp4_bf16 golden fixture's expert shapes") {
+  // That fixture (tests/cuda/test_cuda_golden_model.cpp) routes each of its 140 tokens to all 8
+  // experts of latent width 32 and expert width 64: forward gate_up k = 32 (half a K step),
+  // n = 128; down k = 64, n = 32 (one warpgroup idle); input gradient gate_up k = 128, n = 32 (one
+  // scale group per k row, packed rows of 16 bytes: the only shape here no other case has), down
+  // k = 32, n = 64.
+  const std::vector<int32_t> sizes(8, 140);
+  uint64_t seed = 500;
+  for (const Run& run : kRuns) {
+    if (run.transpose_b) {
+      check_mxfp4("K3 fixture gate_up", sizes, 32, 128, run, true, seed += 10);
+      check_mxfp4("K3 fixture down", sizes, 64, 32, run, true, seed += 10);
+    } else {
+      check_mxfp4("K3 fixture gate_up", sizes, 128, 32, run, true, seed += 10);
+      check_mxfp4("K3 fixture down", sizes, 32, 64, run, true, seed += 10);
+    }
+  }
+}
+
 TEST_CASE("cuda grouped_gemm MXFP4: random skewed counts, one group holding every row") {
   uint64_t seed = 400;
   const std::vector<int32_t> sizes = skewed_sizes(40, 48, 7);
