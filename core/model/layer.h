@@ -45,14 +45,6 @@ class Mixer {
   virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
 };
 
-// Per-step statistics of a routed feed-forward (the MoE's expert load; MoeFfn::expert_loads).
-struct FeedForwardStats {
-  bool routed = false;           // a routed (MoE) layer: the loads below mean something
-  double max_expert_load = 0.0;  // max over experts of tokens routed / the mean per expert
-  double min_expert_load = 0.0;  // min over experts of the same (0: an expert got no token)
-  double aux_loss = 0.0;         // the load-balancing loss added to the objective
-};
-
 class FeedForward {
  public:
   virtual ~FeedForward() = default;

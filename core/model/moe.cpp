@@ -185,7 +185,6 @@ void MoeFfn::forward_routed(const LayerContext& ctx, const TensorView& out, cons
 
 FeedForwardStats MoeFfn::expert_loads(const int32_t* o, int64_t e) {
   FeedForwardStats stats;
-  stats.routed = true;
   // Max and min over experts of (tokens routed / mean tokens per expert).
   int64_t max_count = 0, min_count = o[e];
   for (int64_t i = 0; i < e; ++i) {

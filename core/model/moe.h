@@ -20,6 +20,13 @@
 
 namespace moetrain {
 
+// Per-step statistics of an MoE layer: its expert loads and aux loss (MoeFfn::expert_loads).
+struct FeedForwardStats {
+  double max_expert_load = 0.0;  // max over experts of tokens routed / the mean per expert
+  double min_expert_load = 0.0;  // min over experts of the same (0: an expert got no token)
+  double aux_loss = 0.0;         // the load-balancing loss added to the objective
+};
+
 class MoeFfn final : public FeedForward {
  public:
   // `parallel` (may be null: one rank) decides which experts this rank holds. The routed
