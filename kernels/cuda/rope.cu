@@ -2,15 +2,17 @@
 // The vector kernel (rope_dim a multiple of 16 up to 512, rows and columns 16-byte aligned, x and
 // out of one dtype: the MLA case): each thread owns 8 rotation pairs i = 8k .. 8k+7 of kRows rows
 // of one token (heads h, h + head_groups, ...), so a row takes rope_dim / 16 threads of one warp.
-// It loads its rows' rotated columns (two 16-byte chunks per row, kept raw in registers; nothing
-// else of the row is read in place), then the token's position and its 8 cos and 8 sin values
-// once for all its rows, rotates, and stores two 16-byte chunks per row. In place with the
+// It loads the token's position, its rows' rotated columns (two 16-byte chunks per row, kept raw
+// in registers; nothing else of the row is read in place), then its 8 cos and 8 sin values once
+// for all its rows, rotates, and stores two 16-byte chunks per row. Its index math is 32-bit:
+// shapes with 2^31 threads or rows or more go to the staged kernel. In place with the
 // interleaved layout, its outputs land on other threads' inputs of the same row: every thread
 // loads first, __syncwarp, then stores. It is launched as a programmatic dependent launch (a rope
 // launched right after another starts as the other ends). On the H200 (8 back-to-back launches
 // timed as moetrain-bench does), MLA's layout (64 of 192 BF16 columns: a 128-byte slice every 384
 // bytes) caps even a plain in-place copy of those slices at about 0.80 of the 4.2 TB/s copy
-// ceiling (0.90 for the same bytes contiguous); moetrain-bench measures this kernel at 0.75.
+// ceiling (0.90 for the same bytes contiguous); moetrain-bench measured the kernel at 0.75 before
+// its index math went 32-bit and its layout a template argument (not yet measured since).
 // The staged kernel covers every other shape: each block owns `rows_per_block` whole rows. It
 // stages their rope columns in shared memory (as F32), waits, then writes the rotated pairs, so
 // the interleaved layout is safe in place. Out of place, both kernels also copy the row's other
@@ -31,7 +33,6 @@ constexpr int kThreads = 256;
 
 struct RopeShape {
   int64_t rows, width, heads, col_offset, rope_dim, max_position, rows_per_block;
-  int64_t tokens, head_groups;  // the vector kernel: rows / heads; heads per thread-row slot
   bool interleaved, inverse, in_place;
 };
 
@@ -89,13 +90,38 @@ __global__ void rope_staged_kernel(MutOperand out, ConstOperand x, const int32_t
   }
 }
 
+// The vector kernel's shape. Its index math is 32-bit (the launch keeps it for shapes whose
+// thread and row counts fit in 31 bits): 64-bit divisions are a long instruction sequence each.
+struct RopeVectorShape {
+  uint32_t tokens, heads, head_groups;  // head_groups: heads per thread-row slot (rows / thread)
+  uint32_t group_multiplier, group_shift;  // slot / head_groups, see group_divider
+  uint32_t width, col_offset, rope_dim, max_position;
+  uint64_t group_stride;  // head_groups * width: from a thread's row j to its row j + 1
+  bool in_place;
+};
+
+// n / d for n < 2^31 as (umulhi(n, multiplier) + n) >> shift, with shift = ceil(log2 d) and
+// multiplier = floor(2^32 (2^shift - d) / d) + 1 (Granlund and Montgomery's round-up method:
+// (2^32 + multiplier) d - 2^(32 + shift) lies in (0, d], at most 2^shift, which makes the
+// quotient exact for every n < 2^32; n < 2^31 keeps the 32-bit sum from overflowing).
+void group_divider(uint32_t d, uint32_t& multiplier, uint32_t& shift) {
+  shift = 0;
+  while ((uint64_t{1} << shift) < d) ++shift;
+  multiplier = static_cast<uint32_t>((((uint64_t{1} << shift) - d) << 32) / d + 1);
+}
+
 // The vector kernel; kSets = rope_dim / 16 threads per row, a power of two up to 32 (so a row
 // never straddles warps). Thread g: pair set k = g % kSets of token (g / kSets) / head_groups,
-// heads (g / kSets) % head_groups + j * head_groups for j < kRows.
-template <bool kBf16, int kSets, int kRows>
-__global__ void __launch_bounds__(kThreads)
+// heads (g / kSets) % head_groups + j * head_groups for j < kRows. The layout is a template
+// argument so that the loads, the rotation and the stores have no run-time choices. At least 5
+// blocks per multiprocessor for BF16 (48 registers, none spilled; 53 unbounded would give 4, and
+// 6 blocks spill) and 4 for F32: the kernel only moves bytes, so more 16-byte loads in flight.
+template <bool kBf16, int kSets, int kRows, bool kInterleaved, bool kInverse>
+__global__ void __launch_bounds__(kThreads, kBf16 ? 5 : 4)
     rope_vector_kernel(void* out, const void* x, const int32_t* __restrict__ positions,
-                       const float* __restrict__ cos_table, const float* __restrict__ sin_table, RopeShape s) {
+                       const float* __restrict__ cos_table, const float* __restrict__ sin_table, RopeVectorShape s) {
+  // The forward reads interleaved pairs and writes half-split ones; the inverse the other way.
+  constexpr bool kInterleavedIn = kInterleaved && !kInverse, kInterleavedOut = kInterleaved && kInverse;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent launch: wait until the kernel before it in the stream
   // has finished and its writes are visible (before any load), then let the next kernel's blocks
@@ -103,55 +129,57 @@ __global__ void __launch_bounds__(kThreads)
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int k = static_cast<int>(g % kSets);
-  const int64_t slot = g / kSets;
-  const int64_t token = slot / s.head_groups;
-  const int64_t head0 = slot % s.head_groups;
-  const int64_t half = s.rope_dim / 2;
-  const bool interleaved_in = s.interleaved && !s.inverse, interleaved_out = s.interleaved && s.inverse;
+  const uint32_t g = blockIdx.x * kThreads + threadIdx.x;
+  const uint32_t k = g % kSets, slot = g / kSets;
+  const uint32_t token = (__umulhi(slot, s.group_multiplier) + slot) >> s.group_shift;
+  const uint32_t head0 = slot - token * s.head_groups;
+  const bool token_ok = token < s.tokens;
+  // The position first: the cos/sin loads wait on it while the rows' loads are in flight.
+  const int32_t position = token_ok ? positions[token] : 0;
+  const uint32_t half = s.rope_dim / 2;
   // Where a thread's two input and two output chunks sit in the row's rope columns.
-  const int64_t in_lo = interleaved_in ? 16 * k : 8 * k, in_hi = interleaved_in ? in_lo + 8 : half + 8 * k;
-  const int64_t out_lo = interleaved_out ? 16 * k : 8 * k, out_hi = interleaved_out ? out_lo + 8 : half + 8 * k;
-  int64_t base[kRows];  // the rope columns of row j, or -1 past the end
+  const uint32_t in_lo = kInterleavedIn ? 16 * k : 8 * k, in_hi = kInterleavedIn ? in_lo + 8 : half + 8 * k;
+  const uint32_t out_lo = kInterleavedOut ? 16 * k : 8 * k, out_hi = kInterleavedOut ? out_lo + 8 : half + 8 * k;
+  bool row_ok[kRows];
+  int64_t at[kRows];  // the element where row j's rope columns start (one offset for x and out)
+  const uint64_t first_row = static_cast<uint64_t>(token * s.heads + head0) * s.width + s.col_offset;
   RawChunk<kBf16> lo[kRows], hi[kRows];
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
-    const int64_t head = head0 + static_cast<int64_t>(j) * s.head_groups;
-    base[j] = token < s.tokens && head < s.heads ? (token * s.heads + head) * s.width + s.col_offset : -1;
-    if (base[j] >= 0) {
-      load_raw(lo[j], x, base[j] + in_lo);
-      load_raw(hi[j], x, base[j] + in_hi);
+    row_ok[j] = token_ok && head0 + j * s.head_groups < s.heads;
+    at[j] = static_cast<int64_t>(first_row + j * s.group_stride);
+    if (row_ok[j]) {
+      load_raw(lo[j], x, at[j] + in_lo);
+      load_raw(hi[j], x, at[j] + in_hi);
     }
   }
-  float c[8], sn[8];
-  bool position_ok = false;
-  if (token < s.tokens) {
-    const int32_t position = positions[token];
-    position_ok = position >= 0 && position < s.max_position;
-    if (position_ok) {
-      const int64_t at = static_cast<int64_t>(position) * half + 8 * k;
-      const float4* cos4 = reinterpret_cast<const float4*>(cos_table + at);
-      const float4* sin4 = reinterpret_cast<const float4*>(sin_table + at);
-      const float4 c0 = __ldg(cos4), c1 = __ldg(cos4 + 1), s0 = __ldg(sin4), s1 = __ldg(sin4 + 1);
-      c[0] = c0.x, c[1] = c0.y, c[2] = c0.z, c[3] = c0.w;
-      c[4] = c1.x, c[5] = c1.y, c[6] = c1.z, c[7] = c1.w;
-      sn[0] = s0.x, sn[1] = s0.y, sn[2] = s0.z, sn[3] = s0.w;
-      sn[4] = s1.x, sn[5] = s1.y, sn[6] = s1.z, sn[7] = s1.w;
-    }
+  // A position outside the table rotates by NaN: every output of the row is NaN, with no
+  // per-value choice below.
+  const bool position_ok = token_ok && position >= 0 && static_cast<uint32_t>(position) < s.max_position;
+  float4 c0, c1, s0, s1;
+  if (position_ok) {
+    const uint32_t at = static_cast<uint32_t>(position) * half + 8 * k;
+    const float4* cos4 = reinterpret_cast<const float4*>(cos_table + at);
+    const float4* sin4 = reinterpret_cast<const float4*>(sin_table + at);
+    c0 = __ldg(cos4), c1 = __ldg(cos4 + 1), s0 = __ldg(sin4), s1 = __ldg(sin4 + 1);
+  } else {
+    const float nan = nanf("");
+    c0 = c1 = s0 = s1 = make_float4(nan, nan, nan, nan);
   }
+  const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+  const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
   // Every lane of the warp gets here (no early return above): the rows' loads are done before
   // any of their stores, which in place may overwrite another thread's inputs.
   __syncwarp();
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
-    if (base[j] < 0) continue;
+    if (!row_ok[j]) continue;
     float fl[8], fh[8], a[8], b[8];  // a[e], b[e]: the pair 8k + e
     unpack(lo[j], fl);
     unpack(hi[j], fh);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (interleaved_in) {
+      if constexpr (kInterleavedIn) {
         a[e] = e < 4 ? fl[2 * e] : fh[2 * e - 8];
         b[e] = e < 4 ? fl[2 * e + 1] : fh[2 * e - 7];
       } else {
@@ -162,9 +190,7 @@ __global__ void __launch_bounds__(kThreads)
     float first[8], second[8];  // the values for pair slot i and i + half (or 2i and 2i + 1)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (!position_ok) {
-        first[e] = second[e] = nanf("");
-      } else if (!s.inverse) {
+      if constexpr (!kInverse) {
         first[e] = a[e] * c[e] - b[e] * sn[e];
         second[e] = b[e] * c[e] + a[e] * sn[e];
       } else {
@@ -174,7 +200,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (interleaved_out) {
+      if constexpr (kInterleavedOut) {
         (e < 4 ? fl[2 * e] : fh[2 * e - 8]) = first[e];
         (e < 4 ? fl[2 * e + 1] : fh[2 * e - 7]) = second[e];
       } else {
@@ -187,21 +213,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
-    if (base[j] < 0) continue;
-    store_raw(out, base[j] + out_lo, lo[j]);
-    store_raw(out, base[j] + out_hi, hi[j]);
+    if (!row_ok[j]) continue;
+    store_raw(out, at[j] + out_lo, lo[j]);
+    store_raw(out, at[j] + out_hi, hi[j]);
   }
   if (s.in_place) return;
   // Out of place: the columns rope leaves alone, 8 at a time (the rope columns are whole chunks).
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
-    if (base[j] < 0) continue;
-    const int64_t row_base = base[j] - s.col_offset;
-    for (int64_t col = 8 * static_cast<int64_t>(k); col < s.width; col += 8 * kSets) {
+    if (!row_ok[j]) continue;
+    const int64_t row_start = at[j] - s.col_offset;
+    for (uint32_t col = 8 * k; col < s.width; col += 8 * kSets) {
       if (col >= s.col_offset && col < s.col_offset + s.rope_dim) continue;
       RawChunk<kBf16> v;
-      load_raw(v, x, row_base + col);
-      store_raw(out, row_base + col, v);
+      load_raw(v, x, row_start + col);
+      store_raw(out, row_start + col, v);
     }
   }
 }
@@ -211,17 +237,25 @@ __global__ void __launch_bounds__(kThreads)
 // faster than 4 (fewer registers per thread, more threads per multiprocessor) and 4% faster than 8.
 int64_t rope_rows_per_thread(int64_t heads) { return heads >= 2 ? 2 : 1; }
 
-// Calls f(sets, rows) as std::integral_constants; false for other values.
+// Calls f(sets, rows, interleaved, inverse) as std::integral_constants; false for other values.
 template <typename F>
-bool with_rope_shape(int64_t sets, int64_t rows_per_thread, F&& f) {
+bool with_rope_shape(int64_t sets, int64_t rows_per_thread, bool interleaved, bool inverse, F&& f) {
   using std::integral_constant;
+  auto with_layout = [&](auto set, auto rows) {
+    if (interleaved) {
+      if (inverse) return f(set, rows, std::true_type{}, std::true_type{});
+      return f(set, rows, std::true_type{}, std::false_type{});
+    }
+    if (inverse) return f(set, rows, std::false_type{}, std::true_type{});
+    return f(set, rows, std::false_type{}, std::false_type{});
+  };
   auto with_rows = [&](auto set) {
     switch (rows_per_thread) {
       case 1:
-        f(set, integral_constant<int, 1>{});
+        with_layout(set, integral_constant<int, 1>{});
         return true;
       case 2:
-        f(set, integral_constant<int, 2>{});
+        with_layout(set, integral_constant<int, 2>{});
         return true;
       default:
         return false;
@@ -245,16 +279,35 @@ bool with_rope_shape(int64_t sets, int64_t rows_per_thread, F&& f) {
   }
 }
 
-// The vector kernel's launch; s.head_groups set here from rows_per_thread. Launched as a
-// programmatic dependent launch (see the kernel): a rope launched right after another starts its
-// blocks while the first one's last blocks run.
+// The vector kernel's thread count, or 0 where its 32-bit index math would not hold (a thread,
+// row or cos/sin table index of 2^31 or more).
+int64_t rope_vector_threads(const RopeShape& s, int64_t rows_per_thread) {
+  const int64_t head_groups = (s.heads + rows_per_thread - 1) / rows_per_thread;
+  const int64_t threads = s.rows / s.heads * head_groups * (s.rope_dim / 16);
+  constexpr int64_t kLimit = int64_t{1} << 31;
+  const bool fits = threads + kThreads < kLimit && s.rows < kLimit && s.width < kLimit &&
+                    s.max_position * (s.rope_dim / 2) < kLimit;
+  return fits ? threads : 0;
+}
+
+// The vector kernel's launch of `threads` (rope_vector_threads). Launched as a programmatic
+// dependent launch (see the kernel): a rope launched right after another starts its blocks while
+// the first one's last blocks run.
 template <bool kBf16>
 bool launch_rope_vector(void* out, const void* x, const int32_t* positions, const float* cos_table,
-                        const float* sin_table, RopeShape s, int64_t rows_per_thread, cudaStream_t stream) {
-  const int64_t sets = s.rope_dim / 16;
-  s.tokens = s.rows / s.heads;
-  s.head_groups = (s.heads + rows_per_thread - 1) / rows_per_thread;
-  const int64_t threads = s.tokens * s.head_groups * sets;
+                        const float* sin_table, const RopeShape& s, int64_t rows_per_thread, int64_t threads,
+                        cudaStream_t stream) {
+  RopeVectorShape v{};
+  v.tokens = static_cast<uint32_t>(s.rows / s.heads);
+  v.heads = static_cast<uint32_t>(s.heads);
+  v.head_groups = static_cast<uint32_t>((s.heads + rows_per_thread - 1) / rows_per_thread);
+  group_divider(v.head_groups, v.group_multiplier, v.group_shift);
+  v.width = static_cast<uint32_t>(s.width);
+  v.col_offset = static_cast<uint32_t>(s.col_offset);
+  v.rope_dim = static_cast<uint32_t>(s.rope_dim);
+  v.max_position = static_cast<uint32_t>(s.max_position);
+  v.group_stride = static_cast<uint64_t>(v.head_groups) * v.width;
+  v.in_place = s.in_place;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned int>((threads + kThreads - 1) / kThreads));
   config.blockDim = dim3(kThreads);
@@ -264,10 +317,14 @@ bool launch_rope_vector(void* out, const void* x, const int32_t* positions, cons
   dependent.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &dependent;
   config.numAttrs = 1;
-  return with_rope_shape(sets, rows_per_thread, [&](auto set, auto rows) {
-    CUDA_CHECK(cudaLaunchKernelEx(&config, rope_vector_kernel<kBf16, decltype(set)::value, decltype(rows)::value>, out,
-                                  x, positions, cos_table, sin_table, s));
-  });
+  return with_rope_shape(s.rope_dim / 16, rows_per_thread, s.interleaved, s.inverse,
+                         [&](auto set, auto rows, auto interleaved, auto inverse) {
+                           CUDA_CHECK(cudaLaunchKernelEx(
+                               &config,
+                               rope_vector_kernel<kBf16, decltype(set)::value, decltype(rows)::value,
+                                                  decltype(interleaved)::value, decltype(inverse)::value>,
+                               out, x, positions, cos_table, sin_table, v));
+                         });
 }
 
 ElemKind kind_of(DType dtype) { return dtype == DType::kBF16 ? ElemKind::kBF16 : ElemKind::kF32; }
@@ -292,16 +349,17 @@ void rope(const RopeArgs& args, cudaStream_t stream) {
   const auto* cos_table = static_cast<const float*>(args.cos.data);
   const auto* sin_table = static_cast<const float*>(args.sin.data);
   const int64_t sets = s.rope_dim % 16 == 0 ? s.rope_dim / 16 : 0;
+  const int64_t rows_per_thread = rope_rows_per_thread(s.heads);
+  const int64_t vector_threads = rope_vector_threads(s, rows_per_thread);
   const bool vector = sets > 0 && sets <= 32 && (sets & (sets - 1)) == 0 && s.width % 8 == 0 &&
                       s.col_offset % 8 == 0 && out.kind == x.kind && aligned16(out.data) && aligned16(x.data) &&
-                      aligned16(cos_table) && aligned16(sin_table);
+                      aligned16(cos_table) && aligned16(sin_table) && vector_threads > 0;
   if (vector) {
-    const int64_t rows_per_thread = rope_rows_per_thread(s.heads);
     const bool launched = x.kind == ElemKind::kBF16
                               ? launch_rope_vector<true>(out.data, x.data, positions, cos_table, sin_table, s,
-                                                         rows_per_thread, stream)
+                                                         rows_per_thread, vector_threads, stream)
                               : launch_rope_vector<false>(out.data, x.data, positions, cos_table, sin_table, s,
-                                                          rows_per_thread, stream);
+                                                          rows_per_thread, vector_threads, stream);
     CUDA_CHECK_LAUNCH();
     if (!launched) throw Error(ExitCode::kInternal, "rope: no vector kernel for the shape");
     return;

@@ -142,10 +142,12 @@ TEST_CASE("cuda rope matches the CPU: both layouts, inverse, in place and not") 
     int64_t tokens, heads, width, col_offset, rope_dim;
   };
   uint64_t seed = 3000;
-  // Vector kernel: 1, 2, 4 (MLA's 64 of 192 columns), 8 and 32 threads per row; 1, 2 and 4 rows
-  // per thread, heads that fill the last rows partly (3, 5). Staged kernel: the odd shape.
+  // Vector kernel: 1, 2, 4 (MLA's 64 of 192 columns), 8 and 32 threads per row; 1 and 2 rows
+  // per thread, heads that fill the last rows partly (3, 5), and 11 heads over 300 tokens: 6 head
+  // groups, no power of two, for the kernel's multiply-shift division. Staged kernel: the odd shape.
   for (Case k : {Case{11, 3, 64, 0, 64}, Case{11, 3, 40, 8, 16}, Case{11, 3, 23, 5, 6}, Case{9, 32, 192, 128, 64},
-                 Case{7, 5, 96, 32, 64}, Case{13, 1, 64, 0, 64}, Case{6, 4, 256, 128, 128}, Case{5, 2, 512, 0, 512}}) {
+                 Case{7, 5, 96, 32, 64}, Case{13, 1, 64, 0, 64}, Case{6, 4, 256, 128, 128}, Case{5, 2, 512, 0, 512},
+                 Case{300, 11, 48, 16, 32}}) {
     std::vector<int32_t> position_values;
     for (int64_t t = 0; t < k.tokens; ++t) position_values.push_back(static_cast<int32_t>((t * 7) % max_positions));
     const Operand positions = int_operand(position_values, {k.tokens});
