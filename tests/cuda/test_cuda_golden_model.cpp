@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "bf16_noise.h"
 #include "catch.h"
 #include "core/base/host_convert.h"
 #include "core/io/hf_index.h"
@@ -51,6 +52,50 @@ using testing::host_f64;
 using testing::non_finite_count;
 using testing::scaled_error;
 
+// The fixture's model spec and adapter options (dtype left to the caller).
+ModelSpec fixture_spec(const std::string& dir) {
+  Config config;
+  config.model.hf_dir = dir;
+  config.data.seq_len = golden_batch(SafetensorsFile(dir + "/golden.safetensors")).seq_len;
+  return resolve_model_spec(config);
+}
+
+ModelOptions fixture_options(const std::string& dir, const ModelSpec& spec) {
+  ModelOptions options = testing::golden_model_options(dir, spec);
+  // Kimi-Linear's adapters also sit on KDA's projections, some under transformers' names; a K3
+  // adapter names ours (and reaches the MLPs through target_parameters).
+  if (spec.config.model_type == "kimi_k3") {
+    options.lora_targets = testing::k3_adapter_targets(dir + "/adapter");
+  } else if (std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0) {
+    options.lora_targets = testing::kimi_adapter_targets(dir + "/adapter");
+  }
+  return options;
+}
+
+// Every adapter gradient as host F64, under our names and transformers' (Kimi-Linear's adapter
+// keys use the latter's).
+std::map<std::string, Tensor> adapter_gradients(Model& model, kernels::Backend& backend) {
+  std::map<std::string, Tensor> grads;
+  for (Parameter* p : model.parameters()) {
+    grads.emplace(p->name, host_f64(backend, p->grad));
+    const std::string renamed = transformers_module_name(p->name);
+    if (renamed != p->name) grads.emplace(renamed, host_f64(backend, p->grad));
+  }
+  return grads;
+}
+
+// The golden file's gradient keys, each with our parameter's name.
+std::vector<std::pair<std::string, std::string>> golden_gradient_keys(const SafetensorsFile& golden, bool kimi_k3) {
+  std::vector<std::pair<std::string, std::string>> keys;
+  const std::string prefix = "grad.base_model.model.";
+  for (const std::string& key : golden.names()) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    const std::string param = key.substr(prefix.size());
+    keys.emplace_back(key, kimi_k3 ? testing::k3_parameter_name(param) : param);
+  }
+  return keys;
+}
+
 // The model of fixture `name` on the GPU, BF16, with the fixture's base weights and adapter.
 struct GoldenModel {
   std::string dir;
@@ -60,19 +105,9 @@ struct GoldenModel {
 
   GoldenModel(const std::string& name, bool recompute)
       : dir(testing::golden_dir(name)), backend(kernels::make_cuda_backend()) {
-    Config config;
-    config.model.hf_dir = dir;
-    config.data.seq_len = golden_batch(SafetensorsFile(dir + "/golden.safetensors")).seq_len;
-    const ModelSpec spec = resolve_model_spec(config);
-    ModelOptions options = testing::golden_model_options(dir, spec);
+    const ModelSpec spec = fixture_spec(dir);
+    ModelOptions options = fixture_options(dir, spec);
     kimi_k3 = spec.config.model_type == "kimi_k3";
-    // Kimi-Linear's adapters also sit on KDA's projections, some under transformers' names; a K3
-    // adapter names ours (and reaches the MLPs through target_parameters).
-    if (kimi_k3) {
-      options.lora_targets = testing::k3_adapter_targets(dir + "/adapter");
-    } else if (std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0) {
-      options.lora_targets = testing::kimi_adapter_targets(dir + "/adapter");
-    }
     options.dtype = DType::kBF16;
     options.recompute = recompute;
     model = std::make_unique<Model>(spec, *backend, options);
@@ -94,6 +129,46 @@ struct GoldenModel {
     FAIL("no parameter " << name);
   }
 };
+
+// How far bf16 rounding alone moves each adapter gradient of fixture `name`: the largest scaled
+// error against the golden file over kSpreadSeeds runs of the CPU reference in F32 with the CUDA
+// path's roundings drawn stochastically (tests/support/bf16_noise.h), per golden key. On the K3
+// hybrids some gradients are ill-conditioned in bf16: KDA outputs that nearly cancel (a row 5-10%
+// of the largest) are scaled up by the gated output norm, and the KDA backward turns the larger
+// relative error of that row's gradient into errors of 0.5-1.0 in dq and dk of every earlier token
+// (H200, kimi_k3_mxfp4_bf16, layer 2: the GPU's dattn alone, given to the CPU's kda_backward
+// with every other operand from the F32 reference, moves dq by 0.52 and dk by 0.91). Stochastic
+// rounding reproduces it on the CPU: 16 seeds put kimi_k3_mxfp4_bf16's worst gradient at 0.10-0.94
+// (the H200: 0.60, at the same gradient as the 0.94 seed), kimi_k3_bf16's at 0.12-0.50 (H200
+// 0.13). The GPU cannot be held closer than that; every other gradient keeps kGradientTolerance.
+constexpr int kSpreadSeeds = 16;
+constexpr double kSpreadFactor = 2.0;  // the GPU rounds a little more than the emulation does
+
+std::map<std::string, double> bf16_spread(const std::string& name) {
+  const std::string dir = testing::golden_dir(name);
+  SafetensorsFile golden(dir + "/golden.safetensors");
+  const Batch batch = golden_batch(golden);
+  const ModelSpec spec = fixture_spec(dir);
+  const bool kimi_k3 = spec.config.model_type == "kimi_k3";
+  auto cpu = kernels::make_cpu_backend();
+  std::map<std::string, double> spread;
+  for (int seed = 0; seed < kSpreadSeeds; ++seed) {
+    testing::Bf16Noise noise(*cpu, seed, {spec.config.moe.num_experts, spec.config.vocab_size});
+    ModelOptions options = fixture_options(dir, spec);
+    options.dtype = DType::kF32;
+    Model model(spec, noise, options);
+    model.load_weights(HfCheckpoint(dir));
+    load_peft_adapter(model, dir + "/adapter");
+    noise.round_weights(model);
+    model.forward_backward(batch, 1.0 / static_cast<double>(batch.num_targets()));
+    std::map<std::string, Tensor> grads = adapter_gradients(model, *cpu);
+    for (const auto& [key, param] : golden_gradient_keys(golden, kimi_k3)) {
+      const double error = scaled_error(gradient_for(grads, param), golden.read_as(key, DType::kF64));
+      spread[key] = std::max(spread[key], error);
+    }
+  }
+  return spread;
+}
 
 void check_against_golden(const std::string& name, bool recompute) {
   const std::string label = name + (recompute ? " (recompute)" : " (activations kept)");
@@ -121,33 +196,35 @@ void check_against_golden(const std::string& name, bool recompute) {
   CHECK(std::isfinite(loss));
   CHECK(loss_error <= kLossTolerance);
 
-  // Every adapter gradient, each against its own scale.
-  // Under our names and transformers' (Kimi-Linear's adapter keys use the latter's).
-  std::map<std::string, Tensor> grads;
-  for (Parameter* p : model.parameters()) {
-    grads.emplace(p->name, host_f64(backend, p->grad));
-    const std::string renamed = transformers_module_name(p->name);
-    if (renamed != p->name) grads.emplace(renamed, host_f64(backend, p->grad));
-  }
+  // Every adapter gradient, each against its own scale; for the K3 hybrids, no closer than bf16's
+  // own spread allows (bf16_spread).
+  std::map<std::string, Tensor> grads = adapter_gradients(model, backend);
   for (const auto& [param, grad] : grads) {
     INFO(label << ": " << param << " has " << non_finite_count(grad) << " non-finite gradient entries");
     CHECK(non_finite_count(grad) == 0);
   }
-  int compared = 0;
-  double worst_gradient = 0.0;
+  const std::map<std::string, double> spread =
+      golden_model.kimi_k3 ? bf16_spread(name) : std::map<std::string, double>{};
+  int compared = 0, widened = 0;
+  double worst_gradient = 0.0, widest = 0.0;
   std::string worst_key;
-  for (const std::string& key : golden.names()) {
-    if (key.rfind("grad.", 0) != 0) continue;
-    std::string param = key.substr(std::string("grad.base_model.model.").size());
-    if (golden_model.kimi_k3) param = testing::k3_parameter_name(param);
+  for (const auto& [key, param] : golden_gradient_keys(golden, golden_model.kimi_k3)) {
     const double error = scaled_error(gradient_for(grads, param), golden.read_as(key, DType::kF64));
-    INFO(label << ": " << key << " scaled error " << error);
-    CHECK(error <= kGradientTolerance);
+    const auto found = spread.find(key);
+    const double bound = std::max(kGradientTolerance, found == spread.end() ? 0.0 : kSpreadFactor * found->second);
+    if (bound > kGradientTolerance) ++widened;
+    widest = std::max(widest, bound);
+    INFO(label << ": " << key << " scaled error " << error << " (bound " << bound << ")");
+    CHECK(error <= bound);
     if (error >= worst_gradient) {
       worst_gradient = error;
       worst_key = param;
     }
     ++compared;
+  }
+  if (widened > 0) {
+    std::printf("%s: %d of %d gradient bounds widened to %.2g x bf16's own spread (widest %.3g)\n", label.c_str(),
+                widened, compared, kSpreadFactor, widest);
   }
   // The measured errors, for the record (docs/FIXTURES.md quotes them).
   std::printf("%s: logits %.3e (bound %.0e), loss %.3e (%.0e), worst of %d gradients %.3e (%.2g) at %s\n",
@@ -192,13 +269,19 @@ TEST_CASE("cuda golden: Kimi-Linear conditioned for bf16 (every expert, bf16 wei
 // halved output projections. Without the latter, attention residuals pass a rounding in layer 0 on
 // with a gain of ~1.3 per sublayer: the H200 landed 0.150 / 0.148 off in the logits (worst gradient
 // 0.79 / 0.81), and a CPU emulation of the bf16 roundings 0.165 / 0.134, i.e. bf16 itself, not a
-// GPU defect; conditioned, that emulation gives 0.018 / 0.020 (docs/FIXTURES.md). The other K3
-// fixtures route top 2 of 8 and are not checked here. kimi_k3_mxfp4_bf16 (the same with MXFP4
-// experts) is not held to these bounds yet: on the H200 its logits (0.023) and loss pass but 26
-// adapter gradients of layers 0-2 land 0.15-0.60 off (docs/FIXTURES.md); the CPU holds it to 1e-5.
+// GPU defect; conditioned, that emulation gives 0.018 / 0.020 (docs/FIXTURES.md). Their gradients
+// are held to bf16's own spread where it is wider than kGradientTolerance (bf16_spread). The other
+// K3 fixtures route top 2 of 8 and are not checked here.
 TEST_CASE("cuda golden: Kimi K3 hybrid conditioned for bf16, BF16 experts", "[cuda][golden][k3]") {
   check_against_golden("kimi_k3_bf16", /*recompute=*/false);
   check_against_golden("kimi_k3_bf16", /*recompute=*/true);
+}
+
+// The same hybrid with MXFP4 experts kept packed (the grouped GEMM decodes E2M1 x E8M0 in its
+// mainloop), blocks of 3 (a block closes at the MLA layer 3) and SiTU betas 2 / 1.5.
+TEST_CASE("cuda golden: Kimi K3 hybrid conditioned for bf16, MXFP4 experts", "[cuda][golden][k3]") {
+  check_against_golden("kimi_k3_mxfp4_bf16", /*recompute=*/false);
+  check_against_golden("kimi_k3_mxfp4_bf16", /*recompute=*/true);
 }
 
 // The tolerances are loose enough for bf16; this checks they are still tight enough to catch a

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_noise.h"
 #include "catch.h"
 #include "core/config/config.h"
 #include "core/io/hf_index.h"
@@ -176,4 +177,34 @@ TEST_CASE("golden: Kimi K3 hybrids conditioned for bf16 (every expert, bf16 weig
   check_fixture(kK3Bf16, DType::kF64);
   check_fixture(kK3Mxfp4Bf16, DType::kF32, 2e-5);
   check_fixture(kK3Mxfp4Bf16, DType::kF64);
+}
+
+// tests/support/bf16_noise.h draws the bf16 roundings the CUDA test measures these fixtures'
+// spread with (tests/cuda/test_cuda_golden_model.cpp). Stochastic rounding must give bf16 values
+// (low 16 bits zero), each one of the two neighbours of its input, unbiased on average, and a
+// different draw per seed.
+TEST_CASE("bf16 noise: stochastic rounding to the neighbouring bf16 values, unbiased, seeded", "[golden][k3]") {
+  auto cpu = kernels::make_cpu_backend();
+  const int64_t n = 1 << 16;
+  const float value = 1.0f + 3.0f / 1024.0f;  // between the bf16 neighbours 1 and 1 + 2^-7, 3/8 of the way
+  const float below = 1.0f, above = 1.0f + 1.0f / 128.0f;
+  auto draw = [&](uint64_t seed) {
+    Tensor t({n}, DType::kF32);
+    for (int64_t i = 0; i < n; ++i) t.ptr<float>()[i] = value;
+    testing::Bf16Noise noise(*cpu, seed, {});
+    noise.round(t);
+    return t;
+  };
+  const Tensor a = draw(1), b = draw(2);
+  double sum = 0.0;
+  int64_t differ = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = a.ptr<float>()[i];
+    REQUIRE((x == below || x == above));
+    sum += x;
+    differ += x != b.ptr<float>()[i];
+  }
+  // The mean's standard deviation is (2^-7) sqrt(p (1 - p) / n) ~ 1.5e-5; allow 5 of them.
+  CHECK(std::fabs(sum / n - value) < 8e-5);
+  CHECK(differ > n / 4);
 }
