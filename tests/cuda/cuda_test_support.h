@@ -6,14 +6,22 @@
 //     the op runs: an element the op forgets to write fails the comparison.
 //   - Comparison: no NaN anywhere, relative L2 error ||a - e|| / ||e|| under `rel_l2`, and every
 //     element within atol + rtol * |e|, atol a fraction of max |e|.
+//   - One argument list for both runs: an op's arguments are built once, by a function of the
+//     BackendSide, and that function is called for the GPU run and for the CPU run.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.h"
@@ -97,13 +105,24 @@ struct Operand {
   Tensor dev;
 };
 
-// Random input: host values rounded to `dtype`, uploaded in `dtype`.
-inline Operand random_operand(Shape shape, DType dtype, uint64_t seed, double lo = 0.1, double hi = 1.0) {
-  Operand op;
-  op.host = testing::random_tensor(shape, DType::kF64, seed, lo, hi);
+// The host values (set or changed by the test) rounded to `dtype`, and the device tensor replaced
+// by their upload in `dtype`: both sides hold the same numbers again.
+inline void round_and_upload(Operand& op, DType dtype) {
   round_host(op.host.view(), dtype);
   op.dev = upload(op.host.view(), dtype);
+}
+
+// Input from F64 host values the test made: rounded to `dtype`, uploaded in `dtype`.
+inline Operand operand_from_host(Tensor host, DType dtype) {
+  Operand op;
+  op.host = std::move(host);
+  round_and_upload(op, dtype);
   return op;
+}
+
+// Random input: host values rounded to `dtype`, uploaded in `dtype`.
+inline Operand random_operand(Shape shape, DType dtype, uint64_t seed, double lo = 0.1, double hi = 1.0) {
+  return operand_from_host(testing::random_tensor(shape, DType::kF64, seed, lo, hi), dtype);
 }
 
 // Output: host zeros (the CPU reference writes them), device poisoned.
@@ -119,6 +138,33 @@ inline Operand int_operand(const std::vector<int32_t>& values, Shape shape) {
   op.dev = upload(op.host.view(), DType::kI32);
   return op;
 }
+
+// Integer output (I32, e.g. selected indices): a host tensor the CPU writes, the device one
+// poisoned with -1 bytes.
+inline Operand int_output_operand(Shape shape) { return Operand{Tensor(shape, DType::kI32), poisoned(shape, DType::kI32)}; }
+
+// Packed sequences: cu_seqlens (0, then the end of each segment) as an I32 operand, and as the
+// words that name a case's layout in a failure message ("cu_seqlens 0 5 133").
+inline Operand cu_seqlens_operand(const std::vector<int32_t>& cu_seqlens) {
+  return int_operand(cu_seqlens, Shape{static_cast<int64_t>(cu_seqlens.size())});
+}
+inline std::string cu_seqlens_label(const std::vector<int32_t>& cu_seqlens) {
+  std::string s = "cu_seqlens";
+  for (int32_t b : cu_seqlens) s += " " + std::to_string(b);
+  return s;
+}
+
+// Which tensor of each Operand an op's arguments take: the device one on the GPU side, the F64
+// host one on the CPU side. A test writes the arguments once, as a function of the side
+// (`args.x = on(x)`), and runs gpu().op(make_args(kGpu)) and cpu().op(make_args(kCpu)), so the
+// two runs cannot differ in anything but the backend. `on.device` is there for the few
+// arguments that differ by design (an in-place output on the GPU side).
+struct BackendSide {
+  bool device;
+  TensorView operator()(const Operand& op) const { return device ? op.dev.view() : op.host.view(); }
+};
+inline constexpr BackendSide kGpu{true};
+inline constexpr BackendSide kCpu{false};
 
 struct Tolerance {
   double rel_l2;
@@ -188,6 +234,90 @@ inline Result compare(const TensorView& actual, const TensorView& expected, Tole
     CHECK(cuda_test_result_.ok);                                                                              \
   } while (0)
 
-inline const char* dtype_label(DType dtype) { return dtype_name(dtype); }
+// Two tensors of the same shape and dtype hold the same bytes (a bitwise-repeatability check).
+inline bool same_bytes(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The device and the environment
+
+// The current device's compute capability as major * 10 + minor (90: H100 and H200), 0 when no
+// device is visible.
+inline int compute_capability() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return 10 * major + minor;
+}
+// Where the Hopper (sm_90a) kernels run, and so where a test expects them to be taken.
+inline bool device_is_sm90() { return compute_capability() == 90; }
+
+// Sets an environment variable (a kernel-path switch such as MOETRAIN_ATTENTION) for one scope,
+// or unsets it for nullptr, and restores what was there when the scope ends, however it ends.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_old_ = old != nullptr;
+    if (had_old_) old_ = old;
+    if (value != nullptr) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_old_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  bool had_old_ = false;
+  std::string old_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// GEMM and grouped GEMM inputs
+
+// A GEMM input: values BF16-representable (the GPU rounds F32 operands to BF16 before the
+// tensor-core product, ops.h), stored on the GPU in `dtype`.
+inline Operand gemm_input(Shape shape, DType dtype, uint64_t seed) {
+  Operand op = random_operand(shape, DType::kBF16, seed);
+  op.dev = upload(op.host.view(), dtype);
+  return op;
+}
+
+// Tensor-core accumulation is F32 but not necessarily in the CPU's order or rounding (Hopper's
+// MMA may truncate partial sums), so F32 GEMM outputs get a looser bound than elementwise F32.
+inline Tolerance gemm_tolerance(DType c_dtype) {
+  if (c_dtype == DType::kBF16) return tolerance_for(c_dtype);
+  return {1e-4, 1e-3, 1e-4};
+}
+
+// Group offsets of a grouped GEMM: 0, then the running sum of the group sizes.
+inline std::vector<int32_t> prefix_sums(const std::vector<int32_t>& sizes) {
+  std::vector<int32_t> offsets{0};
+  for (int32_t s : sizes) offsets.push_back(offsets.back() + s);
+  return offsets;
+}
+
+// `groups` counts around `mean` rows, a few at 7x the mean and a few empty (routing skew).
+inline std::vector<int32_t> skewed_sizes(int groups, int mean, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> around(mean / 2, mean * 3 / 2);
+  std::vector<int32_t> sizes(static_cast<size_t>(groups));
+  for (int g = 0; g < groups; ++g) sizes[static_cast<size_t>(g)] = around(rng);
+  for (int g = 0; g < groups; g += 13) sizes[static_cast<size_t>(g)] = 7 * mean;
+  for (int g = 5; g < groups; g += 11) sizes[static_cast<size_t>(g)] = 0;
+  return sizes;
+}
 
 }  // namespace moetrain::cuda_test

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -18,23 +17,6 @@ namespace {
 
 using namespace moetrain;
 using namespace moetrain::cuda_test;
-
-std::string layout_name(const std::vector<int32_t>& cu) {
-  std::string s = "cu_seqlens";
-  for (int32_t b : cu) s += " " + std::to_string(b);
-  return s;
-}
-
-Operand segments(const std::vector<int32_t>& cu) { return int_operand(cu, {static_cast<int64_t>(cu.size())}); }
-
-// Host values already set: rounded to `dtype` and uploaded.
-Operand finish(Tensor host, DType dtype) {
-  round_host(host.view(), dtype);
-  Operand op;
-  op.dev = upload(host.view(), dtype);
-  op.host = std::move(host);
-  return op;
-}
 
 // Rows of the last dim scaled to unit L2 norm (q and k of KDA come out of an l2norm).
 Operand unit_rows(Shape shape, DType dtype, uint64_t seed) {
@@ -46,7 +28,7 @@ Operand unit_rows(Shape shape, DType dtype, uint64_t seed) {
     for (int64_t j = 0; j < dim; ++j) sum += p[r * dim + j] * p[r * dim + j];
     for (int64_t j = 0; j < dim; ++j) p[r * dim + j] /= std::sqrt(sum);
   }
-  return finish(std::move(t), dtype);
+  return operand_from_host(std::move(t), dtype);
 }
 
 // Values in [lo, hi] (both of one sign) in F32, e.g. log decays g < 0 or beta in (0, 1).
@@ -54,7 +36,7 @@ Operand uniform_f32(Shape shape, uint64_t seed, double lo, double hi) {
   Tensor t = testing::random_tensor(shape, DType::kF64, seed, 0.0, 1.0);
   double* p = t.ptr<double>();
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = lo + (hi - lo) * std::fabs(p[i]);
-  return finish(std::move(t), DType::kF32);
+  return operand_from_host(std::move(t), DType::kF32);
 }
 
 // KDA's tensor-core products round operands to BF16. A double-precision model of the kernels'
@@ -78,9 +60,9 @@ void check_kda_case(const KdaCase& kc, DType dtype, uint64_t seed) {
   const int64_t tokens = kc.cu.back();
   INFO(std::string(dtype_name(dtype)) + " heads " + std::to_string(kc.heads) + " dims " + std::to_string(kc.k_dim) +
        "/" + std::to_string(kc.v_dim) + " g in [" + std::to_string(kc.g_lo) + ", " + std::to_string(kc.g_hi) + "] " +
-       layout_name(kc.cu));
+       cu_seqlens_label(kc.cu));
   const Shape qk{tokens, kc.heads, kc.k_dim}, vs{tokens, kc.heads, kc.v_dim}, bs{tokens, kc.heads};
-  const Operand cu = segments(kc.cu);
+  const Operand cu = cu_seqlens_operand(kc.cu);
   const Operand q = unit_rows(qk, dtype, seed);
   const Operand k = unit_rows(qk, dtype, seed + 1);
   const Operand v = random_operand(vs, dtype, seed + 2, 0.05, 1.0);
@@ -89,58 +71,45 @@ void check_kda_case(const KdaCase& kc, DType dtype, uint64_t seed) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(kc.k_dim));
 
   Operand out = output_operand(vs, dtype);
-  kernels::KdaArgs fwd;
-  fwd.scale = scale;
-  fwd.out = out.dev;
-  fwd.q = q.dev;
-  fwd.k = k.dev;
-  fwd.v = v.dev;
-  fwd.g = g.dev;
-  fwd.beta = beta.dev;
-  fwd.cu_seqlens = cu.dev;
-  gpu().kda_forward(fwd);
-  fwd.out = out.host;
-  fwd.q = q.host;
-  fwd.k = k.host;
-  fwd.v = v.host;
-  fwd.g = g.host;
-  fwd.beta = beta.host;
-  fwd.cu_seqlens = cu.host;
-  cpu().kda_forward(fwd);
+  const auto forward_args = [&](BackendSide on) {
+    kernels::KdaArgs args;
+    args.scale = scale;
+    args.out = on(out);
+    args.q = on(q);
+    args.k = on(k);
+    args.v = on(v);
+    args.g = on(g);
+    args.beta = on(beta);
+    args.cu_seqlens = on(cu);
+    return args;
+  };
+  gpu().kda_forward(forward_args(kGpu));
+  cpu().kda_forward(forward_args(kCpu));
   CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), kKdaOut, "kda out");
 
   const Operand dout = random_operand(vs, dtype, seed + 5, 0.05, 1.0);
   Operand dq = output_operand(qk, dtype), dk = output_operand(qk, dtype), dv = output_operand(vs, dtype);
   Operand dg = output_operand(qk, DType::kF32), dbeta = output_operand(bs, DType::kF32);
-  kernels::KdaBackwardArgs bwd;
-  bwd.scale = scale;
-  bwd.dq = dq.dev;
-  bwd.dk = dk.dev;
-  bwd.dv = dv.dev;
-  bwd.dg = dg.dev;
-  bwd.dbeta = dbeta.dev;
-  bwd.dout = dout.dev;
-  bwd.q = q.dev;
-  bwd.k = k.dev;
-  bwd.v = v.dev;
-  bwd.g = g.dev;
-  bwd.beta = beta.dev;
-  bwd.cu_seqlens = cu.dev;
-  gpu().kda_backward(bwd);
+  const auto backward_args = [&](BackendSide on) {
+    kernels::KdaBackwardArgs args;
+    args.scale = scale;
+    args.dq = on(dq);
+    args.dk = on(dk);
+    args.dv = on(dv);
+    args.dg = on(dg);
+    args.dbeta = on(dbeta);
+    args.dout = on(dout);
+    args.q = on(q);
+    args.k = on(k);
+    args.v = on(v);
+    args.g = on(g);
+    args.beta = on(beta);
+    args.cu_seqlens = on(cu);
+    return args;
+  };
+  gpu().kda_backward(backward_args(kGpu));
   const Tensor dq_first = download(dq.dev), dg_first = download(dg.dev);
-  bwd.dq = dq.host;
-  bwd.dk = dk.host;
-  bwd.dv = dv.host;
-  bwd.dg = dg.host;
-  bwd.dbeta = dbeta.host;
-  bwd.dout = dout.host;
-  bwd.q = q.host;
-  bwd.k = k.host;
-  bwd.v = v.host;
-  bwd.g = g.host;
-  bwd.beta = beta.host;
-  bwd.cu_seqlens = cu.host;
-  cpu().kda_backward(bwd);
+  cpu().kda_backward(backward_args(kCpu));
   CUDA_TEST_EXPECT_CLOSE(dq.dev, dq.host.view(), kKdaGrad, "kda dq");
   CUDA_TEST_EXPECT_CLOSE(dk.dev, dk.host.view(), kKdaGrad, "kda dk");
   CUDA_TEST_EXPECT_CLOSE(dv.dev, dv.host.view(), kKdaGrad, "kda dv");
@@ -158,22 +127,9 @@ void check_kda_case(const KdaCase& kc, DType dtype, uint64_t seed) {
   CUDA_TEST_EXPECT_CLOSE(dbeta.dev, dbeta.host.view(), kKdaGrad, "kda dbeta");
 
   // No atomics: a second run gives the same bits.
-  bwd.dq = dq.dev;
-  bwd.dk = dk.dev;
-  bwd.dv = dv.dev;
-  bwd.dg = dg.dev;
-  bwd.dbeta = dbeta.dev;
-  bwd.dout = dout.dev;
-  bwd.q = q.dev;
-  bwd.k = k.dev;
-  bwd.v = v.dev;
-  bwd.g = g.dev;
-  bwd.beta = beta.dev;
-  bwd.cu_seqlens = cu.dev;
-  gpu().kda_backward(bwd);
-  const Tensor dq_second = download(dq.dev), dg_second = download(dg.dev);
-  CHECK(std::memcmp(dq_first.data(), dq_second.data(), dq_first.nbytes()) == 0);
-  CHECK(std::memcmp(dg_first.data(), dg_second.data(), dg_first.nbytes()) == 0);
+  gpu().kda_backward(backward_args(kGpu));
+  CHECK(same_bytes(download(dq.dev), dq_first));
+  CHECK(same_bytes(download(dg.dev), dg_first));
 }
 
 TEST_CASE("cuda kda forward and backward match the CPU: lengths around a chunk, head dims 128 and 64") {
@@ -224,45 +180,41 @@ TEST_CASE("cuda short_conv forward and backward match the CPU, packed, with and 
           for (int64_t channels : {int64_t{200}, int64_t{203}}) {
             const int64_t tokens = cu_values.back();
             INFO(std::string(dtype_name(dtype)) + (silu ? " silu" : " linear") + " width " + std::to_string(width) +
-                 " channels " + std::to_string(channels) + " " + layout_name(cu_values));
-            const Operand cu = segments(cu_values);
+                 " channels " + std::to_string(channels) + " " + cu_seqlens_label(cu_values));
+            const Operand cu = cu_seqlens_operand(cu_values);
             const Operand x = random_operand({tokens, channels}, dtype, ++seed);
             const Operand weight = random_operand({channels, width}, dtype, ++seed, 0.1, 0.8);
             Operand y = output_operand({tokens, channels}, dtype);
-            kernels::ShortConvArgs fwd;
-            fwd.silu = silu;
-            fwd.y = y.dev;
-            fwd.x = x.dev;
-            fwd.weight = weight.dev;
-            fwd.cu_seqlens = cu.dev;
-            gpu().short_conv_forward(fwd);
-            fwd.y = y.host;
-            fwd.x = x.host;
-            fwd.weight = weight.host;
-            fwd.cu_seqlens = cu.host;
-            cpu().short_conv_forward(fwd);
+            const auto forward_args = [&](BackendSide on) {
+              kernels::ShortConvArgs args;
+              args.silu = silu;
+              args.y = on(y);
+              args.x = on(x);
+              args.weight = on(weight);
+              args.cu_seqlens = on(cu);
+              return args;
+            };
+            gpu().short_conv_forward(forward_args(kGpu));
+            cpu().short_conv_forward(forward_args(kCpu));
             CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "short_conv y");
 
             for (bool with_dweight : {true, false}) {
               const Operand dy = random_operand({tokens, channels}, dtype, ++seed);
               Operand dx = output_operand({tokens, channels}, dtype);
               Operand dweight = output_operand({channels, width}, DType::kF32);
-              kernels::ShortConvBackwardArgs bwd;
-              bwd.silu = silu;
-              bwd.dx = dx.dev;
-              bwd.dweight = with_dweight ? dweight.dev.view() : TensorView{};
-              bwd.dy = dy.dev;
-              bwd.x = x.dev;
-              bwd.weight = weight.dev;
-              bwd.cu_seqlens = cu.dev;
-              gpu().short_conv_backward(bwd);
-              bwd.dx = dx.host;
-              bwd.dweight = with_dweight ? dweight.host.view() : TensorView{};
-              bwd.dy = dy.host;
-              bwd.x = x.host;
-              bwd.weight = weight.host;
-              bwd.cu_seqlens = cu.host;
-              cpu().short_conv_backward(bwd);
+              const auto backward_args = [&](BackendSide on) {
+                kernels::ShortConvBackwardArgs args;
+                args.silu = silu;
+                args.dx = on(dx);
+                args.dweight = with_dweight ? on(dweight) : TensorView{};
+                args.dy = on(dy);
+                args.x = on(x);
+                args.weight = on(weight);
+                args.cu_seqlens = on(cu);
+                return args;
+              };
+              gpu().short_conv_backward(backward_args(kGpu));
+              cpu().short_conv_backward(backward_args(kCpu));
               CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "short_conv dx");
               if (with_dweight)
                 CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32),
@@ -283,33 +235,32 @@ TEST_CASE("cuda l2norm forward and backward match the CPU, in place too") {
         const int64_t rows = 45;
         const Operand x = random_operand({rows, dim}, dtype, ++seed);
         Operand y = output_operand({rows, dim}, dtype), inv = output_operand({rows}, DType::kF32);
-        kernels::L2NormArgs fwd;
-        fwd.eps = 1e-6;
-        fwd.y = y.dev;
-        fwd.inv_norm = inv.dev;
-        fwd.x = x.dev;
-        gpu().l2norm_forward(fwd);
-        fwd.y = y.host;
-        fwd.inv_norm = inv.host;
-        fwd.x = x.host;
-        cpu().l2norm_forward(fwd);
+        const auto forward_args = [&](BackendSide on) {
+          kernels::L2NormArgs args;
+          args.eps = 1e-6;
+          args.y = on(y);
+          args.inv_norm = on(inv);
+          args.x = on(x);
+          return args;
+        };
+        gpu().l2norm_forward(forward_args(kGpu));
+        cpu().l2norm_forward(forward_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "l2norm y");
         CUDA_TEST_EXPECT_CLOSE(inv.dev, inv.host.view(), tolerance_for(DType::kF32), "l2norm inv_norm");
 
         const Operand dy = random_operand({rows, dim}, dtype, ++seed);
-        Operand dx = in_place ? random_operand({rows, dim}, dtype, 0) : output_operand({rows, dim}, dtype);
-        if (in_place) dx.dev = upload(dy.host.view(), dtype);  // dx is dy's memory, holding dy
-        kernels::L2NormBackwardArgs bwd;
-        bwd.dx = dx.dev;
-        bwd.dy = in_place ? dx.dev.view() : dy.dev.view();
-        bwd.x = x.dev;
-        bwd.inv_norm = inv.dev;  // the GPU's own (F32)
-        gpu().l2norm_backward(bwd);
-        bwd.dx = dx.host;
-        bwd.dy = dy.host;
-        bwd.x = x.host;
-        bwd.inv_norm = inv.host;
-        cpu().l2norm_backward(bwd);
+        Operand dx = output_operand({rows, dim}, dtype);
+        if (in_place) dx.dev = upload(dy.host.view(), dtype);  // on the GPU, dx is dy's memory, holding dy
+        const auto backward_args = [&](BackendSide on) {
+          kernels::L2NormBackwardArgs args;
+          args.dx = on(dx);
+          args.dy = on.device && in_place ? on(dx) : on(dy);
+          args.x = on(x);
+          args.inv_norm = on(inv);  // each side's own (the GPU's in F32)
+          return args;
+        };
+        gpu().l2norm_backward(backward_args(kGpu));
+        cpu().l2norm_backward(backward_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "l2norm dx");
       }
 }
@@ -325,45 +276,38 @@ TEST_CASE("cuda gated_rmsnorm forward and backward match the CPU") {
         const Operand gate = random_operand({rows, dim}, dtype, ++seed, 0.1, 3.0);
         const Operand weight = random_operand({dim}, dtype, ++seed, 0.5, 1.5);
         Operand y = output_operand({rows, dim}, dtype), rstd = output_operand({rows}, DType::kF32);
-        kernels::GatedRmsNormArgs fwd;
-        fwd.eps = 1e-5;
-        fwd.y = y.dev;
-        fwd.rstd = rstd.dev;
-        fwd.x = x.dev;
-        fwd.gate = gate.dev;
-        fwd.weight = weight.dev;
-        gpu().gated_rmsnorm_forward(fwd);
-        fwd.y = y.host;
-        fwd.rstd = rstd.host;
-        fwd.x = x.host;
-        fwd.gate = gate.host;
-        fwd.weight = weight.host;
-        cpu().gated_rmsnorm_forward(fwd);
+        const auto forward_args = [&](BackendSide on) {
+          kernels::GatedRmsNormArgs args;
+          args.eps = 1e-5;
+          args.y = on(y);
+          args.rstd = on(rstd);
+          args.x = on(x);
+          args.gate = on(gate);
+          args.weight = on(weight);
+          return args;
+        };
+        gpu().gated_rmsnorm_forward(forward_args(kGpu));
+        cpu().gated_rmsnorm_forward(forward_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(y.dev, y.host.view(), tolerance_for(dtype), "gated_rmsnorm y");
         CUDA_TEST_EXPECT_CLOSE(rstd.dev, rstd.host.view(), tolerance_for(DType::kF32), "gated_rmsnorm rstd");
 
         const Operand dy = random_operand({rows, dim}, dtype, ++seed);
         Operand dx = output_operand({rows, dim}, dtype), dgate = output_operand({rows, dim}, dtype);
         Operand dweight = output_operand({dim}, DType::kF32);
-        kernels::GatedRmsNormBackwardArgs bwd;
-        bwd.dx = dx.dev;
-        bwd.dgate = dgate.dev;
-        bwd.dweight = with_dweight ? dweight.dev.view() : TensorView{};
-        bwd.dy = dy.dev;
-        bwd.x = x.dev;
-        bwd.gate = gate.dev;
-        bwd.weight = weight.dev;
-        bwd.rstd = rstd.dev;
-        gpu().gated_rmsnorm_backward(bwd);
-        bwd.dx = dx.host;
-        bwd.dgate = dgate.host;
-        bwd.dweight = with_dweight ? dweight.host.view() : TensorView{};
-        bwd.dy = dy.host;
-        bwd.x = x.host;
-        bwd.gate = gate.host;
-        bwd.weight = weight.host;
-        bwd.rstd = rstd.host;
-        cpu().gated_rmsnorm_backward(bwd);
+        const auto backward_args = [&](BackendSide on) {
+          kernels::GatedRmsNormBackwardArgs args;
+          args.dx = on(dx);
+          args.dgate = on(dgate);
+          args.dweight = with_dweight ? on(dweight) : TensorView{};
+          args.dy = on(dy);
+          args.x = on(x);
+          args.gate = on(gate);
+          args.weight = on(weight);
+          args.rstd = on(rstd);
+          return args;
+        };
+        gpu().gated_rmsnorm_backward(backward_args(kGpu));
+        cpu().gated_rmsnorm_backward(backward_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(dtype), "gated_rmsnorm dx");
         CUDA_TEST_EXPECT_CLOSE(dgate.dev, dgate.host.view(), tolerance_for(dtype), "gated_rmsnorm dgate");
         if (with_dweight)
@@ -385,36 +329,33 @@ TEST_CASE("cuda kda_gate forward and backward match the CPU: softplus and lower-
       const Operand a_log = random_operand({heads}, DType::kF32, ++seed, 0.1, 2.0);
       const Operand dt_bias = random_operand({heads * dim}, DType::kF32, ++seed, 0.1, 1.0);
       Operand g = output_operand({tokens, heads, dim}, DType::kF32);
-      kernels::KdaGateArgs fwd;
-      fwd.lower_bound = lower_bound;
-      fwd.g = g.dev;
-      fwd.f = f.dev;
-      fwd.a_log = a_log.dev;
-      fwd.dt_bias = dt_bias.dev;
-      gpu().kda_gate_forward(fwd);
-      fwd.g = g.host;
-      fwd.f = f.host;
-      fwd.a_log = a_log.host;
-      fwd.dt_bias = dt_bias.host;
-      cpu().kda_gate_forward(fwd);
+      const auto forward_args = [&](BackendSide on) {
+        kernels::KdaGateArgs args;
+        args.lower_bound = lower_bound;
+        args.g = on(g);
+        args.f = on(f);
+        args.a_log = on(a_log);
+        args.dt_bias = on(dt_bias);
+        return args;
+      };
+      gpu().kda_gate_forward(forward_args(kGpu));
+      cpu().kda_gate_forward(forward_args(kCpu));
       CUDA_TEST_EXPECT_CLOSE(g.dev, g.host.view(), tolerance_for(DType::kF32), "kda_gate g");
 
       const Operand dg = random_operand({tokens, heads, dim}, DType::kF32, ++seed);
       Operand df = output_operand({tokens, heads * dim}, dtype);
-      kernels::KdaGateBackwardArgs bwd;
-      bwd.lower_bound = lower_bound;
-      bwd.df = df.dev;
-      bwd.dg = dg.dev;
-      bwd.f = f.dev;
-      bwd.a_log = a_log.dev;
-      bwd.dt_bias = dt_bias.dev;
-      gpu().kda_gate_backward(bwd);
-      bwd.df = df.host;
-      bwd.dg = dg.host;
-      bwd.f = f.host;
-      bwd.a_log = a_log.host;
-      bwd.dt_bias = dt_bias.host;
-      cpu().kda_gate_backward(bwd);
+      const auto backward_args = [&](BackendSide on) {
+        kernels::KdaGateBackwardArgs args;
+        args.lower_bound = lower_bound;
+        args.df = on(df);
+        args.dg = on(dg);
+        args.f = on(f);
+        args.a_log = on(a_log);
+        args.dt_bias = on(dt_bias);
+        return args;
+      };
+      gpu().kda_gate_backward(backward_args(kGpu));
+      cpu().kda_gate_backward(backward_args(kCpu));
       CUDA_TEST_EXPECT_CLOSE(df.dev, df.host.view(), tolerance_for(dtype), "kda_gate df");
     }
 }
