@@ -5,10 +5,7 @@
 // with NaN first, so an element a kernel forgets to write fails the comparison. Three paths are
 // covered: the Hopper flash attention (BF16 64/64, 128/128, 192/128 on sm_90), the mma.sync
 // tensor-core path (other BF16 dims, or MOETRAIN_ATTENTION=mma) and SIMT (the rest, or =simt).
-#include <cuda_runtime.h>
-
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -28,84 +25,90 @@ struct AttentionCase {
 };
 
 std::string describe(const AttentionCase& c, DType dtype) {
-  std::string s = std::string(dtype_name(dtype)) + " heads " + std::to_string(c.heads) + " dims " +
-                  std::to_string(c.qk_dim) + "/" + std::to_string(c.v_dim) + " cu_seqlens";
-  for (int32_t b : c.cu_seqlens) s += " " + std::to_string(b);
-  return s;
+  return std::string(dtype_name(dtype)) + " heads " + std::to_string(c.heads) + " dims " + std::to_string(c.qk_dim) +
+         "/" + std::to_string(c.v_dim) + " " + cu_seqlens_label(c.cu_seqlens);
+}
+
+// The inputs of one attention problem (forward and backward) on both backends.
+struct AttentionInputs {
+  Operand q, k, v, dout, cu;
+  double scale;
+};
+
+// Random inputs: q and k of magnitudes up to 2, so that softmax rows are far from uniform; v and
+// dout up to 1; the usual scale 1 / sqrt(qk_dim).
+AttentionInputs attention_inputs(const std::vector<int32_t>& cu_seqlens, int64_t heads, int64_t qk_dim, int64_t v_dim,
+                                 DType dtype, uint64_t seed) {
+  const int64_t tokens = cu_seqlens.back();
+  const Shape qk_shape{tokens, heads, qk_dim}, v_shape{tokens, heads, v_dim};
+  return {random_operand(qk_shape, dtype, seed, 0.05, 2.0),
+          random_operand(qk_shape, dtype, seed + 1, 0.05, 2.0),
+          random_operand(v_shape, dtype, seed + 2, 0.05, 1.0),
+          random_operand(v_shape, dtype, seed + 3, 0.05, 1.0),
+          cu_seqlens_operand(cu_seqlens),
+          1.0 / std::sqrt(static_cast<double>(qk_dim))};
+}
+
+// The forward's outputs (out, lse: what the backward reads) and the backward's, poisoned on the
+// device; out and the gradients in `dtype`, lse in F32.
+struct AttentionResults {
+  Operand out, lse, dq, dk, dv;
+};
+
+AttentionResults attention_results(const AttentionInputs& in, DType dtype) {
+  const Shape qk_shape = in.q.host.shape(), v_shape = in.v.host.shape();
+  return {output_operand(v_shape, dtype), output_operand({qk_shape[0], qk_shape[1]}, DType::kF32),
+          output_operand(qk_shape, dtype), output_operand(qk_shape, dtype), output_operand(v_shape, dtype)};
+}
+
+kernels::AttentionArgs forward_args(BackendSide on, const AttentionInputs& in, const AttentionResults& r) {
+  kernels::AttentionArgs args;
+  args.scale = in.scale;
+  args.out = on(r.out);
+  args.lse = on(r.lse);
+  args.q = on(in.q);
+  args.k = on(in.k);
+  args.v = on(in.v);
+  args.cu_seqlens = on(in.cu);
+  return args;
+}
+
+kernels::AttentionBackwardArgs backward_args(BackendSide on, const AttentionInputs& in, const AttentionResults& r) {
+  kernels::AttentionBackwardArgs args;
+  args.scale = in.scale;
+  args.dq = on(r.dq);
+  args.dk = on(r.dk);
+  args.dv = on(r.dv);
+  args.dout = on(in.dout);
+  args.q = on(in.q);
+  args.k = on(in.k);
+  args.v = on(in.v);
+  args.out = on(r.out);
+  args.lse = on(r.lse);
+  args.cu_seqlens = on(in.cu);
+  return args;
 }
 
 // gradient_atol_scale widens the gradients' absolute tolerance (see the Hopper cases below).
 void check_attention_case(const AttentionCase& c, DType dtype, uint64_t seed, double gradient_atol_scale = 1.0) {
   INFO(describe(c, dtype));
-  const int64_t tokens = c.cu_seqlens.back();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_dim));
-  const Shape qk_shape{tokens, c.heads, c.qk_dim}, v_shape{tokens, c.heads, c.v_dim}, lse_shape{tokens, c.heads};
-  // Magnitudes up to 2 so that softmax rows are far from uniform.
-  Operand q = random_operand(qk_shape, dtype, seed, 0.05, 2.0);
-  Operand k = random_operand(qk_shape, dtype, seed + 1, 0.05, 2.0);
-  Operand v = random_operand(v_shape, dtype, seed + 2, 0.05, 1.0);
-  Operand cu = int_operand(c.cu_seqlens, Shape{static_cast<int64_t>(c.cu_seqlens.size())});
-
-  // Forward.
-  Operand out = output_operand(v_shape, dtype);
-  Operand lse = output_operand(lse_shape, DType::kF32);
-  kernels::AttentionArgs fwd;
-  fwd.scale = scale;
-  fwd.out = out.dev;
-  fwd.lse = lse.dev;
-  fwd.q = q.dev;
-  fwd.k = k.dev;
-  fwd.v = v.dev;
-  fwd.cu_seqlens = cu.dev;
-  gpu().attention_forward(fwd);
-  fwd.out = out.host;
-  fwd.lse = lse.host;
-  fwd.q = q.host;
-  fwd.k = k.host;
-  fwd.v = v.host;
-  fwd.cu_seqlens = cu.host;
-  cpu().attention_forward(fwd);
-  CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tolerance_for(dtype), "out");
-  CUDA_TEST_EXPECT_CLOSE(lse.dev, lse.host.view(), tolerance_for(DType::kF32), "lse");
+  const AttentionInputs in = attention_inputs(c.cu_seqlens, c.heads, c.qk_dim, c.v_dim, dtype, seed);
+  AttentionResults r = attention_results(in, dtype);
+  gpu().attention_forward(forward_args(kGpu, in, r));
+  cpu().attention_forward(forward_args(kCpu, in, r));
+  CUDA_TEST_EXPECT_CLOSE(r.out.dev, r.out.host.view(), tolerance_for(dtype), "out");
+  CUDA_TEST_EXPECT_CLOSE(r.lse.dev, r.lse.host.view(), tolerance_for(DType::kF32), "lse");
 
   // Backward from the CPU's out and lse, rounded to what the device stores, on both backends.
-  round_host(out.host.view(), dtype);
-  round_host(lse.host.view(), DType::kF32);
-  const Tensor out_dev = upload(out.host.view(), dtype);
-  const Tensor lse_dev = upload(lse.host.view(), DType::kF32);
-  Operand dout = random_operand(v_shape, dtype, seed + 3, 0.05, 1.0);
-  Operand dq = output_operand(qk_shape, dtype);
-  Operand dk = output_operand(qk_shape, dtype);
-  Operand dv = output_operand(v_shape, dtype);
-  kernels::AttentionBackwardArgs bwd;
-  bwd.scale = scale;
-  bwd.dq = dq.dev;
-  bwd.dk = dk.dev;
-  bwd.dv = dv.dev;
-  bwd.dout = dout.dev;
-  bwd.q = q.dev;
-  bwd.k = k.dev;
-  bwd.v = v.dev;
-  bwd.out = out_dev;
-  bwd.lse = lse_dev;
-  bwd.cu_seqlens = cu.dev;
-  gpu().attention_backward(bwd);
-  bwd.dq = dq.host;
-  bwd.dk = dk.host;
-  bwd.dv = dv.host;
-  bwd.dout = dout.host;
-  bwd.q = q.host;
-  bwd.k = k.host;
-  bwd.v = v.host;
-  bwd.out = out.host;
-  bwd.lse = lse.host;
-  bwd.cu_seqlens = cu.host;
-  cpu().attention_backward(bwd);
+  round_and_upload(r.out, dtype);
+  round_and_upload(r.lse, DType::kF32);
+  gpu().attention_backward(backward_args(kGpu, in, r));
+  cpu().attention_backward(backward_args(kCpu, in, r));
   Tolerance gradient = tolerance_for(dtype);
   gradient.atol_fraction *= gradient_atol_scale;
-  CUDA_TEST_EXPECT_CLOSE(dq.dev, dq.host.view(), gradient, "dq");
-  CUDA_TEST_EXPECT_CLOSE(dk.dev, dk.host.view(), gradient, "dk");
-  CUDA_TEST_EXPECT_CLOSE(dv.dev, dv.host.view(), gradient, "dv");
+  CUDA_TEST_EXPECT_CLOSE(r.dq.dev, r.dq.host.view(), gradient, "dq");
+  CUDA_TEST_EXPECT_CLOSE(r.dk.dev, r.dk.host.view(), gradient, "dk");
+  CUDA_TEST_EXPECT_CLOSE(r.dv.dev, r.dv.host.view(), gradient, "dv");
 }
 
 const std::vector<std::vector<int32_t>> kLayouts = {
@@ -134,30 +137,23 @@ TEST_CASE("cuda attention matches the CPU reference: the largest head dims 256/2
 
 TEST_CASE("cuda attention forward writes one lse per (token, head) equal to log-sum-exp of the first key") {
   // A single token per segment attends to itself only: out = v, lse = scale * q . k.
-  const std::vector<int32_t> cu_seqlens = {0, 1, 2, 3};
   const int64_t tokens = 3, heads = 2, dim = 4;
-  Operand q = random_operand({tokens, heads, dim}, DType::kF32, 400);
-  Operand k = random_operand({tokens, heads, dim}, DType::kF32, 401);
-  Operand v = random_operand({tokens, heads, dim}, DType::kF32, 402);
-  Operand cu = int_operand(cu_seqlens, Shape{4});
-  Operand out = output_operand({tokens, heads, dim}, DType::kF32);
-  Operand lse = output_operand({tokens, heads}, DType::kF32);
-  kernels::AttentionArgs fwd;
-  fwd.scale = 0.5;
-  fwd.out = out.dev;
-  fwd.lse = lse.dev;
-  fwd.q = q.dev;
-  fwd.k = k.dev;
-  fwd.v = v.dev;
-  fwd.cu_seqlens = cu.dev;
-  gpu().attention_forward(fwd);
-  const Tensor got_out = download(out.dev);
-  const Tensor got_lse = download(lse.dev);
+  // Forward only: no dout.
+  const AttentionInputs in{random_operand({tokens, heads, dim}, DType::kF32, 400),
+                           random_operand({tokens, heads, dim}, DType::kF32, 401),
+                           random_operand({tokens, heads, dim}, DType::kF32, 402),
+                           Operand{},
+                           cu_seqlens_operand({0, 1, 2, 3}),
+                           0.5};
+  const AttentionResults results = attention_results(in, DType::kF32);
+  gpu().attention_forward(forward_args(kGpu, in, results));
+  const Tensor got_out = download(results.out.dev);
+  const Tensor got_lse = download(results.lse.dev);
   for (int64_t r = 0; r < tokens * heads; ++r) {
     double dot = 0.0;
     for (int64_t d = 0; d < dim; ++d) {
-      dot += testing::get_element(q.host.view(), r * dim + d) * testing::get_element(k.host.view(), r * dim + d);
-      CHECK(std::fabs(testing::get_element(got_out.view(), r * dim + d) - testing::get_element(v.host.view(), r * dim + d)) <= 1e-6);
+      dot += testing::get_element(in.q.host.view(), r * dim + d) * testing::get_element(in.k.host.view(), r * dim + d);
+      CHECK(std::fabs(testing::get_element(got_out.view(), r * dim + d) - testing::get_element(in.v.host.view(), r * dim + d)) <= 1e-6);
     }
     CHECK(std::fabs(testing::get_element(got_lse.view(), r) - 0.5 * dot) <= 1e-5);
   }
@@ -192,72 +188,20 @@ TEST_CASE("cuda attention tensor-core path matches the CPU reference: BF16 dims 
   check_attention_case({{0, 5, 133}, 1, 256, 256}, DType::kBF16, 630);
 }
 
-// Sets MOETRAIN_ATTENTION for one scope and restores the previous value after it.
-class ScopedAttentionEnv {
- public:
-  explicit ScopedAttentionEnv(const char* value) {
-    const char* old = std::getenv(kName);
-    had_old_ = old != nullptr;
-    if (had_old_) old_ = old;
-    if (value != nullptr) {
-      setenv(kName, value, 1);
-    } else {
-      unsetenv(kName);
-    }
-  }
-  ~ScopedAttentionEnv() {
-    if (had_old_) {
-      setenv(kName, old_.c_str(), 1);
-    } else {
-      unsetenv(kName);
-    }
-  }
-  ScopedAttentionEnv(const ScopedAttentionEnv&) = delete;
-  ScopedAttentionEnv& operator=(const ScopedAttentionEnv&) = delete;
+// The kernel-path switch (unset: the default choice; "simt", "mma").
+constexpr const char* kAttentionPath = "MOETRAIN_ATTENTION";
 
- private:
-  static constexpr const char* kName = "MOETRAIN_ATTENTION";
-  bool had_old_ = false;
-  std::string old_;
-};
-
-// Forward and backward outputs (downloaded) of one path.
-struct AttentionOutputs {
+// Forward and backward outputs (downloaded) of one GPU path.
+struct PathOutputs {
   Tensor out, lse, dq, dk, dv;
 };
 
-AttentionOutputs run_gpu_attention(const Operand& q, const Operand& k, const Operand& v, const Operand& dout,
-                                   const Operand& cu, double scale) {
-  const Shape qk_shape = q.dev.shape(), v_shape = v.dev.shape();
-  const Shape lse_shape{qk_shape[0], qk_shape[1]};
-  Operand out = output_operand(v_shape, DType::kBF16);
-  Operand lse = output_operand(lse_shape, DType::kF32);
-  kernels::AttentionArgs fwd;
-  fwd.scale = scale;
-  fwd.out = out.dev;
-  fwd.lse = lse.dev;
-  fwd.q = q.dev;
-  fwd.k = k.dev;
-  fwd.v = v.dev;
-  fwd.cu_seqlens = cu.dev;
-  gpu().attention_forward(fwd);
-  Operand dq = output_operand(qk_shape, DType::kBF16);
-  Operand dk = output_operand(qk_shape, DType::kBF16);
-  Operand dv = output_operand(v_shape, DType::kBF16);
-  kernels::AttentionBackwardArgs bwd;
-  bwd.scale = scale;
-  bwd.dq = dq.dev;
-  bwd.dk = dk.dev;
-  bwd.dv = dv.dev;
-  bwd.dout = dout.dev;
-  bwd.q = q.dev;
-  bwd.k = k.dev;
-  bwd.v = v.dev;
-  bwd.out = out.dev;
-  bwd.lse = lse.dev;
-  bwd.cu_seqlens = cu.dev;
-  gpu().attention_backward(bwd);
-  return {download(out.dev), download(lse.dev), download(dq.dev), download(dk.dev), download(dv.dev)};
+// BF16 attention forward, then backward from that forward's out and lse, on the GPU alone.
+PathOutputs run_gpu_attention(const AttentionInputs& in) {
+  const AttentionResults r = attention_results(in, DType::kBF16);
+  gpu().attention_forward(forward_args(kGpu, in, r));
+  gpu().attention_backward(backward_args(kGpu, in, r));
+  return {download(r.out.dev), download(r.lse.dev), download(r.dq.dev), download(r.dk.dev), download(r.dv.dev)};
 }
 
 bool differs_somewhere(const TensorView& a, const TensorView& b) {
@@ -266,44 +210,43 @@ bool differs_somewhere(const TensorView& a, const TensorView& b) {
   return false;
 }
 
-TEST_CASE("cuda attention: MOETRAIN_ATTENTION=simt switches paths, and the SIMT and tensor-core paths agree") {
-  const std::vector<int32_t> cu_seqlens = {0, 1, 70, 73, 200, 201, 330};
-  const int64_t tokens = cu_seqlens.back(), heads = 2, qk_dim = 192, v_dim = 128;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(qk_dim));
-  Operand q = random_operand({tokens, heads, qk_dim}, DType::kBF16, 700, 0.05, 2.0);
-  Operand k = random_operand({tokens, heads, qk_dim}, DType::kBF16, 701, 0.05, 2.0);
-  Operand v = random_operand({tokens, heads, v_dim}, DType::kBF16, 702, 0.05, 1.0);
-  Operand dout = random_operand({tokens, heads, v_dim}, DType::kBF16, 703, 0.05, 1.0);
-  Operand cu = int_operand(cu_seqlens, Shape{static_cast<int64_t>(cu_seqlens.size())});
-
-  AttentionOutputs tensor_core, simt;
-  {
-    ScopedAttentionEnv env(nullptr);
-    tensor_core = run_gpu_attention(q, k, v, dout, cu, scale);
-  }
-  {
-    ScopedAttentionEnv env("simt");
-    simt = run_gpu_attention(q, k, v, dout, cu, scale);
-  }
-  // Each path is within tolerance_for(BF16) of the F64 reference (the cases above), so the two
-  // agree within twice that.
+// Two GPU paths agree: out and the gradients within twice tolerance_for(BF16) in relative L2 and
+// rtol, and `atol_scale` times its absolute part (each path is within tolerance_for(BF16) of the
+// F64 reference); lse, F32, within 1e-5.
+void expect_paths_agree(const PathOutputs& got, const PathOutputs& reference, double atol_scale) {
   const Tolerance one = tolerance_for(DType::kBF16);
-  const Tolerance bf16{2 * one.rel_l2, 2 * one.rtol, 2 * one.atol_fraction};
+  const Tolerance bf16{2 * one.rel_l2, 2 * one.rtol, atol_scale * one.atol_fraction};
   const struct {
     const char* name;
     const Tensor& got;
     const Tensor& reference;
     Tolerance tolerance;
-  } pairs[] = {{"out", tensor_core.out, simt.out, bf16},
-               {"lse", tensor_core.lse, simt.lse, {1e-5, 1e-4, 1e-5}},
-               {"dq", tensor_core.dq, simt.dq, bf16},
-               {"dk", tensor_core.dk, simt.dk, bf16},
-               {"dv", tensor_core.dv, simt.dv, bf16}};
+  } pairs[] = {{"out", got.out, reference.out, bf16},
+               {"lse", got.lse, reference.lse, {1e-5, 1e-4, 1e-5}},
+               {"dq", got.dq, reference.dq, bf16},
+               {"dk", got.dk, reference.dk, bf16},
+               {"dv", got.dv, reference.dv, bf16}};
   for (const auto& pair : pairs) {
     const Result r = compare(pair.got.view(), pair.reference.view(), pair.tolerance, pair.name);
     INFO(r.message);
     CHECK(r.ok);
   }
+}
+
+TEST_CASE("cuda attention: MOETRAIN_ATTENTION=simt switches paths, and the SIMT and tensor-core paths agree") {
+  const AttentionInputs in = attention_inputs({0, 1, 70, 73, 200, 201, 330}, 2, 192, 128, DType::kBF16, 700);
+  PathOutputs tensor_core, simt;
+  {
+    const ScopedEnv env(kAttentionPath, nullptr);
+    tensor_core = run_gpu_attention(in);
+  }
+  {
+    const ScopedEnv env(kAttentionPath, "simt");
+    simt = run_gpu_attention(in);
+  }
+  // Each path is within tolerance_for(BF16) of the F64 reference (the cases above), so the two
+  // agree within twice that.
+  expect_paths_agree(tensor_core, simt, 2);
   // The paths round differently (the tensor-core one feeds P and dS to the mma as BF16), so
   // identical bits everywhere would mean the variable did not switch anything.
   CHECK(differs_somewhere(tensor_core.out.view(), simt.out.view()));
@@ -315,14 +258,6 @@ TEST_CASE("cuda attention: MOETRAIN_ATTENTION=simt switches paths, and the SIMT 
 // first query's segment start, and over 64-query (32 for qk 192) tiles in dK/dV. These layouts run
 // over several CTAs: totals that are not multiples of any tile, segments that straddle blocks,
 // length-1 segments at block edges, an empty segment, and tile-aligned packed documents.
-
-bool device_is_sm90() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  return major == 9 && minor == 0;
-}
 
 const std::vector<std::vector<int32_t>> kFlashLayouts = {
     {0, 700},                                 // one segment over 6 query blocks
@@ -359,7 +294,7 @@ TEST_CASE("cuda attention: the Hopper flash path is taken on sm_90 for BF16 64/6
                                        cu.dev, 0.125};
     CHECK(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd) == d.expected);
     CHECK(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd) == d.expected);
-    ScopedAttentionEnv env("mma");
+    const ScopedEnv env(kAttentionPath, "mma");
     CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd));
     CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd));
   }
@@ -395,21 +330,16 @@ TEST_CASE("cuda attention Hopper path: the backward is deterministic and agrees 
                              std::pair<int64_t, int64_t>{192, 128}}) {
       const int64_t qk_dim = dims.first, v_dim = dims.second;
       INFO("tokens " << tokens << " heads " << heads << " dims " << qk_dim << "/" << v_dim);
-      const double scale = 1.0 / std::sqrt(static_cast<double>(qk_dim));
-      Operand q = random_operand({tokens, heads, qk_dim}, DType::kBF16, 1000 + qk_dim, 0.05, 2.0);
-      Operand k = random_operand({tokens, heads, qk_dim}, DType::kBF16, 1001 + qk_dim, 0.05, 2.0);
-      Operand v = random_operand({tokens, heads, v_dim}, DType::kBF16, 1002 + qk_dim, 0.05, 1.0);
-      Operand dout = random_operand({tokens, heads, v_dim}, DType::kBF16, 1003 + qk_dim, 0.05, 1.0);
-      Operand cu = int_operand(cu_seqlens, Shape{static_cast<int64_t>(cu_seqlens.size())});
-      AttentionOutputs first, second, mma;
+      const AttentionInputs in = attention_inputs(cu_seqlens, heads, qk_dim, v_dim, DType::kBF16, 1000 + qk_dim);
+      PathOutputs first, second, mma;
       {
-        ScopedAttentionEnv env(nullptr);
-        first = run_gpu_attention(q, k, v, dout, cu, scale);
-        second = run_gpu_attention(q, k, v, dout, cu, scale);
+        const ScopedEnv env(kAttentionPath, nullptr);
+        first = run_gpu_attention(in);
+        second = run_gpu_attention(in);
       }
       {
-        ScopedAttentionEnv env("mma");
-        mma = run_gpu_attention(q, k, v, dout, cu, scale);
+        const ScopedEnv env(kAttentionPath, "mma");
+        mma = run_gpu_attention(in);
       }
       // Bit for bit from run to run: no atomics, a fixed order of every sum.
       CHECK_FALSE(differs_somewhere(first.out.view(), second.out.view()));
@@ -422,24 +352,7 @@ TEST_CASE("cuda attention Hopper path: the backward is deterministic and agrees 
       // With up to 5229 keys in a row, single gradient elements where many dS k terms cancel go
       // further from either path's F64 value (see the case above), so the long layout allows 4x
       // the absolute part; relative L2 and the relative part stay.
-      const Tolerance one = tolerance_for(DType::kBF16);
-      const double atol_scale = tokens > 1000 ? 4 : 2;
-      const Tolerance bf16{2 * one.rel_l2, 2 * one.rtol, atol_scale * one.atol_fraction};
-      const struct {
-        const char* name;
-        const Tensor& got;
-        const Tensor& reference;
-        Tolerance tolerance;
-      } pairs[] = {{"out", first.out, mma.out, bf16},
-                   {"lse", first.lse, mma.lse, {1e-5, 1e-4, 1e-5}},
-                   {"dq", first.dq, mma.dq, bf16},
-                   {"dk", first.dk, mma.dk, bf16},
-                   {"dv", first.dv, mma.dv, bf16}};
-      for (const auto& pair : pairs) {
-        const Result r = compare(pair.got.view(), pair.reference.view(), pair.tolerance, pair.name);
-        INFO(r.message);
-        CHECK(r.ok);
-      }
+      expect_paths_agree(first, mma, tokens > 1000 ? 4 : 2);
       if (device_is_sm90()) CHECK(differs_somewhere(first.dq.view(), mma.dq.view()));
     }
   }
