@@ -3,12 +3,21 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_support.h"
 
 namespace moetrain::cuda_test {
 namespace {
+
+// A second operand holding `source`'s values (a host copy and its own upload in `dtype`): the
+// buffer of an in-place run, which starts as the input.
+Operand copy_of(const Operand& source, DType dtype) {
+  Tensor host(source.host.shape(), DType::kF64);
+  std::copy(source.host.ptr<double>(), source.host.ptr<double>() + source.host.numel(), host.ptr<double>());
+  return operand_from_host(std::move(host), dtype);
+}
 
 // RMSNorm forward, then backward (dx = and +=, with and without dweight) on both backends. x, dx
 // and the weight in `dtype`, y and dy in `out_dtype` (another dtype than x's takes the two-pass
@@ -20,18 +29,17 @@ void check_rmsnorm(int64_t rows, int64_t dim, DType dtype, DType out_dtype, bool
   const Operand weight = random_operand({dim}, dtype, ++seed, 0.5, 1.5);
   Operand y = output_operand({rows, dim}, out_dtype);
   Operand rstd = output_operand({rows}, DType::kF32);
-  kernels::RmsNormArgs forward;
-  forward.eps = 1e-5;
-  forward.y = in_place ? x.dev.view() : y.dev.view();
-  forward.rstd = rstd.dev;
-  forward.x = x.dev;
-  forward.weight = weight.dev;
-  gpu().rmsnorm_forward(forward);
-  forward.y = y.host;
-  forward.rstd = rstd.host;
-  forward.x = x.host;
-  forward.weight = weight.host;
-  cpu().rmsnorm_forward(forward);
+  const auto forward_args = [&](BackendSide on) {
+    kernels::RmsNormArgs args;
+    args.eps = 1e-5;
+    args.y = on.device && in_place ? on(x) : on(y);
+    args.rstd = on(rstd);
+    args.x = on(x);
+    args.weight = on(weight);
+    return args;
+  };
+  gpu().rmsnorm_forward(forward_args(kGpu));
+  cpu().rmsnorm_forward(forward_args(kCpu));
   CUDA_TEST_EXPECT_CLOSE(in_place ? x.dev : y.dev, y.host.view(), tolerance_for(out_dtype), "rmsnorm y " + tag);
   CUDA_TEST_EXPECT_CLOSE(rstd.dev, rstd.host.view(), tolerance_for(DType::kF32), "rmsnorm rstd " + tag);
   if (in_place) x.dev = upload(x.host.view(), dtype);  // the backward's x
@@ -41,30 +49,25 @@ void check_rmsnorm(int64_t rows, int64_t dim, DType dtype, DType out_dtype, bool
       if (in_place && with_dweight) continue;
       Operand dy = random_operand({rows, dim}, out_dtype, ++seed);
       Operand dx = accumulate ? random_operand({rows, dim}, dtype, ++seed) : output_operand({rows, dim}, dtype);
-      if (in_place) dy.dev = upload(accumulate ? dx.host.view() : dy.host.view(), dtype);  // dx's start values
-      Operand dweight = output_operand({dim}, DType::kF32);
-      kernels::RmsNormBackwardArgs backward;
-      backward.accumulate = accumulate;
-      // The GPU gets the rstd it computed (F32); the CPU its own (F64).
-      backward.dx = in_place ? dy.dev.view() : dx.dev.view();
-      backward.dweight = with_dweight ? dweight.dev.view() : TensorView{};
-      backward.dy = dy.dev;
-      backward.x = x.dev;
-      backward.weight = weight.dev;
-      backward.rstd = rstd.dev;
-      if (in_place && accumulate) {
-        // dx += f(dy) with dx and dy one tensor is dx = dx + f(dx): the CPU gets dy = dx's values.
-        dy.host = Tensor(dx.host.shape(), DType::kF64);
-        std::copy(dx.host.ptr<double>(), dx.host.ptr<double>() + dx.host.numel(), dy.host.ptr<double>());
+      if (in_place) {
+        // dx is dy's memory on the GPU, holding dx's start values when accumulating: dx += f(dy)
+        // with dx and dy one tensor is dx = dx + f(dx), so the CPU gets dy = dx's values too.
+        dy = accumulate ? copy_of(dx, dtype) : copy_of(dy, dtype);
       }
-      gpu().rmsnorm_backward(backward);
-      backward.dx = dx.host;
-      backward.dweight = with_dweight ? dweight.host.view() : TensorView{};
-      backward.dy = dy.host;
-      backward.x = x.host;
-      backward.weight = weight.host;
-      backward.rstd = rstd.host;
-      cpu().rmsnorm_backward(backward);
+      Operand dweight = output_operand({dim}, DType::kF32);
+      const auto backward_args = [&](BackendSide on) {
+        kernels::RmsNormBackwardArgs args;
+        args.accumulate = accumulate;
+        args.dx = on.device && in_place ? on(dy) : on(dx);
+        args.dweight = with_dweight ? on(dweight) : TensorView{};
+        args.dy = on(dy);
+        args.x = on(x);
+        args.weight = on(weight);
+        args.rstd = on(rstd);  // the GPU gets the rstd it computed (F32); the CPU its own (F64)
+        return args;
+      };
+      gpu().rmsnorm_backward(backward_args(kGpu));
+      cpu().rmsnorm_backward(backward_args(kCpu));
       const std::string btag = tag + (accumulate ? " +=" : "") + (with_dweight ? " with dweight" : "");
       CUDA_TEST_EXPECT_CLOSE(in_place ? dy.dev : dx.dev, dx.host.view(), tolerance_for(dtype), "rmsnorm dx " + btag);
       if (with_dweight)
@@ -96,44 +99,38 @@ TEST_CASE("cuda rmsnorm dweight over many rows (several partial rows) matches th
     const Operand rstd = random_operand({k.rows}, DType::kF32, 4, 0.5, 2.0);
     Operand dx = output_operand({k.rows, k.dim}, DType::kBF16);
     Operand dweight = output_operand({k.dim}, DType::kF32);
-    kernels::RmsNormBackwardArgs args;
-    args.dx = dx.dev;
-    args.dweight = dweight.dev;
-    args.dy = dy.dev;
-    args.x = x.dev;
-    args.weight = weight.dev;
-    args.rstd = rstd.dev;
-    gpu().rmsnorm_backward(args);
+    const auto backward_args = [&](BackendSide on) {
+      kernels::RmsNormBackwardArgs args;
+      args.dx = on(dx);
+      args.dweight = on(dweight);
+      args.dy = on(dy);
+      args.x = on(x);
+      args.weight = on(weight);
+      args.rstd = on(rstd);
+      return args;
+    };
+    gpu().rmsnorm_backward(backward_args(kGpu));
     const Tensor first = download(dweight.dev);
-    gpu().rmsnorm_backward(args);
+    gpu().rmsnorm_backward(backward_args(kGpu));
     const Tensor second = download(dweight.dev);
     CHECK(std::equal(first.ptr<double>(), first.ptr<double>() + first.numel(), second.ptr<double>()));
-    args.dx = dx.host;
-    args.dweight = dweight.host;
-    args.dy = dy.host;
-    args.x = x.host;
-    args.weight = weight.host;
-    args.rstd = rstd.host;
-    cpu().rmsnorm_backward(args);
+    cpu().rmsnorm_backward(backward_args(kCpu));
     CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "rmsnorm dweight " + tag);
     CUDA_TEST_EXPECT_CLOSE(dx.dev, dx.host.view(), tolerance_for(DType::kBF16), "rmsnorm dx " + tag);
   }
 }
 
-// cos/sin tables [positions, half] of a plain rope (any angles do for the comparison).
+// cos/sin tables [positions, half] of a plain rope (any angles do for the comparison), F32.
 void rope_tables(Operand& cos, Operand& sin, int64_t positions, int64_t half) {
-  cos.host = Tensor({positions, half}, DType::kF64);
-  sin.host = Tensor({positions, half}, DType::kF64);
+  Tensor cos_host({positions, half}, DType::kF64), sin_host({positions, half}, DType::kF64);
   for (int64_t p = 0; p < positions; ++p)
     for (int64_t i = 0; i < half; ++i) {
       const double angle = static_cast<double>(p) * std::pow(10000.0, -static_cast<double>(i) / static_cast<double>(half));
-      cos.host.ptr<double>()[p * half + i] = std::cos(angle);
-      sin.host.ptr<double>()[p * half + i] = std::sin(angle);
+      cos_host.ptr<double>()[p * half + i] = std::cos(angle);
+      sin_host.ptr<double>()[p * half + i] = std::sin(angle);
     }
-  round_host(cos.host.view(), DType::kF32);
-  round_host(sin.host.view(), DType::kF32);
-  cos.dev = upload(cos.host.view(), DType::kF32);
-  sin.dev = upload(sin.host.view(), DType::kF32);
+  cos = operand_from_host(std::move(cos_host), DType::kF32);
+  sin = operand_from_host(std::move(sin_host), DType::kF32);
 }
 
 TEST_CASE("cuda rope matches the CPU: both layouts, inverse, in place and not") {
@@ -159,30 +156,24 @@ TEST_CASE("cuda rope matches the CPU: both layouts, inverse, in place and not") 
             Operand cos, sin;
             rope_tables(cos, sin, max_positions, k.rope_dim / 2);
             const Operand x = random_operand({rows, k.width}, dtype, ++seed);
-            Operand out = in_place ? random_operand({rows, k.width}, dtype, 0) : output_operand({rows, k.width}, dtype);
-            if (in_place) {  // out holds x's values and is rotated where it stands
-              out.host = Tensor(x.host.shape(), DType::kF64);
-              std::copy(x.host.ptr<double>(), x.host.ptr<double>() + x.host.numel(), out.host.ptr<double>());
-              out.dev = upload(x.host.view(), dtype);
-            }
-            kernels::RopeArgs args;
-            args.heads = k.heads;
-            args.col_offset = k.col_offset;
-            args.rope_dim = k.rope_dim;
-            args.layout = layout;
-            args.inverse = inverse;
-            args.out = out.dev;
-            args.x = in_place ? out.dev.view() : x.dev.view();
-            args.positions = positions.dev;
-            args.cos = cos.dev;
-            args.sin = sin.dev;
-            gpu().rope(args);
-            args.out = out.host;
-            args.x = in_place ? out.host.view() : x.host.view();
-            args.positions = positions.host;
-            args.cos = cos.host;
-            args.sin = sin.host;
-            cpu().rope(args);
+            // In place, out holds x's values and is rotated where it stands.
+            const Operand out = in_place ? copy_of(x, dtype) : output_operand({rows, k.width}, dtype);
+            const auto rope_args = [&](BackendSide on) {
+              kernels::RopeArgs args;
+              args.heads = k.heads;
+              args.col_offset = k.col_offset;
+              args.rope_dim = k.rope_dim;
+              args.layout = layout;
+              args.inverse = inverse;
+              args.out = on(out);
+              args.x = in_place ? on(out) : on(x);
+              args.positions = on(positions);
+              args.cos = on(cos);
+              args.sin = on(sin);
+              return args;
+            };
+            gpu().rope(rope_args(kGpu));
+            cpu().rope(rope_args(kCpu));
             CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tolerance_for(dtype),
                                    std::string("rope ") + dtype_name(dtype) + " heads " + std::to_string(k.heads) +
                                        " width " + std::to_string(k.width) + " rope " + std::to_string(k.rope_dim) +
@@ -278,25 +269,24 @@ TEST_CASE("cuda swiglu forward and backward match the CPU") {
 
       const Operand dh = random_operand({rows, width}, dtype, ++seed);
       Operand dgate_up = output_operand({rows, 2 * width}, dtype);
-      kernels::SwigluBackwardArgs args;
-      args.dgate_up = dgate_up.dev;
-      args.dh = dh.dev;
-      args.gate_up = gate_up.dev;
-      gpu().swiglu_backward(args);
-      args.dgate_up = dgate_up.host;
-      args.dh = dh.host;
-      args.gate_up = gate_up.host;
-      cpu().swiglu_backward(args);
+      const auto backward_args = [&](BackendSide on) {
+        kernels::SwigluBackwardArgs args;
+        args.dgate_up = on(dgate_up);
+        args.dh = on(dh);
+        args.gate_up = on(gate_up);
+        return args;
+      };
+      gpu().swiglu_backward(backward_args(kGpu));
+      cpu().swiglu_backward(backward_args(kCpu));
       CUDA_TEST_EXPECT_CLOSE(dgate_up.dev, dgate_up.host.view(), tolerance_for(dtype), "swiglu backward " + tag);
 
-      // In place: dgate_up over gate_up.
-      Operand inplace = random_operand({rows, 2 * width}, dtype, 0);
-      inplace.dev = upload(gate_up.host.view(), dtype);
-      args.dgate_up = inplace.dev;
-      args.dh = dh.dev;
-      args.gate_up = inplace.dev;
-      gpu().swiglu_backward(args);
-      CUDA_TEST_EXPECT_CLOSE(inplace.dev, dgate_up.host.view(), tolerance_for(dtype), "swiglu backward in place " + tag);
+      // In place: dgate_up over gate_up (a device copy of it).
+      const Tensor inplace = upload(gate_up.host.view(), dtype);
+      kernels::SwigluBackwardArgs in_place = backward_args(kGpu);
+      in_place.dgate_up = inplace;
+      in_place.gate_up = inplace;
+      gpu().swiglu_backward(in_place);
+      CUDA_TEST_EXPECT_CLOSE(inplace, dgate_up.host.view(), tolerance_for(dtype), "swiglu backward in place " + tag);
     }
 }
 
