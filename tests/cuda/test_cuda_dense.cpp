@@ -16,20 +16,6 @@ using kernels::GemmArgs;
 using kernels::GroupedGemmArgs;
 using kernels::GroupedGemmKind;
 
-// A GEMM input operand: values BF16-representable, stored on the GPU in `dtype`.
-Operand gemm_input(Shape shape, DType dtype, uint64_t seed) {
-  Operand op = random_operand(shape, DType::kBF16, seed);
-  op.dev = upload(op.host.view(), dtype);
-  return op;
-}
-
-// Tensor-core accumulation is F32 but not necessarily in the CPU's order or rounding (Hopper's
-// MMA may truncate partial sums), so F32 GEMM outputs get a looser bound than elementwise F32.
-Tolerance gemm_tolerance(DType c_dtype) {
-  if (c_dtype == DType::kBF16) return tolerance_for(c_dtype);
-  return {1e-4, 1e-3, 1e-4};
-}
-
 struct DtypeCase {
   DType a, b, c;
 };
@@ -53,19 +39,19 @@ TEST_CASE("cuda gemm matches the CPU for every transpose, dtype mix and beta") {
           const Operand b = gemm_input(tb ? Shape{d.n, d.k} : Shape{d.k, d.n}, dt.b, ++seed);
           // beta == 0: c starts as NaN on the GPU (it must not be read); else random values.
           Operand c = beta == 0.0 ? output_operand({d.m, d.n}, dt.c) : random_operand({d.m, d.n}, dt.c, ++seed);
-          GemmArgs args;
-          args.transpose_a = ta;
-          args.transpose_b = tb;
-          args.alpha = 1.5;
-          args.beta = beta;
-          args.a = a.dev;
-          args.b = b.dev;
-          args.c = c.dev;
-          gpu().gemm(args);
-          args.a = a.host;
-          args.b = b.host;
-          args.c = c.host;
-          cpu().gemm(args);
+          const auto gemm_args = [&](BackendSide on) {
+            GemmArgs args;
+            args.transpose_a = ta;
+            args.transpose_b = tb;
+            args.alpha = 1.5;
+            args.beta = beta;
+            args.a = on(a);
+            args.b = on(b);
+            args.c = on(c);
+            return args;
+          };
+          gpu().gemm(gemm_args(kGpu));
+          cpu().gemm(gemm_args(kCpu));
           const std::string name = std::string("gemm ") + dtype_name(dt.a) + "/" + dtype_name(dt.b) + "->" +
                                    dtype_name(dt.c) + " m" + std::to_string(d.m) + " n" + std::to_string(d.n) + " k" +
                                    std::to_string(d.k) + (ta ? " aT" : "") + (tb ? " bT" : "") + " beta " +
@@ -80,25 +66,19 @@ TEST_CASE("cuda gemm with k = 0 writes beta * c") {
       const Operand a = gemm_input({5, 0}, DType::kBF16, 1);
       const Operand b = gemm_input({0, 7}, DType::kBF16, 2);
       Operand c = beta == 0.0 ? output_operand({5, 7}, c_dtype) : random_operand({5, 7}, c_dtype, 3);
-      GemmArgs args;
-      args.beta = beta;
-      args.a = a.dev;
-      args.b = b.dev;
-      args.c = c.dev;
-      gpu().gemm(args);
-      args.a = a.host;
-      args.b = b.host;
-      args.c = c.host;
-      cpu().gemm(args);
+      const auto gemm_args = [&](BackendSide on) {
+        GemmArgs args;
+        args.beta = beta;
+        args.a = on(a);
+        args.b = on(b);
+        args.c = on(c);
+        return args;
+      };
+      gpu().gemm(gemm_args(kGpu));
+      cpu().gemm(gemm_args(kCpu));
       CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(c_dtype), "gemm k=0 beta " + std::to_string(beta));
     }
   }
-}
-
-std::vector<int32_t> prefix_sums(const std::vector<int32_t>& sizes) {
-  std::vector<int32_t> offsets{0};
-  for (int32_t s : sizes) offsets.push_back(offsets.back() + s);
-  return offsets;
 }
 
 TEST_CASE("cuda grouped_gemm M-grouped matches the CPU, with empty groups") {
@@ -114,23 +94,22 @@ TEST_CASE("cuda grouped_gemm M-grouped matches the CPU, with empty groups") {
         const Operand a = gemm_input({rows, k}, dt.a, ++seed);
         const Operand b = gemm_input(tb ? Shape{groups, n, k} : Shape{groups, k, n}, dt.b, ++seed);
         Operand c = beta == 0.0 ? output_operand({rows, n}, dt.c) : random_operand({rows, n}, dt.c, ++seed);
-        GroupedGemmArgs args;
-        args.kind = GroupedGemmKind::kMGrouped;
-        args.transpose_b = tb;
-        args.alpha = 0.5;
-        args.beta = beta;
-        args.a = a.dev;
-        args.b = b.dev;
-        args.c = c.dev;
-        args.group_offsets = group_offsets.dev;
-        // Half the cases pass the offsets' host copy, which the backend then does not read back.
-        args.host_group_offsets = tb ? offsets.data() : nullptr;
-        gpu().grouped_gemm(args);
-        args.a = a.host;
-        args.b = b.host;
-        args.c = c.host;
-        args.group_offsets = group_offsets.host;
-        cpu().grouped_gemm(args);
+        const auto grouped_args = [&](BackendSide on) {
+          GroupedGemmArgs args;
+          args.kind = GroupedGemmKind::kMGrouped;
+          args.transpose_b = tb;
+          args.alpha = 0.5;
+          args.beta = beta;
+          args.a = on(a);
+          args.b = on(b);
+          args.c = on(c);
+          args.group_offsets = on(group_offsets);
+          // Half the cases pass the offsets' host copy, which the backend then does not read back.
+          args.host_group_offsets = tb ? offsets.data() : nullptr;
+          return args;
+        };
+        gpu().grouped_gemm(grouped_args(kGpu));
+        cpu().grouped_gemm(grouped_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(dt.c),
                                std::string("grouped M ") + dtype_name(dt.a) + "->" + dtype_name(dt.c) +
                                    (tb ? " bT (host offsets)" : "") + " beta " + std::to_string(beta));
@@ -150,19 +129,18 @@ TEST_CASE("cuda grouped_gemm K-grouped matches the CPU; empty groups get beta * 
       const Operand b = gemm_input({rows, n_in}, dt.b, ++seed);
       Operand c = beta == 0.0 ? output_operand({groups, n_out, n_in}, dt.c)
                               : random_operand({groups, n_out, n_in}, dt.c, ++seed);
-      GroupedGemmArgs args;
-      args.kind = GroupedGemmKind::kKGrouped;
-      args.beta = beta;
-      args.a = a.dev;
-      args.b = b.dev;
-      args.c = c.dev;
-      args.group_offsets = group_offsets.dev;
-      gpu().grouped_gemm(args);
-      args.a = a.host;
-      args.b = b.host;
-      args.c = c.host;
-      args.group_offsets = group_offsets.host;
-      cpu().grouped_gemm(args);
+      const auto grouped_args = [&](BackendSide on) {
+        GroupedGemmArgs args;
+        args.kind = GroupedGemmKind::kKGrouped;
+        args.beta = beta;
+        args.a = on(a);
+        args.b = on(b);
+        args.c = on(c);
+        args.group_offsets = on(group_offsets);
+        return args;
+      };
+      gpu().grouped_gemm(grouped_args(kGpu));
+      cpu().grouped_gemm(grouped_args(kCpu));
       CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(dt.c),
                              std::string("grouped K ") + dtype_name(dt.a) + "->" + dtype_name(dt.c) + " beta " +
                                  std::to_string(beta));
@@ -229,18 +207,19 @@ TEST_CASE("cuda copy_columns matches the CPU (aligned and odd columns, repeat, a
         const Operand src = random_operand({k.src_rows, k.src_width}, dtype, ++seed);
         // Columns outside the copied range must keep their values, so dst starts random.
         Operand dst = random_operand({k.src_rows * k.repeat, k.dst_width}, dtype, ++seed);
-        kernels::CopyColumnsArgs args;
-        args.dst_col = k.dst_col;
-        args.src_col = k.src_col;
-        args.cols = k.cols;
-        args.src_row_repeat = k.repeat;
-        args.accumulate = accumulate;
-        args.dst = dst.dev;
-        args.src = src.dev;
-        gpu().copy_columns(args);
-        args.dst = dst.host;
-        args.src = src.host;
-        cpu().copy_columns(args);
+        const auto copy_args = [&](BackendSide on) {
+          kernels::CopyColumnsArgs args;
+          args.dst_col = k.dst_col;
+          args.src_col = k.src_col;
+          args.cols = k.cols;
+          args.src_row_repeat = k.repeat;
+          args.accumulate = accumulate;
+          args.dst = on(dst);
+          args.src = on(src);
+          return args;
+        };
+        gpu().copy_columns(copy_args(kGpu));
+        cpu().copy_columns(copy_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(dst.dev, dst.host.view(), tolerance_for(dtype),
                                std::string("copy_columns ") + dtype_name(dtype) + " cols " + std::to_string(k.cols) +
                                    (accumulate ? " +=" : ""));

@@ -7,10 +7,7 @@
 // and c never read) and beta 1.
 // On a Hopper GPU the aligned shapes must take the wgmma kernel, the others the fallback.
 // The group offsets go to the GPU alone in half the runs (the kernel never sees a host copy).
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <random>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,44 +20,6 @@ namespace {
 using kernels::GroupedGemmArgs;
 using kernels::GroupedGemmKind;
 using kernels::cuda_ops::GroupedGemmPath;
-
-// A GEMM input: values BF16-representable (the GPU rounds F32 operands to BF16), stored in `dtype`.
-Operand gemm_input(Shape shape, DType dtype, uint64_t seed) {
-  Operand op = random_operand(shape, DType::kBF16, seed);
-  op.dev = upload(op.host.view(), dtype);
-  return op;
-}
-
-// F32 outputs: the tensor cores' F32 sums are not in the CPU's order.
-Tolerance grouped_tolerance(DType c_dtype) {
-  if (c_dtype == DType::kBF16) return tolerance_for(c_dtype);
-  return {1e-4, 1e-3, 1e-4};
-}
-
-std::vector<int32_t> prefix_sums(const std::vector<int32_t>& sizes) {
-  std::vector<int32_t> offsets{0};
-  for (int32_t s : sizes) offsets.push_back(offsets.back() + s);
-  return offsets;
-}
-
-bool on_hopper() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  return major == 9 && minor == 0;
-}
-
-// `groups` counts around `mean` rows, a few at 7x the mean and a few empty (routing skew).
-std::vector<int32_t> skewed_sizes(int groups, int mean, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int> around(mean / 2, mean * 3 / 2);
-  std::vector<int32_t> sizes(static_cast<size_t>(groups));
-  for (int g = 0; g < groups; ++g) sizes[static_cast<size_t>(g)] = around(rng);
-  for (int g = 0; g < groups; g += 13) sizes[static_cast<size_t>(g)] = 7 * mean;
-  for (int g = 5; g < groups; g += 11) sizes[static_cast<size_t>(g)] = 0;
-  return sizes;
-}
 
 struct DtypeCase {
   DType a, b, c;
@@ -83,6 +42,19 @@ std::string label(const std::string& name, const Run& run) {
          (run.host_offsets ? " (host offsets)" : " (device offsets only)");
 }
 
+// The grouped GEMM that `grouped_args` describes, run on both backends; `expect_fast`: the wgmma
+// kernel must be the one the GPU takes (checked on a Hopper GPU). Compares c.
+void check_on_both(const std::function<GroupedGemmArgs(BackendSide)>& grouped_args, const Operand& c, DType c_dtype,
+                   bool expect_fast, const std::string& what) {
+  const GroupedGemmArgs on_gpu = grouped_args(kGpu);
+  const bool fast = kernels::cuda_ops::grouped_gemm_path(on_gpu) == GroupedGemmPath::kSm90;
+  INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
+  if (device_is_sm90()) CHECK(fast == expect_fast);
+  gpu().grouped_gemm(on_gpu);
+  cpu().grouped_gemm(grouped_args(kCpu));
+  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(c_dtype), what);
+}
+
 // One M-grouped run on both backends; `expect_fast`: the wgmma kernel must be the one taken.
 // k2 > 0 adds the second product a2 [rows, k2] . op(b2) (GroupedGemmArgs::a2, b2).
 void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n, const Run& run,
@@ -93,41 +65,33 @@ void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes,
   const Operand a = gemm_input({rows, k}, run.dtypes.a, seed + 1);
   const Operand b = gemm_input(run.transpose_b ? Shape{groups, n, k} : Shape{groups, k, n}, run.dtypes.b, seed + 2);
   Operand c = run.beta == 0.0 ? output_operand({rows, n}, run.dtypes.c) : random_operand({rows, n}, run.dtypes.c, seed + 3);
-  GroupedGemmArgs args;
-  args.kind = GroupedGemmKind::kMGrouped;
-  args.transpose_b = run.transpose_b;
-  args.alpha = 0.75;
-  args.beta = run.beta;
-  args.a = a.dev;
-  args.b = b.dev;
-  args.c = c.dev;
-  args.group_offsets = group_offsets.dev;
-  args.host_group_offsets = run.host_offsets ? offsets.data() : nullptr;
   Operand a2, b2;
   if (k2 > 0) {
     a2 = gemm_input({rows, k2}, run.dtypes.a, seed + 4);
     b2 = gemm_input(run.transpose_b ? Shape{groups, n, k2} : Shape{groups, k2, n}, run.dtypes.b, seed + 5);
-    args.a2 = a2.dev;
-    args.b2 = b2.dev;
   }
+  const auto grouped_args = [&](BackendSide on) {
+    GroupedGemmArgs args;
+    args.kind = GroupedGemmKind::kMGrouped;
+    args.transpose_b = run.transpose_b;
+    args.alpha = 0.75;
+    args.beta = run.beta;
+    args.a = on(a);
+    args.b = on(b);
+    args.c = on(c);
+    if (k2 > 0) {
+      args.a2 = on(a2);
+      args.b2 = on(b2);
+    }
+    args.group_offsets = on(group_offsets);
+    // The GPU gets the offsets' host copy only in the runs that pass it; the CPU always reads it.
+    args.host_group_offsets = run.host_offsets || !on.device ? offsets.data() : nullptr;
+    return args;
+  };
   const std::string what =
       label(name + " k" + std::to_string(k) + " n" + std::to_string(n) + (k2 > 0 ? " k2 " + std::to_string(k2) : ""),
             run);
-  const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
-  INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
-  if (on_hopper()) CHECK(fast == expect_fast);
-  gpu().grouped_gemm(args);
-  args.a = a.host;
-  args.b = b.host;
-  args.c = c.host;
-  if (k2 > 0) {
-    args.a2 = a2.host;
-    args.b2 = b2.host;
-  }
-  args.group_offsets = group_offsets.host;
-  args.host_group_offsets = offsets.data();
-  cpu().grouped_gemm(args);
-  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), grouped_tolerance(run.dtypes.c), what);
+  check_on_both(grouped_args, c, run.dtypes.c, expect_fast, what);
 }
 
 void check_k_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t n_out, int64_t n_in,
@@ -139,29 +103,22 @@ void check_k_grouped(const std::string& name, const std::vector<int32_t>& sizes,
   const Operand b = gemm_input({rows, n_in}, run.dtypes.b, seed + 2);
   Operand c = run.beta == 0.0 ? output_operand({groups, n_out, n_in}, run.dtypes.c)
                               : random_operand({groups, n_out, n_in}, run.dtypes.c, seed + 3);
-  GroupedGemmArgs args;
-  args.kind = GroupedGemmKind::kKGrouped;
-  args.alpha = 1.25;
-  args.beta = run.beta;
-  args.a = a.dev;
-  args.b = b.dev;
-  args.c = c.dev;
-  args.group_offsets = group_offsets.dev;
-  args.host_group_offsets = run.host_offsets ? offsets.data() : nullptr;
+  const auto grouped_args = [&](BackendSide on) {
+    GroupedGemmArgs args;
+    args.kind = GroupedGemmKind::kKGrouped;
+    args.alpha = 1.25;
+    args.beta = run.beta;
+    args.a = on(a);
+    args.b = on(b);
+    args.c = on(c);
+    args.group_offsets = on(group_offsets);
+    args.host_group_offsets = run.host_offsets || !on.device ? offsets.data() : nullptr;
+    return args;
+  };
   const std::string what =
       label(name + " n_out" + std::to_string(n_out) + " n_in" + std::to_string(n_in), Run{run.dtypes, true, run.beta,
                                                                                          run.host_offsets});
-  const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
-  INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
-  if (on_hopper()) CHECK(fast == expect_fast);
-  gpu().grouped_gemm(args);
-  args.a = a.host;
-  args.b = b.host;
-  args.c = c.host;
-  args.group_offsets = group_offsets.host;
-  args.host_group_offsets = offsets.data();
-  cpu().grouped_gemm(args);
-  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), grouped_tolerance(run.dtypes.c), what);
+  check_on_both(grouped_args, c, run.dtypes.c, expect_fast, what);
 }
 
 // Every dtype mix, both layouts of b, beta 0 and 1, with and without the host copy (12 runs).

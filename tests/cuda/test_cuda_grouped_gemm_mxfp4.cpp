@@ -27,30 +27,6 @@ using kernels::GroupedGemmArgs;
 using kernels::GroupedGemmKind;
 using kernels::cuda_ops::GroupedGemmPath;
 
-bool on_hopper() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  return major == 9 && minor == 0;
-}
-
-std::vector<int32_t> prefix_sums(const std::vector<int32_t>& sizes) {
-  std::vector<int32_t> offsets{0};
-  for (int32_t s : sizes) offsets.push_back(offsets.back() + s);
-  return offsets;
-}
-
-std::vector<int32_t> skewed_sizes(int groups, int mean, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int> around(mean / 2, mean * 3 / 2);
-  std::vector<int32_t> sizes(static_cast<size_t>(groups));
-  for (int g = 0; g < groups; ++g) sizes[static_cast<size_t>(g)] = around(rng);
-  for (int g = 0; g < groups; g += 13) sizes[static_cast<size_t>(g)] = 7 * mean;
-  for (int g = 5; g < groups; g += 11) sizes[static_cast<size_t>(g)] = 0;
-  return sizes;
-}
-
 // An MXFP4 weight [G, outer, inner] (packed along inner) on both sides, and its decoded values:
 // F64 on the host, BF16 on the device.
 struct Mxfp4Weight {
@@ -94,8 +70,7 @@ void check_mxfp4(const std::string& name, const std::vector<int32_t>& sizes, int
   const std::vector<int32_t> offsets = prefix_sums(sizes);
   const int64_t groups = static_cast<int64_t>(sizes.size()), rows = offsets.back();
   const Operand group_offsets = int_operand(offsets, {groups + 1});
-  Operand a = random_operand({rows, k}, DType::kBF16, seed + 1);
-  a.dev = upload(a.host.view(), run.a);
+  const Operand a = gemm_input({rows, k}, run.a, seed + 1);
   const Mxfp4Weight w = run.transpose_b ? mxfp4_weight(groups, n, k, seed + 2, 118, 130)
                                         : mxfp4_weight(groups, k, n, seed + 2, 118, 130);
   Operand c = run.beta == 0.0 ? output_operand({rows, n}, run.c) : random_operand({rows, n}, run.c, seed + 3);
@@ -120,7 +95,7 @@ void check_mxfp4(const std::string& name, const std::vector<int32_t>& sizes, int
   args.c = c.dev;
   const bool fast = kernels::cuda_ops::grouped_gemm_path(args) == GroupedGemmPath::kSm90;
   INFO(what << (fast ? ": wgmma kernel" : ": fallback kernel"));
-  if (on_hopper()) CHECK(fast == expect_fast);
+  if (device_is_sm90()) CHECK(fast == expect_fast);
   gpu().grouped_gemm(args);
   const Tensor expected = download(reference_c);
   CUDA_TEST_EXPECT_CLOSE(c.dev, expected.view(), (Tolerance{1e-6, 1e-6, 1e-6}), what + " vs bf16 grouped GEMM");
@@ -132,8 +107,7 @@ void check_mxfp4(const std::string& name, const std::vector<int32_t>& sizes, int
   args.group_offsets = group_offsets.host;
   args.host_group_offsets = offsets.data();
   cpu().grouped_gemm(args);
-  const Tolerance spec = run.c == DType::kBF16 ? tolerance_for(run.c) : Tolerance{1e-4, 1e-3, 1e-4};
-  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), spec, what + " vs CPU F64");
+  CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(run.c), what + " vs CPU F64");
 }
 
 const Run kRuns[] = {
