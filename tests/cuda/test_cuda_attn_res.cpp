@@ -10,14 +10,10 @@
 namespace moetrain::cuda_test {
 namespace {
 
-std::vector<TensorView> host_views(const std::vector<Operand>& ops) {
+// Each operand's tensor on one side.
+std::vector<TensorView> views(BackendSide on, const std::vector<Operand>& ops) {
   std::vector<TensorView> out;
-  for (const Operand& op : ops) out.push_back(op.host.view());
-  return out;
-}
-std::vector<TensorView> dev_views(const std::vector<Operand>& ops) {
-  std::vector<TensorView> out;
-  for (const Operand& op : ops) out.push_back(op.dev.view());
+  for (const Operand& op : ops) out.push_back(on(op));
   return out;
 }
 
@@ -35,8 +31,11 @@ TEST_CASE("cuda attn_res forward and backward match the CPU") {
         const Operand query = random_operand({dim}, dtype, ++seed, 0.01, 0.2);
         Operand out = output_operand({rows, dim}, dtype);
         Operand probs = output_operand({rows, m}, DType::kF32);
-        gpu().attn_res_forward({out.dev, probs.dev, dev_views(values), norm_weight.dev, query.dev, 1e-5});
-        cpu().attn_res_forward({out.host, probs.host, host_views(values), norm_weight.host, query.host, 1e-5});
+        const auto forward_args = [&](BackendSide on) {
+          return kernels::AttnResArgs{on(out), on(probs), views(on, values), on(norm_weight), on(query), 1e-5};
+        };
+        gpu().attn_res_forward(forward_args(kGpu));
+        cpu().attn_res_forward(forward_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(probs.dev, probs.host.view(), tolerance_for(DType::kF32), "attn_res probs " + tag);
         CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tolerance_for(dtype), "attn_res forward " + tag);
 
@@ -45,9 +44,12 @@ TEST_CASE("cuda attn_res forward and backward match the CPU") {
         const Operand dout = random_operand({rows, dim}, dtype, ++seed);
         std::vector<Operand> grads;
         for (int i = 0; i < m; ++i) grads.push_back(random_operand({rows, dim}, i + 1 < m ? DType::kF32 : dtype, ++seed));
-        gpu().attn_res_backward({dev_views(grads), dout.dev, dev_views(values), norm_weight.dev, query.dev, probs.dev, 1e-5});
-        cpu().attn_res_backward(
-            {host_views(grads), dout.host, host_views(values), norm_weight.host, query.host, probs.host, 1e-5});
+        const auto backward_args = [&](BackendSide on) {
+          return kernels::AttnResBackwardArgs{views(on, grads), on(dout),  views(on, values), on(norm_weight),
+                                              on(query),        on(probs), 1e-5};
+        };
+        gpu().attn_res_backward(backward_args(kGpu));
+        cpu().attn_res_backward(backward_args(kCpu));
         for (int i = 0; i < m; ++i) {
           const DType grad_dtype = i + 1 < m ? DType::kF32 : dtype;
           // The F32 buffers add a BF16-input gradient: the inputs' rounding dominates, as for dtype.

@@ -1,6 +1,7 @@
 // CUDA cross-entropy and AdamW against the CPU reference (F64).
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_support.h"
@@ -27,24 +28,24 @@ TEST_CASE("cuda cross_entropy matches the CPU: ignored labels, no gradient, alia
         const DType grad_dtype = mode == 3 ? DType::kBF16 : dtype;
         Operand loss = output_operand({rows}, DType::kF32);
         Operand dlogits = output_operand({rows, vocab}, grad_dtype);
+        const auto loss_args = [&](BackendSide on) {
+          kernels::CrossEntropyArgs args;
+          args.grad_scale = 0.25;
+          args.loss = on(loss);
+          args.logits = on(logits);
+          args.labels = on(labels);
+          args.dlogits = mode == 1 ? TensorView{} : on(dlogits);
+          return args;
+        };
+        kernels::CrossEntropyArgs on_gpu = loss_args(kGpu);
         Tensor logits_copy;
-        kernels::CrossEntropyArgs args;
-        args.grad_scale = 0.25;
-        args.loss = loss.dev;
-        args.logits = logits.dev;
-        args.labels = labels.dev;
-        if (mode == 0 || mode == 3) args.dlogits = dlogits.dev;
-        if (mode == 2) {
+        if (mode == 2) {  // the GPU writes dlogits over (a copy of) the logits
           logits_copy = upload(logits.host.view(), dtype);
-          args.logits = logits_copy;
-          args.dlogits = logits_copy;
+          on_gpu.logits = logits_copy;
+          on_gpu.dlogits = logits_copy;
         }
-        gpu().cross_entropy(args);
-        args.loss = loss.host;
-        args.logits = logits.host;
-        args.labels = labels.host;
-        args.dlogits = mode == 1 ? TensorView{} : dlogits.host.view();
-        cpu().cross_entropy(args);
+        gpu().cross_entropy(on_gpu);
+        cpu().cross_entropy(loss_args(kCpu));
         const std::string mtag = tag + (mode == 1 ? " no grad" : mode == 2 ? " aliased" : mode == 3 ? " bf16 grad" : "");
         CUDA_TEST_EXPECT_CLOSE(loss.dev, loss.host.view(), tolerance_for(DType::kF32), "cross_entropy loss " + mtag);
         if (mode == 0 || mode == 3)
@@ -60,27 +61,24 @@ TEST_CASE("cuda adamw matches the CPU over several steps") {
     Operand param = random_operand({n}, DType::kF32, ++seed);
     Operand exp_avg = random_operand({n}, DType::kF32, ++seed, 1e-3, 0.1);
     // A second moment is never negative (random_operand draws both signs).
-    Operand exp_avg_sq;
-    exp_avg_sq.host = testing::random_tensor({n}, DType::kF64, ++seed, 1e-4, 1e-2);
-    for (int64_t i = 0; i < n; ++i) exp_avg_sq.host.ptr<double>()[i] = std::fabs(exp_avg_sq.host.ptr<double>()[i]);
-    round_host(exp_avg_sq.host.view(), DType::kF32);
-    exp_avg_sq.dev = upload(exp_avg_sq.host.view(), DType::kF32);
+    Tensor squares = testing::random_tensor({n}, DType::kF64, ++seed, 1e-4, 1e-2);
+    for (int64_t i = 0; i < n; ++i) squares.ptr<double>()[i] = std::fabs(squares.ptr<double>()[i]);
+    Operand exp_avg_sq = operand_from_host(std::move(squares), DType::kF32);
     for (int64_t step = 1; step <= 3; ++step) {
       const Operand grad = random_operand({n}, DType::kF32, ++seed);
-      kernels::AdamWArgs args;
-      args.lr = 1e-2;
-      args.weight_decay = 0.1;
-      args.step = step;
-      args.param = param.dev;
-      args.grad = grad.dev;
-      args.exp_avg = exp_avg.dev;
-      args.exp_avg_sq = exp_avg_sq.dev;
-      gpu().adamw(args);
-      args.param = param.host;
-      args.grad = grad.host;
-      args.exp_avg = exp_avg.host;
-      args.exp_avg_sq = exp_avg_sq.host;
-      cpu().adamw(args);
+      const auto adamw_args = [&](BackendSide on) {
+        kernels::AdamWArgs args;
+        args.lr = 1e-2;
+        args.weight_decay = 0.1;
+        args.step = step;
+        args.param = on(param);
+        args.grad = on(grad);
+        args.exp_avg = on(exp_avg);
+        args.exp_avg_sq = on(exp_avg_sq);
+        return args;
+      };
+      gpu().adamw(adamw_args(kGpu));
+      cpu().adamw(adamw_args(kCpu));
     }
     const std::string tag = "adamw n " + std::to_string(n);
     CUDA_TEST_EXPECT_CLOSE(param.dev, param.host.view(), tolerance_for(DType::kF32), tag + " param");

@@ -14,8 +14,6 @@ namespace {
 using namespace moetrain;
 using namespace moetrain::cuda_test;
 
-Tensor poisoned_ints(int64_t count) { return poisoned(Shape{count}, DType::kI32); }
-
 // The permutation of `expert_of` ([tokens, top_k]) on both backends; returns the CPU's
 // pair_row and sorted_pair for the row tests.
 struct Permutation {
@@ -26,25 +24,18 @@ Permutation check_permutation(const std::vector<int32_t>& expert_of, int64_t tok
   INFO("tokens " << tokens << " top_k " << top_k << " experts " << experts);
   Operand topk = int_operand(expert_of, Shape{tokens, top_k});
   const int64_t pairs = tokens * top_k;
-  Permutation p;
-  p.offsets.host = Tensor({experts + 1}, DType::kI32);
-  p.offsets.dev = poisoned_ints(experts + 1);
-  p.sorted_pair.host = Tensor({pairs}, DType::kI32);
-  p.sorted_pair.dev = poisoned_ints(pairs);
-  p.pair_row.host = Tensor({pairs}, DType::kI32);
-  p.pair_row.dev = poisoned_ints(pairs);
-  kernels::MoePermutationArgs a;
-  a.num_experts = experts;
-  a.expert_offsets = p.offsets.dev;
-  a.sorted_pair = p.sorted_pair.dev;
-  a.pair_row = p.pair_row.dev;
-  a.topk_index = topk.dev;
-  gpu().moe_permutation(a);
-  a.expert_offsets = p.offsets.host;
-  a.sorted_pair = p.sorted_pair.host;
-  a.pair_row = p.pair_row.host;
-  a.topk_index = topk.host;
-  cpu().moe_permutation(a);
+  Permutation p{int_output_operand({experts + 1}), int_output_operand({pairs}), int_output_operand({pairs})};
+  const auto permutation_args = [&](BackendSide on) {
+    kernels::MoePermutationArgs args;
+    args.num_experts = experts;
+    args.expert_offsets = on(p.offsets);
+    args.sorted_pair = on(p.sorted_pair);
+    args.pair_row = on(p.pair_row);
+    args.topk_index = on(topk);
+    return args;
+  };
+  gpu().moe_permutation(permutation_args(kGpu));
+  cpu().moe_permutation(permutation_args(kCpu));
   expect_same_ints(p.offsets.dev, p.offsets.host, "expert_offsets");
   expect_same_ints(p.sorted_pair.dev, p.sorted_pair.host, "sorted_pair");
   expect_same_ints(p.pair_row.dev, p.pair_row.host, "pair_row");
@@ -72,6 +63,23 @@ TEST_CASE("cuda moe_permutation is the CPU's stable sort") {
   SECTION("Kimi-like: 256 experts, top-8") {
     check_permutation(random_routing(515, 8, 256, 2), 515, 8, 256);
   }
+}
+
+// moe_combine_backward on the GPU and on the CPU reference, from the same operands.
+void combine_backward_on_both(Operand& drows, Operand& dweight, const Operand& dout, const Operand& rows,
+                              const Operand& weight, const Operand& pair_row) {
+  const auto backward_args = [&](BackendSide on) {
+    kernels::MoeCombineBackwardArgs args;
+    args.drows = on(drows);
+    args.dweight = on(dweight);
+    args.dout = on(dout);
+    args.rows = on(rows);
+    args.weight = on(weight);
+    args.pair_row = on(pair_row);
+    return args;
+  };
+  gpu().moe_combine_backward(backward_args(kGpu));
+  cpu().moe_combine_backward(backward_args(kCpu));
 }
 
 void check_rows(DType dtype, int64_t width, uint64_t seed) {
@@ -102,37 +110,22 @@ void check_rows(DType dtype, int64_t width, uint64_t seed) {
   Operand rows = random_operand({pairs, width}, dtype, seed + 4);
   Operand weight = random_operand({tokens, top_k}, DType::kF32, seed + 5);
   Operand out = output_operand({tokens, width}, dtype);
-  kernels::MoeCombineArgs c;
-  c.out = out.dev;
-  c.rows = rows.dev;
-  c.weight = weight.dev;
-  c.pair_row = perm.pair_row.dev;
-  gpu().moe_combine(c);
-  c.out = out.host;
-  c.rows = rows.host;
-  c.weight = weight.host;
-  c.pair_row = perm.pair_row.host;
-  cpu().moe_combine(c);
+  const auto combine_args = [&](BackendSide on) {
+    kernels::MoeCombineArgs args;
+    args.out = on(out);
+    args.rows = on(rows);
+    args.weight = on(weight);
+    args.pair_row = on(perm.pair_row);
+    return args;
+  };
+  gpu().moe_combine(combine_args(kGpu));
+  cpu().moe_combine(combine_args(kCpu));
   CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tol, "moe_combine out");
 
   Operand dout = random_operand({tokens, width}, dtype, seed + 6);
   Operand drows_out = output_operand({pairs, width}, dtype);
   Operand dweight = output_operand({tokens, top_k}, DType::kF32);
-  kernels::MoeCombineBackwardArgs b;
-  b.drows = drows_out.dev;
-  b.dweight = dweight.dev;
-  b.dout = dout.dev;
-  b.rows = rows.dev;
-  b.weight = weight.dev;
-  b.pair_row = perm.pair_row.dev;
-  gpu().moe_combine_backward(b);
-  b.drows = drows_out.host;
-  b.dweight = dweight.host;
-  b.dout = dout.host;
-  b.rows = rows.host;
-  b.weight = weight.host;
-  b.pair_row = perm.pair_row.host;
-  cpu().moe_combine_backward(b);
+  combine_backward_on_both(drows_out, dweight, dout, rows, weight, perm.pair_row);
   CUDA_TEST_EXPECT_CLOSE(drows_out.dev, drows_out.host.view(), tol, "moe_combine_backward drows");
   // dweight is F32 whatever the rows' dtype: the dot products see identical inputs on both sides.
   CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "moe_combine_backward dweight");
@@ -155,21 +148,7 @@ TEST_CASE("cuda moe_combine_backward zeroes rows no pair maps to") {
   Operand dout = random_operand({tokens, width}, DType::kBF16, 902);
   Operand drows = output_operand({rows_count, width}, DType::kBF16);
   Operand dweight = output_operand({tokens, top_k}, DType::kF32);
-  kernels::MoeCombineBackwardArgs b;
-  b.drows = drows.dev;
-  b.dweight = dweight.dev;
-  b.dout = dout.dev;
-  b.rows = rows.dev;
-  b.weight = weight.dev;
-  b.pair_row = pair_row.dev;
-  gpu().moe_combine_backward(b);
-  b.drows = drows.host;
-  b.dweight = dweight.host;
-  b.dout = dout.host;
-  b.rows = rows.host;
-  b.weight = weight.host;
-  b.pair_row = pair_row.host;
-  cpu().moe_combine_backward(b);
+  combine_backward_on_both(drows, dweight, dout, rows, weight, pair_row);
   CUDA_TEST_EXPECT_CLOSE(drows.dev, drows.host.view(), tolerance_for(DType::kBF16), "drows with spare rows");
   CUDA_TEST_EXPECT_CLOSE(dweight.dev, dweight.host.view(), tolerance_for(DType::kF32), "dweight");
 }

@@ -4,10 +4,10 @@
 // steps of 1/65536 are far below the gaps); one case has exact ties, which must go to the lower index
 // on both backends. Outputs are poisoned with NaN (indices with -1 bytes) first.
 #include <algorithm>
-#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_support.h"
@@ -19,30 +19,25 @@ using namespace moetrain::cuda_test;
 
 // [tokens, experts] logits: each row a random permutation of -3 + 6 * i / experts.
 Operand grid_logits(int64_t tokens, int64_t experts, uint64_t seed) {
-  Operand op;
-  op.host = Tensor({tokens, experts}, DType::kF64);
+  Tensor host({tokens, experts}, DType::kF64);
   std::mt19937_64 rng(seed);
   std::vector<int64_t> rank(static_cast<size_t>(experts));
   for (int64_t t = 0; t < tokens; ++t) {
     std::iota(rank.begin(), rank.end(), 0);
     std::shuffle(rank.begin(), rank.end(), rng);
     for (int64_t e = 0; e < experts; ++e) {
-      op.host.ptr<double>()[t * experts + e] = -3.0 + 6.0 * static_cast<double>(rank[e]) / static_cast<double>(experts);
+      host.ptr<double>()[t * experts + e] = -3.0 + 6.0 * static_cast<double>(rank[e]) / static_cast<double>(experts);
     }
   }
-  round_host(op.host.view(), DType::kF32);
-  op.dev = upload(op.host.view(), DType::kF32);
-  return op;
+  return operand_from_host(std::move(host), DType::kF32);
 }
 
 // Values k / 65536 for k in [0, 3): exact in every dtype and far below the score gaps (>= 1e-3).
 Operand step_bias(int64_t experts, uint64_t seed) {
-  Operand op;
-  op.host = Tensor({experts}, DType::kF64);
+  Tensor host({experts}, DType::kF64);
   std::mt19937_64 rng(seed);
-  for (int64_t e = 0; e < experts; ++e) op.host.ptr<double>()[e] = static_cast<double>(rng() % 3) / 65536.0;
-  op.dev = upload(op.host.view(), DType::kF32);
-  return op;
+  for (int64_t e = 0; e < experts; ++e) host.ptr<double>()[e] = static_cast<double>(rng() % 3) / 65536.0;
+  return operand_from_host(std::move(host), DType::kF32);
 }
 
 struct RouterCase {
@@ -59,7 +54,7 @@ void check_router_case(const RouterCase& c, uint64_t seed) {
   if (c.ties) {
     // Every expert of every token alike: the lowest groups and experts must win.
     for (int64_t i = 0; i < logits.host.numel(); ++i) logits.host.ptr<double>()[i] = 0.375;
-    logits.dev = upload(logits.host.view(), DType::kF32);
+    round_and_upload(logits, DType::kF32);
   }
   Operand bias = c.bias ? step_bias(c.experts, seed + 1) : Operand{};
   // Noise: tiny steps like the bias, so that gaps stay clear.
@@ -69,31 +64,26 @@ void check_router_case(const RouterCase& c, uint64_t seed) {
   }
   Operand scores = output_operand({c.tokens, c.experts}, DType::kF32);
   Operand weight = output_operand({c.tokens, c.top_k}, DType::kF32);
-  Operand index;
-  index.host = Tensor({c.tokens, c.top_k}, DType::kI32);
-  index.dev = poisoned(Shape{c.tokens, c.top_k}, DType::kI32);
+  Operand index = int_output_operand({c.tokens, c.top_k});
 
-  kernels::RouterArgs a;
-  a.scoring = c.scoring;
-  a.top_k = c.top_k;
-  a.num_groups = c.num_groups;
-  a.topk_groups = c.topk_groups;
-  a.normalize = c.normalize;
-  a.scaling = c.scaling;
-  a.scores = scores.dev;
-  a.topk_index = index.dev;
-  a.topk_weight = weight.dev;
-  a.logits = logits.dev;
-  if (c.bias) a.bias = bias.dev;
-  if (c.noise) a.noise = noise.dev.view().reshaped(Shape{c.tokens, c.experts});
-  gpu().router_forward(a);
-  a.scores = scores.host;
-  a.topk_index = index.host;
-  a.topk_weight = weight.host;
-  a.logits = logits.host;
-  if (c.bias) a.bias = bias.host;
-  if (c.noise) a.noise = noise.host.view().reshaped(Shape{c.tokens, c.experts});
-  cpu().router_forward(a);
+  const auto router_args = [&](BackendSide on) {
+    kernels::RouterArgs args;
+    args.scoring = c.scoring;
+    args.top_k = c.top_k;
+    args.num_groups = c.num_groups;
+    args.topk_groups = c.topk_groups;
+    args.normalize = c.normalize;
+    args.scaling = c.scaling;
+    args.scores = on(scores);
+    args.topk_index = on(index);
+    args.topk_weight = on(weight);
+    args.logits = on(logits);
+    if (c.bias) args.bias = on(bias);
+    if (c.noise) args.noise = on(noise).reshaped(Shape{c.tokens, c.experts});
+    return args;
+  };
+  gpu().router_forward(router_args(kGpu));
+  cpu().router_forward(router_args(kCpu));
 
   expect_same_ints(index.dev, index.host, "topk_index");
   CUDA_TEST_EXPECT_CLOSE(scores.dev, scores.host.view(), tolerance_for(DType::kF32), "scores");
@@ -145,22 +135,20 @@ TEST_CASE("cuda router_backward matches the CPU reference") {
         Operand dweight = random_operand({tokens, top_k}, DType::kF32, seed + 2);
         Operand dextra = random_operand({tokens, experts}, DType::kF32, seed + 3);
         Operand dlogits = output_operand({tokens, experts}, DType::kF32);
-        kernels::RouterBackwardArgs a;
-        a.scoring = scoring;
-        a.normalize = normalize;
-        a.scaling = 1.75;
-        a.dlogits = dlogits.dev;
-        a.dtopk_weight = dweight.dev;
-        if (extra) a.dscores_extra = dextra.dev;
-        a.scores = scores.dev;
-        a.topk_index = index.dev;
-        gpu().router_backward(a);
-        a.dlogits = dlogits.host;
-        a.dtopk_weight = dweight.host;
-        if (extra) a.dscores_extra = dextra.host;
-        a.scores = scores.host;
-        a.topk_index = index.host;
-        cpu().router_backward(a);
+        const auto backward_args = [&](BackendSide on) {
+          kernels::RouterBackwardArgs args;
+          args.scoring = scoring;
+          args.normalize = normalize;
+          args.scaling = 1.75;
+          args.dlogits = on(dlogits);
+          args.dtopk_weight = on(dweight);
+          if (extra) args.dscores_extra = on(dextra);
+          args.scores = on(scores);
+          args.topk_index = on(index);
+          return args;
+        };
+        gpu().router_backward(backward_args(kGpu));
+        cpu().router_backward(backward_args(kCpu));
         CUDA_TEST_EXPECT_CLOSE(dlogits.dev, dlogits.host.view(), tolerance_for(DType::kF32), "dlogits");
       }
     }
@@ -176,19 +164,18 @@ TEST_CASE("cuda aux_loss matches the CPU reference: sequence-wise and batch-wise
     Operand index = random_topk(tokens, experts, top_k, seed + 1);
     Operand loss = output_operand({1}, DType::kF32);
     Operand dscores = output_operand({tokens, experts}, DType::kF32);
-    kernels::AuxLossArgs a;
-    a.tokens_per_segment = segment;
-    a.coef = 0.013;
-    a.loss = loss.dev;
-    a.dscores = dscores.dev;
-    a.scores = scores.dev;
-    a.topk_index = index.dev;
-    gpu().aux_loss(a);
-    a.loss = loss.host;
-    a.dscores = dscores.host;
-    a.scores = scores.host;
-    a.topk_index = index.host;
-    cpu().aux_loss(a);
+    const auto aux_loss_args = [&](BackendSide on) {
+      kernels::AuxLossArgs args;
+      args.tokens_per_segment = segment;
+      args.coef = 0.013;
+      args.loss = on(loss);
+      args.dscores = on(dscores);
+      args.scores = on(scores);
+      args.topk_index = on(index);
+      return args;
+    };
+    gpu().aux_loss(aux_loss_args(kGpu));
+    cpu().aux_loss(aux_loss_args(kCpu));
     CUDA_TEST_EXPECT_CLOSE(loss.dev, loss.host.view(), tolerance_for(DType::kF32), "loss");
     CUDA_TEST_EXPECT_CLOSE(dscores.dev, dscores.host.view(), tolerance_for(DType::kF32), "dscores");
   }
