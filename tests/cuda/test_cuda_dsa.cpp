@@ -375,6 +375,21 @@ void expect_backward_repeatable(const SparseOperands& s, DType dtype, int64_t ch
   CHECK(same_bytes(download(dq_again), dq_first));
 }
 
+// The backward from the CPU's out and lse as the device stores them (the backward reads them as
+// stored: both backends get the same rounded values), against the CPU; then bitwise repeatable,
+// with the dkv contributions in chunks of `chunk_rows` queries too. `hopper_expected`: the Hopper
+// kernel must be the one the GPU takes.
+void check_sparse_backward(SparseOperands& s, DType dtype, bool hopper_expected, int64_t chunk_rows) {
+  round_and_upload(s.out, dtype);
+  round_and_upload(s.lse, DType::kF32);
+  if (hopper_expected) CHECK(kernels::cuda_ops::sparse_attention_backward_sm90_supported(backward_args(kGpu, s)));
+  gpu().sparse_attention_backward(backward_args(kGpu, s));
+  cpu().sparse_attention_backward(backward_args(kCpu, s));
+  CUDA_TEST_EXPECT_CLOSE(s.dq.dev, s.dq.host.view(), tolerance_for(dtype), "dq");
+  CUDA_TEST_EXPECT_CLOSE(s.dkv.dev, s.dkv.host.view(), tolerance_for(dtype), "dkv");
+  expect_backward_repeatable(s, dtype, chunk_rows);
+}
+
 void check_sparse_case(const SparseCase& c, DType dtype, uint64_t seed) {
   INFO(label(dtype, describe(c)));
   SparseOperands s = sparse_operands(c, dtype, seed);
@@ -382,17 +397,7 @@ void check_sparse_case(const SparseCase& c, DType dtype, uint64_t seed) {
   cpu().sparse_attention_forward(forward_args(kCpu, s));
   CUDA_TEST_EXPECT_CLOSE(s.out.dev, s.out.host.view(), tolerance_for(dtype), "out");
   CUDA_TEST_EXPECT_CLOSE(s.lse.dev, s.lse.host.view(), tolerance_for(DType::kF32), "lse");
-
-  // The backward reads out and lse as stored: both backends get the same rounded values.
-  round_and_upload(s.out, dtype);
-  round_and_upload(s.lse, DType::kF32);
-  gpu().sparse_attention_backward(backward_args(kGpu, s));
-  cpu().sparse_attention_backward(backward_args(kCpu, s));
-  CUDA_TEST_EXPECT_CLOSE(s.dq.dev, s.dq.host.view(), tolerance_for(dtype), "dq");
-  CUDA_TEST_EXPECT_CLOSE(s.dkv.dev, s.dkv.host.view(), tolerance_for(dtype), "dkv");
-
-  // Bitwise: a second run, and a run with the dkv contributions in chunks of 3 queries.
-  expect_backward_repeatable(s, dtype, 3);
+  check_sparse_backward(s, dtype, false, 3);
 }
 
 TEST_CASE("cuda sparse attention forward and backward match the CPU reference", "[cuda][dsa]") {
@@ -444,17 +449,7 @@ void check_latent(const SparseCase& c, DType dtype, uint64_t seed, bool simt, in
     INFO(r.message);
     CHECK(r.ok);
   }
-
-  // Backward from the CPU's out and lse as the device stores them, on both backends.
-  round_and_upload(s.out, dtype);
-  round_and_upload(s.lse, DType::kF32);
-  if (hopper_expected) CHECK(kernels::cuda_ops::sparse_attention_backward_sm90_supported(backward_args(kGpu, s)));
-  gpu().sparse_attention_backward(backward_args(kGpu, s));
-  cpu().sparse_attention_backward(backward_args(kCpu, s));
-  CUDA_TEST_EXPECT_CLOSE(s.dq.dev, s.dq.host.view(), tolerance_for(dtype), "dq");
-  CUDA_TEST_EXPECT_CLOSE(s.dkv.dev, s.dkv.host.view(), tolerance_for(dtype), "dkv");
-  // Bitwise: again, and with the dkv contributions in chunks of 5 queries.
-  expect_backward_repeatable(s, dtype, 5);
+  check_sparse_backward(s, dtype, hopper_expected, 5);
 }
 
 TEST_CASE("cuda sparse attention at the latent dims matches the CPU reference on both paths", "[cuda][dsa]") {
