@@ -141,7 +141,9 @@ inline Operand int_operand(const std::vector<int32_t>& values, Shape shape) {
 
 // Integer output (I32, e.g. selected indices): a host tensor the CPU writes, the device one
 // poisoned with -1 bytes.
-inline Operand int_output_operand(Shape shape) { return Operand{Tensor(shape, DType::kI32), poisoned(shape, DType::kI32)}; }
+inline Operand int_output_operand(Shape shape) {
+  return Operand{Tensor(shape, DType::kI32), poisoned(shape, DType::kI32)};
+}
 
 // Packed sequences: cu_seqlens (0, then the end of each segment) as an I32 operand, and as the
 // words that name a case's layout in a failure message ("cu_seqlens 0 5 133").
