@@ -20,6 +20,20 @@ struct DtypeCase {
   DType a, b, c;
 };
 
+// The GEMM `settings` describes (transposes, alpha, beta) of a, b into c, on the GPU and on the
+// CPU reference.
+void gemm_on_both(const GemmArgs& settings, const Operand& a, const Operand& b, Operand& c) {
+  const auto gemm_args = [&](BackendSide on) {
+    GemmArgs args = settings;
+    args.a = on(a);
+    args.b = on(b);
+    args.c = on(c);
+    return args;
+  };
+  gpu().gemm(gemm_args(kGpu));
+  cpu().gemm(gemm_args(kCpu));
+}
+
 TEST_CASE("cuda gemm matches the CPU for every transpose, dtype mix and beta") {
   const std::vector<DtypeCase> dtypes = {{DType::kBF16, DType::kBF16, DType::kBF16},
                                          {DType::kBF16, DType::kBF16, DType::kF32},
@@ -39,19 +53,12 @@ TEST_CASE("cuda gemm matches the CPU for every transpose, dtype mix and beta") {
           const Operand b = gemm_input(tb ? Shape{d.n, d.k} : Shape{d.k, d.n}, dt.b, ++seed);
           // beta == 0: c starts as NaN on the GPU (it must not be read); else random values.
           Operand c = beta == 0.0 ? output_operand({d.m, d.n}, dt.c) : random_operand({d.m, d.n}, dt.c, ++seed);
-          const auto gemm_args = [&](BackendSide on) {
-            GemmArgs args;
-            args.transpose_a = ta;
-            args.transpose_b = tb;
-            args.alpha = 1.5;
-            args.beta = beta;
-            args.a = on(a);
-            args.b = on(b);
-            args.c = on(c);
-            return args;
-          };
-          gpu().gemm(gemm_args(kGpu));
-          cpu().gemm(gemm_args(kCpu));
+          GemmArgs settings;
+          settings.transpose_a = ta;
+          settings.transpose_b = tb;
+          settings.alpha = 1.5;
+          settings.beta = beta;
+          gemm_on_both(settings, a, b, c);
           const std::string name = std::string("gemm ") + dtype_name(dt.a) + "/" + dtype_name(dt.b) + "->" +
                                    dtype_name(dt.c) + " m" + std::to_string(d.m) + " n" + std::to_string(d.n) + " k" +
                                    std::to_string(d.k) + (ta ? " aT" : "") + (tb ? " bT" : "") + " beta " +
@@ -66,16 +73,9 @@ TEST_CASE("cuda gemm with k = 0 writes beta * c") {
       const Operand a = gemm_input({5, 0}, DType::kBF16, 1);
       const Operand b = gemm_input({0, 7}, DType::kBF16, 2);
       Operand c = beta == 0.0 ? output_operand({5, 7}, c_dtype) : random_operand({5, 7}, c_dtype, 3);
-      const auto gemm_args = [&](BackendSide on) {
-        GemmArgs args;
-        args.beta = beta;
-        args.a = on(a);
-        args.b = on(b);
-        args.c = on(c);
-        return args;
-      };
-      gpu().gemm(gemm_args(kGpu));
-      cpu().gemm(gemm_args(kCpu));
+      GemmArgs settings;
+      settings.beta = beta;
+      gemm_on_both(settings, a, b, c);
       CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(c_dtype), "gemm k=0 beta " + std::to_string(beta));
     }
   }
