@@ -1,7 +1,9 @@
 // The CUDA backend: the public entry of every op on the GPU. Each method checks its arguments
-// (device placement, dtypes under the CUDA dtype policy of kernels/ops.h, shapes: a failed check
-// is a bug in the caller, Error(kInternal) naming the op, the argument and its shape), then
-// calls the op family's launcher on the backend's stream.
+// against the op's contract (kernels/op_contracts.h) under the GPU's rules (DeviceRules: device
+// placement, dtypes under the CUDA dtype policy of kernels/ops.h), then what only its kernels
+// need (size limits, alignment): a failed check is a bug in the caller, Error(kInternal) naming
+// the op, the argument and its shape. Then it calls the op family's launcher on the backend's
+// stream.
 //
 // File convention, shared by every op family of kernels/cuda:
 //   kernels/cuda/<family>.h   declarations of the launchers (may include <cuda_runtime.h>);
@@ -26,7 +28,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "kernels/cuda/adamw.h"
@@ -51,43 +52,40 @@
 #include "kernels/cuda/attn_res.h"
 #include "kernels/cuda/swiglu.h"
 #include "kernels/arg_checks.h"
+#include "kernels/op_contracts.h"
 #include "kernels/ops.h"
 
 namespace moetrain::kernels {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Argument checks
+// Argument checks: each op's contract is kernels/op_contracts.h; these are the GPU's rules.
 
-// On the GPU, with memory unless it has no elements.
-void expect_device(const char* op, const char* name, const TensorView& t) { expect_on(op, name, t, Device::kCUDA); }
+// Operands on the GPU under the CUDA dtype policy of kernels/ops.h. Index tensors stay on the
+// device (no read-back, no wait): see the file comment.
+class DeviceRules final : public OperandRules {
+ public:
+  DeviceRules() : OperandRules(Device::kCUDA) {}
 
-void expect_dtype(const char* op, const char* name, const TensorView& t, DType dtype) {
-  expect_device(op, name, t);
-  expect_dtype_is(op, name, t, dtype);
-}
+  // BF16 or F32, each operand on its own.
+  void activation(const char* op, const char* name, const TensorView& t) override {
+    placed(op, name, t);
+    expect(t.dtype == DType::kBF16 || t.dtype == DType::kF32, op,
+           std::string(name) + " is " + dtype_name(t.dtype) + ", expected BF16 or F32");
+  }
+  void accumulation(const char* op, const char* name, const TensorView& t) override {
+    fixed_dtype(op, name, t, DType::kF32);
+  }
 
-// An activation/weight operand: BF16 or F32.
-void expect_float(const char* op, const char* name, const TensorView& t) {
-  expect_device(op, name, t);
-  expect(t.dtype == DType::kBF16 || t.dtype == DType::kF32, op,
-         std::string(name) + " is " + dtype_name(t.dtype) + ", expected BF16 or F32");
-}
-
-// An accumulation operand (parameter gradients, statistics, losses, optimizer state): F32.
-void expect_f32(const char* op, const char* name, const TensorView& t) { expect_dtype(op, name, t, DType::kF32); }
-
-// An in-place call (the same memory for an output and an input) needs one dtype for both.
-void expect_alias_same_dtype(const char* op, const char* out_name, const TensorView& out, const char* in_name,
-                             const TensorView& in) {
-  expect(out.data != in.data || out.data == nullptr || out.dtype == in.dtype, op,
-         describe(out_name, out) + " aliases " + describe(in_name, in) + " with another dtype");
-}
-
-// int32 prefix sums read back to the host: 0 first, non-decreasing, `total` last.
-void expect_offsets(const char* op, const char* name, const std::vector<int32_t>& p, int64_t total) {
-  kernels::expect_offsets(op, name, p.data(), static_cast<int64_t>(p.size()), total);
-}
+  // Only the shape: the kernels read the entries on the device.
+  void offsets(const char* op, const char* name, const TensorView& t, int64_t, const char* count_name) override {
+    fixed_dtype(op, name, t, DType::kI32);
+    expect(t.ndim() == 1 && t.numel() >= 1, op,
+           describe(name, t) + " should be [" + std::string(count_name) + " + 1]");
+  }
+  void indices_below(const char*, const char*, const TensorView&, int64_t) override {}
+  void selection(const char*, const TensorView&) override {}
+};
 
 // Times the host waited for a backend's stream (BackendStats::host_waits), over the process.
 std::atomic<int64_t> host_waits{0};
@@ -245,21 +243,18 @@ class CudaBackend final : public Backend {
   std::unique_ptr<QueueEvent> record_event() override { return std::make_unique<StreamEvent>(stream_); }
 
   void convert(const TensorView& dst, const TensorView& src) override {
-    const char* op = "convert";
-    expect_device(op, "dst", dst);
-    expect_device(op, "src", src);
-    expect_numel(op, "src", src, dst.numel());
+    check_convert(rules_, dst, src);
     auto floating = [](DType d) { return d == DType::kF32 || d == DType::kF64 || d == DType::kBF16 || d == DType::kF16; };
     auto integer = [](DType d) { return d == DType::kI32 || d == DType::kI64; };
     expect(src.dtype == dst.dtype || (floating(src.dtype) && floating(dst.dtype)) ||
                (integer(src.dtype) && integer(dst.dtype)),
-           op, "from " + describe("src", src) + " to " + describe("dst", dst) +
-                   ": the GPU converts among F32/F64/BF16/F16 and between I32/I64 only");
+           "convert", "from " + describe("src", src) + " to " + describe("dst", dst) +
+                          ": the GPU converts among F32/F64/BF16/F16 and between I32/I64 only");
     cuda_ops::convert(dst, src, stream_);
   }
 
   void fill(const TensorView& dst, double value) override {
-    expect_device("fill", "dst", dst);
+    check_fill(rules_, dst);
     if (dst.numel() == 0) return;
     // The element's bytes come from the CPU reference's fill (the spec of the rounding).
     Tensor one(Shape{1}, dst.dtype);
@@ -270,620 +265,254 @@ class CudaBackend final : public Backend {
   }
 
   void random_mxfp4(const RandomMxfp4Args& args) override {
-    const char* op = "random_mxfp4";
-    expect_device(op, "codes", args.codes);
-    expect_device(op, "scales", args.scales);
-    expect_random_mxfp4_shapes(op, args);
-    expect(reinterpret_cast<uintptr_t>(args.codes.data) % 16 == 0, op, "codes must be 16-byte aligned");
+    check_random_mxfp4(rules_, args);
+    expect(reinterpret_cast<uintptr_t>(args.codes.data) % 16 == 0, "random_mxfp4", "codes must be 16-byte aligned");
     cuda_ops::random_mxfp4(args, stream_);
   }
 
   void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override {
-    const char* op = "axpby";
-    expect_float(op, "y", y);
-    expect_float(op, "x", x);
-    expect_numel(op, "x", x, y.numel());
-    expect_alias_same_dtype(op, "y", y, "x", x);
+    check_axpby(rules_, y, x);
     cuda_ops::axpby(y, x, alpha, beta, stream_);
   }
 
   double sum_squares(const TensorView& x) override {
-    expect_float("sum_squares", "x", x);
+    check_sum_squares(rules_, x);
     ++host_waits;  // the sum is read back
     return cuda_ops::sum_squares(x, scratch_, stream_);
   }
 
   void copy_columns(const CopyColumnsArgs& args) override {
-    const char* op = "copy_columns";
-    expect_float(op, "dst", args.dst);
-    expect_float(op, "src", args.src);
-    expect_copy_columns_shapes(op, args);
-    expect(args.dst.data != args.src.data || args.dst.data == nullptr, op, "dst and src are the same memory");
+    check_copy_columns(rules_, args);
     cuda_ops::copy_columns(args, stream_);
   }
 
   void copy_block(const CopyBlockArgs& args) override {
-    const char* op = "copy_block";
-    expect_float(op, "dst", args.dst);
-    expect_float(op, "src", args.src);
-    expect_copy_block_shapes(op, args);
-    expect(args.dst.data != args.src.data || args.dst.data == nullptr, op, "dst and src are the same memory");
+    check_copy_block(rules_, args);
     cuda_ops::copy_block(args, stream_);
   }
 
   void sum_over_heads(const TensorView& dst, const TensorView& src) override {
-    const char* op = "sum_over_heads";
-    expect_float(op, "dst", dst);
-    expect_float(op, "src", src);
-    const int64_t dim = last_dim(op, "dst", dst);
-    expect(last_dim(op, "src", src) == dim, op,
-           describe("src", src) + " and " + describe("dst", dst) + " differ in the last dimension");
-    const int64_t tokens = rows_of(dst);
-    expect(tokens == 0 ? src.numel() == 0 : rows_of(src) % tokens == 0, op,
-           describe("src", src) + " is not [tokens, heads, dim] for " + describe("dst", dst));
+    check_sum_over_heads(rules_, dst, src);
     cuda_ops::sum_over_heads(dst, src, stream_);
   }
 
   void gemm(const GemmArgs& args) override {
-    const char* op = "gemm";
-    expect_float(op, "c", args.c);
-    expect_float(op, "a", args.a);
-    expect_float(op, "b", args.b);
-    expect_gemm_shapes(op, args);
+    check_gemm(rules_, args);
     cuda_ops::gemm(args, blas_, stream_);
   }
 
   void grouped_gemm(const GroupedGemmArgs& args) override {
-    const char* op = "grouped_gemm";
-    expect_float(op, "c", args.c);
-    expect_float(op, "a", args.a);
-    if (given(args.b_scale)) {  // an MXFP4 b (ops.h), decoded inside the kernel
-      expect_dtype(op, "b", args.b, DType::kU8);
-      expect_dtype(op, "b_scale", args.b_scale, DType::kU8);
-    } else {
-      expect_float(op, "b", args.b);
-    }
-    if (given(args.a2)) expect_float(op, "a2", args.a2);
-    if (given(args.b2)) expect_float(op, "b2", args.b2);
-    expect_ndim(op, "a", args.a, 2);
-    expect_dtype(op, "group_offsets", args.group_offsets, DType::kI32);
-    expect(args.group_offsets.ndim() == 1 && args.group_offsets.numel() >= 1, op,
-           describe("group_offsets", args.group_offsets) + " should be [groups + 1]");
-    const int64_t rows = args.a.size(0);
-    expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
+    check_grouped_gemm(rules_, args);
     // The offsets are read on the device (no read-back, no wait); the caller's host copy, when it
     // has one, is checked here.
     if (args.host_group_offsets != nullptr) {
-      const std::vector<int32_t> offsets(args.host_group_offsets,
-                                         args.host_group_offsets + args.group_offsets.numel());
-      expect_offsets(op, "group_offsets", offsets, rows);
+      expect_offsets("grouped_gemm", "group_offsets", args.host_group_offsets, args.group_offsets.numel(),
+                     args.a.size(0));
     }
     cuda_ops::grouped_gemm(args, blas_, stream_);
   }
 
   void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override {
-    const char* op = "embedding_forward";
-    expect_float(op, "out", out);
-    expect_float(op, "table", table);
-    check_embedding(op, out, table, ids);
+    check_embedding_forward(rules_, "embedding_forward", out, table, ids);
     check_token_ids(download_i32(ids, stream_), table.size(0));
     cuda_ops::embedding_forward(out, table, ids, stream_);
   }
 
   // The caller checked the ids on the host (ops.h): no read-back, no wait.
   void embedding_forward_checked_ids(const TensorView& out, const TensorView& table, const TensorView& ids) override {
-    const char* op = "embedding_forward_checked_ids";
-    expect_float(op, "out", out);
-    expect_float(op, "table", table);
-    check_embedding(op, out, table, ids);
+    check_embedding_forward(rules_, "embedding_forward_checked_ids", out, table, ids);
     cuda_ops::embedding_forward(out, table, ids, stream_);
   }
 
   void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) override {
-    const char* op = "embedding_backward";
-    expect_float(op, "dtable", dtable);
-    expect_float(op, "dout", dout);
-    check_embedding(op, dout, dtable, ids);
+    check_embedding_backward(rules_, dtable, dout, ids);
     const std::vector<int32_t> host_ids = download_i32(ids, stream_);
     check_token_ids(host_ids, dtable.size(0));
     cuda_ops::embedding_backward(dtable, dout, host_ids, scratch_, stream_);
   }
 
   void rmsnorm_forward(const RmsNormArgs& args) override {
-    const char* op = "rmsnorm_forward";
-    expect_float(op, "y", args.y);
-    expect_float(op, "x", args.x);
-    expect_float(op, "weight", args.weight);
-    expect_f32(op, "rstd", args.rstd);
-    const int64_t dim = last_dim(op, "x", args.x);
-    expect_numel(op, "weight", args.weight, dim);
-    expect_shape(op, "y", args.y, args.x.shape);
-    expect_numel(op, "rstd", args.rstd, rows_of(args.x));
-    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    check_rmsnorm_forward(rules_, args);
     cuda_ops::rmsnorm_forward(args, stream_);
   }
 
   void rmsnorm_backward(const RmsNormBackwardArgs& args) override {
-    const char* op = "rmsnorm_backward";
-    expect_float(op, "dx", args.dx);
-    expect_float(op, "dy", args.dy);
-    expect_float(op, "x", args.x);
-    expect_float(op, "weight", args.weight);
-    expect_f32(op, "rstd", args.rstd);
-    const int64_t dim = last_dim(op, "x", args.x);
-    expect_numel(op, "weight", args.weight, dim);
-    expect_shape(op, "dx", args.dx, args.x.shape);
-    expect_shape(op, "dy", args.dy, args.x.shape);
-    expect_numel(op, "rstd", args.rstd, rows_of(args.x));
-    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
-    if (given(args.dweight)) {
-      expect_f32(op, "dweight", args.dweight);
-      expect_numel(op, "dweight", args.dweight, dim);
-      // dweight is summed after dx is written, from dy and x.
-      expect(args.dx.data != args.dy.data && args.dx.data != args.x.data, op,
-             "dx must not overwrite dy or x when dweight is wanted");
-    }
+    check_rmsnorm_backward(rules_, args);
     cuda_ops::rmsnorm_backward(args, scratch_, stream_);
   }
 
   void rope(const RopeArgs& args) override {
-    const char* op = "rope";
-    expect_float(op, "out", args.out);
-    expect_float(op, "x", args.x);
-    expect_f32(op, "cos", args.cos);
-    expect_f32(op, "sin", args.sin);
-    expect_dtype(op, "positions", args.positions, DType::kI32);
-    expect_shape(op, "out", args.out, args.x.shape);
-    expect_alias_same_dtype(op, "out", args.out, "x", args.x);
-    const int64_t width = last_dim(op, "x", args.x);
-    expect(args.rope_dim > 0 && args.rope_dim % 2 == 0 && args.rope_dim <= cuda_ops::kMaxRopeDim, op,
-           "rope_dim " + std::to_string(args.rope_dim) + " must be positive, even and at most " +
-               std::to_string(cuda_ops::kMaxRopeDim));
-    expect_rope_shapes(op, args, width);
+    check_rope(rules_, args, cuda_ops::kMaxRopeDim);
     cuda_ops::rope(args, stream_);
   }
 
   void attention_forward(const AttentionArgs& args) override {
-    const char* op = "attention_forward";
-    expect_float(op, "out", args.out);
-    expect_float(op, "q", args.q);
-    expect_float(op, "k", args.k);
-    expect_float(op, "v", args.v);
-    expect_f32(op, "lse", args.lse);
-    check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens);
+    check_attention_forward(rules_, args);
     cuda_ops::attention_forward(args, stream_);
   }
 
   void attention_backward(const AttentionBackwardArgs& args) override {
-    const char* op = "attention_backward";
-    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &args.dq},
-                                  {"dk", &args.dk}, {"dv", &args.dv}, {"dout", &args.dout}, {"q", &args.q},
-                                  {"k", &args.k}, {"v", &args.v}, {"out", &args.out}})
-      expect_float(op, name, *t);
-    expect_f32(op, "lse", args.lse);
-    check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens);
-    expect_shape(op, "dq", args.dq, args.q.shape);
-    expect_shape(op, "dk", args.dk, args.k.shape);
-    expect_shape(op, "dv", args.dv, args.v.shape);
-    expect_shape(op, "dout", args.dout, args.out.shape);
+    check_attention_backward(rules_, args);
     cuda_ops::attention_backward(args, stream_);
   }
 
   void swiglu_forward(const TensorView& h, const TensorView& gate_up) override {
-    const char* op = "swiglu_forward";
-    expect_float(op, "h", h);
-    expect_float(op, "gate_up", gate_up);
-    expect_swiglu_shapes(op, h, gate_up);
+    check_swiglu_forward(rules_, h, gate_up);
     cuda_ops::swiglu_forward(h, gate_up, stream_);
   }
 
   void swiglu_backward(const SwigluBackwardArgs& args) override {
-    const char* op = "swiglu_backward";
-    expect_float(op, "dgate_up", args.dgate_up);
-    expect_float(op, "dh", args.dh);
-    expect_float(op, "gate_up", args.gate_up);
-    expect_swiglu_shapes(op, args.dh, args.gate_up);
-    expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
-    expect_alias_same_dtype(op, "dgate_up", args.dgate_up, "gate_up", args.gate_up);
+    check_swiglu_backward(rules_, args);
     cuda_ops::swiglu_backward(args, stream_);
   }
 
   void attn_res_forward(const AttnResArgs& args) override {
-    const char* op = "attn_res_forward";
-    expect_float(op, "out", args.out);
-    expect_f32(op, "probs", args.probs);
-    expect_float(op, "norm_weight", args.norm_weight);
-    expect_float(op, "query", args.query);
-    for (const TensorView& v : args.values) expect_float(op, "value", v);
-    expect_attn_res_shapes(op, "out", args.out, args.values, nullptr, args.probs, args.norm_weight, args.query);
+    check_attn_res_forward(rules_, args);
     cuda_ops::attn_res_forward(args, stream_);
   }
 
   void attn_res_backward(const AttnResBackwardArgs& args) override {
-    const char* op = "attn_res_backward";
-    expect_float(op, "dout", args.dout);
-    expect_f32(op, "probs", args.probs);
-    expect_float(op, "norm_weight", args.norm_weight);
-    expect_float(op, "query", args.query);
-    for (const TensorView& v : args.values) expect_float(op, "value", v);
-    for (const TensorView& g : args.dvalues) expect_float(op, "dvalue", g);
-    expect_attn_res_shapes(op, "dout", args.dout, args.values, &args.dvalues, args.probs, args.norm_weight,
-                           args.query);
+    check_attn_res_backward(rules_, args);
     cuda_ops::attn_res_backward(args, stream_);
   }
 
   void situ_forward(const SituArgs& args) override {
-    const char* op = "situ_forward";
-    expect_float(op, "h", args.h);
-    expect_float(op, "gate_up", args.gate_up);
-    expect_swiglu_shapes(op, args.h, args.gate_up);
-    expect_situ_betas(op, args.beta, args.linear_beta);
+    check_situ_forward(rules_, args);
     cuda_ops::situ_forward(args, stream_);
   }
 
   void situ_backward(const SituBackwardArgs& args) override {
-    const char* op = "situ_backward";
-    expect_float(op, "dgate_up", args.dgate_up);
-    expect_float(op, "dh", args.dh);
-    expect_float(op, "gate_up", args.gate_up);
-    expect_swiglu_shapes(op, args.dh, args.gate_up);
-    expect_shape(op, "dgate_up", args.dgate_up, args.gate_up.shape);
-    expect_alias_same_dtype(op, "dgate_up", args.dgate_up, "gate_up", args.gate_up);
-    expect_situ_betas(op, args.beta, args.linear_beta);
+    check_situ_backward(rules_, args);
     cuda_ops::situ_backward(args, stream_);
   }
 
   void router_forward(const RouterArgs& args) override {
-    const char* op = "router_forward";
-    expect_f32(op, "logits", args.logits);
-    expect_f32(op, "scores", args.scores);
-    expect_f32(op, "topk_weight", args.topk_weight);
-    expect_ndim(op, "logits", args.logits, 2);
-    const int64_t tokens = args.logits.size(0), experts = args.logits.size(1);
-    expect_shape(op, "scores", args.scores, args.logits.shape);
-    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
-    expect_shape(op, "topk_index", args.topk_index, Shape{tokens, args.top_k});
-    expect_shape(op, "topk_weight", args.topk_weight, Shape{tokens, args.top_k});
-    if (given(args.bias)) {
-      expect_float(op, "bias", args.bias);
-      expect_numel(op, "bias", args.bias, experts);
-    }
-    if (given(args.noise)) {
-      expect_float(op, "noise", args.noise);
-      expect_shape(op, "noise", args.noise, args.logits.shape);
-    }
-    expect_router_groups(op, args, experts);
+    check_router_forward(rules_, args);
     cuda_ops::router_forward(args, stream_);
   }
 
   void router_backward(const RouterBackwardArgs& args) override {
-    const char* op = "router_backward";
-    expect_f32(op, "dlogits", args.dlogits);
-    expect_f32(op, "dtopk_weight", args.dtopk_weight);
-    expect_f32(op, "scores", args.scores);
-    expect_ndim(op, "scores", args.scores, 2);
-    const int64_t tokens = args.scores.size(0);
-    expect_shape(op, "dlogits", args.dlogits, args.scores.shape);
-    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
-    expect_ndim(op, "topk_index", args.topk_index, 2);
-    expect(args.topk_index.size(0) == tokens, op,
-           describe("topk_index", args.topk_index) + " for " + std::to_string(tokens) + " tokens");
-    expect_shape(op, "dtopk_weight", args.dtopk_weight, args.topk_index.shape);
-    if (given(args.dscores_extra)) {
-      expect_f32(op, "dscores_extra", args.dscores_extra);
-      expect_shape(op, "dscores_extra", args.dscores_extra, args.scores.shape);
-    }
+    check_router_backward(rules_, args);
     cuda_ops::router_backward(args, stream_);
   }
 
   void aux_loss(const AuxLossArgs& args) override {
-    const char* op = "aux_loss";
-    expect_f32(op, "loss", args.loss);
-    expect_f32(op, "dscores", args.dscores);
-    expect_f32(op, "scores", args.scores);
-    expect_ndim(op, "scores", args.scores, 2);
-    const int64_t tokens = args.scores.size(0);
-    expect_numel(op, "loss", args.loss, 1);
-    expect_shape(op, "dscores", args.dscores, args.scores.shape);
-    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
-    expect_ndim(op, "topk_index", args.topk_index, 2);
-    expect(args.topk_index.size(0) == tokens, op,
-           describe("topk_index", args.topk_index) + " for " + std::to_string(tokens) + " tokens");
-    expect(args.tokens_per_segment >= 1 && tokens % args.tokens_per_segment == 0, op,
-           std::to_string(tokens) + " tokens do not split into segments of " + std::to_string(args.tokens_per_segment));
+    check_aux_loss(rules_, args);
     cuda_ops::aux_loss(args, stream_);
   }
 
   void moe_permutation(const MoePermutationArgs& args) override {
-    const char* op = "moe_permutation";
-    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
-    expect_ndim(op, "topk_index", args.topk_index, 2);
-    const int64_t pairs = args.topk_index.numel();
-    expect(args.num_experts >= 1, op, "num_experts " + std::to_string(args.num_experts));
-    expect_dtype(op, "expert_offsets", args.expert_offsets, DType::kI32);
-    expect_numel(op, "expert_offsets", args.expert_offsets, args.num_experts + 1);
-    expect_dtype(op, "sorted_pair", args.sorted_pair, DType::kI32);
-    expect_numel(op, "sorted_pair", args.sorted_pair, pairs);
-    expect_dtype(op, "pair_row", args.pair_row, DType::kI32);
-    expect_numel(op, "pair_row", args.pair_row, pairs);
+    check_moe_permutation(rules_, args);
     cuda_ops::moe_permutation(args, stream_);
   }
 
   void moe_permute(const TensorView& out, const TensorView& x, const TensorView& sorted_pair,
                    int64_t top_k) override {
-    const char* op = "moe_permute";
-    expect_float(op, "out", out);
-    expect_float(op, "x", x);
-    expect(top_k >= 1, op, "top_k " + std::to_string(top_k));
-    expect_dtype(op, "sorted_pair", sorted_pair, DType::kI32);
-    expect(out.ndim() >= 1 && x.ndim() >= 1, op, describe("out", out) + " and " + describe("x", x) + " need rows");
-    expect_numel(op, "sorted_pair", sorted_pair, out.size(0));
-    expect(out.numel() == sorted_pair.numel() * (x.size(0) == 0 ? 0 : x.numel() / x.size(0)), op,
-           describe("out", out) + " should have one row of " + describe("x", x) + " per sorted pair");
+    check_moe_permute(rules_, out, x, sorted_pair, top_k);
     cuda_ops::moe_permute(out, x, sorted_pair, top_k, stream_);
   }
 
   void moe_unpermute_sum(const TensorView& dx, const TensorView& drows, const TensorView& pair_row, int64_t top_k,
                          bool accumulate) override {
-    const char* op = "moe_unpermute_sum";
-    expect_float(op, "dx", dx);
-    expect_float(op, "drows", drows);
-    expect(top_k >= 1, op, "top_k " + std::to_string(top_k));
-    expect(dx.ndim() >= 1 && drows.ndim() >= 1, op,
-           describe("dx", dx) + " and " + describe("drows", drows) + " need rows");
-    expect_dtype(op, "pair_row", pair_row, DType::kI32);
-    expect_numel(op, "pair_row", pair_row, dx.size(0) * top_k);
-    expect(drows.numel() * dx.size(0) == dx.numel() * drows.size(0), op,
-           describe("drows", drows) + " and " + describe("dx", dx) + " differ in row width");
+    check_moe_unpermute_sum(rules_, dx, drows, pair_row, top_k);
     cuda_ops::moe_unpermute_sum(dx, drows, pair_row, top_k, accumulate, stream_);
   }
 
   void moe_combine(const MoeCombineArgs& args) override {
-    const char* op = "moe_combine";
-    expect_float(op, "out", args.out);
-    expect_float(op, "rows", args.rows);
-    expect_float(op, "weight", args.weight);
-    check_combine(op, args.out, args.rows, args.weight, args.pair_row);
+    check_moe_combine(rules_, args);
     cuda_ops::moe_combine(args, stream_);
   }
 
   void moe_combine_backward(const MoeCombineBackwardArgs& args) override {
-    const char* op = "moe_combine_backward";
-    expect_float(op, "drows", args.drows);
-    expect_float(op, "dweight", args.dweight);
-    expect_float(op, "dout", args.dout);
-    expect_float(op, "rows", args.rows);
-    expect_float(op, "weight", args.weight);
-    check_combine(op, args.dout, args.rows, args.weight, args.pair_row);
-    expect_shape(op, "drows", args.drows, args.rows.shape);
-    expect_shape(op, "dweight", args.dweight, args.weight.shape);
+    check_moe_combine_backward(rules_, args);
     cuda_ops::moe_combine_backward(args, stream_);
   }
 
   void cross_entropy(const CrossEntropyArgs& args) override {
-    const char* op = "cross_entropy";
-    expect_float(op, "logits", args.logits);
-    expect_f32(op, "loss", args.loss);
-    expect_ndim(op, "logits", args.logits, 2);
-    const int64_t rows = args.logits.size(0);
-    expect(args.logits.size(1) >= 1, op, describe("logits", args.logits) + " has no vocabulary");
-    expect_dtype(op, "labels", args.labels, DType::kI32);
-    expect_numel(op, "labels", args.labels, rows);
-    expect_numel(op, "loss", args.loss, rows);
-    if (given(args.dlogits)) {  // may be BF16 next to F32 logits: the head's GEMM takes it as is
-      expect_float(op, "dlogits", args.dlogits);
-      expect_alias_same_dtype(op, "dlogits", args.dlogits, "logits", args.logits);
-      expect_shape(op, "dlogits", args.dlogits, args.logits.shape);
-    }
+    check_cross_entropy(rules_, args);
     cuda_ops::cross_entropy(args, stream_);
   }
 
   void adamw(const AdamWArgs& args) override {
-    const char* op = "adamw";
-    expect_f32(op, "param", args.param);
-    expect_f32(op, "grad", args.grad);
-    expect_f32(op, "exp_avg", args.exp_avg);
-    expect_f32(op, "exp_avg_sq", args.exp_avg_sq);
-    expect_numel(op, "grad", args.grad, args.param.numel());
-    expect_numel(op, "exp_avg", args.exp_avg, args.param.numel());
-    expect_numel(op, "exp_avg_sq", args.exp_avg_sq, args.param.numel());
-    expect(args.step >= 1, op, "step " + std::to_string(args.step) + " (steps are 1-based)");
+    check_adamw(rules_, args);
     cuda_ops::adamw(args, stream_);
   }
 
   // ---- KDA (kernels/cuda/kda*.cu, short_conv.cu)
   void short_conv_forward(const ShortConvArgs& args) override {
-    const char* op = "short_conv_forward";
-    expect_float(op, "y", args.y);
-    expect_float(op, "x", args.x);
-    expect_float(op, "weight", args.weight);
-    expect_short_conv_shapes(op, "y", args.y, args.x, args.weight);
-    check_conv(op, args.weight, args.cu_seqlens);
-    // A tile of tokens reads the inputs of the tokens before it.
-    expect(args.y.data != args.x.data || args.x.numel() == 0, op, "y must not share memory with x");
+    check_short_conv_forward(rules_, args);
+    check_conv_width("short_conv_forward", args.weight);
     cuda_ops::short_conv_forward(args, stream_);
   }
 
   void short_conv_backward(const ShortConvBackwardArgs& args) override {
-    const char* op = "short_conv_backward";
-    expect_float(op, "dx", args.dx);
-    expect_float(op, "dy", args.dy);
-    expect_float(op, "x", args.x);
-    expect_float(op, "weight", args.weight);
-    expect_short_conv_shapes(op, "dy", args.dy, args.x, args.weight);
-    expect_shape(op, "dx", args.dx, args.x.shape);
-    if (given(args.dweight)) {
-      expect_f32(op, "dweight", args.dweight);
-      expect_shape(op, "dweight", args.dweight, args.weight.shape);
-    }
-    check_conv(op, args.weight, args.cu_seqlens);
-    expect((args.dx.data != args.dy.data && args.dx.data != args.x.data) || args.x.numel() == 0, op,
-           "dx must not share memory with dy or x");
+    check_short_conv_backward(rules_, args);
+    check_conv_width("short_conv_backward", args.weight);
     cuda_ops::short_conv_backward(args, stream_);
   }
 
   void l2norm_forward(const L2NormArgs& args) override {
-    const char* op = "l2norm_forward";
-    expect_float(op, "y", args.y);
-    expect_float(op, "x", args.x);
-    expect_f32(op, "inv_norm", args.inv_norm);
-    last_dim(op, "x", args.x);
-    expect_shape(op, "y", args.y, args.x.shape);
-    expect_numel(op, "inv_norm", args.inv_norm, rows_of(args.x));
-    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    check_l2norm_forward(rules_, args);
     cuda_ops::l2norm_forward(args, stream_);
   }
 
   void l2norm_backward(const L2NormBackwardArgs& args) override {
-    const char* op = "l2norm_backward";
-    expect_float(op, "dx", args.dx);
-    expect_float(op, "dy", args.dy);
-    expect_float(op, "x", args.x);
-    expect_f32(op, "inv_norm", args.inv_norm);
-    last_dim(op, "x", args.x);
-    expect_shape(op, "dx", args.dx, args.x.shape);
-    expect_shape(op, "dy", args.dy, args.x.shape);
-    expect_numel(op, "inv_norm", args.inv_norm, rows_of(args.x));
-    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
+    check_l2norm_backward(rules_, args);
     cuda_ops::l2norm_backward(args, stream_);
   }
 
   void kda_gate_forward(const KdaGateArgs& args) override {
-    const char* op = "kda_gate_forward";
-    expect_f32(op, "g", args.g);
-    expect_float(op, "f", args.f);
-    expect_f32(op, "a_log", args.a_log);
-    expect_f32(op, "dt_bias", args.dt_bias);
-    expect_kda_gate_shapes(op, "g", args.g, args.f, args.a_log, args.dt_bias, args.lower_bound);
+    check_kda_gate_forward(rules_, args);
     cuda_ops::kda_gate_forward(args, stream_);
   }
 
   void kda_gate_backward(const KdaGateBackwardArgs& args) override {
-    const char* op = "kda_gate_backward";
-    expect_float(op, "df", args.df);
-    expect_f32(op, "dg", args.dg);
-    expect_float(op, "f", args.f);
-    expect_f32(op, "a_log", args.a_log);
-    expect_f32(op, "dt_bias", args.dt_bias);
-    expect_kda_gate_shapes(op, "dg", args.dg, args.f, args.a_log, args.dt_bias, args.lower_bound);
-    expect_shape(op, "df", args.df, args.f.shape);
+    check_kda_gate_backward(rules_, args);
     cuda_ops::kda_gate_backward(args, stream_);
   }
 
   void kda_forward(const KdaArgs& args) override {
-    const char* op = "kda_forward";
-    expect_float(op, "out", args.out);
-    expect_float(op, "q", args.q);
-    expect_float(op, "k", args.k);
-    expect_float(op, "v", args.v);
-    expect_f32(op, "g", args.g);
-    expect_f32(op, "beta", args.beta);
-    expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
-    expect_shape(op, "out", args.out, args.v.shape);
-    check_kda(op, args.q, args.v, args.cu_seqlens);
+    check_kda_forward(rules_, args);
+    check_kda_head_dims("kda_forward", args.q, args.v);
     cuda_ops::kda_forward(args, stream_);
   }
 
   void kda_backward(const KdaBackwardArgs& args) override {
-    const char* op = "kda_backward";
-    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &args.dq},
-                                  {"dk", &args.dk}, {"dv", &args.dv}, {"dout", &args.dout}, {"q", &args.q},
-                                  {"k", &args.k}, {"v", &args.v}})
-      expect_float(op, name, *t);
-    expect_f32(op, "dg", args.dg);
-    expect_f32(op, "dbeta", args.dbeta);
-    expect_f32(op, "g", args.g);
-    expect_f32(op, "beta", args.beta);
-    expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
-    expect_shape(op, "dq", args.dq, args.q.shape);
-    expect_shape(op, "dk", args.dk, args.k.shape);
-    expect_shape(op, "dv", args.dv, args.v.shape);
-    expect_shape(op, "dg", args.dg, args.g.shape);
-    expect_shape(op, "dbeta", args.dbeta, args.beta.shape);
-    expect_shape(op, "dout", args.dout, args.v.shape);
-    check_kda(op, args.q, args.v, args.cu_seqlens);
+    check_kda_backward(rules_, args);
+    check_kda_head_dims("kda_backward", args.q, args.v);
     cuda_ops::kda_backward(args, stream_);
   }
 
   void gated_rmsnorm_forward(const GatedRmsNormArgs& args) override {
-    const char* op = "gated_rmsnorm_forward";
-    expect_float(op, "y", args.y);
-    expect_float(op, "x", args.x);
-    expect_float(op, "gate", args.gate);
-    expect_float(op, "weight", args.weight);
-    expect_f32(op, "rstd", args.rstd);
-    expect_gated_rmsnorm_shapes(op, "y", args.y, args.x, args.gate, args.weight, args.rstd);
-    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
-    expect_alias_same_dtype(op, "y", args.y, "gate", args.gate);
+    check_gated_rmsnorm_forward(rules_, args);
     cuda_ops::gated_rmsnorm_forward(args, stream_);
   }
 
   void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) override {
-    const char* op = "gated_rmsnorm_backward";
-    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dx", &args.dx},
-                                  {"dgate", &args.dgate}, {"dy", &args.dy}, {"x", &args.x}, {"gate", &args.gate},
-                                  {"weight", &args.weight}})
-      expect_float(op, name, *t);
-    expect_f32(op, "rstd", args.rstd);
-    expect_gated_rmsnorm_shapes(op, "dy", args.dy, args.x, args.gate, args.weight, args.rstd);
-    expect_shape(op, "dx", args.dx, args.x.shape);
-    expect_shape(op, "dgate", args.dgate, args.x.shape);
-    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
-    expect_alias_same_dtype(op, "dgate", args.dgate, "dy", args.dy);
-    expect(args.dx.data != args.dgate.data || args.dx.data == nullptr, op, "dx and dgate are the same memory");
-    if (given(args.dweight)) {
-      expect_f32(op, "dweight", args.dweight);
-      expect_numel(op, "dweight", args.dweight, args.weight.numel());
-      // dweight is summed after dx and dgate are written, from dy, x and gate.
-      for (const void* written : {args.dx.data, args.dgate.data})
-        expect(written != args.dy.data && written != args.x.data && written != args.gate.data, op,
-               "dx and dgate must not overwrite dy, x or gate when dweight is wanted");
-    }
+    check_gated_rmsnorm_backward(rules_, args);
     cuda_ops::gated_rmsnorm_backward(args, stream_);
   }
 
   void sigmoid_forward(const TensorView& y, const TensorView& x) override {
-    const char* op = "sigmoid_forward";
-    expect_float(op, "y", y);
-    expect_float(op, "x", x);
-    expect_numel(op, "y", y, x.numel());
-    expect_alias_same_dtype(op, "y", y, "x", x);
+    check_sigmoid_forward(rules_, y, x);
     cuda_ops::sigmoid_forward(y, x, stream_);
   }
 
   void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) override {
-    const char* op = "sigmoid_backward";
-    expect_float(op, "dx", dx);
-    expect_float(op, "dy", dy);
-    expect_float(op, "y", y);
-    expect_numel(op, "dx", dx, y.numel());
-    expect_numel(op, "dy", dy, y.numel());
-    expect_alias_same_dtype(op, "dx", dx, "dy", dy);
-    expect_alias_same_dtype(op, "dx", dx, "y", y);
+    check_sigmoid_backward(rules_, dx, dy, y);
     cuda_ops::sigmoid_backward(dx, dy, y, stream_);
   }
   // ---- KDA end
 
   // ---- DSA (kernels/cuda/dsa*.cu, sparse_attention.cu; the CPU reference is kernels/cpu/dsa.h) ----
   void layernorm_forward(const LayerNormArgs& args) override {
-    const char* op = "layernorm_forward";
-    expect_float(op, "y", args.y);
-    expect_float(op, "x", args.x);
-    expect_float(op, "weight", args.weight);
-    expect_float(op, "bias", args.bias);
-    expect_layernorm_shapes(op, args);
-    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
+    check_layernorm_forward(rules_, args);
     cuda_ops::layernorm_forward(args, stream_);
   }
 
   void dsa_indexer_topk(const DsaIndexerArgs& args) override {
     const char* op = "dsa_indexer_topk";
-    expect_float(op, "q", args.q);
-    expect_float(op, "k", args.k);
-    expect_f32(op, "weights", args.weights);
-    expect_dtype(op, "topk_index", args.topk_index, DType::kI32);
-    expect_dsa_indexer_shapes(op, args);
-    check_segments(op, args.cu_seqlens);
+    check_dsa_indexer_topk(rules_, args);
     expect(args.q.size(2) <= cuda_ops::kDsaMaxIndexerDim, op,
            describe("q", args.q) + ": the CUDA indexer takes head dims up to " +
                std::to_string(cuda_ops::kDsaMaxIndexerDim));
@@ -892,75 +521,35 @@ class CudaBackend final : public Backend {
   }
 
   void sparse_attention_forward(const SparseAttentionArgs& args) override {
-    const char* op = "sparse_attention_forward";
-    expect_float(op, "out", args.out);
-    expect_float(op, "q", args.q);
-    expect_float(op, "kv", args.kv);
-    expect_f32(op, "lse", args.lse);
-    check_sparse_attention(op, args.q, args.kv, args.out, args.lse, args.topk_index);
+    check_sparse_attention_forward(rules_, args);
+    check_sparse_attention_limits("sparse_attention_forward", args.q, args.out);
     cuda_ops::sparse_attention_forward(args, stream_);
   }
 
   void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override {
     const char* op = "sparse_attention_backward";
-    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &args.dq},
-                                  {"dkv", &args.dkv}, {"dout", &args.dout}, {"q", &args.q}, {"kv", &args.kv},
-                                  {"out", &args.out}})
-      expect_float(op, name, *t);
-    expect_f32(op, "lse", args.lse);
-    check_sparse_attention(op, args.q, args.kv, args.out, args.lse, args.topk_index);
-    expect_shape(op, "dout", args.dout, args.out.shape);
-    expect_shape(op, "dq", args.dq, args.q.shape);
-    expect_shape(op, "dkv", args.dkv, args.kv.shape);
-    // dq is written while other queries still read their inputs, and an F32 dkv is zeroed first
-    // (it is the accumulator): neither may share memory with an input.
-    for (const TensorView* written : {&args.dq, &args.dkv})
-      for (const TensorView* read : {&args.dout, &args.q, &args.kv, &args.out, &args.lse})
-        expect(written->data == nullptr || written->data != read->data, op,
-               "dq and dkv must not share memory with dout, q, kv, out or lse");
+    check_sparse_attention_backward(rules_, args);
+    check_sparse_attention_limits(op, args.q, args.out);
     expect(args.q.size(0) * args.topk_index.size(1) <= kMaxInt32, op,
            describe("topk_index", args.topk_index) + ": more entries than the int32 inverse index holds");
     cuda_ops::sparse_attention_backward(args, scratch_, stream_);
   }
 
   void attention_gate_forward(const AttentionGateArgs& args) override {
-    const char* op = "attention_gate_forward";
-    expect_float(op, "y", args.y);
-    expect_float(op, "x", args.x);
-    expect_float(op, "gate", args.gate);
-    expect_attention_gate_shapes(op, "y", args.y, args.x, args.gate, args.headwise);
-    expect_alias_same_dtype(op, "y", args.y, "x", args.x);
-    // A headwise gate is read by a whole row of y: y must not overwrite it.
-    expect(args.y.data != args.gate.data || args.y.data == nullptr, op, "y and gate are the same memory");
+    check_attention_gate_forward(rules_, args);
     cuda_ops::attention_gate_forward(args, stream_);
   }
 
   void attention_gate_backward(const AttentionGateBackwardArgs& args) override {
-    const char* op = "attention_gate_backward";
-    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dx", &args.dx},
-                                  {"dgate", &args.dgate}, {"dy", &args.dy}, {"x", &args.x}, {"gate", &args.gate}})
-      expect_float(op, name, *t);
-    expect_attention_gate_shapes(op, "dy", args.dy, args.x, args.gate, args.headwise);
-    expect_shape(op, "dx", args.dx, args.x.shape);
-    expect_shape(op, "dgate", args.dgate, args.gate.shape);
-    expect_alias_same_dtype(op, "dx", args.dx, "dy", args.dy);
-    // dx may overwrite dy (each element is read before it is written), nothing else may alias.
-    for (const void* input : {args.x.data, args.gate.data, args.dgate.data})
-      expect(args.dx.data != input || args.dx.data == nullptr, op, "dx shares memory with x, gate or dgate");
-    for (const void* input : {args.dy.data, args.x.data, args.gate.data})
-      expect(args.dgate.data != input || args.dgate.data == nullptr, op, "dgate shares memory with dy, x or gate");
+    check_attention_gate_backward(rules_, args);
     cuda_ops::attention_gate_backward(args, stream_);
   }
 
   // Token indices and inverse-index positions are int32.
   static constexpr int64_t kMaxInt32 = 2147483647;
 
-  // q [tokens, heads, qk_dim], kv [tokens, qk_dim], out [tokens, heads, v_dim], lse, int32 topk_index;
-  // head dims within what the kernels hold.
-  static void check_sparse_attention(const char* op, const TensorView& q, const TensorView& kv, const TensorView& out,
-                                     const TensorView& lse, const TensorView& topk_index) {
-    expect_dtype(op, "topk_index", topk_index, DType::kI32);
-    expect_sparse_attention_shapes(op, q, kv, "out", out, lse, topk_index);
+  // Head dims within what the sparse attention kernels hold; tokens that int32 indices can name.
+  static void check_sparse_attention_limits(const char* op, const TensorView& q, const TensorView& out) {
     expect(q.size(2) <= cuda_ops::kSparseMaxQkDim && out.size(2) <= cuda_ops::kSparseMaxVDim, op,
            describe("q", q) + ", " + describe("out", out) + ": the CUDA sparse attention takes qk_dim up to " +
                std::to_string(cuda_ops::kSparseMaxQkDim) + " and v_dim up to " +
@@ -970,12 +559,6 @@ class CudaBackend final : public Backend {
   // ---- DSA end
 
  private:
-  static void check_embedding(const char* op, const TensorView& rows_out, const TensorView& table,
-                              const TensorView& ids) {
-    expect_dtype(op, "ids", ids, DType::kI32);
-    expect_embedding_shapes(op, rows_out, table, ids);
-  }
-
   // The one user-data error of the backend, as on the CPU: ids from another tokenizer.
   static void check_token_ids(const std::vector<int32_t>& ids, int64_t rows) {
     for (size_t t = 0; t < ids.size(); ++t) {
@@ -986,39 +569,18 @@ class CudaBackend final : public Backend {
     }
   }
 
-  static void check_attention(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
-                              const TensorView& out, const TensorView& lse, const TensorView& cu_seqlens) {
-    expect_attention_shapes(op, q, k, v, out, lse);
-    expect_dtype(op, "cu_seqlens", cu_seqlens, DType::kI32);
-    expect(cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 1, op,
-           describe("cu_seqlens", cu_seqlens) + " should be [sequences + 1]");
-  }
-
-  static void check_combine(const char* op, const TensorView& out, const TensorView& rows, const TensorView& weight,
-                            const TensorView& pair_row) {
-    expect_dtype(op, "pair_row", pair_row, DType::kI32);
-    expect_combine_shapes(op, out, rows, weight, pair_row);
-  }
-
-  static void check_segments(const char* op, const TensorView& cu_seqlens) {
-    expect_dtype(op, "cu_seqlens", cu_seqlens, DType::kI32);
-    expect(cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 1, op,
-           describe("cu_seqlens", cu_seqlens) + " should be [sequences + 1]");
-  }
-
-  static void check_conv(const char* op, const TensorView& weight, const TensorView& cu_seqlens) {
-    check_segments(op, cu_seqlens);
+  static void check_conv_width(const char* op, const TensorView& weight) {
     expect(weight.size(1) <= cuda_ops::kShortConvMaxWidth, op,
            describe("weight", weight) + ": the CUDA short convolution takes widths up to " +
                std::to_string(cuda_ops::kShortConvMaxWidth));
   }
 
-  static void check_kda(const char* op, const TensorView& q, const TensorView& v, const TensorView& cu_seqlens) {
-    check_segments(op, cu_seqlens);
+  static void check_kda_head_dims(const char* op, const TensorView& q, const TensorView& v) {
     expect(cuda_ops::kda_head_dims_supported(q.size(2), v.size(2)), op,
            "head dims " + describe("q", q) + ", " + describe("v", v) + ": the CUDA KDA takes up to 128 for each");
   }
 
+  DeviceRules rules_;  // stateless: one for every call
   cudaStream_t stream_ = nullptr;
   cuda_ops::BlasContext blas_;
   cuda_ops::DeviceScratch gemm_scratch_;  // BF16 copies of F32 GEMM operands
