@@ -1,7 +1,7 @@
-// Argument checks shared by the backends' entry points (kernels/cpu/cpu_backend.cpp,
-// kernels/cuda/cuda_backend.cpp). A failed check is a bug in the caller: Error(kInternal) naming
-// the op, the argument and its shape. Each backend adds the checks that depend on where its
-// tensors live (expect_host / expect_device) and its dtype policy.
+// Argument checks: the pieces of the ops' contracts (kernels/op_contracts.cpp, which both
+// backends' entry points call) and of the launchers' own checks. A failed check is a bug in the
+// caller: Error(kInternal) naming the op, the argument and its shape. Where tensors live and which
+// dtypes they have is each backend's OperandRules (kernels/op_contracts.h).
 #pragma once
 
 #include <cstdint>

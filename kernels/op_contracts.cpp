@@ -28,6 +28,9 @@ using Named = std::pair<const char*, const TensorView*>;
 void activations(OperandRules& rules, const char* op, std::initializer_list<Named> operands) {
   for (const auto& [name, t] : operands) rules.activation(op, name, *t);
 }
+void accumulations(OperandRules& rules, const char* op, std::initializer_list<Named> operands) {
+  for (const auto& [name, t] : operands) rules.accumulation(op, name, *t);
+}
 
 // An in-place call (the same memory for an output and an input) needs one dtype for both; ops.h
 // lets activations differ in dtype otherwise.
@@ -210,8 +213,7 @@ void check_rmsnorm_backward(OperandRules& rules, const RmsNormBackwardArgs& args
 void check_rope(OperandRules& rules, const RopeArgs& args, int64_t max_rope_dim) {
   const char* op = "rope";
   activations(rules, op, {{"out", &args.out}, {"x", &args.x}});
-  rules.accumulation(op, "cos", args.cos);
-  rules.accumulation(op, "sin", args.sin);
+  accumulations(rules, op, {{"cos", &args.cos}, {"sin", &args.sin}});
   rules.fixed_dtype(op, "positions", args.positions, DType::kI32);
   expect_shape(op, "out", args.out, args.x.shape);
   expect_alias_same_dtype(op, "out", args.out, "x", args.x);
@@ -291,9 +293,7 @@ void check_situ_backward(OperandRules& rules, const SituBackwardArgs& args) {
 
 void check_router_forward(OperandRules& rules, const RouterArgs& args) {
   const char* op = "router_forward";
-  rules.accumulation(op, "scores", args.scores);
-  rules.accumulation(op, "topk_weight", args.topk_weight);
-  rules.accumulation(op, "logits", args.logits);
+  accumulations(rules, op, {{"scores", &args.scores}, {"topk_weight", &args.topk_weight}, {"logits", &args.logits}});
   expect_ndim(op, "logits", args.logits, 2);
   const int64_t tokens = args.logits.size(0), experts = args.logits.size(1);
   expect_shape(op, "scores", args.scores, args.logits.shape);
@@ -313,9 +313,8 @@ void check_router_forward(OperandRules& rules, const RouterArgs& args) {
 
 void check_router_backward(OperandRules& rules, const RouterBackwardArgs& args) {
   const char* op = "router_backward";
-  rules.accumulation(op, "dlogits", args.dlogits);
-  rules.accumulation(op, "dtopk_weight", args.dtopk_weight);
-  rules.accumulation(op, "scores", args.scores);
+  accumulations(rules, op,
+                {{"dlogits", &args.dlogits}, {"dtopk_weight", &args.dtopk_weight}, {"scores", &args.scores}});
   expect_ndim(op, "scores", args.scores, 2);
   const int64_t tokens = args.scores.size(0), experts = args.scores.size(1);
   expect_shape(op, "dlogits", args.dlogits, args.scores.shape);
@@ -330,9 +329,7 @@ void check_router_backward(OperandRules& rules, const RouterBackwardArgs& args) 
 
 void check_aux_loss(OperandRules& rules, const AuxLossArgs& args) {
   const char* op = "aux_loss";
-  rules.accumulation(op, "loss", args.loss);
-  rules.accumulation(op, "dscores", args.dscores);
-  rules.accumulation(op, "scores", args.scores);
+  accumulations(rules, op, {{"loss", &args.loss}, {"dscores", &args.dscores}, {"scores", &args.scores}});
   expect_ndim(op, "scores", args.scores, 2);
   const int64_t tokens = args.scores.size(0), experts = args.scores.size(1);
   expect_numel(op, "loss", args.loss, 1);
@@ -419,9 +416,9 @@ void check_cross_entropy(OperandRules& rules, const CrossEntropyArgs& args) {
 
 void check_adamw(OperandRules& rules, const AdamWArgs& args) {
   const char* op = "adamw";
-  for (const auto& [name, t] : {Named{"param", &args.param}, Named{"grad", &args.grad},
-                                Named{"exp_avg", &args.exp_avg}, Named{"exp_avg_sq", &args.exp_avg_sq}})
-    rules.accumulation(op, name, *t);
+  accumulations(rules, op,
+                {{"param", &args.param}, {"grad", &args.grad}, {"exp_avg", &args.exp_avg},
+                 {"exp_avg_sq", &args.exp_avg_sq}});
   expect_numel(op, "grad", args.grad, args.param.numel());
   expect_numel(op, "exp_avg", args.exp_avg, args.param.numel());
   expect_numel(op, "exp_avg_sq", args.exp_avg_sq, args.param.numel());
@@ -478,8 +475,7 @@ void check_kda_gate_forward(OperandRules& rules, const KdaGateArgs& args) {
   const char* op = "kda_gate_forward";
   rules.accumulation(op, "g", args.g);
   rules.activation(op, "f", args.f);
-  rules.accumulation(op, "a_log", args.a_log);
-  rules.accumulation(op, "dt_bias", args.dt_bias);
+  accumulations(rules, op, {{"a_log", &args.a_log}, {"dt_bias", &args.dt_bias}});
   expect_kda_gate_shapes(op, "g", args.g, args.f, args.a_log, args.dt_bias, args.lower_bound);
 }
 
@@ -488,8 +484,7 @@ void check_kda_gate_backward(OperandRules& rules, const KdaGateBackwardArgs& arg
   rules.activation(op, "df", args.df);
   rules.accumulation(op, "dg", args.dg);
   rules.activation(op, "f", args.f);
-  rules.accumulation(op, "a_log", args.a_log);
-  rules.accumulation(op, "dt_bias", args.dt_bias);
+  accumulations(rules, op, {{"a_log", &args.a_log}, {"dt_bias", &args.dt_bias}});
   expect_kda_gate_shapes(op, "dg", args.dg, args.f, args.a_log, args.dt_bias, args.lower_bound);
   expect_shape(op, "df", args.df, args.f.shape);
 }
@@ -497,8 +492,7 @@ void check_kda_gate_backward(OperandRules& rules, const KdaGateBackwardArgs& arg
 void check_kda_forward(OperandRules& rules, const KdaArgs& args) {
   const char* op = "kda_forward";
   activations(rules, op, {{"out", &args.out}, {"q", &args.q}, {"k", &args.k}, {"v", &args.v}});
-  rules.accumulation(op, "g", args.g);
-  rules.accumulation(op, "beta", args.beta);
+  accumulations(rules, op, {{"g", &args.g}, {"beta", &args.beta}});
   expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
   expect_shape(op, "out", args.out, args.v.shape);
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
@@ -507,11 +501,9 @@ void check_kda_forward(OperandRules& rules, const KdaArgs& args) {
 void check_kda_backward(OperandRules& rules, const KdaBackwardArgs& args) {
   const char* op = "kda_backward";
   activations(rules, op, {{"dq", &args.dq}, {"dk", &args.dk}, {"dv", &args.dv}});
-  rules.accumulation(op, "dg", args.dg);
-  rules.accumulation(op, "dbeta", args.dbeta);
+  accumulations(rules, op, {{"dg", &args.dg}, {"dbeta", &args.dbeta}});
   activations(rules, op, {{"dout", &args.dout}, {"q", &args.q}, {"k", &args.k}, {"v", &args.v}});
-  rules.accumulation(op, "g", args.g);
-  rules.accumulation(op, "beta", args.beta);
+  accumulations(rules, op, {{"g", &args.g}, {"beta", &args.beta}});
   expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
   expect_shape(op, "dq", args.dq, args.q.shape);
   expect_shape(op, "dk", args.dk, args.k.shape);

@@ -209,7 +209,9 @@ class CpuBackend final : public Backend {
   void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) override {
     HostRules rules;
     check_embedding_backward(rules, dtable, dout, ids);
-    dispatch("embedding_backward", rules.dtype(), [&](auto t) { cpu::embedding_backward<decltype(t)>(dtable, dout, ids); });
+    dispatch("embedding_backward", rules.dtype(), [&](auto t) {
+      cpu::embedding_backward<decltype(t)>(dtable, dout, ids);
+    });
   }
 
   void rmsnorm_forward(const RmsNormArgs& args) override {
@@ -313,7 +315,9 @@ class CpuBackend final : public Backend {
                          bool accumulate) override {
     HostRules rules;
     check_moe_unpermute_sum(rules, dx, drows, pair_row, top_k);
-    dispatch("moe_unpermute_sum", rules.dtype(), [&](auto t) { cpu::moe_unpermute_sum<decltype(t)>(dx, drows, pair_row, top_k, accumulate); });
+    dispatch("moe_unpermute_sum", rules.dtype(), [&](auto t) {
+      cpu::moe_unpermute_sum<decltype(t)>(dx, drows, pair_row, top_k, accumulate);
+    });
   }
 
   void moe_combine(const MoeCombineArgs& args) override {
@@ -427,13 +431,17 @@ class CpuBackend final : public Backend {
   void sparse_attention_forward(const SparseAttentionArgs& args) override {
     HostRules rules;
     check_sparse_attention_forward(rules, args);
-    dispatch("sparse_attention_forward", rules.dtype(), [&](auto t) { cpu::sparse_attention_forward<decltype(t)>(args); });
+    dispatch("sparse_attention_forward", rules.dtype(), [&](auto t) {
+      cpu::sparse_attention_forward<decltype(t)>(args);
+    });
   }
 
   void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override {
     HostRules rules;
     check_sparse_attention_backward(rules, args);
-    dispatch("sparse_attention_backward", rules.dtype(), [&](auto t) { cpu::sparse_attention_backward<decltype(t)>(args); });
+    dispatch("sparse_attention_backward", rules.dtype(), [&](auto t) {
+      cpu::sparse_attention_backward<decltype(t)>(args);
+    });
   }
 
   void attention_gate_forward(const AttentionGateArgs& args) override {
@@ -445,7 +453,9 @@ class CpuBackend final : public Backend {
   void attention_gate_backward(const AttentionGateBackwardArgs& args) override {
     HostRules rules;
     check_attention_gate_backward(rules, args);
-    dispatch("attention_gate_backward", rules.dtype(), [&](auto t) { cpu::attention_gate_backward<decltype(t)>(args); });
+    dispatch("attention_gate_backward", rules.dtype(), [&](auto t) {
+      cpu::attention_gate_backward<decltype(t)>(args);
+    });
   }
 };
 
