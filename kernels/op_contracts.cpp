@@ -204,8 +204,8 @@ void check_rmsnorm_backward(OperandRules& rules, const RmsNormBackwardArgs& args
   if (given(args.dweight)) {
     rules.accumulation(op, "dweight", args.dweight);
     expect_numel(op, "dweight", args.dweight, dim);
-    // dweight is summed after dx is written, from dy and x.
-    expect(args.dx.data != args.dy.data && args.dx.data != args.x.data, op,
+    // dweight is summed after dx is written, from dy and x (no rows: nothing to overwrite).
+    expect((args.dx.data != args.dy.data && args.dx.data != args.x.data) || args.x.numel() == 0, op,
            "dx must not overwrite dy or x when dweight is wanted");
   }
 }
@@ -539,9 +539,11 @@ void check_gated_rmsnorm_backward(OperandRules& rules, const GatedRmsNormBackwar
   if (given(args.dweight)) {
     rules.accumulation(op, "dweight", args.dweight);
     expect_numel(op, "dweight", args.dweight, args.weight.numel());
-    // dweight is summed after dx and dgate are written, from dy, x and gate.
+    // dweight is summed after dx and dgate are written, from dy, x and gate (no rows: nothing to
+    // overwrite).
     for (const void* written : {args.dx.data, args.dgate.data})
-      expect(written != args.dy.data && written != args.x.data && written != args.gate.data, op,
+      expect((written != args.dy.data && written != args.x.data && written != args.gate.data) || args.x.numel() == 0,
+             op,
              "dx and dgate must not overwrite dy, x or gate when dweight is wanted");
   }
 }

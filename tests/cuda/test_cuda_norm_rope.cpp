@@ -120,6 +120,21 @@ TEST_CASE("cuda rmsnorm dweight over many rows (several partial rows) matches th
   }
 }
 
+// A rank can hold no tokens: the backward then zeroes dweight and writes nothing else. Empty dx
+// and dy have no memory (both null) and must not count as aliases.
+TEST_CASE("cuda rmsnorm backward with no rows zeroes dweight") {
+  const int64_t dim = 64;
+  const Operand x = random_operand({0, dim}, DType::kBF16, 1);
+  const Operand weight = random_operand({dim}, DType::kBF16, 2);
+  const Operand dy = random_operand({0, dim}, DType::kBF16, 3);
+  const Operand rstd = random_operand({0}, DType::kF32, 4);
+  Operand dx = output_operand({0, dim}, DType::kBF16);
+  Operand dweight = output_operand({dim}, DType::kF32);  // poisoned: NaN until written
+  gpu().rmsnorm_backward(kernels::RmsNormBackwardArgs{dx.dev, dweight.dev, dy.dev, x.dev, weight.dev, rstd.dev, false});
+  const Tensor written = download(dweight.dev);
+  for (int64_t j = 0; j < dim; ++j) CHECK(written.ptr<double>()[j] == 0.0);
+}
+
 // cos/sin tables [positions, half] of a plain rope (any angles do for the comparison), F32.
 void rope_tables(Operand& cos, Operand& sin, int64_t positions, int64_t half) {
   Tensor cos_host({positions, half}, DType::kF64), sin_host({positions, half}, DType::kF64);

@@ -108,6 +108,14 @@ TEST_CASE("rmsnorm backward matches finite differences", "[cpu_ops]") {
     INFO(c.message);
     CHECK(c.ok);
   }
+
+  SECTION("no rows (a rank with no tokens): dweight is zero") {
+    Tensor x0({0, dim}, DType::kF64), dy0({0, dim}, DType::kF64), dx0({0, dim}, DType::kF64);
+    Tensor rstd0({0}, DType::kF64);
+    Tensor dw0 = random_tensor({dim}, DType::kF64, 7);
+    backend->rmsnorm_backward({dx0, dw0, dy0, x0, w, rstd0, false});
+    for (int64_t i = 0; i < dim; ++i) CHECK(get_element(dw0, i) == 0.0);
+  }
 }
 
 TEST_CASE("rope forward matches transformers' formulation for both layouts", "[cpu_ops]") {
