@@ -13,16 +13,16 @@
 //       bytes, or 2 * BN when BN < 64) x 64 k rows, each row S bytes, S-byte swizzle; chunks
 //       64 * S bytes apart (leading byte offset), 8-row groups 8 * S apart (stride byte offset);
 //       the k16 steps start 16 * S bytes apart.
-//   Scheduling: every CTA builds, from the device offsets, the clamped row offsets and (m-grouped)
-//   a prefix of tiles per group in shared memory. The tiles are listed by group, then n-tile, then
-//   m-tile, and handed out in that order through a counter in device memory (the producer thread
-//   takes the next one when it starts a tile and passes it to the consumers through a two-slot
-//   ring): the tiles in flight are always a contiguous run of the list, so the m-tiles that share
-//   a slice of b[g] and the n-tiles that share rows of a run at the same time and find them in
-//   L2, whatever the tiles cost. (Taking tiles blockIdx.x + i * gridDim.x instead lets CTAs drift
-//   apart when groups are uneven: on an H200, 1.2x to 1.3x the DRAM traffic and time.) The last
-//   CTA to finish puts the counter back to zero for the next launch. A tile is (group, 128 rows,
-//   BN columns):
+//   Scheduling (grouped_gemm_common.cuh): every CTA builds, from the device offsets, the clamped
+//   row offsets and (m-grouped) a prefix of tiles per group in shared memory. The tiles are listed
+//   by group, then n-tile, then m-tile, and handed out in that order through a counter in device
+//   memory (the producer thread takes the next one when it starts a tile and passes it to the
+//   consumers through a two-slot ring): the tiles in flight are always a contiguous run of the
+//   list, so the m-tiles that share a slice of b[g] and the n-tiles that share rows of a run at the
+//   same time and find them in L2, whatever the tiles cost. (Taking tiles blockIdx.x + i *
+//   gridDim.x instead lets CTAs drift apart when groups are uneven: on an H200, 1.2x to 1.3x the
+//   DRAM traffic and time.) The last CTA to finish puts the counter back to zero for the next
+//   launch. A tile is (group, 128 rows, BN columns):
 //     m-grouped: rows of the group's slice of a and c; its last tile may run past the group's
 //       end: TMA reads the next group's rows (or zeros past the tensor) and those rows are
 //       computed but never stored.
@@ -43,15 +43,11 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <climits>
-#include <map>
-#include <mutex>
-#include <string>
 #include <type_traits>
-#include <utility>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
+#include "kernels/cuda/grouped_gemm_common.cuh"
 #include "kernels/cuda/sm90_primitives.cuh"
 #include "kernels/cuda/wgmma_bf16.cuh"
 
@@ -64,18 +60,17 @@ using bf16 = __nv_bfloat16;
 // The sm_90a kernel
 
 namespace sm90 = ::moetrain::kernels::cuda_ops::sm90;
+namespace grouped = ::moetrain::kernels::cuda_ops::grouped_sm90;
+using grouped::GroupTable;
+using grouped::kAllLanes;
+using grouped::kBK;
+using grouped::kConsumerRegisters;
+using grouped::kProducerRegisters;
+using grouped::kTileSlots;
 
 constexpr int kBM = 128;  // two consumer warpgroups x 64 rows
-constexpr int kBK = 64;   // one 128-byte swizzle row of BF16
 constexpr int kConsumerWarpgroups = 2;
-constexpr int kTileSlots = 2;  // tiles fetched ahead by the producer for the consumers
 constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-constexpr int kStageBudgetBytes = 200 * 1024;  // of the 227 KB a CTA may have
-constexpr int kMaxStages = 8;
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K registers
-// The per-group table (two int32 [groups + 1]) shares shared memory with the stages.
-constexpr int64_t kTableBudgetBytes = 24 * 1024;
 
 enum class Layout {
   kMGroupedKMajorB,  // m-grouped, b [groups, n, k] (transpose_b: the forward, x W^T)
@@ -95,7 +90,7 @@ struct Tiling {
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = std::min(kMaxStages, kStageBudgetBytes / kStageBytes);
+  static constexpr int kStages = grouped::stage_count(kStageBytes);
   static_assert(kBN == 16 || kBN == 32 || kBN == 64 || kBN == 128 || kBN == 256, "a wgmma N the kernel has");
   static_assert(kStages >= 3, "too few stages to overlap loads with the math");
   static_assert(kBChunks * kBChunkColumns == kBN || !kBMajorN, "an N-major B tile is whole chunks");
@@ -119,48 +114,6 @@ struct Sm90Params {
   int* tile_counter;  // [2], zero between launches: the next tile, the CTAs done fetching
 };
 
-// The shared-memory table every CTA derives from the offsets.
-struct GroupTable {
-  int* rows;   // [groups + 1] clamped offsets
-  int* tiles;  // [groups + 1] m-grouped: tiles before each group
-};
-
-// Warp-wide: rows[i] = min(rows, max(0, offsets[0..i])), a non-decreasing sequence inside the
-// tensor whatever the offsets hold; m-grouped, tiles[g] = the tiles of groups before g.
-template <bool kKGrouped>
-__device__ void build_group_table(const Sm90Params& p, GroupTable table, int lane) {
-  constexpr unsigned kAll = 0xffffffffu;
-  int running_max = 0;
-  for (int base = 0; base <= p.groups; base += 32) {
-    const int i = base + lane;
-    int v = i <= p.groups ? p.offsets[i] : INT_MIN;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(kAll, v, d);
-      if (lane >= d) v = max(v, u);
-    }
-    v = min(max(v, running_max), p.rows);
-    if (i <= p.groups) table.rows[i] = v;
-    running_max = __shfl_sync(kAll, v, 31);
-  }
-  if (kKGrouped) return;
-  __syncwarp();
-  if (lane == 0) table.tiles[0] = 0;
-  int running_tiles = 0;
-  for (int base = 0; base < p.groups; base += 32) {
-    const int g = base + lane;
-    const int count = g < p.groups ? (table.rows[g + 1] - table.rows[g] + kBM - 1) / kBM * p.n_tiles : 0;
-    int sum = count;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(kAll, sum, d);
-      if (lane >= d) sum += u;
-    }
-    if (g < p.groups) table.tiles[g + 1] = running_tiles + sum;
-    running_tiles += __shfl_sync(kAll, sum, 31);
-  }
-}
-
 struct Tile {
   int group;
   int m0, m_end;  // output rows [m0, min(m0 + 128, m_end)): rows of c (m-grouped) or of c[group]
@@ -182,24 +135,7 @@ __device__ __forceinline__ Tile decode_tile(int t, const Sm90Params& p, GroupTab
     tile.k0 = table.rows[tile.group];
     tile.k_end = table.rows[tile.group + 1];
   } else {
-    // The group whose tile range holds t: tiles[lo] <= t < tiles[lo + 1] (empty groups have an
-    // empty range, so the search never stops on one).
-    int lo = 0, hi = p.groups;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (table.tiles[mid] <= t) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
-    tile.group = lo;
-    const int local = t - table.tiles[lo];
-    const int row0 = table.rows[lo], row_end = table.rows[lo + 1];
-    const int m_tiles = (row_end - row0 + kBM - 1) / kBM;
-    tile.m0 = row0 + local % m_tiles * kBM;
-    tile.m_end = row_end;
-    tile.n0 = local / m_tiles * kBN;
+    grouped::locate_m_grouped_tile<kBM, kBN>(t, p.groups, table, tile);
     tile.k0 = 0;
     tile.k_end = p.k;
   }
@@ -273,7 +209,6 @@ template <int kBN>
 __device__ __forceinline__ void store_tile_bf16_quads(const float (&acc)[kBN / 2], const Sm90Params& p,
                                                       const Tile& tile, int64_t c_offset, int row_in_tile, int lane) {
   static_assert(kBN % 32 == 0, "whole groups of four 8-column chunks");
-  constexpr unsigned kAll = 0xffffffffu;
   const int q = lane % 4;
   const bool q1 = (q & 2) != 0, q0 = (q & 1) != 0;
 #pragma unroll
@@ -291,13 +226,13 @@ __device__ __forceinline__ void store_tile_bf16_quads(const float (&acc)[kBN / 2
       }
       // Step 1 (lane q ^ 2): keep the chunks whose bit 1 is q's, send the others.
       const uint32_t keep0 = q1 ? w[2] : w[0], keep1 = q1 ? w[3] : w[1];
-      const uint32_t got0 = __shfl_xor_sync(kAll, q1 ? w[0] : w[2], 2);
-      const uint32_t got1 = __shfl_xor_sync(kAll, q1 ? w[1] : w[3], 2);
+      const uint32_t got0 = __shfl_xor_sync(kAllLanes, q1 ? w[0] : w[2], 2);
+      const uint32_t got1 = __shfl_xor_sync(kAllLanes, q1 ? w[1] : w[3], 2);
       // Step 2 (lane q ^ 1): keep chunk q's pairs, send chunk q ^ 1's.
       const uint32_t own = q0 ? keep1 : keep0;                              // from lane q
       const uint32_t across = q0 ? got1 : got0;                             // from lane q ^ 2
-      const uint32_t near = __shfl_xor_sync(kAll, q0 ? keep0 : keep1, 1);  // from lane q ^ 1
-      const uint32_t far = __shfl_xor_sync(kAll, q0 ? got0 : got1, 1);     // from lane q ^ 3
+      const uint32_t near = __shfl_xor_sync(kAllLanes, q0 ? keep0 : keep1, 1);  // from lane q ^ 1
+      const uint32_t far = __shfl_xor_sync(kAllLanes, q0 ? got0 : got1, 1);     // from lane q ^ 3
       // The pair of lane r (columns 2r, 2r + 1): r == q, q ^ 2, q ^ 1 or q ^ 3.
       auto pair_of = [&](int r) {
         const bool same1 = ((r & 2) != 0) == q1, same0 = ((r & 1) != 0) == q0;
@@ -323,24 +258,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Sm
     for (int j = 0; j < kBN / 8; ++j) {
       const int column = tile.n0 + column_in_tile + 8 * j;
       if (column >= p.n) continue;
-      float v0 = p.alpha * acc[4 * j + 2 * h], v1 = p.alpha * acc[4 * j + 2 * h + 1];
-      if constexpr (std::is_same_v<OutT, float>) {
-        float2* dst = reinterpret_cast<float2*>(out + column);
-        if (p.beta != 0.0f) {
-          const float2 old = *dst;
-          v0 += p.beta * old.x;
-          v1 += p.beta * old.y;
-        }
-        *dst = make_float2(v0, v1);
-      } else {
-        __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + column);
-        if (p.beta != 0.0f) {
-          const float2 old = __bfloat1622float2(*dst);
-          v0 += p.beta * old.x;
-          v1 += p.beta * old.y;
-        }
-        *dst = __floats2bfloat162_rn(v0, v1);
-      }
+      grouped::store_pair(out + column, p.alpha * acc[4 * j + 2 * h], p.alpha * acc[4 * j + 2 * h + 1], p.beta);
     }
   }
 }
@@ -365,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Broadcasts make the warp index and (below) the tile index warp-uniform in the compiler's eyes
   // too: without them ptxas serializes every wgmma (C7520, "divergent path").
-  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  const int warp = __shfl_sync(kAllLanes, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       sm90::barrier_init(&full[s], 1);
@@ -377,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::fence_barrier_init();
   }
-  if (warp == 1) build_group_table<T::kKGrouped>(p, table, lane);
+  if (warp == 1) grouped::build_group_table<kBM, !T::kKGrouped>(p, table, lane);
   __syncthreads();
   const int total_tiles = T::kKGrouped ? p.groups * p.m_tiles * p.n_tiles : table.tiles[p.groups];
 
@@ -418,13 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    // Every CTA fetches past the end exactly once; the last one to finish fetching puts the
-    // counters back to zero for the next launch on the stream.
-    __threadfence();
-    if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      p.tile_counter[0] = 0;
-      p.tile_counter[1] = 0;
-    }
+    grouped::release_tile_counter(p.tile_counter);
     return;
   }
 
@@ -445,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t slot_phase = 0;
   for (;;) {
     sm90::barrier_wait(&tile_full[slot], slot_phase);
-    const int t = __shfl_sync(0xffffffffu, tile_slot[slot], 0);
+    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
     __syncwarp();
     if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
     if (++slot == kTileSlots) {
@@ -536,19 +448,6 @@ struct FallbackParams {
   float alpha, beta;
 };
 
-__device__ __forceinline__ void store_output(const FallbackParams& p, int64_t index, float sum) {
-  float v = p.alpha * sum;
-  if (p.c_f32) {
-    float* c = static_cast<float*>(p.c) + index;
-    if (p.beta != 0.0f) v += p.beta * *c;
-    *c = v;
-  } else {
-    bf16* c = static_cast<bf16*>(p.c) + index;
-    if (p.beta != 0.0f) v += p.beta * __bfloat162float(*c);
-    *c = __float2bfloat16_rn(v);
-  }
-}
-
 __global__ void m_grouped_fallback_kernel(const FallbackParams p) {
   const int64_t total = p.rows * p.n;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
@@ -583,7 +482,7 @@ __global__ void m_grouped_fallback_kernel(const FallbackParams p) {
         sum += __bfloat162float(a2[q]) * __bfloat162float(w);
       }
     }
-    store_output(p, i, sum);
+    grouped::store_output(p, i, sum);
   }
 }
 
@@ -597,66 +496,12 @@ __global__ void k_grouped_fallback_kernel(const FallbackParams p) {
     float sum = 0.0f;
     for (int64_t r = begin; r < end; ++r)
       sum += __bfloat162float(p.a[r * p.n_out + row]) * __bfloat162float(p.b[r * p.n_in + column]);
-    store_output(p, i, sum);
+    grouped::store_output(p, i, sum);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Host side
-
-struct DeviceInfo {
-  int multiprocessors = 0;
-  bool hopper = false;  // compute capability 9.0: the sm_90a code runs
-};
-
-constexpr int kMaxDevices = 64;  // per-device caches below
-
-DeviceInfo device_info() {
-  static DeviceInfo cache[kMaxDevices];
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  DeviceInfo& info = cache[device % kMaxDevices];
-  if (info.multiprocessors == 0) {
-    int major = 0, minor = 0;
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
-    info.hopper = major == 9 && minor == 0;
-  }
-  return info;
-}
-
-// Whether this binary holds sm_90a code for the kernel (a build for other architectures has only
-// the trapping body): the kernel's binary version is 90 then.
-bool have_sm90a_code() {
-  static const bool have = [] {
-    cudaFuncAttributes attributes{};
-    const cudaError_t status = cudaFuncGetAttributes(
-        &attributes, sm90_grouped_gemm_kernel<Layout::kMGroupedKMajorB, 256>);
-    if (status != cudaSuccess) {
-      cudaGetLastError();  // no image for this device: clear the error, use the fallback
-      return false;
-    }
-    return attributes.binaryVersion == 90;
-  }();
-  return have;
-}
-
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* symbol = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &symbol, 12000, cudaEnableDefault, &found));
-    MOETRAIN_CHECK(found == cudaDriverEntryPointSuccess && symbol != nullptr, ExitCode::kInternal,
-                   "grouped_gemm: the CUDA driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<EncodeTiledFn>(symbol);
-  }();
-  return fn;
-}
 
 CUtensorMapSwizzle tma_swizzle(int bytes) {
   return bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B;
@@ -665,15 +510,8 @@ CUtensorMapSwizzle tma_swizzle(int bytes) {
 // A BF16 tensor map; dims innermost first, strides in bytes of dims 1.., box in elements.
 CUtensorMap tensor_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
                        int swizzle_bytes) {
-  CUtensorMap map;
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult status =
-      encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base),
-                     dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, tma_swizzle(swizzle_bytes),
-                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
-                 "grouped_gemm: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
-  return map;
+  return grouped::encode_map("grouped_gemm", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, base, dims, strides, box,
+                             tma_swizzle(swizzle_bytes));
 }
 
 int pick_bn(int64_t n) {
@@ -682,30 +520,6 @@ int pick_bn(int64_t n) {
   if (n <= 64) return 64;
   if (n <= 128) return 128;
   return 256;
-}
-
-// The tile counters of the kernels on one stream (launches on a stream run one after the other,
-// and each leaves its counters at zero): allocated on first use, kept for the process.
-int* tile_counters(cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, int*> counters;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  int*& counter = counters[{device, stream}];
-  if (counter == nullptr) {
-    CUDA_CHECK(cudaMalloc(&counter, 2 * sizeof(int)));
-    CUDA_CHECK(cudaMemsetAsync(counter, 0, 2 * sizeof(int), stream));
-  }
-  return counter;
-}
-
-template <Layout kLayout, int kBN>
-size_t sm90_shared_bytes(int64_t groups) {
-  using T = Tiling<kLayout, kBN>;
-  return (2 * T::kStages + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
-         2 * static_cast<size_t>(groups + 1) * sizeof(int) + 1024 +
-         static_cast<size_t>(T::kStages) * T::kStageBytes;
 }
 
 template <Layout kLayout, int kBN>
@@ -720,7 +534,7 @@ void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
   params.rows = static_cast<int>(p.rows);
   params.alpha = p.alpha;
   params.beta = p.beta;
-  params.tile_counter = tile_counters(stream);
+  params.tile_counter = grouped::tile_counters(stream);
   CUtensorMap map_a{}, map_b{}, map_a2{}, map_b2{};  // a2 / b2: only with a second product
   const uint64_t rows = static_cast<uint64_t>(p.rows), groups = static_cast<uint64_t>(p.groups);
   int64_t max_tiles = 0;
@@ -772,19 +586,11 @@ void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
     // Each group adds at most one partial m-tile.
     max_tiles = ((p.rows + kBM - 1) / kBM + p.groups) * params.n_tiles;
   }
-  const size_t shared_bytes = sm90_shared_bytes<kLayout, kBN>(p.groups);
-  static bool attribute_set[kMaxDevices] = {};  // per instantiation and device
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (!attribute_set[device % kMaxDevices]) {
-    CUDA_CHECK(cudaFuncSetAttribute(sm90_grouped_gemm_kernel<kLayout, kBN>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
-    attribute_set[device % kMaxDevices] = true;
-  }
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-  sm90_grouped_gemm_kernel<kLayout, kBN><<<grid, kThreads, shared_bytes, stream>>>(map_a, map_b, map_a2, map_b2,
-                                                                                   params);
+  // Barriers per stage: full and empty.
+  const size_t shared_bytes = grouped::shared_bytes(2, T::kStages, T::kStageBytes, p.groups);
+  grouped::allow_shared_memory<sm90_grouped_gemm_kernel<kLayout, kBN>>();
+  sm90_grouped_gemm_kernel<kLayout, kBN><<<grouped::persistent_grid(max_tiles), kThreads, shared_bytes, stream>>>(
+      map_a, map_b, map_a2, map_b2, params);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -828,9 +634,6 @@ void launch_fallback(const GroupedGemmProblem& p, cudaStream_t stream) {
   CUDA_CHECK_LAUNCH();
 }
 
-bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-
 }  // namespace
 
 GroupedGemmPath grouped_gemm_path(const GroupedGemmProblem& p) {
@@ -839,12 +642,16 @@ GroupedGemmPath grouped_gemm_path(const GroupedGemmProblem& p) {
   const bool shapes = m_grouped ? p.k > 0 && p.k % 8 == 0 && p.n % 8 == 0 && p.k2 % 8 == 0
                                 : p.rows > 0 && p.n_out % 8 == 0 && p.n_in % 8 == 0;
   const int64_t widest = std::max({p.rows, p.n, p.k + p.k2, p.n_out, p.n_in});
-  const bool fits = widest < (int64_t{1} << 30) && p.groups * 2 * 4 + 8 <= kTableBudgetBytes &&
+  const bool fits = widest < (int64_t{1} << 30) && grouped::group_table_fits(p.groups) &&
                     p.groups * ((p.n_out + kBM - 1) / kBM) * ((p.n_in + 15) / 16) < (int64_t{1} << 30) &&
                     ((p.rows + kBM - 1) / kBM + p.groups) * ((p.n + 15) / 16) < (int64_t{1} << 30);
+  using grouped::aligned_16;
   const bool aligned = aligned_16(p.a) && aligned_16(p.b) && aligned_16(p.c) &&
                        (p.k2 == 0 || (aligned_16(p.a2) && aligned_16(p.b2)));
-  if (shapes && fits && aligned && device_info().hopper && have_sm90a_code()) return GroupedGemmPath::kSm90;
+  // The probe: any instantiation tells whether the binary has sm_90a code.
+  if (shapes && fits && aligned && grouped::device_info().hopper &&
+      grouped::have_sm90a_code<sm90_grouped_gemm_kernel<Layout::kMGroupedKMajorB, 256>>())
+    return GroupedGemmPath::kSm90;
   return GroupedGemmPath::kFallback;
 }
 

@@ -7,8 +7,8 @@
 // rows) is one tile of N = 160 (wgmma_bf16_rs_prefix.cuh: every N accumulates into the same
 // registers). K steps of 64.
 //   Tiles are listed by group, then 128-column block, then 256-row block and handed out in that
-//   order through a device counter (as grouped_gemm.cu: the tiles in flight share W[g] and rows of
-//   a in L2); the per-group table is built from the device offsets. Rows past a group's end are
+//   order through a device counter (grouped_gemm_common.cuh, as grouped_gemm.cu: the tiles in
+//   flight share W[g] and rows of a in L2); the per-group table is built from the device offsets. Rows past a group's end are
 //   computed from the next group's rows (or TMA zeros) and never stored; so are W's rows past n.
 //   Warpgroup 0, the producer (40 registers):
 //     - thread 0 issues the TMA copies of a stage: the packed W tile (4 KB: the forward's
@@ -45,14 +45,10 @@
 
 #include <algorithm>
 #include <climits>
-#include <map>
-#include <mutex>
-#include <string>
-#include <type_traits>
-#include <utility>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
+#include "kernels/cuda/grouped_gemm_common.cuh"
 #include "kernels/cuda/sm90_primitives.cuh"
 #include "kernels/cuda/wgmma_bf16_rs_prefix.cuh"
 
@@ -61,8 +57,14 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 namespace sm90 = ::moetrain::kernels::cuda_ops::sm90;
+namespace grouped = ::moetrain::kernels::cuda_ops::grouped_sm90;
+using grouped::GroupTable;
+using grouped::kAllLanes;
+using grouped::kBK;  // one 128-byte swizzle row of BF16 activations
+using grouped::kConsumerRegisters;
+using grouped::kProducerRegisters;
+using grouped::kTileSlots;
 
-constexpr int kBK = 64;            // one 128-byte swizzle row of BF16 activations
 constexpr int kWeightRows = 128;   // W rows (columns of c) per tile: two consumer warpgroups x 64
 constexpr int kTokenRows = 256;    // rows of a per tile at most: wgmma's largest N
 constexpr int kBox = 32;           // rows of a per TMA box, and the step of N
@@ -74,24 +76,17 @@ constexpr int kSBytes = 1024;  // a stage's scales as BF16: 256 words
 // Input gradient with TMA scales: a stage's E8M0 bytes as copied, 64 k rows x 16 groups.
 constexpr int kRawGroups = 16;
 constexpr int kRawBytes = kBK * kRawGroups;
-constexpr int kStageBudgetBytes = 200 * 1024;  // of the 227 KB a CTA may have
-constexpr int kMaxStages = 8;
 // A stage: a, W, the scale words and (input gradient) the raw scale bytes.
 template <bool kInputGrad>
 struct StageLayout {
   static constexpr int kBytes = kABytes + kWBytes + kSBytes + (kInputGrad ? kRawBytes : 0);
-  static constexpr int kCount = std::min(kMaxStages, kStageBudgetBytes / kBytes);
+  static constexpr int kCount = grouped::stage_count(kBytes);
   static_assert(kCount >= 3, "too few stages to overlap loads with the math");
 };
-constexpr int kTileSlots = 2;
 constexpr int kConverters = 64;  // threads 32 .. 95: the scale converters
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K
 // Input gradient: a stage's scale words per c (4 chunks x 8 k pairs), + 4 so the four c's of a
 // warp's 16-byte loads fall in different banks.
 constexpr int kScaleStride = 36;
-constexpr int64_t kTableBudgetBytes = 24 * 1024;
-constexpr unsigned kAllLanes = 0xffffffffu;
 static_assert(kABytes % 1024 == 0 && kWBytes % 1024 == 0 && kSBytes % 1024 == 0 && kRawBytes % 1024 == 0,
               "stages on whole swizzle patterns");
 static_assert(4 * kScaleStride * 4 <= kSBytes && 2 * kWeightRows * 4 <= kSBytes, "a stage's scale words");
@@ -113,44 +108,6 @@ struct Params {
   int scale_tma;          // input gradient: the scales arrive by TMA (map_s), not by loads
 };
 
-struct GroupTable {
-  int* rows;   // [groups + 1] clamped offsets
-  int* tiles;  // [groups + 1] tiles before each group
-};
-
-// Warp-wide, as grouped_gemm.cu: rows[i] = the offsets clamped into a non-decreasing sequence
-// inside [0, rows]; tiles[g] = the tiles of the groups before g.
-__device__ void build_group_table(const Params& p, GroupTable table, int lane) {
-  int running_max = 0;
-  for (int base = 0; base <= p.groups; base += 32) {
-    const int i = base + lane;
-    int v = i <= p.groups ? p.offsets[i] : INT_MIN;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(kAllLanes, v, d);
-      if (lane >= d) v = max(v, u);
-    }
-    v = min(max(v, running_max), p.rows);
-    if (i <= p.groups) table.rows[i] = v;
-    running_max = __shfl_sync(kAllLanes, v, 31);
-  }
-  __syncwarp();
-  if (lane == 0) table.tiles[0] = 0;
-  int running_tiles = 0;
-  for (int base = 0; base < p.groups; base += 32) {
-    const int g = base + lane;
-    const int count = g < p.groups ? (table.rows[g + 1] - table.rows[g] + kTokenRows - 1) / kTokenRows * p.n_tiles : 0;
-    int sum = count;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(kAllLanes, sum, d);
-      if (lane >= d) sum += u;
-    }
-    if (g < p.groups) table.tiles[g + 1] = running_tiles + sum;
-    running_tiles += __shfl_sync(kAllLanes, sum, 31);
-  }
-}
-
 struct Tile {
   int group;
   int m0, m_end;  // rows [m0, min(m0 + tile rows, m_end)) of c
@@ -159,23 +116,8 @@ struct Tile {
 };
 
 __device__ __forceinline__ Tile decode_tile(int t, const Params& p, GroupTable table) {
-  int lo = 0, hi = p.groups;  // tiles[lo] <= t < tiles[lo + 1]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (table.tiles[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
   Tile tile;
-  tile.group = lo;
-  const int local = t - table.tiles[lo];
-  const int row0 = table.rows[lo], row_end = table.rows[lo + 1];
-  const int m_tiles = (row_end - row0 + kTokenRows - 1) / kTokenRows;
-  tile.m0 = row0 + local % m_tiles * kTokenRows;
-  tile.m_end = row_end;
-  tile.n0 = local / m_tiles * kWeightRows;
+  grouped::locate_m_grouped_tile<kTokenRows, kWeightRows>(t, p.groups, table, tile);
   tile.k_steps = (p.k + kBK - 1) / kBK;
   return tile;
 }
@@ -265,25 +207,7 @@ __device__ __forceinline__ void k_step_n(int boxes, float (&acc)[128], const uin
 template <typename OutT>
 __device__ __forceinline__ void store_pair(const Params& p, int token, int column, float v0, float v1) {
   const int64_t offset = static_cast<int64_t>(token) * p.n + column;
-  v0 *= p.alpha;
-  v1 *= p.alpha;
-  if constexpr (std::is_same_v<OutT, float>) {
-    float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + offset);
-    if (p.beta != 0.0f) {
-      const float2 old = *dst;
-      v0 += p.beta * old.x;
-      v1 += p.beta * old.y;
-    }
-    *dst = make_float2(v0, v1);
-  } else {
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.c) + offset);
-    if (p.beta != 0.0f) {
-      const float2 old = __bfloat1622float2(*dst);
-      v0 += p.beta * old.x;
-      v1 += p.beta * old.y;
-    }
-    *dst = __floats2bfloat162_rn(v0, v1);
-  }
+  grouped::store_pair(static_cast<OutT*>(p.c) + offset, v0 * p.alpha, v1 * p.alpha, p.beta);
 }
 
 // The thread's accumulators into c. Accumulator 4 j + 2 h + e is fragment row g + 8 h, token
@@ -428,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::fence_barrier_init();
   }
-  if (warp == 1) build_group_table(p, table, lane);
+  if (warp == 1) grouped::build_group_table<kTokenRows, true>(p, table, lane);
   __syncthreads();
   const int total_tiles = table.tiles[p.groups];
   int stage = 0, slot = 0;
@@ -491,13 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           advance();
         }
       }
-      // Every CTA fetches past the end exactly once; the last one to finish fetching puts the
-      // counters back to zero for the next launch on the stream.
-      __threadfence();
-      if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-        p.tile_counter[0] = 0;
-        p.tile_counter[1] = 0;
-      }
+      grouped::release_tile_counter(p.tile_counter);
     } else if (warp == 1 || warp == 2) {
       const int i = threadIdx.x - 32;
       for (;;) {
@@ -678,106 +596,28 @@ __global__ void mxfp4_fallback_kernel(const FallbackParams p) {
                                     : mxfp4_element(p.packed, p.scales, lo * p.k + q, j, p.n);
       sum += __bfloat162float(a[q]) * w;
     }
-    float v = p.alpha * sum;
-    if (p.c_f32) {
-      float* c = static_cast<float*>(p.c) + i;
-      if (p.beta != 0.0f) v += p.beta * *c;
-      *c = v;
-    } else {
-      bf16* c = static_cast<bf16*>(p.c) + i;
-      if (p.beta != 0.0f) v += p.beta * __bfloat162float(*c);
-      *c = __float2bfloat16_rn(v);
-    }
+    grouped::store_output(p, i, sum);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side (the device queries, tensor map and tile counters as in grouped_gemm.cu)
+// Host side
 
-constexpr int kMaxDevices = 64;
-
-struct DeviceInfo {
-  int multiprocessors = 0;
-  bool hopper = false;
-};
-
-DeviceInfo device_info() {
-  static DeviceInfo cache[kMaxDevices];
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  DeviceInfo& info = cache[device % kMaxDevices];
-  if (info.multiprocessors == 0) {
-    int major = 0, minor = 0;
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
-    info.hopper = major == 9 && minor == 0;
-  }
-  return info;
-}
-
-bool have_sm90a_code() {
-  static const bool have = [] {
-    cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, sm90_mxfp4_kernel<false>) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return attributes.binaryVersion == 90;
-  }();
-  return have;
-}
-
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* symbol = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &symbol, 12000, cudaEnableDefault, &found));
-    MOETRAIN_CHECK(found == cudaDriverEntryPointSuccess && symbol != nullptr, ExitCode::kInternal,
-                   "grouped_gemm_mxfp4: the CUDA driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<EncodeTiledFn>(symbol);
-  }();
-  return fn;
-}
+constexpr const char* kOp = "grouped_gemm_mxfp4";  // names this file's errors
 
 // A 2-D tensor map: `outer` rows of `inner` elements (row stride inner * element bytes), boxes of
 // box_rows x box_inner.
 CUtensorMap tensor_map_2d(const void* base, CUtensorMapDataType type, int element_bytes, int64_t outer, int64_t inner,
                           int box_rows, int box_inner, CUtensorMapSwizzle swizzle) {
-  CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * element_bytes};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult status = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                                         CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
-                 "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
-  return map;
+  return grouped::encode_map(kOp, type, 2, base, dims, strides, box, swizzle);
 }
 
 // A's tensor map: [rows, k] BF16, boxes of box_rows x 64 columns, 128-byte swizzle.
 CUtensorMap a_tensor_map(const void* a, int64_t rows, int64_t k, int box_rows) {
   return tensor_map_2d(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, k, box_rows, kBK, CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
-int* tile_counters(cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, int*> counters;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  int*& counter = counters[{device, stream}];
-  if (counter == nullptr) {
-    CUDA_CHECK(cudaMalloc(&counter, 2 * sizeof(int)));
-    CUDA_CHECK(cudaMemsetAsync(counter, 0, 2 * sizeof(int), stream));
-  }
-  return counter;
 }
 
 // W's tensor map. Forward: b [G, n, k / 2] as [G * n, k / 2] bytes, boxes of 128 rows x 32 bytes
@@ -786,7 +626,6 @@ int* tile_counters(cudaStream_t stream) {
 // rows x 64 bytes (128 columns), 64-byte swizzle for the conflict-free ldmatrix. The packed
 // dimension is whole groups of 32, so the row stride is a multiple of 16 bytes.
 CUtensorMap w_tensor_map(const GroupedGemmProblem& p) {
-  CUtensorMap map;
   const bool input_grad = !p.transpose_b;
   const int64_t outer = input_grad ? p.k : p.n, row_bytes = (input_grad ? p.n : p.k) / 2;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(input_grad ? outer : p.groups * outer),
@@ -794,14 +633,8 @@ CUtensorMap w_tensor_map(const GroupedGemmProblem& p) {
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(row_bytes * outer)};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(input_grad ? kWeightRows / 2 : kBK / 2),
                              static_cast<cuuint32_t>(input_grad ? kBK : kWeightRows), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult status = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, input_grad ? 3 : 2, const_cast<void*>(p.b),
-                                         dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                         input_grad ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE,
-                                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
-                 "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
-  return map;
+  return grouped::encode_map(kOp, CU_TENSOR_MAP_DATA_TYPE_UINT8, input_grad ? 3 : 2, p.b, dims, strides, box,
+                             input_grad ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 // The input gradient's scales [G, k, n / 32] bytes as 3-D (k rows past a group's arrive as zeros),
@@ -815,13 +648,8 @@ bool scale_tensor_map(const GroupedGemmProblem& p, const void* b_scale, CUtensor
                               static_cast<cuuint64_t>(p.groups)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(row_bytes * p.k)};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(kRawGroups), static_cast<cuuint32_t>(kBK), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult status = encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(b_scale), dims,
-                                         strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                         CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOETRAIN_CHECK(status == CUDA_SUCCESS, ExitCode::kInternal,
-                 "grouped_gemm_mxfp4: cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(status)) + ")");
+  *map = grouped::encode_map(kOp, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, b_scale, dims, strides, box,
+                             CU_TENSOR_MAP_SWIZZLE_NONE);
   return true;
 }
 
@@ -839,28 +667,20 @@ void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t 
   params.n_tiles = static_cast<int>((p.n + kWeightRows - 1) / kWeightRows);
   params.alpha = p.alpha;
   params.beta = p.beta;
-  params.tile_counter = tile_counters(stream);
+  params.tile_counter = grouped::tile_counters(stream);
   params.packed = static_cast<const uint8_t*>(p.b);
   params.scales = static_cast<const uint8_t*>(b_scale);
   const CUtensorMap map_a = a_tensor_map(p.a, p.rows, p.k, kBox);
   const CUtensorMap map_w = w_tensor_map(p);
   CUtensorMap map_s{};  // unused unless params.scale_tma
   params.scale_tma = scale_tensor_map(p, b_scale, &map_s) ? 1 : 0;
-  static bool attribute_set[kMaxDevices] = {};  // per instantiation and device
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  if (!attribute_set[device % kMaxDevices]) {
-    CUDA_CHECK(cudaFuncSetAttribute(sm90_mxfp4_kernel<kInputGrad>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
-    attribute_set[device % kMaxDevices] = true;
-  }
-  const size_t shared = (3 * Stages::kCount + 2 * kTileSlots) * sizeof(uint64_t) + kTileSlots * sizeof(int) +
-                        2 * static_cast<size_t>(p.groups + 1) * sizeof(int) + 1024 +
-                        static_cast<size_t>(Stages::kCount) * Stages::kBytes;
+  grouped::allow_shared_memory<sm90_mxfp4_kernel<kInputGrad>>();
+  // Barriers per stage: full, empty and raw_full.
+  const size_t shared = grouped::shared_bytes(3, Stages::kCount, Stages::kBytes, p.groups);
   // Each group adds at most one partial row block.
   const int64_t max_tiles = ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * params.n_tiles;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-  sm90_mxfp4_kernel<kInputGrad><<<grid, kThreads, shared, stream>>>(map_a, map_w, map_s, params);
+  sm90_mxfp4_kernel<kInputGrad><<<grouped::persistent_grid(max_tiles), kThreads, shared, stream>>>(map_a, map_w, map_s,
+                                                                                                  params);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -884,19 +704,19 @@ void launch_fallback(const GroupedGemmProblem& p, const void* b_scale, cudaStrea
   CUDA_CHECK_LAUNCH();
 }
 
-bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 GroupedGemmPath grouped_gemm_mxfp4_path(const GroupedGemmProblem& p, const void* b_scale) {
   (void)b_scale;  // read a byte at a time: any alignment
   const bool shapes = p.kind == GroupedGemmKind::kMGrouped && p.k > 0 && p.k % 8 == 0 && p.n % 8 == 0;
-  const bool fits = std::max({p.rows, p.n, p.k}) < (int64_t{1} << 30) && p.groups * 2 * 4 + 8 <= kTableBudgetBytes &&
+  const bool fits = std::max({p.rows, p.n, p.k}) < (int64_t{1} << 30) && grouped::group_table_fits(p.groups) &&
                     ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * ((p.n + kWeightRows - 1) / kWeightRows) <
                         (int64_t{1} << 30) &&
                     p.groups * std::max(p.n, p.k) < (int64_t{1} << 31);
+  using grouped::aligned_16;
   const bool aligned = aligned_16(p.a) && aligned_16(p.b) && aligned_16(p.c);
-  if (shapes && fits && aligned && device_info().hopper && have_sm90a_code()) return GroupedGemmPath::kSm90;
+  if (shapes && fits && aligned && grouped::device_info().hopper && grouped::have_sm90a_code<sm90_mxfp4_kernel<false>>())
+    return GroupedGemmPath::kSm90;
   return GroupedGemmPath::kFallback;
 }
 
