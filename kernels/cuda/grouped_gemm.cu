@@ -43,7 +43,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"

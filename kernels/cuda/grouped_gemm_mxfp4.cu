@@ -44,7 +44,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <climits>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
