@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -61,6 +62,20 @@ inline void set_element(const TensorView& t, int64_t i, double value) {
     case DType::kI64: static_cast<int64_t*>(t.data)[i] = static_cast<int64_t>(value); return;
     default: MOETRAIN_ASSERT(false, std::string("set_element on ") + dtype_name(t.dtype));
   }
+}
+
+// A host I32 tensor holding `values` (group offsets, token ids, cu_seqlens).
+inline Tensor make_i32(const std::vector<int32_t>& values) {
+  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
+  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
+  return t;
+}
+
+// A host copy of `src` in `dtype`, element by element through double.
+inline Tensor copy_as(const TensorView& src, DType dtype) {
+  Tensor t(src.shape, dtype);
+  for (int64_t i = 0; i < src.numel(); ++i) set_element(t, i, get_element(src, i));
+  return t;
 }
 
 // Fills a F32/F64 tensor with values of magnitude in [lo, hi] and random sign (never zero).

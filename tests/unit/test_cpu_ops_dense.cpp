@@ -27,12 +27,6 @@ double naive_product(const TensorView& a, const TensorView& b, bool ta, bool tb,
   return s;
 }
 
-Tensor make_i32(std::vector<int32_t> values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
-  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
-  return t;
-}
-
 }  // namespace
 
 TEST_CASE("gemm matches a naive product for every transpose and dtype", "[cpu_ops]") {

@@ -5,7 +5,6 @@
 // attention op, bit for bit; packed documents against each document alone.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -21,18 +20,6 @@ using namespace moetrain::kernels;
 using namespace moetrain::testing;
 
 namespace {
-
-Tensor make_i32(const std::vector<int32_t>& values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
-  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
-  return t;
-}
-
-Tensor copy_as(const TensorView& src, DType dtype) {
-  Tensor t(src.shape, dtype);
-  for (int64_t i = 0; i < src.numel(); ++i) set_element(t, i, get_element(src, i));
-  return t;
-}
 
 void check(const Comparison& c) {
   INFO(c.message);

@@ -3,7 +3,6 @@
 // transformers' kimi_linear; backwards against central differences in double; the chunked KDA
 // (the backend's) against the recurrent oracle, forward and backward.
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -18,18 +17,6 @@ using namespace moetrain::kernels;
 using namespace moetrain::testing;
 
 namespace {
-
-Tensor make_i32(const std::vector<int32_t>& values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
-  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
-  return t;
-}
-
-Tensor copy_as(const TensorView& src, DType dtype) {
-  Tensor t(src.shape, dtype);
-  for (int64_t i = 0; i < src.numel(); ++i) set_element(t, i, get_element(src, i));
-  return t;
-}
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 double softplus(double x) { return std::log1p(std::exp(x)); }

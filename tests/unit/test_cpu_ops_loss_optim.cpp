@@ -1,6 +1,5 @@
 // CPU reference backend: cross-entropy and AdamW.
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "catch.h"
@@ -10,16 +9,6 @@
 using namespace moetrain;
 using namespace moetrain::kernels;
 using namespace moetrain::testing;
-
-namespace {
-
-Tensor make_i32(std::vector<int32_t> values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
-  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
-  return t;
-}
-
-}  // namespace
 
 TEST_CASE("cross-entropy loss and gradient match a naive computation", "[cpu_ops]") {
   auto backend = make_cpu_backend();

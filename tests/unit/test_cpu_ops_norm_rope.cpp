@@ -14,12 +14,6 @@ using namespace moetrain::testing;
 
 namespace {
 
-Tensor make_i32(std::vector<int32_t> values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
-  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
-  return t;
-}
-
 // Standard rotary tables: angle(p, i) = p * base^(-2i / rope_dim).
 void make_rope_tables(Tensor* cos_table, Tensor* sin_table, int64_t positions, int64_t rope_dim, DType dtype) {
   *cos_table = Tensor({positions, rope_dim / 2}, dtype);

@@ -1,29 +1,19 @@
 // Shared helpers of the test_data_* tests: scratch directories and small datasets on disk.
 #pragma once
 
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "core/data/indexed_dataset_writer.h"
+#include "scratch_dir.h"
 
 namespace moetrain::testing {
 
-struct DataScratchDir {
-  std::filesystem::path path;
-  explicit DataScratchDir(const std::string& tag) {
-    path = std::filesystem::temp_directory_path() / ("moetrain_data_" + tag + "_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(path);
-    std::filesystem::create_directories(path);
-  }
-  ~DataScratchDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
+// <tmp>/moetrain_data_<tag>_<pid>, removed at the end of the test case.
+struct DataScratchDir : ScratchDir {
+  explicit DataScratchDir(const std::string& tag) : ScratchDir("data_" + tag) {}
 };
 
 inline std::string read_bytes(const std::string& path) {

@@ -1,8 +1,6 @@
 // Hugging Face weights directories: a sharded round trip through write_hf_checkpoint, the
 // single-file form, lazy shard opening, and every broken-directory case (each an Error with exit
 // code 4 naming the directory, the file and the tensor).
-#include <unistd.h>
-
 #include <cstring>
 #include <algorithm>
 #include <filesystem>
@@ -15,25 +13,14 @@
 
 #include "catch.h"
 #include "core/io/hf_index.h"
+#include "scratch_dir.h"
 
 using namespace moetrain;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct ScratchDir {
-  fs::path path;
-  explicit ScratchDir(const std::string& tag) {
-    path = fs::temp_directory_path() / ("moetrain_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
+using testing::ScratchDir;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

@@ -2,8 +2,6 @@
 // kind of bad file (each must be an Error with exit code 4 naming the file), a deterministic fuzz
 // loop, and the interop fixtures shared with Python's safetensors (scripts/make_safetensors_fixture.py
 // and scripts/check_safetensors_interop.py compute the same values by the same formula).
-#include <unistd.h>
-
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -19,26 +17,14 @@
 #include "core/base/bf16.h"
 #include "core/io/safetensors.h"
 #include "core/io/safetensors_writer.h"
+#include "scratch_dir.h"
 
 using namespace moetrain;
 namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory under $TMPDIR, removed at the end of the test case.
-struct ScratchDir {
-  fs::path path;
-  explicit ScratchDir(const std::string& tag) {
-    path = fs::temp_directory_path() / ("moetrain_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
+using testing::ScratchDir;
 
 std::vector<uint8_t> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -2,7 +2,6 @@
 // same ops run directly, and a whole model's training step through it equal to one without it),
 // one row per op name with the right call counts, allocations through its allocator timed,
 // nothing recorded while disabled or for a call that throws, and the table.
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -27,12 +26,6 @@ const OpTime* find_op(const std::vector<OpTime>& times, const std::string& op) {
   for (const OpTime& t : times)
     if (t.op == op) return &t;
   return nullptr;
-}
-
-Tensor make_i32(const std::vector<int32_t>& values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
-  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
-  return t;
 }
 
 // The ops of the test, run on `backend`; every output is freshly written (no accumulation).
