@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <string>
@@ -12,6 +13,23 @@
 #include "golden_files.h"
 
 namespace moetrain::testing {
+
+#ifdef MOETRAIN_FIXTURE_DIR
+// The directory of fixture `name`, or a failure that says how to make it: the script
+// scripts/make_fixtures_<family>.py, run with `--out tests/fixtures/golden` and `extra_args`,
+// needing torch, transformers, peft and `extra_needs`; then commit tests/fixtures/golden/<family>*/.
+inline std::string fixture_dir_or_fail(const std::string& name, const std::string& family,
+                                       const std::string& extra_needs = "", const std::string& extra_args = "") {
+  const std::string dir = golden_dir(name);
+  if (!std::filesystem::exists(dir + "/golden.safetensors")) {
+    FAIL("missing golden fixture " << dir << ": make it on a machine with torch, transformers 5.17, peft 0.21 "
+                                   << (extra_needs.empty() ? "" : extra_needs + " ") << "(no GPU needed) with\n  python3 "
+                                   << "scripts/make_fixtures_" << family << ".py --out tests/fixtures/golden" << extra_args
+                                   << "\nand commit tests/fixtures/golden/" << family << "*/ (docs/FIXTURES.md)");
+  }
+  return dir;
+}
+#endif
 
 // Bounds of a golden comparison, each relative to the reference's own scale (its largest logit,
 // |loss|, each gradient's largest entry).

@@ -7,7 +7,6 @@
 // logits and loss must match to 1e-5 and every adapter gradient to 1e-4, each against its own
 // scale. Until the fixtures are generated and committed, every case here fails and says how.
 #include <cmath>
-#include <filesystem>
 #include <map>
 #include <string>
 
@@ -26,16 +25,7 @@ namespace {
 using testing::golden_batch;
 
 // The fixture directory, or a failure that says how to make it.
-std::string fixture_dir(const std::string& name) {
-  const std::string dir = testing::golden_dir(name);
-  if (!std::filesystem::exists(dir + "/golden.safetensors")) {
-    FAIL("missing golden fixture " << dir << ": make it on a machine with torch, transformers 5.17, peft 0.21 "
-                                   << "(no GPU needed) with\n  python3 scripts/make_fixtures_deepseek_v32.py --out "
-                                   << "tests/fixtures/golden\nand commit tests/fixtures/golden/deepseek_v32*/ "
-                                   << "(docs/FIXTURES.md)");
-  }
-  return dir;
-}
+std::string fixture_dir(const std::string& name) { return testing::fixture_dir_or_fail(name, "deepseek_v32"); }
 
 void check_fixture(const std::string& name, DType dtype, int64_t top_k) {
   const std::string dir = fixture_dir(name);

@@ -11,7 +11,6 @@
 // adapter gradient to 1e-4, each against its own scale.
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -36,15 +35,7 @@ using testing::golden_batch;
 
 // The fixture directory, or a failure that says how to make it.
 std::string fixture_dir(const std::string& name) {
-  const std::string dir = testing::golden_dir(name);
-  if (!std::filesystem::exists(dir + "/golden.safetensors")) {
-    FAIL("missing golden fixture " << dir << ": make it on a machine with torch, transformers 5.17, peft 0.21 "
-                                   << "and NeMo AutoModel's source (no GPU needed) with\n  python3 "
-                                   << "scripts/make_fixtures_kimi_k3.py --out tests/fixtures/golden --nemo "
-                                   << "<Automodel checkout>\nand commit tests/fixtures/golden/kimi_k3*/ "
-                                   << "(docs/FIXTURES.md)");
-  }
-  return dir;
+  return testing::fixture_dir_or_fail(name, "kimi_k3", "and NeMo AutoModel's source", " --nemo <Automodel checkout>");
 }
 
 // A PEFT key of the fixture ("base_model.model.language_model.model.layers.1.block_sparse_moe...")

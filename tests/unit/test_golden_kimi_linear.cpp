@@ -6,7 +6,6 @@
 // loss must match to 1e-5 and every adapter gradient to 1e-4, each against its own scale.
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -30,17 +29,7 @@ using testing::golden_batch;
 using testing::host_f64;
 
 // The fixture directory, or a failure that says how to make it.
-std::string fixture_dir(const std::string& name) {
-  const std::string dir = testing::golden_dir(name);
-  if (!std::filesystem::exists(dir + "/golden.safetensors")) {
-    FAIL("missing golden fixture " << dir << ": make it on a machine with torch, transformers 5.17, peft 0.21 "
-                                   << "(no GPU needed) with\n  python3 scripts/make_fixtures_kimi_linear.py --out "
-                                   << "tests/fixtures/golden\nand commit tests/fixtures/golden/kimi_linear*/ "
-                                   << "(docs/FIXTURES.md)");
-  }
-  return dir;
-}
-
+std::string fixture_dir(const std::string& name) { return testing::fixture_dir_or_fail(name, "kimi_linear"); }
 
 void check_fixture(const std::string& name, DType dtype) {
   const std::string dir = fixture_dir(name);
