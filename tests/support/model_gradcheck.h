@@ -45,6 +45,16 @@ inline void check_lora_gradients(Model& model, kernels::Backend& backend, const 
   CHECK(nonzero == static_cast<int>(params.size()));
 }
 
+// The tolerances of the whole-model checks of the tiny models.
+inline GradCheckOptions whole_model_gradcheck_options() {
+  GradCheckOptions options;
+  options.eps = 1e-6;
+  options.rtol = 1e-5;
+  options.atol = 1e-9;
+  options.max_elements = 6;
+  return options;
+}
+
 // A model on the CPU in F64 whose adapters all hold non-zero random values (B included, and A
 // larger than its init, so every adapter carries gradient to every input), with a tiny batch:
 // what each whole-model gradient check starts from.
@@ -71,6 +81,12 @@ struct GradcheckModel {
 
   // Analytic gradients of one forward_backward, copied out.
   std::vector<Tensor> gradients() { return lora_gradients(*model, *backend, batch, grad_scale); }
+
+  // Every adapter's gradient against central differences of objective() (check_lora_gradients);
+  // by default at 6 elements per adapter, atol 1e-9 (the differences' rounding at eps 1e-6).
+  void check_all_parameters(GradCheckOptions options = whole_model_gradcheck_options()) {
+    check_lora_gradients(*model, *backend, gradients(), [this] { return objective(); }, options);
+  }
 };
 
 }  // namespace moetrain::testing

@@ -47,7 +47,7 @@ void check_all_parameters(Fixture& f) {
   options.rtol = 1e-5;
   options.atol = 3e-8;
   options.max_elements = 5;
-  check_lora_gradients(*f.model, *f.backend, f.gradients(), [&] { return f.objective(); }, options);
+  f.check_all_parameters(options);
 }
 
 }  // namespace

@@ -43,15 +43,6 @@ struct Fixture : GradcheckModel {
       : GradcheckModel(config_of(q_lora, aux_coef, k3_kda), options_of(q_lora, recompute, k3_kda), 100, 3) {}
 };
 
-void check_all_parameters(Fixture& f) {
-  GradCheckOptions options;
-  options.eps = 1e-6;
-  options.rtol = 1e-5;
-  options.atol = 1e-9;
-  options.max_elements = 6;
-  check_lora_gradients(*f.model, *f.backend, f.gradients(), [&] { return f.objective(); }, options);
-}
-
 }  // namespace
 
 TEST_CASE("model LoRA gradients match finite differences (q LoRA, YaRN, DSA, MoE)", "[model][gradcheck]") {
@@ -59,19 +50,19 @@ TEST_CASE("model LoRA gradients match finite differences (q LoRA, YaRN, DSA, MoE
   // Adapters: layer 0 MLA 5 + dense 3; layer 1 KDA 9 (q, k, v, f_a, f_b, b, g_a, g_b, o) + shared 3 +
   // experts 3; layer 2 DSA 5 (MLA's projections; its indexer is frozen) + shared 3 + experts 3.
   REQUIRE(f.model->parameters().size() == 2 * (5 + 3 + (9 + 3 + 3) + (5 + 3 + 3)));
-  check_all_parameters(f);
+  f.check_all_parameters();
 }
 
 TEST_CASE("model LoRA gradients match finite differences (KDA as in Kimi K3)", "[model][gradcheck]") {
   Fixture f(/*q_lora=*/false, /*aux_coef=*/0.0, /*recompute=*/true, /*k3_kda=*/true);
   // KDA: qkv_proj, f_a, f_b, b, g_proj, o; MLA: kv_b, o (twice); experts 3 in two MoE layers.
   REQUIRE(f.model->parameters().size() == 2 * (6 + 2 * 2 + 2 * 3));
-  check_all_parameters(f);
+  f.check_all_parameters();
 }
 
 TEST_CASE("model LoRA gradients match finite differences (no q LoRA, aux loss, recompute)", "[model][gradcheck]") {
   Fixture f(/*q_lora=*/false, /*aux_coef=*/0.01, /*recompute=*/true);
-  check_all_parameters(f);
+  f.check_all_parameters();
 }
 
 TEST_CASE("recompute gives the same loss and gradients as keeping activations", "[model]") {

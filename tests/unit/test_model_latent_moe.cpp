@@ -43,15 +43,6 @@ struct Fixture : GradcheckModel {
       : GradcheckModel(config_of(latent_norm, aux_coef), options_of(recompute), 200, 5) {}
 };
 
-void check_all_parameters(Fixture& f) {
-  GradCheckOptions options;
-  options.eps = 1e-6;
-  options.rtol = 1e-5;
-  options.atol = 1e-9;
-  options.max_elements = 6;
-  check_lora_gradients(*f.model, *f.backend, f.gradients(), [&] { return f.objective(); }, options);
-}
-
 }  // namespace
 
 TEST_CASE("latent MoE + SiTU: LoRA gradients match finite differences (latent norm)", "[model][gradcheck]") {
@@ -63,13 +54,13 @@ TEST_CASE("latent MoE + SiTU: LoRA gradients match finite differences (latent no
   for (Parameter* p : f.model->parameters()) names.insert(p->name);
   CHECK(names.count("model.layers.1.mlp.routed_expert_down_proj.lora_A.weight"));
   CHECK(names.count("model.layers.2.mlp.routed_expert_up_proj.lora_B.weight"));
-  check_all_parameters(f);
+  f.check_all_parameters();
 }
 
 TEST_CASE("latent MoE + SiTU: LoRA gradients match finite differences (no norm, aux loss, recompute)",
           "[model][gradcheck]") {
   Fixture f(/*latent_norm=*/false, /*aux_coef=*/0.01, /*recompute=*/true);
-  check_all_parameters(f);
+  f.check_all_parameters();
 }
 
 TEST_CASE("latent MoE weights: HF names and shapes, the experts at the latent width", "[model]") {
