@@ -1,18 +1,23 @@
 // Shared by the tests of the adapter forms (fused gate_up, shared expert A, per-target ranks):
 // random non-zero adapters that an F32 export keeps exactly, lookup by name, the adapters as F32
-// host tensors (what a checkpoint holds) and scratch directories.
+// host tensors (what a checkpoint holds), adapter load errors, the resume check and scratch
+// directories.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/base/error.h"
 #include "core/base/host_convert.h"
 #include "core/model/model.h"
+#include "core/model/peft_adapter.h"
 #include "gradcheck.h"
+#include "training_run.h"
 
 namespace moetrain::testing {
 
@@ -56,6 +61,30 @@ inline bool same_adapter_bytes(Model& a, Model& b) {
       return false;
   }
   return true;
+}
+
+// The resume check of the adapter forms: `c` (four_step_run_config) stopped after 2 of its 4
+// steps and resumed in new objects reproduces `straight` (the same run trained through, which
+// gave the losses `expected`) bit for bit, losses and adapters. Returns the resumed run.
+inline std::unique_ptr<TrainingRun> check_resume_matches(const Config& c, TrainingRun& straight,
+                                                         const std::vector<double>& expected) {
+  std::vector<double> losses;
+  std::unique_ptr<TrainingRun> resumed = run_with_resume(c, 2, losses);
+  REQUIRE(losses.size() == 4);
+  for (int i = 0; i < 4; ++i) CHECK(losses[i] == expected[i]);
+  CHECK(same_adapter_bytes(*resumed->model, *straight.model));
+  return resumed;
+}
+
+// The Error (and its code) that loading the PEFT adapter `dir` into `model` throws; kOk and ""
+// when it loads.
+inline std::pair<ExitCode, std::string> load_error(Model& model, const std::filesystem::path& dir) {
+  try {
+    load_peft_adapter(model, dir.string());
+  } catch (const Error& e) {
+    return {e.code(), e.what()};
+  }
+  return {ExitCode::kOk, ""};
 }
 
 // An empty directory <tmp>/moetrain_test_<test>_<name>.

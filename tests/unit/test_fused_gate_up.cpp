@@ -160,16 +160,6 @@ void export_adapter(Model& model, const fs::path& dir, bool rslora = false) {
   write_peft_adapter(dir.string(), values.views, settings);
 }
 
-// The Error (and its code) that loading `dir` into `model` throws.
-std::pair<ExitCode, std::string> load_error(Model& model, const fs::path& dir) {
-  try {
-    load_peft_adapter(model, dir.string());
-  } catch (const Error& e) {
-    return {e.code(), e.what()};
-  }
-  return {ExitCode::kOk, ""};
-}
-
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in);
@@ -539,11 +529,7 @@ TEST_CASE("fused gate_up: training checkpoints and resumes bit for bit, and expo
   CHECK(full >= 1);
 
   Config split = make_config("split");
-  std::vector<double> losses;
-  std::unique_ptr<Run> resumed = testing::run_with_resume(split, 2, losses);
-  REQUIRE(losses.size() == 4);
-  for (int i = 0; i < 4; ++i) CHECK(losses[i] == expected[i]);
-  CHECK(same_adapter_bytes(*resumed->model, *straight.model));
+  std::unique_ptr<Run> resumed = check_resume_matches(split, straight, expected);
 
   fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
   export_checkpoint_adapter(split.logging.run_dir + "/checkpoints", adapter.string());
