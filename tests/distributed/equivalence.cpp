@@ -31,7 +31,7 @@
 #include "core/train/optimizer.h"
 #include "core/train/synthetic_data.h"
 #include "kernels/ops.h"
-#include "parallel/comm.h"
+#include "mpi_parallel_groups.h"
 #include "parallel/mesh.h"
 #include "parallel/runtime.h"
 #include "tiny_model.h"
@@ -221,16 +221,8 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   // The distributed run: one window per rank per step.
   Config config = test_config(1, experts, top_k, flags.k3, flags.mxfp4);
   ModelSpec spec = resolve_model_spec(config);
-  MeshLayout layout(world, parallel, spec.config.moe.num_experts);
-  DeviceMesh mesh(layout);
-  MpiCommunicator data_comm(mesh.world_comm()), ep_comm(mesh.ep_comm()), replica_comm(mesh.expert_replica_comm());
-  MpiCommunicator fsdp_comm(mesh.fsdp_comm());
-  ParallelGroups groups;
-  groups.coordinates = mesh.coordinates();
-  groups.data = &data_comm;
-  groups.ep = &ep_comm;
-  groups.expert_replica = &replica_comm;
-  groups.fsdp = &fsdp_comm;
+  testing::MpiParallelGroups mpi{MeshLayout(world, parallel, spec.config.moe.num_experts)};
+  ParallelGroups& groups = mpi.groups;
   auto backend = kernels::make_cpu_backend();
   Model model(spec, *backend, model_options(&groups, world, flags));
   prepare(model, routing);

@@ -16,7 +16,7 @@
 #include "core/model/model.h"
 #include "golden_files.h"
 #include "kernels/ops.h"
-#include "parallel/comm.h"
+#include "mpi_parallel_groups.h"
 #include "parallel/mesh.h"
 #include "parallel/runtime.h"
 
@@ -34,16 +34,8 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   config.model.hf_dir = dir;
   config.data.seq_len = 16;
   ModelSpec spec = resolve_model_spec(config);
-  MeshLayout layout(runtime.world(), parallel, spec.config.moe.num_experts);
-  DeviceMesh mesh(layout);
-  MpiCommunicator data_comm(mesh.world_comm()), ep_comm(mesh.ep_comm()), replica_comm(mesh.expert_replica_comm());
-  MpiCommunicator fsdp_comm(mesh.fsdp_comm());
-  ParallelGroups groups;
-  groups.coordinates = mesh.coordinates();
-  groups.data = &data_comm;
-  groups.ep = &ep_comm;
-  groups.expert_replica = &replica_comm;
-  groups.fsdp = &fsdp_comm;
+  testing::MpiParallelGroups mpi{MeshLayout(runtime.world(), parallel, spec.config.moe.num_experts)};
+  ParallelGroups& groups = mpi.groups;
   auto backend = kernels::make_cpu_backend();
   ModelOptions options;
   options.dtype = DType::kF64;
