@@ -78,13 +78,7 @@ void DatasetSource::pack_sample(const WindowOut& out, std::vector<int32_t>& segm
 }
 
 Batch DatasetSource::next() {
-  Batch batch;
-  batch.batch_size = micro_batch_;
-  batch.seq_len = seq_len_;
-  const size_t tokens = static_cast<size_t>(micro_batch_ * seq_len_);
-  batch.input_ids.resize(tokens);
-  batch.labels.resize(tokens);
-  batch.positions.resize(tokens);
+  Batch batch = Batch::of_windows(micro_batch_, seq_len_);
   std::vector<int32_t> segments;
   const uint64_t first = first_sample_of_rank(cursor_, micro_batch_, rank_);
   for (int64_t b = 0; b < micro_batch_; ++b) {
@@ -93,23 +87,15 @@ Batch DatasetSource::next() {
     pack_sample(out, segments, first + static_cast<uint64_t>(b));
   }
   cursor_ += static_cast<uint64_t>(world_) * static_cast<uint64_t>(micro_batch_);
-  batch.cu_seqlens.reserve(segments.size() + 1);
-  batch.cu_seqlens.push_back(0);
-  for (int32_t length : segments) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + length);
+  batch.set_segments(segments);
   return batch;
 }
 
 Batch DatasetSource::sample(uint64_t global_sample) {
-  Batch batch;
-  batch.batch_size = 1;
-  batch.seq_len = seq_len_;
-  batch.input_ids.resize(static_cast<size_t>(seq_len_));
-  batch.labels.resize(static_cast<size_t>(seq_len_));
-  batch.positions.resize(static_cast<size_t>(seq_len_));
+  Batch batch = Batch::of_windows(1, seq_len_);
   std::vector<int32_t> segments;
   pack_sample(WindowOut{batch.input_ids.data(), batch.labels.data(), batch.positions.data()}, segments, global_sample);
-  batch.cu_seqlens.push_back(0);
-  for (int32_t length : segments) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + length);
+  batch.set_segments(segments);
   return batch;
 }
 

@@ -18,6 +18,27 @@ struct Batch {
   std::vector<int32_t> positions;   // [batch_size * seq_len], position within its segment
   std::vector<int32_t> cu_seqlens;  // [num_segments + 1], prefix sums over the packed tokens
 
+  // `batch_size` windows of `seq_len` tokens: input_ids, labels and positions sized for a data
+  // source to fill, cu_seqlens left to set_segments.
+  static Batch of_windows(int64_t batch_size, int64_t seq_len) {
+    Batch batch;
+    batch.batch_size = batch_size;
+    batch.seq_len = seq_len;
+    const size_t tokens = static_cast<size_t>(batch_size * seq_len);
+    batch.input_ids.resize(tokens);
+    batch.labels.resize(tokens);
+    batch.positions.resize(tokens);
+    return batch;
+  }
+
+  // cu_seqlens from the segments' lengths, in packed order.
+  void set_segments(const std::vector<int32_t>& lengths) {
+    cu_seqlens.clear();
+    cu_seqlens.reserve(lengths.size() + 1);
+    cu_seqlens.push_back(0);
+    for (int32_t length : lengths) cu_seqlens.push_back(cu_seqlens.back() + length);
+  }
+
   int64_t num_tokens() const { return batch_size * seq_len; }
   int64_t num_targets() const {
     int64_t n = 0;

@@ -109,13 +109,7 @@ void SyntheticData::generate_window(uint64_t window, int32_t* input_ids, int32_t
 }
 
 Batch SyntheticData::next() {
-  Batch batch;
-  batch.batch_size = micro_batch_;
-  batch.seq_len = seq_len_;
-  const size_t tokens = static_cast<size_t>(micro_batch_ * seq_len_);
-  batch.input_ids.resize(tokens);
-  batch.labels.resize(tokens);
-  batch.positions.resize(tokens);
+  Batch batch = Batch::of_windows(micro_batch_, seq_len_);
   std::vector<int32_t> segment_lengths;
   for (int64_t b = 0; b < micro_batch_; ++b) {
     const uint64_t window = cursor_ * static_cast<uint64_t>(world_) + static_cast<uint64_t>(rank_);
@@ -124,9 +118,7 @@ Batch SyntheticData::next() {
                     batch.positions.data() + offset, segment_lengths);
     ++cursor_;
   }
-  batch.cu_seqlens.reserve(segment_lengths.size() + 1);
-  batch.cu_seqlens.push_back(0);
-  for (int32_t length : segment_lengths) batch.cu_seqlens.push_back(batch.cu_seqlens.back() + length);
+  batch.set_segments(segment_lengths);
   return batch;
 }
 
