@@ -6,10 +6,12 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "catch.h"
+#include "core/io/hf_index.h"
 #include "golden_files.h"
 
 namespace moetrain::testing {
@@ -30,6 +32,16 @@ inline std::string fixture_dir_or_fail(const std::string& name, const std::strin
   return dir;
 }
 #endif
+
+// The fixture's model: the weights of the Hugging Face directory `dir` and its PEFT adapter
+// (dir/adapter) loaded into a model of `spec` built with `options`.
+inline std::unique_ptr<Model> load_golden_model(const ModelSpec& spec, kernels::Backend& backend,
+                                                const ModelOptions& options, const std::string& dir) {
+  auto model = std::make_unique<Model>(spec, backend, options);
+  model->load_weights(HfCheckpoint(dir));
+  load_peft_adapter(*model, dir + "/adapter");
+  return model;
+}
 
 // Bounds of a golden comparison, each relative to the reference's own scale (its largest logit,
 // |loss|, each gradient's largest entry).

@@ -10,10 +10,8 @@
 
 #include "catch.h"
 #include "core/base/host_convert.h"
-#include "core/io/hf_index.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
-#include "core/model/peft_adapter.h"
 #include "golden_checks.h"
 #include "kernels/ops.h"
 
@@ -34,14 +32,12 @@ void check_config(const std::string& name, DType dtype) {
   auto backend = kernels::make_cpu_backend();
   ModelOptions options = testing::golden_model_options(dir, spec);
   options.dtype = dtype;
-  Model model(spec, *backend, options);
-  model.load_weights(HfCheckpoint(dir));
-  load_peft_adapter(model, dir + "/adapter");
+  std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
   Batch batch = golden_batch(golden);
 
   REQUIRE(batch.num_targets() == 25);
-  testing::check_logits_and_loss(name, model, golden, batch);
-  testing::check_adapter_gradients(name, golden, testing::host_gradients(model, *backend), dir + "/adapter");
+  testing::check_logits_and_loss(name, *model, golden, batch);
+  testing::check_adapter_gradients(name, golden, testing::host_gradients(*model, *backend), dir + "/adapter");
 }
 
 }  // namespace

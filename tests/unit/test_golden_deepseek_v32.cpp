@@ -8,13 +8,12 @@
 // scale. Until the fixtures are generated and committed, every case here fails and says how.
 #include <cmath>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "catch.h"
-#include "core/io/hf_index.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
-#include "core/model/peft_adapter.h"
 #include "golden_checks.h"
 #include "kernels/ops.h"
 
@@ -42,12 +41,10 @@ void check_fixture(const std::string& name, DType dtype, int64_t top_k) {
   auto backend = kernels::make_cpu_backend();
   ModelOptions options = testing::golden_model_options(dir, spec);
   options.dtype = dtype;
-  Model model(spec, *backend, options);
-  model.load_weights(HfCheckpoint(dir));
-  load_peft_adapter(model, dir + "/adapter");
+  std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
 
-  testing::check_logits_and_loss(name, model, golden, batch);
-  testing::check_adapter_gradients(name, golden, testing::host_gradients(model, *backend), dir + "/adapter");
+  testing::check_logits_and_loss(name, *model, golden, batch);
+  testing::check_adapter_gradients(name, golden, testing::host_gradients(*model, *backend), dir + "/adapter");
 }
 
 }  // namespace

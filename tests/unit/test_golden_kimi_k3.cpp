@@ -19,7 +19,6 @@
 #include "bf16_noise.h"
 #include "catch.h"
 #include "core/config/config.h"
-#include "core/io/hf_index.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
@@ -116,15 +115,13 @@ void check_fixture(const Fixture& fixture, DType dtype, double logits_tolerance 
   options.dtype = dtype;
   options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
   options.lora_targets = testing::k3_adapter_targets(dir + "/adapter");
-  Model model(spec, *backend, options);
-  model.load_weights(HfCheckpoint(dir));
-  load_peft_adapter(model, dir + "/adapter");
+  std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
 
   testing::GoldenBounds bounds;
   bounds.logits = logits_tolerance;
-  testing::check_logits_and_loss(name, model, golden, batch, bounds);
+  testing::check_logits_and_loss(name, *model, golden, batch, bounds);
   // Every adapter of ours has a reference gradient, under K3's names.
-  std::map<std::string, Tensor> grads = testing::host_gradients(model, *backend);
+  std::map<std::string, Tensor> grads = testing::host_gradients(*model, *backend);
   const size_t ours = grads.size();
   const std::vector<std::string> compared =
       testing::check_adapter_gradients(name, golden, std::move(grads), dir + "/adapter", 1e-4, our_parameter_name);

@@ -13,7 +13,6 @@
 #include <string>
 
 #include "catch.h"
-#include "core/io/hf_index.h"
 #include "core/io/safetensors.h"
 #include "core/model/hf_names.h"
 #include "core/model/model.h"
@@ -49,14 +48,12 @@ void check_fixture(const std::string& name, DType dtype) {
   options.dtype = dtype;
   options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
   options.lora_targets = testing::kimi_adapter_targets(dir + "/adapter");
-  Model model(spec, *backend, options);
-  model.load_weights(HfCheckpoint(dir));
-  load_peft_adapter(model, dir + "/adapter");
+  std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
 
-  testing::check_logits_and_loss(name, model, golden, batch);
+  testing::check_logits_and_loss(name, *model, golden, batch);
   // Our gradients under our names and transformers' (the adapter's keys use the latter's).
-  std::map<std::string, Tensor> grads = testing::host_gradients(model, *backend);
-  for (Parameter* p : model.parameters()) {
+  std::map<std::string, Tensor> grads = testing::host_gradients(*model, *backend);
+  for (Parameter* p : model->parameters()) {
     const std::string renamed = transformers_module_name(p->name);
     if (renamed != p->name) grads.emplace(renamed, host_f64(*backend, p->grad));
   }
