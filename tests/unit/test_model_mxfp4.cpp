@@ -55,13 +55,6 @@ std::unique_ptr<Model> make_model(kernels::Backend& backend, const std::string& 
   return model;
 }
 
-std::vector<const WeightSlot*> packed_slots(const std::vector<WeightSlot>& slots) {
-  std::vector<const WeightSlot*> out;
-  for (const WeightSlot& s : slots)
-    if (s.scale != nullptr) out.push_back(&s);
-  return out;
-}
-
 bool same_bytes(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
 }
