@@ -85,8 +85,12 @@ class HostRules final : public OperandRules {
     }
   }
 
-  // The compute dtype, once the contract has checked the floating operands.
-  DType dtype() const { return *dtype_; }
+  // The compute dtype, once the contract has checked the floating operands (an op whose contract
+  // names none has no compute dtype: asking is a bug here).
+  DType dtype() const {
+    MOETRAIN_ASSERT(dtype_.has_value(), "the op's contract named no floating operand");
+    return *dtype_;
+  }
 
  private:
   std::optional<DType> dtype_;
