@@ -3,8 +3,8 @@
 //   ops      GEMM, the MoE expert block (grouped GEMM), attention, KDA, DSA, memory-bound kernels
 //   step     forward + backward of a model config (tokens/s, MFU); --op-times: per-op breakdown
 //   ep       expert-parallel dispatch + combine across GPUs against NCCL's all-to-all (mpirun)
-// Each timing is the median of `--reps` runs after warm-up, each run bracketed by a device
-// synchronize (the ops timed here run for a millisecond or more, so the synchronize is noise).
+// Each op timing is the median of `--reps` runs after warm-up, each run timed by CUDA events on
+// the backend's stream (as the PyTorch baselines are); steps are timed on the host.
 // Inputs are random (never zeros: zeros make matrix units run faster than real data).
 //
 //   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,kda,dsa,memory]
@@ -57,16 +57,28 @@ struct Row {
   std::string versus;  // the target or baseline, and our ratio to it
 };
 
-double median_ms(Backend& backend, const std::function<void()>& op, int reps) {
-  for (int i = 0; i < 3; ++i) op();
+// Median of `reps` runs after `warmup` runs, each timed by CUDA events recorded on the backend's
+// stream around it: the GPU time of the launches, as `torch.cuda.Event` times the peer baselines,
+// without the host's launch-and-synchronize round trip (10-20 us, a few percent of a short row).
+double median_ms(Backend& backend, const std::function<void()>& op, int reps, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) op();
   backend.synchronize();
+  const auto stream = static_cast<cudaStream_t>(backend.stream());
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<double> times;
   for (int i = 0; i < reps; ++i) {
-    auto start = std::chrono::steady_clock::now();
+    CUDA_CHECK(cudaEventRecord(start, stream));
     op();
-    backend.synchronize();
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    CUDA_CHECK(cudaEventRecord(stop, stream));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
   }
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
@@ -457,6 +469,16 @@ void bench_kda(Backend& be, int reps, std::vector<Row>& rows) {
   }
 }
 
+Tensor tiled_device(Backend& be, int64_t rows, int64_t d1, int64_t d2, int64_t block_rows, uint64_t seed) {
+  Tensor block = random_device(be, {block_rows, d1, d2}, DType::kBF16, seed);
+  Tensor out({rows, d1, d2}, DType::kBF16, be.allocator());
+  for (int64_t r = 0; r < rows; r += block_rows) {
+    const int64_t count = std::min(block_rows, rows - r);
+    be.copy(out.view().slice_rows(r, r + count), block.view().slice_rows(0, count));
+  }
+  return out;
+}
+
 // DSA (issue 12) at DeepSeek-V3.2's shape: T 4096 (one document), 64 heads, q/k dim 576, v dim
 // 512 (the latent), top-2048 as the lightning indexer (64 heads of 128) picks them from random
 // inputs. Sparse attention forward and forward + backward against the small-op PyTorch baseline
@@ -469,30 +491,6 @@ void bench_kda(Backend& be, int reps, std::vector<Row>& rows) {
 // Big inputs repeat a random block of rows (drawing every value on the host takes seconds); the
 // indexer's keys are all distinct, so its scores do not tie. One warm-up, few repetitions: a
 // SIMT forward + backward or a T=131072 indexer call takes a good part of a second.
-double dsa_ms(Backend& be, const std::function<void()>& op, int reps) {
-  op();
-  be.synchronize();
-  std::vector<double> times;
-  for (int i = 0; i < reps; ++i) {
-    auto start = std::chrono::steady_clock::now();
-    op();
-    be.synchronize();
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-Tensor tiled_device(Backend& be, int64_t rows, int64_t d1, int64_t d2, int64_t block_rows, uint64_t seed) {
-  Tensor block = random_device(be, {block_rows, d1, d2}, DType::kBF16, seed);
-  Tensor out({rows, d1, d2}, DType::kBF16, be.allocator());
-  for (int64_t r = 0; r < rows; r += block_rows) {
-    const int64_t count = std::min(block_rows, rows - r);
-    be.copy(out.view().slice_rows(r, r + count), block.view().slice_rows(0, count));
-  }
-  return out;
-}
-
 void bench_dsa(Backend& be, int reps, std::vector<Row>& rows) {
   const int64_t top_k = 2048, index_heads = 64, index_dim = 128;
   Tensor selection;  // T 4096's, for the sparse attention
@@ -512,7 +510,7 @@ void bench_dsa(Backend& be, int reps, std::vector<Row>& rows) {
       be.synchronize();
     }
     const double scratch_mib = static_cast<double>(be.stats().peak_bytes - before) / 1048576.0;
-    const double ms = dsa_ms(be, [&] { be.dsa_indexer_topk(args); }, t >= 131072 ? 1 : t >= 32768 ? 3 : reps);
+    const double ms = median_ms(be, [&] { be.dsa_indexer_topk(args); }, t >= 131072 ? 1 : t >= 32768 ? 3 : reps, /*warmup=*/1);
     const double flops = 2.0 * index_heads * index_dim * static_cast<double>(t) * static_cast<double>(t + 1) / 2.0;
     rows.push_back({fmt::format("dsa indexer+top-2048 T{} (64 heads x 128)", t), ms, flops / (ms * 1e9), 0,
                     fmt::format("scratch {:.0f} MiB + index {:.0f} MiB{}", scratch_mib,
@@ -532,17 +530,17 @@ void bench_dsa(Backend& be, int reps, std::vector<Row>& rows) {
   double pairs = 0;
   for (int64_t t = 0; t < tokens; ++t) pairs += static_cast<double>(std::min(t + 1, top_k));
   const double flops = 2.0 * heads * pairs * (qk + v);
-  const double fwd_ms = dsa_ms(be, [&] { be.sparse_attention_forward(fwd); }, reps);
-  const double both_ms = dsa_ms(be, [&] {
+  const double fwd_ms = median_ms(be, [&] { be.sparse_attention_forward(fwd); }, reps, /*warmup=*/1);
+  const double both_ms = median_ms(be, [&] {
     be.sparse_attention_forward(fwd);
     be.sparse_attention_backward(bwd);
-  }, 3);
+  }, 3, /*warmup=*/1);
   setenv("MOETRAIN_SPARSE_ATTENTION", "simt", 1);
-  const double simt_ms = dsa_ms(be, [&] { be.sparse_attention_forward(fwd); }, 3);
-  const double simt_both_ms = dsa_ms(be, [&] {
+  const double simt_ms = median_ms(be, [&] { be.sparse_attention_forward(fwd); }, 3, /*warmup=*/1);
+  const double simt_both_ms = median_ms(be, [&] {
     be.sparse_attention_forward(fwd);
     be.sparse_attention_backward(bwd);
-  }, 1);
+  }, 1, /*warmup=*/1);
   unsetenv("MOETRAIN_SPARSE_ATTENTION");
   const double tflops = flops / (fwd_ms * 1e9);
   rows.push_back({"dsa sparse attention fwd T4096 H64 576/512 top-2048", fwd_ms, tflops, 0,
@@ -572,10 +570,10 @@ void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {
   Tensor x = random_device(be, {n, d}, DType::kBF16, 11), y({n, d}, DType::kBF16, be.allocator());
   Tensor w = random_device(be, {d}, DType::kBF16, 12), rstd({n}, DType::kF32, be.allocator());
   Tensor dx({n, d}, DType::kBF16, be.allocator()), dw({d}, DType::kF32, be.allocator());
-  // The norm and rope rows time kLaunches back-to-back launches per sample, as a step runs them:
-  // one launch alone would also time the host's launch-and-synchronize round trip (about a third
-  // of a rope call). Bytes: what must move per launch (rows read and written, rstd, rope's tables
-  // once per token; not the dweight partials), times kLaunches.
+  // The norm and rope rows time kLaunches back-to-back launches per sample, as a step runs them
+  // (each launch's start overlapping the previous one's tail). Bytes: what must move per launch
+  // (rows read and written, rstd, rope's tables once per token; not the dweight partials), times
+  // kLaunches.
   constexpr int kLaunches = 8;
   auto launches = [](const std::function<void()>& op) {
     return [op] {

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Times PyTorch's scaled_dot_product_attention on the shapes of `moetrain-bench ops --only
+attention`, for the attention comparison of issue 14 (run both in the same session on the GPU
+machine).
+
+Causal, BF16, 32 heads: T 8192 with head dims 128 and 64, T 32768 with 128; forward and forward +
+backward (autograd into q, k, v). Each of SDPA's backends is timed alone (FlashAttention, cuDNN,
+memory-efficient) and SDPA's own choice beside them; a backend that refuses the shape prints
+'n/a'. FLOPs as the C++ benchmark counts them: 4 d per visible (query, key) pair forward, 2.5x
+that backward.
+
+Median of CUDA-event timings after warm-up; inputs random (never zeros).
+
+    python3 scripts/bench_torch_attention.py [--reps 20]
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = (("default", None), ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION))
+
+
+def median_ms(fn, reps, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench(tokens, heads, dim, reps):
+    # [batch 1, heads, tokens, dim], as SDPA takes them.
+    q, k, v = (torch.randn(1, heads, tokens, dim, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+               for _ in range(3))
+    dout = torch.randn(1, heads, tokens, dim, device="cuda", dtype=torch.bfloat16)
+    pairs = tokens * (tokens + 1) / 2
+    flops = 4.0 * dim * pairs * heads
+    for name, backend in BACKENDS:
+        def forward():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        label = f"sdpa {name:<9} causal T{tokens} H{heads} D{dim}"
+        try:
+            if backend is None:
+                fwd_ms, both_ms = median_ms(forward, reps), median_ms(both, reps)
+            else:
+                with sdpa_kernel(backend):
+                    fwd_ms, both_ms = median_ms(forward, reps), median_ms(both, reps)
+        except RuntimeError as error:
+            print(f"{label:<44} n/a ({str(error).splitlines()[0][:60]})")
+            continue
+        print(f"{label:<44} fwd {fwd_ms:8.3f} ms {flops / fwd_ms / 1e9:6.1f} TFLOP/s   "
+              f"fwd+bwd {both_ms:8.3f} ms {3.5 * flops / both_ms / 1e9:6.1f} TFLOP/s")
+    del q, k, v, dout
+    torch.cuda.empty_cache()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    bench(8192, 32, 128, args.reps)
+    bench(8192, 32, 64, args.reps)
+    bench(32768, 32, 128, max(3, args.reps // 4))
+
+
+if __name__ == "__main__":
+    main()
