@@ -7,13 +7,15 @@
 //   prep:  delta and lse log2e, head-major ([heads][tokens], rows padded to 16 bytes) so that the
 //          dK/dV kernel can stream them by TMA beside the query tiles.
 //   dK/dV: one CTA per (128 keys, head): warpgroups 1 and 2 own 64 keys each and keep dK, dV in
-//          registers; the producer streams tiles of kBlockM queries (Q, dO, lse, delta) from the
-//          block's first key to the end of its last key's segment. Per tile, per warpgroup:
+//          registers; the producer streams tiles of kBlockM queries (64; 48 for qk 192: Q, dO,
+//          lse, delta) from the block's first key to the end of its last key's segment. Per tile,
+//          per warpgroup:
 //            S^T = K Q^T, dP^T = V dO^T   wgmma from shared memory (K-major)
 //            P^T, dS^T                    in registers, F32
 //            dV += P^T dO, dK += dS^T Q   wgmma with P^T / dS^T from registers, Q / dO MN-major
 //   dQ:    one CTA per (128 queries, head), as the forward: warpgroups own 64 queries, the
-//          producer streams 64-key tiles of K and V from the segment start of the first query:
+//          producer streams tiles of 128 keys (64 for qk 192) of K and V from the segment start
+//          of the first query:
 //            S = Q K^T, dP = dO V^T       wgmma from shared memory
 //            dQ += dS K                   dS from registers, K MN-major
 // (dQ recomputes S and dP instead of summing partial dQ of the dK/dV CTAs: 7 matmuls instead of
@@ -93,25 +95,28 @@ __global__ void flash_attention_backward_prep_kernel(float* delta, float* lse_lo
 template <int kQk, int kV>
 struct DkdvTiling {
   static constexpr int kBlockN = kConsumerWarpgroups * kWarpgroupRows;  // 128 keys
-  // Queries per step: 64, or 32 for qk 192 (dK's 96 and dV's 64 accumulator registers per thread
-  // leave room for 2 x 16 score registers only).
-  static constexpr int kBlockM = kQk > 128 ? 32 : 64;
-  static constexpr int kStages = kBlockM == 32 ? 4 : 3;
+  // Queries per step: 64, or 48 for qk 192 (dK's 96 and dV's 64 accumulator registers per thread
+  // leave room for 2 x 24 score registers only).
+  static constexpr int kBlockM = kQk > 128 ? 48 : 64;
+  static constexpr int kStages = kBlockM == 48 ? 4 : 3;
   using KTile = SwizzledTile<kBlockN, kQk>;
   using VTile = SwizzledTile<kBlockN, kV>;
   using QTile = SwizzledTile<kBlockM, kQk>;
   using DoTile = SwizzledTile<kBlockM, kV>;
-  static constexpr int kRowBytes = kBlockM * sizeof(float);  // lse or delta of one step
+  // lse or delta of one step: what the TMA copy brings, and its slot per stage (128-byte aligned,
+  // as TMA destinations must be).
+  static constexpr int kRowBytes = kBlockM * static_cast<int>(sizeof(float));
+  static constexpr int kRowSlotBytes = (kRowBytes + 127) / 128 * 128;
+  static constexpr int kRowSlotFloats = kRowSlotBytes / static_cast<int>(sizeof(float));
   static constexpr int kVOffset = KTile::kBytes;
   static constexpr int kQOffset = kVOffset + VTile::kBytes;
   static constexpr int kDoOffset = kQOffset + kStages * QTile::kBytes;
   static constexpr int kLseOffset = kDoOffset + kStages * DoTile::kBytes;
-  static constexpr int kDeltaOffset = kLseOffset + kStages * kRowBytes;
-  static constexpr int kBarrierOffset = kDeltaOffset + kStages * kRowBytes;
+  static constexpr int kDeltaOffset = kLseOffset + kStages * kRowSlotBytes;
+  static constexpr int kBarrierOffset = kDeltaOffset + kStages * kRowSlotBytes;
   static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[], do_full[], empty[]
   static constexpr size_t kSmemBytes = kSmemAlignment + kBarrierOffset + kBarriers * sizeof(uint64_t);
   static_assert(kSmemBytes <= kMaxSmemBytes, "the dK/dV stages must fit in shared memory");
-  static_assert(kRowBytes % 128 == 0, "TMA destinations of the lse/delta rows stay 128-byte aligned");
 };
 
 template <int kQk, int kV>
@@ -135,8 +140,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* v_st = smem + T::kVOffset;
   unsigned char* q_st = smem + T::kQOffset;    // [kStages]
   unsigned char* do_st = smem + T::kDoOffset;  // [kStages]
-  float* lse_st = reinterpret_cast<float*>(smem + T::kLseOffset);      // [kStages][kBlockM]
-  float* delta_st = reinterpret_cast<float*>(smem + T::kDeltaOffset);  // [kStages][kBlockM]
+  float* lse_st = reinterpret_cast<float*>(smem + T::kLseOffset);      // [kStages][kRowSlotFloats]
+  float* delta_st = reinterpret_cast<float*>(smem + T::kDeltaOffset);  // [kStages][kRowSlotFloats]
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
   uint64_t* q_full = kv_full + 1;
   uint64_t* do_full = q_full + T::kStages;
@@ -178,10 +183,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       producer_wait(&empty[stage], ring.phase ^ 1);
       sm90::barrier_arrive_expect_bytes(&q_full[stage], QTile::kBytes + T::kRowBytes);
       load_tile<QTile>(q_st + stage * QTile::kBytes, &q_map, &q_full[stage], head, m0);
-      sm90::tma_load_2d(lse_st + stage * kBlockM, &lse_map, &q_full[stage], m0, head);
+      sm90::tma_load_2d(lse_st + stage * T::kRowSlotFloats, &lse_map, &q_full[stage], m0, head);
       sm90::barrier_arrive_expect_bytes(&do_full[stage], DoTile::kBytes + T::kRowBytes);
       load_tile<DoTile>(do_st + stage * DoTile::kBytes, &dout_map, &do_full[stage], head, m0);
-      sm90::tma_load_2d(delta_st + stage * kBlockM, &delta_map, &do_full[stage], m0, head);
+      sm90::tma_load_2d(delta_st + stage * T::kRowSlotFloats, &delta_map, &do_full[stage], m0, head);
       ring.advance();
     }
     drain_ring(empty, ring);
@@ -222,8 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int stage = ring.stage;
     const uint32_t q_stage = q_base + stage * QTile::kBytes;
     const uint32_t do_stage = do_base + stage * DoTile::kBytes;
-    const float* lse_row = lse_st + stage * kBlockM;
-    const float* delta_row = delta_st + stage * kBlockM;
+    const float* lse_row = lse_st + stage * T::kRowSlotFloats;
+    const float* delta_row = delta_st + stage * T::kRowSlotFloats;
 
     sm90::barrier_wait(&q_full[stage], ring.phase);
     sm90::fence_registers(pt);
@@ -324,12 +329,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int kQk, int kV>
 struct DqTiling {
   static constexpr int kBlockM = kConsumerWarpgroups * kWarpgroupRows;  // 128 queries
-  static constexpr int kBlockN = 64;                                    // keys per tile
-  static constexpr int kStages = 3;
+  // Keys per tile: 128, or 64 for qk 192 (dQ's 96 accumulator registers per thread leave room for
+  // 2 x 32 score registers only).
+  static constexpr int kBlockN = kQk > 128 ? 64 : 128;
   using QTile = SwizzledTile<kBlockM, kQk>;
   using DoTile = SwizzledTile<kBlockM, kV>;
   using KTile = SwizzledTile<kBlockN, kQk>;
   using VTile = SwizzledTile<kBlockN, kV>;
+  // K and V stages that fit beside Q and dO (and the alignment slack and barriers): 3, or 2 for
+  // 128 keys of dim 128.
+  static constexpr int kStages =
+      QTile::kBytes + DoTile::kBytes + 3 * (KTile::kBytes + VTile::kBytes) + 2 * kSmemAlignment <= kMaxSmemBytes
+          ? 3
+          : 2;
   static constexpr int kDoOffset = QTile::kBytes;
   static constexpr int kKOffset = kDoOffset + DoTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
