@@ -7,7 +7,7 @@
 //   prep:  delta and lse log2e, head-major ([heads][tokens], rows padded to 16 bytes) so that the
 //          dK/dV kernel can stream them by TMA beside the query tiles.
 //   dK/dV: one CTA per (128 keys, head): warpgroups 1 and 2 own 64 keys each and keep dK, dV in
-//          registers; the producer streams tiles of kBlockM queries (64; 48 for qk 192: Q, dO,
+//          registers; the producer streams tiles of kBlockM queries (96; 48 for qk 192: Q, dO,
 //          lse, delta) from the block's first key to the end of its last key's segment. Per tile,
 //          per warpgroup:
 //            S^T = K Q^T, dP^T = V dO^T   wgmma from shared memory (K-major)
@@ -95,10 +95,9 @@ __global__ void flash_attention_backward_prep_kernel(float* delta, float* lse_lo
 template <int kQk, int kV>
 struct DkdvTiling {
   static constexpr int kBlockN = kConsumerWarpgroups * kWarpgroupRows;  // 128 keys
-  // Queries per step: 64, or 48 for qk 192 (dK's 96 and dV's 64 accumulator registers per thread
+  // Queries per step: 96, or 48 for qk 192 (dK's 96 and dV's 64 accumulator registers per thread
   // leave room for 2 x 24 score registers only).
-  static constexpr int kBlockM = kQk > 128 ? 48 : 64;
-  static constexpr int kStages = kBlockM == 48 ? 4 : 3;
+  static constexpr int kBlockM = kQk > 128 ? 48 : 96;
   using KTile = SwizzledTile<kBlockN, kQk>;
   using VTile = SwizzledTile<kBlockN, kV>;
   using QTile = SwizzledTile<kBlockM, kQk>;
@@ -108,6 +107,18 @@ struct DkdvTiling {
   static constexpr int kRowBytes = kBlockM * static_cast<int>(sizeof(float));
   static constexpr int kRowSlotBytes = (kRowBytes + 127) / 128 * 128;
   static constexpr int kRowSlotFloats = kRowSlotBytes / static_cast<int>(sizeof(float));
+  // dP^T is issued with S^T (its product then overlaps the probabilities) when both accumulators
+  // fit beside dK and dV. At dim 128 they would spill (ptxas: 576 bytes), so dP^T is issued once
+  // P^T is packed and dS takes P from those BF16 fragments (the F32 P^T is gone by then; one more
+  // rounding of dS's factor: at dims 192/128 it moved 3 of 115,200 dK values past the test's
+  // elementwise bound, so the other dims keep the F32 P^T). On the H200 (A/B in one run) this made
+  // forward + backward at dim 128 1.02x faster at T 8192 and 1.03x at T 32768 than 64 queries per
+  // step with both issued together; 128 queries per step spilled and ran slower.
+  static constexpr bool kSerialScores = kQk == 128;
+  // Query stages that fit beside K and V: up to 4.
+  static constexpr int kStageBytes = QTile::kBytes + DoTile::kBytes + 2 * kRowSlotBytes;
+  static constexpr int kStages =
+      std::min(4, (kMaxSmemBytes - 2 * kSmemAlignment - KTile::kBytes - VTile::kBytes) / kStageBytes);
   static constexpr int kVOffset = KTile::kBytes;
   static constexpr int kQOffset = kVOffset + VTile::kBytes;
   static constexpr int kDoOffset = kQOffset + kStages * QTile::kBytes;
@@ -134,6 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using QTile = typename T::QTile;
   using DoTile = typename T::DoTile;
   constexpr int kBlockM = T::kBlockM;
+  constexpr bool kSerialScores = T::kSerialScores;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = align_to_swizzle(smem_raw);
   unsigned char* k_st = smem;
@@ -239,17 +251,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                QTile::k_major(q_stage, 0, kk), kk > 0 ? 1 : 0);
     }
     sm90::wgmma_commit();
-    sm90::barrier_wait(&do_full[stage], ring.phase);
-    sm90::fence_registers(dpt);
-    sm90::wgmma_fence();
+    auto issue_dp = [&] {
+      sm90::barrier_wait(&do_full[stage], ring.phase);
+      sm90::fence_registers(dpt);
+      sm90::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kV / 16; ++kk) {
-      sm90::Wgmma<kBlockM>::template mma<0, 0>(dpt, VTile::k_major(v_base, wg * kWarpgroupRows, kk),
-                                               DoTile::k_major(do_stage, 0, kk), kk > 0 ? 1 : 0);
-    }
-    sm90::wgmma_commit();
+      for (int kk = 0; kk < kV / 16; ++kk) {
+        sm90::Wgmma<kBlockM>::template mma<0, 0>(dpt, VTile::k_major(v_base, wg * kWarpgroupRows, kk),
+                                                 DoTile::k_major(do_stage, 0, kk), kk > 0 ? 1 : 0);
+      }
+      sm90::wgmma_commit();
+    };
+    if constexpr (!kSerialScores) issue_dp();
 
-    sm90::wgmma_wait<1>();  // S^T is done
+    sm90::wgmma_wait<kSerialScores ? 0 : 1>();  // S^T is done
     sm90::fence_registers(pt);
     // P^T = 2^(S^T scale log2e - lse log2e); column 8j + 2c + e is query m0 + 8j + 2c + e.
     auto probabilities = [&](auto masked) {
@@ -276,6 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       probabilities(std::false_type{});
     }
     accumulator_to_fragments<kBlockM>(pf, pt);
+    if constexpr (kSerialScores) issue_dp();
 
     sm90::wgmma_wait<0>();  // dP^T is done
     sm90::fence_registers(dpt);
@@ -285,7 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i2 = 0; i2 < 4; ++i2) {
         const int idx = 4 * j + i2;
-        dpt[idx] = pt[idx] * (dpt[idx] - ((i2 & 1) == 0 ? delta.x : delta.y));
+        const float probability = kSerialScores ? fragment_value(pf, idx) : pt[idx];
+        dpt[idx] = probability * (dpt[idx] - ((i2 & 1) == 0 ? delta.x : delta.y));
       }
     }
     accumulator_to_fragments<kBlockM>(dsf, dpt);

@@ -175,6 +175,13 @@ __device__ __forceinline__ void accumulator_to_fragments(uint32_t (&f)[kN / 16][
   }
 }
 
+// Element idx of the accumulator accumulator_to_fragments packed into f, as F32 (its BF16 value).
+template <int kSteps>
+__device__ __forceinline__ float fragment_value(const uint32_t (&f)[kSteps][4], int idx) {
+  const uint32_t bits = f[idx / 8][(idx % 8) / 2];
+  return __uint_as_float(idx % 2 == 0 ? bits << 16 : bits & 0xffff0000u);
+}
+
 // Keeps fragment registers alive and in place across an asynchronous wgmma that reads them (the
 // compiler sees the read at the issue only).
 template <int kSteps>
