@@ -332,6 +332,9 @@ void bench_grouped_gemm(Backend& be, int reps, std::vector<Row>& rows) {
         const double torch_ms = with_input_grad ? torch.both : torch.forward;
         std::string versus = fmt::format("{:.2f}x torch._grouped_mm ({} counts {:.3f} ms; target >= 1.15)",
                                          torch_ms / ms, torch_counts, torch_ms);
+        if (with_input_grad) {  // the input gradient alone, to tell its cost from the pair's
+          versus += fmt::format("; igrad alone {:.3f} ms", median_ms(be, [&] { grouped(dx, dy, false); }, reps));
+        }
         const cublasStatus_t status = with_input_grad ? cublas_input_grad.run() : cublas_forward.run();
         if (status == CUBLAS_STATUS_SUCCESS) {
           const double cublas_ms = median_ms(be, [&] {
