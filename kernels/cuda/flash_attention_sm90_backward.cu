@@ -346,9 +346,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int kQk, int kV>
 struct DqTiling {
   static constexpr int kBlockM = kConsumerWarpgroups * kWarpgroupRows;  // 128 queries
-  // Keys per tile: 128, or 64 for qk 192 (dQ's 96 accumulator registers per thread leave room for
-  // 2 x 32 score registers only).
-  static constexpr int kBlockN = kQk > 128 ? 64 : 128;
+  // Keys per tile: 128, or 96 for qk 192 (dQ's 96 accumulator registers per thread leave room for
+  // 2 x 48 score registers only).
+  static constexpr int kBlockN = kQk > 128 ? 96 : 128;
   using QTile = SwizzledTile<kBlockM, kQk>;
   using DoTile = SwizzledTile<kBlockM, kV>;
   using KTile = SwizzledTile<kBlockN, kQk>;
