@@ -543,17 +543,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <typename F>
-void dispatch_dims(int qk_dim, F&& f) {
-  if (qk_dim == 64) {
-    f(std::integral_constant<int, 64>{}, std::integral_constant<int, 64>{});
-  } else if (qk_dim == 128) {
-    f(std::integral_constant<int, 128>{}, std::integral_constant<int, 128>{});
-  } else {
-    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 128>{});
-  }
-}
-
 }  // namespace
 }  // namespace flash_sm90
 
@@ -609,14 +598,8 @@ void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream
       const CUtensorMap dout_map = token_tile_map(args.dout.data, tokens, heads, v_dim, T::kBlockM);
       const CUtensorMap lse_map = head_row_map(lse_log2, tokens, heads, row_stride, T::kBlockM);
       const CUtensorMap delta_map = head_row_map(delta, tokens, heads, row_stride, T::kBlockM);
-      auto kernel = flash_attention_backward_dkdv_sm90_bf16_kernel<kQk, kV>;
-      static bool smem_allowed[64] = {};
-      allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
-      p.blocks_per_head = static_cast<int>((tokens + T::kBlockN - 1) / T::kBlockN);
-      p.order_group = launch_order_group(p.blocks_per_head, heads);
-      const unsigned grid = static_cast<unsigned>(p.blocks_per_head * heads);
-      kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(k_map, v_map, q_map, dout_map, lse_map, delta_map, p);
-      CUDA_CHECK_LAUNCH();
+      launch_head_blocks<flash_attention_backward_dkdv_sm90_bf16_kernel<kQk, kV>>(
+          T::kSmemBytes, T::kBlockN, p, stream, k_map, v_map, q_map, dout_map, lse_map, delta_map);
     }
     {
       using T = DqTiling<kQk, kV>;
@@ -624,14 +607,8 @@ void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream
       const CUtensorMap dout_map = token_tile_map(args.dout.data, tokens, heads, v_dim, T::kBlockM);
       const CUtensorMap k_map = token_tile_map(args.k.data, tokens, heads, qk_dim, T::kBlockN);
       const CUtensorMap v_map = token_tile_map(args.v.data, tokens, heads, v_dim, T::kBlockN);
-      auto kernel = flash_attention_backward_dq_sm90_bf16_kernel<kQk, kV>;
-      static bool smem_allowed[64] = {};
-      allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
-      p.blocks_per_head = static_cast<int>((tokens + T::kBlockM - 1) / T::kBlockM);
-      p.order_group = launch_order_group(p.blocks_per_head, heads);
-      const unsigned grid = static_cast<unsigned>(p.blocks_per_head * heads);
-      kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(q_map, dout_map, k_map, v_map, p);
-      CUDA_CHECK_LAUNCH();
+      launch_head_blocks<flash_attention_backward_dq_sm90_bf16_kernel<kQk, kV>>(T::kSmemBytes, T::kBlockM, p, stream,
+                                                                                q_map, dout_map, k_map, v_map);
     }
   });
   CUDA_CHECK(cudaFreeAsync(rows, stream));

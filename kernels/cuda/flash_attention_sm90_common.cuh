@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/base/tensor.h"
 
@@ -349,20 +350,42 @@ inline int launch_order_group(int64_t blocks_per_head, int64_t heads) {
   return static_cast<int>(std::min(group, heads));
 }
 
-// Raises a kernel's dynamic shared-memory limit (once per device and kernel) and checks the device
-// has that much.
-template <typename Kernel>
-void allow_shared_bytes(Kernel kernel, size_t bytes, bool (&done)[64]) {
+// (qk_dim, v_dim) -> the kernels' instantiation: 64 / 64, 128 / 128 or MLA's 192 / 128
+// (flash_head_dims admits these only).
+template <typename F>
+void dispatch_dims(int qk_dim, F&& f) {
+  if (qk_dim == 64) {
+    f(std::integral_constant<int, 64>{}, std::integral_constant<int, 64>{});
+  } else if (qk_dim == 128) {
+    f(std::integral_constant<int, 128>{}, std::integral_constant<int, 128>{});
+  } else {
+    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 128>{});
+  }
+}
+
+// Launches kKernel(maps..., p) with one CTA per (block of `block_rows` tokens, head), numbered for
+// ordered_block (this sets p.blocks_per_head and p.order_group), and `smem_bytes` of dynamic
+// shared memory: the kernel's limit is raised once per device, after checking the device has that
+// much.
+template <auto kKernel, typename Params, typename... Maps>
+void launch_head_blocks(size_t smem_bytes, int block_rows, Params& p, cudaStream_t stream, const Maps&... maps) {
+  static bool allowed[64] = {};
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  if (done[device % 64]) return;
-  int optin = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  MOETRAIN_CHECK(bytes <= static_cast<size_t>(optin), ExitCode::kInternal,
-                 "flash attention needs " + std::to_string(bytes) + " bytes of shared memory, the device allows " +
-                     std::to_string(optin));
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  done[device % 64] = true;
+  if (!allowed[device % 64]) {
+    int optin = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    MOETRAIN_CHECK(smem_bytes <= static_cast<size_t>(optin), ExitCode::kInternal,
+                   "flash attention needs " + std::to_string(smem_bytes) +
+                       " bytes of shared memory, the device allows " + std::to_string(optin));
+    CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+    allowed[device % 64] = true;
+  }
+  p.blocks_per_head = (p.tokens + block_rows - 1) / block_rows;
+  p.order_group = launch_order_group(p.blocks_per_head, p.heads);
+  const unsigned grid = static_cast<unsigned>(p.blocks_per_head) * static_cast<unsigned>(p.heads);
+  kKernel<<<grid, kThreads, smem_bytes, stream>>>(maps..., p);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace moetrain::kernels::cuda_ops::flash_sm90

@@ -312,18 +312,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// (qk_dim, v_dim) -> the kernel instantiation.
-template <typename F>
-void dispatch_dims(int qk_dim, F&& f) {
-  if (qk_dim == 64) {
-    f(std::integral_constant<int, 64>{}, std::integral_constant<int, 64>{});
-  } else if (qk_dim == 128) {
-    f(std::integral_constant<int, 128>{}, std::integral_constant<int, 128>{});
-  } else {
-    f(std::integral_constant<int, 192>{}, std::integral_constant<int, 128>{});
-  }
-}
-
 }  // namespace
 }  // namespace flash_sm90
 
@@ -356,14 +344,8 @@ void flash_attention_sm90_forward(const AttentionArgs& args, cudaStream_t stream
     const CUtensorMap q_map = token_tile_map(args.q.data, tokens, heads, qk_dim, T::kBlockM);
     const CUtensorMap k_map = token_tile_map(args.k.data, tokens, heads, qk_dim, T::kBlockN);
     const CUtensorMap v_map = token_tile_map(args.v.data, tokens, heads, v_dim, T::kBlockN);
-    auto kernel = flash_attention_forward_sm90_bf16_kernel<kQk, kV>;
-    static bool smem_allowed[64] = {};
-    allow_shared_bytes(kernel, T::kSmemBytes, smem_allowed);
-    p.blocks_per_head = static_cast<int>((tokens + T::kBlockM - 1) / T::kBlockM);
-    p.order_group = launch_order_group(p.blocks_per_head, heads);
-    const unsigned grid = static_cast<unsigned>(p.blocks_per_head * heads);
-    kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(q_map, k_map, v_map, p);
-    CUDA_CHECK_LAUNCH();
+    launch_head_blocks<flash_attention_forward_sm90_bf16_kernel<kQk, kV>>(T::kSmemBytes, T::kBlockM, p, stream, q_map,
+                                                                          k_map, v_map);
   });
 }
 
