@@ -30,7 +30,6 @@
 
 #include "kernels/cuda/attention_segments.cuh"
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/flash_attention_sm90_wgmma_rs.cuh"
 #include "kernels/cuda/sm90_primitives.cuh"
 #include "kernels/cuda/wgmma_bf16.cuh"
 

@@ -4,7 +4,7 @@
 // from registers, and the activations (x, or dy for the input gradient) its B operand, from shared
 // memory. The M of a tile is 128 of W's output rows (the columns of c; two consumer warpgroups x
 // 64), its N up to 256 rows of one group, the group's rows rounded up to 32: a K3 expert (~146
-// rows) is one tile of N = 160 (wgmma_bf16_rs_prefix.cuh: every N accumulates into the same
+// rows) is one tile of N = 160 (wgmma_bf16.cuh, WgmmaRsPrefix: every N accumulates into the same
 // registers). K steps of 64.
 //   Tiles are listed by group, then 128-column block, then 256-row block and handed out in that
 //   order through a device counter (grouped_gemm_common.cuh, as grouped_gemm.cu: the tiles in
@@ -49,7 +49,7 @@
 #include "kernels/cuda/element_access.cuh"
 #include "kernels/cuda/grouped_gemm_common.cuh"
 #include "kernels/cuda/sm90_primitives.cuh"
-#include "kernels/cuda/wgmma_bf16_rs_prefix.cuh"
+#include "kernels/cuda/wgmma_bf16.cuh"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
