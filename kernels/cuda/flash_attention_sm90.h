@@ -7,18 +7,20 @@
 // The switch: MOETRAIN_ATTENTION=mma (or simt) in the environment, read on every call, makes both
 // predicates false.
 //
-// Measured on one H200 (moetrain-bench ops, causal, 32 heads, BF16, medians; launch order in head
-// groups, session of 2026-12-01 13:00 UTC):
-//   T 8192, 128/128: forward 0.902-0.924 ms (595-610 TFLOP/s), forward + backward 3.92-4.02 ms in
-//     three runs (the order of commit 5898943, one head at a time, in the same runs: 0.946-0.953 /
-//     4.14-4.17 ms; SDPA, an earlier session: 1.008 / 3.662 ms; the mma.sync path 2.9 / 11.6 ms)
-//   T 8192, 192/128: 1.025 / 5.20 ms (1.33x the 128/128 forward + backward); 64/64: 0.738 / 2.75 ms
-//   T 32768, 128/128: forward + backward 63.4 ms (forward 14.9 ms)
-//   8 packed documents of 1024 tokens: forward + backward 0.997 ms, 0.41x eight separate calls
-// The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5).
-// A fused 5-matmul backward (dQ partials added in a fixed order through L2) ran slower in the same
-// run (4.48 against 4.14 ms forward + backward at T 8192; 4.42 with its adds left out, so not
-// for the adds): the two-kernel backward stays.
+// Measured on one H200 (moetrain-bench ops, CUDA-event timing, causal, 32 heads, BF16, medians;
+// sixth session of 2026-12-01, docs/PERF.md; PyTorch SDPA on torch 2.11 in the same runs):
+//   T 8192, 128/128: forward 0.90-0.93 ms (SDPA 0.92), forward + backward 3.75-3.95 ms (SDPA 3.54;
+//     the mma.sync path 2.9 / 11.5 ms)
+//   T 8192, 192/128: forward + backward 5.10-5.15 ms (1.28-1.36x the 128/128 time); 64/64: 2.41-2.43
+//     ms (SDPA 2.35)
+//   T 32768, 128/128: forward + backward 60.1-61.5 ms (forward 15.0 ms; SDPA 55.5)
+//   8 packed documents of 1024 tokens: forward + backward 0.86-0.87 ms, 0.50-0.62x eight separate
+//     calls
+// The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5); by
+// ncu its dK/dV pass keeps the tensor pipe 67-71% busy, its dQ pass 82-87%. A fused 5-matmul
+// backward (dQ partials added in a fixed order through L2) ran slower in an earlier session (4.48
+// against 4.14 ms forward + backward at T 8192; 4.42 with its adds left out, so not for the adds):
+// the two-kernel backward stays.
 #pragma once
 
 #include <cuda_runtime.h>
