@@ -17,7 +17,8 @@
 //   8 packed documents of 1024 tokens: forward + backward 0.86-0.87 ms, 0.50-0.62x eight separate
 //     calls
 // The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5); by
-// ncu its dK/dV pass keeps the tensor pipe 67-71% busy, its dQ pass 82-87%. A fused 5-matmul
+// ncu (with 64-query dK/dV steps, before the 96) its dK/dV pass kept the tensor pipe 67-71% busy,
+// its dQ pass 82-87%. A fused 5-matmul
 // backward (dQ partials added in a fixed order through L2) ran slower in an earlier session (4.48
 // against 4.14 ms forward + backward at T 8192; 4.42 with its adds left out, so not for the adds):
 // the two-kernel backward stays.
