@@ -74,39 +74,45 @@ def operand(i):
     return f"%{i}"
 
 
+def register_fragment(first):
+    """The A fragment's four registers as operands %first .. %(first + 3)."""
+    return "{" + ", ".join(operand(first + i) for i in range(4)) + "}"
+
+
+def specialization(name, n, template, signature, body):
+    """template <> struct name<n> { template <...> __device__ static void mma(...) { body } };"""
+    return "\n".join(["", "template <>", f"struct {name}<{n}> {{", f"  template <{template}>",
+                      *signature, body, "  }", "};"])
+
+
 def shared_a(n):
     r = n // 2
-    return "\n".join([
-        "", "template <>", f"struct Wgmma<{n}> {{", "  template <int kTransA, int kTransB>",
-        f"  __device__ static void mma(float (&d)[{r}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{",
+    return specialization(
+        "Wgmma", n, "int kTransA, int kTransB",
+        [f"  __device__ static void mma(float (&d)[{r}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{"],
         asm_statement(n, operand(r), operand(r + 1), operand(r + 2), f"{operand(r + 3)}, {operand(r + 4)}",
-                      '"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB)'),
-        "  }", "};"])
+                      '"l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB)'))
 
 
 def register_a(n):
     r = n // 2
-    a = "{" + ", ".join(operand(r + i) for i in range(4)) + "}"
-    return "\n".join([
-        "", "template <>", f"struct WgmmaRegisterA<{n}> {{", "  template <int kTransB>",
-        f"  __device__ static void mma(float (&d)[{r}], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {{",
-        asm_statement(n, a, operand(r + 4), operand(r + 5), operand(r + 6),
-                      '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB)'),
-        "  }", "};"])
+    return specialization(
+        "WgmmaRegisterA", n, "int kTransB",
+        [f"  __device__ static void mma(float (&d)[{r}], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {{"],
+        asm_statement(n, register_fragment(r), operand(r + 4), operand(r + 5), operand(r + 6),
+                      '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB)'))
 
 
 def rs_prefix(n):
     r = n // 2
-    a = "{" + ", ".join(operand(r + i) for i in range(4)) + "}"
-    return "\n".join([
-        "", "template <>", f"struct WgmmaRsPrefix<{n}> {{", "  template <int kRegisters>",
-        "  __device__ static void mma(float (&d)[kRegisters], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,",
-        "                             uint64_t desc_b) {",
-        f'    static_assert(kRegisters >= {r}, "an accumulator of at least N / 2 registers");',
-        # scale_d is always 1 (accumulate) and B always K-major (0).
-        asm_statement(n, a, operand(r + 4), operand(r + 5), "0",
-                      '"r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(1)'),
-        "  }", "};"])
+    # scale_d is always 1 (accumulate) and B always K-major (0).
+    return specialization(
+        "WgmmaRsPrefix", n, "int kRegisters",
+        ["  __device__ static void mma(float (&d)[kRegisters], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,",
+         "                             uint64_t desc_b) {",
+         f'    static_assert(kRegisters >= {r}, "an accumulator of at least N / 2 registers");'],
+        asm_statement(n, register_fragment(r), operand(r + 4), operand(r + 5), "0",
+                      '"r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(1)'))
 
 
 FORMS = (("Wgmma", shared_a, SHARED_A_NS), ("WgmmaRegisterA", register_a, REGISTER_A_NS),
