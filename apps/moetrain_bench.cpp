@@ -57,12 +57,27 @@ struct Row {
   std::string versus;  // the target or baseline, and our ratio to it
 };
 
-// Median of `reps` runs after `warmup` runs, each timed by CUDA events recorded on the backend's
-// stream around it: the GPU time of the launches, as `torch.cuda.Event` times the peer baselines,
-// without the host's launch-and-synchronize round trip (10-20 us, a few percent of a short row).
+// `ops`: how long each timing runs its op untimed first (--heat-up-ms). An H200 running GEMMs
+// back to back reaches its 700 W power cap within a second and lowers its SM clock from 1980 to
+// 1350-1750 MHz (nvidia-smi, 2026-12-01). A row timed from a cool GPU is up to 25% faster than
+// the same row timed after others: rows would be compared at different clocks, and the first
+// rows of a run at clocks a training step never sees. scripts/bench_torch_grouped_mm.py heats
+// up the same way.
+double heat_up_ms = 500;
+
+// Median of `reps` runs after `warmup` runs and, past those, more runs until heat_up_ms have
+// passed. Each run is timed by CUDA events recorded on the backend's stream around it: the GPU
+// time of the launches, as `torch.cuda.Event` times the peer baselines, without the host's
+// launch-and-synchronize round trip (10-20 us, a few percent of a short row).
 double median_ms(Backend& backend, const std::function<void()>& op, int reps, int warmup = 3) {
+  const auto heat_up_start = std::chrono::steady_clock::now();
   for (int i = 0; i < warmup; ++i) op();
   backend.synchronize();
+  while (std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - heat_up_start).count() <
+         heat_up_ms) {
+    op();
+    backend.synchronize();
+  }
   const auto stream = static_cast<cudaStream_t>(backend.stream());
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
@@ -790,6 +805,8 @@ int run(Runtime& runtime, int argc, char** argv) {
       "set", "config override key.path=value", cxxopts::value<std::vector<std::string>>())(
       "steps", "timed steps", cxxopts::value<int>()->default_value("5"))(
       "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"))(
+      "heat-up-ms", "`ops`: run each op this long before timing it (the GPU settles at its power-capped clock)",
+      cxxopts::value<double>()->default_value("500"))(
       "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, kda, dsa, memory)",
       cxxopts::value<std::string>()->default_value(""))(
       "op-times", "`step`: after the timed steps, time one more step op by op")("h,help", "print this usage");
@@ -822,6 +839,8 @@ int run(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(mode == "ops", ExitCode::kBadConfig, "unknown mode " + mode + " (ops | step | ep)");
   auto backend = kernels::make_cuda_backend();
   const int reps = result["reps"].as<int>();
+  heat_up_ms = result["heat-up-ms"].as<double>();
+  MOETRAIN_CHECK(heat_up_ms >= 0, ExitCode::kBadConfig, "moetrain-bench: --heat-up-ms must be 0 or more");
   std::vector<Row> rows;
   const std::string only = result["only"].as<std::string>();
   auto wanted = [&only](const char* group) { return only.empty() || only.find(group) != std::string::npos; };

@@ -9,7 +9,8 @@ memory-efficient) and SDPA's own choice beside them; a backend that refuses the 
 'n/a'. FLOPs as the C++ benchmark counts them: 4 d per visible (query, key) pair forward, 2.5x
 that backward.
 
-Median of CUDA-event timings after warm-up; inputs random (never zeros).
+Median of CUDA-event timings after warm-up and a heat-up (bench_torch_grouped_mm.median_ms, as
+moetrain-bench times); inputs random (never zeros).
 
     python3 scripts/bench_torch_attention.py [--reps 20]
 """

@@ -8,11 +8,13 @@ counts as the C++ benchmark (uniform, router-like, skewed: the generators below 
 Expert block of issue 4: 131,072 rows over 64 experts, hidden 2304, width 1024: gate_up, SwiGLU,
 down; forward and forward + input-grad (autograd, weights frozen).
 
-Median of CUDA-event timings after warm-up; inputs random (never zeros).
+Median of CUDA-event timings after warm-up and a heat-up of HEAT_UP_MS (as moetrain-bench: the
+GPU settles at its power-capped clock first); inputs random (never zeros).
 
     python3 scripts/bench_torch_grouped_mm.py [--reps 20]
 """
 import argparse
+import time
 
 import torch
 
@@ -53,10 +55,17 @@ def expert_counts(kind, rows, experts):
     return counts
 
 
+HEAT_UP_MS = 500  # moetrain-bench's --heat-up-ms default
+
+
 def median_ms(fn, reps, warmup=3):
+    start = time.perf_counter()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    while (time.perf_counter() - start) * 1e3 < HEAT_UP_MS:
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
