@@ -33,6 +33,7 @@
 #include "core/train/synthetic_data.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/dsa.h"
+#include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/device.h"
 #include "kernels/ops.h"
 #include "kernels/timing_backend.h"
@@ -350,6 +351,15 @@ void bench_grouped_gemm(Backend& be, int reps, std::vector<Row>& rows) {
         if (with_input_grad) {  // the input gradient alone, to tell its cost from the pair's
           versus += fmt::format("; igrad alone {:.3f} ms", median_ms(be, [&] { grouped(dx, dy, false); }, reps));
         }
+        // Each tiling of the wgmma kernel forced (the row's time is that of the one chosen by shape).
+        for (const auto tiling : {kernels::cuda_ops::GroupedGemmTiling::kRowsAsM,
+                                  kernels::cuda_ops::GroupedGemmTiling::kRowsAsN}) {
+          kernels::cuda_ops::set_grouped_gemm_tiling(tiling);
+          const double tiled_ms = median_ms(be, with_input_grad ? std::function<void()>(both) : forward, reps);
+          versus += fmt::format("; rows as {} {:.3f} ms",
+                                tiling == kernels::cuda_ops::GroupedGemmTiling::kRowsAsM ? "M" : "N", tiled_ms);
+        }
+        kernels::cuda_ops::set_grouped_gemm_tiling(kernels::cuda_ops::GroupedGemmTiling::kAuto);
         const cublasStatus_t status = with_input_grad ? cublas_input_grad.run() : cublas_forward.run();
         if (status == CUBLAS_STATUS_SUCCESS) {
           const double cublas_ms = median_ms(be, [&] {

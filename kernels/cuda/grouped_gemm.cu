@@ -37,12 +37,21 @@
 //   flight: a stage is released when the next one's multiplications have been issued and the
 //   earlier ones completed. The epilogue stores from registers; BF16 outputs (beta 0) first
 //   regroup each quad's columns so that every lane stores 16 contiguous bytes.
+// Rows as N (Layout::kMGroupedKMajorBRowsAsN, the forward with small groups; grouped_gemm.h,
+//   GroupedGemmTiling): the same kernel computes c^T = b[g] . a^T. The A tile is 128 of b[g]'s
+//   rows (c's columns, 64 per consumer warpgroup), the B tile up to 256 of the group's rows,
+//   loaded in TMA boxes of 32 and multiplied with wgmma's N = the boxes x 32 (WgmmaSsPrefix), so
+//   a group's last tile costs its rows rounded up to 32, not to 64 or 128. The tiles are listed
+//   by group, then 128-column block, then 256-row block. A fragment row of the accumulators is a
+//   column of c: BF16 outputs (beta 0) leave through a shared-memory buffer per warpgroup
+//   (store_rows_as_n_staged), the others as pairs from registers (grouped::store_rows_as_n).
 #include "kernels/cuda/grouped_gemm.h"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/element_access.cuh"
@@ -74,14 +83,25 @@ constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
 enum class Layout {
   kMGroupedKMajorB,  // m-grouped, b [groups, n, k] (transpose_b: the forward, x W^T)
   kMGroupedNMajorB,  // m-grouped, b [groups, k, n] (the input gradient, dy W)
-  kKGrouped,         // k-grouped: a [rows, n_out] and b [rows, n_in], both M/N-major
+  // The forward with the group's rows as wgmma's N (c^T = b . a^T): 128 of b[g]'s rows (c's
+  // columns) are the A tile, a the B tile (up to kBN rows, in boxes of kRowBox).
+  kMGroupedKMajorBRowsAsN,
+  kKGrouped,  // k-grouped: a [rows, n_out] and b [rows, n_in], both M/N-major
 };
+
+constexpr int kRowBox = 32;  // rows-as-N tiles: rows of a per TMA box, and the step of wgmma's N
+// Rows-as-N tiles: each consumer warpgroup's shared-memory buffer for its BF16 stores, kRowBox
+// rows x its 64 columns (store_rows_as_n_staged).
+constexpr int kEpilogueBytes = kRowBox * 64 * 2;
 
 template <Layout kLayout, int kBN>
 struct Tiling {
   static constexpr bool kKGrouped = kLayout == Layout::kKGrouped;
+  static constexpr bool kRowsAsN = kLayout == Layout::kMGroupedKMajorBRowsAsN;
   static constexpr bool kAMajorM = kKGrouped;
-  static constexpr bool kBMajorN = kLayout != Layout::kMGroupedKMajorB;
+  static constexpr bool kBMajorN = kKGrouped || kLayout == Layout::kMGroupedNMajorB;
+  // Rows of the tile list's row tiles (m-grouped): kBM, or kBN with the rows as N.
+  static constexpr int kTileRows = kRowsAsN ? kBN : kBM;
   // Row width in bytes (and swizzle) of the B tile: 128 for K-major; for N-major the chunk width.
   static constexpr int kBSwizzle = kBMajorN && kBN < 64 ? kBN * 2 : 128;
   static constexpr int kBChunkColumns = kBSwizzle / 2;  // N-major: columns per TMA box
@@ -93,6 +113,10 @@ struct Tiling {
   static_assert(kBN == 16 || kBN == 32 || kBN == 64 || kBN == 128 || kBN == 256, "a wgmma N the kernel has");
   static_assert(kStages >= 3, "too few stages to overlap loads with the math");
   static_assert(kBChunks * kBChunkColumns == kBN || !kBMajorN, "an N-major B tile is whole chunks");
+  static_assert(!kRowsAsN || kBN == 256, "rows-as-N tiles take up to wgmma's largest N");
+  static_assert(!kRowsAsN || kStages * kStageBytes + kConsumerWarpgroups * kEpilogueBytes + grouped::kTableBudgetBytes +
+                                     2048 <= grouped::kMaxDynamicSharedBytes,
+                "the stages, the epilogue buffers and the largest group table fit a CTA's shared memory");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages must start on a 1024-byte swizzle pattern");
 };
 
@@ -115,8 +139,10 @@ struct Sm90Params {
 
 struct Tile {
   int group;
-  int m0, m_end;  // output rows [m0, min(m0 + 128, m_end)): rows of c (m-grouped) or of c[group]
-  int n0;
+  // Output rows [m0, min(m0 + tile rows, m_end)): rows of c (m-grouped; 128, or kBN with the
+  // rows as N) or of c[group].
+  int m0, m_end;
+  int n0;  // the first of the tile's columns of c (kBN of them, or 128 with the rows as N)
   int k0, k_end;  // the K range: [0, k) (m-grouped) or the group's rows (k-grouped)
   int k_steps;
 };
@@ -134,7 +160,8 @@ __device__ __forceinline__ Tile decode_tile(int t, const Sm90Params& p, GroupTab
     tile.k0 = table.rows[tile.group];
     tile.k_end = table.rows[tile.group + 1];
   } else {
-    grouped::locate_m_grouped_tile<kBM, kBN>(t, p.groups, table, tile);
+    using T = Tiling<kLayout, kBN>;
+    grouped::locate_m_grouped_tile<T::kTileRows, T::kRowsAsN ? kBM : kBN>(t, p.groups, table, tile);
     tile.k0 = 0;
     tile.k_end = p.k;
   }
@@ -143,9 +170,16 @@ __device__ __forceinline__ Tile decode_tile(int t, const Sm90Params& p, GroupTab
   return tile;
 }
 
-// The producer thread's TMA copies of K step `k` (absolute index) of a tile into one stage.
-// Boxes that start past the tensor's columns are not copied (they would only feed output
-// columns, or k-grouped rows, that are never stored); the barrier expects the bytes of the rest.
+// Rows-as-N tiles: the boxes of kRowBox rows that cover the tile's rows (warp-uniform).
+__device__ __forceinline__ int row_boxes(const Tile& tile, int tile_rows) {
+  return (min(tile_rows, tile.m_end - tile.m0) + kRowBox - 1) / kRowBox;
+}
+
+// The producer thread's TMA copies of K step `k` (absolute index) of a tile into one stage: the
+// wgmma A tile into a_tile, the B tile into b_tile (with the rows as N, A comes from b's map
+// and B from a's). Boxes that start past the tensor's columns are not copied (they would only
+// feed output columns, or k-grouped rows, that are never stored); the barrier expects the bytes
+// of the rest.
 template <Layout kLayout, int kBN>
 __device__ __forceinline__ void load_stage(const CUtensorMap* map_a, const CUtensorMap* map_b, uint64_t* full,
                                            unsigned char* a_tile, unsigned char* b_tile, const Tile& tile, int k,
@@ -160,6 +194,14 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* map_a, const CUten
     for (int c = 0; c < a_chunks; ++c) sm90::tma_load_2d(a_tile + c * kBK * 128, map_a, full, tile.m0 + c * 64, k);
     for (int c = 0; c < b_chunks; ++c)
       sm90::tma_load_2d(b_tile + c * kBChunkBytes, map_b, full, tile.n0 + c * T::kBChunkColumns, k);
+  } else if constexpr (T::kRowsAsN) {
+    // 128 of b[g]'s rows (past n: zeros); a: the tile's rows in boxes of kRowBox (past a's end:
+    // zeros).
+    const int boxes = row_boxes(tile, kBN);
+    sm90::barrier_arrive_expect_bytes(full, T::kABytes + boxes * kRowBox * kBK * 2);
+    sm90::tma_load_3d(a_tile, map_b, full, k, tile.n0, tile.group);
+    for (int i = 0; i < boxes; ++i)
+      sm90::tma_load_2d(b_tile + i * kRowBox * kBK * 2, map_a, full, k, tile.m0 + i * kRowBox);
   } else if constexpr (kLayout == Layout::kMGroupedKMajorB) {
     sm90::barrier_arrive_expect_bytes(full, T::kStageBytes);
     sm90::tma_load_2d(a_tile, map_a, full, k, tile.m0);
@@ -245,6 +287,50 @@ __device__ __forceinline__ void store_tile_bf16_quads(const float (&acc)[kBN / 2
   }
 }
 
+// Rows-as-N tiles, BF16 c with beta 0: a consumer warpgroup's 64 columns x n_rows rows (a
+// multiple of kRowBox) leave through its `buffer` (kRowBox rows of 128 bytes), kRowBox rows at a
+// time. stmatrix.trans writes, per accumulator block (j, h), the 8 columns of 8 rows that the
+// fragment holds transposed (grouped::store_rows_as_n has the layout) as one 16-byte chunk per
+// row: chunk q (columns 8q .. 8q + 7 of the 64) of buffer row r sits at slot q ^ (r % 8), so
+// neither the 8 rows of a matrix nor a warp's reads of 4 whole rows meet a bank conflict. Then
+// every thread stores two 16-byte chunks: a warp writes 4 rows x 128 contiguous bytes of c,
+// where stores from the registers write 8 rows x 16 bytes in 4-byte pieces (with those, rows as
+// N ran 10-25% behind rows as M at the MoE expert shapes on an H200).
+__device__ __forceinline__ void store_rows_as_n_staged(const float (&acc)[128], const Sm90Params& p, const Tile& tile,
+                                                       int n_rows, int warpgroup, int warp_in_group, int lane,
+                                                       unsigned char* buffer) {
+  const uint32_t base = sm90::smem_address(buffer);
+  const int thread = warp_in_group * 32 + lane;
+  const int matrix = lane / 8, matrix_row = lane % 8;  // whose address this lane gives
+  auto slot = [](int row, int q) { return row * 128 + ((q ^ (row % 8)) << 4); };
+#pragma unroll
+  for (int box = 0; box < 8; ++box) {
+    if (box * kRowBox >= n_rows) break;
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {  // accumulator blocks j = 4 box + 2 pair + i / 2, h = i % 2
+      uint32_t r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 4 * box + 2 * pair + i / 2, h = i % 2;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(p.alpha * acc[4 * j + 2 * h], p.alpha * acc[4 * j + 2 * h + 1]);
+        r[i] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      const int row = 8 * (2 * pair + matrix / 2) + matrix_row;
+      sm90::stmatrix_x4_trans(base + slot(row, 2 * warp_in_group + matrix % 2), r[0], r[1], r[2], r[3]);
+    }
+    sm90::named_barrier_sync(2 + warpgroup, 128);  // the box is in the buffer
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int chunk = thread + 128 * e, row = chunk / 8, q = chunk % 8;
+      const uint4 v = *reinterpret_cast<const uint4*>(buffer + slot(row, q));
+      const int out_row = tile.m0 + box * kRowBox + row, column = tile.n0 + warpgroup * 64 + 8 * q;
+      if (out_row < tile.m_end && column < p.n)
+        *reinterpret_cast<uint4*>(static_cast<bf16*>(p.c) + static_cast<int64_t>(out_row) * p.n + column) = v;
+    }
+    sm90::named_barrier_sync(2 + warpgroup, 128);  // the buffer is free again
+  }
+}
+
 template <typename OutT, int kBN>
 __device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Sm90Params& p, const Tile& tile,
                                            int64_t c_offset, int row_in_tile, int column_in_tile) {
@@ -259,6 +345,32 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Sm
       if (column >= p.n) continue;
       grouped::store_pair(out + column, p.alpha * acc[4 * j + 2 * h], p.alpha * acc[4 * j + 2 * h + 1], p.beta);
     }
+  }
+}
+
+// Rows-as-N tiles, one K step of a warpgroup: acc (64 x kN) += A (its 64 of c's columns, K-major
+// rows of 128 bytes) . B (the rows, K-major).
+template <int kN>
+__device__ __forceinline__ void k_step_rows_as_n(float (&acc)[128], uint32_t a_address, uint32_t b_address) {
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    const uint64_t desc_a = sm90::matrix_descriptor(a_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
+    const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
+    sm90::WgmmaSsPrefix<kN>::template mma<0>(acc, desc_a, desc_b);
+  }
+}
+
+// The same with N = 32 boxes (boxes warp-uniform, 1 .. 8).
+__device__ __forceinline__ void k_step_rows_as_n(int boxes, float (&acc)[128], uint32_t a_address, uint32_t b_address) {
+  switch (boxes) {
+    case 1: k_step_rows_as_n<32>(acc, a_address, b_address); break;
+    case 2: k_step_rows_as_n<64>(acc, a_address, b_address); break;
+    case 3: k_step_rows_as_n<96>(acc, a_address, b_address); break;
+    case 4: k_step_rows_as_n<128>(acc, a_address, b_address); break;
+    case 5: k_step_rows_as_n<160>(acc, a_address, b_address); break;
+    case 6: k_step_rows_as_n<192>(acc, a_address, b_address); break;
+    case 7: k_step_rows_as_n<224>(acc, a_address, b_address); break;
+    default: k_step_rows_as_n<256>(acc, a_address, b_address); break;
   }
 }
 
@@ -279,6 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uintptr_t table_end = reinterpret_cast<uintptr_t>(table.tiles + p.groups + 1);
   unsigned char* a_stages = reinterpret_cast<unsigned char*>((table_end + 1023) & ~uintptr_t{1023});
   unsigned char* b_stages = a_stages + T::kStages * T::kABytes;
+  unsigned char* epilogue_buffers = b_stages + T::kStages * T::kBBytes;  // rows as N: one per consumer warpgroup
 
   // Broadcasts make the warp index and (below) the tile index warp-uniform in the compiler's eyes
   // too: without them ptxas serializes every wgmma (C7520, "divergent path").
@@ -294,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::fence_barrier_init();
   }
-  if (warp == 1) grouped::build_group_table<kBM, !T::kKGrouped>(p, table, lane);
+  if (warp == 1) grouped::build_group_table<T::kTileRows, !T::kKGrouped>(p, table, lane);
   __syncthreads();
   const int total_tiles = T::kKGrouped ? p.groups * p.m_tiles * p.n_tiles : table.tiles[p.groups];
 
@@ -365,8 +478,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (t >= total_tiles) break;
     const Tile tile = decode_tile<kLayout, kBN>(t, p, table);
-    // A warpgroup whose 64 rows all lie past the group's end (or n_out) multiplies nothing.
-    const bool active = tile.m0 + warpgroup * 64 < tile.m_end;
+    // A warpgroup whose 64 rows all lie past the group's end (or n_out), or with the rows as N
+    // whose 64 columns all lie past n, multiplies nothing.
+    const bool active = T::kRowsAsN ? tile.n0 + warpgroup * 64 < p.n : tile.m0 + warpgroup * 64 < tile.m_end;
+    const int boxes = T::kRowsAsN ? row_boxes(tile, kBN) : 0;
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     int previous_stage = 0;
@@ -386,14 +501,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t b_address = sm90::smem_address(b_tile);
       sm90::fence_registers(acc);
       sm90::wgmma_fence();
+      if constexpr (T::kRowsAsN) {
+        if (active) k_step_rows_as_n(boxes, acc, a_address, b_address);
+      } else {
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        if (!active) break;
-        const uint64_t desc_a =
-            sm90::matrix_descriptor(a_address + kk * kAStepBytes, kALeading, 1024, sm90::swizzle_code(128));
-        const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * kBStepBytes, kBLeading, kBStride,
-                                                        sm90::swizzle_code(T::kBSwizzle));
-        sm90::Wgmma<kBN>::template mma<T::kAMajorM ? 1 : 0, T::kBMajorN ? 1 : 0>(acc, desc_a, desc_b, 1);
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          if (!active) break;
+          const uint64_t desc_a =
+              sm90::matrix_descriptor(a_address + kk * kAStepBytes, kALeading, 1024, sm90::swizzle_code(128));
+          const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * kBStepBytes, kBLeading, kBStride,
+                                                          sm90::swizzle_code(T::kBSwizzle));
+          sm90::Wgmma<kBN>::template mma<T::kAMajorM ? 1 : 0, T::kBMajorN ? 1 : 0>(acc, desc_a, desc_b, 1);
+        }
       }
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();  // the previous step's wgmmas are done: its stage can be refilled
@@ -410,6 +529,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tile.k_steps > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
 
     const int row_in_tile = warpgroup * 64 + warp % 4 * 16 + lane / 4;
+    if constexpr (T::kRowsAsN) {  // the fragment rows are c's columns
+      if (p.c_f32) {
+        grouped::store_rows_as_n<float, kBN>(acc, p, tile, boxes * kRowBox, tile.n0 + row_in_tile, lane);
+      } else if (p.beta == 0.0f) {
+        if (active)
+          store_rows_as_n_staged(acc, p, tile, boxes * kRowBox, warpgroup, warp % 4, lane,
+                                 epilogue_buffers + warpgroup * kEpilogueBytes);
+      } else {
+        grouped::store_rows_as_n<bf16, kBN>(acc, p, tile, boxes * kRowBox, tile.n0 + row_in_tile, lane);  // reads c
+      }
+      continue;
+    }
     const int column_in_tile = 2 * (lane % 4);
     const int64_t c_offset = T::kKGrouped ? static_cast<int64_t>(tile.group) * p.m_extent * p.n : 0;
     if (p.c_f32) {
@@ -513,6 +644,12 @@ CUtensorMap tensor_map(const void* base, int rank, const uint64_t* dims, const u
                              tma_swizzle(swizzle_bytes));
 }
 
+// kAuto takes rows-as-N tiles for the forward when the groups hold at most this many rows on
+// average (and c has at least 128 columns: one tile's M). Measured on an H200 at the MoE expert
+// shapes (256 rows per expert on average, docs/PERF.md): 1-8% faster than rows as M at the power
+// cap, every count; not measured at other means.
+constexpr int64_t kRowsAsNMaxMeanRows = 512;
+
 int pick_bn(int64_t n) {
   if (n <= 16) return 16;
   if (n <= 32) return 32;
@@ -552,41 +689,39 @@ void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
   } else {
     params.n = static_cast<int>(p.n);
     params.k = static_cast<int>(p.k);
-    params.n_tiles = static_cast<int>((p.n + kBN - 1) / kBN);
-    const uint64_t n = static_cast<uint64_t>(p.n), k = static_cast<uint64_t>(p.k);
-    const uint64_t a_dims[2] = {k, rows}, a_strides[1] = {k * 2};
-    const uint32_t a_box[2] = {kBK, kBM};
-    map_a = tensor_map(p.a, 2, a_dims, a_strides, a_box, 128);
-    if (kLayout == Layout::kMGroupedKMajorB) {
-      const uint64_t b_dims[3] = {k, n, groups}, b_strides[2] = {k * 2, n * k * 2};
-      const uint32_t b_box[3] = {kBK, static_cast<uint32_t>(kBN), 1};
-      map_b = tensor_map(p.b, 3, b_dims, b_strides, b_box, 128);
-    } else {
-      const uint64_t b_dims[3] = {n, k, groups}, b_strides[2] = {n * 2, k * n * 2};
-      const uint32_t b_box[3] = {static_cast<uint32_t>(T::kBChunkColumns), kBK, 1};
-      map_b = tensor_map(p.b, 3, b_dims, b_strides, b_box, T::kBSwizzle);
-    }
-    // The second product's maps: the same boxes over a2 [rows, k2] and b2 (K steps past k2 read zeros).
-    params.k2 = static_cast<int>(p.k2);
-    if (p.k2 > 0) {
-      const uint64_t k2 = static_cast<uint64_t>(p.k2);
-      const uint64_t a2_dims[2] = {k2, rows}, a2_strides[1] = {k2 * 2};
-      map_a2 = tensor_map(p.a2, 2, a2_dims, a2_strides, a_box, 128);
-      if (kLayout == Layout::kMGroupedKMajorB) {
-        const uint64_t b2_dims[3] = {k2, n, groups}, b2_strides[2] = {k2 * 2, n * k2 * 2};
-        const uint32_t b2_box[3] = {kBK, static_cast<uint32_t>(kBN), 1};
-        map_b2 = tensor_map(p.b2, 3, b2_dims, b2_strides, b2_box, 128);
+    // Columns of c per tile: kBN, or with the rows as N the 128 rows of wgmma's M.
+    const int tile_columns = T::kRowsAsN ? kBM : kBN;
+    params.n_tiles = static_cast<int>((p.n + tile_columns - 1) / tile_columns);
+    const uint64_t n = static_cast<uint64_t>(p.n);
+    // a's boxes: the tile's rows (kBM), or with the rows as N boxes of kRowBox; b's: a K-major
+    // tile of tile_columns rows, or N-major chunks of kBChunkColumns.
+    const uint32_t a_box[2] = {kBK, static_cast<uint32_t>(T::kRowsAsN ? kRowBox : kBM)};
+    const bool k_major_b = kLayout == Layout::kMGroupedKMajorB || kLayout == Layout::kMGroupedKMajorBRowsAsN;
+    const uint32_t b_box_k_major[3] = {kBK, static_cast<uint32_t>(tile_columns), 1};
+    const uint32_t b_box_n_major[3] = {static_cast<uint32_t>(T::kBChunkColumns), kBK, 1};
+    // A product's maps: a_x [rows, inner] and b_x [groups, n, inner] or [groups, inner, n]. (The
+    // second product's K steps past k2 read zeros.)
+    auto maps = [&](const void* a_x, const void* b_x, int64_t inner, CUtensorMap& a_map, CUtensorMap& b_map) {
+      const uint64_t k = static_cast<uint64_t>(inner);
+      const uint64_t a_dims[2] = {k, rows}, a_strides[1] = {k * 2};
+      a_map = tensor_map(a_x, 2, a_dims, a_strides, a_box, 128);
+      if (k_major_b) {
+        const uint64_t b_dims[3] = {k, n, groups}, b_strides[2] = {k * 2, n * k * 2};
+        b_map = tensor_map(b_x, 3, b_dims, b_strides, b_box_k_major, 128);
       } else {
-        const uint64_t b2_dims[3] = {n, k2, groups}, b2_strides[2] = {n * 2, k2 * n * 2};
-        const uint32_t b2_box[3] = {static_cast<uint32_t>(T::kBChunkColumns), kBK, 1};
-        map_b2 = tensor_map(p.b2, 3, b2_dims, b2_strides, b2_box, T::kBSwizzle);
+        const uint64_t b_dims[3] = {n, k, groups}, b_strides[2] = {n * 2, k * n * 2};
+        b_map = tensor_map(b_x, 3, b_dims, b_strides, b_box_n_major, T::kBSwizzle);
       }
-    }
-    // Each group adds at most one partial m-tile.
-    max_tiles = ((p.rows + kBM - 1) / kBM + p.groups) * params.n_tiles;
+    };
+    maps(p.a, p.b, p.k, map_a, map_b);
+    params.k2 = static_cast<int>(p.k2);
+    if (p.k2 > 0) maps(p.a2, p.b2, p.k2, map_a2, map_b2);
+    // Each group adds at most one partial row tile.
+    max_tiles = ((p.rows + T::kTileRows - 1) / T::kTileRows + p.groups) * params.n_tiles;
   }
   // Barriers per stage: full and empty.
-  const size_t shared_bytes = grouped::shared_bytes(2, T::kStages, T::kStageBytes, p.groups);
+  const size_t shared_bytes = grouped::shared_bytes(2, T::kStages, T::kStageBytes, p.groups) +
+                              (T::kRowsAsN ? kConsumerWarpgroups * kEpilogueBytes : 0);
   grouped::allow_shared_memory<sm90_grouped_gemm_kernel<kLayout, kBN>>();
   sm90_grouped_gemm_kernel<kLayout, kBN><<<grouped::persistent_grid(max_tiles), kThreads, shared_bytes, stream>>>(
       map_a, map_b, map_a2, map_b2, params);
@@ -654,6 +789,21 @@ GroupedGemmPath grouped_gemm_path(const GroupedGemmProblem& p) {
   return GroupedGemmPath::kFallback;
 }
 
+namespace {
+std::atomic<GroupedGemmTiling> tiling_override{GroupedGemmTiling::kAuto};
+}  // namespace
+
+void set_grouped_gemm_tiling(GroupedGemmTiling tiling) { tiling_override = tiling; }
+
+GroupedGemmTiling grouped_gemm_tiling(const GroupedGemmProblem& p) {
+  if (p.kind != GroupedGemmKind::kMGrouped || !p.transpose_b) return GroupedGemmTiling::kRowsAsM;
+  const GroupedGemmTiling forced = tiling_override;
+  if (forced != GroupedGemmTiling::kAuto) return forced;
+  // The counts are on the device; the mean rows per group is what the host knows.
+  const bool small_groups = p.rows <= kRowsAsNMaxMeanRows * p.groups;
+  return p.n >= kBM && small_groups ? GroupedGemmTiling::kRowsAsN : GroupedGemmTiling::kRowsAsM;
+}
+
 void launch_grouped_gemm(const GroupedGemmProblem& p, cudaStream_t stream) {
   const bool m_grouped = p.kind == GroupedGemmKind::kMGrouped;
   if (p.groups == 0) return;
@@ -664,6 +814,8 @@ void launch_grouped_gemm(const GroupedGemmProblem& p, cudaStream_t stream) {
   }
   if (!m_grouped) {
     launch_sm90_bn<Layout::kKGrouped>(p, pick_bn(p.n_in), stream);
+  } else if (grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN) {
+    launch_sm90<Layout::kMGroupedKMajorBRowsAsN, 256>(p, stream);
   } else if (p.transpose_b) {
     launch_sm90_bn<Layout::kMGroupedKMajorB>(p, pick_bn(p.n), stream);
   } else {

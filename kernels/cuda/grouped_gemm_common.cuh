@@ -41,6 +41,9 @@ constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K registers
 // The per-group table (two int32 [groups + 1]) shares shared memory with the stages.
 constexpr int64_t kTableBudgetBytes = 24 * 1024;
+// What a launch may ask for: the stage budget, the table's, 8 KB of epilogue buffers
+// (grouped_gemm.cu, rows as N) and room for the barriers and alignment: 227 KB, all of it.
+constexpr int kMaxDynamicSharedBytes = 227 * 1024;
 constexpr int kMaxDevices = 64;  // per-device host caches
 
 // Stages of `stage_bytes` that fit the budget.
@@ -147,6 +150,34 @@ __device__ __forceinline__ void store_pair(OutT* out, float v0, float v1, float 
   }
 }
 
+// A consumer warpgroup's accumulators of a tile whose rows are wgmma's N (the MXFP4 kernel's
+// forward, the BF16 kernel's rows-as-N tiles) into c: wgmma's M is 64 of c's columns, this
+// thread's fragment rows g and g + 8 (g = lane / 4) being columns `column` and `column` + 8; its
+// N is `n_rows` (a multiple of 8) of c's rows from tile.m0. Accumulator 4 j + 2 h + e is fragment
+// row g + 8 h, row tile.m0 + 8 j + 2 c + e (c = lane % 4). Lanes g and g ^ 1 (lane ^ 4) trade one
+// value so that each holds two adjacent columns of one row, stored as a pair; columns past p.n
+// (n is even: both or neither) and rows past tile.m_end are not stored.
+template <typename OutT, int kMaxRows, typename Params, typename Tile>
+__device__ __forceinline__ void store_rows_as_n(const float (&acc)[kMaxRows / 2], const Params& p, const Tile& tile,
+                                                int n_rows, int column, int lane) {
+  const int c = lane % 4, odd = (lane / 4) & 1;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pair_column = column + 8 * h - odd;
+#pragma unroll
+    for (int j = 0; j < kMaxRows / 8; ++j) {
+      if (8 * j >= n_rows) break;
+      const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+      const float other = __shfl_xor_sync(kAllLanes, odd ? v0 : v1, 4);
+      const int row = tile.m0 + 8 * j + 2 * c + odd;
+      if (pair_column < p.n && row < tile.m_end) {
+        OutT* out = static_cast<OutT*>(p.c) + static_cast<int64_t>(row) * p.n + pair_column;
+        store_pair(out, (odd ? other : v0) * p.alpha, (odd ? v1 : other) * p.alpha, p.beta);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Device: the fallbacks
 
@@ -204,8 +235,7 @@ bool have_sm90a_code() {
   return have;
 }
 
-// Sets `kKernel`'s dynamic shared-memory limit (the stage budget, the table's and room for the
-// barriers and alignment) once per device.
+// Sets `kKernel`'s dynamic shared-memory limit (kMaxDynamicSharedBytes) once per device.
 template <auto kKernel>
 void allow_shared_memory() {
   static bool attribute_set[kMaxDevices] = {};
@@ -213,7 +243,7 @@ void allow_shared_memory() {
   CUDA_CHECK(cudaGetDevice(&device));
   if (!attribute_set[device % kMaxDevices]) {
     CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(kStageBudgetBytes + kTableBudgetBytes + 2048)));
+                                    kMaxDynamicSharedBytes));
     attribute_set[device % kMaxDevices] = true;
   }
 }

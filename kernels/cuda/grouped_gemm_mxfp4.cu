@@ -201,47 +201,29 @@ __device__ __forceinline__ void k_step_n(int boxes, float (&acc)[128], const uin
   }
 }
 
-// Two adjacent columns (`column`, even; n is even, so both or neither are inside) of row `token`
-// of c: alpha * (v0, v1) + beta * c.
-template <typename OutT>
-__device__ __forceinline__ void store_pair(const Params& p, int token, int column, float v0, float v1) {
-  const int64_t offset = static_cast<int64_t>(token) * p.n + column;
-  grouped::store_pair(static_cast<OutT*>(p.c) + offset, v0 * p.alpha, v1 * p.alpha, p.beta);
-}
-
 // The thread's accumulators into c. Accumulator 4 j + 2 h + e is fragment row g + 8 h, token
-// 8 j + 2c + e. Forward: fragment row = column `column0` + 8 h, so lanes g and g ^ 1 (lane ^ 4)
-// trade one value to hold two adjacent columns of one token. Input gradient: fragment rows g and
-// g + 8 are columns `column0` and `column0` + 1.
+// 8 j + 2c + e. Forward: fragment row = column `column0` + 8 h (grouped::store_rows_as_n). Input
+// gradient: fragment rows g and g + 8 are columns `column0` and `column0` + 1.
 template <bool kInputGrad, typename OutT>
 __device__ __forceinline__ void store_tile(const float (&acc)[128], const Params& p, const Tile& tile, int boxes,
                                            int column0, int lane) {
-  const int c = lane % 4;
   if constexpr (kInputGrad) {
     if (column0 >= p.n) return;
+    const int c = lane % 4;
 #pragma unroll
     for (int j = 0; j < kTokenRows / 8; ++j) {
       if (j >= boxes * (kBox / 8)) break;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int token = tile.m0 + 8 * j + 2 * c + e;
-        if (token < tile.m_end) store_pair<OutT>(p, token, column0, acc[4 * j + e], acc[4 * j + 2 + e]);
+        if (token < tile.m_end) {
+          OutT* out = static_cast<OutT*>(p.c) + static_cast<int64_t>(token) * p.n + column0;
+          grouped::store_pair(out, acc[4 * j + e] * p.alpha, acc[4 * j + 2 + e] * p.alpha, p.beta);
+        }
       }
     }
   } else {
-    const int odd = (lane / 4) & 1;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int column = column0 + 8 * h - odd;
-#pragma unroll
-      for (int j = 0; j < kTokenRows / 8; ++j) {
-        if (j >= boxes * (kBox / 8)) break;
-        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-        const float other = __shfl_xor_sync(kAllLanes, odd ? v0 : v1, 4);
-        const int token = tile.m0 + 8 * j + 2 * c + odd;
-        if (column < p.n && token < tile.m_end) store_pair<OutT>(p, token, column, odd ? other : v0, odd ? v1 : other);
-      }
-    }
+    grouped::store_rows_as_n<OutT, kTokenRows>(acc, p, tile, boxes * kBox, column0, lane);
   }
 }
 

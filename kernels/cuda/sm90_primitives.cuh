@@ -97,6 +97,17 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   MOETRAIN_SM90_ASM("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// stmatrix.m8n8.x4.trans: four 8x8 BF16 matrices from a warp's registers into shared memory,
+// transposed. Register i of a thread holds (row lane / 4, columns 2 (lane % 4) and + 1) of matrix
+// i (an mma / wgmma accumulator fragment packed to BF16, low half first); lane 8 i + t gives the
+// address of the 16 bytes that receive column t of matrix i.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t address, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  MOETRAIN_SM90_ASM("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(r0),
+                    "r"(r1), "r"(r2), "r"(r3)
+                    : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Register budget per warpgroup (needs __launch_bounds__(threads, 1) on the kernel).
 

@@ -5,7 +5,8 @@
 // of 16 and 32), the second product a2 . op(b2) that folds a LoRA term into the base GEMM, BF16
 // and F32 outputs, F32 inputs, beta 0 (outputs poisoned with NaN: every element must be written
 // and c never read) and beta 1.
-// On a Hopper GPU the aligned shapes must take the wgmma kernel, the others the fallback.
+// On a Hopper GPU the aligned shapes must take the wgmma kernel, the others the fallback; every
+// M-grouped x W^T case runs with both of its tilings (a group's rows as wgmma's M, and as its N).
 // The group offsets go to the GPU alone in half the runs (the kernel never sees a host copy).
 #include <functional>
 #include <string>
@@ -20,6 +21,16 @@ namespace {
 using kernels::GroupedGemmArgs;
 using kernels::GroupedGemmKind;
 using kernels::cuda_ops::GroupedGemmPath;
+using kernels::cuda_ops::GroupedGemmTiling;
+
+// Forces the wgmma kernel's tiling for its lifetime, then gives the choice back to the shape.
+class ForcedTiling {
+ public:
+  explicit ForcedTiling(GroupedGemmTiling tiling) { kernels::cuda_ops::set_grouped_gemm_tiling(tiling); }
+  ~ForcedTiling() { kernels::cuda_ops::set_grouped_gemm_tiling(GroupedGemmTiling::kAuto); }
+  ForcedTiling(const ForcedTiling&) = delete;
+  ForcedTiling& operator=(const ForcedTiling&) = delete;
+};
 
 struct DtypeCase {
   DType a, b, c;
@@ -55,10 +66,12 @@ void check_on_both(const std::function<GroupedGemmArgs(BackendSide)>& grouped_ar
   CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), gemm_tolerance(c_dtype), what);
 }
 
-// One M-grouped run on both backends; `expect_fast`: the wgmma kernel must be the one taken.
-// k2 > 0 adds the second product a2 [rows, k2] . op(b2) (GroupedGemmArgs::a2, b2).
-void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n, const Run& run,
-                     bool expect_fast, uint64_t seed, int64_t k2 = 0) {
+// One M-grouped run on both backends with the wgmma kernel's tiling forced; `expect_fast`: the
+// wgmma kernel must be the one taken. k2 > 0 adds the second product a2 [rows, k2] . op(b2)
+// (GroupedGemmArgs::a2, b2).
+void check_m_grouped_tiled(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n,
+                           const Run& run, bool expect_fast, uint64_t seed, int64_t k2, GroupedGemmTiling tiling) {
+  const ForcedTiling forced(tiling);
   const std::vector<int32_t> offsets = prefix_sums(sizes);
   const int64_t groups = static_cast<int64_t>(sizes.size()), rows = offsets.back();
   const Operand group_offsets = int_operand(offsets, {groups + 1});
@@ -90,8 +103,17 @@ void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes,
   };
   const std::string what =
       label(name + " k" + std::to_string(k) + " n" + std::to_string(n) + (k2 > 0 ? " k2 " + std::to_string(k2) : ""),
-            run);
+            run) +
+      (tiling == GroupedGemmTiling::kRowsAsN ? " rows as N" : " rows as M");
   check_on_both(grouped_args, c, run.dtypes.c, expect_fast, what);
+}
+
+// The M-grouped run with each tiling it has (dy W and the fallback's shapes: rows as M only).
+void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n, const Run& run,
+                     bool expect_fast, uint64_t seed, int64_t k2 = 0) {
+  check_m_grouped_tiled(name, sizes, k, n, run, expect_fast, seed, k2, GroupedGemmTiling::kRowsAsM);
+  if (expect_fast && run.transpose_b)
+    check_m_grouped_tiled(name, sizes, k, n, run, expect_fast, seed, k2, GroupedGemmTiling::kRowsAsN);
 }
 
 void check_k_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t n_out, int64_t n_in,
@@ -150,6 +172,31 @@ TEST_CASE("cuda grouped_gemm M-grouped: 256-column tiles, every size of a group'
     check_m_grouped("tails", sizes, 200, 400, run, true, seed += 10);
     check_m_grouped("tails + LoRA", sizes, 136, 600, run, true, seed += 10, 32);
   }
+}
+
+TEST_CASE("cuda grouped_gemm M-grouped: the tiling follows the mean rows per group") {
+  // The forward at the MoE expert shapes (65,536 rows over 256 experts) takes rows-as-N tiles; its
+  // input gradient, the issue-4 block (131,072 rows over 64) and thin outputs (fewer columns than
+  // one 128-column M) rows-as-M.
+  kernels::cuda_ops::GroupedGemmProblem p;
+  p.groups = 256;
+  p.rows = 65536;
+  p.k = 2304;
+  p.n = 2048;
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
+  p.transpose_b = false;
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
+  p.transpose_b = true;
+  p.n = 16;
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
+  p.n = 2048;
+  p.groups = 64;
+  p.rows = 131072;
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
+  const ForcedTiling forced(GroupedGemmTiling::kRowsAsN);
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
+  p.transpose_b = false;  // forcing applies where the kernel has the tiling
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
 }
 
 TEST_CASE("cuda grouped_gemm M-grouped: one group holding every row") {
