@@ -360,20 +360,6 @@ __device__ __forceinline__ void k_step_rows_as_n(float (&acc)[128], uint32_t a_a
   }
 }
 
-// The same with N = 32 boxes (boxes warp-uniform, 1 .. 8).
-__device__ __forceinline__ void k_step_rows_as_n(int boxes, float (&acc)[128], uint32_t a_address, uint32_t b_address) {
-  switch (boxes) {
-    case 1: k_step_rows_as_n<32>(acc, a_address, b_address); break;
-    case 2: k_step_rows_as_n<64>(acc, a_address, b_address); break;
-    case 3: k_step_rows_as_n<96>(acc, a_address, b_address); break;
-    case 4: k_step_rows_as_n<128>(acc, a_address, b_address); break;
-    case 5: k_step_rows_as_n<160>(acc, a_address, b_address); break;
-    case 6: k_step_rows_as_n<192>(acc, a_address, b_address); break;
-    case 7: k_step_rows_as_n<224>(acc, a_address, b_address); break;
-    default: k_step_rows_as_n<256>(acc, a_address, b_address); break;
-  }
-}
-
 template <Layout kLayout, int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -502,7 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::fence_registers(acc);
       sm90::wgmma_fence();
       if constexpr (T::kRowsAsN) {
-        if (active) k_step_rows_as_n(boxes, acc, a_address, b_address);
+        if (active)
+          grouped::with_row_boxes(boxes, [&](auto n) { k_step_rows_as_n<decltype(n)::value>(acc, a_address, b_address); });
       } else {
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {

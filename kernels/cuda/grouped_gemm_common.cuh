@@ -178,6 +178,23 @@ __device__ __forceinline__ void store_rows_as_n(const float (&acc)[kMaxRows / 2]
   }
 }
 
+// Calls step(std::integral_constant<int, 32 * boxes>{}) for boxes = 1 .. 8 (warp-uniform): the
+// wgmma N of a tile whose rows are N, which the prefix wrappers (wgmma_bf16.cuh) need at compile
+// time.
+template <typename Step>
+__device__ __forceinline__ void with_row_boxes(int boxes, Step&& step) {
+  switch (boxes) {
+    case 1: step(std::integral_constant<int, 32>{}); break;
+    case 2: step(std::integral_constant<int, 64>{}); break;
+    case 3: step(std::integral_constant<int, 96>{}); break;
+    case 4: step(std::integral_constant<int, 128>{}); break;
+    case 5: step(std::integral_constant<int, 160>{}); break;
+    case 6: step(std::integral_constant<int, 192>{}); break;
+    case 7: step(std::integral_constant<int, 224>{}); break;
+    default: step(std::integral_constant<int, 256>{}); break;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Device: the fallbacks
 

@@ -187,20 +187,6 @@ __device__ __forceinline__ void k_step(float (&acc)[128], const uint32_t (&f)[16
   }
 }
 
-// The K step with N = 32 boxes (boxes warp-uniform, 1 .. 8).
-__device__ __forceinline__ void k_step_n(int boxes, float (&acc)[128], const uint32_t (&f)[16], uint32_t b_address) {
-  switch (boxes) {
-    case 1: k_step<32>(acc, f, b_address); break;
-    case 2: k_step<64>(acc, f, b_address); break;
-    case 3: k_step<96>(acc, f, b_address); break;
-    case 4: k_step<128>(acc, f, b_address); break;
-    case 5: k_step<160>(acc, f, b_address); break;
-    case 6: k_step<192>(acc, f, b_address); break;
-    case 7: k_step<224>(acc, f, b_address); break;
-    default: k_step<256>(acc, f, b_address); break;
-  }
-}
-
 // The thread's accumulators into c. Accumulator 4 j + 2 h + e is fragment row g + 8 h, token
 // 8 j + 2c + e. Forward: fragment row = column `column0` + 8 h (grouped::store_rows_as_n). Input
 // gradient: fragment rows g and g + 8 are columns `column0` and `column0` + 1.
@@ -500,7 +486,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::fence_registers(acc);
       fence_words(current);
       sm90::wgmma_fence();
-      if (active) k_step_n(boxes, acc, current, sm90::smem_address(a_stages + stage * kABytes));
+      if (active) {
+        const uint32_t b_address = sm90::smem_address(a_stages + stage * kABytes);
+        grouped::with_row_boxes(boxes, [&](auto n) { k_step<decltype(n)::value>(acc, current, b_address); });
+      }
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();  // step s - 1 is done: its registers and stage are free
       sm90::fence_registers(acc);
