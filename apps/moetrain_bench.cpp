@@ -59,10 +59,11 @@ struct Row {
 };
 
 // `ops`: how long each timing runs its op untimed first (--heat-up-ms). An H200 running GEMMs
-// back to back reaches its 700 W power cap within a second and lowers its SM clock from 1980 to
-// 1350-1750 MHz (nvidia-smi, 2026-12-01). A row timed from a cool GPU is up to 25% faster than
-// the same row timed after others: rows would be compared at different clocks, and the first
-// rows of a run at clocks a training step never sees. scripts/bench_torch_grouped_mm.py heats
+// back to back reaches its 700 W power cap within a second and lowers its SM clock from 1980
+// MHz to 1245-1750 (nvidia-smi, 2026-12-01). Without the heat-up, a row ran at whatever clock the
+// rows before it had left (the same launches differed by up to 25% between a cool GPU and a
+// hot one): rows were compared at different clocks, and the first rows of a run timed at clocks
+// a training step never sees. scripts/bench_torch_grouped_mm.py heats
 // up the same way.
 double heat_up_ms = 500;
 

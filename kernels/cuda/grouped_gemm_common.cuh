@@ -41,8 +41,9 @@ constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K registers
 // The per-group table (two int32 [groups + 1]) shares shared memory with the stages.
 constexpr int64_t kTableBudgetBytes = 24 * 1024;
-// What a launch may ask for: the stage budget, the table's, 8 KB of epilogue buffers
-// (grouped_gemm.cu, rows as N) and room for the barriers and alignment: 227 KB, all of it.
+// What a launch may ask for: 227 KB, all the shared memory a CTA can have. It holds the stages
+// (at most kStageBudgetBytes), the group table (at most kTableBudgetBytes), the barriers and, for
+// grouped_gemm.cu's rows-as-N tiles, 8 KB of epilogue buffers (that kernel checks its sum).
 constexpr int kMaxDynamicSharedBytes = 227 * 1024;
 constexpr int kMaxDevices = 64;  // per-device host caches
 
