@@ -6,13 +6,15 @@ machine).
 Causal, BF16, 32 heads: T 8192 with head dims 128 and 64, T 32768 with 128; forward and forward +
 backward (autograd into q, k, v). Each of SDPA's backends is timed alone (FlashAttention, cuDNN,
 memory-efficient) and SDPA's own choice beside them; a backend that refuses the shape prints
-'n/a'. FLOPs as the C++ benchmark counts them: 4 d per visible (query, key) pair forward, 2.5x
+'n/a'. With --deterministic, under torch.use_deterministic_algorithms(True): the peer of our
+backward, which is deterministic (SDPA's default backward, cuDNN's, adds dQ by atomics and is not;
+PyTorch then refuses cuDNN and takes the deterministic backward of the others). FLOPs as the C++ benchmark counts them: 4 d per visible (query, key) pair forward, 2.5x
 that backward.
 
 Median of CUDA-event timings after warm-up and a heat-up (bench_torch_grouped_mm.median_ms, as
 moetrain-bench times); inputs random (never zeros).
 
-    python3 scripts/bench_torch_attention.py [--reps 20]
+    python3 scripts/bench_torch_attention.py [--reps 20] [--deterministic]
 """
 import argparse
 
@@ -26,7 +28,7 @@ BACKENDS = (("default", None), ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", 
             ("efficient", SDPBackend.EFFICIENT_ATTENTION))
 
 
-def bench(tokens, heads, dim, reps):
+def bench(tokens, heads, dim, reps, prefix):
     # [batch 1, heads, tokens, dim], as SDPA takes them.
     q, k, v = (torch.randn(1, heads, tokens, dim, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
                for _ in range(3))
@@ -42,7 +44,7 @@ def bench(tokens, heads, dim, reps):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.autograd.grad(out, (q, k, v), dout)
 
-        label = f"sdpa {name:<9} causal T{tokens} H{heads} D{dim}"
+        label = f"{prefix} {name:<9} causal T{tokens} H{heads} D{dim}"
         try:
             if backend is None:
                 fwd_ms, both_ms = median_ms(forward, reps), median_ms(both, reps)
@@ -61,12 +63,18 @@ def bench(tokens, heads, dim, reps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="time under torch.use_deterministic_algorithms(True)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    bench(8192, 32, 128, args.reps)
-    bench(8192, 32, 64, args.reps)
-    bench(32768, 32, 128, max(3, args.reps // 4))
+    prefix = "sdpa"
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+        prefix = "sdpa det"
+    bench(8192, 32, 128, args.reps, prefix)
+    bench(8192, 32, 64, args.reps, prefix)
+    bench(32768, 32, 128, max(3, args.reps // 4), prefix)
 
 
 if __name__ == "__main__":

@@ -39,12 +39,16 @@
 //   regroup each quad's columns so that every lane stores 16 contiguous bytes.
 // Rows as N (Layout::kMGroupedKMajorBRowsAsN, the forward with small groups; grouped_gemm.h,
 //   GroupedGemmTiling): the same kernel computes c^T = b[g] . a^T. The A tile is 128 of b[g]'s
-//   rows (c's columns, 64 per consumer warpgroup), the B tile up to 256 of the group's rows,
-//   loaded in TMA boxes of 32 and multiplied with wgmma's N = the boxes x 32 (WgmmaSsPrefix), so
-//   a group's last tile costs its rows rounded up to 32, not to 64 or 128. The tiles are listed
-//   by group, then 128-column block, then 256-row block. A fragment row of the accumulators is a
-//   column of c: BF16 outputs (beta 0) leave through a shared-memory buffer per warpgroup
-//   (store_rows_as_n_staged), the others as pairs from registers (grouped::store_rows_as_n).
+//   rows (c's columns, 64 per consumer warpgroup), the B tile up to kRowsAsNTileRows of the
+//   group's rows, loaded in TMA boxes of 32 and multiplied with wgmma's N = the rows rounded up
+//   to 16 (WgmmaSsPrefix; past 256, a second wgmma for the rest). A group takes ceil(rows /
+//   kRowsAsNTileRows) tiles that split its rows evenly: 207 rows cost 208 rows of work, not 256,
+//   a group a little above the mean count is one tile, not a full one and a sliver that streams
+//   b[g] again, and 1792 rows are 7 tiles of 256. N is chosen once per tile (the K loop is
+//   compiled for each N). The tiles are listed by group, then 128-column block, then row block.
+//   A fragment row of the accumulators is a column of c: BF16 outputs (beta 0) leave through a
+//   shared-memory buffer per warpgroup (store_rows_as_n_staged), the others as pairs from
+//   registers (grouped::store_rows_as_n).
 #include "kernels/cuda/grouped_gemm.h"
 
 #include <cuda.h>
@@ -89,10 +93,17 @@ enum class Layout {
   kKGrouped,  // k-grouped: a [rows, n_out] and b [rows, n_in], both M/N-major
 };
 
-constexpr int kRowBox = 32;  // rows-as-N tiles: rows of a per TMA box, and the step of wgmma's N
+// Rows-as-N tiles: rows of a per TMA box, the step of wgmma's N, and the most rows of a tile (two
+// wgmmas past 256: N = 256 and the rest).
+constexpr int kRowBox = 32;
+constexpr int kRowStep = 16;
+constexpr int kRowsAsNTileRows = 288;
 // Rows-as-N tiles: each consumer warpgroup's shared-memory buffer for its BF16 stores, kRowBox
 // rows x its 64 columns (store_rows_as_n_staged).
 constexpr int kEpilogueBytes = kRowBox * 64 * 2;
+// Rows-as-N tiles take 4 stages of up to 288 rows beside the epilogue buffers when the group table
+// is at most this size (1023 groups); launch_grouped_gemm keeps larger tables to rows as M.
+constexpr int kRowsAsNTableBytes = 8 * 1024;
 
 template <Layout kLayout, int kBN>
 struct Tiling {
@@ -109,12 +120,17 @@ struct Tiling {
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = grouped::stage_count(kStageBytes);
-  static_assert(kBN == 16 || kBN == 32 || kBN == 64 || kBN == 128 || kBN == 256, "a wgmma N the kernel has");
+  static constexpr int kStages =
+      kRowsAsN ? std::min(grouped::kMaxStages, (grouped::kMaxDynamicSharedBytes - kConsumerWarpgroups * kEpilogueBytes -
+                                                kRowsAsNTableBytes - 2048) /
+                                                   kStageBytes)
+               : grouped::stage_count(kStageBytes);
+  static_assert(kRowsAsN || kBN == 16 || kBN == 32 || kBN == 64 || kBN == 128 || kBN == 256, "a wgmma N the kernel has");
   static_assert(kStages >= 3, "too few stages to overlap loads with the math");
   static_assert(kBChunks * kBChunkColumns == kBN || !kBMajorN, "an N-major B tile is whole chunks");
-  static_assert(!kRowsAsN || kBN == 256, "rows-as-N tiles take up to wgmma's largest N");
-  static_assert(!kRowsAsN || kStages * kStageBytes + kConsumerWarpgroups * kEpilogueBytes + grouped::kTableBudgetBytes +
+  static_assert(!kRowsAsN || (kBN % kRowBox == 0 && kBN >= 256 && kBN <= 256 + 64),
+                "rows-as-N tiles: whole TMA boxes, two wgmmas at most (the second of N <= 64)");
+  static_assert(!kRowsAsN || kStages * kStageBytes + kConsumerWarpgroups * kEpilogueBytes + kRowsAsNTableBytes +
                                      2048 <= grouped::kMaxDynamicSharedBytes,
                 "the stages, the epilogue buffers and the largest group table fit a CTA's shared memory");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages must start on a 1024-byte swizzle pattern");
@@ -139,8 +155,8 @@ struct Sm90Params {
 
 struct Tile {
   int group;
-  // Output rows [m0, min(m0 + tile rows, m_end)): rows of c (m-grouped; 128, or kBN with the
-  // rows as N) or of c[group].
+  // Output rows [m0, min(m0 + tile rows, m_end)): rows of c (m-grouped; 128, or with the rows as
+  // N up to kBN, m_end then the tile's own end) or of c[group].
   int m0, m_end;
   int n0;  // the first of the tile's columns of c (kBN of them, or 128 with the rows as N)
   int k0, k_end;  // the K range: [0, k) (m-grouped) or the group's rows (k-grouped)
@@ -161,7 +177,7 @@ __device__ __forceinline__ Tile decode_tile(int t, const Sm90Params& p, GroupTab
     tile.k_end = table.rows[tile.group + 1];
   } else {
     using T = Tiling<kLayout, kBN>;
-    grouped::locate_m_grouped_tile<T::kTileRows, T::kRowsAsN ? kBM : kBN>(t, p.groups, table, tile);
+    grouped::locate_m_grouped_tile<T::kTileRows, T::kRowsAsN ? kBM : kBN, T::kRowsAsN>(t, p.groups, table, tile);
     tile.k0 = 0;
     tile.k_end = p.k;
   }
@@ -170,9 +186,25 @@ __device__ __forceinline__ Tile decode_tile(int t, const Sm90Params& p, GroupTab
   return tile;
 }
 
-// Rows-as-N tiles: the boxes of kRowBox rows that cover the tile's rows (warp-uniform).
+// Rows-as-N tiles: the boxes of kRowBox rows that cover the tile's rows, and the wgmma steps of
+// kRowStep that do (warp-uniform).
 __device__ __forceinline__ int row_boxes(const Tile& tile, int tile_rows) {
   return (min(tile_rows, tile.m_end - tile.m0) + kRowBox - 1) / kRowBox;
+}
+__device__ __forceinline__ int row_steps(const Tile& tile, int tile_rows) {
+  return (min(tile_rows, tile.m_end - tile.m0) + kRowStep - 1) / kRowStep;
+}
+
+// Calls step(std::integral_constant<int, kRowStep * steps>) for steps in [1, kMaxN / kRowStep].
+template <int kN, int kMaxN, typename Step>
+__device__ __forceinline__ void with_row_steps(int steps, Step&& step) {
+  if constexpr (kN >= kMaxN) {
+    step(std::integral_constant<int, kMaxN>{});
+  } else if (steps * kRowStep <= kN) {
+    step(std::integral_constant<int, kN>{});
+  } else {
+    with_row_steps<kN + kRowStep, kMaxN>(steps, step);
+  }
 }
 
 // The producer thread's TMA copies of K step `k` (absolute index) of a tile into one stage: the
@@ -296,15 +328,16 @@ __device__ __forceinline__ void store_tile_bf16_quads(const float (&acc)[kBN / 2
 // every thread stores two 16-byte chunks: a warp writes 4 rows x 128 contiguous bytes of c,
 // where stores from the registers write 8 rows x 16 bytes in 4-byte pieces (with those, rows as
 // N ran 10-25% behind rows as M at the MoE expert shapes on an H200).
-__device__ __forceinline__ void store_rows_as_n_staged(const float (&acc)[128], const Sm90Params& p, const Tile& tile,
-                                                       int n_rows, int warpgroup, int warp_in_group, int lane,
-                                                       unsigned char* buffer) {
+template <int kTileRows>
+__device__ __forceinline__ void store_rows_as_n_staged(const float (&acc)[kTileRows / 2], const Sm90Params& p,
+                                                       const Tile& tile, int n_rows, int warpgroup, int warp_in_group,
+                                                       int lane, unsigned char* buffer) {
   const uint32_t base = sm90::smem_address(buffer);
   const int thread = warp_in_group * 32 + lane;
   const int matrix = lane / 8, matrix_row = lane % 8;  // whose address this lane gives
   auto slot = [](int row, int q) { return row * 128 + ((q ^ (row % 8)) << 4); };
 #pragma unroll
-  for (int box = 0; box < 8; ++box) {
+  for (int box = 0; box < kTileRows / kRowBox; ++box) {
     if (box * kRowBox >= n_rows) break;
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {  // accumulator blocks j = 4 box + 2 pair + i / 2, h = i % 2
@@ -349,14 +382,22 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Sm
 }
 
 // Rows-as-N tiles, one K step of a warpgroup: acc (64 x kN) += A (its 64 of c's columns, K-major
-// rows of 128 bytes) . B (the rows, K-major).
-template <int kN>
-__device__ __forceinline__ void k_step_rows_as_n(float (&acc)[128], uint32_t a_address, uint32_t b_address) {
+// rows of 128 bytes) . B (the rows, K-major). Past 256 rows a second wgmma takes rows 256.. into
+// acc[128 ..]: an accumulator's fragment for columns 256 + j is the one an N > 256 would have.
+template <int kN, int kRegisters>
+__device__ __forceinline__ void k_step_rows_as_n(float (&acc)[kRegisters], uint32_t a_address, uint32_t b_address) {
+  constexpr int kFirstN = kN < 256 ? kN : 256;
 #pragma unroll
   for (int kk = 0; kk < kBK / 16; ++kk) {
     const uint64_t desc_a = sm90::matrix_descriptor(a_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
     const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
-    sm90::WgmmaSsPrefix<kN>::template mma<0>(acc, desc_a, desc_b);
+    sm90::WgmmaSsPrefix<kFirstN>::template mma<0>(acc, desc_a, desc_b);
+    if constexpr (kN > 256) {
+      const uint64_t desc_rest =
+          sm90::matrix_descriptor(b_address + 256 * 128 + kk * 32, 16, 1024, sm90::swizzle_code(128));
+      auto& rest = reinterpret_cast<float(&)[kRegisters - 128]>(acc[128]);
+      sm90::WgmmaSsPrefix<kN - 256>::template mma<0>(rest, desc_a, desc_rest);
+    }
   }
 }
 
@@ -468,29 +509,51 @@ __global__ void __launch_bounds__(kThreads, 1)
     // whose 64 columns all lie past n, multiplies nothing.
     const bool active = T::kRowsAsN ? tile.n0 + warpgroup * 64 < p.n : tile.m0 + warpgroup * 64 < tile.m_end;
     const int boxes = T::kRowsAsN ? row_boxes(tile, kBN) : 0;
+    const int steps = T::kRowsAsN ? row_steps(tile, kBN) : 0;
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     int previous_stage = 0;
-    for (int s = 0; s < tile.k_steps; ++s) {
-      sm90::barrier_wait(&full[stage], phase);
-      unsigned char* a_tile = a_stages + stage * T::kABytes;
-      unsigned char* b_tile = b_stages + stage * T::kBBytes;
-      if constexpr (T::kKGrouped) {
-        const int valid = tile.k_end - (tile.k0 + s * kBK);
-        if (valid < kBK) {
-          zero_rows_past_group<kLayout, kBN>(a_tile, b_tile, valid, consumer_thread);
-          sm90::fence_proxy_async_shared();
-          sm90::named_barrier_sync(1, 128 * kConsumerWarpgroups);
+    // The tile's K steps; multiply(a_address, b_address) issues one step's wgmmas.
+    auto run_k_steps = [&](auto&& multiply) {
+      for (int s = 0; s < tile.k_steps; ++s) {
+        sm90::barrier_wait(&full[stage], phase);
+        unsigned char* a_tile = a_stages + stage * T::kABytes;
+        unsigned char* b_tile = b_stages + stage * T::kBBytes;
+        if constexpr (T::kKGrouped) {
+          const int valid = tile.k_end - (tile.k0 + s * kBK);
+          if (valid < kBK) {
+            zero_rows_past_group<kLayout, kBN>(a_tile, b_tile, valid, consumer_thread);
+            sm90::fence_proxy_async_shared();
+            sm90::named_barrier_sync(1, 128 * kConsumerWarpgroups);
+          }
+        }
+        sm90::fence_registers(acc);
+        sm90::wgmma_fence();
+        multiply(sm90::smem_address(a_tile) + warpgroup * 64 * 128, sm90::smem_address(b_tile));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();  // the previous step's wgmmas are done: its stage can be refilled
+        sm90::fence_registers(acc);
+        if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+        previous_stage = stage;
+        if (++stage == T::kStages) {
+          stage = 0;
+          phase ^= 1;
         }
       }
-      const uint32_t a_address = sm90::smem_address(a_tile) + warpgroup * 64 * 128;
-      const uint32_t b_address = sm90::smem_address(b_tile);
-      sm90::fence_registers(acc);
-      sm90::wgmma_fence();
-      if constexpr (T::kRowsAsN) {
-        if (active)
-          grouped::with_row_boxes(boxes, [&](auto n) { k_step_rows_as_n<decltype(n)::value>(acc, a_address, b_address); });
+    };
+    if constexpr (T::kRowsAsN) {
+      // wgmma's N is a template argument: chosen once per tile, with the K loop compiled for each.
+      if (active) {
+        with_row_steps<kRowStep, kBN>(steps, [&](auto n) {
+          run_k_steps([&](uint32_t a_address, uint32_t b_address) {
+            k_step_rows_as_n<decltype(n)::value>(acc, a_address, b_address);
+          });
+        });
       } else {
+        run_k_steps([](uint32_t, uint32_t) {});
+      }
+    } else {
+      run_k_steps([&](uint32_t a_address, uint32_t b_address) {
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
           if (!active) break;
@@ -500,16 +563,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                           sm90::swizzle_code(T::kBSwizzle));
           sm90::Wgmma<kBN>::template mma<T::kAMajorM ? 1 : 0, T::kBMajorN ? 1 : 0>(acc, desc_a, desc_b, 1);
         }
-      }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();  // the previous step's wgmmas are done: its stage can be refilled
-      sm90::fence_registers(acc);
-      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-      previous_stage = stage;
-      if (++stage == T::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      });
     }
     sm90::wgmma_wait<0>();
     sm90::fence_registers(acc);
@@ -521,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         grouped::store_rows_as_n<float, kBN>(acc, p, tile, boxes * kRowBox, tile.n0 + row_in_tile, lane);
       } else if (p.beta == 0.0f) {
         if (active)
-          store_rows_as_n_staged(acc, p, tile, boxes * kRowBox, warpgroup, warp % 4, lane,
+          store_rows_as_n_staged<kBN>(acc, p, tile, boxes * kRowBox, warpgroup, warp % 4, lane,
                                  epilogue_buffers + warpgroup * kEpilogueBytes);
       } else {
         grouped::store_rows_as_n<bf16, kBN>(acc, p, tile, boxes * kRowBox, tile.n0 + row_in_tile, lane);  // reads c
@@ -783,7 +837,9 @@ std::atomic<GroupedGemmTiling> tiling_override{GroupedGemmTiling::kAuto};
 void set_grouped_gemm_tiling(GroupedGemmTiling tiling) { tiling_override = tiling; }
 
 GroupedGemmTiling grouped_gemm_tiling(const GroupedGemmProblem& p) {
-  if (p.kind != GroupedGemmKind::kMGrouped || !p.transpose_b) return GroupedGemmTiling::kRowsAsM;
+  // Rows as N needs the group table to fit beside its stages (kRowsAsNTableBytes).
+  const bool table_fits = p.groups * 2 * 4 + 8 <= kRowsAsNTableBytes;
+  if (p.kind != GroupedGemmKind::kMGrouped || !p.transpose_b || !table_fits) return GroupedGemmTiling::kRowsAsM;
   const GroupedGemmTiling forced = tiling_override;
   if (forced != GroupedGemmTiling::kAuto) return forced;
   // The counts are on the device; the mean rows per group is what the host knows.
@@ -802,7 +858,7 @@ void launch_grouped_gemm(const GroupedGemmProblem& p, cudaStream_t stream) {
   if (!m_grouped) {
     launch_sm90_bn<Layout::kKGrouped>(p, pick_bn(p.n_in), stream);
   } else if (grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN) {
-    launch_sm90<Layout::kMGroupedKMajorBRowsAsN, 256>(p, stream);
+    launch_sm90<Layout::kMGroupedKMajorBRowsAsN, kRowsAsNTileRows>(p, stream);
   } else if (p.transpose_b) {
     launch_sm90_bn<Layout::kMGroupedKMajorB>(p, pick_bn(p.n), stream);
   } else {

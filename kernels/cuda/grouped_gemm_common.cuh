@@ -98,8 +98,10 @@ __device__ void build_group_table(const Params& p, GroupTable table, int lane) {
 
 // m-grouped tile t: its group (the one whose tile range holds t, tiles[lo] <= t < tiles[lo + 1];
 // empty groups have an empty range, so the search never stops on one), its rows
-// [m0, min(m0 + kTileRows, m_end)) and its first column n0.
-template <int kTileRows, int kTileColumns, typename Tile>
+// [m0, min(m0 + kTileRows, m_end)) and its first column n0. kBalanced: the group's ceil(rows /
+// kTileRows) tiles split its rows evenly instead (sizes differ by at most one row; m_end is the
+// tile's own end), so that 1792 rows make 7 tiles of 256, not 6 of 288 and one of 64.
+template <int kTileRows, int kTileColumns, bool kBalanced = false, typename Tile>
 __device__ __forceinline__ void locate_m_grouped_tile(int t, int groups, GroupTable table, Tile& tile) {
   int lo = 0, hi = groups;
   while (hi - lo > 1) {
@@ -114,8 +116,15 @@ __device__ __forceinline__ void locate_m_grouped_tile(int t, int groups, GroupTa
   const int local = t - table.tiles[lo];
   const int row0 = table.rows[lo], row_end = table.rows[lo + 1];
   const int m_tiles = (row_end - row0 + kTileRows - 1) / kTileRows;
-  tile.m0 = row0 + local % m_tiles * kTileRows;
-  tile.m_end = row_end;
+  const int m_tile = local % m_tiles;
+  if constexpr (kBalanced) {
+    const int64_t rows = row_end - row0;
+    tile.m0 = row0 + static_cast<int>(m_tile * rows / m_tiles);
+    tile.m_end = row0 + static_cast<int>((m_tile + 1) * rows / m_tiles);
+  } else {
+    tile.m0 = row0 + m_tile * kTileRows;
+    tile.m_end = row_end;
+  }
   tile.n0 = local / m_tiles * kTileColumns;
 }
 

@@ -164,8 +164,11 @@ TEST_CASE("cuda grouped_gemm M-grouped: uneven and empty groups, rows not multip
 TEST_CASE("cuda grouped_gemm M-grouped: 256-column tiles, every size of a group's last tile, partial n-tiles") {
   // Last tiles of 1 to 128 rows (one warpgroup idle up to 64), whole 128-row tiles, and n = 600
   // (three n-tiles, the last 88 columns: BF16 stores of 16 bytes per lane stop inside a group of
-  // four 8-column chunks) or n = 400, with and without the second product.
-  const std::vector<int32_t> sizes = {44, 0, 100, 150, 230, 256, 582, 128, 64, 1, 385, 129, 320};
+  // four 8-column chunks) or n = 400, with and without the second product. With the rows as N
+  // (tiles of up to 288 rows that split a group evenly, wgmma's N in steps of 16, a second wgmma
+  // past 256): 288 rows are one tile of N 256 + 32, 289 two of 144 and 145, 385 two of 192 and
+  // 193, 582 three of 194.
+  const std::vector<int32_t> sizes = {44, 0, 100, 150, 230, 256, 582, 128, 64, 1, 385, 129, 320, 289, 288};
   uint64_t seed = 200;
   for (const Run& run : all_runs()) check_m_grouped("tails", sizes, 136, 600, run, true, seed += 10);
   for (const Run& run : {Run{kBf16ToBf16, true, 0.0, false}, Run{kBf16ToF32, false, 1.0, true}}) {
@@ -197,12 +200,19 @@ TEST_CASE("cuda grouped_gemm M-grouped: the tiling follows the mean rows per gro
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
   p.transpose_b = false;  // forcing applies where the kernel has the tiling
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
+  p.transpose_b = true;  // and where the group table fits beside its stages (1023 groups)
+  p.groups = 1023;
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
+  p.groups = 1024;
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
 }
 
 TEST_CASE("cuda grouped_gemm M-grouped: one group holding every row") {
   uint64_t seed = 300;
   for (const Run& run : all_runs()) check_m_grouped("one group", {0, 0, 517, 0}, 64, 64, run, true, seed += 10);
   check_m_grouped("single group", {389}, 96, 200, {kBf16ToBf16, true, 0.0, false}, true, 390);
+  // With the rows as N, 21 tiles of 285 or 286 rows (N 256 + 32).
+  check_m_grouped("large group", {0, 6001, 0}, 64, 128, {kBf16ToBf16, true, 0.0, false}, true, 395);
 }
 
 TEST_CASE("cuda grouped_gemm M-grouped: random skewed counts") {
