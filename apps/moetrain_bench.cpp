@@ -729,11 +729,15 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   const int64_t tokens = config.data.micro_batch * config.data.seq_len;
   // Model FLOPs as docs/PERF.md defines them (core/plan/model_flops.h), as the trainer's `mfu`.
   const double flops = ModelFlops(spec, config.lora).step(last_batch.num_tokens(), last_batch.cu_seqlens).total();
+  const int64_t rerun = config.parallel.recompute_layers;
+  const std::string recompute = !config.parallel.recompute ? "off"
+                                : rerun < 0 || rerun >= spec.config.num_layers
+                                    ? "on"
+                                    : fmt::format("on, first {} of {} layers", rerun, spec.config.num_layers);
   std::printf("\nstep: %lld layers, hidden %lld, %lld experts top-%lld, %lld tokens (seq %lld), recompute %s\n",
               static_cast<long long>(spec.config.num_layers), static_cast<long long>(spec.config.hidden_size),
               static_cast<long long>(spec.config.moe.num_experts), static_cast<long long>(spec.config.moe.top_k),
-              static_cast<long long>(tokens), static_cast<long long>(config.data.seq_len),
-              config.parallel.recompute ? "on" : "off");
+              static_cast<long long>(tokens), static_cast<long long>(config.data.seq_len), recompute.c_str());
   std::printf("step: median %.1f ms, %.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of %.0f (%.1f%% of the measured "
               "771), last loss %.4f\n",
               seconds * 1e3, tokens / seconds, flops / seconds / 1e12, 100.0 * flops / seconds / 1e12 / kDatasheetBf16Tflops,

@@ -143,7 +143,11 @@ struct ParallelConfig {
   int64_t fsdp = 1;
   int64_t ep = 1;
   int64_t prefetch = 1;
+  // Re-run each layer's forward in its backward instead of keeping what the backward reads: less
+  // memory, one more forward. recompute_layers: only the first N layers re-run (the rest keep
+  // their activations; -1: every layer), to spend spare memory on speed.
   bool recompute = true;
+  int64_t recompute_layers = -1;
   // FSDP: free a layer's gathered base weights after its forward and gather them again for its
   // backward (true), or keep them from forward to backward (false: more memory, less traffic).
   bool reshard_after_forward = true;

@@ -354,6 +354,18 @@ void check_training(const Config& c, Rules& r) {
   r.positive("parallel.ep", p.ep);
   r.at_least<int64_t>("parallel.prefetch", p.prefetch, 0);
   r.at_least<double>("parallel.timeout_s", p.timeout_s, 0.0);
+  if (p.recompute_layers != -1) {
+    if (!p.recompute) {
+      r.fail({"parallel.recompute_layers", "parallel.recompute"},
+             "`parallel.recompute_layers` = " + show(p.recompute_layers) +
+                 " needs `parallel.recompute: true` (it chooses how many of the layers re-run their forward)");
+    } else if (p.recompute_layers < 0 ||
+               (r.known({"model.num_layers"}) && p.recompute_layers > c.model.num_layers)) {
+      r.fail({"parallel.recompute_layers", "model.num_layers"},
+             "`parallel.recompute_layers` = " + show(p.recompute_layers) + " must be -1 (every layer) or 0 .. " +
+                 "`model.num_layers` = " + show(c.model.num_layers));
+    }
+  }
   if (p.ep > 0 && r.known({"model.moe.num_experts"}) && p.ep > c.model.moe.num_experts) {
     r.fail({"parallel.ep", "model.moe.num_experts"},
            "`parallel.ep` = " + show(p.ep) + " must be <= `model.moe.num_experts` = " +

@@ -119,6 +119,7 @@ void visit_fields(V& v, ParallelConfig& c) {
   v.field("ep", c.ep);
   v.field("prefetch", c.prefetch);
   v.field("recompute", c.recompute);
+  v.field("recompute_layers", c.recompute_layers);
   v.field("reshard_after_forward", c.reshard_after_forward);
   v.field("timeout_s", c.timeout_s);
 }

@@ -138,6 +138,7 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
 ModelOptions model_options_for(const Config& config) {
   ModelOptions options;
   options.recompute = config.parallel.recompute;
+  options.recompute_layers = config.parallel.recompute_layers;
   options.fsdp_prefetch = config.parallel.prefetch;
   options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
   options.seed = static_cast<uint64_t>(config.train.seed);
@@ -664,7 +665,7 @@ PendingStep Model::run_step(const Batch& batch, double grad_scale, std::string& 
     gather_layers(i, +1);
     inputs[i + 1] = ctx.alloc({n, d});
     layer_forward(ctx, i, inputs[i + 1], inputs[i], summaries_for(inputs, i));
-    if (options_.recompute) release_layer(i);
+    if (recomputes(i)) release_layer(i);
     if (options_.fsdp_reshard_after_forward && i + 1 < num_layers) release_layer_weights(i);
   }
   where = "the final norm and the loss";
@@ -702,10 +703,10 @@ PendingStep Model::run_step(const Batch& batch, double grad_scale, std::string& 
   }
   release_outer_weights();
   for (size_t i = num_layers; i-- > 0;) {
-    where = layer_pass(spec_, i, options_.recompute ? "backward (and its recomputed forward)" : "backward");
+    where = layer_pass(spec_, i, recomputes(i) ? "backward (and its recomputed forward)" : "backward");
     gather_layers(i, -1);
     const std::vector<TensorView> summaries = summaries_for(inputs, i);
-    if (options_.recompute) {
+    if (recomputes(i)) {
       Tensor recomputed = ctx.alloc({n, d});
       layer_forward(ctx, i, recomputed, inputs[i], summaries);
     }

@@ -26,7 +26,10 @@ class HfCheckpoint;
 struct ModelOptions {
   DType dtype = DType::kF32;         // activations and base weights: F32 (F64 for gradient checks) on
                                      // the CPU, BF16 on CUDA; LoRA parameters are F32 (F64)
+  // Re-run layers' forwards in the backward: every layer, or the first recompute_layers of them
+  // (-1: every layer; parallel.recompute, parallel.recompute_layers).
   bool recompute = false;
+  int64_t recompute_layers = -1;
   uint64_t seed = 1234;              // LoRA init and random base weights
   LoraSettings lora;
   std::vector<std::string> lora_targets;
@@ -162,6 +165,12 @@ class Model final : public TrainableModel {
   // summary (kept in final_mix_ for the backward).
   TensorView final_norm_input(const LayerContext& ctx, const std::vector<Tensor>& inputs);
   void release_layer(size_t index);
+  // Layer `index` drops what its backward reads after its forward and re-runs that forward in the
+  // backward (ModelOptions::recompute, recompute_layers: the first layers re-run).
+  bool recomputes(size_t index) const {
+    return options_.recompute &&
+           (options_.recompute_layers < 0 || static_cast<int64_t>(index) < options_.recompute_layers);
+  }
   std::vector<WeightSlot> layer_weight_slots(size_t index);
   // FSDP (model_weights.cpp): at construction, each layer's (and the outer) non-expert frozen
   // weights become a bucket of which this rank keeps one shard; loading writes that shard only.

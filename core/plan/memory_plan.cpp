@@ -127,6 +127,10 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   plan.replicate = mesh.replicate();
   plan.prefetch = static_cast<int>(config.parallel.prefetch);
   plan.recompute = config.parallel.recompute;
+  plan.num_layers = m.num_layers;
+  plan.recompute_layers = config.parallel.recompute && config.parallel.recompute_layers >= 0
+                              ? std::min(config.parallel.recompute_layers, m.num_layers)
+                              : m.num_layers;
   plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len;
   plan.micro_batches = config.data.grad_accum;
   plan.local_experts = mesh.experts_per_rank();
@@ -206,11 +210,20 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
 
   // Per token: activations and EP buffers.
   double checkpoint = (static_cast<double>(m.num_layers) + 1) * static_cast<double>(m.hidden_size) * a;
-  double saved_sum = 0, saved_max = 0;
+  // With the first N layers re-run: the kept layers' sets are all alive when the backward starts
+  // (with the last layer), and freed before it reaches the first N, which hold one set at a time.
+  double saved_sum = 0, saved_max = 0, kept_sum = 0, rerun_max = 0;
+  int64_t rerun_moe_layers = 0;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
     const double layer = layer_saved_per_token(spec, i, a, options.capacity_factor, config);
     saved_sum += layer;
     saved_max = std::max(saved_max, layer);
+    if (static_cast<int64_t>(i) < plan.recompute_layers) {
+      rerun_max = std::max(rerun_max, layer);
+      if (spec.ffns[i] == FfnKind::kMoe) ++rerun_moe_layers;
+    } else {
+      kept_sum += layer;
+    }
   }
   // KDA's chunked kernels hold the state entering every 64-token chunk (F32 d x d per head) while
   // one layer's forward or backward runs; the layer does not keep them (the backward recomputes).
@@ -236,8 +249,11 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   for (bool recompute : {true, false}) {
     std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
     add(items, "layer inputs (checkpoints)", checkpoint, "(layers + 1) x D x a");
-    if (recompute) {
+    if (recompute && plan.recompute_layers == plan.num_layers) {
       add(items, "one layer's saved tensors (re-run)", saved_max, "max over layers of the saved set");
+    } else if (recompute) {
+      add(items, fmt::format("saved tensors (first {} of {} layers re-run)", plan.recompute_layers, plan.num_layers),
+          std::max(kept_sum, rerun_max), "max(sum of the kept layers' saved sets, the largest re-run one)");
     } else {
       add(items, "every layer's saved tensors", saved_sum, "sum over layers of the saved set");
     }
@@ -264,12 +280,13 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       "non-expert LoRA x 4 B x (world-1)/world, once per step");
   add(plan.communication, "expert-adapter reduce-scatter + gather",
       2 * (replicas - 1) / replicas * expert_lora * kF32, "2 (r-1)/r x local expert LoRA x 4 B, r = world / ep");
-  const double passes = plan.recompute ? 6 : 4;
+  // 4 passes per MoE layer (dispatch and combine, forward and backward), 2 more where it re-runs.
+  const double passes = 4.0 * static_cast<double>(moe_layers) + (plan.recompute ? 2.0 * rerun_moe_layers : 0.0);
   const double ep_frac = static_cast<double>(plan.ep - 1) / static_cast<double>(plan.ep);
   add(plan.communication, "EP all-to-all (dispatch + combine)",
-      micro * passes * static_cast<double>(moe_layers) * static_cast<double>(plan.tokens_per_micro_batch) * k * d * a *
-          ep_frac,
-      fmt::format("grad_accum x {} passes x MoE layers x tokens x top_k x D x a x (ep-1)/ep", passes));
+      micro * passes * static_cast<double>(plan.tokens_per_micro_batch) * k * d * a * ep_frac,
+      fmt::format("grad_accum x {:.0f} passes (4 per MoE layer, 6 where it re-runs) x tokens x top_k x D x a x (ep-1)/ep",
+                  passes));
   return plan;
 }
 

@@ -33,6 +33,10 @@ nlohmann::json items_json(const std::vector<PlanItem>& items) {
 
 std::string format_plan(const MemoryPlan& plan) {
   const ModelParameterCount& p = plan.params;
+  // "on", or "on, first N of L layers" where parallel.recompute_layers chose fewer.
+  const std::string on = plan.recompute_layers == plan.num_layers
+                             ? std::string("on")
+                             : fmt::format("on, first {} of {} layers", plan.recompute_layers, plan.num_layers);
   std::string out;
   out += fmt::format("world {} = fsdp {} x replicate {}; ep {} ({} experts per rank, {} replicas of each)\n",
                      plan.world, plan.fsdp, plan.replicate, plan.ep, plan.local_experts, plan.world / plan.ep);
@@ -41,7 +45,7 @@ std::string format_plan(const MemoryPlan& plan) {
   out += fmt::format("LoRA: {} = non-expert {} + routed experts {}\n", count(plan.lora.total()),
                      count(plan.lora.non_expert()), count(plan.lora.routed_experts()));
   out += fmt::format("micro-batch: {} tokens per rank, {} micro-batches per step, recompute {}\n\n",
-                     plan.tokens_per_micro_batch, plan.micro_batches, plan.recompute ? "on" : "off");
+                     plan.tokens_per_micro_batch, plan.micro_batches, plan.recompute ? on : "off");
 
   out += "memory per rank, fixed\n";
   rows(out, plan.fixed, 1.0);
@@ -49,7 +53,7 @@ std::string format_plan(const MemoryPlan& plan) {
   const double tokens = static_cast<double>(plan.tokens_per_micro_batch);
   for (bool recompute : {true, false}) {
     out += fmt::format("memory per rank, per token x {} tokens ({})\n", plan.tokens_per_micro_batch,
-                       recompute ? "recompute on" : "recompute off");
+                       "recompute " + (recompute ? on : "off"));
     rows(out, recompute ? plan.per_token_recompute : plan.per_token_full, tokens);
     out += fmt::format("  {:<42}{}   ({:.1f} KB per token)\n", "peak", gb(plan.peak_bytes(recompute)),
                        plan.per_token_bytes(recompute) / 1e3);
@@ -67,10 +71,10 @@ std::string format_plan(const MemoryPlan& plan) {
   for (bool recompute : {true, false}) {
     const double peak = plan.peak_bytes(recompute);
     out += fmt::format("  recompute {:<3}: peak {:.1f} GB -> {}; at most {} tokens per micro-batch per rank\n",
-                       recompute ? "on" : "off", peak / 1e9, peak <= plan.usable_bytes ? "fits" : "DOES NOT FIT",
+                       recompute ? on : "off", peak / 1e9, peak <= plan.usable_bytes ? "fits" : "DOES NOT FIT",
                        plan.max_tokens(recompute));
   }
-  out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? "on" : "off",
+  out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? on : "off",
                      plan.fits() ? "fits" : "does not fit");
   return out;
 }
@@ -86,6 +90,8 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["tokens_per_micro_batch"] = plan.tokens_per_micro_batch;
   j["micro_batches"] = plan.micro_batches;
   j["recompute"] = plan.recompute;
+  j["recompute_layers"] = plan.recompute_layers;  // of the recompute column
+  j["num_layers"] = plan.num_layers;
   j["parameters"] = {{"total", p.total()},
                      {"non_expert", p.non_expert()},
                      {"routed_experts", p.routed_experts()}};

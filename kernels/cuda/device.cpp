@@ -42,7 +42,7 @@ class DeviceAllocator final : public Allocator {
                       std::to_string(held.allocated_bytes >> 20) + " MiB (peak " +
                       std::to_string(held.peak_bytes >> 20) + " MiB, " + std::to_string(held.allocations) +
                       " cudaMalloc calls so far). Lower data.micro_batch or data.seq_len, turn "
-                      "parallel.recompute on, or spread the model over more ranks (parallel.fsdp, parallel.ep); "
+                      "parallel.recompute on (for every layer: parallel.recompute_layers -1), or spread the model over more ranks (parallel.fsdp, parallel.ep); "
                       "`moetrain plan` shows what fits");
     }
     CUDA_CHECK(status);

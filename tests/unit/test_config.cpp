@@ -332,6 +332,11 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
       {{"lora.targets=[q_proj,q_proj]"}, {"`lora.targets[1]` = `q_proj` is listed twice"}},
       {{"parallel.ep=8"}, {"`parallel.ep` = 8 must be <= `model.moe.num_experts` = 4"}},
       {{"parallel.fsdp=0"}, {"`parallel.fsdp` = 0 must be > 0"}},
+      {{"parallel.recompute=false", "parallel.recompute_layers=1"},
+       {"`parallel.recompute_layers` = 1 needs `parallel.recompute: true`"}},
+      {{"parallel.recompute_layers=3"},
+       {"`parallel.recompute_layers` = 3 must be -1 (every layer) or 0 .. `model.num_layers` = 2"}},
+      {{"parallel.recompute_layers=-2"}, {"`parallel.recompute_layers` = -2 must be -1 (every layer)"}},
       {{"train.beta2=1.0"}, {"`train.beta2` = 1.0 must be in [0.0, 1.0)"}},
   };
   for (const Case& c : cases) {
@@ -481,6 +486,9 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
   // Defaults round-trip too, with null optionals.
   Config tiny = parse_tiny();
   CHECK(same_settings(parse_config(config_to_yaml(tiny), "written.yaml"), tiny));
+  // recompute_layers, which the literal above leaves at its default (it needs recompute on).
+  Config partial = parse_tiny({"parallel.recompute_layers=1"});
+  CHECK(parse_config(config_to_yaml(partial), "written.yaml").parallel.recompute_layers == 1);
   CHECK(has(config_to_yaml(tiny), "q_lora_rank: null"));
 }
 

@@ -28,9 +28,10 @@ Config config_of(bool q_lora, double aux_coef, bool k3_kda) {
   return config;
 }
 
-ModelOptions options_of(bool q_lora, bool recompute, bool k3_kda) {
+ModelOptions options_of(bool q_lora, bool recompute, bool k3_kda, int64_t recompute_layers) {
   ModelOptions options;
   options.recompute = recompute;
+  options.recompute_layers = recompute_layers;
   options.lora = LoraSettings{4, 8.0, false};
   options.lora_targets = k3_kda ? std::vector<std::string>{"qkv_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj",
                                                            "o_proj", "kv_b_proj", "experts"}
@@ -39,8 +40,9 @@ ModelOptions options_of(bool q_lora, bool recompute, bool k3_kda) {
 }
 
 struct Fixture : GradcheckModel {
-  Fixture(bool q_lora, double aux_coef, bool recompute, bool k3_kda = false)
-      : GradcheckModel(config_of(q_lora, aux_coef, k3_kda), options_of(q_lora, recompute, k3_kda), 100, 3) {}
+  Fixture(bool q_lora, double aux_coef, bool recompute, bool k3_kda = false, int64_t recompute_layers = -1)
+      : GradcheckModel(config_of(q_lora, aux_coef, k3_kda), options_of(q_lora, recompute, k3_kda, recompute_layers),
+                       100, 3) {}
 };
 
 }  // namespace
@@ -67,13 +69,19 @@ TEST_CASE("model LoRA gradients match finite differences (no q LoRA, aux loss, r
 
 TEST_CASE("recompute gives the same loss and gradients as keeping activations", "[model]") {
   Fixture keep(true, 0.01, false);
-  Fixture again(true, 0.01, true);
-  std::vector<Tensor> a = keep.gradients();
-  std::vector<Tensor> b = again.gradients();
-  REQUIRE(a.size() == b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    Comparison c = compare_tensors(a[i], b[i], 0.0, 0.0, keep.model->parameters()[i]->name);
-    INFO(c.message);
-    CHECK(c.ok);
+  const double loss = keep.objective();
+  const std::vector<Tensor> a = keep.gradients();
+  // Every layer re-run, and the first one or two of the three (parallel.recompute_layers).
+  for (int64_t layers : {-1, 1, 2}) {
+    INFO("recompute_layers " << layers);
+    Fixture again(true, 0.01, true, false, layers);
+    CHECK(again.objective() == loss);
+    const std::vector<Tensor> b = again.gradients();
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      Comparison c = compare_tensors(a[i], b[i], 0.0, 0.0, keep.model->parameters()[i]->name);
+      INFO(c.message);
+      CHECK(c.ok);
+    }
   }
 }

@@ -15,6 +15,8 @@ using namespace moetrain;
 
 namespace {
 
+bool has_text(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 int64_t slot_elements(Model& model) {
   int64_t n = 0;
   for (const WeightSlot& slot : model.weight_slots()) n += slot.tensor->numel();
@@ -290,6 +292,48 @@ TEST_CASE("a KDA layer's saved tensors and chunk states per token, by hand") {
   CHECK(item(with_kda.per_token_full, saved).bytes - item(without.per_token_full, saved).bytes == 272.0 - 164.0);
   CHECK(item(with_kda.per_token_full, "KDA chunk states (inside the op)").bytes == 2.0);
   CHECK(item(without.per_token_full, "KDA chunk states (inside the op)").bytes == 0.0);
+}
+
+TEST_CASE("recompute of the first N layers: the kept layers' saved sets, or one re-run set") {
+  // Three alike MoE layers (saved set S each): the backward starts with the kept layers' sets
+  // alive and frees them before it re-runs the first ones, one at a time. EP all-to-all: 4
+  // passes per MoE layer, 2 more for each re-run one.
+  Config config = testing::tiny_model_config(false);
+  config.model.layers = {"mla", "mla", "mla"};
+  config.model.first_k_dense = 0;
+  config.parallel.ep = 2;
+  PlanOptions options;
+  options.world = 2;
+  auto plan_of = [&](bool recompute, int64_t layers) {
+    Config c = config;
+    c.parallel.recompute = recompute;
+    c.parallel.recompute_layers = layers;
+    return make_memory_plan(c, options);
+  };
+  auto bytes = [](const std::vector<PlanItem>& items, const std::string& name) {
+    for (const PlanItem& i : items)
+      if (i.name == name) return i.bytes;
+    FAIL("no plan item " << name);
+    return 0.0;
+  };
+  const MemoryPlan all = plan_of(true, -1), off = plan_of(false, -1);
+  const double s = bytes(all.per_token_recompute, "one layer's saved tensors (re-run)");
+  REQUIRE(s > 0);
+  CHECK(bytes(off.per_token_full, "every layer's saved tensors") == 3 * s);
+  const MemoryPlan first1 = plan_of(true, 1), first2 = plan_of(true, 2), first3 = plan_of(true, 3);
+  CHECK(first1.recompute_layers == 1);
+  CHECK(bytes(first1.per_token_recompute, "saved tensors (first 1 of 3 layers re-run)") == 2 * s);
+  CHECK(bytes(first2.per_token_recompute, "saved tensors (first 2 of 3 layers re-run)") == s);
+  CHECK(first3.per_token_bytes(true) == all.per_token_bytes(true));
+  CHECK(off.per_token_bytes(false) > first1.per_token_bytes(true));
+  CHECK(first1.per_token_bytes(true) > all.per_token_bytes(true));
+  // Without recompute the plan's "recompute" column is every layer's.
+  CHECK(off.recompute_layers == 3);
+  const double ep_off = off.communication.back().bytes;
+  REQUIRE(ep_off > 0);
+  CHECK(first1.communication.back().bytes == ep_off * 14 / 12);
+  CHECK(all.communication.back().bytes == ep_off * 18 / 12);
+  CHECK(has_text(format_plan(first1), "recompute on, first 1 of 3 layers"));
 }
 
 TEST_CASE("the plan refuses a world the mesh does not fit") {
