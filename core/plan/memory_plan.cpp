@@ -112,6 +112,29 @@ int64_t MemoryPlan::max_tokens(bool with_recompute) const {
 }
 double MemoryPlan::communication_bytes() const { return sum(communication); }
 
+double MemoryPlan::peak_bytes_rerunning(int64_t layers) const {
+  // per_token_full with its saved sets (all of them) replaced by the re-run layers' largest or
+  // the kept layers' sum (see make_memory_plan).
+  double kept = 0, rerun = 0, all = 0;
+  for (size_t i = 0; i < layer_saved.size(); ++i) {
+    all += layer_saved[i];
+    if (static_cast<int64_t>(i) < layers) {
+      rerun = std::max(rerun, layer_saved[i]);
+    } else {
+      kept += layer_saved[i];
+    }
+  }
+  const double per_token = per_token_bytes(false) - all + std::max(kept, rerun);
+  return fixed_bytes() + per_token * static_cast<double>(tokens_per_micro_batch);
+}
+
+int64_t MemoryPlan::fewest_recompute_layers() const {
+  for (int64_t layers = 0; layers <= num_layers; ++layers) {
+    if (peak_bytes_rerunning(layers) <= usable_bytes) return layers;
+  }
+  return -1;
+}
+
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
   const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
@@ -216,6 +239,7 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   int64_t rerun_moe_layers = 0;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
     const double layer = layer_saved_per_token(spec, i, a, options.capacity_factor, config);
+    plan.layer_saved.push_back(layer);
     saved_sum += layer;
     saved_max = std::max(saved_max, layer);
     if (static_cast<int64_t>(i) < plan.recompute_layers) {

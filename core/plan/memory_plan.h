@@ -47,6 +47,7 @@ struct MemoryPlan {
   std::vector<PlanItem> fixed;                // per rank, independent of tokens
   std::vector<PlanItem> per_token_recompute;  // bytes per token of the micro-batch
   std::vector<PlanItem> per_token_full;       // the same without recompute
+  std::vector<double> layer_saved;            // per layer: bytes per token its forward saves
   std::vector<PlanItem> communication;        // bytes sent per rank per optimizer step
   double ep_receive_worst_case_per_token = 0; // if every peer routed its tokens to this rank
 
@@ -56,6 +57,10 @@ struct MemoryPlan {
   double per_token_bytes(bool with_recompute) const;
   double peak_bytes(bool with_recompute) const;          // at tokens_per_micro_batch
   int64_t max_tokens(bool with_recompute) const;          // per micro-batch that fit usable_bytes
+  // The peak with the first `layers` re-run (0: none, num_layers: all; parallel.recompute_layers),
+  // and the fewest that fit usable_bytes (-1: not even all).
+  double peak_bytes_rerunning(int64_t layers) const;
+  int64_t fewest_recompute_layers() const;
   double communication_bytes() const;
   bool fits() const { return peak_bytes(recompute) <= usable_bytes; }
 };

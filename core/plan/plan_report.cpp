@@ -74,6 +74,14 @@ std::string format_plan(const MemoryPlan& plan) {
                        recompute ? on : "off", peak / 1e9, peak <= plan.usable_bytes ? "fits" : "DOES NOT FIT",
                        plan.max_tokens(recompute));
   }
+  const int64_t fewest = plan.fewest_recompute_layers();
+  if (fewest == 0) {
+    out += "  every layer may keep its activations (recompute off fits)\n";
+  } else if (fewest > 0) {
+    out += fmt::format("  the fewest layers to re-run: the first {} of {} (parallel.recompute_layers: {}; each one "
+                       "re-run costs a layer's forward)\n",
+                       fewest, plan.num_layers, fewest);
+  }
   out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? on : "off",
                      plan.fits() ? "fits" : "does not fit");
   return out;
@@ -92,6 +100,7 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["recompute"] = plan.recompute;
   j["recompute_layers"] = plan.recompute_layers;  // of the recompute column
   j["num_layers"] = plan.num_layers;
+  j["fewest_recompute_layers"] = plan.fewest_recompute_layers();  // -1: none fits
   j["parameters"] = {{"total", p.total()},
                      {"non_expert", p.non_expert()},
                      {"routed_experts", p.routed_experts()}};

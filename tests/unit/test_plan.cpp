@@ -334,6 +334,20 @@ TEST_CASE("recompute of the first N layers: the kept layers' saved sets, or one 
   CHECK(first1.communication.back().bytes == ep_off * 14 / 12);
   CHECK(all.communication.back().bytes == ep_off * 18 / 12);
   CHECK(has_text(format_plan(first1), "recompute on, first 1 of 3 layers"));
+
+  // The peak for any N from one plan, and the fewest first layers to re-run for it to fit.
+  MemoryPlan plan = plan_of(true, -1);
+  CHECK(plan.peak_bytes_rerunning(3) == Approx(all.peak_bytes(true)).epsilon(1e-12));
+  CHECK(plan.peak_bytes_rerunning(1) == Approx(first1.peak_bytes(true)).epsilon(1e-12));
+  CHECK(plan.peak_bytes_rerunning(0) == Approx(off.peak_bytes(false)).epsilon(1e-12));
+  plan.usable_bytes = (plan.peak_bytes_rerunning(0) + plan.peak_bytes_rerunning(1)) / 2;
+  CHECK(plan.fewest_recompute_layers() == 1);
+  CHECK(has_text(format_plan(plan), "the fewest layers to re-run: the first 1 of 3 (parallel.recompute_layers: 1;"));
+  plan.usable_bytes = plan.peak_bytes_rerunning(0);
+  CHECK(plan.fewest_recompute_layers() == 0);
+  CHECK(has_text(format_plan(plan), "recompute off fits"));
+  plan.usable_bytes = plan.peak_bytes_rerunning(3) / 2;
+  CHECK(plan.fewest_recompute_layers() == -1);
 }
 
 TEST_CASE("the plan refuses a world the mesh does not fit") {
