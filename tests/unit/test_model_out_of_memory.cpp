@@ -7,44 +7,12 @@
 #include "core/base/error.h"
 #include "core/model/model.h"
 #include "kernels/ops.h"
-#include "kernels/timing_backend.h"
+#include "tests/support/counting_backend.h"
 #include "tests/support/gradcheck.h"
 #include "tests/support/tiny_model.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
-
-namespace {
-
-// The CPU backend whose allocator fails its fail_at-th allocation after arm() (never when
-// fail_at < 0), counting them. Ops are forwarded unchanged (a disabled TimingBackend).
-class FailingAllocations final : public kernels::TimingBackend {
- public:
-  explicit FailingAllocations(kernels::Backend& inner) : TimingBackend(inner), failing_(inner) {}
-  Allocator& allocator() override { return failing_; }
-  void arm(int64_t fail_at) {
-    failing_.count = 0;
-    failing_.fail_at = fail_at;
-  }
-  int64_t allocations() const { return failing_.count; }
-
- private:
-  struct Failing final : Allocator {
-    explicit Failing(kernels::Backend& backend) : inner(backend) {}
-    Device device() const override { return inner.allocator().device(); }
-    void* allocate(size_t bytes) override {
-      if (++count == fail_at) throw Error(ExitCode::kInternal, "out of GPU memory (simulated)");
-      return inner.allocator().allocate(bytes);
-    }
-    void deallocate(void* ptr) override { inner.allocator().deallocate(ptr); }
-    kernels::Backend& inner;
-    int64_t count = 0;
-    int64_t fail_at = -1;
-  };
-  Failing failing_;
-};
-
-}  // namespace
 
 TEST_CASE("an allocation failing inside a training step names the layer, the pass and the tensor", "[model]") {
   for (bool recompute : {false, true}) {
@@ -58,7 +26,7 @@ TEST_CASE("an allocation failing inside a training step names the layer, the pas
     const double grad_scale = 1.0 / static_cast<double>(batch.num_targets());
 
     auto cpu = kernels::make_cpu_backend();
-    FailingAllocations backend(*cpu);
+    CountingBackend backend(*cpu);
     Model model(resolve_model_spec(config), backend, options);
     model.init_random_weights();
     backend.arm(-1);

@@ -2,14 +2,12 @@
 // others keep what their backward reads. Seen from the allocator: the re-run layers allocate their
 // forward's tensors a second time, and the step's peak of live tensor bytes falls as N grows.
 // (That the loss and the gradients do not change is test_model_gradcheck's.)
-#include <algorithm>
 #include <cstdint>
-#include <unordered_map>
 
 #include "catch.h"
 #include "core/model/model.h"
 #include "kernels/ops.h"
-#include "kernels/timing_backend.h"
+#include "tests/support/counting_backend.h"
 #include "tests/support/gradcheck.h"
 #include "tests/support/tiny_model.h"
 
@@ -17,46 +15,6 @@ using namespace moetrain;
 using namespace moetrain::testing;
 
 namespace {
-
-// The CPU backend with an allocator that counts allocations and the peak of live bytes. Ops are
-// forwarded unchanged (a disabled TimingBackend).
-class CountingAllocations final : public kernels::TimingBackend {
- public:
-  explicit CountingAllocations(kernels::Backend& inner) : TimingBackend(inner), counting_(inner) {}
-  Allocator& allocator() override { return counting_; }
-  void reset() {
-    counting_.count = 0;
-    counting_.peak = counting_.live;
-  }
-  int64_t allocations() const { return counting_.count; }
-  int64_t peak_bytes() const { return counting_.peak; }
-
- private:
-  struct Counting final : Allocator {
-    explicit Counting(kernels::Backend& backend) : inner(backend) {}
-    Device device() const override { return inner.allocator().device(); }
-    void* allocate(size_t bytes) override {
-      void* ptr = inner.allocator().allocate(bytes);
-      ++count;
-      sizes[ptr] = static_cast<int64_t>(bytes);
-      live += static_cast<int64_t>(bytes);
-      peak = std::max(peak, live);
-      return ptr;
-    }
-    void deallocate(void* ptr) override {
-      auto it = sizes.find(ptr);
-      if (it != sizes.end()) {
-        live -= it->second;
-        sizes.erase(it);
-      }
-      inner.allocator().deallocate(ptr);
-    }
-    kernels::Backend& inner;
-    std::unordered_map<void*, int64_t> sizes;
-    int64_t count = 0, live = 0, peak = 0;
-  };
-  Counting counting_;
-};
 
 struct StepAccount {
   int64_t allocations, peak_bytes;
@@ -74,11 +32,11 @@ StepAccount account_step(bool recompute, int64_t recompute_layers) {
   const Batch batch = tiny_batch(config.model.vocab_size, 3);
   const double grad_scale = 1.0 / static_cast<double>(batch.num_targets());
   auto cpu = kernels::make_cpu_backend();
-  CountingAllocations backend(*cpu);
+  CountingBackend backend(*cpu);
   Model model(resolve_model_spec(config), backend, options);
   model.init_random_weights();
   model.forward_backward(batch, grad_scale);
-  backend.reset();
+  backend.arm();
   model.forward_backward(batch, grad_scale);
   return {backend.allocations(), backend.peak_bytes()};
 }
