@@ -96,6 +96,22 @@ double sum(const std::vector<PlanItem>& items) {
   return total;
 }
 
+// Bytes per token of the layers' saved sets alive at the peak when the first `layers` re-run their
+// forward: the kept layers' sets together (alive when the backward starts, with the last layer)
+// or the largest re-run one (the kept sets are freed before the first layers re-run), whichever
+// is more. 0 layers: every set; all of them: the largest.
+double saved_at_peak(const std::vector<double>& layer_saved, int64_t layers) {
+  double kept = 0, rerun = 0;
+  for (size_t i = 0; i < layer_saved.size(); ++i) {
+    if (static_cast<int64_t>(i) < layers) {
+      rerun = std::max(rerun, layer_saved[i]);
+    } else {
+      kept += layer_saved[i];
+    }
+  }
+  return std::max(kept, rerun);
+}
+
 }  // namespace
 
 double MemoryPlan::fixed_bytes() const { return sum(fixed); }
@@ -113,18 +129,8 @@ int64_t MemoryPlan::max_tokens(bool with_recompute) const {
 double MemoryPlan::communication_bytes() const { return sum(communication); }
 
 double MemoryPlan::peak_bytes_rerunning(int64_t layers) const {
-  // per_token_full with its saved sets (all of them) replaced by the re-run layers' largest or
-  // the kept layers' sum (see make_memory_plan).
-  double kept = 0, rerun = 0, all = 0;
-  for (size_t i = 0; i < layer_saved.size(); ++i) {
-    all += layer_saved[i];
-    if (static_cast<int64_t>(i) < layers) {
-      rerun = std::max(rerun, layer_saved[i]);
-    } else {
-      kept += layer_saved[i];
-    }
-  }
-  const double per_token = per_token_bytes(false) - all + std::max(kept, rerun);
+  // per_token_full with every layer's saved set replaced by those alive at the peak.
+  const double per_token = per_token_bytes(false) - saved_at_peak(layer_saved, 0) + saved_at_peak(layer_saved, layers);
   return fixed_bytes() + per_token * static_cast<double>(tokens_per_micro_batch);
 }
 
@@ -233,22 +239,12 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
 
   // Per token: activations and EP buffers.
   double checkpoint = (static_cast<double>(m.num_layers) + 1) * static_cast<double>(m.hidden_size) * a;
-  // With the first N layers re-run: the kept layers' sets are all alive when the backward starts
-  // (with the last layer), and freed before it reaches the first N, which hold one set at a time.
-  double saved_sum = 0, saved_max = 0, kept_sum = 0, rerun_max = 0;
-  int64_t rerun_moe_layers = 0;
+  int64_t rerun_moe_layers = 0;  // of the first recompute_layers
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
-    const double layer = layer_saved_per_token(spec, i, a, options.capacity_factor, config);
-    plan.layer_saved.push_back(layer);
-    saved_sum += layer;
-    saved_max = std::max(saved_max, layer);
-    if (static_cast<int64_t>(i) < plan.recompute_layers) {
-      rerun_max = std::max(rerun_max, layer);
-      if (spec.ffns[i] == FfnKind::kMoe) ++rerun_moe_layers;
-    } else {
-      kept_sum += layer;
-    }
+    plan.layer_saved.push_back(layer_saved_per_token(spec, i, a, options.capacity_factor, config));
+    if (static_cast<int64_t>(i) < plan.recompute_layers && spec.ffns[i] == FfnKind::kMoe) ++rerun_moe_layers;
   }
+  const double saved_max = saved_at_peak(plan.layer_saved, plan.num_layers);
   // KDA's chunked kernels hold the state entering every 64-token chunk (F32 d x d per head) while
   // one layer's forward or backward runs; the layer does not keep them (the backward recomputes).
   const double kda_chunk_states =
@@ -277,9 +273,10 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       add(items, "one layer's saved tensors (re-run)", saved_max, "max over layers of the saved set");
     } else if (recompute) {
       add(items, fmt::format("saved tensors (first {} of {} layers re-run)", plan.recompute_layers, plan.num_layers),
-          std::max(kept_sum, rerun_max), "max(sum of the kept layers' saved sets, the largest re-run one)");
+          saved_at_peak(plan.layer_saved, plan.recompute_layers),
+          "max(sum of the kept layers' saved sets, the largest re-run one)");
     } else {
-      add(items, "every layer's saved tensors", saved_sum, "sum over layers of the saved set");
+      add(items, "every layer's saved tensors", saved_at_peak(plan.layer_saved, 0), "sum over layers of the saved set");
     }
     add(items, "backward temporaries of one layer", saved_max, "~ the largest layer's saved set");
     add(items, "KDA chunk states (inside the op)", kda_chunk_states, "H d^2 x 4 B / 64 (one state per chunk)");
