@@ -12,7 +12,7 @@
 // also checks that between steps each rank holds ~1/fsdp of their bytes.
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
-//       [--recompute] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
+//       [--recompute] [--recompute-layers N] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
 // --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config);
@@ -73,10 +73,12 @@ Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3,
   return config;
 }
 
-// Schedule flags (after the positional arguments): --recompute, --keep-gathered (no FSDP
-// re-gather for backward), --prefetch N. None of them may change a single bit of the results.
+// Schedule flags (after the positional arguments): --recompute, --recompute-layers N (only the
+// first N layers re-run), --keep-gathered (no FSDP re-gather for backward), --prefetch N. None
+// of them may change a single bit of the results.
 struct ScheduleFlags {
   bool recompute = false;
+  int64_t recompute_layers = -1;
   bool keep_gathered = false;
   int64_t prefetch = 1;
   bool shared_a = false;
@@ -91,6 +93,9 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "--recompute") {
       flags.recompute = true;
+    } else if (arg == "--recompute-layers" && i + 1 < argc) {
+      flags.recompute = true;
+      flags.recompute_layers = std::stoll(argv[++i]);
     } else if (arg == "--keep-gathered") {
       flags.keep_gathered = true;
     } else if (arg == "--shared-a") {
@@ -112,6 +117,7 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
 ModelOptions model_options(const ParallelGroups* parallel, int world, const ScheduleFlags& flags) {
   ModelOptions options;
   options.recompute = flags.recompute;
+  options.recompute_layers = flags.recompute_layers;
   options.fsdp_reshard_after_forward = !flags.keep_gathered;
   options.fsdp_prefetch = flags.prefetch;
   options.aux_loss_weight = 1.0 / world;  // the aux loss is a mean over every rank's sequences
@@ -209,6 +215,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const ScheduleFlags flags = take_schedule_flags(argc, argv);
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
+                 "[--recompute-layers N] "
                  "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
