@@ -7,8 +7,8 @@ Causal, BF16, 32 heads: T 8192 with head dims 128 and 64, T 32768 with 128; forw
 backward (autograd into q, k, v). Each of SDPA's backends is timed alone (FlashAttention, cuDNN,
 memory-efficient) and SDPA's own choice beside them; a backend that refuses the shape prints
 'n/a'. With --deterministic, under torch.use_deterministic_algorithms(True): the peer of our
-backward, which is deterministic (SDPA's default backward, cuDNN's, adds dQ by atomics and is not;
-PyTorch then refuses cuDNN and takes the deterministic backward of the others). FLOPs as the C++
+backward, which is deterministic (SDPA's default backward, cuDNN's, is not: PyTorch then refuses
+cuDNN and takes the deterministic backward of the others). FLOPs as the C++
 benchmark counts them: 4 d per visible (query, key) pair forward, 2.5x that backward.
 
 Median of CUDA-event timings after warm-up and a heat-up (bench_torch_grouped_mm.median_ms, as
