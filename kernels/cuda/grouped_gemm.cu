@@ -838,7 +838,7 @@ void set_grouped_gemm_tiling(GroupedGemmTiling tiling) { tiling_override = tilin
 
 GroupedGemmTiling grouped_gemm_tiling(const GroupedGemmProblem& p) {
   // Rows as N needs the group table to fit beside its stages (kRowsAsNTableBytes).
-  const bool table_fits = p.groups * 2 * 4 + 8 <= kRowsAsNTableBytes;
+  const bool table_fits = grouped::group_table_fits(p.groups, kRowsAsNTableBytes);
   if (p.kind != GroupedGemmKind::kMGrouped || !p.transpose_b || !table_fits) return GroupedGemmTiling::kRowsAsM;
   const GroupedGemmTiling forced = tiling_override;
   if (forced != GroupedGemmTiling::kAuto) return forced;

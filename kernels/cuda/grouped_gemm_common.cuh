@@ -287,8 +287,10 @@ inline int persistent_grid(int64_t max_tiles) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
 }
 
-// The table of `groups` fits its shared-memory budget.
-inline bool group_table_fits(int64_t groups) { return groups * 2 * 4 + 8 <= kTableBudgetBytes; }
+// The table of `groups` (two int32 [groups + 1]) fits `budget` bytes of shared memory.
+inline bool group_table_fits(int64_t groups, int64_t budget = kTableBudgetBytes) {
+  return groups * 2 * 4 + 8 <= budget;
+}
 
 inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
