@@ -94,7 +94,9 @@ enum class Layout {
 };
 
 // Rows-as-N tiles: rows of a per TMA box, the step of wgmma's N, and the most rows of a tile (two
-// wgmmas past 256: N = 256 and the rest).
+// wgmmas past 256: N = 256 and the rest). On an H200 (docs/PERF.md, eighth session) 288 ran the
+// router-like forward 5-9% faster than 256, uniform counts within 2%; 320 leaves room for 3
+// stages only and ran 12-21% slower.
 constexpr int kRowBox = 32;
 constexpr int kRowStep = 16;
 constexpr int kRowsAsNTileRows = 288;
@@ -102,7 +104,7 @@ constexpr int kRowsAsNTileRows = 288;
 // rows x its 64 columns (store_rows_as_n_staged).
 constexpr int kEpilogueBytes = kRowBox * 64 * 2;
 // Rows-as-N tiles take 4 stages of up to 288 rows beside the epilogue buffers when the group table
-// is at most this size (1023 groups); launch_grouped_gemm keeps larger tables to rows as M.
+// is at most this size (1023 groups); grouped_gemm_tiling keeps larger tables on rows as M.
 constexpr int kRowsAsNTableBytes = 8 * 1024;
 
 template <Layout kLayout, int kBN>
