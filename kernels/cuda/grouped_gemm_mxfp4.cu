@@ -5,7 +5,8 @@
 // memory. The M of a tile is 128 of W's output rows (the columns of c; two consumer warpgroups x
 // 64), its N up to 256 rows of one group, the group's rows rounded up to 32: a K3 expert (~146
 // rows) is one tile of N = 160 (wgmma_bf16.cuh, WgmmaRsPrefix: every N accumulates into the same
-// registers). K steps of 64.
+// registers). K steps of 64. N is chosen once per tile and the K loop, decode included, is
+// compiled for each of the 8 values: choosing before every K step cost 6-25% at K3's shapes (H200).
 //   Tiles are listed by group, then 128-column block, then 256-row block and handed out in that
 //   order through a device counter (grouped_gemm_common.cuh, as grouped_gemm.cu: the tiles in
 //   flight share W[g] and rows of a in L2); the per-group table is built from the device offsets. Rows past a group's end are
@@ -482,32 +483,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::barrier_wait(&full[stage], phase);
     if (active) decode(frag0, stage);
     int previous_stage = stage;
-    auto step = [&](uint32_t (&current)[16], uint32_t (&next)[16], int s) {
-      sm90::fence_registers(acc);
-      fence_words(current);
-      sm90::wgmma_fence();
-      if (active) {
-        const uint32_t b_address = sm90::smem_address(a_stages + stage * kABytes);
-        grouped::with_row_boxes(boxes, [&](auto n) { k_step<decltype(n)::value>(acc, current, b_address); });
+    // wgmma's N is chosen once per tile, with the K loop compiled for each (as the BF16 kernel);
+    // the last step's wgmmas complete inside each copy (see grouped_gemm.cu, run_k_steps).
+    grouped::with_row_boxes(active ? boxes : 1, [&](auto n) {
+      auto step = [&](uint32_t (&current)[16], uint32_t (&next)[16], int s) {
+        sm90::fence_registers(acc);
+        fence_words(current);
+        sm90::wgmma_fence();
+        if (active) k_step<decltype(n)::value>(acc, current, sm90::smem_address(a_stages + stage * kABytes));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();  // step s - 1 is done: its registers and stage are free
+        sm90::fence_registers(acc);
+        fence_words(next);
+        if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
+        previous_stage = stage;
+        advance();
+        if (s + 1 < steps) {
+          sm90::barrier_wait(&full[stage], phase);
+          if (active) decode(next, stage);
+        }
+      };
+      for (int s = 0; s < steps; s += 2) {
+        step(frag0, frag1, s);
+        if (s + 1 < steps) step(frag1, frag0, s + 1);
       }
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();  // step s - 1 is done: its registers and stage are free
+      sm90::wgmma_wait<0>();
       sm90::fence_registers(acc);
-      fence_words(next);
-      if (s > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
-      previous_stage = stage;
-      advance();
-      if (s + 1 < steps) {
-        sm90::barrier_wait(&full[stage], phase);
-        if (active) decode(next, stage);
-      }
-    };
-    for (int s = 0; s < steps; s += 2) {
-      step(frag0, frag1, s);
-      if (s + 1 < steps) step(frag1, frag0, s + 1);
-    }
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(acc);
+    });
     if (lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
     if (p.c_f32) {
       store_tile<kInputGrad, float>(acc, p, tile, boxes, tile.n0 + column0, lane);
