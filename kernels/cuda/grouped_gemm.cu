@@ -37,11 +37,12 @@
 //   flight: a stage is released when the next one's multiplications have been issued and the
 //   earlier ones completed. The epilogue stores from registers; BF16 outputs (beta 0) first
 //   regroup each quad's columns so that every lane stores 16 contiguous bytes.
-// Rows as N (Layout::kMGroupedKMajorBRowsAsN, the forward with small groups; grouped_gemm.h,
-//   GroupedGemmTiling): the same kernel computes c^T = b[g] . a^T. The A tile is 128 of b[g]'s
-//   rows (c's columns, 64 per consumer warpgroup), the B tile up to kRowsAsNTileRows of the
-//   group's rows, loaded in TMA boxes of 32 and multiplied with wgmma's N = the rows rounded up
-//   to 16 (WgmmaSsPrefix; past 256, a second wgmma for the rest). A group takes ceil(rows /
+// Rows as N (Layout::kMGroupedKMajorBRowsAsN and kMGroupedNMajorBRowsAsN, m-grouped with small
+//   groups; grouped_gemm.h, GroupedGemmTiling): the same kernel computes c^T = op(b[g])^T . a^T.
+//   The A tile is 128 of c's columns (64 per consumer warpgroup): b[g]'s rows, K-major, or for
+//   the input gradient its columns, M-major in two chunks of 64. The B tile is up to
+//   kRowsAsNTileRows of the group's rows, loaded in TMA boxes of 32 and multiplied with wgmma's
+//   N = the rows rounded up to 16 (WgmmaSsPrefix; past 256, a second wgmma for the rest). A group takes ceil(rows /
 //   kRowsAsNTileRows) tiles that split its rows evenly: 207 rows cost 208 rows of work, not 256,
 //   a group a little above the mean count is one tile, not a full one and a sliver that streams
 //   b[g] again, and 1792 rows are 7 tiles of 256. N is chosen once per tile (the K loop is
@@ -90,6 +91,8 @@ enum class Layout {
   // The forward with the group's rows as wgmma's N (c^T = b . a^T): 128 of b[g]'s rows (c's
   // columns) are the A tile, a the B tile (up to kBN rows, in boxes of kRowBox).
   kMGroupedKMajorBRowsAsN,
+  // The input gradient the same way (c^T = b^T . a^T): b[g]'s transpose, M-major, as the A tile.
+  kMGroupedNMajorBRowsAsN,
   kKGrouped,  // k-grouped: a [rows, n_out] and b [rows, n_in], both M/N-major
 };
 
@@ -110,8 +113,9 @@ constexpr int kRowsAsNTableBytes = 8 * 1024;
 template <Layout kLayout, int kBN>
 struct Tiling {
   static constexpr bool kKGrouped = kLayout == Layout::kKGrouped;
-  static constexpr bool kRowsAsN = kLayout == Layout::kMGroupedKMajorBRowsAsN;
-  static constexpr bool kAMajorM = kKGrouped;
+  static constexpr bool kRowsAsN =
+      kLayout == Layout::kMGroupedKMajorBRowsAsN || kLayout == Layout::kMGroupedNMajorBRowsAsN;
+  static constexpr bool kAMajorM = kKGrouped || kLayout == Layout::kMGroupedNMajorBRowsAsN;
   static constexpr bool kBMajorN = kKGrouped || kLayout == Layout::kMGroupedNMajorB;
   // Rows of the tile list's row tiles (m-grouped): kBM, or kBN with the rows as N.
   static constexpr int kTileRows = kRowsAsN ? kBN : kBM;
@@ -229,11 +233,17 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* map_a, const CUten
     for (int c = 0; c < b_chunks; ++c)
       sm90::tma_load_2d(b_tile + c * kBChunkBytes, map_b, full, tile.n0 + c * T::kBChunkColumns, k);
   } else if constexpr (T::kRowsAsN) {
-    // 128 of b[g]'s rows (past n: zeros); a: the tile's rows in boxes of kRowBox (past a's end:
-    // zeros).
+    // 128 of b[g]'s rows (past n: zeros), or (input gradient) its 128 columns as two chunks of
+    // 64 (those past n not copied); a: the tile's rows in boxes of kRowBox (past a's end: zeros).
     const int boxes = row_boxes(tile, kBN);
-    sm90::barrier_arrive_expect_bytes(full, T::kABytes + boxes * kRowBox * kBK * 2);
-    sm90::tma_load_3d(a_tile, map_b, full, k, tile.n0, tile.group);
+    const int a_chunks = T::kAMajorM ? min(2, (p.n - tile.n0 + 63) / 64) : 2;
+    sm90::barrier_arrive_expect_bytes(full, a_chunks * kBK * 128 + boxes * kRowBox * kBK * 2);
+    if constexpr (T::kAMajorM) {
+      for (int c = 0; c < a_chunks; ++c)
+        sm90::tma_load_3d(a_tile + c * kBK * 128, map_b, full, tile.n0 + c * 64, k, tile.group);
+    } else {
+      sm90::tma_load_3d(a_tile, map_b, full, k, tile.n0, tile.group);
+    }
     for (int i = 0; i < boxes; ++i)
       sm90::tma_load_2d(b_tile + i * kRowBox * kBK * 2, map_a, full, k, tile.m0 + i * kRowBox);
   } else if constexpr (kLayout == Layout::kMGroupedKMajorB) {
@@ -383,22 +393,26 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kBN / 2], const Sm
   }
 }
 
-// Rows-as-N tiles, one K step of a warpgroup: acc (64 x kN) += A (its 64 of c's columns, K-major
-// rows of 128 bytes) . B (the rows, K-major). Past 256 rows a second wgmma takes rows 256.. into
-// acc[128 ..]: an accumulator's fragment for columns 256 + j is the one an N > 256 would have.
-template <int kN, int kRegisters>
+// Rows-as-N tiles, one K step of a warpgroup: acc (64 x kN) += A (its 64 of c's columns: K-major
+// rows of 128 bytes, or kAMajorM, the input gradient's b^T: its own M-major chunk of 64 columns)
+// . B (the rows, K-major). Past 256 rows a second wgmma takes rows 256.. into acc[128 ..]: an
+// accumulator's fragment for columns 256 + j is the one an N > 256 would have.
+template <int kN, bool kAMajorM, int kRegisters>
 __device__ __forceinline__ void k_step_rows_as_n(float (&acc)[kRegisters], uint32_t a_address, uint32_t b_address) {
   constexpr int kFirstN = kN < 256 ? kN : 256;
+  constexpr uint32_t kAStepBytes = kAMajorM ? 16 * 128 : 32;
+  constexpr uint32_t kALeading = kAMajorM ? kBK * 128 : 16;
 #pragma unroll
   for (int kk = 0; kk < kBK / 16; ++kk) {
-    const uint64_t desc_a = sm90::matrix_descriptor(a_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
+    const uint64_t desc_a =
+        sm90::matrix_descriptor(a_address + kk * kAStepBytes, kALeading, 1024, sm90::swizzle_code(128));
     const uint64_t desc_b = sm90::matrix_descriptor(b_address + kk * 32, 16, 1024, sm90::swizzle_code(128));
-    sm90::WgmmaSsPrefix<kFirstN>::template mma<0>(acc, desc_a, desc_b);
+    sm90::WgmmaSsPrefix<kFirstN>::template mma<kAMajorM ? 1 : 0>(acc, desc_a, desc_b);
     if constexpr (kN > 256) {
       const uint64_t desc_rest =
           sm90::matrix_descriptor(b_address + 256 * 128 + kk * 32, 16, 1024, sm90::swizzle_code(128));
       auto& rest = reinterpret_cast<float(&)[kRegisters - 128]>(acc[128]);
-      sm90::WgmmaSsPrefix<kN - 256>::template mma<0>(rest, desc_a, desc_rest);
+      sm90::WgmmaSsPrefix<kN - 256>::template mma<kAMajorM ? 1 : 0>(rest, desc_a, desc_rest);
     }
   }
 }
@@ -515,7 +529,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
     int previous_stage = 0;
-    // The tile's K steps; multiply(a_address, b_address) issues one step's wgmmas.
+    // The tile's K steps; multiply(a_address, b_address) issues one step's wgmmas. The last
+    // step's wgmmas complete inside: with the rows as N each N has its own copy of this loop, and
+    // where the copies meet the compiler may move accumulator registers; a move while a wgmma on
+    // them is in flight makes ptxas serialize every wgmma of the kernel (C7515).
     auto run_k_steps = [&](auto&& multiply) {
       for (int s = 0; s < tile.k_steps; ++s) {
         sm90::barrier_wait(&full[stage], phase);
@@ -542,13 +559,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           phase ^= 1;
         }
       }
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(acc);
     };
     if constexpr (T::kRowsAsN) {
       // wgmma's N is a template argument: chosen once per tile, with the K loop compiled for each.
       if (active) {
         with_row_steps<kRowStep, kBN>(steps, [&](auto n) {
           run_k_steps([&](uint32_t a_address, uint32_t b_address) {
-            k_step_rows_as_n<decltype(n)::value>(acc, a_address, b_address);
+            k_step_rows_as_n<decltype(n)::value, T::kAMajorM>(acc, a_address, b_address);
           });
         });
       } else {
@@ -567,8 +586,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       });
     }
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(acc);
     if (tile.k_steps > 0 && lane == 0) sm90::barrier_arrive(&empty[previous_stage]);
 
     const int row_in_tile = warpgroup * 64 + warp % 4 * 16 + lane / 4;
@@ -687,11 +704,15 @@ CUtensorMap tensor_map(const void* base, int rank, const uint64_t* dims, const u
                              tma_swizzle(swizzle_bytes));
 }
 
-// kAuto takes rows-as-N tiles for the forward when the groups hold at most this many rows on
-// average (and c has at least 128 columns: one tile's M). Measured on an H200 at the MoE expert
-// shapes (256 rows per expert on average, docs/PERF.md): 1-8% faster than rows as M at the power
-// cap, every count; not measured at other means.
+// kAuto takes rows-as-N tiles when the groups hold at most this many rows on average (and c has
+// at least 128 columns: one tile's M). Measured on an H200 (docs/PERF.md):
+// - the forward at the MoE expert shapes (256 rows per expert on average): 1-8% faster than rows
+//   as M at the power cap, every count; not measured at other means.
+// - the input gradient: at K3's expert shapes (146 rows on average) 16% faster. At 256 rows it
+//   lost 5% on even counts and won 2-4% on router-like and skewed ones, and the Kimi-dims step
+//   did not change beyond noise: rows as M stays there, which a mean of 192 separates.
 constexpr int64_t kRowsAsNMaxMeanRows = 512;
+constexpr int64_t kRowsAsNInputGradMaxMeanRows = 192;
 
 int pick_bn(int64_t n) {
   if (n <= 16) return 16;
@@ -841,11 +862,12 @@ void set_grouped_gemm_tiling(GroupedGemmTiling tiling) { tiling_override = tilin
 GroupedGemmTiling grouped_gemm_tiling(const GroupedGemmProblem& p) {
   // Rows as N needs the group table to fit beside its stages (kRowsAsNTableBytes).
   const bool table_fits = grouped::group_table_fits(p.groups, kRowsAsNTableBytes);
-  if (p.kind != GroupedGemmKind::kMGrouped || !p.transpose_b || !table_fits) return GroupedGemmTiling::kRowsAsM;
+  if (p.kind != GroupedGemmKind::kMGrouped || !table_fits) return GroupedGemmTiling::kRowsAsM;
   const GroupedGemmTiling forced = tiling_override;
   if (forced != GroupedGemmTiling::kAuto) return forced;
   // The counts are on the device; the mean rows per group is what the host knows.
-  const bool small_groups = p.rows <= kRowsAsNMaxMeanRows * p.groups;
+  const int64_t max_mean_rows = p.transpose_b ? kRowsAsNMaxMeanRows : kRowsAsNInputGradMaxMeanRows;
+  const bool small_groups = p.rows <= max_mean_rows * p.groups;
   return p.n >= kBM && small_groups ? GroupedGemmTiling::kRowsAsN : GroupedGemmTiling::kRowsAsM;
 }
 
@@ -860,7 +882,11 @@ void launch_grouped_gemm(const GroupedGemmProblem& p, cudaStream_t stream) {
   if (!m_grouped) {
     launch_sm90_bn<Layout::kKGrouped>(p, pick_bn(p.n_in), stream);
   } else if (grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN) {
-    launch_sm90<Layout::kMGroupedKMajorBRowsAsN, kRowsAsNTileRows>(p, stream);
+    if (p.transpose_b) {
+      launch_sm90<Layout::kMGroupedKMajorBRowsAsN, kRowsAsNTileRows>(p, stream);
+    } else {
+      launch_sm90<Layout::kMGroupedNMajorBRowsAsN, kRowsAsNTileRows>(p, stream);
+    }
   } else if (p.transpose_b) {
     launch_sm90_bn<Layout::kMGroupedKMajorB>(p, pick_bn(p.n), stream);
   } else {

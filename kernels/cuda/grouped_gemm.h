@@ -54,16 +54,16 @@ enum class GroupedGemmPath { kSm90, kFallback };
 // How the sm_90a kernel tiles an m-grouped problem:
 //   kRowsAsM: a group's rows are wgmma's M, in tiles of 128 rows x up to 256 columns of c; a
 //     group's last tile costs 64 or 128 rows however few it holds.
-//   kRowsAsN (the forward, transpose_b, with at most 1023 groups, only): c^T = b . a^T, 128
-//     columns of c as wgmma's M and up to 288 of a group's rows as N, rounded up to 16 (a larger
-//     group splits into even tiles): a group of 207 rows costs 208 rows, not 256, and one of 280
-//     rows is one tile. (For the input gradient, b's transpose as wgmma's A ran 8-13% slower on
-//     an H200.)
+//   kRowsAsN (with at most 1023 groups): c^T = op(b)^T . a^T, 128 columns of c as wgmma's M and up
+//     to 288 of a group's rows as N, rounded up to 16 (a larger group splits into even tiles): a
+//     group of 207 rows costs 208 rows, not 256, and one of 280 rows is one tile. For the input
+//     gradient (dy W) the A tile is W's transpose, M-major (chosen for smaller groups than the
+//     forward's: grouped_gemm.cu, kRowsAsNInputGradMaxMeanRows).
 // kAuto (the default) chooses by shape: grouped_gemm_tiling.
 enum class GroupedGemmTiling { kAuto, kRowsAsM, kRowsAsN };
 
-// The tiling a problem on the sm_90a path takes (never kAuto; kRowsAsM unless m-grouped with
-// transpose_b and at most 1023 groups).
+// The tiling a problem on the sm_90a path takes (never kAuto; kRowsAsM unless m-grouped with at
+// most 1023 groups).
 GroupedGemmTiling grouped_gemm_tiling(const GroupedGemmProblem& problem);
 
 // Forces a tiling for every later launch in the process where it applies (tests and the

@@ -108,11 +108,11 @@ void check_m_grouped_tiled(const std::string& name, const std::vector<int32_t>& 
   check_on_both(grouped_args, c, run.dtypes.c, expect_fast, what);
 }
 
-// The M-grouped run with each tiling it has (dy W and the fallback's shapes: rows as M only).
+// The M-grouped run with each tiling it has (the fallback's shapes: rows as M only).
 void check_m_grouped(const std::string& name, const std::vector<int32_t>& sizes, int64_t k, int64_t n, const Run& run,
                      bool expect_fast, uint64_t seed, int64_t k2 = 0) {
   check_m_grouped_tiled(name, sizes, k, n, run, expect_fast, seed, k2, GroupedGemmTiling::kRowsAsM);
-  if (expect_fast && run.transpose_b)
+  if (expect_fast)
     check_m_grouped_tiled(name, sizes, k, n, run, expect_fast, seed, k2, GroupedGemmTiling::kRowsAsN);
 }
 
@@ -178,9 +178,10 @@ TEST_CASE("cuda grouped_gemm M-grouped: 256-column tiles, every size of a group'
 }
 
 TEST_CASE("cuda grouped_gemm M-grouped: the tiling follows the mean rows per group") {
-  // The forward at the MoE expert shapes (65,536 rows over 256 experts) takes rows-as-N tiles; its
-  // input gradient, the issue-4 block (131,072 rows over 64) and thin outputs (fewer columns than
-  // one 128-column M) rows-as-M.
+  // The forward at the MoE expert shapes (65,536 rows over 256 experts) takes rows-as-N tiles,
+  // its input gradient rows-as-M; the input gradient at K3's (16,384 rows over 112 experts, EP8)
+  // rows-as-N. The issue-4 block (131,072 rows over 64) and thin outputs (fewer columns than one
+  // 128-column M) take rows-as-M.
   kernels::cuda_ops::GroupedGemmProblem p;
   p.groups = 256;
   p.rows = 65536;
@@ -189,6 +190,11 @@ TEST_CASE("cuda grouped_gemm M-grouped: the tiling follows the mean rows per gro
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
   p.transpose_b = false;
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
+  p.groups = 112;
+  p.rows = 16384;
+  CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
+  p.groups = 256;
+  p.rows = 65536;
   p.transpose_b = true;
   p.n = 16;
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
@@ -198,9 +204,9 @@ TEST_CASE("cuda grouped_gemm M-grouped: the tiling follows the mean rows per gro
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
   const ForcedTiling forced(GroupedGemmTiling::kRowsAsN);
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
-  p.transpose_b = false;  // forcing applies where the kernel has the tiling
+  p.kind = GroupedGemmKind::kKGrouped;  // forcing applies where the kernel has the tiling
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsM);
-  p.transpose_b = true;  // and where the group table fits beside its stages (1023 groups)
+  p.kind = GroupedGemmKind::kMGrouped;  // and where the group table fits beside its stages
   p.groups = 1023;
   CHECK(kernels::cuda_ops::grouped_gemm_tiling(p) == GroupedGemmTiling::kRowsAsN);
   p.groups = 1024;
