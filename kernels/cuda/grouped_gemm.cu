@@ -42,11 +42,12 @@
 //   The A tile is 128 of c's columns (64 per consumer warpgroup): b[g]'s rows, K-major, or for
 //   the input gradient its columns, M-major in two chunks of 64. The B tile is up to
 //   kRowsAsNTileRows of the group's rows, loaded in TMA boxes of 32 and multiplied with wgmma's
-//   N = the rows rounded up to 16 (WgmmaSsPrefix; past 256, a second wgmma for the rest). A group takes ceil(rows /
-//   kRowsAsNTileRows) tiles that split its rows evenly: 207 rows cost 208 rows of work, not 256,
-//   a group a little above the mean count is one tile, not a full one and a sliver that streams
-//   b[g] again, and 1792 rows are 7 tiles of 256. N is chosen once per tile (the K loop is
-//   compiled for each N). The tiles are listed by group, then 128-column block, then row block.
+//   N = the rows rounded up to 16 (WgmmaSsPrefix; past 256, a second wgmma for the rest). A
+//   group takes ceil(rows / kRowsAsNTileRows) tiles that split its rows evenly: 207 rows cost
+//   208 rows of work, not 256, a group a little above the mean count is one tile, not a full one
+//   and a sliver that streams b[g] again, and 1792 rows are 7 tiles of 256. N is chosen once
+//   per tile (the K loop is compiled for each N). The tiles are listed by group, then 128-column
+//   block, then row block.
 //   A fragment row of the accumulators is a column of c: BF16 outputs (beta 0) leave through a
 //   shared-memory buffer per warpgroup (store_rows_as_n_staged), the others as pairs from
 //   registers (grouped::store_rows_as_n).
@@ -710,7 +711,9 @@ CUtensorMap tensor_map(const void* base, int rank, const uint64_t* dims, const u
 //   as M at the power cap, every count; not measured at other means.
 // - the input gradient: at K3's expert shapes (146 rows on average) 16% faster. At 256 rows it
 //   lost 5% on even counts and won 2-4% on router-like and skewed ones, and the Kimi-dims step
-//   did not change beyond noise: rows as M stays there, which a mean of 192 separates.
+//   did not change beyond noise: rows as M stays there, which a mean of 192 separates. (That was
+//   before the C7515 fix in run_k_steps; after it, rows as N won 1-6% on router-like and skewed
+//   counts and lost 2-3% on even ones; the step with it is not yet measured.)
 constexpr int64_t kRowsAsNMaxMeanRows = 512;
 constexpr int64_t kRowsAsNInputGradMaxMeanRows = 192;
 
