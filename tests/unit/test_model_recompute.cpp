@@ -5,11 +5,7 @@
 #include <cstdint>
 
 #include "catch.h"
-#include "core/model/model.h"
-#include "kernels/ops.h"
-#include "tests/support/counting_backend.h"
-#include "tests/support/gradcheck.h"
-#include "tests/support/tiny_model.h"
+#include "tests/support/counted_tiny_model.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
@@ -23,22 +19,11 @@ struct StepAccount {
 // One training step of the tiny three-layer model (MLA + dense MLP, KDA + MoE, DSA + MoE) after
 // a first one (which sets up what persists across steps).
 StepAccount account_step(bool recompute, int64_t recompute_layers) {
-  Config config = tiny_model_config(true);
-  ModelOptions options;
-  options.lora = LoraSettings{4, 8.0, false};
-  options.lora_targets = all_lora_targets(true);
-  options.recompute = recompute;
-  options.recompute_layers = recompute_layers;
-  const Batch batch = tiny_batch(config.model.vocab_size, 3);
-  const double grad_scale = 1.0 / static_cast<double>(batch.num_targets());
-  auto cpu = kernels::make_cpu_backend();
-  CountingBackend backend(*cpu);
-  Model model(resolve_model_spec(config), backend, options);
-  model.init_random_weights();
-  model.forward_backward(batch, grad_scale);
-  backend.arm();
-  model.forward_backward(batch, grad_scale);
-  return {backend.allocations(), backend.peak_bytes()};
+  CountedTinyModel tiny(recompute, recompute_layers);
+  tiny.step();
+  tiny.backend.arm();
+  tiny.step();
+  return {tiny.backend.allocations(), tiny.backend.peak_bytes()};
 }
 
 }  // namespace
