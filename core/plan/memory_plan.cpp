@@ -204,23 +204,26 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
                           expert_bytes / kBf16 * (0.5 + 1.0 / 32) / 1e9));
 
   // Adapters (core/train/optimizer.h): FP32 value and gradient whole on every rank that uses them;
-  // the "Adam state" -- two moments, the reduced gradient and the all-gather's input, 16 B -- only
-  // for this rank's shard of its parameter group (non-expert adapters: all data-parallel ranks; the local
-  // experts' adapters: the ranks holding the same experts).
+  // the "Adam state" only for this rank's shard of its parameter group (non-expert adapters: all
+  // data-parallel ranks; the local experts' adapters: the ranks holding the same experts): the two
+  // moments, 8 B, and where the group spans several ranks the reduced gradient and the
+  // all-gather's input, 8 B more (AdamW::init_groups).
   const double world = static_cast<double>(plan.world);
   const double replicas = static_cast<double>(mesh.expert_replicas());
+  auto adam_bytes_per_param = [](double ranks) { return (ranks > 1 ? 4 : 2) * kF32; };
   const double non_expert_lora = static_cast<double>(lora.non_expert());
   add(plan.fixed, "adapters + grads (fp32)", non_expert_lora * 2 * kF32,
       fmt::format("non-expert LoRA {:.3g} params x 8 B", non_expert_lora));
-  add(plan.fixed, "adapter Adam state, sharded (fp32)", non_expert_lora / world * 4 * kF32,
-      fmt::format("non-expert LoRA / world {} x 16 B", plan.world));
+  add(plan.fixed, "adapter Adam state, sharded (fp32)", non_expert_lora / world * adam_bytes_per_param(world),
+      fmt::format("non-expert LoRA / world {} x {:.0f} B", plan.world, adam_bytes_per_param(world)));
   const double expert_lora = static_cast<double>(lora.routed_experts()) /
                              static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
                              static_cast<double>(plan.local_experts);
   add(plan.fixed, "expert adapters + grads (fp32)", expert_lora * 2 * kF32,
       fmt::format("{:.3g} params of the local experts x 8 B", expert_lora));
-  add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * 4 * kF32,
-      fmt::format("local experts' LoRA / {} expert replicas x 16 B", mesh.expert_replicas()));
+  add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * adam_bytes_per_param(replicas),
+      fmt::format("local experts' LoRA / {} expert replicas x {:.0f} B", mesh.expert_replicas(),
+                  adam_bytes_per_param(replicas)));
   // The CUDA DSA backward's scratch (kernels/cuda/sparse_attention.cu, the backend's grow-only
   // DeviceScratch, so it stays for the run): the dkv contributions of one chunk of queries, F32
   // [top_k, r + rope] per query, at most 2 GiB per chunk (kTensorCoreContribBudgetBytes).

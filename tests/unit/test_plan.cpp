@@ -8,7 +8,9 @@
 #include "core/model/model.h"
 #include "core/plan/memory_plan.h"
 #include "core/plan/param_count.h"
+#include "core/train/optimizer.h"
 #include "kernels/ops.h"
+#include "tests/support/counting_backend.h"
 #include "tiny_model.h"
 
 using namespace moetrain;
@@ -268,6 +270,36 @@ TEST_CASE("memory plan numbers by hand on a small config") {
   // More tokens never fit in less memory, and the peak grows linearly in tokens.
   CHECK(plan.max_tokens(true) >= plan.max_tokens(false));
   CHECK(plan.peak_bytes(true) == plan.fixed_bytes() + 16 * plan.per_token_bytes(true));
+}
+
+TEST_CASE("on one rank the plan's Adam state is what AdamW allocates: the two moments") {
+  // Unsharded parameter groups keep no reduced gradient and no all-gather input (8 B per
+  // parameter, not the 16 B of a sharded group). The padding that aligns each parameter in its
+  // group (ParameterGroup) is the only difference allowed.
+  Config config = testing::tiny_model_config(false);
+  config.lora.rank = 4;
+  config.lora.targets = {"o_proj", "kv_b_proj", "experts"};
+  const MemoryPlan plan = make_memory_plan(config, PlanOptions{});
+  auto item = [&plan](const std::string& name) {
+    for (const PlanItem& i : plan.fixed)
+      if (i.name == name) return i.bytes;
+    FAIL("no plan item " << name);
+    return 0.0;
+  };
+  const double planned = item("adapter Adam state, sharded (fp32)") + item("expert-adapter Adam state, sharded (fp32)");
+  CHECK(planned == item("adapters + grads (fp32)") + item("expert adapters + grads (fp32)"));
+
+  auto cpu = kernels::make_cpu_backend();
+  testing::CountingBackend backend(*cpu);
+  ModelOptions options = model_options_for(config);
+  Model model(resolve_model_spec(config), backend, options);
+  backend.arm();  // from here the peak is the live bytes, and AdamW frees nothing it allocates
+  const double before = static_cast<double>(backend.peak_bytes());
+  const AdamW optimizer(model.parameter_groups(), AdamWOptions{}, backend);
+  const double allocated = static_cast<double>(backend.peak_bytes()) - before;
+  INFO("planned " << planned << " B, allocated " << allocated << " B");
+  CHECK(allocated >= planned);
+  CHECK(allocated <= planned + 2 * 4 * ParameterGroup::kAlignment * static_cast<double>(model.parameters().size()));
 }
 
 TEST_CASE("a KDA layer's saved tensors and chunk states per token, by hand") {
