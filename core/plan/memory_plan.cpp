@@ -224,6 +224,15 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * adam_bytes_per_param(replicas),
       fmt::format("local experts' LoRA / {} expert replicas x {:.0f} B", mesh.expert_replicas(),
                   adam_bytes_per_param(replicas)));
+  // The SwiGLU networks' adapters packed for their GEMMs and held over the optimizer step
+  // (Model::hold_parameters), in the compute dtype.
+  const double packed = static_cast<double>(lora.packed_replicated) +
+                        static_cast<double>(lora.packed_routed_experts) /
+                            static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
+                            static_cast<double>(plan.local_experts);
+  add(plan.fixed, "packed MLP and expert adapters", packed * a,
+      fmt::format("{:.3g} elements (gate and up B's twice: block-diagonal) x {} B, held over the step", packed,
+                  options.activation_bytes));
   // The CUDA DSA backward's scratch (kernels/cuda/sparse_attention.cu, the backend's grow-only
   // DeviceScratch, so it stays for the run): the dkv contributions of one chunk of queries, F32
   // [top_k, r + rope] per query, at most 2 GiB per chunk (kTensorCoreContribBudgetBytes).

@@ -62,6 +62,13 @@ int64_t swiglu_weights(int64_t hidden, int64_t width) { return 3 * hidden * widt
 
 int64_t lora_pair(int64_t rank, int64_t in, int64_t out) { return rank * (in + out); }
 
+// One group's packed adapters of a SwiGLU network (SwigluExperts::pack_lora): gate_up's A
+// [R, rows] and block-diagonal B [2F, R] with R = the gate and up ranks together; down's A
+// [r, F] and B [rows, r].
+int64_t packed_swiglu(int64_t gate_up_rank, int64_t down_rank, int64_t rows, int64_t width) {
+  return gate_up_rank * (rows + 2 * width) + down_rank * (width + rows);
+}
+
 }  // namespace
 
 int64_t ModelParameterCount::non_expert() const {
@@ -173,11 +180,11 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
     };
     // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows) on `prefix`.
     auto swiglu = [&](const std::string& prefix, int64_t width, bool all, int64_t rows) {
-      int64_t sum = 0;
-      if (all || on("gate_proj")) sum += pair(prefix + ".gate_proj", rows, width);
-      if (all || on("up_proj")) sum += pair(prefix + ".up_proj", rows, width);
-      if (all || on("down_proj")) sum += pair(prefix + ".down_proj", width, rows);
-      return sum;
+      const int64_t gate = all || on("gate_proj") ? ranks.module(prefix + ".gate_proj").rank : 0;
+      const int64_t up = all || on("up_proj") ? ranks.module(prefix + ".up_proj").rank : 0;
+      const int64_t down = all || on("down_proj") ? ranks.module(prefix + ".down_proj").rank : 0;
+      count.packed_replicated += packed_swiglu(gate + up, down, rows, width);
+      return lora_pair(gate, rows, width) + lora_pair(up, rows, width) + lora_pair(down, width, rows);
     };
     if (spec.mixers[i] == MixerKind::kKda) {
       const KdaConfig& k = m.kda;
@@ -233,13 +240,22 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
           else routed += e * rank * in;
         };
         // lora.expert_gate_up: fused: one adapter on gate_up (rows -> 2F) instead of gate and up.
+        int64_t gate_up_rank = 0;
         if (lora.expert_gate_up == "fused") {
-          routed_pair(ranks.fused_gate_up(experts).rank, rows, 2 * f);
+          gate_up_rank = ranks.fused_gate_up(experts).rank;
+          routed_pair(gate_up_rank, rows, 2 * f);
         } else {
-          routed_pair(ranks.module(experts + ".gate_proj").rank, rows, f);
-          routed_pair(ranks.module(experts + ".up_proj").rank, rows, f);
+          const int64_t gate = ranks.module(experts + ".gate_proj").rank, up = ranks.module(experts + ".up_proj").rank;
+          routed_pair(gate, rows, f);
+          routed_pair(up, rows, f);
+          gate_up_rank = gate + up;
         }
-        routed_pair(ranks.module(experts + ".down_proj").rank, f, rows);
+        const int64_t down_rank = ranks.module(experts + ".down_proj").rank;
+        routed_pair(down_rank, f, rows);
+        // Packed: the B's per expert; the A's per expert, or once (shared).
+        const int64_t packed_a = gate_up_rank * rows + down_rank * f;
+        count.packed_routed_experts += e * (packed_swiglu(gate_up_rank, down_rank, rows, f) - (shared_a ? packed_a : 0));
+        if (shared_a) count.packed_replicated += packed_a;
       }
     }
     count.layer_non_expert.push_back(n);

@@ -44,6 +44,13 @@ struct LoraParameterCount {
   std::vector<int64_t> layer_routed_expert;  // per layer: the per-expert factors of all its experts
   int64_t shared_expert_a = 0;  // the part of non_expert() that is shared expert A's (every routed row)
   int64_t num_moe_layers = 0;
+  // Elements of the adapters as the SwiGLU networks pack them for their GEMMs (SwigluExperts::
+  // PackedLora: gate and up's A's stacked along the rank, their B's block-diagonal over the 2F
+  // outputs, so each B is stored twice its size): the dense and shared MLPs' with the routed
+  // experts' shared A's (on every rank), and the routed experts' own factors (all experts of all
+  // layers). Training holds them, in the compute dtype, over each optimizer step.
+  int64_t packed_replicated = 0;
+  int64_t packed_routed_experts = 0;
   int64_t non_expert() const;
   int64_t routed_experts() const;
   int64_t total() const { return non_expert() + routed_experts(); }

@@ -257,6 +257,10 @@ TEST_CASE("memory plan numbers by hand on a small config") {
   CHECK(expert_lora.name == "expert adapters + grads (fp32)");
   CHECK(expert_lora.bytes == 288.0 * 3 * 2 * 8);
   CHECK(plan.fixed[6].bytes == 288.0 * 3 * 2 / 2 * 16);
+  // Packed expert adapters, BF16: per expert gate_up A [8, 16] and block-diagonal B [16, 8], down
+  // A [4, 8] and B [16, 4]: 352 elements, x 3 local experts x 2 MoE layers x 2 B.
+  CHECK(plan.fixed[7].name == "packed MLP and expert adapters");
+  CHECK(plan.fixed[7].bytes == 352.0 * 3 * 2 * 2);
   // Shards: each bucket padded to a multiple of 4: embedding 592 -> 148 per rank; head + final
   // norm 608 -> 152; layers as counted.
   ModelParameterCount count = count_model_parameters(plan_model_spec(config.model));
@@ -300,6 +304,45 @@ TEST_CASE("on one rank the plan's Adam state is what AdamW allocates: the two mo
   INFO("planned " << planned << " B, allocated " << allocated << " B");
   CHECK(allocated >= planned);
   CHECK(allocated <= planned + 2 * 4 * ParameterGroup::kAlignment * static_cast<double>(model.parameters().size()));
+}
+
+TEST_CASE("the plan's packed adapters are what a training step holds") {
+  // Dense MLP, shared experts and routed experts with separate gate and up adapters (their B's
+  // packed block-diagonal) or one fused gate_up adapter; A per expert or shared. On the CPU the
+  // compute dtype is F32.
+  for (const char* gate_up : {"separate", "fused"}) {
+    for (const char* expert_a : {"per_expert", "shared"}) {
+      INFO(gate_up << ", " << expert_a);
+      Config config = testing::tiny_model_config(false);
+      config.lora.rank = 4;
+      config.lora.targets = {"gate_proj", "up_proj", "down_proj", "shared_experts", "experts", "o_proj"};
+      config.lora.expert_gate_up = gate_up;
+      config.lora.expert_a = expert_a;
+      PlanOptions plan_options;
+      plan_options.activation_bytes = 4;
+      const MemoryPlan plan = make_memory_plan(config, plan_options);
+      double planned = -1;
+      for (const PlanItem& item : plan.fixed)
+        if (item.name == "packed MLP and expert adapters") planned = item.bytes;
+
+      auto cpu = kernels::make_cpu_backend();
+      testing::CountingBackend backend(*cpu);
+      Model model(resolve_model_spec(config), backend, model_options_for(config));
+      model.init_random_weights();
+      const Batch batch = testing::tiny_batch(config.model.vocab_size, 3);
+      const double grad_scale = 1.0 / static_cast<double>(batch.num_targets());
+      model.forward_backward(batch, grad_scale);  // what the first step makes and keeps
+      model.hold_parameters(true);
+      model.forward_backward(batch, grad_scale);
+      backend.arm();  // the peak from here starts at the bytes live now
+      const double held = static_cast<double>(backend.peak_bytes());
+      model.hold_parameters(false);
+      backend.arm();
+      const double released = static_cast<double>(backend.peak_bytes());
+      CHECK(planned > 0);
+      CHECK(held - released == planned);
+    }
+  }
 }
 
 TEST_CASE("a KDA layer's saved tensors and chunk states per token, by hand") {
