@@ -747,9 +747,14 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   // Host waits inside the step: every wait of the timed steps but the timing's own synchronize
   // after each (counted apart); the step's result is read after that, when it is done. Any wait
   // left stops the host from running ahead of the device.
-  std::printf("memory: peak %.2f GB in tensors; per timed step: %.1f cudaMalloc calls, %.1f host waits inside "
-              "the step (+ 1 the timing's synchronize) (MOETRAIN_CUDA_ALLOCATOR=%s)\n",
-              static_cast<double>(after.peak_bytes) / 1e9,
+  // The bench builds no optimizer: a training run on one rank also holds AdamW's two moments per
+  // adapter parameter (core/train/optimizer.h), which `moetrain plan` counts.
+  int64_t adapter_parameters = 0;
+  for (const Parameter* p : model.parameters()) adapter_parameters += p->value.numel();
+  std::printf("memory: peak %.2f GB in tensors (training adds %.2f GB of Adam moments); per timed step: %.1f "
+              "cudaMalloc calls, %.1f host waits inside the step (+ 1 the timing's synchronize) "
+              "(MOETRAIN_CUDA_ALLOCATOR=%s)\n",
+              static_cast<double>(after.peak_bytes) / 1e9, 2.0 * 4 * static_cast<double>(adapter_parameters) / 1e9,
               static_cast<double>(after.device_allocations - before.device_allocations) / static_cast<double>(steps),
               static_cast<double>(after.host_waits - before.host_waits - bench_waits) / static_cast<double>(steps),
               allocator ? allocator : "caching");
