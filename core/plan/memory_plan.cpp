@@ -216,9 +216,12 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
       fmt::format("non-expert LoRA {:.3g} params x 8 B", non_expert_lora));
   add(plan.fixed, "adapter Adam state, sharded (fp32)", non_expert_lora / world * adam_bytes_per_param(world),
       fmt::format("non-expert LoRA / world {} x {:.0f} B", plan.world, adam_bytes_per_param(world)));
-  const double expert_lora = static_cast<double>(lora.routed_experts()) /
-                             static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
-                             static_cast<double>(plan.local_experts);
+  // This rank's share of a count over all routed experts: its local experts'.
+  auto local_share = [&](int64_t all_experts) {
+    return static_cast<double>(all_experts) / static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
+           static_cast<double>(plan.local_experts);
+  };
+  const double expert_lora = local_share(lora.routed_experts());
   add(plan.fixed, "expert adapters + grads (fp32)", expert_lora * 2 * kF32,
       fmt::format("{:.3g} params of the local experts x 8 B", expert_lora));
   add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * adam_bytes_per_param(replicas),
@@ -226,10 +229,7 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
                   adam_bytes_per_param(replicas)));
   // The SwiGLU networks' adapters packed for their GEMMs and held over the optimizer step
   // (Model::hold_parameters), in the compute dtype.
-  const double packed = static_cast<double>(lora.packed_replicated) +
-                        static_cast<double>(lora.packed_routed_experts) /
-                            static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
-                            static_cast<double>(plan.local_experts);
+  const double packed = static_cast<double>(lora.packed_replicated) + local_share(lora.packed_routed_experts);
   add(plan.fixed, "packed MLP and expert adapters", packed * a,
       fmt::format("{:.3g} elements (gate and up B's twice: block-diagonal) x {} B, held over the step", packed,
                   options.activation_bytes));

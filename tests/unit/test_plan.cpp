@@ -34,6 +34,14 @@ int64_t routed_expert_elements(Model& model) {
   return n;
 }
 
+// The bytes of the plan item called `name` (a failed check when there is none).
+double item_bytes(const std::vector<PlanItem>& items, const std::string& name) {
+  for (const PlanItem& i : items)
+    if (i.name == name) return i.bytes;
+  FAIL("no plan item " << name);
+  return 0.0;
+}
+
 int64_t parameter_elements(Model& model) {
   int64_t n = 0;
   for (Parameter* p : model.parameters()) n += p->value.numel();
@@ -185,23 +193,17 @@ TEST_CASE("the CUDA DSA backward's scratch, by hand") {
   Config dsa = testing::tiny_model_config(true);
   Config mla = dsa;
   mla.model.layers = {"mla", "kda", "mla"};
-  auto item = [](const std::vector<PlanItem>& items, const std::string& name) {
-    for (const PlanItem& i : items)
-      if (i.name == name) return i.bytes;
-    FAIL("no item " << name);
-    return 0.0;
-  };
   const MemoryPlan with = make_memory_plan(dsa, PlanOptions{});
   const MemoryPlan without = make_memory_plan(mla, PlanOptions{});
   for (bool recompute : {true, false}) {
     const auto& items = recompute ? with.per_token_recompute : with.per_token_full;
-    CHECK(item(items, "DSA backward scratch (inverse index, dkv sum)") == 124.0);
-    CHECK(item(recompute ? without.per_token_recompute : without.per_token_full,
+    CHECK(item_bytes(items, "DSA backward scratch (inverse index, dkv sum)") == 124.0);
+    CHECK(item_bytes(recompute ? without.per_token_recompute : without.per_token_full,
                "DSA backward scratch (inverse index, dkv sum)") == 0.0);
   }
   const double tokens = static_cast<double>(dsa.data.micro_batch * dsa.data.seq_len);
-  CHECK(item(with.fixed, "DSA backward contribution chunk (fp32)") == tokens * 144.0);
-  CHECK(item(without.fixed, "DSA backward contribution chunk (fp32)") == 0.0);
+  CHECK(item_bytes(with.fixed, "DSA backward contribution chunk (fp32)") == tokens * 144.0);
+  CHECK(item_bytes(without.fixed, "DSA backward contribution chunk (fp32)") == 0.0);
 }
 
 TEST_CASE("Kimi K3's KDA (fused qkv, full-rank output gate) counts what the model builds") {
@@ -284,14 +286,10 @@ TEST_CASE("on one rank the plan's Adam state is what AdamW allocates: the two mo
   config.lora.rank = 4;
   config.lora.targets = {"o_proj", "kv_b_proj", "experts"};
   const MemoryPlan plan = make_memory_plan(config, PlanOptions{});
-  auto item = [&plan](const std::string& name) {
-    for (const PlanItem& i : plan.fixed)
-      if (i.name == name) return i.bytes;
-    FAIL("no plan item " << name);
-    return 0.0;
-  };
-  const double planned = item("adapter Adam state, sharded (fp32)") + item("expert-adapter Adam state, sharded (fp32)");
-  CHECK(planned == item("adapters + grads (fp32)") + item("expert adapters + grads (fp32)"));
+  const double planned = item_bytes(plan.fixed, "adapter Adam state, sharded (fp32)") +
+                         item_bytes(plan.fixed, "expert-adapter Adam state, sharded (fp32)");
+  CHECK(planned == item_bytes(plan.fixed, "adapters + grads (fp32)") +
+                       item_bytes(plan.fixed, "expert adapters + grads (fp32)"));
 
   auto cpu = kernels::make_cpu_backend();
   testing::CountingBackend backend(*cpu);
@@ -321,9 +319,7 @@ TEST_CASE("the plan's packed adapters are what a training step holds") {
       PlanOptions plan_options;
       plan_options.activation_bytes = 4;
       const MemoryPlan plan = make_memory_plan(config, plan_options);
-      double planned = -1;
-      for (const PlanItem& item : plan.fixed)
-        if (item.name == "packed MLP and expert adapters") planned = item.bytes;
+      const double planned = item_bytes(plan.fixed, "packed MLP and expert adapters");
 
       auto cpu = kernels::make_cpu_backend();
       testing::CountingBackend backend(*cpu);
@@ -357,16 +353,10 @@ TEST_CASE("a KDA layer's saved tensors and chunk states per token, by hand") {
   PlanOptions options;
   MemoryPlan with_kda = make_memory_plan(hybrid, options);
   MemoryPlan without = make_memory_plan(all_mla, options);
-  auto item = [](const std::vector<PlanItem>& items, const std::string& name) {
-    for (const PlanItem& i : items)
-      if (i.name == name) return i;
-    FAIL("no plan item " << name);
-    return PlanItem{};
-  };
   const std::string saved = "every layer's saved tensors";
-  CHECK(item(with_kda.per_token_full, saved).bytes - item(without.per_token_full, saved).bytes == 272.0 - 164.0);
-  CHECK(item(with_kda.per_token_full, "KDA chunk states (inside the op)").bytes == 2.0);
-  CHECK(item(without.per_token_full, "KDA chunk states (inside the op)").bytes == 0.0);
+  CHECK(item_bytes(with_kda.per_token_full, saved) - item_bytes(without.per_token_full, saved) == 272.0 - 164.0);
+  CHECK(item_bytes(with_kda.per_token_full, "KDA chunk states (inside the op)") == 2.0);
+  CHECK(item_bytes(without.per_token_full, "KDA chunk states (inside the op)") == 0.0);
 }
 
 TEST_CASE("recompute of the first N layers: the kept layers' saved sets, or one re-run set") {
@@ -385,20 +375,14 @@ TEST_CASE("recompute of the first N layers: the kept layers' saved sets, or one 
     c.parallel.recompute_layers = layers;
     return make_memory_plan(c, options);
   };
-  auto bytes = [](const std::vector<PlanItem>& items, const std::string& name) {
-    for (const PlanItem& i : items)
-      if (i.name == name) return i.bytes;
-    FAIL("no plan item " << name);
-    return 0.0;
-  };
   const MemoryPlan all = plan_of(true, -1), off = plan_of(false, -1);
-  const double s = bytes(all.per_token_recompute, "one layer's saved tensors (re-run)");
+  const double s = item_bytes(all.per_token_recompute, "one layer's saved tensors (re-run)");
   REQUIRE(s > 0);
-  CHECK(bytes(off.per_token_full, "every layer's saved tensors") == 3 * s);
+  CHECK(item_bytes(off.per_token_full, "every layer's saved tensors") == 3 * s);
   const MemoryPlan first1 = plan_of(true, 1), first2 = plan_of(true, 2), first3 = plan_of(true, 3);
   CHECK(first1.recompute_layers == 1);
-  CHECK(bytes(first1.per_token_recompute, "saved tensors (first 1 of 3 layers re-run)") == 2 * s);
-  CHECK(bytes(first2.per_token_recompute, "saved tensors (first 2 of 3 layers re-run)") == s);
+  CHECK(item_bytes(first1.per_token_recompute, "saved tensors (first 1 of 3 layers re-run)") == 2 * s);
+  CHECK(item_bytes(first2.per_token_recompute, "saved tensors (first 2 of 3 layers re-run)") == s);
   CHECK(first3.per_token_bytes(true) == all.per_token_bytes(true));
   CHECK(off.per_token_bytes(false) > first1.per_token_bytes(true));
   CHECK(first1.per_token_bytes(true) > all.per_token_bytes(true));
