@@ -1,20 +1,21 @@
 // Hopper flash attention backward (see flash_attention_sm90.h; the CPU reference is the spec).
-// Deterministic, no atomics: each output row is written once, by one CTA, summed in a fixed order.
+// Deterministic: no atomic adds; each output row is written once, by one work, summed in a fixed
+// order (the only atomic hands out works, which does not change what a work computes).
 //
 // With P = 2^(S scale log2e - lse log2e) (S = Q K^T; lse saved by the forward), dP = dO V^T and
 // delta = rowsum(dO * O):  dS = P (dP - delta),  dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K.
 // Three launches:
 //   prep:  delta and lse log2e, head-major ([heads][tokens], rows padded to 16 bytes) so that the
 //          dK/dV kernel can stream them by TMA beside the query tiles.
-//   dK/dV: one CTA per (128 keys, head): warpgroups 1 and 2 own 64 keys each and keep dK, dV in
+//   dK/dV: a work per (128 keys, head): warpgroups 1 and 2 own 64 keys each and keep dK, dV in
 //          registers; the producer streams tiles of kBlockM queries (96; 48 for qk 192: Q, dO,
 //          lse, delta) from the block's first key to the end of its last key's segment. Per tile,
 //          per warpgroup:
 //            S^T = K Q^T, dP^T = V dO^T   wgmma from shared memory (K-major)
 //            P^T, dS^T                    in registers, F32
 //            dV += P^T dO, dK += dS^T Q   wgmma with P^T / dS^T from registers, Q / dO MN-major
-//   dQ:    one CTA per (128 queries, head), as the forward: warpgroups own 64 queries, the
-//          producer streams tiles of 128 keys (64 for qk 192) of K and V from the segment start
+//   dQ:    a work per (128 queries, head), as the forward: warpgroups own 64 queries, the
+//          producer streams tiles of 128 keys (96 for qk 192) of K and V from the segment start
 //          of the first query:
 //            S = Q K^T, dP = dO V^T       wgmma from shared memory
 //            dQ += dS K                   dS from registers, K MN-major
@@ -22,7 +23,9 @@
 // 5, but no atomics and no F32 partials in memory; see flash_attention_sm90.h for the fused
 // 5-matmul trial. Leaving a step's dV, dK (or dQ) products in flight while the next step's S and
 // dP are issued also ran slower on the H200: 4.07-4.16 against 3.99 ms forward + backward.)
-// Both passes launch in ordered_block's order (heads in groups, each group's longest blocks first).
+// Both passes are persistent, as the forward (WorkRing: a CTA per multiprocessor takes works in
+// ordered_block's order, heads in groups, each group's longest blocks first; the producer loads
+// the next work's K and V, or Q and dO, while the consumers finish the last).
 // Masking is per (query t, key s), visible iff start(t) <= s <= t, equivalently t >= s and
 // t < end(s): the dQ pass finds start(t) once per row, the dK/dV pass end(s) once per key; tiles
 // wholly inside the visible region skip the mask.
@@ -58,6 +61,8 @@ struct BackwardParams {
   float scale_log2 = 0.0f;
   int blocks_per_head = 0;  // of the launch at hand
   int order_group = 1;      // ordered_block's head group
+  int works = 0;            // blocks_per_head x heads
+  int* work_counter = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -65,9 +70,11 @@ struct BackwardParams {
 
 constexpr int kPrepThreads = 256;
 
-__global__ void flash_attention_backward_prep_kernel(float* delta, float* lse_log2, const bf16* dout, const bf16* out,
-                                                     const float* lse, int tokens, int heads, int v_dim,
-                                                     int row_stride) {
+// It also zeroes the two passes' work counters.
+__global__ void flash_attention_backward_prep_kernel(float* delta, float* lse_log2, int* work_counters,
+                                                     const bf16* dout, const bf16* out, const float* lse, int tokens,
+                                                     int heads, int v_dim, int row_stride) {
+  if (blockIdx.x == 0 && threadIdx.x < 2) work_counters[threadIdx.x] = 0;
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (w >= static_cast<int64_t>(tokens) * heads) return;
@@ -125,8 +132,10 @@ struct DkdvTiling {
   static constexpr int kLseOffset = kDoOffset + kStages * DoTile::kBytes;
   static constexpr int kDeltaOffset = kLseOffset + kStages * kRowSlotBytes;
   static constexpr int kBarrierOffset = kDeltaOffset + kStages * kRowSlotBytes;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[], do_full[], empty[]
-  static constexpr size_t kSmemBytes = kSmemAlignment + kBarrierOffset + kBarriers * sizeof(uint64_t);
+  // kv_full, kv_empty, q_full[], do_full[], empty[], the work ring's
+  static constexpr int kBarriers = 2 + 3 * kStages + WorkRing::kBarriers;
+  static constexpr int kWorkOffset = kBarrierOffset + kBarriers * static_cast<int>(sizeof(uint64_t));
+  static constexpr size_t kSmemBytes = kSmemAlignment + kWorkOffset + WorkRing::kBytes;
   static_assert(kSmemBytes <= kMaxSmemBytes, "the dK/dV stages must fit in shared memory");
 };
 
@@ -155,28 +164,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* lse_st = reinterpret_cast<float*>(smem + T::kLseOffset);      // [kStages][kRowSlotFloats]
   float* delta_st = reinterpret_cast<float*>(smem + T::kDeltaOffset);  // [kStages][kRowSlotFloats]
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
-  uint64_t* q_full = kv_full + 1;
+  uint64_t* kv_empty = kv_full + 1;
+  uint64_t* q_full = kv_empty + 1;
   uint64_t* do_full = q_full + T::kStages;
   uint64_t* empty = do_full + T::kStages;
-
-  const OrderedBlock ob = ordered_block(p.blocks_per_head, p.heads, p.order_group);
-  const int head = ob.head;
-  const int n0 = ob.rank * T::kBlockN;  // causal: the first key blocks see the most queries
-  const int last_key = min(n0 + T::kBlockN, p.tokens) - 1;
-  // Queries that see these keys: from the first key to the end of the last key's segment.
-  const int query_end = segment_end(p.cu_seqlens, p.num_segments, last_key, p.tokens);
-  const int n_steps = (query_end - n0 + kBlockM - 1) / kBlockM;
+  WorkRing work_ring(empty + T::kStages, smem + T::kWorkOffset);
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(kv_full, 1);
+    sm90::barrier_init(kv_empty, kConsumerWarps);
     for (int s = 0; s < T::kStages; ++s) {
       sm90::barrier_init(&q_full[s], 1);
       sm90::barrier_init(&do_full[s], 1);
       sm90::barrier_init(&empty[s], kConsumerWarps);
     }
+    work_ring.init();
     sm90::fence_barrier_init();
   }
   __syncthreads();
+
+  // A work's block: its keys, and the queries that see them, from its first key to the end of its
+  // last key's segment.
+  struct Block {
+    int head, n0, n_steps;
+  };
+  auto block_of = [&](int work) {
+    const OrderedBlock ob = ordered_block(work, p.blocks_per_head, p.heads, p.order_group);
+    Block b;
+    b.head = ob.head;
+    b.n0 = ob.rank * T::kBlockN;  // causal: the first key blocks see the most queries
+    const int last_key = min(b.n0 + T::kBlockN, p.tokens) - 1;
+    const int query_end = segment_end(p.cu_seqlens, p.num_segments, last_key, p.tokens);
+    b.n_steps = (query_end - b.n0 + kBlockM - 1) / kBlockM;
+    return b;
+  };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
@@ -185,21 +206,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (const CUtensorMap* map : {&k_map, &v_map, &q_map, &dout_map, &lse_map, &delta_map}) {
       sm90::tma_prefetch_descriptor(map);
     }
-    sm90::barrier_arrive_expect_bytes(kv_full, KTile::kBytes + VTile::kBytes);
-    load_tile<KTile>(k_st, &k_map, kv_full, head, n0);
-    load_tile<VTile>(v_st, &v_map, kv_full, head, n0);
     RingPosition<T::kStages> ring;
-    for (int i = 0; i < n_steps; ++i) {
-      const int m0 = n0 + i * kBlockM;
-      const int stage = ring.stage;
-      producer_wait(&empty[stage], ring.phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(&q_full[stage], QTile::kBytes + T::kRowBytes);
-      load_tile<QTile>(q_st + stage * QTile::kBytes, &q_map, &q_full[stage], head, m0);
-      sm90::tma_load_2d(lse_st + stage * T::kRowSlotFloats, &lse_map, &q_full[stage], m0, head);
-      sm90::barrier_arrive_expect_bytes(&do_full[stage], DoTile::kBytes + T::kRowBytes);
-      load_tile<DoTile>(do_st + stage * DoTile::kBytes, &dout_map, &do_full[stage], head, m0);
-      sm90::tma_load_2d(delta_st + stage * T::kRowSlotFloats, &delta_map, &do_full[stage], m0, head);
-      ring.advance();
+    for (int w = 0;; ++w) {
+      const int work = work_ring.produce(p.work_counter, p.works, w == 0);
+      if (work < 0) break;
+      const Block b = block_of(work);
+      // K and V's one buffer is free once the last work's steps are done.
+      if (w > 0) producer_wait(kv_empty, (w - 1) & 1);
+      sm90::barrier_arrive_expect_bytes(kv_full, KTile::kBytes + VTile::kBytes);
+      load_tile<KTile>(k_st, &k_map, kv_full, b.head, b.n0);
+      load_tile<VTile>(v_st, &v_map, kv_full, b.head, b.n0);
+      for (int i = 0; i < b.n_steps; ++i) {
+        const int m0 = b.n0 + i * kBlockM;
+        const int stage = ring.stage;
+        producer_wait(&empty[stage], ring.phase ^ 1);
+        sm90::barrier_arrive_expect_bytes(&q_full[stage], QTile::kBytes + T::kRowBytes);
+        load_tile<QTile>(q_st + stage * QTile::kBytes, &q_map, &q_full[stage], b.head, m0);
+        sm90::tma_load_2d(lse_st + stage * T::kRowSlotFloats, &lse_map, &q_full[stage], m0, b.head);
+        sm90::barrier_arrive_expect_bytes(&do_full[stage], DoTile::kBytes + T::kRowBytes);
+        load_tile<DoTile>(do_st + stage * DoTile::kBytes, &dout_map, &do_full[stage], b.head, m0);
+        sm90::tma_load_2d(delta_st + stage * T::kRowSlotFloats, &delta_map, &do_full[stage], m0, b.head);
+        ring.advance();
+      }
     }
     drain_ring(empty, ring);
     return;
@@ -208,135 +236,144 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::registers_claim<kConsumerRegisters>();
   const int wg = warp / 4 - 1;
   const int quad = lane % 4;
-  const int wg_key0 = n0 + wg * kWarpgroupRows;
-  // This thread's keys (rows g and g + 8 of its warp's 16) and the ends of their segments: query t
-  // sees key s iff s <= t < end(s). Keys past the tokens see nothing (end = the key).
-  int key[2], key_end[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    key[h] = wg_key0 + (warp % 4) * 16 + lane / 4 + 8 * h;
-    key_end[h] = key[h] < p.tokens ? segment_end(p.cu_seqlens, p.num_segments, key[h], p.tokens) : key[h];
-  }
-  // Ends are monotone in s: the warpgroup's first key has the earliest.
-  const int wg_min_key_end =
-      wg_key0 < p.tokens ? segment_end(p.cu_seqlens, p.num_segments, wg_key0, p.tokens) : wg_key0;
-  auto needs_mask = [&](int m0) { return !(m0 >= wg_key0 + kWarpgroupRows - 1 && m0 + kBlockM <= wg_min_key_end); };
   const uint32_t k_base = sm90::smem_address(k_st);
   const uint32_t v_base = sm90::smem_address(v_st);
   const uint32_t q_base = sm90::smem_address(q_st);
   const uint32_t do_base = sm90::smem_address(do_st);
 
   float dk[kQk / 2], dv[kV / 2];
-  zero(dk);
-  zero(dv);
   float pt[kBlockM / 2], dpt[kBlockM / 2];  // P^T and dP^T (then dS^T): keys x queries
   uint32_t pf[kBlockM / 16][4], dsf[kBlockM / 16][4];
 
-  sm90::barrier_wait(kv_full, 0);
   RingPosition<T::kStages> ring;
-  for (int i = 0; i < n_steps; ++i) {
-    const int m0 = n0 + i * kBlockM;
-    const int stage = ring.stage;
-    const uint32_t q_stage = q_base + stage * QTile::kBytes;
-    const uint32_t do_stage = do_base + stage * DoTile::kBytes;
-    const float* lse_row = lse_st + stage * T::kRowSlotFloats;
-    const float* delta_row = delta_st + stage * T::kRowSlotFloats;
-
-    sm90::barrier_wait(&q_full[stage], ring.phase);
-    sm90::fence_registers(pt);
-    sm90::wgmma_fence();
+  for (int w = 0;; ++w) {
+    const int work = work_ring.consume(lane);
+    if (work < 0) break;
+    const Block b = block_of(work);
+    const int wg_key0 = b.n0 + wg * kWarpgroupRows;
+    // This thread's keys (rows g and g + 8 of its warp's 16) and the ends of their segments: query
+    // t sees key s iff s <= t < end(s). Keys past the tokens see nothing (end = the key).
+    int key[2], key_end[2];
 #pragma unroll
-    for (int kk = 0; kk < kQk / 16; ++kk) {
-      sm90::Wgmma<kBlockM>::template mma<0, 0>(pt, KTile::k_major(k_base, wg * kWarpgroupRows, kk),
-                                               QTile::k_major(q_stage, 0, kk), kk > 0 ? 1 : 0);
+    for (int h = 0; h < 2; ++h) {
+      key[h] = wg_key0 + (warp % 4) * 16 + lane / 4 + 8 * h;
+      key_end[h] = key[h] < p.tokens ? segment_end(p.cu_seqlens, p.num_segments, key[h], p.tokens) : key[h];
     }
-    sm90::wgmma_commit();
-    auto issue_dp = [&] {
-      sm90::barrier_wait(&do_full[stage], ring.phase);
-      sm90::fence_registers(dpt);
+    // Ends are monotone in s: the warpgroup's first key has the earliest.
+    const int wg_min_key_end =
+        wg_key0 < p.tokens ? segment_end(p.cu_seqlens, p.num_segments, wg_key0, p.tokens) : wg_key0;
+    auto needs_mask = [&](int m0) { return !(m0 >= wg_key0 + kWarpgroupRows - 1 && m0 + kBlockM <= wg_min_key_end); };
+    zero(dk);
+    zero(dv);
+
+    sm90::barrier_wait(kv_full, w & 1);
+    for (int i = 0; i < b.n_steps; ++i) {
+      const int m0 = b.n0 + i * kBlockM;
+      const int stage = ring.stage;
+      const uint32_t q_stage = q_base + stage * QTile::kBytes;
+      const uint32_t do_stage = do_base + stage * DoTile::kBytes;
+      const float* lse_row = lse_st + stage * T::kRowSlotFloats;
+      const float* delta_row = delta_st + stage * T::kRowSlotFloats;
+
+      sm90::barrier_wait(&q_full[stage], ring.phase);
+      sm90::fence_registers(pt);
       sm90::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kV / 16; ++kk) {
-        sm90::Wgmma<kBlockM>::template mma<0, 0>(dpt, VTile::k_major(v_base, wg * kWarpgroupRows, kk),
-                                                 DoTile::k_major(do_stage, 0, kk), kk > 0 ? 1 : 0);
+      for (int kk = 0; kk < kQk / 16; ++kk) {
+        sm90::Wgmma<kBlockM>::template mma<0, 0>(pt, KTile::k_major(k_base, wg * kWarpgroupRows, kk),
+                                                 QTile::k_major(q_stage, 0, kk), kk > 0 ? 1 : 0);
       }
       sm90::wgmma_commit();
-    };
-    if constexpr (!kSerialScores) issue_dp();
+      auto issue_dp = [&] {
+        sm90::barrier_wait(&do_full[stage], ring.phase);
+        sm90::fence_registers(dpt);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kV / 16; ++kk) {
+          sm90::Wgmma<kBlockM>::template mma<0, 0>(dpt, VTile::k_major(v_base, wg * kWarpgroupRows, kk),
+                                                   DoTile::k_major(do_stage, 0, kk), kk > 0 ? 1 : 0);
+        }
+        sm90::wgmma_commit();
+      };
+      if constexpr (!kSerialScores) issue_dp();
 
-    sm90::wgmma_wait<kSerialScores ? 0 : 1>();  // S^T is done
-    sm90::fence_registers(pt);
-    // P^T = 2^(S^T scale log2e - lse log2e); column 8j + 2c + e is query m0 + 8j + 2c + e.
-    auto probabilities = [&](auto masked) {
+      sm90::wgmma_wait<kSerialScores ? 0 : 1>();  // S^T is done
+      sm90::fence_registers(pt);
+      // P^T = 2^(S^T scale log2e - lse log2e); column 8j + 2c + e is query m0 + 8j + 2c + e.
+      auto probabilities = [&](auto masked) {
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 lse = *reinterpret_cast<const float2*>(lse_row + 8 * j + 2 * quad);
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 lse = *reinterpret_cast<const float2*>(lse_row + 8 * j + 2 * quad);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+          for (int h = 0; h < 2; ++h) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = pt[4 * j + 2 * h + e];
-            x = fast_exp2(fmaf(x, p.scale_log2, -(e == 0 ? lse.x : lse.y)));
-            if constexpr (decltype(masked)::value) {
-              const int t = m0 + 8 * j + 2 * quad + e;
-              if (t < key[h] || t >= key_end[h]) x = 0.0f;
+            for (int e = 0; e < 2; ++e) {
+              float& x = pt[4 * j + 2 * h + e];
+              x = fast_exp2(fmaf(x, p.scale_log2, -(e == 0 ? lse.x : lse.y)));
+              if constexpr (decltype(masked)::value) {
+                const int t = m0 + 8 * j + 2 * quad + e;
+                if (t < key[h] || t >= key_end[h]) x = 0.0f;
+              }
             }
           }
         }
+      };
+      if (needs_mask(m0)) {
+        probabilities(std::true_type{});
+      } else {
+        probabilities(std::false_type{});
       }
-    };
-    if (needs_mask(m0)) {
-      probabilities(std::true_type{});
-    } else {
-      probabilities(std::false_type{});
-    }
-    accumulator_to_fragments<kBlockM>(pf, pt);
-    if constexpr (kSerialScores) issue_dp();
+      accumulator_to_fragments<kBlockM>(pf, pt);
+      if constexpr (kSerialScores) issue_dp();
 
-    sm90::wgmma_wait<0>();  // dP^T is done
-    sm90::fence_registers(dpt);
+      sm90::wgmma_wait<0>();  // dP^T is done
+      sm90::fence_registers(dpt);
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 delta = *reinterpret_cast<const float2*>(delta_row + 8 * j + 2 * quad);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 delta = *reinterpret_cast<const float2*>(delta_row + 8 * j + 2 * quad);
 #pragma unroll
-      for (int i2 = 0; i2 < 4; ++i2) {
-        const int idx = 4 * j + i2;
-        const float probability = kSerialScores ? fragment_value(pf, idx) : pt[idx];
-        dpt[idx] = probability * (dpt[idx] - ((i2 & 1) == 0 ? delta.x : delta.y));
+        for (int i2 = 0; i2 < 4; ++i2) {
+          const int idx = 4 * j + i2;
+          const float probability = kSerialScores ? fragment_value(pf, idx) : pt[idx];
+          dpt[idx] = probability * (dpt[idx] - ((i2 & 1) == 0 ? delta.x : delta.y));
+        }
       }
-    }
-    accumulator_to_fragments<kBlockM>(dsf, dpt);
+      accumulator_to_fragments<kBlockM>(dsf, dpt);
 
-    // dV += P^T dO and dK += dS^T Q, the step's queries as the contraction (Q, dO MN-major).
-    sm90::fence_registers(dv);
-    sm90::fence_registers(dk);
-    fence_fragments(pf);
-    fence_fragments(dsf);
-    sm90::wgmma_fence();
+      // dV += P^T dO and dK += dS^T Q, the step's queries as the contraction (Q, dO MN-major).
+      sm90::fence_registers(dv);
+      sm90::fence_registers(dk);
+      fence_fragments(pf);
+      fence_fragments(dsf);
+      sm90::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      sm90::WgmmaRegisterA<kV>::template mma<1>(dv, pf[kk], DoTile::mn_major(do_stage, kk), 1);
-    }
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        sm90::WgmmaRegisterA<kV>::template mma<1>(dv, pf[kk], DoTile::mn_major(do_stage, kk), 1);
+      }
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      sm90::WgmmaRegisterA<kQk>::template mma<1>(dk, dsf[kk], QTile::mn_major(q_stage, kk), 1);
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        sm90::WgmmaRegisterA<kQk>::template mma<1>(dk, dsf[kk], QTile::mn_major(q_stage, kk), 1);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(dv);
+      sm90::fence_registers(dk);
+      fence_fragments(pf);
+      fence_fragments(dsf);
+      release_stage(&empty[stage], lane);
+      ring.advance();
     }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(dv);
-    sm90::fence_registers(dk);
-    fence_fragments(pf);
-    fence_fragments(dsf);
-    release_stage(&empty[stage], lane);
-    ring.advance();
-  }
+    // K and V's last reads of this work are done (a release inside the step loop, after the last
+    // dP^T, made ptxas spill the accumulators): the next work's may load while dK and dV are stored.
+    release_stage(kv_empty, lane);
 
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (key[h] >= p.tokens) continue;
-    const int64_t row = static_cast<int64_t>(key[h]) * p.heads + head;
-    store_row_bf16<kQk>(p.dk + row * kQk, dk, h, p.scale, quad);
-    store_row_bf16<kV>(p.dv + row * kV, dv, h, 1.0f, quad);
+    for (int h = 0; h < 2; ++h) {
+      if (key[h] >= p.tokens) continue;
+      const int64_t row = static_cast<int64_t>(key[h]) * p.heads + b.head;
+      store_row_bf16<kQk>(p.dk + row * kQk, dk, h, p.scale, quad);
+      store_row_bf16<kV>(p.dv + row * kV, dv, h, 1.0f, quad);
+    }
   }
 }
 
@@ -363,8 +400,10 @@ struct DqTiling {
   static constexpr int kKOffset = kDoOffset + DoTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * VTile::kBytes;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full (Q and dO), k_full[], v_full[], empty[]
-  static constexpr size_t kSmemBytes = kSmemAlignment + kBarrierOffset + kBarriers * sizeof(uint64_t);
+  // q_full (Q and dO), q_empty, k_full[], v_full[], empty[], the work ring's
+  static constexpr int kBarriers = 2 + 3 * kStages + WorkRing::kBarriers;
+  static constexpr int kWorkOffset = kBarrierOffset + kBarriers * static_cast<int>(sizeof(uint64_t));
+  static constexpr size_t kSmemBytes = kSmemAlignment + kWorkOffset + WorkRing::kBytes;
   static_assert(kSmemBytes <= kMaxSmemBytes, "the dQ stages must fit in shared memory");
 };
 
@@ -387,45 +426,63 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* k_st = smem + T::kKOffset;  // [kStages]
   unsigned char* v_st = smem + T::kVOffset;  // [kStages]
   uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
-  uint64_t* k_full = q_full + 1;
+  uint64_t* q_empty = q_full + 1;
+  uint64_t* k_full = q_empty + 1;
   uint64_t* v_full = k_full + T::kStages;
   uint64_t* empty = v_full + T::kStages;
-
-  const OrderedBlock ob = ordered_block(p.blocks_per_head, p.heads, p.order_group);
-  const int head = ob.head;
-  const int m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the longest blocks first
-  const int row_end = min(m0 + T::kBlockM, p.tokens);
-  const int kv_begin = segment_start(p.cu_seqlens, p.num_segments, m0);
-  const int n_tiles = (row_end - kv_begin + kBlockN - 1) / kBlockN;
+  WorkRing work_ring(empty + T::kStages, smem + T::kWorkOffset);
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(q_full, 1);
+    sm90::barrier_init(q_empty, kConsumerWarps);
     for (int s = 0; s < T::kStages; ++s) {
       sm90::barrier_init(&k_full[s], 1);
       sm90::barrier_init(&v_full[s], 1);
       sm90::barrier_init(&empty[s], kConsumerWarps);
     }
+    work_ring.init();
     sm90::fence_barrier_init();
   }
   __syncthreads();
+
+  // A work's block: its queries, and its keys from the segment start of its first query.
+  struct Block {
+    int head, m0, kv_begin, n_tiles;
+  };
+  auto block_of = [&](int work) {
+    const OrderedBlock ob = ordered_block(work, p.blocks_per_head, p.heads, p.order_group);
+    Block b;
+    b.head = ob.head;
+    b.m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the longest blocks first
+    b.kv_begin = segment_start(p.cu_seqlens, p.num_segments, b.m0);
+    b.n_tiles = (min(b.m0 + T::kBlockM, p.tokens) - b.kv_begin + kBlockN - 1) / kBlockN;
+    return b;
+  };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
     sm90::registers_release<kProducerRegisters>();
     if (threadIdx.x != 0) return;
     for (const CUtensorMap* map : {&q_map, &dout_map, &k_map, &v_map}) sm90::tma_prefetch_descriptor(map);
-    sm90::barrier_arrive_expect_bytes(q_full, QTile::kBytes + DoTile::kBytes);
-    load_tile<QTile>(q_st, &q_map, q_full, head, m0);
-    load_tile<DoTile>(do_st, &dout_map, q_full, head, m0);
     RingPosition<T::kStages> ring;
-    for (int j = 0; j < n_tiles; ++j) {
-      const int n0 = kv_begin + j * kBlockN;
-      producer_wait(&empty[ring.stage], ring.phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(&k_full[ring.stage], KTile::kBytes);
-      load_tile<KTile>(k_st + ring.stage * KTile::kBytes, &k_map, &k_full[ring.stage], head, n0);
-      sm90::barrier_arrive_expect_bytes(&v_full[ring.stage], VTile::kBytes);
-      load_tile<VTile>(v_st + ring.stage * VTile::kBytes, &v_map, &v_full[ring.stage], head, n0);
-      ring.advance();
+    for (int w = 0;; ++w) {
+      const int work = work_ring.produce(p.work_counter, p.works, w == 0);
+      if (work < 0) break;
+      const Block b = block_of(work);
+      // Q and dO's one buffer is free once the last work's S and dP are done.
+      if (w > 0) producer_wait(q_empty, (w - 1) & 1);
+      sm90::barrier_arrive_expect_bytes(q_full, QTile::kBytes + DoTile::kBytes);
+      load_tile<QTile>(q_st, &q_map, q_full, b.head, b.m0);
+      load_tile<DoTile>(do_st, &dout_map, q_full, b.head, b.m0);
+      for (int j = 0; j < b.n_tiles; ++j) {
+        const int n0 = b.kv_begin + j * kBlockN;
+        producer_wait(&empty[ring.stage], ring.phase ^ 1);
+        sm90::barrier_arrive_expect_bytes(&k_full[ring.stage], KTile::kBytes);
+        load_tile<KTile>(k_st + ring.stage * KTile::kBytes, &k_map, &k_full[ring.stage], b.head, n0);
+        sm90::barrier_arrive_expect_bytes(&v_full[ring.stage], VTile::kBytes);
+        load_tile<VTile>(v_st + ring.stage * VTile::kBytes, &v_map, &v_full[ring.stage], b.head, n0);
+        ring.advance();
+      }
     }
     drain_ring(empty, ring);
     return;
@@ -434,112 +491,120 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::registers_claim<kConsumerRegisters>();
   const int wg = warp / 4 - 1;
   const int quad = lane % 4;
-  const int wg_m0 = m0 + wg * kWarpgroupRows;
   const int last_valid = p.tokens - 1;
-  int row[2], row_start[2];
-  float row_lse[2], row_delta[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row[h] = wg_m0 + (warp % 4) * 16 + lane / 4 + 8 * h;
-    row_start[h] = segment_start(p.cu_seqlens, p.num_segments, min(row[h], last_valid));
-    // Rows past the tokens are computed but never stored.
-    const bool valid = row[h] < p.tokens;
-    const int64_t at = static_cast<int64_t>(head) * p.row_stride + row[h];
-    row_lse[h] = valid ? p.lse_log2[at] : 0.0f;
-    row_delta[h] = valid ? p.delta[at] : 0.0f;
-  }
-  const int wg_last_row_start =
-      segment_start(p.cu_seqlens, p.num_segments, min(wg_m0 + kWarpgroupRows - 1, last_valid));
-  auto needs_mask = [&](int n0) { return !(n0 + kBlockN - 1 <= wg_m0 && n0 >= wg_last_row_start); };
   const uint32_t q_base = sm90::smem_address(q_st);
   const uint32_t do_base = sm90::smem_address(do_st);
   const uint32_t k_base = sm90::smem_address(k_st);
   const uint32_t v_base = sm90::smem_address(v_st);
 
   float dq[kQk / 2];
-  zero(dq);
   float s[kBlockN / 2], dp[kBlockN / 2];
   uint32_t dsf[kBlockN / 16][4];
 
-  sm90::barrier_wait(q_full, 0);
   RingPosition<T::kStages> ring;
-  for (int j = 0; j < n_tiles; ++j) {
-    const int n0 = kv_begin + j * kBlockN;
-    const int stage = ring.stage;
-    const uint32_t k_stage = k_base + stage * KTile::kBytes;
-    const uint32_t v_stage = v_base + stage * VTile::kBytes;
-
-    sm90::barrier_wait(&k_full[stage], ring.phase);
-    sm90::fence_registers(s);
-    sm90::wgmma_fence();
+  for (int w = 0;; ++w) {
+    const int work = work_ring.consume(lane);
+    if (work < 0) break;
+    const Block b = block_of(work);
+    const int wg_m0 = b.m0 + wg * kWarpgroupRows;
+    int row[2], row_start[2];
+    float row_lse[2], row_delta[2];
 #pragma unroll
-    for (int kk = 0; kk < kQk / 16; ++kk) {
-      sm90::Wgmma<kBlockN>::template mma<0, 0>(s, QTile::k_major(q_base, wg * kWarpgroupRows, kk),
-                                               KTile::k_major(k_stage, 0, kk), kk > 0 ? 1 : 0);
+    for (int h = 0; h < 2; ++h) {
+      row[h] = wg_m0 + (warp % 4) * 16 + lane / 4 + 8 * h;
+      row_start[h] = segment_start(p.cu_seqlens, p.num_segments, min(row[h], last_valid));
+      // Rows past the tokens are computed but never stored.
+      const bool valid = row[h] < p.tokens;
+      const int64_t at = static_cast<int64_t>(b.head) * p.row_stride + row[h];
+      row_lse[h] = valid ? p.lse_log2[at] : 0.0f;
+      row_delta[h] = valid ? p.delta[at] : 0.0f;
     }
-    sm90::wgmma_commit();
-    sm90::barrier_wait(&v_full[stage], ring.phase);
-    sm90::fence_registers(dp);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kV / 16; ++kk) {
-      sm90::Wgmma<kBlockN>::template mma<0, 0>(dp, DoTile::k_major(do_base, wg * kWarpgroupRows, kk),
-                                               VTile::k_major(v_stage, 0, kk), kk > 0 ? 1 : 0);
-    }
-    sm90::wgmma_commit();
+    const int wg_last_row_start =
+        segment_start(p.cu_seqlens, p.num_segments, min(wg_m0 + kWarpgroupRows - 1, last_valid));
+    auto needs_mask = [&](int n0) { return !(n0 + kBlockN - 1 <= wg_m0 && n0 >= wg_last_row_start); };
+    zero(dq);
 
-    sm90::wgmma_wait<1>();  // S is done
-    sm90::fence_registers(s);
-    auto probabilities = [&](auto masked) {
+    sm90::barrier_wait(q_full, w & 1);
+    for (int j = 0; j < b.n_tiles; ++j) {
+      const int n0 = b.kv_begin + j * kBlockN;
+      const int stage = ring.stage;
+      const uint32_t k_stage = k_base + stage * KTile::kBytes;
+      const uint32_t v_stage = v_base + stage * VTile::kBytes;
+
+      sm90::barrier_wait(&k_full[stage], ring.phase);
+      sm90::fence_registers(s);
+      sm90::wgmma_fence();
 #pragma unroll
-      for (int j2 = 0; j2 < kBlockN / 8; ++j2) {
+      for (int kk = 0; kk < kQk / 16; ++kk) {
+        sm90::Wgmma<kBlockN>::template mma<0, 0>(s, QTile::k_major(q_base, wg * kWarpgroupRows, kk),
+                                                 KTile::k_major(k_stage, 0, kk), kk > 0 ? 1 : 0);
+      }
+      sm90::wgmma_commit();
+      sm90::barrier_wait(&v_full[stage], ring.phase);
+      sm90::fence_registers(dp);
+      sm90::wgmma_fence();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+      for (int kk = 0; kk < kV / 16; ++kk) {
+        sm90::Wgmma<kBlockN>::template mma<0, 0>(dp, DoTile::k_major(do_base, wg * kWarpgroupRows, kk),
+                                                 VTile::k_major(v_stage, 0, kk), kk > 0 ? 1 : 0);
+      }
+      sm90::wgmma_commit();
+
+      sm90::wgmma_wait<1>();  // S is done
+      sm90::fence_registers(s);
+      auto probabilities = [&](auto masked) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * j2 + 2 * h + e];
-            x = fast_exp2(fmaf(x, p.scale_log2, -row_lse[h]));
-            if constexpr (decltype(masked)::value) {
-              const int key = n0 + 8 * j2 + 2 * quad + e;
-              if (key > row[h] || key < row_start[h]) x = 0.0f;
+        for (int j2 = 0; j2 < kBlockN / 8; ++j2) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = s[4 * j2 + 2 * h + e];
+              x = fast_exp2(fmaf(x, p.scale_log2, -row_lse[h]));
+              if constexpr (decltype(masked)::value) {
+                const int key = n0 + 8 * j2 + 2 * quad + e;
+                if (key > row[h] || key < row_start[h]) x = 0.0f;
+              }
             }
           }
         }
+      };
+      if (needs_mask(n0)) {
+        probabilities(std::true_type{});
+      } else {
+        probabilities(std::false_type{});
       }
-    };
-    if (needs_mask(n0)) {
-      probabilities(std::true_type{});
-    } else {
-      probabilities(std::false_type{});
+
+      sm90::wgmma_wait<0>();  // dP is done
+      sm90::fence_registers(dp);
+      // Q and dO's last reads of this work are done: the next work's may load.
+      if (j == b.n_tiles - 1) release_stage(q_empty, lane);
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) dp[i] = s[i] * (dp[i] - row_delta[(i >> 1) & 1]);
+      accumulator_to_fragments<kBlockN>(dsf, dp);
+
+      // dQ += dS K, the tile's keys as the contraction (K MN-major).
+      sm90::fence_registers(dq);
+      fence_fragments(dsf);
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        sm90::WgmmaRegisterA<kQk>::template mma<1>(dq, dsf[kk], KTile::mn_major(k_stage, kk), 1);
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(dq);
+      fence_fragments(dsf);
+      release_stage(&empty[stage], lane);
+      ring.advance();
     }
 
-    sm90::wgmma_wait<0>();  // dP is done
-    sm90::fence_registers(dp);
 #pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i) dp[i] = s[i] * (dp[i] - row_delta[(i >> 1) & 1]);
-    accumulator_to_fragments<kBlockN>(dsf, dp);
-
-    // dQ += dS K, the tile's keys as the contraction (K MN-major).
-    sm90::fence_registers(dq);
-    fence_fragments(dsf);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      sm90::WgmmaRegisterA<kQk>::template mma<1>(dq, dsf[kk], KTile::mn_major(k_stage, kk), 1);
+    for (int h = 0; h < 2; ++h) {
+      if (row[h] >= p.tokens) continue;
+      const int64_t at = static_cast<int64_t>(row[h]) * p.heads + b.head;
+      store_row_bf16<kQk>(p.dq + at * kQk, dq, h, p.scale, quad);
     }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(dq);
-    fence_fragments(dsf);
-    release_stage(&empty[stage], lane);
-    ring.advance();
-  }
-
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (row[h] >= p.tokens) continue;
-    const int64_t at = static_cast<int64_t>(row[h]) * p.heads + head;
-    store_row_bf16<kQk>(p.dq + at * kQk, dq, h, p.scale, quad);
   }
 }
 
@@ -562,15 +627,18 @@ void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream
   const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2), v_dim = args.v.size(2);
   if (tokens == 0) return;
   const int64_t row_stride = head_row_stride(tokens);
-  // lse log2e and delta live in stream-ordered scratch, freed on the stream after the passes.
+  // lse log2e, delta and the two passes' work counters live in stream-ordered scratch, freed on
+  // the stream after the passes.
   float* rows = nullptr;
-  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&rows), 2 * heads * row_stride * sizeof(float), stream));
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&rows), 2 * heads * row_stride * sizeof(float) + 2 * sizeof(int),
+                             stream));
   float* lse_log2 = rows;
   float* delta = rows + heads * row_stride;
+  int* work_counters = reinterpret_cast<int*>(rows + 2 * heads * row_stride);
   const int64_t warps = tokens * heads;
   const unsigned prep_blocks = static_cast<unsigned>((warps * 32 + kPrepThreads - 1) / kPrepThreads);
   flash_attention_backward_prep_kernel<<<prep_blocks, kPrepThreads, 0, stream>>>(
-      delta, lse_log2, static_cast<const bf16*>(args.dout.data), static_cast<const bf16*>(args.out.data),
+      delta, lse_log2, work_counters, static_cast<const bf16*>(args.dout.data), static_cast<const bf16*>(args.out.data),
       static_cast<const float*>(args.lse.data), static_cast<int>(tokens), static_cast<int>(heads),
       static_cast<int>(v_dim), static_cast<int>(row_stride));
   CUDA_CHECK_LAUNCH();
@@ -598,8 +666,8 @@ void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream
       const CUtensorMap dout_map = token_tile_map(args.dout.data, tokens, heads, v_dim, T::kBlockM);
       const CUtensorMap lse_map = head_row_map(lse_log2, tokens, heads, row_stride, T::kBlockM);
       const CUtensorMap delta_map = head_row_map(delta, tokens, heads, row_stride, T::kBlockM);
-      launch_head_blocks<flash_attention_backward_dkdv_sm90_bf16_kernel<kQk, kV>>(
-          T::kSmemBytes, T::kBlockN, p, stream, k_map, v_map, q_map, dout_map, lse_map, delta_map);
+      launch_persistent<flash_attention_backward_dkdv_sm90_bf16_kernel<kQk, kV>>(
+          T::kSmemBytes, T::kBlockN, &work_counters[0], p, stream, k_map, v_map, q_map, dout_map, lse_map, delta_map);
     }
     {
       using T = DqTiling<kQk, kV>;
@@ -607,8 +675,8 @@ void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream
       const CUtensorMap dout_map = token_tile_map(args.dout.data, tokens, heads, v_dim, T::kBlockM);
       const CUtensorMap k_map = token_tile_map(args.k.data, tokens, heads, qk_dim, T::kBlockN);
       const CUtensorMap v_map = token_tile_map(args.v.data, tokens, heads, v_dim, T::kBlockN);
-      launch_head_blocks<flash_attention_backward_dq_sm90_bf16_kernel<kQk, kV>>(T::kSmemBytes, T::kBlockM, p, stream,
-                                                                                q_map, dout_map, k_map, v_map);
+      launch_persistent<flash_attention_backward_dq_sm90_bf16_kernel<kQk, kV>>(
+          T::kSmemBytes, T::kBlockM, &work_counters[1], p, stream, q_map, dout_map, k_map, v_map);
     }
   });
   CUDA_CHECK(cudaFreeAsync(rows, stream));

@@ -1,13 +1,16 @@
 // Hopper flash attention forward (see flash_attention_sm90.h; the CPU reference is the spec).
 //
-// One CTA per (128 queries, head), launched in ordered_block's order (flash_attention_sm90_common.cuh):
-// heads in groups of at least 4, each group's blocks last-first, since causal blocks further down
-// see more keys, so that the launch ends on short blocks and a group's K and V stay in L2.
-// Warpgroup 0 produces: one thread loads the Q block once and then streams
-// 128-key tiles of K and V by TMA through two rings of stages, K and V apart (a 'full' and an
-// 'empty' mbarrier per stage each; the 8 consumer warps arrive on 'empty'), so that the scores can
-// start before V lands and a K stage is given back as soon as its scores are done. Warpgroups 1
-// and 2 own 64 queries each:
+// Persistent (WorkRing, flash_attention_sm90_common.cuh): a CTA per multiprocessor takes works of
+// (128 queries, head) in ordered_block's order: heads in groups of at least 4, each group's
+// blocks last-first, since causal blocks further down see more keys, so that the pass ends on
+// short blocks and a group's K and V stay in L2.
+// Warpgroup 0 produces: one thread takes the works, loads each work's Q block (one buffer, given
+// back once the work's last scores are done, so the next work's Q and first K and V tiles load
+// while the consumers finish the last) and streams 128-key tiles of K and V by TMA through two
+// rings of stages that run on from work to work, K and V apart (a 'full' and an 'empty' mbarrier
+// per stage each; the 8 consumer warps arrive on 'empty'), so that the scores can start before V
+// lands and a K stage is given back as soon as its scores are done. Warpgroups 1 and 2 own 64
+// queries each:
 //   S = Q K^T           wgmma, both from shared memory (K-major), F32 in registers
 //   online softmax      per row: running max m and sum l in F32, P = 2^(S scale log2e - m')
 //   O += P V            wgmma with P from registers (the S accumulator packed to BF16 is the A
@@ -49,8 +52,10 @@ struct ForwardTiling {
   static constexpr int kKOffset = QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KTile::kBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * VTile::kBytes;
-  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
-  static constexpr size_t kSmemBytes = kSmemAlignment + kBarrierOffset + kBarriers * sizeof(uint64_t);
+  // q_full, q_empty, k_full[], v_full[], k_empty[], v_empty[], the work ring's
+  static constexpr int kBarriers = 2 + 4 * kStages + WorkRing::kBarriers;
+  static constexpr int kWorkOffset = kBarrierOffset + kBarriers * static_cast<int>(sizeof(uint64_t));
+  static constexpr size_t kSmemBytes = kSmemAlignment + kWorkOffset + WorkRing::kBytes;
   static_assert(kSmemBytes <= kMaxSmemBytes, "the forward's stages must fit in shared memory");
   static_assert(kBlockN % 16 == 0 && kQk % 16 == 0, "whole wgmma k-steps");
 };
@@ -65,6 +70,8 @@ struct ForwardParams {
   float scale_log2 = 0.0f;  // scale * log2(e), > 0
   int blocks_per_head = 0;
   int order_group = 1;  // ordered_block's head group
+  int works = 0;        // blocks_per_head x heads
+  int* work_counter = nullptr;
 };
 
 // The warpgroup's rows and what masking them needs.
@@ -135,8 +142,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[kN / 2], float (&row_max
 // Ping-pong between the consumer warpgroups: warpgroup w waits on named barrier kTurnBarrier + w
 // before issuing its matmuls and, once issued, arrives on the other's. Warpgroup 0 goes first
 // (warpgroup 1 arrives once up front), then they alternate; both issue the same number of times,
-// and warpgroup 1 skips its arrival after its last issue, so every barrier phase gets its 256
-// threads (128 waiting, 128 arriving).
+// and warpgroup 0 waits once more at the end (for warpgroup 1's last arrival), so every barrier
+// phase gets its 256 threads (128 waiting, 128 arriving).
 constexpr uint32_t kTurnBarrier = 1;  // ids 1 and 2 (0 is __syncthreads)
 constexpr uint32_t kTurnThreads = 2 * kWarpgroupThreads;
 
@@ -158,30 +165,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* k_st = smem + T::kKOffset;  // [kStages]
   unsigned char* v_st = smem + T::kVOffset;  // [kStages]
   uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
-  uint64_t* k_full = q_full + 1;
+  uint64_t* q_empty = q_full + 1;
+  uint64_t* k_full = q_empty + 1;
   uint64_t* v_full = k_full + T::kStages;
   uint64_t* k_empty = v_full + T::kStages;
   uint64_t* v_empty = k_empty + T::kStages;
-
-  const OrderedBlock ob = ordered_block(p.blocks_per_head, p.heads, p.order_group);
-  const int head = ob.head;
-  const int m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the last block sees the most keys
-  const int row_end = min(m0 + T::kBlockM, p.tokens);
-  // The first row's segment starts no later than any other row's (starts are monotone in t).
-  const int kv_begin = segment_start(p.cu_seqlens, p.num_segments, m0);
-  const int n_tiles = (row_end - kv_begin + T::kBlockN - 1) / T::kBlockN;
+  WorkRing work_ring(v_empty + T::kStages, smem + T::kWorkOffset);
 
   if (threadIdx.x == 0) {
     sm90::barrier_init(q_full, 1);
+    sm90::barrier_init(q_empty, kConsumerWarps);
     for (int s = 0; s < T::kStages; ++s) {
       sm90::barrier_init(&k_full[s], 1);
       sm90::barrier_init(&v_full[s], 1);
       sm90::barrier_init(&k_empty[s], kConsumerWarps);
       sm90::barrier_init(&v_empty[s], kConsumerWarps);
     }
+    work_ring.init();
     sm90::fence_barrier_init();
   }
   __syncthreads();
+
+  // A work's block: its queries, and its keys from the segment start of its first query (the
+  // first row's segment starts no later than any other row's: starts are monotone in t).
+  struct Block {
+    int head, m0, kv_begin, n_tiles;
+  };
+  auto block_of = [&](int work) {
+    const OrderedBlock ob = ordered_block(work, p.blocks_per_head, p.heads, p.order_group);
+    Block b;
+    b.head = ob.head;
+    b.m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the last block sees the most keys
+    b.kv_begin = segment_start(p.cu_seqlens, p.num_segments, b.m0);
+    b.n_tiles = (min(b.m0 + T::kBlockM, p.tokens) - b.kv_begin + T::kBlockN - 1) / T::kBlockN;
+    return b;
+  };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
@@ -190,18 +208,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::tma_prefetch_descriptor(&q_map);
     sm90::tma_prefetch_descriptor(&k_map);
     sm90::tma_prefetch_descriptor(&v_map);
-    sm90::barrier_arrive_expect_bytes(q_full, QTile::kBytes);
-    load_tile<QTile>(q_st, &q_map, q_full, head, m0);
     RingPosition<T::kStages> ring;
-    for (int j = 0; j < n_tiles; ++j) {
-      const int n0 = kv_begin + j * T::kBlockN;
-      producer_wait(&k_empty[ring.stage], ring.phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(&k_full[ring.stage], KTile::kBytes);
-      load_tile<KTile>(k_st + ring.stage * KTile::kBytes, &k_map, &k_full[ring.stage], head, n0);
-      producer_wait(&v_empty[ring.stage], ring.phase ^ 1);
-      sm90::barrier_arrive_expect_bytes(&v_full[ring.stage], VTile::kBytes);
-      load_tile<VTile>(v_st + ring.stage * VTile::kBytes, &v_map, &v_full[ring.stage], head, n0);
-      ring.advance();
+    for (int w = 0;; ++w) {
+      const int work = work_ring.produce(p.work_counter, p.works, w == 0);
+      if (work < 0) break;
+      const Block b = block_of(work);
+      // Q's one buffer is free once the last work's scores are done.
+      if (w > 0) producer_wait(q_empty, (w - 1) & 1);
+      sm90::barrier_arrive_expect_bytes(q_full, QTile::kBytes);
+      load_tile<QTile>(q_st, &q_map, q_full, b.head, b.m0);
+      for (int j = 0; j < b.n_tiles; ++j) {
+        const int n0 = b.kv_begin + j * T::kBlockN;
+        producer_wait(&k_empty[ring.stage], ring.phase ^ 1);
+        sm90::barrier_arrive_expect_bytes(&k_full[ring.stage], KTile::kBytes);
+        load_tile<KTile>(k_st + ring.stage * KTile::kBytes, &k_map, &k_full[ring.stage], b.head, n0);
+        producer_wait(&v_empty[ring.stage], ring.phase ^ 1);
+        sm90::barrier_arrive_expect_bytes(&v_full[ring.stage], VTile::kBytes);
+        load_tile<VTile>(v_st + ring.stage * VTile::kBytes, &v_map, &v_full[ring.stage], b.head, n0);
+        ring.advance();
+      }
     }
     drain_ring(k_empty, ring);
     drain_ring(v_empty, ring);
@@ -211,10 +236,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::registers_claim<kConsumerRegisters>();
   const int wg = warp / 4 - 1;
   const int quad = lane % 4;
-  const RowInfo rows = row_info(p, m0 + wg * kWarpgroupRows, warp % 4, lane);
-  // A tile needs no mask when every key precedes the warpgroup's first row and follows its last
-  // row's segment start (rows past the tokens are never stored, so they do not count).
-  auto needs_mask = [&](int n0) { return !(n0 + T::kBlockN - 1 <= rows.wg_first_row && n0 >= rows.wg_last_row_start); };
   const uint32_t q_base = sm90::smem_address(q_st);
   const uint32_t k_base = sm90::smem_address(k_st);
   const uint32_t v_base = sm90::smem_address(v_st);
@@ -222,8 +243,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   float s[T::kBlockN / 2];
   float o[kV / 2];
   uint32_t pf[T::kBlockN / 16][4];
-  zero(o);
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
 
   auto issue_scores = [&](int stage) {
     const uint32_t k_stage = k_base + stage * KTile::kBytes;
@@ -247,69 +266,90 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::wgmma_commit();
   };
-  auto softmax = [&](int n0) {
-    if (needs_mask(n0)) {
-      softmax_step<true, T::kBlockN>(s, row_max, row_sum, correction, rows, n0, quad, p.scale_log2);
-    } else {
-      softmax_step<false, T::kBlockN>(s, row_max, row_sum, correction, rows, n0, quad, p.scale_log2);
-    }
-  };
 
-  sm90::barrier_wait(q_full, 0);
   if (wg == 1) pass_turn(wg);  // warpgroup 0 issues first
   RingPosition<T::kStages> ring;
-  // Tile 0: scores and softmax only (O is zero, so its correction does not matter).
-  sm90::barrier_wait(&k_full[ring.stage], ring.phase);
-  wait_for_turn(wg);
-  issue_scores(ring.stage);
-  pass_turn(wg);
-  sm90::wgmma_wait<0>();
-  sm90::fence_registers(s);
-  release_stage(&k_empty[ring.stage], lane);
-  softmax(kv_begin);
-  accumulator_to_fragments<T::kBlockN>(pf, s);
+  for (int w = 0;; ++w) {
+    const int work = work_ring.consume(lane);
+    if (work < 0) break;
+    const Block b = block_of(work);
+    const RowInfo rows = row_info(p, b.m0 + wg * kWarpgroupRows, warp % 4, lane);
+    zero(o);
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
+    // A tile needs no mask when every key precedes the warpgroup's first row and follows its last
+    // row's segment start (rows past the tokens are never stored, so they do not count).
+    auto softmax = [&](int n0) {
+      if (!(n0 + T::kBlockN - 1 <= rows.wg_first_row && n0 >= rows.wg_last_row_start)) {
+        softmax_step<true, T::kBlockN>(s, row_max, row_sum, correction, rows, n0, quad, p.scale_log2);
+      } else {
+        softmax_step<false, T::kBlockN>(s, row_max, row_sum, correction, rows, n0, quad, p.scale_log2);
+      }
+    };
+    // Q's buffer is given back as soon as the work's last scores are done.
+    auto scores_done = [&](int j) {
+      if (j == b.n_tiles - 1) release_stage(q_empty, lane);
+    };
 
-  for (int j = 1; j < n_tiles; ++j) {
-    RingPosition<T::kStages> next = ring;
-    next.advance();
-    sm90::barrier_wait(&k_full[next.stage], next.phase);
+    sm90::barrier_wait(q_full, w & 1);
+    // Tile 0: scores and softmax only (O is zero, so its correction does not matter).
+    sm90::barrier_wait(&k_full[ring.stage], ring.phase);
     wait_for_turn(wg);
-    issue_scores(next.stage);                              // S_j = Q K_j^T
-    sm90::barrier_wait(&v_full[ring.stage], ring.phase);
-    issue_pv(ring.stage);                                  // O += P_{j-1} V_{j-1}
+    issue_scores(ring.stage);
     pass_turn(wg);
-    sm90::wgmma_wait<1>();                                 // S_j is done, P V may still run
+    sm90::wgmma_wait<0>();
     sm90::fence_registers(s);
-    release_stage(&k_empty[next.stage], lane);
-    softmax(kv_begin + j * T::kBlockN);
+    release_stage(&k_empty[ring.stage], lane);
+    scores_done(0);
+    softmax(b.kv_begin);
+    accumulator_to_fragments<T::kBlockN>(pf, s);
+
+    for (int j = 1; j < b.n_tiles; ++j) {
+      RingPosition<T::kStages> next = ring;
+      next.advance();
+      sm90::barrier_wait(&k_full[next.stage], next.phase);
+      wait_for_turn(wg);
+      issue_scores(next.stage);                              // S_j = Q K_j^T
+      sm90::barrier_wait(&v_full[ring.stage], ring.phase);
+      issue_pv(ring.stage);                                  // O += P_{j-1} V_{j-1}
+      pass_turn(wg);
+      sm90::wgmma_wait<1>();                                 // S_j is done, P V may still run
+      sm90::fence_registers(s);
+      release_stage(&k_empty[next.stage], lane);
+      scores_done(j);
+      softmax(b.kv_begin + j * T::kBlockN);
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(o);
+      fence_fragments(pf);
+      release_stage(&v_empty[ring.stage], lane);
+#pragma unroll
+      for (int i = 0; i < kV / 2; ++i) o[i] *= correction[(i >> 1) & 1];
+      accumulator_to_fragments<T::kBlockN>(pf, s);
+      ring = next;
+    }
+    sm90::barrier_wait(&v_full[ring.stage], ring.phase);
+    wait_for_turn(wg);
+    issue_pv(ring.stage);
+    pass_turn(wg);
     sm90::wgmma_wait<0>();
     sm90::fence_registers(o);
     fence_fragments(pf);
     release_stage(&v_empty[ring.stage], lane);
-#pragma unroll
-    for (int i = 0; i < kV / 2; ++i) o[i] *= correction[(i >> 1) & 1];
-    accumulator_to_fragments<T::kBlockN>(pf, s);
-    ring = next;
-  }
-  sm90::barrier_wait(&v_full[ring.stage], ring.phase);
-  wait_for_turn(wg);
-  issue_pv(ring.stage);
-  if (wg == 0) pass_turn(wg);  // the last issue of all: warpgroup 1 has none left to wait for
-  sm90::wgmma_wait<0>();
-  sm90::fence_registers(o);
-  fence_fragments(pf);
-  release_stage(&v_empty[ring.stage], lane);
+    ring.advance();
 
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int t = rows.row[h];
-    const float total = quad_sum(row_sum[h]);
-    if (t >= p.tokens) continue;
-    // Every row sees its own key, so total >= 1 (its largest term is 2^0).
-    const int64_t row = static_cast<int64_t>(t) * p.heads + head;
-    store_row_bf16<kV>(p.out + row * kV, o, h, 1.0f / total, quad);
-    if (quad == 0) p.lse[row] = (row_max[h] * p.scale_log2 + log2f(total)) * kLn2;
+    for (int h = 0; h < 2; ++h) {
+      const int t = rows.row[h];
+      const float total = quad_sum(row_sum[h]);
+      if (t >= p.tokens) continue;
+      // Every row sees its own key, so total >= 1 (its largest term is 2^0).
+      const int64_t row = static_cast<int64_t>(t) * p.heads + b.head;
+      store_row_bf16<kV>(p.out + row * kV, o, h, 1.0f / total, quad);
+      if (quad == 0) p.lse[row] = (row_max[h] * p.scale_log2 + log2f(total)) * kLn2;
+    }
   }
+  // Warpgroup 1 passed the turn after its last issue as after every other: take that arrival, so
+  // that both named barriers end with every phase complete.
+  if (wg == 0) wait_for_turn(wg);
 }
 
 }  // namespace
@@ -338,15 +378,20 @@ void flash_attention_sm90_forward(const AttentionArgs& args, cudaStream_t stream
   p.heads = static_cast<int>(heads);
   p.num_segments = static_cast<int>(args.cu_seqlens.numel() - 1);
   p.scale_log2 = static_cast<float>(args.scale) * kLog2e;
+  // The persistent launch's work counter, in stream-ordered scratch, zeroed on the stream.
+  int* counter = nullptr;
+  CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&counter), sizeof(int), stream));
+  CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));
   dispatch_dims(static_cast<int>(qk_dim), [&](auto qk, auto v) {
     constexpr int kQk = decltype(qk)::value, kV = decltype(v)::value;
     using T = ForwardTiling<kQk, kV>;
     const CUtensorMap q_map = token_tile_map(args.q.data, tokens, heads, qk_dim, T::kBlockM);
     const CUtensorMap k_map = token_tile_map(args.k.data, tokens, heads, qk_dim, T::kBlockN);
     const CUtensorMap v_map = token_tile_map(args.v.data, tokens, heads, v_dim, T::kBlockN);
-    launch_head_blocks<flash_attention_forward_sm90_bf16_kernel<kQk, kV>>(T::kSmemBytes, T::kBlockM, p, stream, q_map,
-                                                                          k_map, v_map);
+    launch_persistent<flash_attention_forward_sm90_bf16_kernel<kQk, kV>>(T::kSmemBytes, T::kBlockM, counter, p, stream,
+                                                                         q_map, k_map, v_map);
   });
+  CUDA_CHECK(cudaFreeAsync(counter, stream));
 }
 
 }  // namespace moetrain::kernels::cuda_ops

@@ -5,6 +5,7 @@
 // with NaN first, so an element a kernel forgets to write fails the comparison. Three paths are
 // covered: the Hopper flash attention (BF16 64/64, 128/128, 192/128 on sm_90), the mma.sync
 // tensor-core path (other BF16 dims, or MOETRAIN_ATTENTION=mma) and SIMT (the rest, or =simt).
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -312,6 +313,26 @@ TEST_CASE("cuda attention Hopper path matches the CPU reference over several blo
     check_attention_case({layout, 2, 128, 128}, DType::kBF16, seed += 10, 2.0);
     check_attention_case({layout, 2, 192, 128}, DType::kBF16, seed += 10, 2.0);
   }
+}
+
+TEST_CASE("cuda attention Hopper path matches the CPU reference when each CTA takes several works") {
+  // The Hopper passes are persistent: a CTA per multiprocessor takes (128-token block, head)
+  // works one after another (flash_attention_sm90_common.cuh, WorkRing). 5 blocks x 80 heads =
+  // 400 works (more heads on a GPU of over 133 multiprocessors): at least 3 per CTA. The blocks
+  // differ in length and in their segments, so consecutive works of one CTA change head, block
+  // and mask.
+  if (!device_is_sm90()) {
+    WARN("not a compute capability 9.0 device: the Hopper path is not taken here");
+    return;
+  }
+  int device = 0, multiprocessors = 0;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) == cudaSuccess);
+  const std::vector<int32_t> layout = {0, 97, 300, 301, 520};
+  const int64_t heads = std::max<int64_t>(80, (3 * multiprocessors + 4) / 5);
+  check_attention_case({layout, heads, 64, 64}, DType::kBF16, 1500, 2.0);
+  check_attention_case({layout, heads, 128, 128}, DType::kBF16, 1510, 2.0);
+  check_attention_case({layout, heads, 192, 128}, DType::kBF16, 1520, 2.0);
 }
 
 TEST_CASE("cuda attention Hopper path: the backward is deterministic and agrees with the mma.sync path") {
