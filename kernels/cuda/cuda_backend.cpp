@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -159,6 +160,17 @@ class CudaBackend final : public Backend {
     blas_.workspace_bytes = kCublasWorkspaceBytes;
     blas_.scratch = &gemm_scratch_;
     blas_.plans = &gemm_plans_;
+    // The kernels' stream-ordered scratch (cudaMallocAsync: attention's rows and work counters,
+    // the router's and the MoE dispatch's counts) comes from the device's default pool, whose
+    // release threshold is 0: every synchronisation handed the pool's memory back, and the next
+    // cudaMallocAsync mapped it again (measured on an H200: +0.25 ms per attention forward timed
+    // op by op). The pool now keeps what it holds, a few MB (the scratch in flight at once).
+    int device = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool = nullptr;
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t keep_all = UINT64_MAX;
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
   }
 
   ~CudaBackend() override {
