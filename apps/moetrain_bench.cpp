@@ -634,6 +634,20 @@ void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {
       kLaunches * (2.0 * tokens * heads * 64 * 2 + cos.nbytes() + sin.nbytes() + pos.nbytes()), [&] {
         for (int64_t i = 0; i < kLaunches; ++i) be.rope({q_part(i), q_part(i), pos, cos, sin, heads, 128, 64});
       });
+  // The same columns copied, no arithmetic, from each copy of q into the next: what MLA's layout
+  // (128 of every 384 bytes read and written) allows.
+  add("  copy of those columns (the layout's ceiling)", kLaunches * 2.0 * tokens * heads * 64 * 2, [&] {
+    for (int64_t i = 0; i < kLaunches; ++i) be.copy_columns({q_part((i + 1) % kLaunches), q_part(i), 128, 128, 64});
+  });
+  // RoPE over whole heads: each row of 192 read as 3 heads of 64, all rotated (a contiguous
+  // stream, as a rope that covers the head).
+  add("rope in place (whole heads of 64, 16384 tok x 96 heads)",
+      kLaunches * (2.0 * tokens * heads * 192 * 2 + cos.nbytes() + sin.nbytes() + pos.nbytes()), [&] {
+        for (int64_t i = 0; i < kLaunches; ++i) {
+          const TensorView heads_of_64 = q_part(i).reshaped({tokens * heads * 3, 64});
+          be.rope({heads_of_64, heads_of_64, pos, cos, sin, 3 * heads, 0, 64});
+        }
+      });
   // Permute: gather 8 copies of each of 16384 tokens of 4096 bf16.
   const int64_t top_k = 8;
   Tensor tok = random_device(be, {tokens, d}, DType::kBF16, 17), routed({tokens * top_k, d}, DType::kBF16, be.allocator());
