@@ -12,8 +12,9 @@
 // timed as moetrain-bench does), MLA's layout (64 of 192 BF16 columns: a 128-byte slice every 384
 // bytes) caps even a plain in-place copy of those slices at about 0.80 of the 4.2 TB/s copy
 // ceiling (0.90 for the same bytes contiguous); moetrain-bench measures the kernel at 0.78-0.79
-// (docs/PERF.md, sixth session; 0.75 before its index math went 32-bit and its layout a template
-// argument).
+// there (0.74 for moetrain's general column copy of the same bytes in the same run) and at 0.95
+// over whole heads of 64, a contiguous stream (docs/PERF.md, sixth and tenth sessions; 0.75 on
+// MLA's layout before its index math went 32-bit and its layout a template argument).
 // The staged kernel covers every other shape: each block owns `rows_per_block` whole rows. It
 // stages their rope columns in shared memory (as F32), waits, then writes the rotated pairs, so
 // the interleaved layout is safe in place. Out of place, both kernels also copy the row's other
