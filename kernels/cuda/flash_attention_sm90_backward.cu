@@ -185,12 +185,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // A work's block: its keys, and the queries that see them, from its first key to the end of its
   // last key's segment.
-  struct Block {
+  struct KeyBlock {
     int head, n0, n_steps;
   };
   auto block_of = [&](int work) {
     const OrderedBlock ob = ordered_block(work, p.blocks_per_head, p.heads, p.order_group);
-    Block b;
+    KeyBlock b;
     b.head = ob.head;
     b.n0 = ob.rank * T::kBlockN;  // causal: the first key blocks see the most queries
     const int last_key = min(b.n0 + T::kBlockN, p.tokens) - 1;
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int w = 0;; ++w) {
       const int work = work_ring.produce(p.work_counter, p.works, w == 0);
       if (work < 0) break;
-      const Block b = block_of(work);
+      const KeyBlock b = block_of(work);
       // K and V's one buffer is free once the last work's steps are done.
       if (w > 0) producer_wait(kv_empty, (w - 1) & 1);
       sm90::barrier_arrive_expect_bytes(kv_full, KTile::kBytes + VTile::kBytes);
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int w = 0;; ++w) {
     const int work = work_ring.consume(lane);
     if (work < 0) break;
-    const Block b = block_of(work);
+    const KeyBlock b = block_of(work);
     const int wg_key0 = b.n0 + wg * kWarpgroupRows;
     // This thread's keys (rows g and g + 8 of its warp's 16) and the ends of their segments: query
     // t sees key s iff s <= t < end(s). Keys past the tokens see nothing (end = the key).
@@ -445,19 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  // A work's block: its queries, and its keys from the segment start of its first query.
-  struct Block {
-    int head, m0, kv_begin, n_tiles;
-  };
-  auto block_of = [&](int work) {
-    const OrderedBlock ob = ordered_block(work, p.blocks_per_head, p.heads, p.order_group);
-    Block b;
-    b.head = ob.head;
-    b.m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the longest blocks first
-    b.kv_begin = segment_start(p.cu_seqlens, p.num_segments, b.m0);
-    b.n_tiles = (min(b.m0 + T::kBlockM, p.tokens) - b.kv_begin + kBlockN - 1) / kBlockN;
-    return b;
-  };
+  auto block_of = [&](int work) { return query_block<T::kBlockM, kBlockN>(work, p); };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
@@ -468,7 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int w = 0;; ++w) {
       const int work = work_ring.produce(p.work_counter, p.works, w == 0);
       if (work < 0) break;
-      const Block b = block_of(work);
+      const QueryBlock b = block_of(work);
       // Q and dO's one buffer is free once the last work's S and dP are done.
       if (w > 0) producer_wait(q_empty, (w - 1) & 1);
       sm90::barrier_arrive_expect_bytes(q_full, QTile::kBytes + DoTile::kBytes);
@@ -505,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int w = 0;; ++w) {
     const int work = work_ring.consume(lane);
     if (work < 0) break;
-    const Block b = block_of(work);
+    const QueryBlock b = block_of(work);
     const int wg_m0 = b.m0 + wg * kWarpgroupRows;
     int row[2], row_start[2];
     float row_lse[2], row_delta[2];

@@ -243,6 +243,24 @@ __device__ __forceinline__ OrderedBlock ordered_block(int linear, int blocks_per
   return {r / in_group, first_head + r % in_group};
 }
 
+// A work of the passes over query blocks (the forward and the dQ pass): rank 0 is a head's last
+// block, which sees the most keys, so that it goes first. Its queries are [m0, m0 + kBlockM) of
+// head `head`; its keys run from the segment start of its first query (starts are monotone in t,
+// so the first row's is the earliest) in n_tiles tiles of kBlockN.
+struct QueryBlock {
+  int head, m0, kv_begin, n_tiles;
+};
+template <int kBlockM, int kBlockN, typename Params>
+__device__ __forceinline__ QueryBlock query_block(int work, const Params& p) {
+  const OrderedBlock ob = ordered_block(work, p.blocks_per_head, p.heads, p.order_group);
+  QueryBlock b;
+  b.head = ob.head;
+  b.m0 = (p.blocks_per_head - 1 - ob.rank) * kBlockM;
+  b.kv_begin = segment_start(p.cu_seqlens, p.num_segments, b.m0);
+  b.n_tiles = (min(b.m0 + kBlockM, p.tokens) - b.kv_begin + kBlockN - 1) / kBlockN;
+  return b;
+}
+
 // The persistent passes run a CTA per multiprocessor, each taking works (ordered_block's numbers)
 // one after another, so that a work's first loads overlap the last work's end (its last matmuls
 // and its stores) instead of waiting for a new CTA to start. On one H200 (one binary, three

@@ -186,20 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  // A work's block: its queries, and its keys from the segment start of its first query (the
-  // first row's segment starts no later than any other row's: starts are monotone in t).
-  struct Block {
-    int head, m0, kv_begin, n_tiles;
-  };
-  auto block_of = [&](int work) {
-    const OrderedBlock ob = ordered_block(work, p.blocks_per_head, p.heads, p.order_group);
-    Block b;
-    b.head = ob.head;
-    b.m0 = (p.blocks_per_head - 1 - ob.rank) * T::kBlockM;  // the last block sees the most keys
-    b.kv_begin = segment_start(p.cu_seqlens, p.num_segments, b.m0);
-    b.n_tiles = (min(b.m0 + T::kBlockM, p.tokens) - b.kv_begin + T::kBlockN - 1) / T::kBlockN;
-    return b;
-  };
+  auto block_of = [&](int work) { return query_block<T::kBlockM, T::kBlockN>(work, p); };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
@@ -212,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int w = 0;; ++w) {
       const int work = work_ring.produce(p.work_counter, p.works, w == 0);
       if (work < 0) break;
-      const Block b = block_of(work);
+      const QueryBlock b = block_of(work);
       // Q's one buffer is free once the last work's scores are done.
       if (w > 0) producer_wait(q_empty, (w - 1) & 1);
       sm90::barrier_arrive_expect_bytes(q_full, QTile::kBytes);
@@ -272,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int w = 0;; ++w) {
     const int work = work_ring.consume(lane);
     if (work < 0) break;
-    const Block b = block_of(work);
+    const QueryBlock b = block_of(work);
     const RowInfo rows = row_info(p, b.m0 + wg * kWarpgroupRows, warp % 4, lane);
     zero(o);
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, correction[2];
