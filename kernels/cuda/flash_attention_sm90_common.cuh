@@ -393,12 +393,12 @@ inline bool flash_bf16_operand(const TensorView& t) {
   return t.dtype == DType::kBF16 && reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
 }
 inline bool flash_shape_fits(const TensorView& q, double scale) {
-  // Token coordinates are int32 in the kernels; the one-dimensional grids (ordered_block) hold
-  // (blocks of 128 tokens) x heads CTAs, numbered as int.
+  // Token coordinates are int32 in the kernels; the works ((blocks of 128 tokens) x heads) are
+  // numbered as int, and WorkRing's counter runs past their count by up to the grid.
   if (q.ndim() != 3) return false;
   const int64_t tokens = q.size(0), heads = q.size(1);
   return tokens < (int64_t{1} << 30) && heads >= 1 && heads <= 65535 &&
-         (tokens + 127) / 128 * heads < (int64_t{1} << 31) && std::isfinite(scale) && scale > 0.0;
+         (tokens + 127) / 128 * heads < (int64_t{1} << 30) && std::isfinite(scale) && scale > 0.0;
 }
 
 // The head group of ordered_block for a pass of `blocks_per_head` blocks per head: at least 4 heads,
@@ -455,7 +455,7 @@ void launch_persistent(size_t smem_bytes, int block_rows, int* counter, Params& 
   }
   p.blocks_per_head = (p.tokens + block_rows - 1) / block_rows;
   p.order_group = launch_order_group(p.blocks_per_head, p.heads);
-  p.works = p.blocks_per_head * p.heads;  // < 2^31: flash_shape_fits
+  p.works = p.blocks_per_head * p.heads;  // < 2^30: flash_shape_fits
   p.work_counter = counter;
   const unsigned grid = static_cast<unsigned>(std::min(p.works, multiprocessor_count()));
   kKernel<<<grid, kThreads, smem_bytes, stream>>>(maps..., p);
