@@ -20,7 +20,7 @@
 //            S = Q K^T, dP = dO V^T       wgmma from shared memory
 //            dQ += dS K                   dS from registers, K MN-major
 // (dQ recomputes S and dP instead of summing partial dQ of the dK/dV CTAs: 7 matmuls instead of
-// 5, but no atomics and no F32 partials in memory; see flash_attention_sm90.h for the fused
+// 5, but no atomic adds and no F32 partials in memory; see flash_attention_sm90.h for the fused
 // 5-matmul trial. Leaving a step's dV, dK (or dQ) products in flight while the next step's S and
 // dP are issued also ran slower on the H200: 4.07-4.16 against 3.99 ms forward + backward.)
 // Both passes are persistent, as the forward (WorkRing: a CTA per multiprocessor takes works in
