@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -42,7 +43,8 @@ class DeviceAllocator final : public Allocator {
                       std::to_string(held.allocated_bytes >> 20) + " MiB (peak " +
                       std::to_string(held.peak_bytes >> 20) + " MiB, " + std::to_string(held.allocations) +
                       " cudaMalloc calls so far). Lower data.micro_batch or data.seq_len, turn "
-                      "parallel.recompute on (for every layer: parallel.recompute_layers -1), or spread the model over more ranks (parallel.fsdp, parallel.ep); "
+                      "parallel.recompute on (for every layer: parallel.recompute_layers -1), or spread the "
+                      "model over more ranks (parallel.fsdp, parallel.ep); "
                       "`moetrain plan` shows what fits");
     }
     CUDA_CHECK(status);
@@ -119,6 +121,18 @@ int current_device() {
   int device = -1;
   CUDA_CHECK(cudaGetDevice(&device));
   return device;
+}
+
+int multiprocessor_count() {
+  static std::atomic<int> counts[64] = {};
+  const int device = current_device();
+  std::atomic<int>& count = counts[device % 64];
+  if (count.load() == 0) {
+    int asked = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&asked, cudaDevAttrMultiProcessorCount, device));
+    count.store(asked);
+  }
+  return count.load();
 }
 
 Allocator& device_allocator() {

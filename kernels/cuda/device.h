@@ -14,6 +14,9 @@ namespace moetrain::cuda {
 int device_count();
 void set_device(int device);
 int current_device();
+// The current GPU's multiprocessors (asked once per device): persistent kernels launch a CTA per
+// multiprocessor.
+int multiprocessor_count();
 
 // Device memory behind core's Allocator: `Tensor t(shape, dtype, cuda::device_allocator())`.
 // A cache of freed blocks in front of cudaMalloc/cudaFree (kernels/caching_allocator.h), or

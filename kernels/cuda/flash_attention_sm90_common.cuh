@@ -30,6 +30,7 @@
 
 #include "kernels/cuda/attention_segments.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/sm90_primitives.cuh"
 #include "kernels/cuda/wgmma_bf16.cuh"
 
@@ -406,17 +407,9 @@ inline bool flash_shape_fits(const TensorView& q, double scale) {
 // (moetrain-bench, causal, 32 heads of 128) at T 8192 (64 blocks per head) groups of 2, 4 and 8
 // heads ran the forward 3-5% and forward + backward 4-5% faster than one head at a time, 32 heads
 // less; at T 32768 groups of 4 ran the forward as fast as one head at a time (14.9 ms).
-inline int multiprocessor_count() {
-  static int multiprocessors[64] = {};
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  int& count = multiprocessors[device % 64];
-  if (count == 0) CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
-
 inline int launch_order_group(int64_t blocks_per_head, int64_t heads) {
-  const int64_t group = std::max<int64_t>(4, 2 * static_cast<int64_t>(multiprocessor_count()) / blocks_per_head);
+  const int64_t multiprocessors = ::moetrain::cuda::multiprocessor_count();
+  const int64_t group = std::max<int64_t>(4, 2 * multiprocessors / blocks_per_head);
   return static_cast<int>(std::min(group, heads));
 }
 
@@ -450,14 +443,15 @@ void launch_persistent(size_t smem_bytes, int block_rows, int* counter, Params& 
     MOETRAIN_CHECK(smem_bytes <= static_cast<size_t>(optin), ExitCode::kInternal,
                    "flash attention needs " + std::to_string(smem_bytes) +
                        " bytes of shared memory, the device allows " + std::to_string(optin));
-    CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
     allowed[device % 64] = true;
   }
   p.blocks_per_head = (p.tokens + block_rows - 1) / block_rows;
   p.order_group = launch_order_group(p.blocks_per_head, p.heads);
   p.works = p.blocks_per_head * p.heads;  // < 2^30: flash_shape_fits
   p.work_counter = counter;
-  const unsigned grid = static_cast<unsigned>(std::min(p.works, multiprocessor_count()));
+  const unsigned grid = static_cast<unsigned>(std::min(p.works, ::moetrain::cuda::multiprocessor_count()));
   kKernel<<<grid, kThreads, smem_bytes, stream>>>(maps..., p);
   CUDA_CHECK_LAUNCH();
 }

@@ -26,6 +26,7 @@
 
 #include "core/base/tensor.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/sm90_primitives.cuh"
 
 namespace moetrain::kernels::cuda_ops::grouped_sm90 {
@@ -241,7 +242,7 @@ inline DeviceInfo device_info() {
     int major = 0, minor = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&info.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    info.multiprocessors = ::moetrain::cuda::multiprocessor_count();
     info.hopper = major == 9 && minor == 0;
   }
   return info;

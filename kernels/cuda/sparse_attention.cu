@@ -34,6 +34,7 @@
 
 #include "core/base/error.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/dsa.h"
 
 namespace moetrain::kernels::cuda_ops {
@@ -571,9 +572,7 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
     const int64_t budget = tensor_cores ? kTensorCoreContribBudgetBytes : kContribBudgetBytes;
     chunk_rows = std::max<int64_t>(1, budget / (top_k * qk * int64_t{4}));
     if (tensor_cores) {
-      int device = 0, sms = 1;
-      CUDA_CHECK(cudaGetDevice(&device));
-      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      const int64_t sms = ::moetrain::cuda::multiprocessor_count();
       if (chunk_rows > sms) chunk_rows = chunk_rows / sms * sms;
     }
   }
