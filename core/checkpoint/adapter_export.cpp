@@ -29,22 +29,6 @@ using Json = nlohmann::json;
 
 constexpr const char* kPeftPrefix = "base_model.model.";
 
-// "model.layers.1.mlp.experts.gate_proj.lora_A.weight" -> ("model.layers.1.mlp.experts",
-// "gate_proj", "lora_A.weight").
-struct AdapterName {
-  std::string module, projection, factor;
-};
-AdapterName split_adapter_name(const std::string& name) {
-  size_t lora = name.rfind(".lora_");
-  MOETRAIN_ASSERT(lora != std::string::npos, "not a LoRA parameter name: " + name);
-  AdapterName n;
-  n.factor = name.substr(lora + 1);
-  std::string head = name.substr(0, lora);
-  size_t dot = head.rfind('.');
-  n.projection = head.substr(dot + 1);
-  n.module = dot == std::string::npos ? "" : head.substr(0, dot);
-  return n;
-}
 
 Json unique_sorted(const Json& names) {
   std::set<std::string> set;
@@ -96,27 +80,6 @@ struct PeftModule {
   double alpha = 0.0;
 };
 
-// Each module's rank and alpha, checked against its A's rank.
-class ModuleSettings {
- public:
-  explicit ModuleSettings(const AdapterExportSettings& s)
-      : ranks_(s.rank, s.alpha, s.rank_pattern, s.alpha_pattern), rslora_(s.rslora) {}
-
-  // `module` (moetrain's name) whose A has `rank` rows per expert; fused: the routed experts'
-  // gate_up adapter of `module`'s experts.
-  LoraSettings of(const std::string& module, int64_t rank, bool fused = false) {
-    const ModuleLora m = fused ? ranks_.fused_gate_up(module.substr(0, module.rfind('.'))) : ranks_.module(module);
-    MOETRAIN_CHECK(m.rank == rank, ExitCode::kBadConfig,
-                   fmt::format("{}: the adapter has rank {} but lora.rank and lora.rank_pattern give this module "
-                               "rank {}: export it with the settings it was trained with",
-                               module, rank, m.rank));
-    return LoraSettings{m.rank, m.alpha, rslora_};
-  }
-
- private:
-  LoraRanks ranks_;
-  bool rslora_;
-};
 
 // rank_pattern / alpha_pattern giving every module its rank and alpha under PEFT's rule
 // (first matching key): one key `.*\.<tail>` for a tail whose modules all agree, else one key per
@@ -267,6 +230,42 @@ void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep,
 
 }  // namespace
 
+AdapterName split_adapter_name(const std::string& name) {
+  size_t lora = name.rfind(".lora_");
+  MOETRAIN_ASSERT(lora != std::string::npos, "not a LoRA parameter name: " + name);
+  AdapterName n;
+  n.factor = name.substr(lora + 1);
+  std::string head = name.substr(0, lora);
+  size_t dot = head.rfind('.');
+  n.projection = head.substr(dot + 1);
+  n.module = dot == std::string::npos ? "" : head.substr(0, dot);
+  return n;
+}
+
+ModuleSettings::ModuleSettings(const AdapterExportSettings& s)
+    : ranks_(std::make_unique<LoraRanks>(s.rank, s.alpha, s.rank_pattern, s.alpha_pattern)), rslora_(s.rslora) {}
+ModuleSettings::~ModuleSettings() = default;
+
+LoraSettings ModuleSettings::of(const std::string& module, int64_t rank, bool fused) {
+  const ModuleLora m = fused ? ranks_->fused_gate_up(module.substr(0, module.rfind('.'))) : ranks_->module(module);
+  MOETRAIN_CHECK(m.rank == rank, ExitCode::kBadConfig,
+                 fmt::format("{}: the adapter has rank {} but lora.rank and lora.rank_pattern give this module "
+                             "rank {}: export it with the settings it was trained with",
+                             module, rank, m.rank));
+  return LoraSettings{m.rank, m.alpha, rslora_};
+}
+
+std::vector<std::string> checkpoint_adapter_names(const CheckpointReader& reader) {
+  std::vector<std::string> names;
+  const std::string prefix = kParamKind;
+  for (const std::string& key : reader.keys()) {
+    // LoRA factors only: other trainable tensors (an unfrozen router) are not part of an adapter.
+    if (key.rfind(prefix, 0) != 0 || key.find(".lora_") == std::string::npos) continue;
+    names.push_back(key.substr(prefix.size()));
+  }
+  return names;
+}
+
 AdapterExportSettings adapter_export_settings(const Config& config) {
   AdapterExportSettings s;
   s.rank = config.lora.rank;
@@ -383,14 +382,8 @@ void export_checkpoint_adapter(const std::string& checkpoint, const std::string&
   CheckpointReader reader(resolve_checkpoint_path(checkpoint));
   Config config = parse_config(reader.manifest().config_yaml, reader.path() + "/manifest.json (config)");
   std::vector<Tensor> values;
-  std::vector<std::string> names;
-  const std::string prefix = kParamKind;
-  for (const std::string& key : reader.keys()) {
-    // LoRA factors only: other trainable tensors (an unfrozen router) are not part of an adapter.
-    if (key.rfind(prefix, 0) != 0 || key.find(".lora_") == std::string::npos) continue;
-    names.push_back(key.substr(prefix.size()));
-    values.push_back(reader.read(key, DType::kF32));
-  }
+  const std::vector<std::string> names = checkpoint_adapter_names(reader);
+  for (const std::string& name : names) values.push_back(reader.read(kParamKind + name, DType::kF32));
   MOETRAIN_CHECK(!values.empty(), ExitCode::kBadCheckpoint, reader.path() + ": holds no trainable parameters");
   std::vector<std::pair<std::string, TensorView>> params;
   for (size_t i = 0; i < values.size(); ++i) params.emplace_back(names[i], values[i].view());

@@ -24,6 +24,7 @@
 // identically (load_peft_adapter takes it back into the shared form when all experts' A agree).
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -31,8 +32,12 @@
 
 #include "core/base/tensor.h"
 #include "core/config/config.h"
+#include "core/model/lora_linear.h"
 
 namespace moetrain {
+
+class CheckpointReader;
+class LoraRanks;
 
 // How routed experts (and the MLPs) appear in the adapter.
 //   kPerExpert      target_modules with short names; routed experts as per-expert 2-D keys
@@ -68,6 +73,33 @@ struct AdapterExportSettings {
 };
 
 AdapterExportSettings adapter_export_settings(const Config& config);
+
+// "model.layers.1.mlp.experts.gate_proj.lora_A.weight" -> ("model.layers.1.mlp.experts",
+// "gate_proj", "lora_A.weight").
+struct AdapterName {
+  std::string module, projection, factor;
+};
+AdapterName split_adapter_name(const std::string& name);
+
+// Each module's rank and alpha (and so its scale) as the settings give them, checked against its
+// A's rank. Shared by the adapter export and the merged export (merged_export.h).
+class ModuleSettings {
+ public:
+  explicit ModuleSettings(const AdapterExportSettings& settings);
+  ~ModuleSettings();
+  // `module` (moetrain's name) whose A has `rank` rows per expert; fused: the routed experts'
+  // gate_up adapter of `module`'s experts. A rank other than the settings' is Error(kBadConfig).
+  LoraSettings of(const std::string& module, int64_t rank, bool fused = false);
+
+ private:
+  std::unique_ptr<LoraRanks> ranks_;
+  bool rslora_;
+};
+
+// The LoRA factors' parameter names in a checkpoint (its "param/" keys without the prefix that
+// hold ".lora_"), sorted.
+std::vector<std::string> checkpoint_adapter_names(const CheckpointReader& reader);
+
 
 // Writes the adapter from host tensors named by Parameter name (2-D, the stacked 3-D routed-expert
 // adapters, or a shared 2-D A beside their 3-D B). Files are replaced atomically; the directory is
