@@ -5,13 +5,14 @@
 #include <filesystem>
 
 #include "core/base/error.h"
-#include "core/base/host_convert.h"
 #include "core/base/log.h"
 #include "core/checkpoint/adapter_export.h"
 #include "core/checkpoint/checkpoint_directory.h"
 #include "core/checkpoint/checkpoint_reader.h"
 #include "core/checkpoint/checkpoint_writer.h"
 #include "core/checkpoint/preemption.h"
+#include "core/checkpoint/run_directory.h"
+#include "core/checkpoint/training_state.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -19,15 +20,36 @@ namespace fs = std::filesystem;
 namespace {
 
 // Settings a resumed run may change without breaking its continuation: where things go, how
-// long it runs, how it is launched (resharding handles the layout).
-Config without_resumable_differences(Config c) {
+// long it runs, how it is launched (resharding handles the layout). A reshard keeps the global
+// batch, data.micro_batch x world, so that is what is compared.
+Config without_resumable_differences(Config c, int world) {
   Config defaults;
   c.checkpoint = defaults.checkpoint;
   c.logging = defaults.logging;
   c.parallel = defaults.parallel;
   c.train.steps = defaults.train.steps;
   c.train.device = defaults.train.device;
+  c.data.micro_batch *= world;
   return c;
+}
+
+std::string joined(const std::vector<std::string>& items, const char* separator) {
+  std::string text;
+  for (const std::string& item : items) text += (text.empty() ? "" : separator) + item;
+  return text;
+}
+
+// A committed checkpoint that cannot be used is renamed step_<N>.unusable (kept for a look,
+// and no longer "committed"), so that the run's next save of step N does not collide with it.
+std::string set_aside_unusable(const std::string& path) {
+  std::string target = path + ".unusable";
+  std::error_code ec;
+  for (int i = 2; fs::exists(target, ec); ++i) target = path + ".unusable." + std::to_string(i);
+  fs::rename(path, target, ec);
+  MOETRAIN_CHECK(!ec, ExitCode::kBadCheckpoint,
+                 fmt::format("cannot rename the unusable checkpoint {} to {} ({}): move it away by hand", path,
+                             target, ec.message()));
+  return target;
 }
 
 }  // namespace
@@ -41,63 +63,110 @@ CheckpointSession::CheckpointSession(const Config& config, CheckpointGroup& grou
       data_(std::move(data)),
       layout_(std::move(layout)) {
   MOETRAIN_ASSERT(data_.cursor && data_.seek, "CheckpointSession needs the data cursor");
-  root_ = config.checkpoint.dir ? *config.checkpoint.dir
-                                : (fs::path(config.logging.run_dir) / "checkpoints").string();
+  root_ = run_paths(config).checkpoint_root;
   if (config.checkpoint.save_on_signal) install_preemption_handlers();
 }
 
-std::string CheckpointSession::export_dir() const {
-  const std::string& setting = config_.checkpoint.export_adapter;
-  if (setting == "false" || setting == "False" || setting == "none") return "";
-  if (setting == "true" || setting == "True") return (fs::path(config_.logging.run_dir) / "adapter").string();
-  return setting;
+std::string CheckpointSession::export_dir() const { return run_paths(config_).export_dir; }
+
+std::vector<std::string> CheckpointSession::differences_from(const Manifest& manifest, const std::string& source) const {
+  Config saved = parse_config(manifest.config_yaml, source);
+  return config_differences(without_resumable_differences(saved, manifest.world),
+                            without_resumable_differences(config_, group_.world()));
 }
 
-void CheckpointSession::check_resumed_config(const std::string& saved_yaml, const std::string& source) const {
-  Config saved = parse_config(saved_yaml, source);
-  if (same_settings(without_resumable_differences(saved), without_resumable_differences(config_))) return;
-  if (group_.is_root()) {
-    log::warn(fmt::format("the config differs from the one {} was saved with (beyond checkpoint, logging, parallel, "
-                          "train.steps and train.device): the resumed run will not reproduce an uninterrupted one",
-                          source));
+std::string CheckpointSession::newest_usable_checkpoint() {
+  const std::vector<CheckpointRef> committed = list_committed_checkpoints(root_);
+  if (committed.empty()) {
+    log::info("no checkpoint under " + root_ + ": starting from step 0");
+    return "";
   }
+  std::vector<std::string> skipped;
+  for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
+    try {
+      CheckpointReader reader(it->path);
+      check_checkpoint_finite(reader);
+    } catch (const Error& e) {
+      if (e.code() != ExitCode::kBadCheckpoint) throw;
+      const std::string aside = set_aside_unusable(it->path);
+      log::warn(fmt::format("--resume auto: {} cannot be resumed ({}); renamed it {} and trying the one before",
+                            it->path, e.what(), aside));
+      skipped.push_back(fmt::format("step {}", it->step));
+      continue;
+    }
+    if (!skipped.empty()) {
+      log::warn(fmt::format("--resume auto: resuming from {}, the newest intact checkpoint ({} unusable)", it->path,
+                            joined(skipped, ", ")));
+    }
+    return it->path;
+  }
+  throw Error(ExitCode::kBadCheckpoint,
+              fmt::format("no checkpoint under {} can be resumed ({} checked, each renamed *.unusable; the reasons are "
+                          "above): resume another one by path (--resume PATH), or start a new run in another "
+                          "logging.run_dir",
+                          root_, committed.size()));
 }
 
 bool CheckpointSession::resume() {
   const std::string& mode = config_.checkpoint.resume;
-  // Rank 0 cleans up and chooses; every rank then opens the same checkpoint.
+  // Rank 0 cleans up, chooses and checks; every rank then opens the same checkpoint.
   std::string chosen;
-  std::string error;
+  std::string failure;  // "<exit code> <message>"
   if (group_.is_root()) {
     try {
       remove_incomplete_checkpoints(root_);
       if (mode == "auto") {
-        std::optional<CheckpointRef> newest = newest_committed_checkpoint(root_);
-        if (newest) chosen = newest->path;
-        else log::info("no checkpoint under " + root_ + ": starting from step 0");
+        chosen = newest_usable_checkpoint();
       } else if (mode != "none") {
         chosen = resolve_checkpoint_path(mode);
+        check_checkpoint_finite(CheckpointReader(chosen));
+      }
+      if (!chosen.empty()) {
+        const int64_t step = read_manifest(chosen).step;
+        MOETRAIN_CHECK(step < config_.train.steps, ExitCode::kBadConfig,
+                       fmt::format("nothing to do: {} is at step {} and train.steps is {}. To train on, raise "
+                                   "train.steps (e.g. --set train.steps={}); for a new run, use another "
+                                   "logging.run_dir",
+                                   chosen, step, config_.train.steps, step + config_.train.steps));
       }
     } catch (const Error& e) {
-      error = e.what();
+      failure = std::to_string(static_cast<int>(e.code())) + " " + e.what();
     }
   }
-  if (group_.any(!error.empty())) {
-    throw Error(ExitCode::kBadCheckpoint, error.empty() ? "rank 0 could not choose a checkpoint to resume" : error);
+  failure = group_.broadcast_from_root(failure);
+  if (!failure.empty()) {
+    const size_t space = failure.find(' ');
+    throw Error(static_cast<ExitCode>(std::stoi(failure.substr(0, space))), failure.substr(space + 1));
   }
   chosen = group_.broadcast_from_root(chosen);
   if (chosen.empty()) return false;
 
   CheckpointReader reader(chosen);
   const Manifest& manifest = reader.manifest();
-  check_resumed_config(manifest.config_yaml, reader.path() + "/manifest.json");
-  restore_training_state(trainer_.optimizer(), backend_, layout_, reader);
+  const std::vector<std::string> differences = differences_from(manifest, reader.path() + "/manifest.json");
+  const std::string listed = joined(differences, "; ");
+  if (!differences.empty() && group_.is_root()) {
+    log::warn(fmt::format("the config differs from the one {} was saved with, in {}: the resumed run will not "
+                          "reproduce an uninterrupted one",
+                          reader.path(), listed));
+  }
+  try {
+    restore_training_state(trainer_.optimizer(), backend_, layout_, reader);
+  } catch (const Error& e) {
+    if (differences.empty()) throw;
+    // A tensor of another shape or name: the config, not the checkpoint, is what changed.
+    throw Error(ExitCode::kBadConfig,
+                fmt::format("{}\nThis config cannot continue {}: it differs in {}. For a new run with these settings "
+                            "use another logging.run_dir; to continue this one, undo those changes",
+                            e.what(), reader.path(), listed));
+  }
   trainer_.set_progress(manifest.step, manifest.tokens);
   data_.seek(resumed_data_cursor(manifest, group_.rank(), group_.world()));
   if (data_.set_rng_state && manifest.world == group_.world()) {
     data_.set_rng_state(manifest.ranks[static_cast<size_t>(group_.rank())].rng_state);
   }
   last_saved_step_ = manifest.step;
+  last_saved_path_ = reader.path();
   if (group_.is_root()) {
     log::info(fmt::format("resumed from {} (step {}, {} tokens, saved by {} rank(s){})", reader.path(), manifest.step,
                           manifest.tokens, manifest.world,
@@ -120,54 +189,73 @@ std::string CheckpointSession::save_now() {
   request.ep = config_.parallel.ep;
   request.config_yaml = config_to_yaml(config_);
   request.keep_last = config_.checkpoint.keep_last;
-  std::string path = save_checkpoint(group_, request, shard);
+  last_saved_path_ = save_checkpoint(group_, request, shard);
   last_saved_step_ = request.step;
-  return path;
+  return last_saved_path_;
+}
+
+std::string CheckpointSession::unhealthy_state() const {
+  return fmt::format("the last {} step(s) had a non-finite loss or gradient norm and their updates were skipped; "
+                     "{}",
+                     trainer_.nonfinite_in_a_row(),
+                     last_saved_path_.empty() ? std::string("no checkpoint of this run exists yet")
+                                              : "the last good checkpoint is " + last_saved_path_);
 }
 
 void CheckpointSession::after_step() {
   const int64_t step = trainer_.next_step();
   const int64_t every = config_.checkpoint.every;
-  if (every > 0 && step % every == 0 && step != last_saved_step_) save_now();
+  // The loss and the gradient norm are global: every rank sees the same health.
+  const bool healthy = trainer_.nonfinite_in_a_row() == 0;
+  if (every > 0 && step % every == 0 && step != last_saved_step_) {
+    if (healthy) {
+      save_now();
+    } else if (group_.is_root()) {
+      log::warn(fmt::format("step {}: checkpoint not written ({}); the older checkpoints are kept", step,
+                            unhealthy_state()));
+    }
+  }
   if (!config_.checkpoint.save_on_signal || !group_.any(preemption_requested())) return;
-  std::string path = step == last_saved_step_ ? (fs::path(root_) / checkpoint_dir_name(step)).string() : save_now();
+  const char* signal = preemption_requested() ? preemption_signal_name() : "a signal on another rank";
+  if (step != last_saved_step_ && !healthy) {
+    throw Error(ExitCode::kPreempted, fmt::format("stopped by {} after step {}, without a save: {}; requeue the "
+                                                  "job (--resume auto continues from that checkpoint)",
+                                                  signal, step, unhealthy_state()));
+  }
+  const std::string path = step == last_saved_step_ ? last_saved_path_ : save_now();
   throw Error(ExitCode::kPreempted,
               fmt::format("stopped by {} after step {}: checkpoint {} is committed; requeue the job (the same command "
                           "with --resume auto continues from it)",
-                          preemption_requested() ? preemption_signal_name() : "a signal on another rank", step, path));
+                          signal, step, path));
 }
 
 void CheckpointSession::finish() {
-  const int64_t step = trainer_.next_step();
-  const bool checkpointing = config_.checkpoint.every > 0;
-  std::string out = export_dir();
-  if ((checkpointing || (!out.empty() && group_.world() > 1)) && step != last_saved_step_) save_now();
-  if (out.empty()) return;
-  if (group_.world() == 1) {
-    std::vector<Tensor> host;
-    std::vector<std::pair<std::string, TensorView>> params;
-    host.reserve(trainer_.optimizer().parameters().size());
-    for (Parameter* p : trainer_.optimizer().parameters()) {
-      if (p->name.find(".lora_") == std::string::npos) continue;
-      Tensor staged(p->value.shape(), p->value.dtype());
-      backend_.copy(staged, p->value);
-      host.emplace_back(p->value.shape(), DType::kF32);  // PEFT adapters are F32
-      convert_host(host.back(), staged);
-      params.emplace_back(p->name, host.back().view());
-    }
-    write_peft_adapter(out, params, adapter_export_settings(config_));
-    return;
+  if (trainer_.nonfinite_in_a_row() > 0) {
+    throw Error(ExitCode::kInternal,
+                fmt::format("training ended unhealthy: {}. Nothing was saved or exported at the end. Lower train.lr "
+                            "or set train.grad_clip, or check the data, then resume from that checkpoint",
+                            unhealthy_state()));
   }
-  // Sharded parameters: the committed checkpoint has them all, by global name.
-  std::string error;
+  // Always a final checkpoint (checkpoint.every only adds periodic ones), and before the export:
+  // an export that fails loses nothing.
+  const std::string checkpoint = trainer_.next_step() == last_saved_step_ ? last_saved_path_ : save_now();
+  const std::string out = export_dir();
+  if (out.empty()) return;
+  std::string failure;  // "<exit code> <message>"
   if (group_.is_root()) {
     try {
-      export_checkpoint_adapter((fs::path(root_) / checkpoint_dir_name(step)).string(), out);
+      export_checkpoint_adapter(checkpoint, out);
     } catch (const Error& e) {
-      error = e.what();
+      failure = std::to_string(static_cast<int>(e.code())) + " " + e.what();
     }
   }
-  if (group_.any(!error.empty())) throw Error(ExitCode::kBadCheckpoint, error.empty() ? "adapter export failed on rank 0" : error);
+  failure = group_.broadcast_from_root(failure);
+  if (failure.empty()) return;
+  const size_t space = failure.find(' ');
+  throw Error(static_cast<ExitCode>(std::stoi(failure.substr(0, space))),
+              fmt::format("{}\nThe adapter was not exported, but the training is saved in {}: export it with `moetrain "
+                          "export --checkpoint {} --out DIR`",
+                          failure.substr(space + 1), checkpoint, checkpoint));
 }
 
 }  // namespace moetrain

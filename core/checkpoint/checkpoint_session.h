@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/checkpoint/checkpoint_group.h"
 #include "core/checkpoint/training_state.h"
@@ -43,15 +44,23 @@ class CheckpointSession {
   const std::string& root() const { return root_; }
 
   // Applies checkpoint.resume: "none" starts fresh; "auto" the newest committed checkpoint
-  // under root() (fresh when there is none); anything else is a checkpoint or root path.
-  // Leftover step_*.tmp directories are removed first. Returns true when state was restored.
+  // under root() that is intact and finite (fresh when there is none; an unusable one is
+  // renamed step_<N>.unusable with a warning and the one before it tried); anything else is a
+  // checkpoint or root path, which must be intact and finite. Leftover step_*.tmp directories
+  // are removed first. A checkpoint at or past train.steps is Error(kBadConfig): nothing to do.
+  // A config that differs from the saved one is a warning naming the keys, or, when the
+  // trained tensors no longer match, Error(kBadConfig) naming them. Returns true when state was
+  // restored.
   bool resume();
 
-  // Call after every optimizer step (Trainer::set_after_step).
+  // Call after every optimizer step (Trainer::set_after_step). Saves every checkpoint.every
+  // steps, except while the run is unhealthy (its last update skipped as non-finite): then the
+  // older checkpoints stay as they are.
   void after_step();
 
-  // After the last step: saves the final state when checkpointing is on and it is not saved
-  // yet, and exports the adapter when checkpoint.export_adapter asks for it.
+  // After the last step: saves the final state (whatever checkpoint.every is, unless just saved),
+  // then exports the adapter when checkpoint.export_adapter asks for it. A run that ends
+  // unhealthy saves nothing and throws Error(kInternal).
   void finish();
 
   // Saves the current state now (all ranks); returns the committed directory.
@@ -61,7 +70,11 @@ class CheckpointSession {
   std::string export_dir() const;
 
  private:
-  void check_resumed_config(const std::string& saved_yaml, const std::string& source) const;
+  // The resolved config's differences from the one `manifest` was saved with, beyond what a
+  // resumed run may change ("key: saved -> now").
+  std::vector<std::string> differences_from(const Manifest& manifest, const std::string& source) const;
+  std::string newest_usable_checkpoint();
+  std::string unhealthy_state() const;  // for messages: what went wrong, the last good checkpoint
 
   Config config_;
   CheckpointGroup& group_;
@@ -71,6 +84,7 @@ class CheckpointSession {
   ParameterLayout layout_;
   std::string root_;
   int64_t last_saved_step_ = -1;
+  std::string last_saved_path_;
 };
 
 }  // namespace moetrain

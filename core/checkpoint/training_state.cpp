@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <set>
 
 #include "core/base/error.h"
@@ -22,6 +23,31 @@ ShardTensor host_copy(const std::string& key, const TensorView& device_value, co
   return ShardTensor{key, storage->back().view(), slice};
 }
 
+// A NaN or Inf in a saved value or moment would train on as NaN (every update skipped) and be
+// checkpointed again over the good ones: refuse it by name.
+void check_finite(const Tensor& host, const std::string& checkpoint_dir, const std::string& key, int64_t first_row) {
+  const int64_t n = host.numel();
+  const int64_t row = host.shape().ndim() > 0 && host.size(0) > 0 ? n / host.size(0) : 1;
+  auto report = [&](int64_t i, double v) {
+    throw Error(ExitCode::kBadCheckpoint,
+                fmt::format("{}: tensor \"{}\" holds a non-finite value ({} at row {}, element {}): the run that "
+                            "saved it had already diverged; resume an earlier checkpoint (by path, or --resume auto, "
+                            "which passes over checkpoints like this one)",
+                            checkpoint_dir, key, v, first_row + i / row, i % row));
+  };
+  if (host.dtype() == DType::kF32) {
+    const float* v = host.ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(v[i])) report(i, v[i]);
+    }
+  } else if (host.dtype() == DType::kF64) {
+    const double* v = host.ptr<double>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(v[i])) report(i, v[i]);
+    }
+  }
+}
+
 void restore_one(const CheckpointReader& checkpoint, const std::string& key, const TensorView& dst,
                  const TensorSlice& slice, kernels::Backend& backend) {
   MOETRAIN_CHECK(checkpoint.has(key), ExitCode::kBadCheckpoint,
@@ -34,6 +60,7 @@ void restore_one(const CheckpointReader& checkpoint, const std::string& key, con
                              "dimensions differ from the run that saved it)",
                              checkpoint.path(), key, global.str(), slice.global_shape.str()));
   Tensor host = checkpoint.read_rows(key, slice.offset, slice.offset + dst.shape[0], dst.dtype);
+  check_finite(host, checkpoint.path(), key, slice.offset);
   backend.copy(dst, host);
 }
 
@@ -85,6 +112,12 @@ void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const P
                                checkpoint.path(), key));
   }
   optimizer.set_step_count(checkpoint.manifest().optimizer_steps);
+}
+
+void check_checkpoint_finite(const CheckpointReader& checkpoint) {
+  for (const std::string& key : checkpoint.keys()) {
+    check_finite(checkpoint.read(key, DType::kF32), checkpoint.path(), key, 0);
+  }
 }
 
 ParameterLayout expert_parallel_layout(const std::vector<Parameter*>& params, int64_t num_experts,

@@ -42,9 +42,14 @@ RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, co
 // Writes the checkpoint's values and moments into the optimizer's parameters (this rank's rows
 // of each global tensor), and its step count. A parameter or moment missing from the
 // checkpoint, of another global shape, or a checkpoint tensor the model has no parameter for,
-// is Error(kBadCheckpoint) naming the key (usually: lora.targets or lora.rank changed).
+// is Error(kBadCheckpoint) naming the key (usually: lora.targets or lora.rank changed); so is a
+// NaN or Inf in any value it reads.
 void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
                             const CheckpointReader& checkpoint);
+
+// Error(kBadCheckpoint) naming the tensor and row when any tensor of the checkpoint holds a NaN
+// or Inf (reads all of it: rank 0 checks a checkpoint this way before choosing it).
+void check_checkpoint_finite(const CheckpointReader& checkpoint);
 
 // The data cursor to continue from after resuming a checkpoint saved by manifest.world ranks,
 // for `rank` of a job of `world` ranks. The cursor is job-wide (global samples the whole job has
