@@ -5,6 +5,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +13,8 @@
 #include "core/base/tensor.h"
 
 namespace moetrain {
+
+class OutputFile;
 
 class SafetensorsWriter {
  public:
@@ -34,6 +37,35 @@ class SafetensorsWriter {
 
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
+};
+
+// A safetensors file written tensor by tensor, for outputs larger than the host's memory (the
+// merged export): the tensors' names, dtypes and shapes are declared up front, the header is
+// written at once, then each tensor's bytes in file order (order()). The layout is
+// SafetensorsWriter's, so the same tensors give the same bytes either way.
+class SafetensorsStreamWriter {
+ public:
+  struct Declared {
+    std::string name;
+    DType dtype = DType::kF32;
+    Shape shape;
+  };
+  // Creates (or truncates) `path` and writes the header. Errors as SafetensorsWriter::write.
+  SafetensorsStreamWriter(const std::string& path, const std::vector<Declared>& tensors,
+                          const std::map<std::string, std::string>& metadata);
+  ~SafetensorsStreamWriter();
+  // The names in the order write_next() takes them.
+  const std::vector<std::string>& order() const { return order_; }
+  // The next tensor's values: its name, dtype and shape must be the declared ones (asserted).
+  void write_next(const std::string& name, const TensorView& value);
+  // After the last tensor: fsync and close (Error(kBadCheckpoint) naming the path on failure).
+  void finish();
+
+ private:
+  std::vector<std::string> order_;
+  std::map<std::string, Declared> declared_;
+  size_t next_ = 0;
+  std::unique_ptr<OutputFile> out_;
 };
 
 }  // namespace moetrain
