@@ -298,3 +298,17 @@ bool same_settings(const Config& a, const Config& b) {
 }
 
 }  // namespace moetrain
+std::vector<std::string> config_differences(const Config& a, const Config& b) {
+  Config copy_a = a, copy_b = b;
+  FlatValues flat_a, flat_b;
+  config_schema::visit_fields(flat_a, copy_a);
+  config_schema::visit_fields(flat_b, copy_b);
+  std::vector<std::string> differences;
+  for (size_t i = 0; i < flat_a.values.size() && i < flat_b.values.size(); ++i) {
+    const auto& [key, value_a] = flat_a.values[i];
+    const std::string& value_b = flat_b.values[i].second;
+    if (value_a != value_b) differences.push_back(key + ": " + value_a + " -> " + value_b);
+  }
+  return differences;
+}
+

@@ -200,7 +200,10 @@ struct CheckpointConfig {
   int64_t every = 0;                     // 0: no periodic saves
   int64_t keep_last = 2;
   std::string resume = "auto";           // auto | none | a checkpoint path
-  bool save_on_signal = true;            // SIGTERM/SIGUSR1: save at the next step boundary, exit 75
+  bool save_on_signal = true;            // SIGTERM/SIGINT/SIGHUP/SIGUSR1: save at the next step boundary, exit 75
+  // A fresh run (nothing resumed) whose checkpoint directory already holds checkpoints: false
+  // refuses to start; true moves them (and metrics.jsonl) aside first, under a timestamped name.
+  bool overwrite = false;
   std::string export_adapter = "true";   // PEFT adapter at the end: true (<run_dir>/adapter) | false | a dir
   // How routed experts appear in exported adapters: transformers5 (what PEFT on transformers 5
   // loads exactly: fused expert adapters, MLPs through target_parameters) | per_expert (2-D keys
@@ -263,3 +266,5 @@ void validate_for_world(const Config& config, int world_size);
 std::string config_to_yaml(const Config& config);
 
 }  // namespace moetrain
+// The keys whose values differ, as "key: <a's value> -> <b's value>", in schema order.
+std::vector<std::string> config_differences(const Config& a, const Config& b);

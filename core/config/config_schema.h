@@ -175,6 +175,7 @@ void visit_fields(V& v, LoggingConfig& c) {
   v.field("run_dir", c.run_dir);
   v.field("every", c.every);
   v.field("level", c.level);
+  v.field("overwrite", c.overwrite);
 }
 
 // The top level. source_path and explicit_model_keys are bookkeeping, not keys.

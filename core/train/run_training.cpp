@@ -16,6 +16,7 @@
 #include "core/checkpoint/checkpoint_group.h"
 #include "core/checkpoint/checkpoint_session.h"
 #include "core/io/hf_index.h"
+#include "core/checkpoint/run_directory.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "core/plan/memory_plan.h"
@@ -123,6 +124,49 @@ void check_model_fits(const Config& config, const ModelSpec& spec, kernels::Back
   MOETRAIN_CHECK(needed <= plan.usable_bytes, ExitCode::kBadConfig,
                  fmt::format("the model does not fit: rank {} needs about {:.1f} GB ({:.1f} GB of weights, adapters "
                              "and optimizer state, {:.1f} GB of activations for {} tokens) and its {} has {:.1f} GB "
+// RunDirectory on rank 0 (core/checkpoint/run_directory.h); its verdict reaches every rank, so
+// each exits with the same code and message.
+std::unique_ptr<RunDirectory> claim_run_directory(const Config& config, CheckpointGroup& group) {
+  std::unique_ptr<RunDirectory> claimed;
+  std::string failure;  // "<exit code> <message>"
+  if (group.is_root()) {
+    try {
+      claimed = std::make_unique<RunDirectory>(config);
+    } catch (const Error& e) {
+      failure = std::to_string(static_cast<int>(e.code())) + " " + e.what();
+    }
+  }
+  failure = group.broadcast_from_root(failure);
+  if (!failure.empty()) {
+    const size_t space = failure.find(' ');
+    throw Error(static_cast<ExitCode>(std::stoi(failure.substr(0, space))), failure.substr(space + 1));
+  }
+  return claimed;
+}
+
+// A run none of whose steps updated the adapters has trained nothing: that is an error, not
+// "done" (the data had no targets, or every step was non-finite).
+void check_trained_something(const Trainer& trainer, size_t steps_run) {
+  if (steps_run == 0) return;
+  const std::vector<StepRecord>& history = trainer.history();
+  int64_t updated = 0, without_targets = 0;
+  for (size_t i = history.size() - steps_run; i < history.size(); ++i) {
+    updated += history[i].skipped ? 0 : 1;
+    without_targets += history[i].targets == 0 ? 1 : 0;
+  }
+  if (updated > 0) return;
+  if (without_targets == static_cast<int64_t>(steps_run)) {
+    throw Error(ExitCode::kBadData,
+                fmt::format("trained nothing: none of the {} steps had a target token (the loss mask selects no "
+                            "token of the windows drawn); check the dataset's loss mask (moetrain data-stats)",
+                            steps_run));
+  }
+  throw Error(ExitCode::kInternal,
+              fmt::format("trained nothing: every one of the {} steps was skipped (non-finite loss or gradient "
+                          "norm, or no target tokens); check the base weights and the data, or lower train.lr",
+                          steps_run));
+}
+
                              "({:.1f} GB usable). `moetrain plan --config {} --world N` shows the per-rank split and "
                              "the tokens that fit: use more ranks (parallel.fsdp / parallel.ep), parallel.recompute, "
                              "or a shorter data.seq_len / data.micro_batch",
@@ -160,6 +204,10 @@ int run_training(Runtime& runtime, const Config& config) {
         MeshLayout(runtime.world(), MeshShape{config.parallel.fsdp, config.parallel.ep}, spec.config.moe.num_experts,
                    config.source_path));
     auto communicator = [&](MPI_Comm comm) -> Communicator* {
+  std::unique_ptr<CheckpointGroup> group =
+      runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
+  // Before anything costly: the output paths, the locks, no mixing with an older run.
+  std::unique_ptr<RunDirectory> run_directory = claim_run_directory(config, *group);
 #if MOETRAIN_HAVE_CUDA
       if (backend->device() == Device::kCUDA) {
         communicators.push_back(std::make_unique<NcclCommunicator>(comm));
@@ -267,6 +315,7 @@ int run_training(Runtime& runtime, const Config& config) {
     if (run_dir.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-+=:,@") !=
         std::string::npos) {
       std::string quoted = "'";
+  check_trained_something(trainer, losses.size());
       for (char c : run_dir) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
       run_dir = quoted + "'";
     }

@@ -178,3 +178,6 @@ class Trainer {
 };
 
 }  // namespace moetrain
+  // Steps in a row, up to the last, whose update was skipped for a non-finite loss or gradient
+  // norm: 0 while the run is healthy. Checkpoints are not written while it is not.
+  int nonfinite_in_a_row() const { return nonfinite_in_a_row_; }
