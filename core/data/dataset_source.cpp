@@ -6,6 +6,8 @@
 #include "core/data/packing.h"
 
 namespace moetrain {
+#include "core/base/log.h"
+#include "core/base/random.h"
 namespace {
 
 std::vector<double> weights_of(const std::vector<DatasetEntry>& entries) {
@@ -83,6 +85,34 @@ Batch DatasetSource::next() {
   const uint64_t first = first_sample_of_rank(cursor_, micro_batch_, rank_);
   for (int64_t b = 0; b < micro_batch_; ++b) {
     const size_t offset = static_cast<size_t>(b * seq_len_);
+  check_contents();
+}
+
+void DatasetSource::check_contents() const {
+  bool checked_all = true;
+  int64_t targets = 0;
+  for (size_t j = 0; j < datasets_.size(); ++j) {
+    const IndexedDataset& d = *datasets_[j];
+    if (d.token_file_bytes() > IndexedDataset::kContentCheckBytes) {
+      checked_all = false;
+      if (rank_ == 0) {
+        log::info(fmt::format("{}: {:.1f} GB of tokens, too many to read at start: each token is checked when its "
+                              "window is drawn (`moetrain data-stats {}` checks them all now)",
+                              d.bin_path(), static_cast<double>(d.token_file_bytes()) / 1e9, d.prefix()));
+      }
+      continue;
+    }
+    const int64_t found = d.check_contents(entries_[j].documents, vocab_size_);
+    if (found == 0 && rank_ == 0) {
+      log::warn(fmt::format("{}: none of its tokens is a training target (its loss mask is all 0)", d.mask_path()));
+    }
+    targets += found;
+  }
+  MOETRAIN_CHECK(!checked_all || targets > 0, ExitCode::kBadData,
+                 fmt::format("the data ({}) has no target tokens: every loss-mask byte is 0, so every step would be "
+                             "skipped and nothing trained. Check how the .mask files were written (scripts/"
+                             "prepare_data.py's masking options)",
+                             datasets_.size() == 1 ? datasets_.front()->mask_path() : "every dataset of the mixture"));
     WindowOut out{batch.input_ids.data() + offset, batch.labels.data() + offset, batch.positions.data() + offset};
     pack_sample(out, segments, first + static_cast<uint64_t>(b));
   }

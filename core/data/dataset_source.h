@@ -58,6 +58,10 @@ class DatasetSource final : public DataSource {
   uint64_t seed_;
   int64_t vocab_size_;
   int rank_;
+  // At start: every token and mask byte of the selected documents (datasets up to
+  // IndexedDataset::kContentCheckBytes; larger ones as their windows are drawn), and at least one
+  // target token among them. Error(kBadData).
+  void check_contents() const;
   int world_;
   uint64_t cursor_ = 0;
 };

@@ -236,4 +236,25 @@ void IndexedDataset::read(int32_t* tokens, uint8_t* mask, int64_t doc, int64_t s
   }
 }
 
+int64_t IndexedDataset::check_contents(const std::vector<int64_t>& documents, int64_t vocab_size) const {
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  std::vector<int32_t> tokens(static_cast<size_t>(kChunk));
+  std::vector<uint8_t> mask(static_cast<size_t>(kChunk));
+  int64_t targets = 0;
+  auto check_document = [&](int64_t doc) {
+    const int64_t length = document_length(doc);
+    for (int64_t start = 0; start < length; start += kChunk) {
+      const int64_t count = std::min(kChunk, length - start);
+      read(tokens.data(), mask.data(), doc, start, count, vocab_size);
+      for (int64_t i = 0; i < count; ++i) targets += mask[static_cast<size_t>(i)];
+    }
+  };
+  if (documents.empty()) {
+    for (int64_t doc = 0; doc < num_documents(); ++doc) check_document(doc);
+  } else {
+    for (int64_t doc : documents) check_document(doc);
+  }
+  return targets;
+}
+
 }  // namespace moetrain

@@ -60,6 +60,15 @@ class IndexedDataset {
   // file and byte offset. vocab_size <= 0 skips the token check (data-stats).
   void read(int32_t* tokens, uint8_t* mask, int64_t doc, int64_t start, int64_t count, int64_t vocab_size) const;
 
+  // Reads `documents` (every document when empty) once, checking every token id against
+  // vocab_size and every mask byte as read() does (the same errors), and returns how many of
+  // their tokens are training targets. A run checks its data this way at start, when it is
+  // small enough (kContentCheckBytes), rather than hours in, when the bad window is drawn.
+  int64_t check_contents(const std::vector<int64_t>& documents, int64_t vocab_size) const;
+  // Datasets up to this many bytes of tokens are checked whole at start.
+  static constexpr uint64_t kContentCheckBytes = uint64_t{4} << 30;
+  uint64_t token_file_bytes() const { return static_cast<uint64_t>(num_tokens_) * static_cast<uint64_t>(token_bytes_); }
+
  private:
   int64_t sequence_size(int64_t sequence) const;
   int64_t sequence_pointer(int64_t sequence) const;

@@ -136,6 +136,24 @@ int64_t checked_row_size(const HfCheckpoint& checkpoint, const HfPiece& piece) {
   return row;
 }
 
+// Rows [row_begin, row_end) of a base-model tensor as F64, refused when any is NaN or Inf: a
+// model with such a weight trains nothing (every step's loss is non-finite and skipped), so it is
+// a bad checkpoint, named, before any step.
+Tensor read_finite_rows(const HfCheckpoint& checkpoint, const std::string& name, int64_t row_begin, int64_t row_end) {
+  Tensor rows = checkpoint.read_rows_as(name, row_begin, row_end, DType::kF64);
+  const double* v = rows.ptr<double>();
+  const int64_t n = rows.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isfinite(v[i])) continue;
+    const int64_t row = row_end > row_begin ? n / (row_end - row_begin) : n;
+    throw Error(ExitCode::kBadCheckpoint,
+                fmt::format("{}: tensor \"{}\" in {} holds a non-finite value ({} at row {}, element {}): the base "
+                            "model is damaged; download or convert it again",
+                            checkpoint.dir(), name, checkpoint.file_of(name), v[i], row_begin + i / row, i % row));
+  }
+  return rows;
+}
+
 // Elements [begin, end) of the weight's flattened values, as F64 into dst: only the rows of each
 // checkpoint tensor that hold them are read.
 void read_flat_range(const HfCheckpoint& checkpoint, const HfLayout& layout, int64_t begin, int64_t end, double* dst) {
@@ -146,8 +164,7 @@ void read_flat_range(const HfCheckpoint& checkpoint, const HfLayout& layout, int
     if (lo >= hi) continue;
     const int64_t first_row = lo / row;
     const int64_t last_row = (hi + row - 1) / row;
-    Tensor rows = checkpoint.read_rows_as(piece.name, piece.first_row + first_row, piece.first_row + last_row,
-                                          DType::kF64);
+    Tensor rows = read_finite_rows(checkpoint, piece.name, piece.first_row + first_row, piece.first_row + last_row);
     std::memcpy(dst + (piece.offset + lo - begin), rows.ptr<double>() + (lo - first_row * row),
                 static_cast<size_t>(hi - lo) * sizeof(double));
   }
@@ -175,7 +192,7 @@ void read_routed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot,
                    fmt::format("{}: tensor \"{}\" in {} has shape {} but config.json implies [{}, {}, {}]",
                                checkpoint.dir(), fused, checkpoint.file_of(fused), info.shape.str(),
                                slot.first_group + groups, shape[1], shape[2]));
-    Tensor values = checkpoint.read_rows_as(fused, slot.first_group, slot.first_group + groups, DType::kF64);
+    Tensor values = read_finite_rows(checkpoint, fused, slot.first_group, slot.first_group + groups);
     std::memcpy(dst, values.data(), values.nbytes());
     return;
   }
@@ -245,6 +262,18 @@ void read_u8(const HfCheckpoint& checkpoint, const std::string& name, const Shap
   checkpoint.read_rows(dst, name, 0, shape[0]);
 }
 
+// MXFP4 scales (E8M0 exponents): 0xFF is E8M0's NaN, which would poison its 32 weights.
+void read_mxfp4_scales(const HfCheckpoint& checkpoint, const std::string& name, const Shape& shape, uint8_t* dst) {
+  read_u8(checkpoint, name, shape, dst);
+  const int64_t n = shape.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    MOETRAIN_CHECK(dst[i] != 0xFF, ExitCode::kBadCheckpoint,
+                   fmt::format("{}: tensor \"{}\" in {} holds the NaN scale 0xFF (row {}, group {}): the base model "
+                               "is damaged; download or convert it again",
+                               checkpoint.dir(), name, checkpoint.file_of(name), i / shape[1], i % shape[1]));
+  }
+}
+
 // The checkpoint's packed experts, as compressed-tensors writes them: per expert and projection
 // `<weight name>_packed` and `<weight name>_scale` beside where the plain `.weight` would be (Kimi
 // K3: block_sparse_moe.experts.<e>.w1 / w3 / w2.weight_packed). Returns false when the checkpoint
@@ -268,11 +297,11 @@ bool load_packed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot,
       const int64_t half = expert.out / 2;
       read_u8(checkpoint, base("gate_proj") + "_packed", {half, expert.in / 2}, packed);
       read_u8(checkpoint, base("up_proj") + "_packed", {half, expert.in / 2}, packed + half * expert.in / 2);
-      read_u8(checkpoint, base("gate_proj") + "_scale", {half, groups}, scales);
-      read_u8(checkpoint, base("up_proj") + "_scale", {half, groups}, scales + half * groups);
+      read_mxfp4_scales(checkpoint, base("gate_proj") + "_scale", {half, groups}, scales);
+      read_mxfp4_scales(checkpoint, base("up_proj") + "_scale", {half, groups}, scales + half * groups);
     } else {
       read_u8(checkpoint, base("down_proj") + "_packed", {expert.out, expert.in / 2}, packed);
-      read_u8(checkpoint, base("down_proj") + "_scale", {expert.out, groups}, scales);
+      read_mxfp4_scales(checkpoint, base("down_proj") + "_scale", {expert.out, groups}, scales);
     }
     expert.upload(backend, slot, g);
   }

@@ -248,21 +248,43 @@ TEST_CASE("make_data_source picks the source data.source names") {
   }
 }
 
-TEST_CASE("a token id >= vocab stops the batch with exit code 3, file and offset") {
+TEST_CASE("a token id >= vocab is exit code 3 naming file and offset, at start, before any batch") {
   DataScratchDir dir("vocab");
   write_indexed_dataset(dir.file("a"), numbered_documents({10, 6}));  // ids 1..16
   DataConfig config = data_config(8, 2);
   config.source = dir.file("a");
-  std::unique_ptr<DataSource> source = make_data_source(config, 16, 0, 1);
   try {
-    source->next();
-    source->next();
+    make_data_source(config, 16, 0, 1);
     FAIL("no error");
   } catch (const Error& e) {
     CHECK(e.code() == ExitCode::kBadData);
     // Token 16 is the 16th int32 of a.bin: byte offset 60.
     CHECK(std::string(e.what()).find(dir.file("a") + ".bin: token id 16 at byte offset 60") != std::string::npos);
   }
+}
+
+TEST_CASE("data whose loss mask selects no token is exit code 3 at start; one such dataset of a mixture warns") {
+  DataScratchDir dir("no_targets");
+  IndexedDatasetContents none = numbered_documents({10, 6});
+  none.loss_masks = {std::vector<uint8_t>(10, 0), std::vector<uint8_t>(6, 0)};
+  write_indexed_dataset(dir.file("none"), none);
+  IndexedDatasetContents some = numbered_documents({10, 6});
+  some.loss_masks = {std::vector<uint8_t>(10, 0), std::vector<uint8_t>(6, 1)};
+  write_indexed_dataset(dir.file("some"), some);
+  DataConfig config = data_config(8, 2);
+  config.source = dir.file("none");
+  try {
+    make_data_source(config, 1 << 20, 0, 1);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.code() == ExitCode::kBadData);
+    CHECK(std::string(e.what()).find(dir.file("none") + ".mask) has no target tokens") != std::string::npos);
+  }
+  config.source = dir.file("some");
+  CHECK_NOTHROW(make_data_source(config, 1 << 20, 0, 1));
+  config.source = kDataSourceMixture;
+  config.mixture = {DataSourceSpec{dir.file("none"), 1.0}, DataSourceSpec{dir.file("some"), 1.0}};
+  CHECK_NOTHROW(make_data_source(config, 1 << 20, 0, 1));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // scratch directory and broken one way at a time.
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <sstream>
 
@@ -51,6 +52,21 @@ void rewrite_weights(const fs::path& dir, const std::string& drop, const std::st
     Tensor t = original.read_as(name, DType::kF32);
     if (name == reshape) t = Tensor({t.numel()}, DType::kF32);  // flattened: wrong shape, same bytes
     tensors.push_back({name, t.view()});
+    keep.push_back(std::move(t));
+  }
+  fs::remove(dir / "model.safetensors");
+  write_hf_checkpoint(dir.string(), tensors, HfShardedWriteParams{});
+}
+
+// Rewrites the directory's weights with one element of `name` set to NaN.
+void poison_weight(const fs::path& dir, const std::string& name, int64_t element) {
+  SafetensorsFile original((kFixture / "model.safetensors").string());
+  std::vector<Tensor> keep;
+  std::vector<NamedTensor> tensors;
+  for (const std::string& n : original.names()) {
+    Tensor t = original.read_as(n, DType::kF32);
+    if (n == name) t.ptr<float>()[element] = std::numeric_limits<float>::quiet_NaN();
+    tensors.push_back({n, t.view()});
     keep.push_back(std::move(t));
   }
   fs::remove(dir / "model.safetensors");
@@ -155,5 +171,18 @@ TEST_CASE("a token id outside the vocabulary is a data error naming its position
     model.forward_backward(batch, 1.0);
   } catch (const Error& e) {
     CHECK(e.code() == ExitCode::kBadData);
+  }
+}
+
+TEST_CASE("a NaN in a base weight is a bad checkpoint naming the tensor, before any step", "[import]") {
+  for (const std::string name : {"model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight",
+                                 "lm_head.weight"}) {
+    fs::path dir = scratch_model("nan");
+    poison_weight(dir, name, 5);
+    Error e = load_error(dir);
+    INFO(e.what());
+    CHECK(e.code() == ExitCode::kBadCheckpoint);
+    CHECK(std::string(e.what()).find("tensor \"" + name + "\"") != std::string::npos);
+    CHECK(std::string(e.what()).find("holds a non-finite value (nan at row 0, element 5)") != std::string::npos);
   }
 }
