@@ -7,7 +7,8 @@ One run: the PNGs go next to its metrics.jsonl. Several runs: their curves are o
 colour per run, with a legend) and the PNGs go to --out (default ./plots); each run still gets
 its own expert-load heat map. Files (docs/METRICS.md describes the keys they come from):
 
-    loss.png          loss per step (and the data's entropy floor, for synthetic data)
+    loss.png          loss per step (and the data's entropy floor, for synthetic data), with the
+                      eval loss (eval_loss, data.eval) as points joined by a dashed line
     lr.png            learning rate
     grad_norm.png     gradient norm before clipping
     tokens_per_s.png  throughput
@@ -104,12 +105,15 @@ class Run:
         self.records = read_metrics(self.metrics) if os.path.isfile(self.metrics) else []
 
 
-def plot_curves(pyplot, runs, key, title, ylabel, path, scale=1.0, log_y=False, floor_key=None):
-    """One line per run that has `key`; noisy per-step values get a moving average on top."""
+def plot_curves(pyplot, runs, key, title, ylabel, path, scale=1.0, log_y=False, floor_key=None, eval_key=None):
+    """One line per run that has `key`; noisy per-step values get a moving average on top. With
+    eval_key, each run's evaluations too (a few steps only: points, dashed). Returns the names of
+    the curves drawn (empty when no run has `key`)."""
     drawn = [(run, series(run.records, key)) for run in runs]
     drawn = [(run, s) for run, s in drawn if s[0]]
     if not drawn:
-        return False
+        return []
+    curves = [key]
     figure, axes = pyplot.subplots(figsize=(8, 4.5))
     colours = pyplot.rcParams["axes.prop_cycle"].by_key()["color"]
     floors_drawn = []  # runs on the same data share one floor line
@@ -124,6 +128,13 @@ def plot_curves(pyplot, runs, key, title, ylabel, path, scale=1.0, log_y=False, 
         else:
             axes.plot(steps, values, color=colour, linewidth=1.6, marker="." if len(values) < 30 else None,
                       label=run.label)
+        if eval_key:
+            eval_steps, eval_values = series(run.records, eval_key)
+            if eval_steps:
+                axes.plot(eval_steps, [v * scale for v in eval_values], color=colour, linestyle="--", marker="o",
+                          markersize=4, linewidth=1.2, label=f"{run.label}: {eval_key} (data.eval)")
+                if eval_key not in curves:
+                    curves.append(eval_key)
         if floor_key:
             _, floors = series(run.records, floor_key)
             if floors and all(abs(floors[-1] - drawn_floor) > 1e-9 for drawn_floor in floors_drawn):
@@ -140,7 +151,7 @@ def plot_curves(pyplot, runs, key, title, ylabel, path, scale=1.0, log_y=False, 
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     pyplot.close(figure)
-    return True
+    return curves
 
 
 def load_matrix(records, key, first, last):
@@ -232,8 +243,8 @@ def main():
     out = args.out or (runs[0].dir if len(args.runs) == 1 else "plots")
     os.makedirs(out, exist_ok=True)
     figures = [
-        ("loss.png", dict(key="loss", title="training loss", ylabel="loss (nats per target token)",
-                          floor_key="loss_floor")),
+        ("loss.png", dict(key="loss", title="training and eval loss", ylabel="loss (nats per target token)",
+                          floor_key="loss_floor", eval_key="eval_loss")),
         ("lr.png", dict(key="lr", title="learning rate", ylabel="lr")),
         ("grad_norm.png", dict(key="grad_norm", title="gradient norm (before clipping)", ylabel="global L2 norm",
                                log_y=True)),
@@ -243,7 +254,11 @@ def main():
     written, missing = [], []
     for name, options in figures:
         path = os.path.join(out, name)
-        (written if plot_curves(pyplot, runs, path=path, **options) else missing).append(path)
+        curves = plot_curves(pyplot, runs, path=path, **options)
+        if curves:
+            written.append(f"{path} ({', '.join(curves)})")
+        else:
+            missing.append(path)
     for run in runs:
         name = "expert_load.png" if len(runs) == 1 else f"expert_load_{safe_name(run.label)}.png"
         path = os.path.join(out, name)

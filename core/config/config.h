@@ -169,6 +169,18 @@ struct DataSourceSpec {
 inline constexpr const char* kDataSourceMixture = "mixture";
 
 struct DataConfig {
+// data.eval (docs/DATA.md, "Evaluation data"): what train.eval_every evaluates. At most one of
+// `source` (a separate eval dataset: a prefix, a mixture list, or `synthetic` for windows of the
+// synthetic stream that training never reaches) and `holdout` (that fraction of every training
+// dataset's documents, never trained on). Neither set: no evaluation.
+struct EvalDataConfig {
+  std::string source;                  // "" (none), synthetic, a prefix, or kDataSourceMixture
+  std::vector<DataSourceSpec> mixture; // when source is a list (as data.source)
+  double holdout = 0.0;                // [0, 1): held-out fraction of each training dataset's documents
+  int64_t windows = 0;                 // eval windows; 0: every window of the eval data once
+  bool enabled() const { return !source.empty() || holdout > 0.0; }
+};
+
   // `synthetic` (the built-in data), a dataset path prefix, or kDataSourceMixture when the YAML
   // value of `source` is a list of {path, weight} (then held in `mixture`). One YAML key, two
   // fields: the schema reads and writes them together.
@@ -179,6 +191,7 @@ struct DataConfig {
   int64_t grad_accum = 1;
   int64_t seed = 1234;
 };
+  EvalDataConfig eval;
 
 struct TrainConfig {
   int64_t steps = 100;
@@ -194,6 +207,7 @@ struct TrainConfig {
   int64_t seed = 1234;
   std::string device = "auto";           // auto | cpu | cuda
 };
+  int64_t eval_every = 0;                // evaluate data.eval every N steps (0: only at the end)
 
 struct CheckpointConfig {
   std::optional<std::string> dir;        // null: <run_dir>/checkpoints

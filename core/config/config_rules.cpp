@@ -374,22 +374,15 @@ void check_training(const Config& c, Rules& r) {
 
   const DataConfig& d = c.data;
   r.not_empty("data.source", d.source);
-  if (d.source == kDataSourceMixture && d.mixture.empty()) {
-    r.fail({"data.source"}, "`data.source` = `mixture` needs the list form: source: [{path: dir/a, weight: 2}, "
-                            "{path: dir/b, weight: 1}] (a dataset named `mixture` is written ./mixture)");
-  }
-  if (!d.mixture.empty() && d.source != kDataSourceMixture) {
-    r.fail({"data.source"}, "`data.source` = `" + d.source + "` while a mixture list is set: use one or the other");
-  }
-  for (size_t i = 0; i < d.mixture.size(); ++i) {
-    const std::string entry = "data.source[" + std::to_string(i) + "]";
-    if (d.mixture[i].path.empty()) r.fail({"data.source"}, "`" + entry + ".path` must not be empty");
-    if (d.mixture[i].path == "synthetic") {
-      r.fail({"data.source"}, "`" + entry + ".path` = `synthetic`: the built-in data cannot be mixed with datasets "
-                              "(a dataset named `synthetic` is written ./synthetic)");
+  // data.source and data.eval.source take the same forms.
+  auto check_source = [&r](const std::string& key, const std::string& source,
+                           const std::vector<DataSourceSpec>& mixture) {
+    if (source == kDataSourceMixture && mixture.empty()) {
+      r.fail({key}, "`" + key + "` = `mixture` needs the list form: source: [{path: dir/a, weight: 2}, "
+                    "{path: dir/b, weight: 1}] (a dataset named `mixture` is written ./mixture)");
     }
-    if (!(d.mixture[i].weight > 0)) {
-      r.fail({"data.source"}, "`" + entry + ".weight` = " + show(d.mixture[i].weight) + " must be > 0");
+    if (!mixture.empty() && source != kDataSourceMixture) {
+      r.fail({key}, "`" + key + "` = `" + source + "` while a mixture list is set: use one or the other");
     }
   }
   r.at_least<int64_t>("data.seq_len", d.seq_len, 2, ": next-token prediction needs two tokens");
@@ -457,4 +450,46 @@ void check_rules(const Config& config, const RuleContext& context, std::vector<P
   check_training(config, rules);
 }
 
+    for (size_t i = 0; i < mixture.size(); ++i) {
+      const std::string entry = key + "[" + std::to_string(i) + "]";
+      if (mixture[i].path.empty()) r.fail({key}, "`" + entry + ".path` must not be empty");
+      if (mixture[i].path == "synthetic") {
+        r.fail({key}, "`" + entry + ".path` = `synthetic`: the built-in data cannot be mixed with datasets "
+                      "(a dataset named `synthetic` is written ./synthetic)");
+      }
+      if (!(mixture[i].weight > 0)) {
+        r.fail({key}, "`" + entry + ".weight` = " + show(mixture[i].weight) + " must be > 0");
+      }
+    }
+  };
+  check_source("data.source", d.source, d.mixture);
+  const EvalDataConfig& e = d.eval;
+  check_source("data.eval.source", e.source, e.mixture);
+  r.in_range("data.eval.holdout", e.holdout, 0.0, 1.0, false);
+  r.at_least<int64_t>("data.eval.windows", e.windows, 0);
+  if (!e.source.empty() && e.holdout > 0) {
+    r.fail({"data.eval.source", "data.eval.holdout"},
+           "`data.eval.source` and `data.eval.holdout` are both set: evaluate on a separate dataset or on a held-out "
+           "fraction of the training data, not both");
+  }
+  if (e.holdout > 0 && d.source == "synthetic") {
+    r.fail({"data.eval.holdout", "data.source"},
+           "`data.eval.holdout` holds out documents of a dataset, but `data.source` is the endless synthetic stream: "
+           "use `data.eval: {source: synthetic, windows: N}` (windows training never reaches)");
+  }
+  if (e.source == "synthetic" && d.source != "synthetic") {
+    r.fail({"data.eval.source", "data.source"},
+           "`data.eval.source` = `synthetic` evaluates the built-in Markov chain, but the model trains on `" +
+               d.source + "`: give an eval dataset prefix, or `data.eval.holdout`");
+  }
+  if (e.source == "synthetic" && e.windows == 0) {
+    r.fail({"data.eval.windows", "data.eval.source"},
+           "`data.eval.source` = `synthetic` is endless: set `data.eval.windows` (e.g. 16) to say how many windows "
+           "each evaluation reads");
 }  // namespace moetrain::config_detail
+  r.at_least<int64_t>("train.eval_every", t.eval_every, 0);
+  if (t.eval_every > 0 && !e.enabled()) {
+    r.fail({"train.eval_every", "data.eval"},
+           "`train.eval_every` = " + show(t.eval_every) + " but no eval data is set: add `data.eval.source` (a "
+           "dataset prefix) or `data.eval.holdout` (a fraction of the training documents), or drop train.eval_every");
+  }

@@ -133,6 +133,14 @@ struct DataSourceField {
 };
 
 template <class V>
+void visit_fields(V& v, EvalDataConfig& c) {
+  DataSourceField source{c.source, c.mixture};
+  v.field("source", source);
+  v.field("holdout", c.holdout);
+  v.field("windows", c.windows);
+}
+
+template <class V>
 void visit_fields(V& v, DataConfig& c) {
   DataSourceField source{c.source, c.mixture};
   v.field("source", source);
@@ -140,6 +148,7 @@ void visit_fields(V& v, DataConfig& c) {
   v.field("micro_batch", c.micro_batch);
   v.field("grad_accum", c.grad_accum);
   v.field("seed", c.seed);
+  v.section("eval", c.eval);
 }
 
 template <class V>
@@ -156,6 +165,7 @@ void visit_fields(V& v, TrainConfig& c) {
   v.field("grad_clip", c.grad_clip);
   v.field("seed", c.seed);
   v.field("device", c.device);
+  v.field("eval_every", c.eval_every);
 }
 
 template <class V>

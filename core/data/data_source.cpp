@@ -4,6 +4,7 @@
 
 #include "core/base/error.h"
 #include "core/data/dataset_source.h"
+#include "core/data/eval_data.h"
 #include "core/train/synthetic_data.h"
 
 namespace moetrain {
@@ -37,16 +38,8 @@ class SyntheticSource final : public DataSource {
 
 std::unique_ptr<DataSource> make_data_source(const DataConfig& config, int64_t vocab_size, int rank, int world) {
   if (config.source == "synthetic") return std::make_unique<SyntheticSource>(config, vocab_size, rank, world);
-  std::vector<DatasetEntry> entries;
-  if (!config.mixture.empty()) {
-    MOETRAIN_CHECK(config.source == kDataSourceMixture, ExitCode::kBadConfig,
-                   fmt::format("data.source is `{}` but a mixture list is also set", config.source));
-    for (const DataSourceSpec& spec : config.mixture) entries.push_back({spec.path, spec.weight});
-  } else {
-    MOETRAIN_CHECK(config.source != kDataSourceMixture, ExitCode::kBadConfig,
-                   "data.source `mixture` needs a list of {path, weight} entries");
-    entries.push_back({config.source, 1.0});
-  }
+  // data.eval.holdout's documents are left out here: training never reads them (eval_data.h).
+  const std::vector<DatasetEntry> entries = training_dataset_entries(config);
   return std::make_unique<DatasetSource>(entries, config, vocab_size, rank, world);
 }
 

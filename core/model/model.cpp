@@ -729,19 +729,19 @@ PendingStep Model::run_step(const Batch& batch, double grad_scale, std::string& 
   return queue_results(ctx, losses, batch.num_targets());
 }
 
-Tensor Model::logits(const Batch& batch) {
-  BatchTensors bt = upload(batch);
-  LayerContext ctx = context(bt);
+Tensor Model::forward_without_backward(const LayerContext& ctx, std::string& where) {
   kernels::Backend& be = backend_;
-  const int64_t n = bt.num_tokens;
+  const int64_t n = ctx.batch.num_tokens;
   const int64_t d = spec_.config.hidden_size;
   const size_t num_layers = layers_.size();
   std::vector<Tensor> inputs(num_layers + 1);
+  where = "the embedding forward";
   inputs[0] = ctx.alloc({n, d});
   gather_outer_weights();
-  be.embedding_forward_checked_ids(inputs[0], embed_, bt.input_ids);  // checked in upload()
+  be.embedding_forward_checked_ids(inputs[0], embed_, ctx.batch.input_ids);  // checked in upload()
   release_outer_weights();
   for (size_t i = 0; i < num_layers; ++i) {
+    where = layer_pass(spec_, i, "forward");
     gather_layers(i, +1);
     inputs[i + 1] = ctx.alloc({n, d});
     layer_forward(ctx, i, inputs[i + 1], inputs[i], summaries_for(inputs, i));
@@ -750,14 +750,24 @@ Tensor Model::logits(const Batch& batch) {
     // Only the block summaries (Block Attention Residuals) are read again.
     if (!starts_block(i)) inputs[i].reset();
   }
+  where = "the final norm";
   gather_outer_weights();
   Tensor normed = ctx.alloc({n, d});
   Tensor rstd = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{normed, rstd, final_norm_input(ctx, inputs), final_norm_, spec_.config.rms_norm_eps});
   final_mix_.reset();
   final_mix_probs_.reset();
+  return normed;
+}
+
+Tensor Model::logits(const Batch& batch) {
+  BatchTensors bt = upload(batch);
+  LayerContext ctx = context(bt);
+  kernels::Backend& be = backend_;
+  std::string where;
+  Tensor normed = forward_without_backward(ctx, where);
   const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
-  Tensor logits = ctx.alloc_accum({n, spec_.config.vocab_size});
+  Tensor logits = ctx.alloc_accum({bt.num_tokens, spec_.config.vocab_size});
   be.gemm(GemmArgs{logits, normed, head, false, true, 1.0, 0.0});
   release_outer_weights();
   Tensor staged(logits.shape(), logits.dtype());
@@ -766,6 +776,55 @@ Tensor Model::logits(const Batch& batch) {
   convert_host(host, staged);
   ++forward_count_;
   return host;
+}
+
+StepResult Model::evaluate(const Batch& batch) {
+  // No router noise, and forward_count() untouched: a run that evaluates trains exactly as one
+  // that does not (the noise stream is saved in checkpoints and seeds every later forward).
+  struct NoiseOff {
+    std::vector<MoeFfn*> layers;
+    ~NoiseOff() {
+      for (MoeFfn* moe : layers) moe->set_noise_enabled(true);
+    }
+  } noise_off;
+  for (DecoderLayer& layer : layers_) {
+    if (MoeFfn* moe = routed_moe(layer.ffn.get())) {
+      moe->set_noise_enabled(false);
+      noise_off.layers.push_back(moe);
+    }
+  }
+  std::string where = "the batch upload";
+  try {
+    BatchTensors bt = upload(batch);
+    LayerContext ctx = context(bt);
+    kernels::Backend& be = backend_;
+    Tensor normed = forward_without_backward(ctx, where);
+    where = "the eval loss";
+    const Tensor& head = spec_.config.tie_word_embeddings ? embed_ : lm_head_;
+    const int64_t n = bt.num_tokens;
+    const int64_t vocab = spec_.config.vocab_size;
+    Tensor losses = ctx.alloc_accum({n});
+    for (int64_t begin = 0; begin < n; begin += options_.loss_chunk_rows) {
+      const int64_t end = std::min(n, begin + options_.loss_chunk_rows);
+      Tensor logits = ctx.alloc_accum({end - begin, vocab});
+      Tensor unused_dlogits = ctx.alloc({end - begin, vocab});  // the kernel writes one; scale 0
+      be.gemm(GemmArgs{logits, normed.view().slice_rows(begin, end), head, false, true, 1.0, 0.0});
+      be.cross_entropy(kernels::CrossEntropyArgs{losses.view().slice_rows(begin, end), unused_dlogits, logits,
+                                                 bt.labels.view().slice_rows(begin, end), 0.0});
+    }
+    release_outer_weights();
+    Tensor staged(losses.shape(), losses.dtype());
+    be.copy(staged, losses);
+    Tensor host(losses.shape(), DType::kF64);
+    convert_host(host, staged);
+    StepResult result;
+    result.targets = batch.num_targets();
+    // In token order, in double, as the training loss (queue_results).
+    for (int64_t i = 0; i < host.numel(); ++i) result.loss_sum += host.ptr<double>()[i];
+    return result;
+  } catch (const Error& error) {
+    throw Error(error.code(), "evaluation, " + where + ": " + error.what());
+  }
 }
 
 }  // namespace moetrain

@@ -115,6 +115,10 @@ class Model final : public TrainableModel {
 
   // Forward only, returning the logits [tokens, vocab] as a host F64 tensor (tests).
   Tensor logits(const Batch& batch);
+  // Forward only: the loss sum and targets of the batch, with no router noise, forward_count()
+  // unchanged and nothing kept for a backward (TrainableModel::evaluate). Reads the losses back
+  // (one host wait).
+  StepResult evaluate(const Batch& batch) override;
 
   const ModelSpec& spec() const { return spec_; }
   // Forward passes run so far: the position of the router-noise stream (checkpoints save it,
@@ -185,6 +189,10 @@ class Model final : public TrainableModel {
   void release_outer_weights();
   void attach_lora();
   void group_parameters();
+  // The forward of logits() and evaluate(), keeping nothing for a backward: the final norm's
+  // output [tokens, D]. The embedding/head bucket stays gathered for the caller's head GEMM
+  // (release_outer_weights after it). `where` follows the pass, as in run_step.
+  Tensor forward_without_backward(const LayerContext& ctx, std::string& where);
   // Per-token losses [tokens] on the device (read by sum_losses); dfinal gets their gradient.
   Tensor loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
                        double grad_scale);

@@ -110,7 +110,7 @@ void MoeFfn::forward_routed(const LayerContext& ctx, const TensorView& out, cons
   Tensor logits = ctx.alloc_accum({n, e});  // routing in F32, as transformers does
   be.gemm(GemmArgs{logits, x, router_weight, false, true, 1.0, 0.0});
   Tensor noise;
-  if (moe_.router_noise > 0.0) {
+  if (moe_.router_noise > 0.0 && noise_enabled_) {
     Tensor host({n, e}, DType::kF64);
     fill_gaussian(host.ptr<double>(), host.numel(), moe_.router_noise, noise_seed_);
     Tensor staged({n, e}, ctx.accum());

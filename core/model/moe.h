@@ -59,6 +59,8 @@ class MoeFfn final : public FeedForward {
   // Router noise for the next forward; re-seeding with the same value makes a recomputed
   // forward route exactly as the first one did.
   void set_noise_seed(uint64_t seed) { noise_seed_ = seed; }
+  // Router noise on (training) or off (an evaluation measures the model as it will serve).
+  void set_noise_enabled(bool enabled) { noise_enabled_ = enabled; }
   // Weight of this micro-batch's aux loss in the step's objective (1 / micro-batches).
   void set_aux_loss_weight(double weight) { aux_loss_weight_ = weight; }
 
@@ -73,6 +75,7 @@ class MoeFfn final : public FeedForward {
   int64_t row_width_;  // the routed experts' input and output width
   std::string prefix_;
   uint64_t noise_seed_ = 0;
+  bool noise_enabled_ = true;
   double aux_loss_weight_ = 1.0;
   Tensor stats_offsets_, stats_aux_loss_;  // stats_offsets(), stats_aux_loss()
   std::unique_ptr<ExpertDispatch> dispatch_;  // null without expert parallelism

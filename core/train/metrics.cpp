@@ -21,14 +21,27 @@ std::string format_rate(double tokens_per_s) {
 
 }  // namespace
 
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t whole = static_cast<int64_t>(std::llround(seconds));
+  if (whole < 60) return fmt::format("{}s", whole);
+  if (whole < 3600) return fmt::format("{}m{:02d}s", whole / 60, whole % 60);
+  return fmt::format("{}h{:02d}m", whole / 3600, whole / 60 % 60);
+}
+
 std::string format_progress_line(const StepMetrics& m) {
   std::string line = fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad {:.3f} | {} | max load {:.2f}",
                                  m.step, m.total_steps, m.loss, m.lr, m.grad_norm,
                                  format_rate(m.tokens_per_s), m.max_expert_load);
   for (const auto& [key, value] : m.extra) {
     // mfu is a fraction in metrics.jsonl, a percentage on the console.
-    line += key == "mfu" ? fmt::format(" | mfu {:.1f}%", 100.0 * value) : fmt::format(" | {} {:.4g}", key, value);
+    if (key == "mfu") line += fmt::format(" | mfu {:.1f}%", 100.0 * value);
+    else if (key == "eval_loss") line += fmt::format(" | eval loss {:.4f}", value);
+    else if (key == "eval_ppl") line += fmt::format(" | eval ppl {:.4g}", value);
+    else line += fmt::format(" | {} {:.4g}", key, value);
   }
+  if (std::isfinite(m.elapsed_s)) line += " | " + format_duration(m.elapsed_s) + " elapsed";
+  if (std::isfinite(m.eta_s)) line += " | eta " + format_duration(m.eta_s);
   return line;
 }
 

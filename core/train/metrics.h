@@ -27,10 +27,20 @@ struct StepMetrics {
   // The data's best achievable loss (synthetic data), written when finite, for plots.
   double loss_floor = std::numeric_limits<double>::quiet_NaN();
   std::vector<std::pair<std::string, double>> extra;  // further keys, written in this order
-                                                      // (e.g. aux_loss, mfu as a fraction, skipped)
+                                                      // (e.g. aux_loss, mfu as a fraction, skipped,
+                                                      // eval_loss and eval_ppl)
+  // Console only (NaN: not shown): seconds since this process's run started, and the estimated
+  // seconds left (NaN until a step after the first has timed the steady state).
+  double elapsed_s = std::numeric_limits<double>::quiet_NaN();
+  double eta_s = std::numeric_limits<double>::quiet_NaN();
 };
 
+// "12s", "4m05s", "2h07m": a duration for the console.
+std::string format_duration(double seconds);
+
 // "step 12/150 | loss 4.1234 | lr 1.20e-03 | grad 0.532 | 12.3k tok/s | max load 1.42"
+// then the extra keys ("| eval loss 3.2100 | eval ppl 24.8", "| mfu 42.4%"), then
+// "| 1m05s elapsed | eta 14m20s" when known.
 std::string format_progress_line(const StepMetrics& metrics);
 
 class MetricsWriter {

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "core/base/log.h"
+#include "core/checkpoint/checkpoint_directory.h"
 #include "core/checkpoint/checkpoint_group.h"
 #include "core/checkpoint/checkpoint_session.h"
 #include "core/io/hf_index.h"
@@ -23,6 +24,7 @@
 #include "core/plan/model_flops.h"
 #include "core/train/metrics.h"
 #include "core/data/data_source.h"
+#include "core/data/eval_data.h"
 #include "core/train/trainer.h"
 #include "kernels/ops.h"
 #include "parallel/comm.h"
@@ -178,6 +180,26 @@ void check_trained_something(const Trainer& trainer, size_t steps_run) {
 void log_device_memory(kernels::Backend& backend, const Runtime& runtime) {
   if (backend.device() == Device::kCPU) return;
   const kernels::BackendStats stats = backend.stats();
+// The run's last lines: what this process did (a resumed run counts only its own steps and
+// time), and where its outputs are.
+std::string run_summary(const Trainer& trainer, const CheckpointSession& checkpoints) {
+  const double seconds = trainer.seconds_this_run();
+  std::string text = fmt::format("summary: {} tokens in {} steps, {} wall, {:.1f} tok/s", trainer.tokens_this_run(),
+                                 trainer.steps_this_run(), format_duration(seconds),
+                                 seconds > 0 ? static_cast<double>(trainer.tokens_this_run()) / seconds : 0.0);
+  if (trainer.steps_this_run() < trainer.next_step()) {
+    text += fmt::format(" (this run: resumed at step {})", trainer.next_step() - trainer.steps_this_run());
+  }
+  if (const auto& eval = trainer.last_eval()) {
+    text += fmt::format("; eval loss {:.4f} (ppl {:.4g})", eval->loss, std::exp(eval->loss));
+  }
+  const std::optional<CheckpointRef> last = newest_committed_checkpoint(checkpoints.root());
+  text += last ? fmt::format("; last checkpoint {} (step {})", last->path, last->step) : "; no checkpoint";
+  const std::string adapter = checkpoints.export_dir();
+  text += adapter.empty() ? "; no adapter exported" : "; adapter " + adapter;
+  return text;
+}
+
   const std::vector<double> mine = {static_cast<double>(stats.peak_bytes), static_cast<double>(stats.device_used_bytes),
                                     static_cast<double>(stats.device_allocations)};
   log_per_rank(runtime, mine, [](int rank, const double* v) {
@@ -268,6 +290,17 @@ int run_training(Runtime& runtime, const Config& config) {
     metrics = std::make_unique<MetricsWriter>(config.logging.run_dir);
   }
   TrainerOptions trainer_options;
+  // data.eval: a fixed eval set, each rank a slice of it (core/data/eval_data.h).
+  std::unique_ptr<EvalData> eval = make_eval_data(config.data, spec.config.vocab_size);
+  if (eval) {
+    log::info(fmt::format("eval: {}; every {}", eval->describe(),
+                          config.train.eval_every > 0 ? fmt::format("{} steps and after the last", config.train.eval_every)
+                                                      : std::string("run after the last step")));
+    trainer_options.eval_micro_batches = eval->micro_batches(config.data.micro_batch, runtime.world());
+    trainer_options.eval_batch = [&eval, &config, &runtime](int64_t i) {
+      return eval->micro_batch(i, config.data.micro_batch, runtime.rank(), runtime.world());
+    };
+  }
   trainer_options.train = config.train;
   trainer_options.data = config.data;
   trainer_options.logging = config.logging;
@@ -299,6 +332,7 @@ int run_training(Runtime& runtime, const Config& config) {
   const int64_t waits = backend->stats().host_waits - waits_before;
   checkpoints.finish();
   log_device_memory(*backend, runtime);
+    if (runtime.is_root()) log::info(run_summary(trainer, checkpoints));
   if (!losses.empty()) {
     const double floor = data->loss_floor();
     const std::string host_waits =

@@ -77,6 +77,7 @@ std::vector<double> Trainer::run() {
 StepRecord Trainer::train_step() {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
+  if (steps_this_run_ == 0) run_start_ = start;
   StepRecord record;
   record.step = next_step_;
   record.lr = learning_rate(options_.train, next_step_);
@@ -157,7 +158,14 @@ StepRecord Trainer::train_step() {
 
   record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   tokens_seen_ += record.tokens;
+  tokens_this_run_ += record.tokens;
+  ++steps_this_run_;
   ++next_step_;
+  const int64_t done = record.step + 1;
+  const int64_t eval_every = options_.train.eval_every;
+  if (options_.eval_micro_batches > 0 && ((eval_every > 0 && done % eval_every == 0) || done == options_.train.steps)) {
+    record.eval_loss = evaluate().loss;
+  }
   history_.push_back(record);
   // The per-layer loads live on in metrics.jsonl; in memory a long run's history would grow by
   // two numbers per MoE layer per step.
@@ -173,6 +181,43 @@ StepRecord Trainer::train_step() {
                              "train.grad_clip, or check the data, then resume from the last checkpoint",
                              record.step + 1, nonfinite_in_a_row_, record.loss, record.grad_norm));
   return record;
+}
+
+EvalRecord Trainer::evaluate() {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  MOETRAIN_ASSERT(options_.eval_micro_batches > 0 && options_.eval_batch != nullptr, "no eval set");
+  double loss_sum = 0.0;
+  int64_t targets = 0;
+  {
+    ParameterHold hold(model_);  // nothing changes the parameters during an evaluation
+    for (int64_t i = 0; i < options_.eval_micro_batches; ++i) {
+      watchdog_progress(fmt::format("evaluation after step {}: micro-batch {} of {}", next_step_, i + 1,
+                                    options_.eval_micro_batches));
+      const Batch batch = options_.eval_batch(i);
+      const StepResult result = model_.evaluate(batch);
+      loss_sum += result.loss_sum;
+      targets += result.targets;
+    }
+  }
+  EvalRecord record;
+  record.targets = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(targets)));
+  loss_sum = model_.sum_over_data_ranks(loss_sum);
+  if (record.targets > 0) {
+    record.loss = loss_sum / static_cast<double>(record.targets);
+  } else {
+    log::warn(fmt::format("evaluation after step {}: the eval windows hold no target tokens, so there is no eval "
+                          "loss; check data.eval (its loss mask)",
+                          next_step_));
+  }
+  record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  last_eval_ = record;
+  return record;
+}
+
+double Trainer::seconds_this_run() const {
+  if (steps_this_run_ == 0) return 0.0;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start_).count();
 }
 
 void Trainer::report(const StepRecord& record) {
@@ -194,9 +239,23 @@ void Trainer::report(const StepRecord& record) {
     m.extra.emplace_back("mfu", record.model_flops / data_ranks_ / record.seconds / options_.peak_flops);
   }
   if (record.skipped) m.extra.emplace_back("skipped", 1.0);
+  if (!std::isnan(record.eval_loss)) {
+    m.extra.emplace_back("eval_loss", record.eval_loss);
+    m.extra.emplace_back("eval_ppl", std::exp(record.eval_loss));
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (steps_this_run_ == 1) first_step_end_ = now;
+  m.elapsed_s = std::chrono::duration<double>(now - run_start_).count();
+  if (steps_this_run_ >= 2) {
+    const double per_step = std::chrono::duration<double>(now - first_step_end_).count() /
+                            static_cast<double>(steps_this_run_ - 1);
+    m.eta_s = per_step * static_cast<double>(std::max<int64_t>(options_.train.steps - m.step, 0));
+  }
 
   const int64_t every = std::max<int64_t>(options_.logging.every, 1);
-  const bool log_progress = m.step % every == 0 || m.step == options_.train.steps || m.step == 1;
+  // A step with an evaluation always shows it.
+  const bool log_progress = m.step % every == 0 || m.step == options_.train.steps || m.step == 1 ||
+                            !std::isnan(record.eval_loss);
   // metrics.jsonl gets every step (DESIGN.md §6); logging.every thins the console only.
   if (metrics_ != nullptr) {
     metrics_->write(m, log_progress);

@@ -20,12 +20,15 @@
 // loss and norm, as before.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "core/base/error.h"
 #include "core/config/config.h"
 #include "core/model/parameter.h"
 #include "core/model/parameter_group.h"
@@ -90,6 +93,12 @@ class TrainableModel {
   // forward_backward calls; false drops those copies. Not held, every call derives them afresh.
   virtual void hold_parameters(bool /*hold*/) {}
   virtual kernels::Backend& backend() = 0;
+  // Forward only (data.eval): the micro-batch's summed loss and target count, with no gradient,
+  // no change to any parameter, and no change to what later forward_backward calls compute (the
+  // router-noise stream stays where it was; no noise is drawn). By default a model cannot.
+  virtual StepResult evaluate(const Batch& /*batch*/) {
+    throw Error(ExitCode::kInternal, "this model has no forward-only evaluation (data.eval)");
+  }
 
   // The parameters grouped by the ranks their gradients sum over (data parallelism), in the
   // order of parameters(); the optimizer shards each group over its ranks. Empty: one rank,
@@ -110,6 +119,18 @@ struct TrainerOptions {
   // (core/plan/model_flops.h) and one device's peak rate (FLOP/s).
   std::function<double(const Batch&)> batch_flops;
   double peak_flops = 0.0;
+  // data.eval (core/data/eval_data.h): an evaluation runs eval_micro_batches forward-only
+  // micro-batches, eval_batch(0) .. eval_batch(n - 1) (the same count on every rank), after every
+  // train.eval_every-th step and after the last step. 0: no evaluation.
+  int64_t eval_micro_batches = 0;
+  std::function<Batch(int64_t)> eval_batch;
+};
+
+// One evaluation over the whole eval set (every rank's share summed).
+struct EvalRecord {
+  double loss = std::numeric_limits<double>::quiet_NaN();  // mean cross-entropy over its targets
+  int64_t targets = 0;
+  double seconds = 0.0;
 };
 
 // One optimizer step's outcome.
@@ -127,8 +148,10 @@ struct StepRecord {
   // Empty in Trainer::history().
   std::vector<double> expert_load_max, expert_load_min;
   double aux_loss = 0.0;      // mean over micro-batches
-  double seconds = 0.0;
+  double seconds = 0.0;       // the step's own time (an evaluation after it not included)
   bool skipped = false;       // update skipped (non-finite loss or grad norm, or no targets)
+  // The evaluation after this step (data.eval) when one ran, else NaN.
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 class Trainer {
@@ -148,7 +171,20 @@ class Trainer {
   std::vector<double> run();
 
   // One optimizer step; throws Error(kInternal) after max_nonfinite_steps bad steps in a row.
+  // The evaluation due after it (eval_micro_batches) runs before the metrics and the hook.
   StepRecord train_step();
+
+  // One evaluation now: forward only, over every micro-batch of the eval set, the loss sum and
+  // the target count summed over data-parallel ranks. Training state is left as it was.
+  EvalRecord evaluate();
+  const std::optional<EvalRecord>& last_eval() const { return last_eval_; }
+
+  // This process's share of the run (a resumed run counts from its resume): optimizer steps,
+  // their tokens (all ranks), and the wall time since its first step began (evaluations and
+  // checkpoints included).
+  int64_t steps_this_run() const { return steps_this_run_; }
+  int64_t tokens_this_run() const { return tokens_this_run_; }
+  double seconds_this_run() const;
 
   int64_t next_step() const { return next_step_; }
   int64_t tokens_seen() const { return tokens_seen_; }
@@ -160,6 +196,9 @@ class Trainer {
   }
   AdamW& optimizer() { return *optimizer_; }
   const std::vector<StepRecord>& history() const { return history_; }
+  // Steps in a row, up to the last, whose update was skipped for a non-finite loss or gradient
+  // norm: 0 while the run is healthy. Checkpoints are not written while it is not.
+  int nonfinite_in_a_row() const { return nonfinite_in_a_row_; }
 
  private:
   void report(const StepRecord& record);
@@ -175,9 +214,12 @@ class Trainer {
   int nonfinite_in_a_row_ = 0;
   double data_ranks_ = 0.0;  // counted at the first step that needs it (MFU)
   std::vector<StepRecord> history_;
+  std::optional<EvalRecord> last_eval_;
+  // Progress of this process's run: the ETA is the mean wall time per step after the first (which
+  // carries the warm-up: allocations, first gathers) times the steps left.
+  std::chrono::steady_clock::time_point run_start_, first_step_end_;
+  int64_t steps_this_run_ = 0;
+  int64_t tokens_this_run_ = 0;
 };
 
 }  // namespace moetrain
-  // Steps in a row, up to the last, whose update was skipped for a non-finite loss or gradient
-  // norm: 0 while the run is healthy. Checkpoints are not written while it is not.
-  int nonfinite_in_a_row() const { return nonfinite_in_a_row_; }

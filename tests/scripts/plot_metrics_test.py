@@ -11,6 +11,7 @@ installs it, and without it this test fails saying so).
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -20,6 +21,8 @@ import sys
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 6
+EVAL_EVERY = 4  # evaluations after steps 4 and 6 (the last)
+EVAL_WINDOWS = 3
 CURVES = ["loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png"]
 
 failures = []
@@ -74,6 +77,8 @@ def main():
                  "--resume", "none", "--set", "train.device=cpu", "--set", f"train.steps={STEPS}",
                  "--set", "train.warmup_steps=2", "--set", "data.seq_len=64", "--set", "data.micro_batch=2",
                  "--set", "data.grad_accum=2", "--set", "checkpoint.every=0",
+                 "--set", "data.eval.source=synthetic", "--set", f"data.eval.windows={EVAL_WINDOWS}",
+                 "--set", f"train.eval_every={EVAL_EVERY}",
                  "--set", "checkpoint.export_adapter=false", "--set", f"logging.run_dir={run_dir}"])
     if not check(train.returncode == 0, f"moetrain train exited {train.returncode}"):
         print(train.stdout + train.stderr, file=sys.stderr)
@@ -99,11 +104,23 @@ def main():
                   f"expected {moe_layers} values")
         check(isinstance(line.get("loss_floor"), float) and 0 < line["loss_floor"] < line["loss"],
               f"step {line.get('step')}: loss_floor {line.get('loss_floor')} not a floor under loss {line.get('loss')}")
+        evaluated = line.get("step") in (EVAL_EVERY, STEPS)
+        check(("eval_loss" in line) == evaluated and ("eval_ppl" in line) == evaluated,
+              f"step {line.get('step')}: eval keys {sorted(k for k in line if k.startswith('eval'))}, expected them "
+              f"only on steps {EVAL_EVERY} and {STEPS}")
+        if evaluated and isinstance(line.get("eval_loss"), float):
+            check(line["loss_floor"] < line["eval_loss"] < 10 and
+                  abs(line["eval_ppl"] - math.exp(line["eval_loss"])) <= 1e-9 * line["eval_ppl"],
+                  f"step {line['step']}: eval_loss {line['eval_loss']}, eval_ppl {line.get('eval_ppl')}")
+    check(re.search(r"step 4/6 \| loss [0-9.]+ .*\| eval loss [0-9.]+ \| eval ppl [0-9.]+ \| [0-9hms]+ elapsed \| eta [0-9hms]+",
+                    output) is not None, "no progress line with the eval loss, elapsed time and ETA:\n" + output[-2000:])
 
     one = run([sys.executable, plot_script, run_dir])
     check(one.returncode == 0, f"plot_metrics.py {run_dir} exited {one.returncode}:\n{one.stdout}{one.stderr}")
     for name in CURVES + ["expert_load.png"]:
         check_png(os.path.join(run_dir, name))
+    check(f"wrote {os.path.join(run_dir, 'loss.png')} (loss, eval_loss)" in one.stdout,
+          "loss.png was drawn without the eval curve:\n" + one.stdout)
     # A CPU run has no MFU: that figure is left out, and the script says so.
     check(not os.path.exists(os.path.join(run_dir, "mfu.png")), "mfu.png drawn for a run without mfu")
     check("no data for mfu.png" in one.stdout, "no note that mfu.png was not drawn:\n" + one.stdout)
