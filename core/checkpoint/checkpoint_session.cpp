@@ -29,6 +29,12 @@ Config without_resumable_differences(Config c, int world) {
   c.parallel = defaults.parallel;
   c.train.steps = defaults.train.steps;
   c.train.device = defaults.train.device;
+  // What is evaluated and how often never changes training (only data.eval.holdout does: it
+  // takes documents out of the training data).
+  c.train.eval_every = defaults.train.eval_every;
+  c.data.eval.source = defaults.data.eval.source;
+  c.data.eval.mixture = defaults.data.eval.mixture;
+  c.data.eval.windows = defaults.data.eval.windows;
   c.data.micro_batch *= world;
   return c;
 }

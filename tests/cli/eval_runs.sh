@@ -78,6 +78,17 @@ case "$scenario" in
       "$log" || fail "no summary line in $log:
 $(tail -n 5 "$log")"
     grep -q "no adapter exported" "$work/plain.log" || fail "the summary does not say no adapter was exported"
+    # Resuming with other eval settings continues the run as it was: no "config differs" warning,
+    # and the summary counts this run's 2 steps only.
+    "$moetrain" train --config "$config" --resume auto --set "data.source=$data" --set model.vocab_size=260 \
+      --set train.steps=8 --set checkpoint.every=3 --set data.micro_batch=2 --set logging.level=info \
+      --set "logging.run_dir=$work/separate" --set "data.eval.source=$data" --set data.eval.windows=2 \
+      --set train.eval_every=1 >"$work/resumed.log" 2>&1 || fail "resume: exit $?: $(tail -n 20 "$work/resumed.log")"
+    ! grep -q "config differs" "$work/resumed.log" || fail "changed eval settings were taken for a training change:
+$(grep "config differs" "$work/resumed.log")"
+    grep -Eq "summary: 64 tokens in 2 steps, .* \(this run: resumed at step 6\); eval loss" "$work/resumed.log" ||
+      fail "no resumed-run summary: $(grep summary "$work/resumed.log")"
+    evaluated_steps separate "2 4 6 7 8"
     # Held out: the training data changes (fewer documents), but evaluating more often does not.
     train holdout_end 1 2 --set data.eval.holdout=0.2
     train holdout 1 2 --set data.eval.holdout=0.2 --set train.eval_every=3
