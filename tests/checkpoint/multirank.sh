@@ -3,7 +3,8 @@
 #   resume_w1, resume_w4   10 steps straight vs the same run resumed from its step-5 checkpoint:
 #                          steps 6..10 have exactly the same losses (world 4: fsdp 4, ep 2)
 #   reshard                save at world 4 (fsdp 4, ep 2) at step 5, resume at world 2 (ep 1) and
-#                          world 1: step 6's loss equals world 4's within relative 1e-5
+#                          world 1: step 6's loss equals world 4's within relative 1e-5, and no
+#                          "config differs" warning (the global batch is what a reshard keeps)
 #   signal_w2              SIGTERM to rank 1 of a world-2 run: every rank saves, exit 75, and the
 #                          resumed run's losses equal an uninterrupted run's exactly
 #   signal_all_w2          the same with SIGTERM to both ranks
@@ -136,6 +137,9 @@ case $scenario in
     [ "$(losses w1 | cut -d' ' -f1)" == 6 ] || fail "the world-1 run did not train exactly step 6"
     expect_step_close w2 w4 6
     expect_step_close w1 w4 6
+    # A documented reshard (the global batch kept) is not a changed config.
+    ! grep -q "config differs" "$work/w2.log" "$work/w1.log" || fail "a reshard warned of a changed config:
+$(grep -h "config differs" "$work/w2.log" "$work/w1.log")"
     # A sanity check that the comparison can fail: step 6 is not step 5.
     a=$(losses w4 | awk '$1 == 5 { print $2 }')
     b=$(losses w4 | awk '$1 == 6 { print $2 }')

@@ -6,9 +6,11 @@ file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 set(CKPT ${WORK}/checkpoints)
 
+# train(run_dir expected_exit [command prefix...]); ${train_args} is appended to the command line.
+set(train_args "")
 function(train run_dir expected_exit)
   execute_process(COMMAND ${ARGN} ${MOETRAIN} train --config ${CONFIG} --set logging.run_dir=${WORK}/${run_dir}
-                          --set checkpoint.dir=${CKPT}
+                          --set checkpoint.dir=${CKPT} ${train_args}
                   RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
   if(NOT rc STREQUAL "${expected_exit}")
     message(FATAL_ERROR "${run_dir}: expected exit ${expected_exit}, got ${rc}\n${err}")
@@ -75,19 +77,21 @@ if(SCENARIO MATCHES "^fault_(.*)$")
   if(leftovers)
     message(FATAL_ERROR "incomplete checkpoints not cleaned up: ${leftovers}")
   endif()
-elseif(SCENARIO STREQUAL "signal_term")
-  # SIGTERM after a few steps (the run takes about a second: poll for the first checkpoint).
+elseif(SCENARIO MATCHES "^signal_(term|int|hup)$")
+  # SIGTERM (the scheduler), SIGINT (Ctrl-C) or SIGHUP (the terminal closed) after a few steps
+  # (the run takes about a second: poll for the first metrics line).
+  string(TOUPPER ${CMAKE_MATCH_1} signal)
   execute_process(COMMAND bash -c "\"$0\" train --config \"$1\" --set logging.run_dir=\"$2\" --set checkpoint.dir=\"$3\" \
 --set checkpoint.every=0 --set train.steps=100000 & pid=$!; \
-while [ ! -s \"$2/metrics.jsonl\" ]; do sleep 0.05; done; kill -TERM $pid; wait $pid"
-                          ${MOETRAIN} ${CONFIG} ${WORK}/signalled ${CKPT}
+while [ ! -s \"$2/metrics.jsonl\" ]; do sleep 0.05; done; kill -$4 $pid; wait $pid"
+                          ${MOETRAIN} ${CONFIG} ${WORK}/signalled ${CKPT} ${signal}
                   RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
-  if(NOT rc EQUAL 75)
-    message(FATAL_ERROR "SIGTERM: expected exit 75, got ${rc}\n${err}")
+  if(NOT rc EQUAL 75 OR NOT err MATCHES "stopped by SIG${signal} after step [0-9]+: checkpoint [^\n]* is committed")
+    message(FATAL_ERROR "SIG${signal}: expected exit 75 and a committed checkpoint, got ${rc}\n${err}")
   endif()
   file(GLOB committed ${CKPT}/step_*/manifest.json)
   if(NOT committed)
-    message(FATAL_ERROR "SIGTERM left no committed checkpoint")
+    message(FATAL_ERROR "SIG${signal} left no committed checkpoint")
   endif()
 elseif(SCENARIO MATCHES "^corrupt_(.*)$")
   set(kind ${CMAKE_MATCH_1})
@@ -129,8 +133,11 @@ elseif(SCENARIO MATCHES "^corrupt_(.*)$")
     file(WRITE ${CKPT}/step_10/manifest.json "{\"format\": \"moetrain-checkpoint\", \"files\": [{\"path\": \"../x\"}]}")
     set(expected "manifest.json")
   endif()
+  # Asked for by path, the damaged checkpoint is exit 4 naming the damage, and nothing changes.
   file(GLOB_RECURSE before ${CKPT}/*)
-  train(second 4 env)
+  set(train_args --resume ${CKPT}/step_10)
+  train(by_path 4 env)
+  set(train_args "")
   if(NOT last_stderr MATCHES "${expected}")
     message(FATAL_ERROR "the error does not name the damage (${expected}):\n${last_stderr}")
   endif()
@@ -138,6 +145,16 @@ elseif(SCENARIO MATCHES "^corrupt_(.*)$")
   if(NOT before STREQUAL after)
     message(FATAL_ERROR "a failed resume changed the checkpoint directory")
   endif()
+  # --resume auto says what is wrong with it, sets it aside (step_10.unusable) and resumes the
+  # one before: the run ends as the uninterrupted one did.
+  train(second 0 env)
+  if(NOT last_stderr MATCHES "step_10 cannot be resumed \\([^\n]*${expected}"
+     OR NOT last_stderr MATCHES "resuming from [^\n]*step_9, the newest intact checkpoint")
+    message(FATAL_ERROR "--resume auto does not say that it passed over the damaged checkpoint:\n${last_stderr}")
+  endif()
+  expect_exists(${CKPT}/step_10.unusable)
+  expect_exists(${CKPT}/step_10/manifest.json)
+  expect_matches_reference(second)
 elseif(SCENARIO STREQUAL "export_cli")
   execute_process(COMMAND ${MOETRAIN} export --checkpoint ${WORK}/reference_checkpoints --out ${WORK}/exported
                   RESULT_VARIABLE rc ERROR_VARIABLE err)
