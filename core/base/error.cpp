@@ -11,6 +11,7 @@ const char* exit_code_name(ExitCode code) {
     case ExitCode::kBadConfig: return "bad config";
     case ExitCode::kBadData: return "bad data";
     case ExitCode::kBadCheckpoint: return "bad checkpoint";
+    case ExitCode::kDoesNotFit: return "does not fit";
     case ExitCode::kPreempted: return "preempted";
   }
   return "unknown";

@@ -10,9 +10,11 @@ namespace moetrain {
 enum class ExitCode : int {
   kOk = 0,
   kInternal = 1,       // a bug in moetrain or a failing library call (CUDA, NCCL, MPI)
-  kBadConfig = 2,      // bad config file, --set override or command line
+  kBadConfig = 2,      // bad config file, --set override or command line; an output path that cannot be
+                       // written (permissions, a full disk: the path and the system's reason in the message)
   kBadData = 3,        // bad training data: truncated file, token id >= vocab, ...
   kBadCheckpoint = 4,  // bad or corrupt checkpoint or model file
+  kDoesNotFit = 5,     // `moetrain plan` only: the plan is printed, and its verdict is "does not fit"
   kPreempted = 75,     // stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue me
 };
 

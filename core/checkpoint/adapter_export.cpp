@@ -1,6 +1,7 @@
 #include "core/checkpoint/adapter_export.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cctype>
@@ -295,7 +296,10 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
   MOETRAIN_CHECK(!fs::exists(fs::path(out_dir) / kManifestName, ec), ExitCode::kBadConfig,
                  "export directory " + out_dir + " is a checkpoint (holds manifest.json): choose another --out");
   fs::create_directories(out_dir, ec);
-  MOETRAIN_CHECK(!ec, ExitCode::kBadCheckpoint, "cannot create adapter directory " + out_dir + ": " + ec.message());
+  // The output directory is the user's choice: one that cannot be made is exit 2, not a bad checkpoint.
+  MOETRAIN_CHECK(!ec, ExitCode::kBadConfig,
+                 "cannot create the adapter directory " + out_dir + ": " + ec.message() +
+                     " (choose another --out or checkpoint.export_adapter, or check its permissions)");
 
   SafetensorsWriter writer;
   writer.set_metadata("format", "pt");  // what PEFT's save_pretrained writes
@@ -378,9 +382,25 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
   log::info(fmt::format("PEFT adapter written to {} ({} tensors)", out_dir, writer.size()));
 }
 
-void export_checkpoint_adapter(const std::string& checkpoint, const std::string& out_dir) {
+const std::vector<std::string>& export_override_keys() {
+  static const std::vector<std::string> keys = {"checkpoint.export_layout"};
+  return keys;
+}
+
+void export_checkpoint_adapter(const std::string& checkpoint, const std::string& out_dir,
+                               const std::vector<std::string>& overrides) {
+  // Only the export's own settings may change: the LoRA shape and the model are the checkpoint's,
+  // and any other key would be silently ignored.
+  const std::vector<std::string>& allowed = export_override_keys();
+  for (const std::string& text : overrides) {
+    const std::string key = text.substr(0, text.find('='));
+    MOETRAIN_CHECK(std::find(allowed.begin(), allowed.end(), key) != allowed.end(), ExitCode::kBadConfig,
+                   fmt::format("command line: --set {}: `moetrain export` takes only the export's settings ({}); the "
+                               "LoRA settings and the model are the checkpoint's own",
+                               text, fmt::join(allowed, ", ")));
+  }
   CheckpointReader reader(resolve_checkpoint_path(checkpoint));
-  Config config = parse_config(reader.manifest().config_yaml, reader.path() + "/manifest.json (config)");
+  Config config = parse_config(reader.manifest().config_yaml, reader.path() + "/manifest.json (config)", overrides);
   std::vector<Tensor> values;
   const std::vector<std::string> names = checkpoint_adapter_names(reader);
   for (const std::string& name : names) values.push_back(reader.read(kParamKind + name, DType::kF32));

@@ -109,7 +109,11 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
                         const AdapterExportSettings& settings);
 
 // `moetrain export`: the adapter of a committed checkpoint (or a root's newest one), whatever
-// the world size that saved it. The LoRA settings come from the checkpoint's resolved config.
-void export_checkpoint_adapter(const std::string& checkpoint, const std::string& out_dir);
+// the world size that saved it. The LoRA settings come from the checkpoint's resolved config;
+// `overrides` ("key.path=value", as --set) may change the keys export_override_keys() lists
+// (checkpoint.export_layout), and any other key is Error(kBadConfig) naming it.
+void export_checkpoint_adapter(const std::string& checkpoint, const std::string& out_dir,
+                               const std::vector<std::string>& overrides = {});
+const std::vector<std::string>& export_override_keys();
 
 }  // namespace moetrain

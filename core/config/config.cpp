@@ -214,6 +214,10 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
   for (const auto& entry : state.origins) {
     if (entry.first.rfind("model.", 0) == 0) config.explicit_model_keys.push_back(entry.first);
   }
+  // The boolean of export_adapter in one spelling, so that what reads it compares with "true" / "false".
+  const config_detail::BooleanWord export_word = config_detail::boolean_word(config.checkpoint.export_adapter);
+  if (export_word == config_detail::BooleanWord::kTrue) config.checkpoint.export_adapter = "true";
+  if (export_word == config_detail::BooleanWord::kFalse) config.checkpoint.export_adapter = "false";
   return config;
 }
 
@@ -230,6 +234,25 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 
 void validate_config(const Config& config) {
   config_detail::RuleContext context;
+  context.source = config.source_path;
+  context.check_required_keys = false;
+  std::vector<Problem> problems;
+  config_detail::check_rules(config, context, &problems);
+  config_detail::throw_if_problems(problems);
+}
+
+void validate_config(const Config& config, const std::map<std::string, std::string>& sources) {
+  // Every key counts as set (so a rule over several keys is placed at the first of them): at
+  // the place `sources` names, else in the config's own file.
+  std::map<std::string, KeyOrigin> origins;
+  for (const std::string& path : config_detail::all_key_paths()) {
+    KeyOrigin where;
+    auto it = sources.find(path);
+    where.source = it != sources.end() ? it->second : config.source_path;
+    origins[path] = where;
+  }
+  config_detail::RuleContext context;
+  context.origins = &origins;
   context.source = config.source_path;
   context.check_required_keys = false;
   std::vector<Problem> problems;
@@ -297,7 +320,6 @@ bool same_settings(const Config& a, const Config& b) {
   return flat_a.values == flat_b.values;
 }
 
-}  // namespace moetrain
 std::vector<std::string> config_differences(const Config& a, const Config& b) {
   Config copy_a = a, copy_b = b;
   FlatValues flat_a, flat_b;
@@ -312,3 +334,4 @@ std::vector<std::string> config_differences(const Config& a, const Config& b) {
   return differences;
 }
 
+}  // namespace moetrain

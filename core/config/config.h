@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -168,7 +169,6 @@ struct DataSourceSpec {
 // data.source's value when the YAML gives a list of {path, weight}: the list is in `mixture`.
 inline constexpr const char* kDataSourceMixture = "mixture";
 
-struct DataConfig {
 // data.eval (docs/DATA.md, "Evaluation data"): what train.eval_every evaluates. At most one of
 // `source` (a separate eval dataset: a prefix, a mixture list, or `synthetic` for windows of the
 // synthetic stream that training never reaches) and `holdout` (that fraction of every training
@@ -181,6 +181,7 @@ struct EvalDataConfig {
   bool enabled() const { return !source.empty() || holdout > 0.0; }
 };
 
+struct DataConfig {
   // `synthetic` (the built-in data), a dataset path prefix, or kDataSourceMixture when the YAML
   // value of `source` is a list of {path, weight} (then held in `mixture`). One YAML key, two
   // fields: the schema reads and writes them together.
@@ -190,8 +191,8 @@ struct EvalDataConfig {
   int64_t micro_batch = 2;
   int64_t grad_accum = 1;
   int64_t seed = 1234;
-};
   EvalDataConfig eval;
+};
 
 struct TrainConfig {
   int64_t steps = 100;
@@ -206,8 +207,8 @@ struct TrainConfig {
   double grad_clip = 1.0;                // 0 disables clipping
   int64_t seed = 1234;
   std::string device = "auto";           // auto | cpu | cuda
-};
   int64_t eval_every = 0;                // evaluate data.eval every N steps (0: only at the end)
+};
 
 struct CheckpointConfig {
   std::optional<std::string> dir;        // null: <run_dir>/checkpoints
@@ -267,9 +268,17 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
 // (e.g. after importing a Hugging Face config.json). Throws Error(kBadConfig).
 void validate_config(const Config& config);
 
+// The same for a config whose values did not all come from its source file: `sources` maps a
+// key path ("model.moe.num_experts") to where its value came from (e.g. "/m/config.json
+// (\"n_routed_experts\")"), and a rule that fails over such a key names that place instead of
+// the YAML file. Keys absent from `sources` are the YAML's.
+void validate_config(const Config& config, const std::map<std::string, std::string>& sources);
+
 // True when both hold the same value for every key (source_path and explicit_model_keys are
 // bookkeeping, not settings): e.g. a resumed run's config against its checkpoint's.
 bool same_settings(const Config& a, const Config& b);
+// The keys whose values differ, as "key: <a's value> -> <b's value>", in schema order.
+std::vector<std::string> config_differences(const Config& a, const Config& b);
 
 // Rules that depend on the job's world size (world divisible by fsdp, experts by ep, ...),
 // checked on every rank before any collective. Throws Error(kBadConfig).
@@ -280,5 +289,3 @@ void validate_for_world(const Config& config, int world_size);
 std::string config_to_yaml(const Config& config);
 
 }  // namespace moetrain
-// The keys whose values differ, as "key: <a's value> -> <b's value>", in schema order.
-std::vector<std::string> config_differences(const Config& a, const Config& b);

@@ -36,6 +36,17 @@ void throw_if_problems(std::vector<Problem> problems) {
   throw Error(ExitCode::kBadConfig, text);
 }
 
+BooleanWord boolean_word(const std::string& text) {
+  static const std::set<std::string> truthy = {"true", "True", "TRUE"};
+  static const std::set<std::string> falsy = {"false", "False", "FALSE"};
+  static const std::set<std::string> ambiguous = {"yes", "Yes", "YES", "no", "No",  "NO", "on", "On", "ON",
+                                                  "off", "Off", "OFF", "y",  "Y",   "n",  "N",  "0",  "1"};
+  if (truthy.count(text)) return BooleanWord::kTrue;
+  if (falsy.count(text)) return BooleanWord::kFalse;
+  if (ambiguous.count(text)) return BooleanWord::kAmbiguous;
+  return BooleanWord::kNotBoolean;
+}
+
 std::string format_number(double value) {
   // The shortest text that reads back to the same double, so a written config round-trips.
   char buffer[64];
@@ -329,10 +340,16 @@ class YamlApplier {
 
   bool read_value(const std::string& path, const YAML::Node& node, const KeyOrigin& where, bool& value,
                   bool nullable = false) {
-    static const std::set<std::string> truthy = {"true", "True", "TRUE"};
-    static const std::set<std::string> falsy = {"false", "False", "FALSE"};
-    if (is_plain_scalar(node) && truthy.count(node.Scalar())) return value = true, true;
-    if (is_plain_scalar(node) && falsy.count(node.Scalar())) return value = false, true;
+    const BooleanWord word = node.IsScalar() ? boolean_word(node.Scalar()) : BooleanWord::kNotBoolean;
+    if (is_plain_scalar(node) && word == BooleanWord::kTrue) return value = true, true;
+    if (is_plain_scalar(node) && word == BooleanWord::kFalse) return value = false, true;
+    if (is_plain_scalar(node) && word == BooleanWord::kAmbiguous) {
+      add_problem(where, "`" + path + "` expects a boolean (true or false), got `" + node.Scalar() +
+                             "`, which YAML 1.1 reads as a boolean and YAML 1.2 as a " +
+                             (node.Scalar() == "0" || node.Scalar() == "1" ? "number" : "string") +
+                             ": write true or false");
+      return false;
+    }
     return type_problem(path, node, where, "a boolean (true or false)", nullable);
   }
 

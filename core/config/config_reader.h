@@ -46,6 +46,13 @@ void apply_yaml(Config& config, ReadState& state, const YAML::Node& root, const 
 // Every key path the schema knows, leaves and sections ("model", "model.mla", "model.mla.num_heads").
 const std::vector<std::string>& all_key_paths();
 
+// The one rule for booleans (docs: README's config notes): YAML 1.2's core schema spellings
+// true/True/TRUE and false/False/FALSE are booleans; the words YAML 1.1 also reads as booleans
+// (yes/no/on/off/y/n in their cases) and 0/1 are refused as ambiguous, with "write true or
+// false". checkpoint.export_adapter, a boolean or a directory, follows the same rule.
+enum class BooleanWord { kTrue, kFalse, kAmbiguous, kNotBoolean };
+BooleanWord boolean_word(const std::string& text);
+
 // The shortest decimal text that reads back to exactly `value` ("0.0002", "1e-06", "2.0").
 std::string format_number(double value);
 

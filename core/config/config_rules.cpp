@@ -1,8 +1,11 @@
 #include "core/config/config_rules.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <set>
+#include <utility>
 
 #include "core/config/lora_patterns.h"
 
@@ -22,6 +25,13 @@ const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert", 
 const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
 const std::vector<std::string> kExpertA = {"per_expert", "shared"};
 const std::vector<std::string> kExpertFormats = {"bf16", "mxfp4"};
+// The model types moetrain builds (core/model/hf_config.cpp reads their config.json); without
+// model.hf_dir the type still chooses the exported adapter's names (Kimi K3's language_model.).
+const std::vector<std::string> kModelTypes = {"deepseek_v3", "deepseek_v32", "kimi_linear", "kimi_k3"};
+// Beyond these no model exists, and products of them overflow the plan's and the model's integer
+// counts: a width, head count or expert count above kMaxModelDim, a vocabulary above
+// kMaxVocabSize, more than kMaxModelLayers layers is a typo, refused before anything is sized.
+constexpr int64_t kMaxModelDim = int64_t{1} << 20, kMaxVocabSize = int64_t{1} << 24, kMaxModelLayers = 4096;
 // Module names LoRA can wrap (the checkpoints' names for DeepSeek/Kimi modules). `experts` means
 // every routed expert's gate/up/down projections, `shared_experts` the shared experts'. KDA's
 // projections: q/k/v_proj (qkv_proj when fused), f_a/f_b_proj (forget gate), b_proj (beta),
@@ -84,6 +94,10 @@ class Rules {
 
   void positive(const std::string& key, int64_t value) {
     if (value <= 0) fail({key}, "`" + key + "` = " + show(value) + " must be > 0");
+  }
+
+  void at_most(const std::string& key, int64_t value, int64_t maximum, const std::string& why) {
+    if (value > maximum) fail({key}, "`" + key + "` = " + show(value) + " must be <= " + show(maximum) + why);
   }
 
   void positive(const std::string& key, double value) {
@@ -274,10 +288,38 @@ void check_expert_format(const ModelConfig& m, Rules& r) {
   whole_groups("model.moe.expert_intermediate_size", m.moe.expert_intermediate_size);
 }
 
+// Upper bounds of every size (see kMaxModelDim).
+void check_model_limits(const ModelConfig& m, Rules& r) {
+  const std::string beyond = ": beyond what any GPU or host holds; check the config";
+  r.at_most("model.vocab_size", m.vocab_size, kMaxVocabSize, beyond);
+  r.at_most("model.num_layers", m.num_layers, kMaxModelLayers, beyond);
+  for (const auto& [key, value] : std::initializer_list<std::pair<const char*, int64_t>>{
+           {"model.hidden_size", m.hidden_size},
+           {"model.intermediate_size", m.intermediate_size},
+           {"model.mla.num_heads", m.mla.num_heads},
+           {"model.mla.q_lora_rank", m.mla.q_lora_rank.value_or(0)},
+           {"model.mla.kv_lora_rank", m.mla.kv_lora_rank},
+           {"model.mla.qk_nope_head_dim", m.mla.qk_nope_head_dim},
+           {"model.mla.qk_rope_head_dim", m.mla.qk_rope_head_dim},
+           {"model.mla.v_head_dim", m.mla.v_head_dim},
+           {"model.kda.num_heads", m.kda.num_heads},
+           {"model.kda.head_dim", m.kda.head_dim},
+           {"model.kda.conv_width", m.kda.conv_width},
+           {"model.dsa.index_n_heads", m.dsa.index_n_heads},
+           {"model.dsa.index_head_dim", m.dsa.index_head_dim},
+           {"model.moe.num_experts", m.moe.num_experts},
+           {"model.moe.num_shared_experts", m.moe.num_shared_experts},
+           {"model.moe.expert_intermediate_size", m.moe.expert_intermediate_size},
+           {"model.moe.latent_size", m.moe.latent_size}}) {
+    r.at_most(key, value, kMaxModelDim, beyond);
+  }
+}
+
 void check_model(const ModelConfig& m, Rules& r) {
   if (m.hf_dir) r.not_empty("model.hf_dir", *m.hf_dir);
-  r.not_empty("model.model_type", m.model_type);
-  r.positive("model.vocab_size", m.vocab_size);
+  r.one_of("model.model_type", m.model_type, kModelTypes);
+  // One token: every target is that token, so there is nothing to learn (and no synthetic data).
+  r.at_least<int64_t>("model.vocab_size", m.vocab_size, 2, ": a language model needs at least two tokens");
   r.positive("model.hidden_size", m.hidden_size);
   r.positive("model.num_layers", m.num_layers);
   r.positive("model.intermediate_size", m.intermediate_size);
@@ -311,6 +353,7 @@ void check_model(const ModelConfig& m, Rules& r) {
            "`model.first_k_dense` = " + show(m.first_k_dense) + " must be <= `model.num_layers` = " +
                show(m.num_layers));
   }
+  check_model_limits(m, r);
   check_mla(m.mla, r);
   check_kda(m.kda, r);
   check_dsa(m, r);
@@ -345,6 +388,29 @@ void check_lora(const LoraConfig& l, Rules& r) {
     if (!(alpha > 0)) {
       r.fail({"lora.alpha_pattern"}, "`lora.alpha_pattern[\"" + key + "\"]` = " + show(alpha) + " must be > 0");
     }
+  }
+}
+
+// checkpoint.export_adapter is true, false or a directory, and a word that reads as a boolean
+// is never taken for a directory's name: the booleans' rule (config_reader.h boolean_word) says
+// which words are true and false and which are refused; none and null, and a bare number, are
+// refused too (a directory of such a name is written ./off, ./none, ./3).
+void check_export_adapter(const std::string& value, Rules& r) {
+  const BooleanWord word = boolean_word(value);
+  if (word == BooleanWord::kTrue || word == BooleanWord::kFalse || value.empty()) return;
+  static const std::set<std::string> nulls = {"none", "None", "NONE", "null", "Null", "NULL", "~"};
+  char* end = nullptr;
+  std::strtod(value.c_str(), &end);
+  const bool number = std::strchr("0123456789+-.", value[0]) != nullptr && end == value.c_str() + value.size();
+  if (word == BooleanWord::kAmbiguous || nulls.count(value) || number) {
+    r.fail({"checkpoint.export_adapter"},
+           "`checkpoint.export_adapter` = `" + value + "` is ambiguous: write false (no export), true (the adapter "
+           "in <run_dir>/adapter) or a directory (./" + value + " for a directory of that name)");
+    return;
+  }
+  if (value.find_first_of(std::string("\n\r\t\0", 4)) != std::string::npos) {
+    r.fail({"checkpoint.export_adapter"},
+           "`checkpoint.export_adapter` holds a control character: write a directory path, true or false");
   }
 }
 
@@ -384,72 +450,6 @@ void check_training(const Config& c, Rules& r) {
     if (!mixture.empty() && source != kDataSourceMixture) {
       r.fail({key}, "`" + key + "` = `" + source + "` while a mixture list is set: use one or the other");
     }
-  }
-  r.at_least<int64_t>("data.seq_len", d.seq_len, 2, ": next-token prediction needs two tokens");
-  r.positive("data.micro_batch", d.micro_batch);
-  r.positive("data.grad_accum", d.grad_accum);
-  r.at_least<int64_t>("data.seed", d.seed, 0);
-  if (r.known({"model.max_position_embeddings"}) && d.seq_len > c.model.max_position_embeddings) {
-    r.fail({"data.seq_len", "model.max_position_embeddings"},
-           "`data.seq_len` = " + show(d.seq_len) + " is longer than `model.max_position_embeddings` = " +
-               show(c.model.max_position_embeddings) + ": shorten the windows or raise the model's limit");
-  }
-
-  const TrainConfig& t = c.train;
-  r.positive("train.steps", t.steps);
-  r.positive("train.lr", t.lr);
-  r.at_least<int64_t>("train.warmup_steps", t.warmup_steps, 0);
-  if (t.warmup_steps > t.steps) {
-    r.fail({"train.warmup_steps", "train.steps"}, "`train.warmup_steps` = " + show(t.warmup_steps) +
-                                                      " must be <= `train.steps` = " + show(t.steps));
-  }
-  r.one_of("train.schedule", t.schedule, kSchedules);
-  r.in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0, true);
-  r.non_negative("train.weight_decay", t.weight_decay);
-  r.in_range("train.beta1", t.beta1, 0.0, 1.0, false);
-  r.in_range("train.beta2", t.beta2, 0.0, 1.0, false);
-  r.positive("train.eps", t.eps);
-  r.non_negative("train.grad_clip", t.grad_clip);
-  r.at_least<int64_t>("train.seed", t.seed, 0);
-  r.one_of("train.device", t.device, kDevices);
-
-  const CheckpointConfig& k = c.checkpoint;
-  if (k.dir) r.not_empty("checkpoint.dir", *k.dir);
-  r.at_least<int64_t>("checkpoint.every", k.every, 0);
-  r.positive("checkpoint.keep_last", k.keep_last);
-  if (k.every > 0 && k.keep_last < 2) {
-    r.fail({"checkpoint.keep_last", "checkpoint.every"},
-           "`checkpoint.keep_last` = " + show(k.keep_last) +
-               " must be >= 2 when `checkpoint.every` > 0: the previous checkpoint must survive until the "
-               "next one is complete");
-  }
-  r.not_empty("checkpoint.resume", k.resume);
-  r.not_empty("checkpoint.export_adapter", k.export_adapter);
-  r.one_of("checkpoint.export_layout", k.export_layout, kExportLayouts);
-  if ((k.export_layout == "per_expert" || k.export_layout == "released") && c.lora.expert_gate_up == "fused") {
-    r.fail({"checkpoint.export_layout", "lora.expert_gate_up"},
-           "`checkpoint.export_layout` = `" + k.export_layout + "` cannot hold `lora.expert_gate_up` = `fused`: its "
-           "per-expert gate and up keys have no place for one adapter shared by gate and up; use export_layout "
-           "transformers5 (PEFT's fused gate_up_proj adapter)");
-  }
-  if (k.init_adapter) r.not_empty("checkpoint.init_adapter", *k.init_adapter);
-
-  const LoggingConfig& g = c.logging;
-  r.not_empty("logging.run_dir", g.run_dir);
-  r.positive("logging.every", g.every);
-  r.one_of("logging.level", g.level, kLogLevels);
-}
-
-}  // namespace
-
-void check_rules(const Config& config, const RuleContext& context, std::vector<Problem>* problems) {
-  Rules rules(context, problems);
-  check_required(config, context, rules);
-  check_model(config.model, rules);
-  check_lora(config.lora, rules);
-  check_training(config, rules);
-}
-
     for (size_t i = 0; i < mixture.size(); ++i) {
       const std::string entry = key + "[" + std::to_string(i) + "]";
       if (mixture[i].path.empty()) r.fail({key}, "`" + entry + ".path` must not be empty");
@@ -486,10 +486,77 @@ void check_rules(const Config& config, const RuleContext& context, std::vector<P
     r.fail({"data.eval.windows", "data.eval.source"},
            "`data.eval.source` = `synthetic` is endless: set `data.eval.windows` (e.g. 16) to say how many windows "
            "each evaluation reads");
-}  // namespace moetrain::config_detail
+  }
+  r.at_least<int64_t>("data.seq_len", d.seq_len, 2, ": next-token prediction needs two tokens");
+  r.positive("data.micro_batch", d.micro_batch);
+  r.positive("data.grad_accum", d.grad_accum);
+  r.at_least<int64_t>("data.seed", d.seed, 0);
+  if (r.known({"model.max_position_embeddings"}) && d.seq_len > c.model.max_position_embeddings) {
+    r.fail({"data.seq_len", "model.max_position_embeddings"},
+           "`data.seq_len` = " + show(d.seq_len) + " is longer than `model.max_position_embeddings` = " +
+               show(c.model.max_position_embeddings) + ": shorten the windows or raise the model's limit");
+  }
+
+  const TrainConfig& t = c.train;
+  r.positive("train.steps", t.steps);
+  r.positive("train.lr", t.lr);
+  r.at_least<int64_t>("train.warmup_steps", t.warmup_steps, 0);
+  if (t.warmup_steps > t.steps) {
+    r.fail({"train.warmup_steps", "train.steps"}, "`train.warmup_steps` = " + show(t.warmup_steps) +
+                                                      " must be <= `train.steps` = " + show(t.steps));
+  }
+  r.one_of("train.schedule", t.schedule, kSchedules);
+  r.in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0, true);
+  r.non_negative("train.weight_decay", t.weight_decay);
+  r.in_range("train.beta1", t.beta1, 0.0, 1.0, false);
+  r.in_range("train.beta2", t.beta2, 0.0, 1.0, false);
+  r.positive("train.eps", t.eps);
+  r.non_negative("train.grad_clip", t.grad_clip);
+  r.at_least<int64_t>("train.seed", t.seed, 0);
   r.at_least<int64_t>("train.eval_every", t.eval_every, 0);
   if (t.eval_every > 0 && !e.enabled()) {
     r.fail({"train.eval_every", "data.eval"},
            "`train.eval_every` = " + show(t.eval_every) + " but no eval data is set: add `data.eval.source` (a "
            "dataset prefix) or `data.eval.holdout` (a fraction of the training documents), or drop train.eval_every");
   }
+  r.one_of("train.device", t.device, kDevices);
+
+  const CheckpointConfig& k = c.checkpoint;
+  if (k.dir) r.not_empty("checkpoint.dir", *k.dir);
+  r.at_least<int64_t>("checkpoint.every", k.every, 0);
+  r.positive("checkpoint.keep_last", k.keep_last);
+  if (k.every > 0 && k.keep_last < 2) {
+    r.fail({"checkpoint.keep_last", "checkpoint.every"},
+           "`checkpoint.keep_last` = " + show(k.keep_last) +
+               " must be >= 2 when `checkpoint.every` > 0: the previous checkpoint must survive until the "
+               "next one is complete");
+  }
+  r.not_empty("checkpoint.resume", k.resume);
+  r.not_empty("checkpoint.export_adapter", k.export_adapter);
+  check_export_adapter(k.export_adapter, r);
+  r.one_of("checkpoint.export_layout", k.export_layout, kExportLayouts);
+  if ((k.export_layout == "per_expert" || k.export_layout == "released") && c.lora.expert_gate_up == "fused") {
+    r.fail({"checkpoint.export_layout", "lora.expert_gate_up"},
+           "`checkpoint.export_layout` = `" + k.export_layout + "` cannot hold `lora.expert_gate_up` = `fused`: its "
+           "per-expert gate and up keys have no place for one adapter shared by gate and up; use export_layout "
+           "transformers5 (PEFT's fused gate_up_proj adapter)");
+  }
+  if (k.init_adapter) r.not_empty("checkpoint.init_adapter", *k.init_adapter);
+
+  const LoggingConfig& g = c.logging;
+  r.not_empty("logging.run_dir", g.run_dir);
+  r.positive("logging.every", g.every);
+  r.one_of("logging.level", g.level, kLogLevels);
+}
+
+}  // namespace
+
+void check_rules(const Config& config, const RuleContext& context, std::vector<Problem>* problems) {
+  Rules rules(context, problems);
+  check_required(config, context, rules);
+  check_model(config.model, rules);
+  check_lora(config.lora, rules);
+  check_training(config, rules);
+}
+
+}  // namespace moetrain::config_detail

@@ -175,6 +175,7 @@ void visit_fields(V& v, CheckpointConfig& c) {
   v.field("keep_last", c.keep_last);
   v.field("resume", c.resume);
   v.field("save_on_signal", c.save_on_signal);
+  v.field("overwrite", c.overwrite);
   v.field("export_adapter", c.export_adapter);
   v.field("export_layout", c.export_layout);
   v.field("init_adapter", c.init_adapter);
@@ -185,7 +186,6 @@ void visit_fields(V& v, LoggingConfig& c) {
   v.field("run_dir", c.run_dir);
   v.field("every", c.every);
   v.field("level", c.level);
-  v.field("overwrite", c.overwrite);
 }
 
 // The top level. source_path and explicit_model_keys are bookkeeping, not keys.

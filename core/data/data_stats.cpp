@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <string>
 
 #include "core/base/error.h"
 
@@ -84,7 +85,16 @@ std::string format_data_stats(const IndexedDataset& dataset, const DataStats& st
   return text;
 }
 
+const char* data_stats_usage() {
+  return "  moetrain data-stats FILE_PREFIX\n"
+         "      documents, tokens, loss-mask ratio and length histogram of a dataset (FILE_PREFIX.bin/.idx)\n";
+}
+
 int data_stats_command(int argc, char** argv) {
+  if (argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::cout << "usage:\n" << data_stats_usage() << std::flush;
+    return 0;
+  }
   MOETRAIN_CHECK(argc == 2 && argv[1][0] != '-', ExitCode::kBadConfig,
                  "command line: usage: moetrain data-stats FILE_PREFIX (dir/name for dir/name.bin + dir/name.idx)");
   IndexedDataset dataset(strip_extension(argv[1]));

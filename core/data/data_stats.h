@@ -28,8 +28,11 @@ DataStats compute_data_stats(const IndexedDataset& dataset);
 std::string format_data_stats(const IndexedDataset& dataset, const DataStats& stats);
 
 // The subcommand: argv[0] is "data-stats". Accepts `dir/name` or `dir/name.bin` / `.idx`.
-// Prints the report on stdout; Error(kBadConfig) for a bad command line, Error(kBadData) for a
-// bad dataset.
+// Prints the report on stdout (its usage for --help or -h); Error(kBadConfig) for a bad command
+// line, Error(kBadData) for a bad dataset.
 int data_stats_command(int argc, char** argv);
+
+// The subcommand's usage lines (also in `moetrain help`).
+const char* data_stats_usage();
 
 }  // namespace moetrain

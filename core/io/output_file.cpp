@@ -14,8 +14,10 @@ namespace moetrain {
 
 namespace {
 
+// Exit code 2: the output location (a checkpoint directory, an export's --out) is the user's
+// choice, and a path that cannot be written, or a full disk, is not a bad checkpoint (4).
 [[noreturn]] void fail(const std::string& what, const std::string& path, int error_number) {
-  throw Error(ExitCode::kBadCheckpoint, "cannot " + what + " '" + path + "': " + std::strerror(error_number) +
+  throw Error(ExitCode::kBadConfig, "cannot " + what + " '" + path + "': " + std::strerror(error_number) +
                                             " (check free disk space and permissions)");
 }
 

@@ -7,8 +7,9 @@
 
 namespace moetrain {
 
-// A file opened for writing (created or truncated). Every failure throws
-// Error(kBadCheckpoint) naming the path and the system's reason.
+// A file opened for writing (created or truncated). Every failure throws Error(kBadConfig):
+// an output path that cannot be written (permissions, a full disk), naming the path and the
+// system's reason.
 class OutputFile {
  public:
   explicit OutputFile(const std::string& path);

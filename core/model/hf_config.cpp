@@ -8,9 +8,12 @@
 #include <fmt/format.h>
 
 #include <initializer_list>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "core/base/error.h"
 #include "core/base/log.h"
@@ -75,6 +78,15 @@ class HfJson {
   std::string model_type_;
 };
 
+// num_hidden_layers, which sizes the per-layer lists below before the config rules see it: a
+// count no model has (the rules' limit of 4096 layers) is refused here, naming the key.
+int64_t layer_count(const HfJson& hf) {
+  const int64_t layers = hf.get<int64_t>("num_hidden_layers");
+  MOETRAIN_CHECK(layers >= 1 && layers <= 4096, ExitCode::kBadConfig,
+                 fmt::format("{}: \"num_hidden_layers\" = {} must be in 1..4096", hf.source(), layers));
+  return layers;
+}
+
 RopeScalingConfig rope_scaling_from_hf(const Json& scaling, int64_t max_position_embeddings,
                                         const std::string& source) {
   RopeScalingConfig rope;
@@ -114,7 +126,7 @@ ModelConfig deepseek_v3_from_hf(const Json& json, const HfJson& hf) {
   m.model_type = "deepseek_v3";
   m.vocab_size = hf.get<int64_t>("vocab_size");
   m.hidden_size = hf.get<int64_t>("hidden_size");
-  m.num_layers = hf.get<int64_t>("num_hidden_layers");
+  m.num_layers = layer_count(hf);
   m.intermediate_size = hf.get<int64_t>("intermediate_size");
   m.first_k_dense = hf.get_or<int64_t>("first_k_dense_replace", 0);
   m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-6);
@@ -261,7 +273,7 @@ ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
   m.model_type = "kimi_linear";
   m.vocab_size = hf.get<int64_t>("vocab_size");
   m.hidden_size = hf.get<int64_t>("hidden_size");
-  m.num_layers = hf.get<int64_t>("num_hidden_layers");
+  m.num_layers = layer_count(hf);
   m.intermediate_size = hf.get<int64_t>("intermediate_size");
   m.first_k_dense = first_k_dense_from_hf(hf, m.num_layers, 1);  // 1: both implementations' default
   m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-5);
@@ -381,6 +393,81 @@ ModelConfig deepseek_v32_from_hf(const Json& json, const HfJson& hf) {
 }
 
 }  // namespace
+
+std::map<std::string, std::string> hf_config_key_sources(const std::string& json_text, const std::string& source_name) {
+  // Each model key and the config.json keys it is read from (hf_config above; the first present
+  // is named; kimi_k3 reads them under text_config).
+  static const std::vector<std::pair<const char*, std::vector<const char*>>> kKeys = {
+      {"model.model_type", {"model_type"}},
+      {"model.vocab_size", {"vocab_size"}},
+      {"model.hidden_size", {"hidden_size"}},
+      {"model.num_layers", {"num_hidden_layers"}},
+      {"model.layers", {"linear_attn_config", "layer_types", "num_hidden_layers"}},
+      {"model.intermediate_size", {"intermediate_size"}},
+      {"model.first_k_dense", {"mlp_layer_types", "first_k_dense_replace"}},
+      {"model.rms_norm_eps", {"rms_norm_eps"}},
+      {"model.tie_word_embeddings", {"tie_word_embeddings"}},
+      {"model.max_position_embeddings", {"model_max_length", "max_position_embeddings"}},
+      {"model.attention_gate", {"mla_use_output_gate"}},
+      {"model.hidden_act", {"hidden_act"}},
+      {"model.situ_beta", {"activation_situ_beta"}},
+      {"model.situ_linear_beta", {"activation_situ_linear_beta"}},
+      {"model.attn_res_block_size", {"attn_res_block_size"}},
+      {"model.mla.num_heads", {"num_attention_heads"}},
+      {"model.mla.q_lora_rank", {"q_lora_rank"}},
+      {"model.mla.kv_lora_rank", {"kv_lora_rank"}},
+      {"model.mla.qk_nope_head_dim", {"qk_nope_head_dim"}},
+      {"model.mla.qk_rope_head_dim", {"qk_rope_head_dim"}},
+      {"model.mla.v_head_dim", {"v_head_dim"}},
+      {"model.mla.rope_theta", {"rope_parameters", "rope_theta"}},
+      {"model.mla.rope_scaling.type", {"rope_parameters", "rope_scaling"}},
+      {"model.mla.rope_scaling.factor", {"rope_parameters", "rope_scaling"}},
+      {"model.mla.rope_scaling.original_max_position_embeddings", {"rope_parameters", "rope_scaling"}},
+      {"model.mla.rope_scaling.beta_fast", {"rope_parameters", "rope_scaling"}},
+      {"model.mla.rope_scaling.beta_slow", {"rope_parameters", "rope_scaling"}},
+      {"model.mla.rope_scaling.mscale", {"rope_parameters", "rope_scaling"}},
+      {"model.mla.rope_scaling.mscale_all_dim", {"rope_parameters", "rope_scaling"}},
+      {"model.kda.num_heads", {"linear_num_heads", "linear_num_value_heads", "linear_attn_config"}},
+      {"model.kda.head_dim", {"linear_head_dim", "linear_value_head_dim", "linear_attn_config"}},
+      {"model.kda.conv_width", {"linear_conv_kernel_dim", "linear_attn_config"}},
+      {"model.kda.lower_bound", {"forget_gate_lower_bound", "linear_attn_config"}},
+      {"model.kda.full_rank_output_gate", {"use_full_rank_output_gate", "linear_attn_config"}},
+      {"model.dsa.index_n_heads", {"index_n_heads"}},
+      {"model.dsa.index_head_dim", {"index_head_dim"}},
+      {"model.dsa.index_topk", {"index_topk"}},
+      {"model.dsa.indexer_rope_interleave", {"indexer_rope_interleave"}},
+      {"model.moe.num_experts", {"n_routed_experts", "num_experts", "num_local_experts"}},
+      {"model.moe.top_k", {"num_experts_per_tok", "num_experts_per_token"}},
+      {"model.moe.num_shared_experts", {"n_shared_experts", "num_shared_experts"}},
+      {"model.moe.expert_intermediate_size", {"moe_intermediate_size"}},
+      {"model.moe.scoring", {"scoring_func", "moe_router_activation_func"}},
+      {"model.moe.num_groups", {"n_group", "num_expert_group"}},
+      {"model.moe.topk_groups", {"topk_group"}},
+      {"model.moe.normalize_topk", {"norm_topk_prob", "moe_renormalize"}},
+      {"model.moe.routed_scaling_factor", {"routed_scaling_factor"}},
+      {"model.moe.latent_size", {"routed_expert_hidden_size"}},
+      {"model.moe.use_latent_norm", {"latent_moe_use_norm"}},
+      {"model.moe.expert_format", {"quantization_config"}},
+  };
+  Json json = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object()) json = Json::object();
+  const bool k3 = json.value("model_type", Json()) == "kimi_k3" && json.contains("text_config") &&
+                  json.at("text_config").is_object();
+  const Json& text = k3 ? json.at("text_config") : json;
+  std::map<std::string, std::string> sources;
+  for (const auto& [path, candidates] : kKeys) {
+    std::string named;
+    for (const char* key : candidates) {
+      if (text.contains(key)) {
+        named = fmt::format(" (\"{}{}\")", k3 && std::string(key) != "model_type" ? "text_config." : "", key);
+        break;
+      }
+    }
+    // A key config.json leaves out takes its model type's default (docs/HF_SEMANTICS.md).
+    sources[path] = source_name + (named.empty() ? " (default of its model_type)" : named);
+  }
+  return sources;
+}
 
 ModelConfig model_config_from_hf_json(const std::string& json_text, const std::string& source_name) {
   Json json;

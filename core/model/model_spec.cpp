@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -97,9 +100,16 @@ const std::map<std::string, FieldCopier>& model_field_copiers() {
   return copiers;
 }
 
-std::string read_text_file(const std::string& path, ExitCode code) {
+std::string read_hf_config_json(const std::string& hf_dir, const std::string& path) {
+  std::error_code ec;
+  MOETRAIN_CHECK(std::filesystem::is_directory(hf_dir, ec), ExitCode::kBadConfig,
+                 fmt::format("model.hf_dir: {} is not a directory (set model.hf_dir to a Hugging Face model "
+                             "directory holding config.json and the safetensors)",
+                             hf_dir));
   std::ifstream in(path);
-  MOETRAIN_CHECK(in.good(), code, "cannot read " + path);
+  MOETRAIN_CHECK(in.good(), ExitCode::kBadConfig,
+                 fmt::format("model.hf_dir: cannot read {} ({}): a Hugging Face model directory holds config.json",
+                             path, std::strerror(errno)));
   std::stringstream buffer;
   buffer << in.rdbuf();
   return buffer.str();
@@ -110,13 +120,19 @@ std::string read_text_file(const std::string& path, ExitCode code) {
 ModelSpec resolve_model_spec(const Config& config) {
   ModelSpec spec;
   spec.config = config.model;
+  // Where the merged model keys come from, for the rules' messages: config.json's keys, except
+  // those the YAML set.
+  std::map<std::string, std::string> sources;
   if (config.model.hf_dir) {
     std::string path = *config.model.hf_dir + "/config.json";
-    ModelConfig merged = model_config_from_hf_json(read_text_file(path, ExitCode::kBadConfig), path);
+    const std::string json_text = read_hf_config_json(*config.model.hf_dir, path);
+    ModelConfig merged = model_config_from_hf_json(json_text, path);
+    sources = hf_config_key_sources(json_text, path);
     merged.hf_dir = config.model.hf_dir;
     const auto& copiers = model_field_copiers();
     for (const std::string& key : config.explicit_model_keys) {
       std::string field = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
+      sources.erase("model." + field);
       if (field == "hf_dir") continue;
       auto it = copiers.find(field);
       MOETRAIN_ASSERT(it != copiers.end(), "no copier for model field " + field);
@@ -125,6 +141,11 @@ ModelSpec resolve_model_spec(const Config& config) {
     spec.config = merged;
   }
   ModelConfig& m = spec.config;
+  // The merged model section must satisfy the same rules as one written in YAML (and before
+  // its sizes are used below).
+  Config merged_config = config;
+  merged_config.model = m;
+  validate_config(merged_config, sources);
   if (m.layers.empty()) m.layers.assign(static_cast<size_t>(m.num_layers), "mla");
   MOETRAIN_CHECK(static_cast<int64_t>(m.layers.size()) == m.num_layers, ExitCode::kBadConfig,
                  fmt::format("model.layers has {} entries but model.num_layers is {}", m.layers.size(), m.num_layers));
@@ -135,10 +156,6 @@ ModelSpec resolve_model_spec(const Config& config) {
     spec.mixers.push_back(kind == "kda" ? MixerKind::kKda : kind == "dsa" ? MixerKind::kDsa : MixerKind::kMla);
     spec.ffns.push_back(static_cast<int64_t>(i) < m.first_k_dense ? FfnKind::kDense : FfnKind::kMoe);
   }
-  // The merged model section must satisfy the same rules as one written in YAML.
-  Config merged_config = config;
-  merged_config.model = m;
-  validate_config(merged_config);
   return spec;
 }
 

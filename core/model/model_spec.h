@@ -3,6 +3,7 @@
 // from it (per-layer mixer and FFN kinds, head dims). Everything the model builder needs.
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -32,5 +33,10 @@ ModelSpec resolve_model_spec(const Config& config);
 // The model section a Hugging Face config.json describes (core/model/hf_config.cpp; what each
 // key maps to is in docs/HF_SEMANTICS.md). `source_name` names the file in messages.
 ModelConfig model_config_from_hf_json(const std::string& json_text, const std::string& source_name);
+
+// Where each model key of model_config_from_hf_json's result comes from, for messages: key path
+// ("model.moe.num_experts") -> "`source_name` (\"n_routed_experts\")", the config.json key that
+// gave it, or "(default of its model_type)" when the file leaves it out.
+std::map<std::string, std::string> hf_config_key_sources(const std::string& json_text, const std::string& source_name);
 
 }  // namespace moetrain

@@ -1,7 +1,9 @@
 #include "core/plan/param_count.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -159,30 +161,53 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec) {
   return count;
 }
 
-LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig& lora) {
+namespace {
+
+// What count_lora walks besides the counts: the targets this model has, and the adapted modules
+// (layer numbers as <L>), as Model::attach_lora names them in its messages.
+struct LoraModules {
+  std::set<std::string> available_targets;
+  std::vector<std::string> adapted;
+  void adapt(const std::string& module) {
+    const size_t layer = std::string("model.layers.").size();
+    const std::string named = module.substr(0, layer) + "<L>" + module.substr(module.find('.', layer));
+    if (std::find(adapted.begin(), adapted.end(), named) == adapted.end()) adapted.push_back(named);
+  }
+};
+
+LoraParameterCount count_lora(const ModelSpec& spec, const LoraConfig& lora, LoraRanks& ranks, LoraModules& modules) {
   const ModelConfig& m = spec.config;
   const MlaConfig& a = m.mla;
   const int64_t d = m.hidden_size;
   const int64_t qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
   const std::set<std::string> targets(lora.targets.begin(), lora.targets.end());
   auto on = [&](const char* name) { return targets.count(name) > 0; };
-  LoraRanks ranks(lora);  // each module's rank, by its name in the model (core/model)
+  // Each adapted module's rank, by its name in the model (core/model).
+  auto rank_of = [&](const std::string& module) {
+    modules.adapt(module);
+    return ranks.module(module).rank;
+  };
   LoraParameterCount count;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
     const std::string layer = "model.layers." + std::to_string(i);
     int64_t n = 0;
     // One adapter on `module` (in -> out) when `target` is a LoRA target.
     auto pair = [&](const std::string& module, int64_t in, int64_t out) {
-      return lora_pair(ranks.module(module).rank, in, out);
+      return lora_pair(rank_of(module), in, out);
     };
     auto attention = [&](const char* name, int64_t in, int64_t out) {
+      modules.available_targets.insert(name);
       if (on(name)) n += pair(layer + ".self_attn." + name, in, out);
     };
-    // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows) on `prefix`.
-    auto swiglu = [&](const std::string& prefix, int64_t width, bool all, int64_t rows) {
-      const int64_t gate = all || on("gate_proj") ? ranks.module(prefix + ".gate_proj").rank : 0;
-      const int64_t up = all || on("up_proj") ? ranks.module(prefix + ".up_proj").rank : 0;
-      const int64_t down = all || on("down_proj") ? ranks.module(prefix + ".down_proj").rank : 0;
+    // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows) on `prefix`; `group` is
+    // the target naming all three (shared_experts), if any.
+    auto swiglu = [&](const std::string& prefix, int64_t width, const char* group, int64_t rows) {
+      for (const char* name : {"gate_proj", "up_proj", "down_proj"}) modules.available_targets.insert(name);
+      if (group) modules.available_targets.insert(group);
+      const bool all = group && on(group);
+      const int64_t gate = all || on("gate_proj") ? rank_of(prefix + ".gate_proj") : 0;
+      const int64_t up = all || on("up_proj") ? rank_of(prefix + ".up_proj") : 0;
+      const int64_t down = all || on("down_proj") ? rank_of(prefix + ".down_proj") : 0;
       count.packed_replicated += packed_swiglu(gate + up, down, rows, width);
       return lora_pair(gate, rows, width) + lora_pair(up, rows, width) + lora_pair(down, width, rows);
     };
@@ -218,16 +243,21 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
     }
     int64_t routed = 0;
     if (spec.ffns[i] == FfnKind::kDense) {
-      n += swiglu(layer + ".mlp", m.intermediate_size, false, d);
+      n += swiglu(layer + ".mlp", m.intermediate_size, nullptr, d);
     } else {
       ++count.num_moe_layers;
       if (m.moe.num_shared_experts > 0) {
         n += swiglu(layer + ".mlp.shared_experts", m.moe.expert_intermediate_size * m.moe.num_shared_experts,
-                    on("shared_experts"), d);
+                    "shared_experts", d);
       }
       const int64_t latent = m.moe.latent_size;
+      if (latent > 0) {
+        modules.available_targets.insert("routed_expert_down_proj");
+        modules.available_targets.insert("routed_expert_up_proj");
+      }
       if (latent > 0 && on("routed_expert_down_proj")) n += pair(layer + ".mlp.routed_expert_down_proj", d, latent);
       if (latent > 0 && on("routed_expert_up_proj")) n += pair(layer + ".mlp.routed_expert_up_proj", latent, d);
+      modules.available_targets.insert("experts");
       if (on("experts")) {
         const std::string experts = layer + ".mlp.experts";
         const int64_t f = m.moe.expert_intermediate_size, e = m.moe.num_experts;
@@ -242,15 +272,16 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
         // lora.expert_gate_up: fused: one adapter on gate_up (rows -> 2F) instead of gate and up.
         int64_t gate_up_rank = 0;
         if (lora.expert_gate_up == "fused") {
+          modules.adapt(experts + ".gate_up_proj");
           gate_up_rank = ranks.fused_gate_up(experts).rank;
           routed_pair(gate_up_rank, rows, 2 * f);
         } else {
-          const int64_t gate = ranks.module(experts + ".gate_proj").rank, up = ranks.module(experts + ".up_proj").rank;
+          const int64_t gate = rank_of(experts + ".gate_proj"), up = rank_of(experts + ".up_proj");
           routed_pair(gate, rows, f);
           routed_pair(up, rows, f);
           gate_up_rank = gate + up;
         }
-        const int64_t down_rank = ranks.module(experts + ".down_proj").rank;
+        const int64_t down_rank = rank_of(experts + ".down_proj");
         routed_pair(down_rank, f, rows);
         // Packed: the B's per expert; the A's per expert, or once (shared).
         const int64_t packed_a = gate_up_rank * rows + down_rank * f;
@@ -262,6 +293,32 @@ LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig
     count.layer_routed_expert.push_back(routed);
   }
   return count;
+}
+
+}  // namespace
+
+LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig& lora) {
+  LoraRanks ranks(lora);
+  LoraModules modules;
+  return count_lora(spec, lora, ranks, modules);
+}
+
+void check_lora_modules(const ModelSpec& spec, const LoraConfig& lora) {
+  LoraRanks ranks(lora);
+  LoraModules modules;
+  count_lora(spec, lora, ranks, modules);
+  // The messages are Model::attach_lora's, which makes the same checks on the built model.
+  for (const std::string& target : lora.targets) {
+    MOETRAIN_CHECK(modules.available_targets.count(target), ExitCode::kBadConfig,
+                   fmt::format("lora.targets: \"{}\" matches no module of this model; its targets are: {}",
+                               target, fmt::join(modules.available_targets, ", ")));
+  }
+  const std::vector<std::string> unused = ranks.unused_keys();
+  MOETRAIN_CHECK(unused.empty(), ExitCode::kBadConfig,
+                 fmt::format("{} selects no LoRA adapter of this model (PEFT's rule: a key matches a whole "
+                             "dot-separated tail of a module name, as `q_proj` or `experts\\..*` do); its adapted "
+                             "modules are {}",
+                             fmt::join(unused, ", "), fmt::join(modules.adapted, ", ")));
 }
 
 }  // namespace moetrain

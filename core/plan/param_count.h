@@ -63,4 +63,10 @@ ModelSpec plan_model_spec(const ModelConfig& model);
 ModelParameterCount count_model_parameters(const ModelSpec& spec);
 LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig& lora);
 
+// The checks Model::attach_lora makes when it builds the adapters, from the spec alone (no
+// weights), so that validate and plan refuse what train refuses: every lora.targets entry names
+// a module kind this model has, and every lora.rank_pattern / alpha_pattern key selects an
+// adapted module. Error(kBadConfig) with attach_lora's message.
+void check_lora_modules(const ModelSpec& spec, const LoraConfig& lora);
+
 }  // namespace moetrain

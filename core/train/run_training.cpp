@@ -16,8 +16,8 @@
 #include "core/checkpoint/checkpoint_directory.h"
 #include "core/checkpoint/checkpoint_group.h"
 #include "core/checkpoint/checkpoint_session.h"
-#include "core/io/hf_index.h"
 #include "core/checkpoint/run_directory.h"
+#include "core/io/hf_index.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "core/plan/memory_plan.h"
@@ -98,18 +98,8 @@ void log_per_rank(const Runtime& runtime, const std::vector<double>& mine,
 // there is, and where to look for a split that fits. The plan counts BF16 weights and
 // activations; the CPU backend holds F32, so on the CPU the check is a lower bound.
 void check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend, const Runtime& runtime) {
-  const ModelConfig& m = spec.config;
-  // Beyond these no model exists, and products of them overflow the plan's integer counts.
-  constexpr int64_t kMaxDim = int64_t{1} << 20, kMaxVocab = int64_t{1} << 24, kMaxLayers = 4096;
-  MOETRAIN_CHECK(m.hidden_size <= kMaxDim && m.intermediate_size <= kMaxDim &&
-                     m.moe.expert_intermediate_size <= kMaxDim && m.vocab_size <= kMaxVocab &&
-                     m.num_layers <= kMaxLayers && m.moe.num_experts <= kMaxDim,
-                 ExitCode::kBadConfig,
-                 fmt::format("model: hidden_size {}, intermediate_size {}, moe.expert_intermediate_size {}, "
-                             "vocab_size {}, num_layers {}, moe.num_experts {}: beyond what any GPU or host holds "
-                             "(dimensions up to {}, vocab up to {}, layers up to {}); check the config",
-                             m.hidden_size, m.intermediate_size, m.moe.expert_intermediate_size, m.vocab_size,
-                             m.num_layers, m.moe.num_experts, kMaxDim, kMaxVocab, kMaxLayers));
+  // The sizes' upper limits are config rules (core/config/config_rules.cpp), which
+  // resolve_model_spec checked, so the plan's integer counts below cannot overflow.
   const bool on_cpu = backend.device() == Device::kCPU;
   double available = 0;
   if (on_cpu) {
@@ -126,6 +116,14 @@ void check_model_fits(const Config& config, const ModelSpec& spec, kernels::Back
   MOETRAIN_CHECK(needed <= plan.usable_bytes, ExitCode::kBadConfig,
                  fmt::format("the model does not fit: rank {} needs about {:.1f} GB ({:.1f} GB of weights, adapters "
                              "and optimizer state, {:.1f} GB of activations for {} tokens) and its {} has {:.1f} GB "
+                             "({:.1f} GB usable). `moetrain plan --config {} --world N` shows the per-rank split and "
+                             "the tokens that fit: use more ranks (parallel.fsdp / parallel.ep), parallel.recompute, "
+                             "or a shorter data.seq_len / data.micro_batch",
+                             runtime.rank(), needed / 1e9, plan.fixed_bytes() / 1e9, (needed - plan.fixed_bytes()) / 1e9,
+                             plan.tokens_per_micro_batch, on_cpu ? "host" : "GPU", available / 1e9,
+                             plan.usable_bytes / 1e9, config.source_path.empty() ? "FILE" : config.source_path));
+}
+
 // RunDirectory on rank 0 (core/checkpoint/run_directory.h); its verdict reaches every rank, so
 // each exits with the same code and message.
 std::unique_ptr<RunDirectory> claim_run_directory(const Config& config, CheckpointGroup& group) {
@@ -169,17 +167,19 @@ void check_trained_something(const Trainer& trainer, size_t steps_run) {
                           steps_run));
 }
 
-                             "({:.1f} GB usable). `moetrain plan --config {} --world N` shows the per-rank split and "
-                             "the tokens that fit: use more ranks (parallel.fsdp / parallel.ep), parallel.recompute, "
-                             "or a shorter data.seq_len / data.micro_batch",
-                             runtime.rank(), needed / 1e9, plan.fixed_bytes() / 1e9, (needed - plan.fixed_bytes()) / 1e9,
-                             plan.tokens_per_micro_batch, on_cpu ? "host" : "GPU", available / 1e9,
-                             plan.usable_bytes / 1e9, config.source_path.empty() ? "FILE" : config.source_path));
-}
-
 void log_device_memory(kernels::Backend& backend, const Runtime& runtime) {
   if (backend.device() == Device::kCPU) return;
   const kernels::BackendStats stats = backend.stats();
+  const std::vector<double> mine = {static_cast<double>(stats.peak_bytes), static_cast<double>(stats.device_used_bytes),
+                                    static_cast<double>(stats.device_allocations)};
+  log_per_rank(runtime, mine, [](int rank, const double* v) {
+    constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+    return fmt::format("rank {}: peak tensor memory {:.2f} GB ({:.2f} GiB, {:.0f} allocations); device in use at "
+                       "the end {:.2f} GB",
+                       rank, v[0] / 1e9, v[0] / kGiB, v[2], v[1] / 1e9);
+  });
+}
+
 // The run's last lines: what this process did (a resumed run counts only its own steps and
 // time), and where its outputs are.
 std::string run_summary(const Trainer& trainer, const CheckpointSession& checkpoints) {
@@ -200,20 +200,14 @@ std::string run_summary(const Trainer& trainer, const CheckpointSession& checkpo
   return text;
 }
 
-  const std::vector<double> mine = {static_cast<double>(stats.peak_bytes), static_cast<double>(stats.device_used_bytes),
-                                    static_cast<double>(stats.device_allocations)};
-  log_per_rank(runtime, mine, [](int rank, const double* v) {
-    constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-    return fmt::format("rank {}: peak tensor memory {:.2f} GB ({:.2f} GiB, {:.0f} allocations); device in use at "
-                       "the end {:.2f} GB",
-                       rank, v[0] / 1e9, v[0] / kGiB, v[2], v[1] / 1e9);
-  });
-}
-
 }  // namespace
 
 int run_training(Runtime& runtime, const Config& config) {
   ScopedWatchdog watchdog(config.parallel.timeout_s);  // a hung rank aborts the job (parallel/watchdog.h)
+  std::unique_ptr<CheckpointGroup> group =
+      runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
+  // Before anything costly: the output paths, the locks, no mixing with an older run.
+  std::unique_ptr<RunDirectory> run_directory = claim_run_directory(config, *group);
   ModelSpec spec = resolve_model_spec(config);
   std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
 
@@ -226,10 +220,6 @@ int run_training(Runtime& runtime, const Config& config) {
         MeshLayout(runtime.world(), MeshShape{config.parallel.fsdp, config.parallel.ep}, spec.config.moe.num_experts,
                    config.source_path));
     auto communicator = [&](MPI_Comm comm) -> Communicator* {
-  std::unique_ptr<CheckpointGroup> group =
-      runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
-  // Before anything costly: the output paths, the locks, no mixing with an older run.
-  std::unique_ptr<RunDirectory> run_directory = claim_run_directory(config, *group);
 #if MOETRAIN_HAVE_CUDA
       if (backend->device() == Device::kCUDA) {
         communicators.push_back(std::make_unique<NcclCommunicator>(comm));
@@ -290,6 +280,16 @@ int run_training(Runtime& runtime, const Config& config) {
     metrics = std::make_unique<MetricsWriter>(config.logging.run_dir);
   }
   TrainerOptions trainer_options;
+  trainer_options.train = config.train;
+  trainer_options.data = config.data;
+  trainer_options.logging = config.logging;
+  trainer_options.loss_floor = data->loss_floor();
+  if (backend->device() != Device::kCPU) {
+    trainer_options.peak_flops = backend->stats().peak_bf16_flops;
+    trainer_options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
+      return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
+    };
+  }
   // data.eval: a fixed eval set, each rank a slice of it (core/data/eval_data.h).
   std::unique_ptr<EvalData> eval = make_eval_data(config.data, spec.config.vocab_size);
   if (eval) {
@@ -301,19 +301,7 @@ int run_training(Runtime& runtime, const Config& config) {
       return eval->micro_batch(i, config.data.micro_batch, runtime.rank(), runtime.world());
     };
   }
-  trainer_options.train = config.train;
-  trainer_options.data = config.data;
-  trainer_options.logging = config.logging;
-  trainer_options.loss_floor = data->loss_floor();
-  if (backend->device() != Device::kCPU) {
-    trainer_options.peak_flops = backend->stats().peak_bf16_flops;
-    trainer_options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
-      return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
-    };
-  }
   Trainer trainer(trainer_options, model, [&data] { return data->next(); }, metrics.get());
-  std::unique_ptr<CheckpointGroup> group =
-      runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
   DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); },
                           [&model] { return model.forward_count(); },
                           [&model](uint64_t count) { model.set_forward_count(count); }};
@@ -327,12 +315,12 @@ int run_training(Runtime& runtime, const Config& config) {
   trainer.set_after_step([&checkpoints](const StepRecord&) { checkpoints.after_step(); });
   const int64_t waits_before = backend->stats().host_waits;
   std::vector<double> losses = trainer.run();
+  check_trained_something(trainer, losses.size());
   // Times the host waited for the device during the steps (checkpoints included): one per step
   // is the gradient norm's read (core/train/trainer.h); the CPU backend never waits.
   const int64_t waits = backend->stats().host_waits - waits_before;
   checkpoints.finish();
   log_device_memory(*backend, runtime);
-    if (runtime.is_root()) log::info(run_summary(trainer, checkpoints));
   if (!losses.empty()) {
     const double floor = data->loss_floor();
     const std::string host_waits =
@@ -344,12 +332,12 @@ int run_training(Runtime& runtime, const Config& config) {
                           losses.back(), losses.size(),
                           std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor), host_waits,
                           config.logging.run_dir + "/metrics.jsonl"));
+    if (runtime.is_root()) log::info(run_summary(trainer, checkpoints));
     // A run directory with spaces or quotes is single-quoted, so the line can be pasted as it is.
     std::string run_dir = config.logging.run_dir;
     if (run_dir.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-+=:,@") !=
         std::string::npos) {
       std::string quoted = "'";
-  check_trained_something(trainer, losses.size());
       for (char c : run_dir) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
       run_dir = quoted + "'";
     }
