@@ -8,6 +8,7 @@
 #   signal_w2              SIGTERM to rank 1 of a world-2 run: every rank saves, exit 75, and the
 #                          resumed run's losses equal an uninterrupted run's exactly
 #   signal_all_w2          the same with SIGTERM to both ranks
+#   signal_mpirun_w2       SIGTERM to scripts/slurm/mpirun_preemptible.sh: the ranks save, exit 75
 #   hang_w1, hang_w2       a rank stops making progress during a save (MOETRAIN_FAULT=hang): the
 #                          watchdog (parallel.timeout_s) ends the job in seconds, naming the phase
 #   fault_w4_R_PHASE       kill -9 rank R of a world-4 run during its second save (MOETRAIN_FAULT,
@@ -190,6 +191,33 @@ $(tail -n 30 "$work/signalled.log")"
     expect_steps_equal signalled reference 1 "$last"
     expect_steps_equal resumed reference $((last + 1)) "$end"
     echo "signalled after step $last; resumed steps $((last + 1))..$end equal the uninterrupted run"
+    ;;
+
+  signal_mpirun_w2)
+    # scripts/slurm/mpirun_preemptible.sh, as the multi-node batch script runs it: a SIGTERM to it
+    # (what slurm sends the batch shell's job at preemption) makes every rank save, and the
+    # launch exits 75, which a SIGTERM to mpirun itself does not (Open MPI's mpirun exits 1).
+    train_args=(train --config "$config" --set parallel.fsdp=2 --set parallel.ep=2 --set data.micro_batch=2
+                --set checkpoint.export_adapter=false --set checkpoint.every=0 --set train.steps=100000
+                --set checkpoint.dir="$work/ckpt")
+    "$here/../../scripts/slurm/mpirun_preemptible.sh" -np 2 "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/signalled" \
+      "$moetrain" "${train_args[@]}" >"$work/signalled.log" 2>&1 &
+    job=$!
+    for ((i = 0; i < 1200; ++i)); do
+      [ -f "$work/signalled/rank0/metrics.jsonl" ] && [ "$(grep -c . "$work/signalled/rank0/metrics.jsonl")" -ge 2 ] && break
+      sleep 0.05
+    done
+    [ -f "$work/signalled/pid.0" ] && [ -f "$work/signalled/pid.1" ] || { kill "$job"; fail "the ranks never started"; }
+    kill -TERM "$job"
+    wait "$job"
+    rc=$?
+    expect_exit signalled 75
+    grep -q "\[rank 0/2\] stopped by SIGUSR1 after step [0-9]*: checkpoint .* is committed" "$work/signalled.log" ||
+      fail "rank 0 did not save and stop:
+$(tail -n 30 "$work/signalled.log")"
+    last=$(losses signalled | tail -n 1 | cut -d' ' -f1)
+    expect_checkpoint "$work/ckpt/step_$last" 2
+    echo "SIGTERM to the launch script after step $last: saved, exit 75"
     ;;
 
   fault_w4_*)

@@ -1,0 +1,21 @@
+#!/bin/bash
+# mpirun MPIRUN_ARGS... with the scheduler's stop signals passed to the ranks so that they save:
+# SIGTERM, SIGINT, SIGHUP and SIGUSR1 to this script become SIGUSR1 to mpirun. Open MPI's mpirun
+# forwards SIGUSR1 to every rank and then exits with the ranks' status (75: saved, requeue me),
+# whereas a SIGTERM to mpirun itself kills the ranks' saves short and makes mpirun exit 1.
+# Exits with mpirun's status. Used by train_multi_node.sbatch (LAUNCHER=mpirun); usable alone:
+#   scripts/slurm/mpirun_preemptible.sh -np 16 build/apps/moetrain train --config C --resume auto
+set -u
+mpirun "$@" &
+child=$!
+for signal in TERM INT HUP USR1; do
+  trap 'kill -USR1 $child 2>/dev/null' "$signal"
+done
+wait $child
+rc=$?
+# wait returns early when a trapped signal arrives: wait again for the real exit status.
+while kill -0 $child 2>/dev/null; do
+  wait $child
+  rc=$?
+done
+exit "$rc"
