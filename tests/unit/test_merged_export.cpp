@@ -5,6 +5,7 @@
 // from base tensor names to adapters and its own scales), every other tensor against the base's
 // bytes, and the merged directory, loaded with no adapter, against the base with the adapter.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -20,6 +21,7 @@
 #include "core/checkpoint/merged_export.h"
 #include "core/io/hf_index.h"
 #include "core/io/safetensors.h"
+#include "core/io/safetensors_writer.h"
 #include "core/model/model.h"
 #include "golden_files.h"
 #include "gradcheck.h"
@@ -37,7 +39,29 @@ struct MergeCase {
   std::string lora_yaml;      // the lora: section
   std::string expert_format;  // of the base ("" as config.json says)
   double logits_tolerance;    // merged (no adapter) vs base + adapter, relative to the largest logit
+  std::string keep_as;        // with MOETRAIN_MERGE_EXPORT_DIR set: leave the files there under this name
 };
+
+// For scripts/check_merged_export.py (transformers loading the merged directory, on a machine
+// with torch): $MOETRAIN_MERGE_EXPORT_DIR/<keep_as>/merged/ and ours.safetensors (the batch's
+// input_ids and moetrain's logits with the adapter, F64 forward stored as F32).
+void keep_for_transformers(const std::string& keep_as, const std::string& out, const Batch& batch,
+                           const Tensor& logits) {
+  const char* root = std::getenv("MOETRAIN_MERGE_EXPORT_DIR");
+  if (root == nullptr || keep_as.empty()) return;
+  const fs::path dir = fs::path(root) / keep_as;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy(out, dir / "merged", fs::copy_options::recursive);
+  Tensor ids({batch.batch_size, batch.seq_len}, DType::kI32);
+  std::copy(batch.input_ids.begin(), batch.input_ids.end(), ids.ptr<int32_t>());
+  Tensor logits32(logits.shape(), DType::kF32);
+  convert_host(logits32, logits);
+  SafetensorsWriter writer;
+  writer.add("input_ids", ids.view());
+  writer.add("logits", logits32.view().reshaped({batch.batch_size, batch.seq_len, logits.size(1)}));
+  writer.write((dir / "ours.safetensors").string());
+}
 
 Config case_config(const std::string& dir, const MergeCase& c, int64_t seq_len, bool merged) {
   std::string yaml = "model: {hf_dir: " + dir;
@@ -140,6 +164,7 @@ void check_merge(const MergeCase& c) {
   const std::string checkpoint = save_checkpoint(*group, request, shard);
   const std::string out = scratch.file("merged");
   merge_checkpoint(*group, MergeOptions{checkpoint, out, std::nullopt, 0});
+  keep_for_transformers(c.keep_as, out, batch, logits);
 
   // The directory: config.json (without quantization_config once MXFP4 is decoded), the index.
   REQUIRE(fs::exists(out + "/model.safetensors.index.json"));
@@ -249,20 +274,20 @@ TEST_CASE("merge folds per-expert, dense, shared and attention adapters into an 
   check_merge({"noqlora",
                "lora: {rank: 4, alpha: 8.0, " + kTargets +
                    ", rank_pattern: {o_proj: 2}, alpha_pattern: {'experts\\..*': 4.0}}",
-               "", 1e-5});
+               "", 1e-5, "noqlora"});
 }
 
 TEST_CASE("merge with rsLoRA and PEFT's fused gate_up expert adapter", "[merge]") {
   check_merge({"noqlora",
                "lora: {rank: 4, alpha: 8.0, rslora: true, expert_gate_up: fused, " + kTargets +
                    ", rank_pattern: {o_proj: 2}, alpha_pattern: {'experts\\.(down|gate)_proj': 4.0}}",
-               "", 1e-5});
+               "", 1e-5, "noqlora_fused_rslora"});
 }
 
 TEST_CASE("merge of a shared expert A into transformers 5's fused expert tensors", "[merge]") {
   check_merge({"kimi_linear_t5", "lora: {rank: 4, alpha: 8.0, expert_a: shared, targets: [o_proj, experts, shared_experts], "
                "alpha_pattern: {'experts\\..*': 4.0}, rank_pattern: {o_proj: 2}}",
-               "", 1e-5});
+               "", 1e-5, "kimi_linear_t5"});
 }
 
 TEST_CASE("merge writes Kimi K3's MXFP4 experts as BF16 and drops quantization_config", "[merge]") {
