@@ -209,11 +209,20 @@ def main():
         print("warning: the tokenizer has no eos token; documents end without one", file=sys.stderr)
     documents = []
     for path in args.input:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            sys.exit("error: cannot read --input {}: {}".format(path, e.strerror))
+        with f:
+            for number, raw in enumerate(f, 1):
+                where = "{}:{}".format(path, number)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    sys.exit("{}: not UTF-8 (byte {} of the line is 0x{:02x}); convert the file to UTF-8, e.g. "
+                             "iconv -f latin1 -t utf-8".format(where, e.start + 1, raw[e.start]))
                 if not line.strip():
                     continue
-                where = "{}:{}".format(path, number)
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -225,11 +234,18 @@ def main():
                     documents.append((tokens, mask))
     if not documents:
         sys.exit("error: no documents in " + ", ".join(args.input))
-    write_dataset(args.output, documents, tokenizer.vocab_size)
+    try:
+        write_dataset(args.output, documents, tokenizer.vocab_size)
+    except OSError as e:
+        sys.exit("error: cannot write --output {} ({}.bin/.idx/.mask): {}".format(
+            args.output, args.output, e.strerror))
     total = sum(len(t) for t, _ in documents)
     targets = sum(sum(m) for _, m in documents)
     print("wrote {}.bin/.idx/.mask: {} documents, {} tokens, {} with loss mask 1 ({:.1%}), vocabulary {}".format(
         args.output, len(documents), total, targets, targets / total, tokenizer.vocab_size))
+    if targets == 0:
+        print("warning: no token is a training target (every loss-mask byte is 0: no document has an assistant "
+              "turn or text); moetrain refuses to train on this data alone", file=sys.stderr)
 
 
 if __name__ == "__main__":
