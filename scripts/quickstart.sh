@@ -5,6 +5,7 @@
 # backend, so it runs on any machine; expect about a minute on a CPU. Then it draws the run's
 # plots next to its metrics.jsonl (scripts/plot_metrics.py) when matplotlib is installed.
 # Extra arguments go to `moetrain train`, e.g. scripts/quickstart.sh --set train.steps=20
+# Run again, it starts afresh (the earlier run's checkpoints and metrics moved aside).
 #   BUILD_DIR=...          build directory (default: <repo>/build)
 #   MOETRAIN_SKIP_SETUP=1  do not check system packages
 set -euo pipefail
@@ -23,7 +24,13 @@ cmake -S "$repo" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -D
 cmake --build "$build_dir" --parallel "$(nproc)" --target moetrain
 
 cd "$repo"
-"$build_dir/apps/moetrain" train --config configs/quickstart.yaml "$@"
+# Each quickstart is a fresh run: an earlier one's checkpoints and metrics in the run directory are
+# moved aside (renamed *.old-<time>, never deleted), unless the arguments choose a --resume.
+fresh=(--resume none --set checkpoint.overwrite=true)
+for argument in "$@"; do
+  if [[ "$argument" == --resume* ]]; then fresh=(); fi
+done
+"$build_dir/apps/moetrain" train --config configs/quickstart.yaml "${fresh[@]}" "$@"
 run_dir=runs/quickstart
 for argument in "$@"; do
   if [[ "$argument" == logging.run_dir=* ]]; then run_dir="${argument#logging.run_dir=}"; fi
