@@ -238,3 +238,23 @@ TEST_CASE("resume: a config that cannot continue the checkpoint names what chang
   CHECK(contains(message, "use another logging.run_dir"));
   fs::remove_all(c.logging.run_dir);
 }
+
+TEST_CASE("finish: an export that fails loses nothing: the checkpoint is saved first and named") {
+  Config c = safety_config("export_fails");
+  c.checkpoint.every = 0;
+  c.train.steps = 2;
+  const std::string out = (fs::path(c.logging.run_dir) / "adapter_out").string();
+  c.checkpoint.export_adapter = out;
+  testing::TrainingRun run(c);
+  run.session->resume();
+  run.trainer->run();
+  // The export directory was fine at start (RunDirectory checks it); now a file is in the way.
+  fs::create_directories(c.logging.run_dir);
+  { std::ofstream(out) << "in the way"; }
+  auto [code, message] = error_of([&] { run.session->finish(); });
+  CHECK(code != ExitCode::kOk);
+  CHECK(contains(message, "The adapter was not exported, but the training is saved in " + checkpoints_of(c) + "/step_2"));
+  CHECK(contains(message, "moetrain export --checkpoint " + checkpoints_of(c) + "/step_2"));
+  CHECK(committed_steps(c) == std::vector<int64_t>{2});
+  fs::remove_all(c.logging.run_dir);
+}
