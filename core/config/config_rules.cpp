@@ -432,7 +432,7 @@ void check_training(const Config& c, Rules& r) {
                  "`model.num_layers` = " + show(c.model.num_layers));
     }
   }
-  if (p.ep > 0 && r.known({"model.moe.num_experts"}) && p.ep > c.model.moe.num_experts) {
+  if (p.ep > 0 && r.known({"model.moe.num_experts"}) && c.model.moe.num_experts > 0 && p.ep > c.model.moe.num_experts) {
     r.fail({"parallel.ep", "model.moe.num_experts"},
            "`parallel.ep` = " + show(p.ep) + " must be <= `model.moe.num_experts` = " +
                show(c.model.moe.num_experts) + ": every expert-parallel rank needs at least one expert");

@@ -164,14 +164,23 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec) {
 namespace {
 
 // What count_lora walks besides the counts: the targets this model has, and the adapted modules
-// (layer numbers as <L>), as Model::attach_lora names them in its messages.
+// (layer numbers as <L>) in the order Model::attach_lora lists them in its messages: the linear
+// projections (attention, the latent MoE's) of every layer first, then the MLPs'.
 struct LoraModules {
   std::set<std::string> available_targets;
-  std::vector<std::string> adapted;
+  std::vector<std::string> linear, mlp;
   void adapt(const std::string& module) {
     const size_t layer = std::string("model.layers.").size();
     const std::string named = module.substr(0, layer) + "<L>" + module.substr(module.find('.', layer));
-    if (std::find(adapted.begin(), adapted.end(), named) == adapted.end()) adapted.push_back(named);
+    const bool is_linear = named.find(".self_attn.") != std::string::npos ||
+                           named.find(".mlp.routed_expert_") != std::string::npos;
+    std::vector<std::string>& list = is_linear ? linear : mlp;
+    if (std::find(list.begin(), list.end(), named) == list.end()) list.push_back(named);
+  }
+  std::vector<std::string> adapted() const {
+    std::vector<std::string> all = linear;
+    all.insert(all.end(), mlp.begin(), mlp.end());
+    return all;
   }
 };
 
@@ -246,10 +255,6 @@ LoraParameterCount count_lora(const ModelSpec& spec, const LoraConfig& lora, Lor
       n += swiglu(layer + ".mlp", m.intermediate_size, nullptr, d);
     } else {
       ++count.num_moe_layers;
-      if (m.moe.num_shared_experts > 0) {
-        n += swiglu(layer + ".mlp.shared_experts", m.moe.expert_intermediate_size * m.moe.num_shared_experts,
-                    "shared_experts", d);
-      }
       const int64_t latent = m.moe.latent_size;
       if (latent > 0) {
         modules.available_targets.insert("routed_expert_down_proj");
@@ -288,6 +293,11 @@ LoraParameterCount count_lora(const ModelSpec& spec, const LoraConfig& lora, Lor
         count.packed_routed_experts += e * (packed_swiglu(gate_up_rank, down_rank, rows, f) - (shared_a ? packed_a : 0));
         if (shared_a) count.packed_replicated += packed_a;
       }
+      // After the routed experts, as attach_lora visits them (the order of its module list).
+      if (m.moe.num_shared_experts > 0) {
+        n += swiglu(layer + ".mlp.shared_experts", m.moe.expert_intermediate_size * m.moe.num_shared_experts,
+                    "shared_experts", d);
+      }
     }
     count.layer_non_expert.push_back(n);
     count.layer_routed_expert.push_back(routed);
@@ -318,7 +328,7 @@ void check_lora_modules(const ModelSpec& spec, const LoraConfig& lora) {
                  fmt::format("{} selects no LoRA adapter of this model (PEFT's rule: a key matches a whole "
                              "dot-separated tail of a module name, as `q_proj` or `experts\\..*` do); its adapted "
                              "modules are {}",
-                             fmt::join(unused, ", "), fmt::join(modules.adapted, ", ")));
+                             fmt::join(unused, ", "), fmt::join(modules.adapted(), ", ")));
 }
 
 }  // namespace moetrain

@@ -124,6 +124,28 @@ TEST_CASE("checkpoint config: export_adapter must be true, false or a directory"
   CHECK(contains(message, "`checkpoint.export_adapter`"));
 }
 
+// Issue 28 item 10: export_adapter takes the booleans' rule; a word that reads as a boolean (or
+// none, or a number) is never taken for a directory's name.
+TEST_CASE("checkpoint config: export_adapter is true, false or a path, never a boolean-ish directory name") {
+  for (const char* word : {"true", "True", "TRUE"}) {
+    CHECK(parse(std::string("checkpoint: {export_adapter: ") + word + "}").checkpoint.export_adapter == "true");
+  }
+  for (const char* word : {"false", "False", "FALSE"}) {
+    CHECK(parse("", {std::string("checkpoint.export_adapter=") + word}).checkpoint.export_adapter == "false");
+  }
+  for (const char* word : {"off", "no", "Yes", "ON", "y", "0", "1", "none", "None", "NONE", "3", "1e3"}) {
+    const std::string message = bad_config_message("", {std::string("checkpoint.export_adapter=") + word});
+    INFO(message);
+    CHECK(contains(message, std::string("`checkpoint.export_adapter` = `") + word + "` is ambiguous"));
+    CHECK(contains(message, std::string("./") + word));
+  }
+  // Quoted, a boolean-ish word is still refused: quotes are easy to lose on a command line.
+  CHECK(contains(bad_config_message("checkpoint: {export_adapter: \"off\"}"), "is ambiguous"));
+  CHECK(parse("checkpoint: {export_adapter: ./off}").checkpoint.export_adapter == "./off");
+  CHECK(parse("checkpoint: {export_adapter: out/2024-06-01}").checkpoint.export_adapter == "out/2024-06-01");
+  CHECK(parse("checkpoint: {export_adapter: adapters_v2}").checkpoint.export_adapter == "adapters_v2");
+}
+
 TEST_CASE("checkpoint config: init_adapter must be a directory or null") {
   std::string message = bad_config_message("checkpoint: {init_adapter: [a]}");
   CHECK(contains(message, "`checkpoint.init_adapter` expects a string or null"));

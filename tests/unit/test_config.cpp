@@ -2,6 +2,8 @@
 // message naming the key, where it was set (file:line or --set) and the fix; --set overrides;
 // the resolved YAML reads back to the same config; world-size rules.
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -535,5 +537,67 @@ TEST_CASE("every model key can override an imported config.json", "[config]") {
   } catch (const Error& e) {
     INFO(e.what());
     CHECK(e.code() != ExitCode::kInternal);  // a config disagreement is fine, a missing copier is not
+  }
+}
+
+// Issue 28 item 7: a value from model.hf_dir's config.json that breaks a rule is blamed on
+// config.json (its path and key), not on the YAML; a key the YAML sets is still the YAML's.
+TEST_CASE("a config.json value that breaks a rule names config.json and its key", "[config][import]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "moetrain_test_config_hf_negative_experts";
+  fs::create_directories(dir);
+  std::ifstream golden(std::string(MOETRAIN_FIXTURE_DIR) + "/golden/qlora/config.json");
+  std::stringstream text;
+  text << golden.rdbuf();
+  std::string json = text.str();
+  const std::string experts = "\"n_routed_experts\": 8";
+  REQUIRE(json.find(experts) != std::string::npos);
+  json.replace(json.find(experts), experts.size(), "\"n_routed_experts\": -8");
+  std::ofstream((dir / "config.json").string()) << json;
+  const Config config = parse_config("model: {hf_dir: " + dir.string() + "}\ndata: {seq_len: 16}\n", "hf.yaml");
+  std::string message = bad_config_message([&] { resolve_model_spec(config); });
+  CHECK(has(message, (dir / "config.json").string() + " (\"n_routed_experts\"): `model.moe.num_experts` = -8 must be > 0"));
+  CHECK(!has(message, "hf.yaml"));  // the one problem (no "parallel.ep must be <= -8" after it)
+  // A rule over a config.json value and the YAML's own: placed at the YAML's key.
+  const Config overridden =
+      parse_config("model: {hf_dir: " + dir.string() + ", moe: {num_experts: 4}}\ndata: {seq_len: 64}\n", "hf.yaml");
+  message = bad_config_message([&] { resolve_model_spec(overridden); });
+  CHECK(has(message, "hf.yaml: `data.seq_len` = 64 is longer than `model.max_position_embeddings` = 32"));
+  // The merged values: the qlora model's own dimensions, not the built-in defaults.
+  const Config good =
+      parse_config("model: {hf_dir: " + std::string(MOETRAIN_FIXTURE_DIR) + "/golden/qlora}\ndata: {seq_len: 16}\n", "hf.yaml");
+  const ModelSpec spec = resolve_model_spec(good);
+  CHECK(spec.config.vocab_size == 64);
+  CHECK(spec.config.hidden_size == 32);
+  CHECK(spec.config.num_layers == 3);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("model_type, vocab_size and the sizes' limits are config rules", "[config]") {
+  CHECK(has(override_error({"model.model_type=llama"}),
+            "`model.model_type` = `llama` is not allowed: use one of deepseek_v3 | deepseek_v32 | kimi_linear | kimi_k3"));
+  CHECK(has(override_error({"model.vocab_size=1"}), "`model.vocab_size` = 1 must be >= 2"));
+  CHECK(has(override_error({"model.vocab_size=16777217"}), "`model.vocab_size` = 16777217 must be <= 16777216"));
+  CHECK(has(override_error({"model.num_layers=5000", "model.layers=[]"}), "`model.num_layers` = 5000 must be <= 4096"));
+  CHECK(has(override_error({"model.moe.expert_intermediate_size=100000000000"}),
+            "`model.moe.expert_intermediate_size` = 100000000000 must be <= 1048576"));
+  CHECK(has(override_error({"model.hidden_size=2097152"}), "`model.hidden_size` = 2097152 must be <= 1048576"));
+  CHECK_NOTHROW(parse_tiny({"model.vocab_size=2", "model.model_type=kimi_k3"}));
+}
+
+// Item 10: one rule for booleans. YAML 1.2's true/false spellings are booleans; the words YAML 1.1
+// also reads as booleans, and 0 / 1, are refused with "write true or false".
+TEST_CASE("booleans: YAML 1.2's spellings; yes/no/on/off/y/n/0/1 refused as ambiguous", "[config]") {
+  for (const char* word : {"true", "True", "TRUE"}) {
+    CHECK(parse_tiny({std::string("lora.rslora=") + word}).lora.rslora);
+  }
+  for (const char* word : {"false", "False", "FALSE"}) {
+    CHECK(!parse_tiny({std::string("parallel.recompute=") + word}).parallel.recompute);
+  }
+  for (const char* word : {"yes", "No", "ON", "off", "y", "N", "0", "1"}) {
+    const std::string message = override_error({std::string("parallel.recompute=") + word});
+    INFO(message);
+    CHECK(has(message, std::string("`parallel.recompute` expects a boolean (true or false), got `") + word + "`"));
+    CHECK(has(message, "write true or false"));
   }
 }

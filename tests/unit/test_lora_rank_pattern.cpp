@@ -255,6 +255,40 @@ TEST_CASE("lora patterns: the model gives each module its rank and alpha; unmatc
   }
 }
 
+// validate and plan make the model's LoRA checks from the spec alone (check_lora_modules, no
+// weights): what building the model refuses they refuse with the same message, and what it
+// builds they pass, in every adapter form.
+TEST_CASE("lora patterns: check_lora_modules refuses what building the model refuses", "[rank_pattern][config]") {
+  auto backend = kernels::make_cpu_backend();
+  auto without_location = [](const std::string& m) { return m.substr(0, m.rfind(" [")); };
+  for (const char* gate_up : {"separate", "fused"}) {
+    for (const char* expert_a : {"per_expert", "shared"}) {
+      INFO(gate_up << ", " << expert_a);
+      const Config good = pattern_config(gate_up, expert_a);
+      CHECK_NOTHROW(make_model(*backend, good));
+      CHECK_NOTHROW(check_lora_modules(resolve_model_spec(good), good.lora));
+      std::vector<Config> bad(3, good);
+      bad[0].lora.rank_pattern.emplace_back("q_a_proj\\.weight", 5);
+      bad[1].lora.alpha_pattern.emplace_back("proj", 3.0);
+      bad[2].lora.rank_pattern.emplace_back(std::string(gate_up) == "fused" ? "experts\\.up_proj" : "gate_up_proj", 5);
+      for (const Config& c : bad) {
+        const std::string built = error_message([&] { make_model(*backend, c); });
+        const std::string from_spec = error_message([&] { check_lora_modules(resolve_model_spec(c), c.lora); });
+        INFO(built);
+        CHECK(contains(built, "selects no LoRA adapter of this model"));
+        CHECK(without_location(from_spec) == without_location(built));
+      }
+    }
+  }
+  // A target this model does not have.
+  Config no_gate = tiny_model_config(true);
+  no_gate.lora.targets = {"q_proj", "g_proj"};
+  const std::string built = error_message([&] { make_model(*backend, no_gate); });
+  const std::string from_spec = error_message([&] { check_lora_modules(resolve_model_spec(no_gate), no_gate.lora); });
+  CHECK(contains(built, "lora.targets: \"g_proj\" matches no module of this model"));
+  CHECK(without_location(from_spec) == without_location(built));
+}
+
 TEST_CASE("lora patterns: whole-model gradients with mixed ranks; plan's count in every form", "[rank_pattern][gradcheck]") {
   auto backend = kernels::make_cpu_backend();
   auto model = make_model(*backend, pattern_config());
