@@ -12,6 +12,8 @@
 #     ops     moetrain-bench ops (kernels against the ceilings and peers) and, where torch is
 #             installed, scripts/bench_torch_grouped_mm.py (the grouped-GEMM peer, same run)
 #     golden  scripts/make_fixtures_kimi_linear.py (transformers golden files) into $OUT/golden
+#     merge   test_merged_export writes merged models (moetrain merge) and their logits with the
+#             adapter; scripts/check_merged_export.py loads each in transformers and compares
 #     step    moetrain-bench step on configs/h200-kimi-dims-mla.yaml: recompute on (op times),
 #             recompute off, and the direct (uncached) allocator; and the KDA slice
 #     train   the training run (MOETRAIN_TRAIN_STEPS, default 100) on configs/h200-kimi-dims-mla.yaml
@@ -23,7 +25,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${BUILD_DIR:-$repo/build-gpu}"
 log_dir="${OUT:-/tmp}"
 log="$log_dir/gpu_check.log"
-stages=" ${GPU_CHECK_STAGES:-build tests ops golden step train} "
+stages=" ${GPU_CHECK_STAGES:-build tests ops golden merge step train} "
 mkdir -p "$log_dir"
 : >"$log"
 want() { [[ "$stages" == *" $1 "* ]]; }
@@ -96,6 +98,18 @@ if want golden; then
   cat "$log_dir/golden.log" >>"$log"
 fi
 
+if want merge; then
+  echo "== merged exports against transformers"
+  merge_dir="$log_dir/merge"
+  if MOETRAIN_MERGE_EXPORT_DIR="$merge_dir" "$build_dir/tests/test_merged_export" >"$log_dir/merge.log" 2>&1 &&
+     python3 "$repo/scripts/check_merged_export.py" "$merge_dir" --device cuda >>"$log_dir/merge.log" 2>&1; then
+    summary+=("merge: $(tail -n 4 "$log_dir/merge.log")")
+  else
+    summary+=("merge: FAILED: $(tail -n 6 "$log_dir/merge.log")")
+  fi
+  cat "$log_dir/merge.log" >>"$log"
+fi
+
 if want step; then
   step_run() {  # name, then moetrain-bench step arguments
     local name="$1"
@@ -123,8 +137,10 @@ if want train; then
   run_dir="$log_dir/train_run"
   if "$build_dir/apps/moetrain" train --config "$repo/configs/h200-kimi-dims-mla.yaml" --set "train.steps=$steps" \
        --set "train.warmup_steps=$((steps / 10))" --set "logging.run_dir=$run_dir" --set checkpoint.every=0 \
+       --set data.eval.source=synthetic --set data.eval.windows=8 --set "train.eval_every=$((steps / 2))" \
        >"$log_dir/train_run.log" 2>&1; then
-    summary+=("train: $(grep -E 'step +[0-9]+/|done:|peak tensor memory' "$log_dir/train_run.log" | sed -n '1p;$p;' || true)")
+    summary+=("train: $(grep -E 'step +[0-9]+/|done:|summary:|peak tensor memory' "$log_dir/train_run.log" | sed -n '1p;$p;' || true)")
+    summary+=("train eval: $(grep -E 'eval loss' "$log_dir/train_run.log" | tail -n 1 || true)")
   else
     summary+=("train: FAILED (see $log_dir/train_run.log): $(tail -n 3 "$log_dir/train_run.log")")
   fi
