@@ -34,6 +34,7 @@
 #include "core/checkpoint/merged_export.h"
 #include "core/config/config.h"
 #include "core/data/data_stats.h"
+#include "core/io/hf_index.h"
 #include "core/model/model_spec.h"
 #include "core/plan/memory_plan.h"
 #include "core/plan/param_count.h"
@@ -284,10 +285,16 @@ int run_command(Runtime& runtime, int argc, char** argv) {
                           world, cli.gpu_gb));
     return static_cast<int>(ExitCode::kDoesNotFit);
   }
+  if (cli.command == "validate" && config.model.hf_dir) {
+    // The weight files as train opens them (the index or the safetensors header, not the
+    // tensors): a directory with config.json alone is train's exit 4 here too.
+    HfCheckpoint weights(*config.model.hf_dir);
+  }
   print_resolved(runtime, config);
   if (cli.command == "validate") {
     log::info("config " + cli.config_path + " is valid for a job of " + std::to_string(world) +
-              (world == 1 ? " rank" : " ranks"));
+              (world == 1 ? " rank" : " ranks") +
+              (config.model.hf_dir ? " (the model from " + *config.model.hf_dir + "/config.json)" : ""));
     return 0;
   }
   return run_training(runtime, config);
