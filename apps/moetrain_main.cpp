@@ -201,6 +201,11 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
       cli.out = result["out"].as<std::string>();
       if (result.count("base")) cli.base = result["base"].as<std::string>();
       if (result.count("max-shard-size")) cli.max_shard_size = result["max-shard-size"].as<std::string>();
+      // Every command takes --config and --set at parse time; merge uses neither, and one silently
+      // ignored would look honoured (as export's --set once was).
+      if (result.count("config") || result.count("set")) {
+        usage_error(runtime, "`moetrain merge` takes no --config or --set: the settings are the checkpoint's own");
+      }
       return cli;
     }
     if (!result.count("config")) usage_error(runtime, "`moetrain " + cli.command + "` needs --config FILE");
