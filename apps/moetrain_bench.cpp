@@ -30,7 +30,7 @@
 #include "core/model/expert_dispatch.h"
 #include "core/model/model.h"
 #include "core/plan/model_flops.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/dsa.h"
 #include "kernels/cuda/grouped_gemm.h"

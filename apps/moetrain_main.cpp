@@ -1,4 +1,4 @@
-// moetrain: the trainer's command line (DESIGN.md §6).
+// moetrain: the trainer's command line (docs/ARCHITECTURE.md §7).
 //
 //   moetrain validate --config FILE [--set key.path=value]... [--world N]
 //   moetrain train    --config FILE [--set key.path=value]... [--resume auto|none|PATH]
@@ -38,7 +38,7 @@
 #include "core/model/model_spec.h"
 #include "core/plan/memory_plan.h"
 #include "core/plan/param_count.h"
-#include "core/train/run_training.h"
+#include "core/run/run_training.h"
 #include "parallel/runtime.h"
 
 namespace moetrain {

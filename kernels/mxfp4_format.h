@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/base/host_device.h"
+#include "core/base/tensor.h"
 
 namespace moetrain::kernels {
 
@@ -46,5 +47,16 @@ MOETRAIN_HOST_DEVICE inline uint8_t mxfp4_code(double v, int exponent) {
                                         : 7;
   return static_cast<uint8_t>(magnitude | (negative ? 0x8 : 0x0));
 }
+
+// Host-side conversions of whole weights (kernels/cpu/mxfp4.cpp), for code above the kernels
+// that holds MXFP4 weights on the host: loading a checkpoint without packed experts, writing a
+// merged model.
+//
+// Quantizes values [rows, cols] (cols % 32 == 0; finite) per group of 32: the scale of
+// mxfp4_exponent, then each value's mxfp4_code.
+void mxfp4_quantize(uint8_t* packed, uint8_t* scales, const double* values, int64_t rows, int64_t cols);
+// out (host, F64, F32 or BF16 [..., cols]) = the weight held by packed [rows, cols / 2] and
+// scales [rows, cols / 32], both U8 on the host.
+void mxfp4_dequantize(const TensorView& out, const TensorView& packed, const TensorView& scales);
 
 }  // namespace moetrain::kernels

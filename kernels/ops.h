@@ -38,7 +38,7 @@
 namespace moetrain::kernels {
 
 // ---------------------------------------------------------------------------------------------
-// Argument structs (STYLE.md §7: more than ~5 parameters, or any flag -> a struct)
+// Argument structs: an op with more than about five parameters, or any flag, takes a struct
 
 // c[m, n] = alpha * op(a) . op(b) + beta * c, with op(x) = x or x^T; all row-major 2-D.
 struct GemmArgs {
@@ -90,7 +90,7 @@ struct GroupedGemmArgs {
 // The random initialisation of frozen MXFP4 weights (Kimi K3's experts: 33B values per layer, too
 // many to make and quantize on the host): codes [..., cols / 2] and scales [..., cols / 32] (U8,
 // the format of GroupedGemmArgs::b_scale; leading dimensions fold into rows) receive the MXFP4
-// quantization (kernels/cpu/mxfp4.h, mxfp4_quantize) of the uniform weights
+// quantization (kernels/mxfp4_format.h, mxfp4_quantize) of the uniform weights
 //   w[r, c] = uniform_weight(seed + first_element + r * cols + c, half_width)   (core/base/random.h),
 // the same bytes on every backend.
 struct RandomMxfp4Args {

@@ -1,4 +1,4 @@
-// Typed collectives over one process group (DESIGN.md §4, STYLE.md item 10).
+// Typed collectives over one process group (docs/ARCHITECTURE.md §5).
 //
 // The element type comes from the C++ type (or the tensor's dtype) and every count is a count
 // of elements, never of bytes: `comm.all_gather(out, in, count)` with float pointers moves

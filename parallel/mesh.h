@@ -1,5 +1,5 @@
 // The device mesh: which ranks form which process group, from the world size and the
-// `parallel` section (DESIGN.md §4).
+// `parallel` section (docs/ARCHITECTURE.md §5).
 //
 // Rank layout (rank r of a world of W = fsdp x replicate ranks, ep dividing W):
 //

@@ -3,7 +3,7 @@
 //
 // Every binary's main is `return moetrain::run_main(argc, argv, body);`: run_main initialises
 // the runtime, runs the body, and turns any exception into a logged message (with the rank) and
-// the exit code of DESIGN.md §6 on every rank: a moetrain::Error ends the job with its code, any
+// the exit code of docs/ARCHITECTURE.md §7 on every rank: a moetrain::Error ends the job with its code, any
 // other exception with code 1. When one rank fails alone the others are brought down with it
 // (MPI_Abort) within seconds instead of hanging in their next collective.
 #pragma once

@@ -1,5 +1,5 @@
 // Errors and exit codes. Every error a user can cause is an `Error` carrying the exit code the
-// process must end with (DESIGN.md §6); apps/ catch it at the top and end every rank with it.
+// process must end with (docs/ARCHITECTURE.md §7); apps/ catch it at the top and end every rank with it.
 #pragma once
 
 #include <stdexcept>

@@ -1,4 +1,4 @@
-// Checkpointing for one training run, as `moetrain train` uses it (core/train/run_training.cpp):
+// Checkpointing for one training run, as `moetrain train` uses it (core/run/run_training.cpp):
 //
 //   CheckpointSession session(config, group, trainer, backend, data);
 //   session.resume();                                   // --resume auto | none | PATH

@@ -28,7 +28,7 @@
 #include "core/io/output_file.h"
 #include "core/io/safetensors_writer.h"
 #include "core/model/hf_names.h"
-#include "kernels/cpu/mxfp4.h"
+#include "kernels/mxfp4_format.h"
 #include "parallel/watchdog.h"
 
 namespace moetrain {
@@ -113,7 +113,7 @@ std::map<std::string, OutputTensor> output_tensors(const HfCheckpoint& base, boo
       const SafetensorsTensorInfo& s = base.info(scale);
       MOETRAIN_CHECK(info.dtype == DType::kU8 && s.dtype == DType::kU8 && info.shape.ndim() == 2 &&
                          s.shape.ndim() == 2 && s.shape[0] == info.shape[0] &&
-                         2 * info.shape[1] == s.shape[1] * kernels::cpu::kMxfp4GroupSize,
+                         2 * info.shape[1] == s.shape[1] * kernels::kMxfp4GroupSize,
                      ExitCode::kBadCheckpoint,
                      fmt::format("{}: \"{}\" ({} {}) and \"{}\" ({} {}) are not MXFP4 codes [out, in / 2] and scales "
                                  "[out, in / 32]",
@@ -335,7 +335,7 @@ Tensor merged_tensor(const HfCheckpoint& base, const CheckpointReader& reader, c
   if (!t.packed.empty()) {
     const Tensor packed = base.read_as(t.packed, DType::kU8);
     const Tensor scales = base.read_as(t.name + "_scale", DType::kU8);
-    kernels::cpu::mxfp4_dequantize(values.view(), packed.view(), scales.view());
+    kernels::mxfp4_dequantize(values.view(), packed.view(), scales.view());
   }
   const int64_t in = t.shape[t.shape.ndim() - 1];
   for (const Contribution& c : deltas) {

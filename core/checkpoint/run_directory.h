@@ -15,7 +15,7 @@
 //     into <root>.old-<UTC time>/, never deleted). A fresh start moves an earlier metrics.jsonl
 //     aside (metrics.old-<UTC time>.jsonl), so that one file never holds two runs.
 //
-// Rank 0 does all of it (core/train/run_training.cpp agrees the outcome with the other ranks).
+// Rank 0 does all of it (core/run/run_training.cpp agrees the outcome with the other ranks).
 #pragma once
 
 #include <memory>

@@ -1,4 +1,4 @@
-// The typed configuration: one struct per YAML section (DESIGN.md §7). Field names are the YAML
+// The typed configuration: one struct per YAML section (docs/ARCHITECTURE.md §7). Field names are the YAML
 // keys. Defaults here are the defaults a config file gets for a key it leaves out; a key the
 // file sets that is not a field is an error ("did you mean ...").
 #pragma once

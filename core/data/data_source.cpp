@@ -5,7 +5,7 @@
 #include "core/base/error.h"
 #include "core/data/dataset_source.h"
 #include "core/data/eval_data.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 
 namespace moetrain {
 namespace {

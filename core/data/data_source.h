@@ -1,6 +1,6 @@
 // Where training batches come from: the one interface the trainer reads, built from data.source.
 //
-//   synthetic                      the built-in Markov-chain data (core/train/synthetic_data.h)
+//   synthetic                      the built-in Markov-chain data (core/data/synthetic_data.h)
 //   dir/name                       a tokenized dataset dir/name.{bin,idx[,mask]} (indexed_dataset.h)
 //   [{path: a, weight: 2}, ...]    a weighted mixture of such datasets (sampler.h)
 //
@@ -15,7 +15,7 @@
 #include <string>
 
 #include "core/config/config.h"
-#include "core/train/batch.h"
+#include "core/data/batch.h"
 
 namespace moetrain {
 

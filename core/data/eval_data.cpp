@@ -5,7 +5,7 @@
 #include "core/base/error.h"
 #include "core/data/indexed_dataset.h"
 #include "core/data/packing.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 
 namespace moetrain {
 

@@ -23,7 +23,7 @@
 
 #include "core/config/config.h"
 #include "core/data/dataset_source.h"
-#include "core/train/batch.h"
+#include "core/data/batch.h"
 
 namespace moetrain {
 

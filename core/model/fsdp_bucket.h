@@ -1,4 +1,4 @@
-// One FSDP2-style flat bucket of frozen weights (DESIGN.md §4): the member tensors, laid end to
+// One FSDP2-style flat bucket of frozen weights (docs/ARCHITECTURE.md §5): the member tensors, laid end to
 // end, padded to a multiple of the FSDP group size and split evenly; each rank keeps only its
 // shard. gather() all-gathers the bucket into one buffer and points every member at its offset
 // there; release() frees that buffer and leaves the members as shape-only placeholders (no

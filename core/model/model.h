@@ -17,7 +17,7 @@
 #include "core/model/model_spec.h"
 #include "core/model/parallel_groups.h"
 #include "core/model/parameter_group.h"
-#include "core/train/trainer.h"
+#include "core/model/trainable_model.h"
 
 namespace moetrain {
 

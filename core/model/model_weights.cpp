@@ -15,7 +15,7 @@
 #include "core/base/log.h"
 #include "core/io/hf_index.h"
 #include "core/model/fsdp_bucket.h"
-#include "kernels/cpu/mxfp4.h"
+#include "kernels/mxfp4_format.h"
 #include "core/model/hf_names.h"
 #include "core/model/model.h"
 #include "parallel/watchdog.h"
@@ -223,7 +223,7 @@ struct Mxfp4Expert {
   Tensor packed, scales;  // one expert's codes [out, in / 2] and scales [out, in / 32], host
   Mxfp4Expert(int64_t out_features, int64_t in_features)
       : out(out_features), in(in_features), packed({out_features, in_features / 2}, DType::kU8),
-        scales({out_features, in_features / kernels::cpu::kMxfp4GroupSize}, DType::kU8) {}
+        scales({out_features, in_features / kernels::kMxfp4GroupSize}, DType::kU8) {}
   // Rows are independent: split over the host's cores (a K3 layer's experts are 33B weights).
   void quantize(const double* values) {
     auto* codes = static_cast<uint8_t*>(packed.data());
@@ -234,7 +234,7 @@ struct Mxfp4Expert {
     for (int64_t t = 0; t < threads; ++t) {
       const int64_t begin = out * t / threads, end = out * (t + 1) / threads;
       workers.emplace_back([=] {
-        kernels::cpu::mxfp4_quantize(codes + begin * (in / 2), exponents + begin * (in / kernels::cpu::kMxfp4GroupSize),
+        kernels::mxfp4_quantize(codes + begin * (in / 2), exponents + begin * (in / kernels::kMxfp4GroupSize),
                                      values + begin * in, end - begin, in);
       });
     }
@@ -285,7 +285,7 @@ bool load_packed_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot,
   while (naming < first.size() && !checkpoint.has(first[naming] + "_packed")) ++naming;
   if (naming == first.size()) return false;
   Mxfp4Expert expert = mxfp4_expert_of(slot);
-  const int64_t groups = expert.in / kernels::cpu::kMxfp4GroupSize;
+  const int64_t groups = expert.in / kernels::kMxfp4GroupSize;
   for (int64_t g = 0; g < slot.tensor->size(0); ++g) {
     watchdog_progress("loading MXFP4 experts: " + slot.name);
     auto base = [&](const char* projection) {
@@ -417,7 +417,7 @@ void Model::init_random_weights() {
   backend_.synchronize();
 }
 
-// FSDP buckets (DESIGN.md §4). Per decoder layer: its norms, attention projections and latent
+// FSDP buckets (docs/ARCHITECTURE.md §5). Per decoder layer: its norms, attention projections and latent
 // norms, router weight, dense MLP or shared experts -- every frozen weight in the compute dtype
 // except the routed experts (expert parallelism slices those) and the F32 router score bias
 // (E floats, kept whole). One more bucket holds embed_tokens, the final norm and lm_head: the

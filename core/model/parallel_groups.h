@@ -1,4 +1,4 @@
-// The process groups a model needs when it runs on several ranks (DESIGN.md §4), as typed
+// The process groups a model needs when it runs on several ranks (docs/ARCHITECTURE.md §5), as typed
 // communicators whose buffers live where the model's tensors do (MPI: host, NCCL: device).
 // A model built without one runs alone.
 #pragma once

@@ -256,7 +256,7 @@ void Trainer::report(const StepRecord& record) {
   // A step with an evaluation always shows it.
   const bool log_progress = m.step % every == 0 || m.step == options_.train.steps || m.step == 1 ||
                             !std::isnan(record.eval_loss);
-  // metrics.jsonl gets every step (DESIGN.md §6); logging.every thins the console only.
+  // metrics.jsonl gets every step (docs/ARCHITECTURE.md §7); logging.every thins the console only.
   if (metrics_ != nullptr) {
     metrics_->write(m, log_progress);
   } else if (log_progress) {

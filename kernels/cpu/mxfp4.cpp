@@ -41,6 +41,10 @@ void mxfp4_dequantize(T* out, const uint8_t* packed, const uint8_t* scales, int6
   }
 }
 
+}  // namespace moetrain::kernels::cpu
+
+namespace moetrain::kernels {
+
 void mxfp4_dequantize(const TensorView& out, const TensorView& packed, const TensorView& scales) {
   const char* op = "mxfp4_dequantize";
   const int64_t cols = last_dim(op, "out", out), rows = rows_of(out);
@@ -55,12 +59,12 @@ void mxfp4_dequantize(const TensorView& out, const TensorView& packed, const Ten
   const auto* bytes = static_cast<const uint8_t*>(packed.data);
   const auto* exponents = static_cast<const uint8_t*>(scales.data);
   switch (out.dtype) {
-    case DType::kF64: mxfp4_dequantize(out.ptr<double>(), bytes, exponents, rows, cols); return;
-    case DType::kF32: mxfp4_dequantize(out.ptr<float>(), bytes, exponents, rows, cols); return;
+    case DType::kF64: cpu::mxfp4_dequantize(out.ptr<double>(), bytes, exponents, rows, cols); return;
+    case DType::kF32: cpu::mxfp4_dequantize(out.ptr<float>(), bytes, exponents, rows, cols); return;
     case DType::kBF16: {
       // Every value is a float (or overflows it), so float then bf16 rounds once.
       std::vector<float> wide(static_cast<size_t>(rows * cols));
-      mxfp4_dequantize(wide.data(), bytes, exponents, rows, cols);
+      cpu::mxfp4_dequantize(wide.data(), bytes, exponents, rows, cols);
       for (size_t i = 0; i < wide.size(); ++i) out.ptr_u16()[i] = float_to_bf16(wide[i]);
       return;
     }
@@ -83,6 +87,10 @@ void mxfp4_quantize(uint8_t* packed, uint8_t* scales, const double* values, int6
     }
   }
 }
+
+}  // namespace moetrain::kernels
+
+namespace moetrain::kernels::cpu {
 
 void random_mxfp4(const RandomMxfp4Args& args) {
   const int64_t cols = 2 * args.codes.size(-1), rows = args.codes.numel() / args.codes.size(-1);

@@ -30,14 +30,13 @@ double e8m0_value(uint8_t bits);
 template <typename T>
 void mxfp4_dequantize(T* out, const uint8_t* packed, const uint8_t* scales, int64_t rows, int64_t cols);
 
-// The same on host tensors: out F64, F32 or BF16 [..., cols]; packed and scales U8 as above.
-void mxfp4_dequantize(const TensorView& out, const TensorView& packed, const TensorView& scales);
-
-// Quantizes values [rows, cols] (cols % 32 == 0; finite) to the format, for checkpoints without
-// packed experts and for random initialisation. Per group of 32: the smallest scale 2^e with
-// max |v| <= 6 * 2^e (so nothing saturates; e clamped to [-127, 127]), then each v / 2^e rounded
-// to the nearest E2M1 magnitude, ties to the one with an even mantissa bit, keeping v's sign bit.
-void mxfp4_quantize(uint8_t* packed, uint8_t* scales, const double* values, int64_t rows, int64_t cols);
+// The whole-weight conversions on host tensors (kernels/mxfp4_format.h declares them, for code
+// above the kernels; defined in mxfp4.cpp). Quantizing, per group of 32: the smallest scale 2^e
+// with max |v| <= 6 * 2^e (so nothing saturates; e clamped to [-127, 127]), then each v / 2^e
+// rounded to the nearest E2M1 magnitude, ties to the one with an even mantissa bit, keeping v's
+// sign bit.
+using kernels::mxfp4_dequantize;
+using kernels::mxfp4_quantize;
 
 // Backend::random_mxfp4 (ops.h): the quantized uniform weights, made one row at a time.
 void random_mxfp4(const RandomMxfp4Args& args);

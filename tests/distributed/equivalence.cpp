@@ -1,4 +1,4 @@
-// Distributed training equals single-rank training (DESIGN.md §4): run under mpirun with a
+// Distributed training equals single-rank training (docs/ARCHITECTURE.md §5): run under mpirun with a
 // (fsdp, ep) layout, every rank trains the tiny MLA + MoE model on its share of the data for 3
 // optimizer steps, and checks against a single-process run of the same model on all ranks'
 // data together (computed locally on each rank, no communication):
@@ -29,7 +29,7 @@
 #include "core/base/log.h"
 #include "core/model/model.h"
 #include "core/train/optimizer.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "kernels/ops.h"
 #include "mpi_parallel_groups.h"
 #include "parallel/mesh.h"

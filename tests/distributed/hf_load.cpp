@@ -1,4 +1,4 @@
-// FSDP loading from a Hugging Face directory (DESIGN.md §4): under mpirun each rank reads only
+// FSDP loading from a Hugging Face directory (docs/ARCHITECTURE.md §5): under mpirun each rank reads only
 // the rows holding its shards (and its experts), and the sharded model must compute the same
 // logits as one process that loaded everything, on the golden fixture's batch (every rank runs
 // the whole batch). Also checks that each rank keeps ~1/fsdp of the frozen non-expert bytes.

@@ -5,7 +5,7 @@
 
 #include "core/config/config.h"
 #include "core/model/model_spec.h"
-#include "core/train/batch.h"
+#include "core/data/batch.h"
 
 namespace moetrain::testing {
 

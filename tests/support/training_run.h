@@ -10,7 +10,7 @@
 #include "catch.h"
 #include "core/checkpoint/checkpoint_session.h"
 #include "core/model/model.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "kernels/ops.h"
 #include "tiny_model.h"
 

@@ -16,7 +16,7 @@
 #include "core/checkpoint/preemption.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "core/io/safetensors.h"
 #include "tiny_model.h"
 #include "training_run.h"

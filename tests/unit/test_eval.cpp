@@ -17,7 +17,7 @@
 #include "core/data/eval_data.h"
 #include "core/model/model.h"
 #include "core/train/metrics.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "core/train/trainer.h"
 #include "kernels/ops.h"
 #include "test_data_support.h"

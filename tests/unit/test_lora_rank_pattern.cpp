@@ -25,7 +25,7 @@
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "core/plan/param_count.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "adapter_testing.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"

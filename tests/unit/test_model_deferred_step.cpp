@@ -13,7 +13,7 @@
 
 #include "catch.h"
 #include "core/model/model.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "core/train/trainer.h"
 #include "kernels/ops.h"
 #include "tests/support/tiny_model.h"

@@ -8,7 +8,7 @@
 
 #include "catch.h"
 #include "core/base/error.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 
 using moetrain::Batch;
 using moetrain::DataConfig;

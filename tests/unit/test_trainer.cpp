@@ -18,7 +18,7 @@
 #include "core/base/error.h"
 #include "core/train/metrics.h"
 #include "core/train/schedule.h"
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 #include "core/train/trainer.h"
 
 using moetrain::Batch;

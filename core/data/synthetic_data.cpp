@@ -1,4 +1,4 @@
-#include "core/train/synthetic_data.h"
+#include "core/data/synthetic_data.h"
 
 #include <algorithm>
 #include <cmath>

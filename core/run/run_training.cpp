@@ -1,4 +1,4 @@
-#include "core/train/run_training.h"
+#include "core/run/run_training.h"
 
 #include <fmt/format.h>
 

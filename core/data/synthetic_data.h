@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "core/config/config.h"
-#include "core/train/batch.h"
+#include "core/data/batch.h"
 
 namespace moetrain {
 
