@@ -297,16 +297,17 @@ TEST_CASE("data.eval and train.eval_every: read, written back, and checked") {
   CHECK(same_settings(parse_config(config_to_yaml(m), "resolved.yaml"), m));
   CHECK_FALSE(Config().data.eval.enabled());
 
-  CHECK_THAT(config_error({"data.source=d/t", "data.eval.source=d/e", "data.eval.holdout=0.1"}),
-             Catch::Contains("both set"));
-  CHECK_THAT(config_error({"train.eval_every=10"}), Catch::Contains("no eval data is set"));
-  CHECK_THAT(config_error({"data.eval.holdout=0.1"}), Catch::Contains("endless synthetic stream"));
-  CHECK_THAT(config_error({"data.eval.source=synthetic"}), Catch::Contains("set `data.eval.windows`"));
-  CHECK_THAT(config_error({"data.source=d/t", "data.eval.source=synthetic", "data.eval.windows=4"}),
-             Catch::Contains("evaluates the built-in Markov chain"));
-  CHECK_THAT(config_error({"data.source=d/t", "data.eval.holdout=1"}), Catch::Contains("data.eval.holdout"));
-  CHECK_THAT(config_error({"data.eval.windows=-1"}), Catch::Contains("data.eval.windows"));
-  CHECK_THAT(config_error({"data.eval.sorce=d/e"}), Catch::Contains("data.eval.source"));
+  // Catch2 2.x and 3.x name their substring matcher differently: a plain find works on both.
+  auto says = [](const std::string& error, const char* part) { return error.find(part) != std::string::npos; };
+  CHECK(says(config_error({"data.source=d/t", "data.eval.source=d/e", "data.eval.holdout=0.1"}), "both set"));
+  CHECK(says(config_error({"train.eval_every=10"}), "no eval data is set"));
+  CHECK(says(config_error({"data.eval.holdout=0.1"}), "endless synthetic stream"));
+  CHECK(says(config_error({"data.eval.source=synthetic"}), "set `data.eval.windows`"));
+  CHECK(says(config_error({"data.source=d/t", "data.eval.source=synthetic", "data.eval.windows=4"}),
+             "evaluates the built-in Markov chain"));
+  CHECK(says(config_error({"data.source=d/t", "data.eval.holdout=1"}), "data.eval.holdout"));
+  CHECK(says(config_error({"data.eval.windows=-1"}), "data.eval.windows"));
+  CHECK(says(config_error({"data.eval.sorce=d/e"}), "data.eval.source"));
 }
 
 TEST_CASE("the progress line shows the eval loss, the elapsed time and the ETA") {
