@@ -5,8 +5,9 @@
 # whereas a SIGTERM to mpirun itself kills the ranks' saves short and makes mpirun exit 1.
 # Exits with mpirun's status. Used by train_multi_node.sbatch (LAUNCHER=mpirun); usable alone:
 #   scripts/slurm/mpirun_preemptible.sh -np 16 build/apps/moetrain train --config C --resume auto
+#   MPIRUN=...  the launcher (default: mpirun on PATH); it must be the Open MPI moetrain was built with
 set -u
-mpirun "$@" &
+"${MPIRUN:-mpirun}" "$@" &
 child=$!
 for signal in TERM INT HUP USR1; do
   trap 'kill -USR1 $child 2>/dev/null' "$signal"

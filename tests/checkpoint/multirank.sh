@@ -200,7 +200,7 @@ $(tail -n 30 "$work/signalled.log")"
     train_args=(train --config "$config" --set parallel.fsdp=2 --set parallel.ep=2 --set data.micro_batch=2
                 --set checkpoint.export_adapter=false --set checkpoint.every=0 --set train.steps=100000
                 --set checkpoint.dir="$work/ckpt")
-    "$here/../../scripts/slurm/mpirun_preemptible.sh" -np 2 "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/signalled" \
+    MPIRUN="$mpiexec" "$here/../../scripts/slurm/mpirun_preemptible.sh" -np 2 "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/signalled" \
       "$moetrain" "${train_args[@]}" >"$work/signalled.log" 2>&1 &
     job=$!
     for ((i = 0; i < 1200; ++i)); do
