@@ -90,7 +90,10 @@ void write_patterns(const std::vector<PeftModule>& modules, int64_t rank, double
                     Json& alpha_pattern) {
   std::map<std::string, std::vector<const PeftModule*>> by_tail;
   for (const PeftModule& m : modules) by_tail[m.tail].push_back(&m);
-  for (const auto& [tail, members] : by_tail) {
+  for (const auto& entry : by_tail) {
+    // Named references, not a structured binding: a lambda may not capture one before C++20.
+    const std::string& tail = entry.first;
+    const std::vector<const PeftModule*>& members = entry.second;
     auto fill = [&](Json& pattern, auto value_of, auto default_value) {
       bool uniform = true;
       for (const PeftModule* m : members) uniform &= value_of(*m) == value_of(*members.front());

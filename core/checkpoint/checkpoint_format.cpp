@@ -5,11 +5,13 @@
 
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <vector>
 
 #include "core/base/error.h"
+#include "core/io/json_integer.h"
 #include "core/io/output_file.h"
 
 namespace moetrain {
@@ -31,6 +33,19 @@ constexpr int kFormatVersion = 1;
 bool is_confined_file_name(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
          name.find('\\') == std::string::npos && name.find('\0') == std::string::npos;
+}
+
+// object[key] as an Int: a JSON integer (or integral float) that Int holds, never a cast of
+// whatever number is there (1e300 as an int is undefined behaviour; -1 as uint64 wraps).
+template <typename Int>
+Int integer_field(const Json& object, const char* key, const std::string& source, const std::string& where = "") {
+  const Json& value = object.at(key);
+  Int result = 0;
+  if (!json_integer(value, &result)) {
+    bad(source, fmt::format("{}\"{}\" is {}, expected an integer in [{}, {}]", where, key, value.dump(),
+                            std::numeric_limits<Int>::min(), std::numeric_limits<Int>::max()));
+  }
+  return result;
 }
 
 Json shape_to_json(const Shape& shape) {
@@ -87,31 +102,32 @@ Manifest parse_manifest(const std::string& text, const std::string& source) {
   Manifest m;
   try {
     if (!json.is_object() || json.value("format", "") != kFormatName) bad(source, "\"format\" is not moetrain-checkpoint");
-    if (json.at("version").get<int>() != kFormatVersion) {
+    if (integer_field<int>(json, "version", source) != kFormatVersion) {
       bad(source, fmt::format("version {} is not {}, the one this build reads", json.at("version").dump(),
                               kFormatVersion));
     }
-    m.step = json.at("step").get<int64_t>();
-    m.tokens = json.at("tokens").get<int64_t>();
-    m.optimizer_steps = json.at("optimizer_steps").get<int64_t>();
+    m.step = integer_field<int64_t>(json, "step", source);
+    m.tokens = integer_field<int64_t>(json, "tokens", source);
+    m.optimizer_steps = integer_field<int64_t>(json, "optimizer_steps", source);
     const Json& world = json.at("world");
-    m.world = world.at("size").get<int>();
-    m.fsdp = world.at("fsdp").get<int64_t>();
-    m.ep = world.at("ep").get<int64_t>();
+    m.world = integer_field<int>(world, "size", source, "world: ");
+    m.fsdp = integer_field<int64_t>(world, "fsdp", source, "world: ");
+    m.ep = integer_field<int64_t>(world, "ep", source, "world: ");
     m.config_yaml = json.at("config").get<std::string>();
     if (m.step < 0 || m.tokens < 0 || m.optimizer_steps < 0 || m.optimizer_steps > m.step) {
       bad(source, "step, tokens or optimizer_steps out of range");
     }
     if (m.world < 1 || m.world > (1 << 24) || m.fsdp < 1 || m.ep < 1) bad(source, "\"world\" out of range");
     for (const Json& r : json.at("ranks")) {
-      m.ranks.push_back(RankProgress{r.at("rank").get<int>(), r.at("data_cursor").get<uint64_t>(),
-                                     r.at("rng_state").get<uint64_t>()});
+      m.ranks.push_back(RankProgress{integer_field<int>(r, "rank", source, "ranks: "),
+                                     integer_field<uint64_t>(r, "data_cursor", source, "ranks: "),
+                                     integer_field<uint64_t>(r, "rng_state", source, "ranks: ")});
     }
     for (const Json& f : json.at("files")) {
       ManifestFile file;
       file.path = f.at("path").get<std::string>();
-      file.rank = f.at("rank").get<int>();
-      file.bytes = f.at("bytes").get<uint64_t>();
+      file.rank = integer_field<int>(f, "rank", source, "files: ");
+      file.bytes = integer_field<uint64_t>(f, "bytes", source, "files: ");
       std::string crc = f.at("crc32").get<std::string>();
       char* end = nullptr;
       unsigned long value = std::strtoul(crc.c_str(), &end, 16);
@@ -157,11 +173,12 @@ std::map<std::string, TensorSlice> parse_slices(const std::string& text, const s
         bad(source, "tensor \"" + key + "\": bad global_shape");
       }
       for (const Json& d : dims) {
-        int64_t dim = d.get<int64_t>();
+        int64_t dim = -1;
+        if (!json_integer(d, &dim)) bad(source, "tensor \"" + key + "\": global_shape entry " + d.dump() + " is not an integer");
         if (dim < 0 || dim > (int64_t{1} << 40)) bad(source, "tensor \"" + key + "\": dimension out of range");
         slice.global_shape.push_back(dim);
       }
-      slice.offset = value.at("offset").get<int64_t>();
+      slice.offset = integer_field<int64_t>(value, "offset", source, "tensor \"" + key + "\": ");
       slices.emplace(key, slice);
     }
   } catch (const Json::exception& e) {

@@ -79,7 +79,7 @@ void HfCheckpoint::read_index(const std::string& index_path) {
   Json index;
   try {
     index = Json::parse(text.str());
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // parse_error, and out_of_range for a number past 1.8e308
     fail("'" + index_path + "' is not valid JSON: " + e.what());
   }
   if (!index.is_object()) fail("'" + index_path + "' is a JSON " + std::string(index.type_name()) + ", expected an object");

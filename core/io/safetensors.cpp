@@ -196,6 +196,8 @@ void SafetensorsFile::parse_header() {
                         ": " + e.what());
   } catch (const JsonTooDeep&) {
     fail(file_path, "header JSON is nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  } catch (const Json::exception& e) {  // out_of_range: a number past 1.8e308 (no byte offset given)
+    fail(file_path, std::string("header is not valid JSON: ") + e.what());
   }
   if (!header.is_object()) fail(file_path, "header is a JSON " + std::string(header.type_name()) + ", expected an object");
 

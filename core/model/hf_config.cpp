@@ -8,15 +8,18 @@
 #include <fmt/format.h>
 
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "core/base/error.h"
 #include "core/base/log.h"
+#include "core/io/json_integer.h"
 #include "core/model/model_spec.h"
 
 namespace moetrain {
@@ -43,6 +46,15 @@ class HfJson {
   template <typename T>
   T get_or(const char* key, T fallback) const {
     if (!has(key)) return fallback;
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      T value{};
+      if (!json_integer(json_.at(key), &value)) {
+        throw Error(ExitCode::kBadConfig, fmt::format("{}: key \"{}\" is {}, expected an integer in [{}, {}]", source_,
+                                                      key, json_.at(key).dump(), std::numeric_limits<T>::min(),
+                                                      std::numeric_limits<T>::max()));
+      }
+      return value;
+    }
     try {
       return json_.at(key).get<T>();
     } catch (const Json::exception& e) {
@@ -173,11 +185,16 @@ std::vector<std::string> kimi_layers(const Json& json, const HfJson& hf, int64_t
     std::set<int64_t> seen;
     for (const char* key : {"kda_layers", "full_attn_layers"}) {
       std::vector<int64_t> listed;
-      try {
-        listed = linear.at(key).get<std::vector<int64_t>>();
-      } catch (const Json::exception& e) {
-        throw Error(ExitCode::kBadConfig,
-                    fmt::format("{}: linear_attn_config.{} must be a list of layer numbers ({})", source, key, e.what()));
+      const Json& list = linear.at(key);
+      MOETRAIN_CHECK(list.is_array(), ExitCode::kBadConfig,
+                     fmt::format("{}: linear_attn_config.{} must be a list of layer numbers, not {}", source, key,
+                                 list.dump()));
+      for (const Json& entry : list) {
+        int64_t layer = 0;
+        MOETRAIN_CHECK(json_integer(entry, &layer), ExitCode::kBadConfig,
+                       fmt::format("{}: linear_attn_config.{} must be a list of layer numbers; {} is not an integer",
+                                   source, key, entry.dump()));
+        listed.push_back(layer);
       }
       for (int64_t layer : listed) {
         MOETRAIN_CHECK(layer >= 1 && layer <= num_layers, ExitCode::kBadConfig,

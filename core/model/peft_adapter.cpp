@@ -9,10 +9,12 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include "core/base/host_convert.h"
 #include "core/config/lora_patterns.h"
+#include "core/io/json_integer.h"
 #include "core/io/safetensors.h"
 #include "core/model/hf_names.h"
 #include "core/model/swiglu_experts.h"
@@ -491,7 +493,14 @@ PatternMap<T> read_pattern(const OrderedJson& json, const char* name, const std:
     const std::string problem = lora_pattern_problem(key);
     MOETRAIN_CHECK(problem.empty(), ExitCode::kBadCheckpoint,
                    fmt::format("{}: {} key \"{}\": {}", path, name, key, problem));
-    out.emplace_back(key, value.template get<T>());
+    if constexpr (std::is_integral_v<T>) {
+      T rank = 0;
+      MOETRAIN_CHECK(json_integer(value, &rank), ExitCode::kBadCheckpoint,
+                     fmt::format("{}: {} \"{}\" is {}, expected an integer", path, name, key, value.dump()));
+      out.emplace_back(key, rank);
+    } else {
+      out.emplace_back(key, value.template get<T>());
+    }
     MOETRAIN_CHECK(out.back().second > 0, ExitCode::kBadCheckpoint,
                    fmt::format("{}: {} \"{}\" must be positive", path, name, key));
   }
@@ -518,7 +527,8 @@ PeftAdapterConfig read_peft_adapter_config(const std::string& dir) {
   try {
     MOETRAIN_CHECK(json.value("peft_type", "LORA") == "LORA", ExitCode::kBadCheckpoint,
                    path + ": peft_type is not LORA");
-    config.rank = json.at("r").get<int64_t>();
+    MOETRAIN_CHECK(json_integer(json.at("r"), &config.rank), ExitCode::kBadCheckpoint,
+                   fmt::format("{}: r is {}, expected an integer", path, json.at("r").dump()));
     config.alpha = json.at("lora_alpha").get<double>();
     config.rslora = json.value("use_rslora", false);
     MOETRAIN_CHECK(config.rank > 0 && config.alpha > 0, ExitCode::kBadCheckpoint,

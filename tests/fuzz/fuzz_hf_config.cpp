@@ -3,6 +3,9 @@
 // YAML's defaults overlaid, validate_config and the per-layer kinds).
 #include "core/model/model_spec.h"
 
+#include <nlohmann/json.hpp>
+#include <utility>
+
 #include "fuzz_support.h"
 
 using namespace moetrain;
@@ -13,7 +16,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   (void)made;
   fuzz::write_file(dir / "config.json", data, size);
   const std::string text(reinterpret_cast<const char*>(data), size);
-  fuzz::expect_only({ExitCode::kBadConfig}, [&] { (void)model_config_from_hf_json(text, "fuzz/config.json"); });
+  fuzz::expect_only({ExitCode::kBadConfig}, [&] {
+    ModelConfig model = model_config_from_hf_json(text, "fuzz/config.json");
+    // What was read is what the file says (not a truncated or wrapped cast of it).
+    const nlohmann::json json = nlohmann::json::parse(text);
+    for (auto [key, value] : {std::pair<const char*, int64_t>{"vocab_size", model.vocab_size},
+                              {"hidden_size", model.hidden_size}, {"num_hidden_layers", model.num_layers}}) {
+      if (json.contains(key) && json[key].is_number() && json[key] != value) {
+        std::fprintf(stderr, "fuzz: config.json's %s is %s, read as %lld\n", key, json[key].dump().c_str(),
+                     static_cast<long long>(value));
+        std::abort();
+      }
+    }
+  });
   fuzz::expect_only({ExitCode::kBadConfig}, [&] {
     Config config;
     config.model.hf_dir = dir.string();

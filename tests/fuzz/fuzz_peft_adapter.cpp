@@ -9,6 +9,8 @@
 #include <cstring>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+
 #include "core/io/hf_index.h"
 #include "core/model/model_spec.h"
 #include "fuzz_support.h"
@@ -55,7 +57,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else {
     std::filesystem::remove(dir / "adapter_model.safetensors", ec);
   }
-  fuzz::expect_only({ExitCode::kBadCheckpoint}, [&] { (void)read_peft_adapter_config(dir.string()); });
+  fuzz::expect_only({ExitCode::kBadCheckpoint}, [&] {
+    PeftAdapterConfig config = read_peft_adapter_config(dir.string());
+    // The rank read is the file's (not a truncated cast of 4.5 or 2^32 + 4).
+    const nlohmann::json json = nlohmann::json::parse(std::string(reinterpret_cast<const char*>(data), config_len));
+    if (json.at("r") != config.rank) {
+      std::fprintf(stderr, "fuzz: adapter_config.json's r is %s, read as %lld\n", json.at("r").dump().c_str(),
+                   static_cast<long long>(config.rank));
+      std::abort();
+    }
+  });
   // A rank, alpha or layout that is not the model's is the user's config to change (kBadConfig).
   fuzz::expect_only({ExitCode::kBadCheckpoint, ExitCode::kBadConfig}, [&] { load_peft_adapter(model, dir.string()); });
   return 0;

@@ -269,7 +269,7 @@ TEST_CASE("write_atomic replaces the file and leaves no temporary behind", "[saf
   CHECK(element(file.view("y"), 1) == fixture_value(DType::kI64, 1));
 }
 
-TEST_CASE("writing into a missing directory is an Error naming the path", "[safetensors]") {
+TEST_CASE("writing into a missing directory is an Error naming the path (exit 2: an output the user chose)", "[safetensors]") {
   ScratchDir dir("st_write_error");
   Tensor t = fixture_tensor(DType::kF32, {2});
   SafetensorsWriter writer;
@@ -279,7 +279,7 @@ TEST_CASE("writing into a missing directory is an Error naming the path", "[safe
     writer.write(path);
     FAIL("write into a missing directory succeeded");
   } catch (const Error& e) {
-    CHECK(e.code() == ExitCode::kBadCheckpoint);
+    CHECK(e.code() == ExitCode::kBadConfig);
     CHECK(contains(e.what(), path));
   }
   CHECK_THROWS_AS(writer.write_atomic(path), Error);
