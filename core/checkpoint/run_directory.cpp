@@ -157,10 +157,12 @@ RunPaths run_paths(const Config& config) {
   paths.run_dir = config.logging.run_dir;
   paths.checkpoint_root = config.checkpoint.dir ? *config.checkpoint.dir
                                                 : (fs::path(config.logging.run_dir) / "checkpoints").string();
+  // true, false or a directory: the config reader has already refused the ambiguous words and
+  // spelled the booleans true and false.
   const std::string& setting = config.checkpoint.export_adapter;
-  if (setting == "true" || setting == "True") {
+  if (setting == "true") {
     paths.export_dir = (fs::path(config.logging.run_dir) / "adapter").string();
-  } else if (setting != "false" && setting != "False" && setting != "none") {
+  } else if (setting != "false") {
     paths.export_dir = setting;
   }
   return paths;
