@@ -45,7 +45,7 @@ namespace {
 
 using kernels::Backend;
 
-// Ceilings measured on one H200 (../shared/GPU.md; docs/PERF.md keeps this run's own copy).
+// Ceilings measured on one H200 (docs/PERF.md).
 constexpr double kMatrixCeilingTflops = 771.0;
 constexpr double kMemoryCeilingTbps = 4.2;
 constexpr double kDatasheetBf16Tflops = 989.0;  // dense BF16, for MFU
@@ -141,7 +141,7 @@ void bench_gemm(Backend& be, int reps, std::vector<Row>& rows) {
                   ratio(tflops, kMatrixCeilingTflops, "of the 771 TFLOP/s ceiling (target >= 0.90)")});
 }
 
-// The MoE expert block of issue 4: 131072 routed rows, 64 experts, hidden 2304, width 1024.
+// The MoE expert block at Kimi-Linear-48B's expert shapes: 131072 routed rows, 64 experts, hidden 2304, width 1024.
 void bench_experts(Backend& be, int reps, std::vector<Row>& rows) {
   const int64_t rows_total = 131072, experts = 64, d = 2304, f = 1024;
   std::vector<int32_t> offsets;
@@ -186,7 +186,7 @@ void bench_experts(Backend& be, int reps, std::vector<Row>& rows) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Grouped GEMM at the Kimi-Linear-dims model's expert shapes (issue 10): 65,536 routed rows (8192
+// Grouped GEMM at the Kimi-Linear-dims model's expert shapes: 65,536 routed rows (8192
 // tokens x top-8) over 256 experts, one projection at a time. scripts/bench_torch_grouped_mm.py
 // times torch._grouped_mm on the same shapes and counts (same generators).
 
@@ -303,7 +303,7 @@ class CublasGrouped {
   Tensor pointers_;  // device: the w, x and c pointers of every problem, in three runs
 };
 
-// torch._grouped_mm on one H200 (issue 10, uniform counts): forward and forward + input-grad ms.
+// torch._grouped_mm on one H200 (uniform counts, the peer baseline of docs/PERF.md): forward and forward + input-grad ms.
 struct TorchGroupedMs {
   double forward, both;
 };
@@ -378,8 +378,8 @@ void bench_grouped_gemm(Backend& be, int reps, std::vector<Row>& rows) {
   }
 }
 
-// Attention (issue 14): causal, 32 heads, BF16, against FlashAttention via PyTorch SDPA on one
-// H200 (../shared/GPU.md: T 8192, D 128: 0.91 ms forward, 3.65 ms forward + backward). FLOPs: 2
+// Attention: causal, 32 heads, BF16, against FlashAttention via PyTorch SDPA on one H200 (the peer
+// baseline of docs/PERF.md: T 8192, D 128: 0.91 ms forward, 3.65 ms forward + backward). FLOPs: 2
 // (qk + v) per head per visible (query, key) pair forward, 3.5x that forward + backward.
 struct AttentionTimes {
   double fwd = 0, both = 0, flops = 0;  // flops: forward
@@ -448,8 +448,8 @@ void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
                                        8 * one_doc.both, docs.fwd, 8 * one_doc.fwd).c_str())});
 }
 
-// KDA (issue 11): B1, one segment, 32 heads of 128, BF16, against fla's chunk_kda on one H200
-// (../shared/GPU.md): fwd 1.44 / 4.29 ms and fwd+bwd 6.05 / 21.6 ms at T 8192 / 32768; T 131072
+// KDA: B1, one segment, 32 heads of 128, BF16, against fla's chunk_kda on one H200 (the peer
+// baseline of docs/PERF.md): fwd 1.44 / 4.29 ms and fwd+bwd 6.05 / 21.6 ms at T 8192 / 32768; T 131072
 // forward has no baseline. Inputs as the layer makes them: q, k through l2norm, g through the
 // gate, beta through sigmoid.
 void bench_kda(Backend& be, int reps, std::vector<Row>& rows) {
@@ -508,10 +508,10 @@ Tensor tiled_device(Backend& be, int64_t rows, int64_t d1, int64_t d2, int64_t b
   return out;
 }
 
-// DSA (issue 12) at DeepSeek-V3.2's shape: T 4096 (one document), 64 heads, q/k dim 576, v dim
+// DSA at DeepSeek-V3.2's shape: T 4096 (one document), 64 heads, q/k dim 576, v dim
 // 512 (the latent), top-2048 as the lightning indexer (64 heads of 128) picks them from random
 // inputs. Sparse attention forward and forward + backward against the small-op PyTorch baseline
-// of ../shared/GPU.md (17.1 / 98.7 ms; target >= 5x each) and FlashMLA's published 640 TFLOP/s
+// of docs/PERF.md (17.1 / 98.7 ms; target >= 5x each) and FlashMLA's published 640 TFLOP/s
 // sparse forward (H800), the forward's SIMT kernel (MOETRAIN_SPARSE_ATTENTION=simt) beside it.
 // TFLOP/s count the selected (query, key) pairs: 2 (576 + 512) per head and pair forward, 3x that
 // forward + backward (GPU.md's baseline counts all 2048 slots of every query, -1s included).
@@ -635,9 +635,8 @@ void bench_memory(Backend& be, int reps, std::vector<Row>& rows) {
         for (int64_t i = 0; i < kLaunches; ++i) be.rope({q_part(i), q_part(i), pos, cos, sin, heads, 128, 64});
       });
   // The same columns copied by the general column copy, no arithmetic, from each copy of q into
-  // the next: the same bytes as the row above (128 of every 384 read and written). A copy kernel
-  // written for this one layout reached 0.80 of 4.2 TB/s (0.83 launched as programmatic dependent
-  // launches) in a micro-benchmark of the fourth session (docs/PERF.md).
+  // the next: the same bytes as the row above (128 of every 384 read and written): what any kernel
+  // on this layout is compared with (docs/PERF.md has a copy written for this one layout).
   add("  copy_columns of those columns (no arithmetic)", kLaunches * 2.0 * tokens * heads * 64 * 2, [&] {
     for (int64_t i = 0; i < kLaunches; ++i) be.copy_columns({q_part((i + 1) % kLaunches), q_part(i), 128, 128, 64});
   });

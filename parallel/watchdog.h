@@ -1,4 +1,4 @@
-// The hang detector (../shared/RELIABILITY.md, "one rank fails or hangs"). A rank that makes no
+// The hang detector (docs/ARCHITECTURE.md §5, "Failure"). A rank that makes no
 // progress for `timeout_s` seconds -- waiting in a collective for a rank that stopped without
 // exiting, a lost node, a wedged GPU -- logs what it was last doing and aborts the whole job
 // (exit code 1, MPI_Abort) instead of waiting out the scheduler's time limit.

@@ -34,11 +34,10 @@
 //
 // Blocks wholly inside the causal/segment range skip the per-element mask (a uniform branch).
 //
-// Performance (H200, T 8192, H 32, causal, one segment): D 128 forward 2.9 ms, forward+backward
-// 11.5 ms (FlashAttention: 0.91 / 3.65 ms); 192/128 3.5 / 15.3 ms; 64/64 1.5 / 6.3 ms. About
-// 190 TFLOP/s forward: mma.sync, 4 warps per CTA, no warp specialization. On Hopper the head
-// dims 64/64, 128/128 and 192/128 run on flash_attention_sm90_*.cu instead (wgmma + TMA, about
-// 3x faster); this path keeps the other BF16 head dims, other GPUs, and MOETRAIN_ATTENTION=mma.
+// mma.sync, 4 warps per CTA, no warp specialization: the portable path. On Hopper the head dims
+// 64/64, 128/128 and 192/128 run on flash_attention_sm90_*.cu instead (wgmma + TMA, several times
+// faster; docs/PERF.md has both); this path keeps the other BF16 head dims, other GPUs, and
+// MOETRAIN_ATTENTION=mma.
 #include "kernels/cuda/attention_tensor_core.h"
 
 #include <cuda_bf16.h>

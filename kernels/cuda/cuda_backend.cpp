@@ -161,10 +161,10 @@ class CudaBackend final : public Backend {
     blas_.scratch = &gemm_scratch_;
     blas_.plans = &gemm_plans_;
     // The kernels' stream-ordered scratch (cudaMallocAsync: attention's rows and work counters,
-    // the router's and the MoE dispatch's counts) comes from the device's default pool, whose
-    // release threshold is 0: every synchronisation handed the pool's memory back, and the next
-    // cudaMallocAsync mapped it again (measured on an H200: +0.25 ms per attention forward timed
-    // op by op). The pool now keeps what it holds, a few MB (the scratch in flight at once).
+    // the router's and the MoE dispatch's counts) comes from the device's default pool. With its
+    // default release threshold of 0, every synchronisation hands the pool's memory back and the
+    // next cudaMallocAsync maps it again, a cost on every op (docs/PERF.md); so the pool keeps
+    // what it holds, a few MB (the scratch in flight at once).
     int device = 0;
     CUDA_CHECK(cudaGetDevice(&device));
     cudaMemPool_t pool = nullptr;

@@ -9,21 +9,11 @@
 //
 // Persistent passes: a CTA per multiprocessor takes (block, head) works one after another
 // (flash_attention_sm90_common.cuh, WorkRing).
-// Measured on one H200 (moetrain-bench ops, CUDA-event timing, causal, 32 heads, BF16, medians;
-// tenth session, 2026-12-02, docs/PERF.md; PyTorch SDPA on torch 2.11 in the same runs):
-//   T 8192, 128/128: forward 0.97-1.02 ms (SDPA 0.93-0.98), forward + backward 4.04-4.22 ms (SDPA
-//     3.60-3.65; the mma.sync path 2.9 / 11.5 ms)
-//   T 8192, 192/128: forward + backward 5.09-5.47 ms (1.24-1.30x the 128/128 time); 64/64: 2.52-2.71
-//     ms (SDPA 2.42)
-//   T 32768, 128/128: forward + backward 60.3-62.1 ms (forward 14.7-15.1 ms; SDPA 55.5-55.9)
-//   8 packed documents of 1024 tokens: forward + backward 0.88-0.94 ms, 0.54-0.88x eight separate
-//     calls
-// The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5); by
-// ncu (with 64-query dK/dV steps, before the 96) its dK/dV pass kept the tensor pipe 67-71% busy,
-// its dQ pass 82-87%. A fused 5-matmul
-// backward (dQ partials added in a fixed order through L2) ran slower in an earlier session (4.48
-// against 4.14 ms forward + backward at T 8192; 4.42 with its adds left out, so not for the adds):
-// the two-kernel backward stays.
+// Timings against PyTorch SDPA are in docs/PERF.md (moetrain-bench ops).
+// The backward recomputes S and dP in its dQ pass (7 matmuls where an atomic dQ would need 5), so
+// that it stays deterministic with no atomic adds. A fused 5-matmul backward that adds dQ
+// partials in a fixed order through L2 measured slower, and not because of the adds
+// (docs/PERF.md): the two-kernel backward stays.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -21,8 +21,8 @@
 //            dQ += dS K                   dS from registers, K MN-major
 // (dQ recomputes S and dP instead of summing partial dQ of the dK/dV CTAs: 7 matmuls instead of
 // 5, but no atomic adds and no F32 partials in memory; see flash_attention_sm90.h for the fused
-// 5-matmul trial. Leaving a step's dV, dK (or dQ) products in flight while the next step's S and
-// dP are issued also ran slower on the H200: 4.07-4.16 against 3.99 ms forward + backward.)
+// 5-matmul alternative. Leaving a step's dV, dK (or dQ) products in flight while the next step's
+// S and dP are issued measured slower too: docs/PERF.md.)
 // Both passes are persistent, as the forward (WorkRing: a CTA per multiprocessor takes works in
 // ordered_block's order, heads in groups, each group's longest blocks first; the producer loads
 // the next work's K and V, or Q and dO, while the consumers finish the last).

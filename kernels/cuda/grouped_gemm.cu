@@ -20,8 +20,8 @@
 //   consumers through a two-slot ring): the tiles in flight are always a contiguous run of the
 //   list, so the m-tiles that share a slice of b[g] and the n-tiles that share rows of a run at the
 //   same time and find them in L2, whatever the tiles cost. (Taking tiles blockIdx.x + i *
-//   gridDim.x instead lets CTAs drift apart when groups are uneven: on an H200, 1.2x to 1.3x the
-//   DRAM traffic and time.) The last CTA to finish puts the counter back to zero for the next
+//   gridDim.x instead lets CTAs drift apart when groups are uneven, and the shared slices are
+//   read from DRAM again.) The last CTA to finish puts the counter back to zero for the next
 //   launch. A tile is (group, 128 rows, BN columns):
 //     m-grouped: rows of the group's slice of a and c; its last tile may run past the group's
 //       end: TMA reads the next group's rows (or zeros past the tensor) and those rows are
@@ -98,9 +98,8 @@ enum class Layout {
 };
 
 // Rows-as-N tiles: rows of a per TMA box, the step of wgmma's N, and the most rows of a tile (two
-// wgmmas past 256: N = 256 and the rest). On an H200 (docs/PERF.md, eighth session) 288 ran the
-// router-like forward 5-9% faster than 256, uniform counts within 2%; 320 leaves room for 3
-// stages only and ran 12-21% slower.
+// wgmmas past 256: N = 256 and the rest). 288 is the fastest of the sizes measured (docs/PERF.md):
+// past it the shared memory holds only 3 stages.
 constexpr int kRowBox = 32;
 constexpr int kRowStep = 16;
 constexpr int kRowsAsNTileRows = 288;
@@ -706,14 +705,10 @@ CUtensorMap tensor_map(const void* base, int rank, const uint64_t* dims, const u
 }
 
 // kAuto takes rows-as-N tiles when the groups hold at most this many rows on average (and c has
-// at least 128 columns: one tile's M). Measured on an H200 (docs/PERF.md):
-// - the forward at the MoE expert shapes (256 rows per expert on average): 1-8% faster than rows
-//   as M at the power cap, every count; not measured at other means.
-// - the input gradient: at K3's expert shapes (146 rows on average) 16% faster. At 256 rows it
-//   lost 5% on even counts and won 2-4% on router-like and skewed ones, and the Kimi-dims step
-//   did not change beyond noise: rows as M stays there, which a mean of 192 separates. (That was
-//   before the C7515 fix in run_k_steps; after it, rows as N won 1-6% on router-like and skewed
-//   counts and lost 2-3% on even ones; the step with it is not yet measured.)
+// at least 128 columns: one tile's M). The thresholds are where rows as N stops winning in the
+// measurements of docs/PERF.md: the forward wins at the MoE expert shapes' means; the input
+// gradient wins clearly at K3's small groups but not at the Kimi-dims mean of 256 rows, which
+// the input gradient's lower threshold keeps on rows as M.
 constexpr int64_t kRowsAsNMaxMeanRows = 512;
 constexpr int64_t kRowsAsNInputGradMaxMeanRows = 192;
 

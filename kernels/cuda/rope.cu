@@ -11,10 +11,9 @@
 // launched right after another starts as the other ends). On the H200 (8 back-to-back launches
 // timed as moetrain-bench does), MLA's layout (64 of 192 BF16 columns: a 128-byte slice every 384
 // bytes) caps even a plain in-place copy of those slices at about 0.80 of the 4.2 TB/s copy
-// ceiling (0.90 for the same bytes contiguous); moetrain-bench measures the kernel at 0.78-0.79
-// there (0.74 for moetrain's general column copy of the same bytes in the same run) and at 0.95
-// over whole heads of 64, a contiguous stream (docs/PERF.md, sixth and tenth sessions; 0.75 on
-// MLA's layout before its index math went 32-bit and its layout a template argument).
+// ceiling, well below the same bytes contiguous; the kernel runs close to that cap there and near
+// the copy ceiling over whole heads of 64, a contiguous stream (moetrain-bench ops; docs/PERF.md).
+// Its index math is 32-bit and its layout a template argument for that reason.
 // The staged kernel covers every other shape: each block owns `rows_per_block` whole rows. It
 // stages their rope columns in shared memory (as F32), waits, then writes the rotated pairs, so
 // the interleaved layout is safe in place. Out of place, both kernels also copy the row's other
@@ -235,8 +234,8 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 5 : 4)
 }
 
 // Rows per thread: 2 rows of one token share its position and cos/sin loads (four 16-byte loads
-// in flight per thread for BF16). In a micro-benchmark of the MLA shape on the H200, 2 rows ran 13%
-// faster than 4 (fewer registers per thread, more threads per multiprocessor) and 4% faster than 8.
+// in flight per thread for BF16). More rows per thread cost registers and so threads per
+// multiprocessor: 2 was the fastest measured at the MLA shape (docs/PERF.md).
 int64_t rope_rows_per_thread(int64_t heads) { return heads >= 2 ? 2 : 1; }
 
 // Calls f(sets, rows, interleaved, inverse) as std::integral_constants; false for other values.
