@@ -68,7 +68,7 @@ void check_writable_directory(const std::string& path, const std::string& settin
   ::unlink(probe.c_str());
 }
 
-// Moves `paths` (entries of `parent_dir`'s checkpoint root) into <root>.old-<stamp>/.
+// Moves `paths` (entries of the checkpoint root `root`) into <root>.old-<stamp>/, beside it.
 std::string move_aside(const std::string& root, const std::vector<fs::path>& paths, const std::string& stamp) {
   fs::path root_path = fs::path(root).lexically_normal();
   if (root_path.filename().empty()) root_path = root_path.parent_path();
