@@ -1,5 +1,5 @@
-// MPI_CHECK and NCCL_CHECK: checks on library calls that never compile away (unlike assert
-// under NDEBUG). A failing call throws moetrain::Error(kInternal) whose message names the
+// MPI_CHECK, NCCL_CHECK and CUDA_RUNTIME_CHECK: checks on library calls that never compile away
+// (unlike assert under NDEBUG). A failing call throws moetrain::Error(kInternal) whose message names the
 // expression, the file and line, the rank and the library's own error string; run_main logs it
 // and aborts every rank.
 //
@@ -7,7 +7,8 @@
 // MPI_COMM_WORLD (communicators split from it inherit that); with MPI's default handler
 // (MPI_ERRORS_ARE_FATAL) the library would kill the job before MPI_CHECK saw the status.
 //
-// NCCL_CHECK names ncclResult_t and ncclGetErrorString: include <nccl.h> before using it.
+// NCCL_CHECK names ncclResult_t and ncclGetErrorString: include <nccl.h> before using it;
+// CUDA_RUNTIME_CHECK names cudaError_t and cudaGetErrorString: include <cuda_runtime.h>.
 #pragma once
 
 #include <mpi.h>
@@ -36,4 +37,12 @@ namespace moetrain::detail {
     if (moetrain_nccl_status_ != ncclSuccess)                                                  \
       ::moetrain::detail::throw_library_failure(                                               \
           "NCCL", ncclGetErrorString(moetrain_nccl_status_), #call, __FILE__, __LINE__);       \
+  } while (0)
+
+#define CUDA_RUNTIME_CHECK(call)                                                               \
+  do {                                                                                         \
+    const cudaError_t moetrain_cuda_status_ = (call);                                          \
+    if (moetrain_cuda_status_ != cudaSuccess)                                                  \
+      ::moetrain::detail::throw_library_failure(                                               \
+          "CUDA", cudaGetErrorString(moetrain_cuda_status_), #call, __FILE__, __LINE__);       \
   } while (0)

@@ -8,6 +8,8 @@
 // Implementations:
 //   MpiCommunicator  (parallel/mpi_comm.cpp)   host buffers, blocking, for the CPU backend.
 //   NcclCommunicator (parallel/nccl_comm.h)    device buffers, queued on its own CUDA stream.
+//   HostStagedCommunicator (parallel/host_staged_comm.h)  device buffers through host memory
+//                    over MPI, blocking: for tests of several ranks sharing one GPU.
 // Completion: a collective's results are ready once `synchronize()` returns (MPI: already when
 // the call returns). Buffers of one call must not overlap, except all_reduce's single buffer.
 //

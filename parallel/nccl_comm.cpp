@@ -12,14 +12,6 @@
 #include "core/base/error.h"
 #include "parallel/checks.h"
 
-#define MOETRAIN_CUDA_CALL(call)                                                                      \
-  do {                                                                                                \
-    const cudaError_t moetrain_cuda_status_ = (call);                                                 \
-    if (moetrain_cuda_status_ != cudaSuccess)                                                         \
-      ::moetrain::detail::throw_library_failure("CUDA", cudaGetErrorString(moetrain_cuda_status_), #call, \
-                                                __FILE__, __LINE__);                                  \
-  } while (0)
-
 namespace moetrain {
 namespace {
 
@@ -56,10 +48,10 @@ NcclCommunicator::NcclCommunicator(MPI_Comm group) : group_(group) {
   if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
   MPI_CHECK(MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, group_));
   cudaStream_t stream = nullptr;
-  MOETRAIN_CUDA_CALL(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_RUNTIME_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   stream_ = stream;
   cudaEvent_t event = nullptr;
-  MOETRAIN_CUDA_CALL(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  CUDA_RUNTIME_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
   event_ = event;
   ncclComm_t comm = nullptr;
   NCCL_CHECK(ncclCommInitRank(&comm, size_, id, rank_));
@@ -73,7 +65,7 @@ NcclCommunicator::~NcclCommunicator() {
   if (stream_ != nullptr) cudaStreamDestroy(as_stream(stream_));
 }
 
-void NcclCommunicator::synchronize() { MOETRAIN_CUDA_CALL(cudaStreamSynchronize(as_stream(stream_))); }
+void NcclCommunicator::synchronize() { CUDA_RUNTIME_CHECK(cudaStreamSynchronize(as_stream(stream_))); }
 
 void NcclCommunicator::barrier() {
   synchronize();
@@ -82,14 +74,14 @@ void NcclCommunicator::barrier() {
 
 void NcclCommunicator::wait_for(void* producer_stream) {
   if (producer_stream == nullptr) return;
-  MOETRAIN_CUDA_CALL(cudaEventRecord(as_event(event_), as_stream(producer_stream)));
-  MOETRAIN_CUDA_CALL(cudaStreamWaitEvent(as_stream(stream_), as_event(event_), 0));
+  CUDA_RUNTIME_CHECK(cudaEventRecord(as_event(event_), as_stream(producer_stream)));
+  CUDA_RUNTIME_CHECK(cudaStreamWaitEvent(as_stream(stream_), as_event(event_), 0));
 }
 
 void NcclCommunicator::release_to(void* consumer_stream) {
   if (consumer_stream == nullptr) return;
-  MOETRAIN_CUDA_CALL(cudaEventRecord(as_event(event_), as_stream(stream_)));
-  MOETRAIN_CUDA_CALL(cudaStreamWaitEvent(as_stream(consumer_stream), as_event(event_), 0));
+  CUDA_RUNTIME_CHECK(cudaEventRecord(as_event(event_), as_stream(stream_)));
+  CUDA_RUNTIME_CHECK(cudaStreamWaitEvent(as_stream(consumer_stream), as_event(event_), 0));
 }
 
 void NcclCommunicator::all_gather_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) {

@@ -1,6 +1,10 @@
-// NcclCommunicator on GPUs, one rank per GPU (run: mpirun -np 2 mpi_nccl_comm_test). Exits 77
-// (CTest's skip) when this node has fewer usable GPUs than ranks; 0 when every check passed.
-// Sums use small integers, exact in every dtype, so NCCL's reduction order cannot matter.
+// The device communicators on GPUs (run: mpirun -np 2 mpi_nccl_comm_test [nccl|host_staged]):
+//   nccl         NcclCommunicator, one rank per GPU; exits 77 (CTest's skip) when this node has
+//                fewer GPUs than ranks.
+//   host_staged  HostStagedCommunicator, any number of ranks sharing the GPUs; exits 77 without
+//                a GPU.
+// 0 when every check passed. Sums use small integers, exact in every dtype, so the reduction
+// order cannot matter.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -12,6 +16,7 @@
 #include "core/base/bf16.h"
 #include "core/base/error.h"
 #include "parallel/comm.h"
+#include "parallel/host_staged_comm.h"
 #include "parallel/mesh.h"
 #include "parallel/nccl_comm.h"
 #include "parallel/runtime.h"
@@ -47,7 +52,7 @@ struct DeviceBuffer {
 
 int pair_count(int from, int to) { return (from + 2 * to) % 3; }
 
-void check_all(NcclCommunicator& comm) {
+void check_all(Communicator& comm) {
   const int n = comm.size();
   const int me = comm.rank();
 
@@ -60,7 +65,7 @@ void check_all(NcclCommunicator& comm) {
     comm.synchronize();
     std::vector<float> out = d_out.host();
     for (int r = 0; r < n; ++r) {
-      for (int64_t i = 0; i < count; ++i) expect(out[r * count + i] == r * 100 + i, "nccl all_gather F32");
+      for (int64_t i = 0; i < count; ++i) expect(out[r * count + i] == r * 100 + i, "all_gather F32");
     }
   }
 
@@ -71,7 +76,7 @@ void check_all(NcclCommunicator& comm) {
   comm.reduce_scatter(d_rs_out.ptr, d_rs_in.ptr, 3);
   comm.synchronize();
   std::vector<double> rs_out = d_rs_out.host();
-  for (int e = 0; e < 3; ++e) expect(rs_out[e] == n * (me * 3 + e) + n * (n - 1) / 2, "nccl reduce_scatter F64");
+  for (int e = 0; e < 3; ++e) expect(rs_out[e] == n * (me * 3 + e) + n * (n - 1) / 2, "reduce_scatter F64");
 
   std::vector<float> ar(7);
   for (int e = 0; e < 7; ++e) ar[e] = static_cast<float>(me + e);
@@ -79,7 +84,7 @@ void check_all(NcclCommunicator& comm) {
   comm.all_reduce(d_ar.ptr, 7);
   comm.synchronize();
   std::vector<float> ar_out = d_ar.host();
-  for (int e = 0; e < 7; ++e) expect(ar_out[e] == n * e + n * (n - 1) / 2, "nccl all_reduce F32");
+  for (int e = 0; e < 7; ++e) expect(ar_out[e] == n * e + n * (n - 1) / 2, "all_reduce F32");
 
   std::vector<Bf16Bits> bf(4);
   for (int e = 0; e < 4; ++e) bf[e] = Bf16Bits{float_to_bf16(static_cast<float>(me + e))};
@@ -88,7 +93,7 @@ void check_all(NcclCommunicator& comm) {
   comm.synchronize();
   std::vector<Bf16Bits> bf_out = d_bf.host();
   for (int e = 0; e < 4; ++e) {
-    expect(bf16_to_float(bf_out[e].bits) == n * e + n * (n - 1) / 2, "nccl all_reduce BF16");
+    expect(bf16_to_float(bf_out[e].bits) == n * e + n * (n - 1) / 2, "all_reduce BF16");
   }
 
   std::vector<int32_t> flags = {me, -me};
@@ -96,7 +101,7 @@ void check_all(NcclCommunicator& comm) {
   comm.all_reduce(d_flags.ptr, 2, ReduceOp::kMax);
   comm.synchronize();
   std::vector<int32_t> flags_out = d_flags.host();
-  expect(flags_out[0] == n - 1 && flags_out[1] == 0, "nccl all_reduce max I32");
+  expect(flags_out[0] == n - 1 && flags_out[1] == 0, "all_reduce max I32");
 
   // all_to_all_v of BF16 rows with uneven and zero counts.
   std::vector<int64_t> send_rows, recv_rows;
@@ -118,7 +123,7 @@ void check_all(NcclCommunicator& comm) {
   std::vector<Bf16Bits> received = d_received.host();
   for (int p = 0; p < n; ++p) {
     for (int64_t e = 0; e < layout.recv_counts[p]; ++e) {
-      expect(received[layout.recv_offsets[p] + e].bits == p * 1000 + me * 100 + e, "nccl all_to_all_v BF16");
+      expect(received[layout.recv_offsets[p] + e].bits == p * 1000 + me * 100 + e, "all_to_all_v BF16");
     }
   }
 
@@ -130,31 +135,43 @@ void check_all(NcclCommunicator& comm) {
   comm.release_to(nullptr);
   cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   std::vector<int64_t> values_out = d_values.host();
-  for (int i = 0; i < 3; ++i) expect(values_out[i] == n - 1 + i, "nccl broadcast I64");
+  for (int i = 0; i < 3; ++i) expect(values_out[i] == n - 1 + i, "broadcast I64");
   comm.barrier();
 }
 
-int run(Runtime& runtime, int, char**) {
+// Every check over the world and over a mesh's EP group (all ranks when ep = world).
+template <typename DeviceCommunicator>
+void check_world_and_ep(Runtime& runtime) {
+  {
+    DeviceCommunicator world(MPI_COMM_WORLD);
+    check_all(world);
+  }
+  MeshShape parallel;
+  parallel.fsdp = runtime.world();
+  parallel.ep = runtime.world();
+  DeviceMesh mesh(MeshLayout(runtime.world(), parallel, 2 * runtime.world()));
+  DeviceCommunicator ep(mesh.ep_comm());
+  check_all(ep);
+}
+
+int run(Runtime& runtime, int argc, char** argv) {
+  const std::string kind = argc > 1 ? argv[1] : "nccl";
+  expect(kind == "nccl" || kind == "host_staged", "the communicator is nccl or host_staged, not " + kind);
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-  int usable = gpus >= runtime.info().local_world ? 1 : 0;
+  // NCCL needs a GPU of its own per rank; the staged communicator shares them.
+  int usable = (kind == "nccl" ? gpus >= runtime.info().local_world : gpus >= 1) ? 1 : 0;
   MPI_Allreduce(MPI_IN_PLACE, &usable, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (!usable) {
     if (runtime.is_root()) std::printf("SKIP: %d GPU(s) for %d ranks on this node\n", gpus, runtime.info().local_world);
     return 77;
   }
-  {
-    NcclCommunicator world(MPI_COMM_WORLD);
-    check_all(world);
+  if (kind == "nccl") {
+    check_world_and_ep<NcclCommunicator>(runtime);
+  } else {
+    check_world_and_ep<HostStagedCommunicator>(runtime);
   }
-  // And over a mesh's EP group (all ranks when ep = world).
-  MeshShape parallel;
-  parallel.fsdp = runtime.world();
-  parallel.ep = runtime.world();
-  DeviceMesh mesh(MeshLayout(runtime.world(), parallel, 2 * runtime.world()));
-  NcclCommunicator ep(mesh.ep_comm());
-  check_all(ep);
-  if (runtime.is_root()) std::printf("nccl communicator: all checks passed on %d ranks\n", runtime.world());
+  if (runtime.is_root()) std::printf("%s communicator: all checks passed on %d ranks\n", kind.c_str(), runtime.world());
   return 0;
 }
 
