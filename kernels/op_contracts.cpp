@@ -489,6 +489,20 @@ void check_kda_gate_backward(OperandRules& rules, const KdaGateBackwardArgs& arg
   expect_shape(op, "df", args.df, args.f.shape);
 }
 
+namespace {
+
+// The optional KDA states: each given one is accum [heads, k_dim, v_dim].
+void expect_kda_states(OperandRules& rules, const char* op, const TensorView& q, const TensorView& v,
+                       std::initializer_list<Named> states) {
+  for (const auto& [name, t] : states) {
+    if (!given(*t)) continue;
+    rules.accumulation(op, name, *t);
+    expect_shape(op, name, *t, Shape{q.size(1), q.size(2), v.size(2)});
+  }
+}
+
+}  // namespace
+
 void check_kda_forward(OperandRules& rules, const KdaArgs& args) {
   const char* op = "kda_forward";
   activations(rules, op, {{"out", &args.out}, {"q", &args.q}, {"k", &args.k}, {"v", &args.v}});
@@ -496,6 +510,7 @@ void check_kda_forward(OperandRules& rules, const KdaArgs& args) {
   expect_kda_shapes(op, args.q, args.k, args.v, args.g, args.beta);
   expect_shape(op, "out", args.out, args.v.shape);
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
+  expect_kda_states(rules, op, args.q, args.v, {{"initial_state", &args.initial_state}, {"final_state", &args.final_state}});
 }
 
 void check_kda_backward(OperandRules& rules, const KdaBackwardArgs& args) {
@@ -512,6 +527,9 @@ void check_kda_backward(OperandRules& rules, const KdaBackwardArgs& args) {
   expect_shape(op, "dbeta", args.dbeta, args.beta.shape);
   expect_shape(op, "dout", args.dout, args.v.shape);
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
+  expect_kda_states(rules, op, args.q, args.v,
+                    {{"initial_state", &args.initial_state}, {"dfinal_state", &args.dfinal_state},
+                     {"dinitial_state", &args.dinitial_state}});
 }
 
 void check_gated_rmsnorm_forward(OperandRules& rules, const GatedRmsNormArgs& args) {

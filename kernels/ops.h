@@ -390,6 +390,12 @@ struct KdaGateBackwardArgs {
 // i.e. decay S's rows by exp(g_t), then S += k_t (beta_t (v_t - S^T k_t))^T, then read with q.
 // q, k: [tokens, heads, k_dim] (already L2-normalised by the caller); v, out: [tokens, heads, v_dim];
 // g: [tokens, heads, k_dim] accum (<= 0); beta: [tokens, heads] accum. scale: k_dim^-0.5 in the models.
+// For a sequence split across ranks (context parallelism), the first segment may continue a
+// document from an earlier rank and the last may go on to a later one:
+//   initial_state [heads, k_dim, v_dim] accum, optional: the first segment's starting S (else 0);
+//   final_state   [heads, k_dim, v_dim] accum, optional output: the last segment's S after its
+//                 last token.
+// (The CPU backend has them; the CUDA backend refuses them.)
 struct KdaArgs {
   TensorView out;
   TensorView q;
@@ -399,8 +405,13 @@ struct KdaArgs {
   TensorView beta;
   TensorView cu_seqlens;
   double scale = 1.0;
+  TensorView initial_state{};  // optional (see above)
+  TensorView final_state{};  // optional (see above)
 };
 // Every gradient overwritten (dg, dbeta accum). The backward recomputes what it needs from the inputs.
+// With states: initial_state as in the forward; dfinal_state [heads, k_dim, v_dim] accum, optional:
+// the gradient arriving at the last segment's final S (else 0); dinitial_state, optional output:
+// the gradient of the first segment's starting S.
 struct KdaBackwardArgs {
   TensorView dq;
   TensorView dk;
@@ -415,6 +426,9 @@ struct KdaBackwardArgs {
   TensorView beta;
   TensorView cu_seqlens;
   double scale = 1.0;
+  TensorView initial_state{};  // optional (see above)
+  TensorView dfinal_state{};  // optional (see above)
+  TensorView dinitial_state{};  // optional (see above)
 };
 
 // The KDA output norm (transformers' RMSNormGated with activation sigmoid), per row of dim:

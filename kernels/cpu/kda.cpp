@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace moetrain::kernels::cpu {
@@ -61,11 +62,46 @@ HeadRows<T> load_rows(const TensorView& q, const TensorView& k, const TensorView
   return r;
 }
 
-// Calls body(start, end) for each segment of cu_seqlens.
+// Calls body(start, end, edges) for each segment of cu_seqlens; edges says whether it is the
+// first and the last (the ones the optional states of KdaArgs belong to).
+struct SegmentEdges {
+  bool first = false;
+  bool last = false;
+};
+
 template <typename Body>
 void for_each_segment(const TensorView& cu_seqlens, Body&& body) {
   const int32_t* cu = cu_seqlens.ptr<int32_t>();
-  for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s) body(static_cast<int64_t>(cu[s]), static_cast<int64_t>(cu[s + 1]));
+  const int64_t segments = cu_seqlens.numel() - 1;
+  for (int64_t s = 0; s < segments; ++s)
+    body(static_cast<int64_t>(cu[s]), static_cast<int64_t>(cu[s + 1]), SegmentEdges{s == 0, s == segments - 1});
+}
+
+// The optional states of KdaArgs, [heads, kd, vd]: head h's block, or null when not given.
+template <typename T>
+T* state_block(const TensorView& state, const KdaDims& d, int64_t h) {
+  return state.data == nullptr ? nullptr : state.ptr<std::remove_const_t<T>>() + h * d.kd * d.vd;
+}
+
+// The state a segment starts from: `initial` on the first segment when given, else zero.
+template <typename T>
+std::vector<T> entering_state(const TensorView& initial, const KdaDims& d, int64_t h, const SegmentEdges& edges) {
+  const T* block = edges.first ? state_block<const T>(initial, d, h) : nullptr;
+  return block == nullptr ? std::vector<T>(d.kd * d.vd, T(0)) : std::vector<T>(block, block + d.kd * d.vd);
+}
+
+// Writes a segment's edge state (its final state, or its entering state's gradient) into the
+// optional output when the segment is the one it belongs to.
+template <typename T>
+void store_state(const std::vector<T>& s, const TensorView& out, const KdaDims& d, int64_t h, bool belongs) {
+  T* block = belongs ? state_block<T>(out, d, h) : nullptr;
+  if (block != nullptr) std::copy(s.begin(), s.end(), block);
+}
+
+// An optional state output is overwritten whole, even when no segment writes it (no segments).
+template <typename T>
+void clear_state(const TensorView& out) {
+  if (out.data != nullptr) std::fill(out.ptr<T>(), out.ptr<T>() + out.numel(), T(0));
 }
 
 // Gradient outputs of one head's rows, written back to the [tokens, heads, ...] tensors.
@@ -107,11 +143,13 @@ T dot(const T* a, const T* b, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // Recurrent form
 
-// states[t] = the state before token t's decay (t = 0..n-1), state S_n after the last.
+// states[t] = the state before token t's decay (t = 0..n-1), from s (the entering state), which
+// ends as the state after the last token.
 template <typename T>
-std::vector<std::vector<T>> recurrent_states(const HeadRows<T>& r, const KdaDims& d, std::vector<T>* outputs) {
+std::vector<std::vector<T>> recurrent_states(const HeadRows<T>& r, const KdaDims& d, std::vector<T>& s,
+                                             std::vector<T>* outputs) {
   std::vector<std::vector<T>> states;
-  std::vector<T> s(d.kd * d.vd, T(0)), delta(d.vd);
+  std::vector<T> delta(d.vd);
   for (int64_t t = 0; t < r.n; ++t) {
     states.push_back(s);
     const T* k = row_of(r.k, t, d.kd);
@@ -434,11 +472,13 @@ template <typename T>
 void kda_recurrent_forward(const KdaArgs& args) {
   const KdaDims d = kda_dims(args.q, args.v);
   T* out = args.out.ptr<T>();
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end) {
+  clear_state<T>(args.final_state);
+  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
     for (int64_t h = 0; h < d.heads; ++h) {
       const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
-      std::vector<T> o(r.n * d.vd);
-      recurrent_states(r, d, &o);
+      std::vector<T> o(r.n * d.vd), s = entering_state<T>(args.initial_state, d, h, edges);
+      recurrent_states(r, d, s, &o);
+      store_state(s, args.final_state, d, h, edges.last);
       for (int64_t t = 0; t < r.n; ++t)
         std::copy(o.begin() + t * d.vd, o.begin() + (t + 1) * d.vd, out + ((start + t) * d.heads + h) * d.vd);
     }
@@ -450,12 +490,16 @@ void kda_recurrent_backward(const KdaBackwardArgs& args) {
   const KdaDims d = kda_dims(args.q, args.v);
   const int64_t kd = d.kd, vd = d.vd;
   const T* dout = args.dout.ptr<T>();
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end) {
+  clear_state<T>(args.dinitial_state);
+  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
     for (int64_t h = 0; h < d.heads; ++h) {
       const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
-      const std::vector<std::vector<T>> states = recurrent_states<T>(r, d, nullptr);
+      std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges);
+      const std::vector<std::vector<T>> states = recurrent_states<T>(r, d, s, nullptr);
       HeadGrads<T> gr(r.n, d);
-      std::vector<T> ds(kd * vd, T(0)), dd(kd * vd), dec(kd * vd), p(vd), delta(vd), dp(vd), s1(kd * vd);
+      // The final state's gradient: what arrives from beyond the call on the last segment, else 0.
+      std::vector<T> ds = entering_state<T>(args.dfinal_state, d, h, SegmentEdges{edges.last, edges.last});
+      std::vector<T> dec(kd * vd), p(vd), delta(vd), dp(vd), s1(kd * vd);
       for (int64_t t = r.n - 1; t >= 0; --t) {
         // Recompute the step: D = Diag(exp(g)) S_prev, p = D^T k, delta = beta (v - p), S = D + k delta^T.
         const T* k = row_of(r.k, t, kd);
@@ -501,6 +545,7 @@ void kda_recurrent_backward(const KdaBackwardArgs& args) {
           gr.dg[t * kd + a] = dga;
         }
       }
+      store_state(ds, args.dinitial_state, d, h, edges.first);
       store_grads(gr, args, args.scale, d, h, start, r.n);
     }
   });
@@ -510,10 +555,11 @@ template <typename T>
 void kda_chunked_forward(const KdaArgs& args, int64_t chunk) {
   const KdaDims d = kda_dims(args.q, args.v);
   T* out = args.out.ptr<T>();
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end) {
+  clear_state<T>(args.final_state);
+  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
     for (int64_t h = 0; h < d.heads; ++h) {
       const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
-      std::vector<T> s(d.kd * d.vd, T(0)), o;
+      std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges), o;
       for (int64_t first : chunk_starts(r.n, chunk)) {
         const Chunk<T> ch = make_chunk(r, d, first, std::min(chunk, r.n - first));
         o.resize(ch.n * d.vd);
@@ -522,6 +568,7 @@ void kda_chunked_forward(const KdaArgs& args, int64_t chunk) {
           std::copy(o.begin() + i * d.vd, o.begin() + (i + 1) * d.vd,
                     out + ((start + first + i) * d.heads + h) * d.vd);
       }
+      store_state(s, args.final_state, d, h, edges.last);
     }
   });
 }
@@ -530,20 +577,22 @@ template <typename T>
 void kda_chunked_backward(const KdaBackwardArgs& args, int64_t chunk) {
   const KdaDims d = kda_dims(args.q, args.v);
   const T* dout = args.dout.ptr<T>();
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end) {
+  clear_state<T>(args.dinitial_state);
+  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
     for (int64_t h = 0; h < d.heads; ++h) {
       const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
       const std::vector<int64_t> firsts = chunk_starts(r.n, chunk);
       // Forward sweep: the state entering each chunk.
       std::vector<std::vector<T>> entering;
-      std::vector<T> s(d.kd * d.vd, T(0));
+      std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges);
       for (int64_t first : firsts) {
         entering.push_back(s);
         chunk_forward(make_chunk(r, d, first, std::min(chunk, r.n - first)), d, s, static_cast<T*>(nullptr));
       }
-      // Reverse sweep: the final state is no output, so its gradient starts at zero.
+      // Reverse sweep, from the final state's gradient: what arrives from beyond the call on the
+      // last segment, else zero (the final state is no output).
       HeadGrads<T> gr(r.n, d);
-      std::vector<T> ds(d.kd * d.vd, T(0)), dout_rows;
+      std::vector<T> ds = entering_state<T>(args.dfinal_state, d, h, SegmentEdges{edges.last, edges.last}), dout_rows;
       for (int64_t c = static_cast<int64_t>(firsts.size()) - 1; c >= 0; --c) {
         const Chunk<T> ch = make_chunk(r, d, firsts[c], std::min(chunk, r.n - firsts[c]));
         dout_rows.resize(ch.n * d.vd);
@@ -553,6 +602,7 @@ void kda_chunked_backward(const KdaBackwardArgs& args, int64_t chunk) {
         }
         chunk_backward(ch, d, entering[c], dout_rows.data(), ds, gr);
       }
+      store_state(ds, args.dinitial_state, d, h, edges.first);
       store_grads(gr, args, args.scale, d, h, start, r.n);
     }
   });

@@ -542,3 +542,143 @@ TEST_CASE("the small KDA ops in F32 agree with F64", "[cpu_ops][kda]") {
   };
   check(compare_tensors(run(DType::kF32), run(DType::kF64), 1e-5, 1e-6, "chain of the small ops"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// The optional states (ops.h KdaArgs): a sequence split in two, the second part starting from the
+// first part's final state and handing back the gradient of that state, equals the whole. This
+// is what a context-parallel rank does with its neighbours' states.
+
+namespace {
+
+// Rows [start, end) of every input, with their own segment offsets `cu` (relative to start).
+KdaInputs rows_of(const KdaInputs& in, int64_t start, int64_t end, std::vector<int32_t> cu) {
+  KdaInputs part;
+  part.tokens = end - start;
+  part.heads = in.heads;
+  part.kd = in.kd;
+  part.vd = in.vd;
+  part.scale = in.scale;
+  auto rows = [&](const Tensor& t) { return copy_as(t.view().slice_rows(start, end), DType::kF64); };
+  part.q = rows(in.q);
+  part.k = rows(in.k);
+  part.v = rows(in.v);
+  part.g = rows(in.g);
+  part.beta = rows(in.beta);
+  part.dout = rows(in.dout);
+  part.cu_seqlens = make_i32(cu);
+  return part;
+}
+
+Tensor state_tensor(const KdaInputs& in, uint64_t seed) {
+  return random_tensor({in.heads, in.kd, in.vd}, DType::kF64, seed, -1.0, 1.0);
+}
+
+// Splits `whole` at `cut` (the segment offsets of each part given) and checks the parts, linked
+// by their states, against the whole: forward outputs and every gradient.
+void check_split(const KdaForm& form, const KdaInputs& whole, int64_t cut, std::vector<int32_t> first_cu,
+                 std::vector<int32_t> second_cu) {
+  INFO(form.name << ", cut at " << cut << " of " << whole.tokens);
+  Tensor out({whole.tokens, whole.heads, whole.vd}, DType::kF64);
+  form.forward(forward_args(whole, out));
+  KdaGrads want(whole);
+  form.backward(want.args(whole));
+
+  const KdaInputs first = rows_of(whole, 0, cut, first_cu), second = rows_of(whole, cut, whole.tokens, second_cu);
+  Tensor first_out({first.tokens, whole.heads, whole.vd}, DType::kF64);
+  Tensor second_out({second.tokens, whole.heads, whole.vd}, DType::kF64);
+  Tensor handed = state_tensor(whole, 7);  // garbage: the forward must overwrite it
+  KdaArgs first_args = forward_args(first, first_out);
+  first_args.final_state = handed;
+  form.forward(first_args);
+  KdaArgs second_args = forward_args(second, second_out);
+  second_args.initial_state = handed;
+  form.forward(second_args);
+  check(compare_tensors(first_out, out.view().slice_rows(0, cut), 1e-12, 1e-12, "out (first part)"));
+  check(compare_tensors(second_out, out.view().slice_rows(cut, whole.tokens), 1e-12, 1e-12, "out (second part)"));
+
+  // Backward: the second part gives the handed state's gradient, the first part takes it.
+  KdaGrads second_gr(second), first_gr(first);
+  Tensor dhanded = state_tensor(whole, 8);
+  KdaBackwardArgs second_back = second_gr.args(second);
+  second_back.initial_state = handed;
+  second_back.dinitial_state = dhanded;
+  form.backward(second_back);
+  KdaBackwardArgs first_back = first_gr.args(first);
+  first_back.dfinal_state = dhanded;
+  form.backward(first_back);
+  const std::vector<std::pair<const char*, std::pair<const KdaGrads*, int64_t>>> parts = {
+      {"first part", {&first_gr, 0}}, {"second part", {&second_gr, cut}}};
+  for (const auto& [label, part] : parts) {
+    INFO(label);
+    const KdaGrads& got = *part.first;
+    const int64_t begin = part.second, end = begin + got.dq.size(0);
+    check(compare_tensors(got.dq, want.dq.view().slice_rows(begin, end), 1e-12, 1e-12, "dq"));
+    check(compare_tensors(got.dk, want.dk.view().slice_rows(begin, end), 1e-12, 1e-12, "dk"));
+    check(compare_tensors(got.dv, want.dv.view().slice_rows(begin, end), 1e-12, 1e-12, "dv"));
+    check(compare_tensors(got.dg, want.dg.view().slice_rows(begin, end), 1e-12, 1e-12, "dg"));
+    check(compare_tensors(got.dbeta, want.dbeta.view().slice_rows(begin, end), 1e-12, 1e-12, "dbeta"));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("kda states: a sequence cut in two and linked by its state equals the whole", "[cpu_ops][kda]") {
+  const KdaInputs one_doc = make_kda_inputs({0, 150}, 2, 4, 3, 80);
+  for (const KdaForm& form : {recurrent_form(), chunked_form(cpu::kKdaChunk), chunked_form(5)}) {
+    for (int64_t cut : {1, 64, 77, 149}) check_split(form, one_doc, cut, {0, static_cast<int32_t>(cut)},
+                                                     {0, static_cast<int32_t>(150 - cut)});
+  }
+  // Packed documents [0, 40) [40, 100) [100, 130): the state links only the document the cut
+  // falls in; the others start from zero on either side.
+  const KdaInputs packed = make_kda_inputs({0, 40, 100, 130}, 2, 4, 3, 90);
+  for (const KdaForm& form : {recurrent_form(), chunked_form(cpu::kKdaChunk)}) {
+    check_split(form, packed, 70, {0, 40, 70}, {0, 30, 60});  // inside the second document
+    check_split(form, packed, 20, {0, 20}, {0, 20, 80, 110});  // inside the first
+  }
+}
+
+TEST_CASE("kda states: gradients of the initial state and through the final state match finite differences",
+          "[cpu_ops][kda]") {
+  for (const KdaForm& form : {recurrent_form(), chunked_form(4)}) {
+    // Two segments: the initial state enters the first, the final state leaves the second.
+    KdaInputs in = make_kda_inputs({0, 6, 11}, 2, 3, 2, 100);
+    Tensor initial = state_tensor(in, 101), dfinal = state_tensor(in, 102);
+    Tensor out({in.tokens, in.heads, in.vd}, DType::kF64), final_state = state_tensor(in, 103);
+    auto loss = [&] {  // <dout, out> + <dfinal, final_state>
+      KdaArgs args = forward_args(in, out);
+      args.initial_state = initial;
+      args.final_state = final_state;
+      form.forward(args);
+      return dot(in.dout, out) + dot(dfinal, final_state);
+    };
+    KdaGrads gr(in);
+    Tensor dinitial = state_tensor(in, 104);
+    KdaBackwardArgs back = gr.args(in);
+    back.initial_state = initial;
+    back.dfinal_state = dfinal;
+    back.dinitial_state = dinitial;
+    form.backward(back);
+    GradCheckOptions options;
+    options.max_elements = 48;
+    options.atol = 1e-8;
+    INFO(form.name);
+    check(check_gradient(loss, initial, dinitial, "initial_state", options));
+    check(check_gradient(loss, in.q, gr.dq, "q", options));
+    check(check_gradient(loss, in.k, gr.dk, "k", options));
+    check(check_gradient(loss, in.v, gr.dv, "v", options));
+    check(check_gradient(loss, in.g, gr.dg, "g", options));
+    check(check_gradient(loss, in.beta, gr.dbeta, "beta", options));
+  }
+}
+
+TEST_CASE("kda states of the wrong shape are refused naming the op and tensor", "[cpu_ops][kda]") {
+  const KdaInputs in = make_kda_inputs({0, 5}, 2, 4, 3, 110);
+  auto backend = make_cpu_backend();
+  Tensor out({in.tokens, in.heads, in.vd}, DType::kF64), wrong({in.heads, in.vd, in.kd}, DType::kF64);
+  KdaArgs args = forward_args(in, out);
+  args.initial_state = wrong;
+  const std::string message = error_message([&] { backend->kda_forward(args); });
+  INFO(message);
+  CHECK(contains(message, "kda_forward"));
+  CHECK(contains(message, "initial_state"));
+}

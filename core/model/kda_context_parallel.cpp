@@ -1,0 +1,217 @@
+// KdaAcrossRanks (see kda_context_parallel.h).
+#include "core/model/kda_context_parallel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/base/error.h"
+
+namespace moetrain {
+
+using kernels::KdaArgs;
+using kernels::KdaBackwardArgs;
+
+namespace {
+
+struct StateDims {
+  int64_t heads = 0, kd = 0, vd = 0;
+  int64_t transition() const { return heads * kd * kd; }  // M's elements
+  int64_t state() const { return heads * kd * vd; }       // S's elements
+};
+
+Tensor zeros(Shape shape, DType dtype) {
+  Tensor t(shape, dtype);
+  if (t.view().nbytes() > 0) std::memset(t.view().data, 0, t.view().nbytes());
+  return t;
+}
+
+// I [k_dim, k_dim] per head.
+template <typename T>
+Tensor identities(const StateDims& d, DType dtype) {
+  Tensor t = zeros({d.heads, d.kd, d.kd}, dtype);
+  for (int64_t h = 0; h < d.heads; ++h)
+    for (int64_t a = 0; a < d.kd; ++a) t.ptr<T>()[(h * d.kd + a) * d.kd + a] = T(1);
+  return t;
+}
+
+// Every rank's M followed by one state (S_local forward, D_local backward), rank after rank.
+struct GatheredShards {
+  Tensor values;                   // [ranks, transition + state]
+  std::vector<int32_t> continues;  // [ranks]: the shard continues the document of the one before
+};
+
+GatheredShards gather(Communicator& cp, const TensorView& transition, const TensorView& state, bool continues) {
+  const int64_t per_rank = transition.numel() + state.numel();
+  Tensor mine({per_rank}, state.dtype);
+  std::memcpy(mine.view().data, transition.data, transition.nbytes());
+  std::memcpy(static_cast<char*>(mine.view().data) + transition.nbytes(), state.data, state.nbytes());
+  GatheredShards all{Tensor({cp.size(), per_rank}, state.dtype), std::vector<int32_t>(cp.size())};
+  cp.all_gather(all.values.view(), mine.view());
+  const int32_t flag = continues ? 1 : 0;
+  cp.all_gather(all.continues.data(), &flag, 1);
+  return all;
+}
+
+// out[h] = m[h] s[h] (+ out[h] when accumulating): m [kd, kd] transposed or not, s [kd, vd].
+template <typename T>
+void apply_transition(const T* m, const T* s, T* out, const StateDims& d, bool transpose) {
+  for (int64_t h = 0; h < d.heads; ++h) {
+    const T* mh = m + h * d.kd * d.kd;
+    const T* sh = s + h * d.kd * d.vd;
+    T* oh = out + h * d.kd * d.vd;
+    for (int64_t a = 0; a < d.kd; ++a)
+      for (int64_t c = 0; c < d.kd; ++c) {
+        const T mac = transpose ? mh[c * d.kd + a] : mh[a * d.kd + c];
+        for (int64_t b = 0; b < d.vd; ++b) oh[a * d.vd + b] += mac * sh[c * d.vd + b];
+      }
+  }
+}
+
+// The state entering shard `me`: S(0) = 0, S(j + 1) = M_j S(j) + S_local_j, or 0 where shard j + 1
+// starts a document.
+template <typename T>
+void fold_entering(const GatheredShards& all, int me, const StateDims& d, T* entering) {
+  const T* values = all.values.ptr<T>();
+  const int64_t per_rank = d.transition() + d.state();
+  std::vector<T> s(d.state(), T(0));
+  for (int j = 0; j < me; ++j) {
+    if (!all.continues[j + 1]) {
+      std::fill(s.begin(), s.end(), T(0));
+      continue;
+    }
+    const T* m = values + j * per_rank;
+    std::vector<T> next(m + d.transition(), m + per_rank);  // S_local_j
+    apply_transition(m, s.data(), next.data(), d, false);
+    s.swap(next);
+  }
+  std::copy(s.begin(), s.end(), entering);
+}
+
+// The gradient of the state leaving shard `me`: dS_out(last) = 0, and
+// dS_out(j - 1) = M_j^T dS_out(j) + D_local_j, or 0 where shard j starts a document.
+template <typename T>
+void fold_leaving(const GatheredShards& all, int me, const StateDims& d, T* leaving) {
+  const T* values = all.values.ptr<T>();
+  const int64_t per_rank = d.transition() + d.state();
+  const int ranks = static_cast<int>(all.continues.size());
+  std::vector<T> ds(d.state(), T(0));
+  for (int j = ranks - 1; j > me; --j) {
+    if (!all.continues[j]) {
+      std::fill(ds.begin(), ds.end(), T(0));
+      continue;
+    }
+    const T* m = values + j * per_rank;
+    std::vector<T> next(m + d.transition(), m + per_rank);  // D_local_j
+    apply_transition(m, ds.data(), next.data(), d, true);
+    ds.swap(next);
+  }
+  std::copy(ds.begin(), ds.end(), leaving);
+}
+
+template <typename Body>
+void with_accum_type(DType dtype, Body&& body) {
+  if (dtype == DType::kF64) return body(double{});
+  MOETRAIN_CHECK(dtype == DType::kF32, ExitCode::kInternal,
+                 std::string("KDA across ranks: states are F32 or F64, not ") + dtype_name(dtype));
+  body(float{});
+}
+
+StateDims state_dims(const TensorView& q, const TensorView& v) { return {q.size(1), q.size(2), v.size(2)}; }
+
+void expect_cpu(const kernels::Backend& backend) {
+  MOETRAIN_CHECK(backend.device() == Device::kCPU, ExitCode::kBadConfig,
+                 "context parallelism over KDA layers runs on the CPU backend only: the CUDA KDA takes no "
+                 "states yet");
+}
+
+}  // namespace
+
+KdaShardPlacement place_kda_shard(const int32_t* window_cu, int64_t window_segments, int64_t begin, int64_t end,
+                                  std::vector<int32_t>* local_cu) {
+  MOETRAIN_CHECK(window_segments >= 1 && begin >= 0 && begin <= end && end <= window_cu[window_segments],
+                 ExitCode::kInternal, "a KDA shard outside its window");
+  KdaShardPlacement placement;
+  placement.continues_document = std::find(window_cu, window_cu + window_segments + 1, begin) ==
+                                 window_cu + window_segments + 1;
+  placement.within_one_document = true;
+  local_cu->assign(1, 0);
+  for (int64_t s = 0; s <= window_segments; ++s) {
+    if (window_cu[s] > begin && window_cu[s] < end) {
+      local_cu->push_back(static_cast<int32_t>(window_cu[s] - begin));
+      placement.within_one_document = false;
+    }
+  }
+  local_cu->push_back(static_cast<int32_t>(end - begin));
+  return placement;
+}
+
+KdaAcrossRanks::KdaAcrossRanks(kernels::Backend& backend, Communicator& cp) : backend_(backend), cp_(cp) {}
+
+void KdaAcrossRanks::forward(const KdaArgs& args, const KdaShardPlacement& placement, KdaShardState* saved) {
+  expect_cpu(backend_);
+  const StateDims d = state_dims(args.q, args.v);
+  const DType accum = args.g.dtype;
+  const int64_t tokens = args.q.size(0);
+
+  // S_local: the shard from a zero state (its outputs are overwritten by the last pass).
+  Tensor local_final({d.heads, d.kd, d.vd}, accum);
+  KdaArgs from_zero = args;
+  from_zero.final_state = local_final;
+  backend_.kda_forward(from_zero);
+
+  // M: the shard applied to the identity, with zero values (zero when a document starts inside).
+  Tensor transition = zeros({d.heads, d.kd, d.kd}, accum);
+  if (placement.within_one_document) {
+    Tensor no_values = zeros({tokens, d.heads, d.kd}, args.v.dtype), scratch({tokens, d.heads, d.kd}, args.out.dtype);
+    KdaArgs through = args;
+    through.v = no_values;
+    through.out = scratch;
+    Tensor identity;
+    with_accum_type(accum, [&](auto t) { identity = identities<decltype(t)>(d, accum); });
+    through.initial_state = identity;
+    through.final_state = transition;
+    backend_.kda_forward(through);
+  }
+
+  const GatheredShards all = gather(cp_, transition.view(), local_final.view(), placement.continues_document);
+  saved->entering = Tensor({d.heads, d.kd, d.vd}, accum);
+  with_accum_type(accum, [&](auto t) {
+    using T = decltype(t);
+    fold_entering<T>(all, cp_.rank(), d, saved->entering.ptr<T>());
+  });
+  saved->transition = std::move(transition);
+
+  KdaArgs run = args;
+  run.initial_state = saved->entering;
+  backend_.kda_forward(run);
+}
+
+void KdaAcrossRanks::backward(const KdaBackwardArgs& args, const KdaShardPlacement& placement,
+                              const KdaShardState& saved) {
+  expect_cpu(backend_);
+  const StateDims d = state_dims(args.q, args.v);
+  const DType accum = args.g.dtype;
+
+  // D_local: this shard's own outputs' pull on its entering state, nothing arriving at its end
+  // (its input gradients are overwritten by the last pass).
+  Tensor local_pull({d.heads, d.kd, d.vd}, accum);
+  KdaBackwardArgs pull = args;
+  pull.initial_state = saved.entering;
+  pull.dinitial_state = local_pull;
+  backend_.kda_backward(pull);
+
+  const GatheredShards all = gather(cp_, saved.transition.view(), local_pull.view(), placement.continues_document);
+  Tensor leaving({d.heads, d.kd, d.vd}, accum);
+  with_accum_type(accum, [&](auto t) {
+    using T = decltype(t);
+    fold_leaving<T>(all, cp_.rank(), d, leaving.ptr<T>());
+  });
+
+  KdaBackwardArgs run = args;
+  run.initial_state = saved.entering;
+  run.dfinal_state = leaving;
+  backend_.kda_backward(run);
+}
+
+}  // namespace moetrain

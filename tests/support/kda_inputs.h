@@ -1,0 +1,60 @@
+// KDA inputs as a KDA layer makes them, for the op tests and the context-parallel tests: q, k
+// L2-normalised rows, g = -exp(a) * softplus(x) (a few channels with strong decays, down to about
+// -20), beta = sigmoid(x) in (0, 1), v and an upstream gradient dout uniform. Deterministic in the
+// seed, so every rank of a test builds the same window.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/base/tensor.h"
+#include "gradcheck.h"
+
+namespace moetrain::testing {
+
+struct KdaInputs {
+  int64_t tokens = 0, heads = 0, kd = 0, vd = 0;
+  double scale = 1.0;
+  Tensor q, k, v, g, beta, cu_seqlens, dout;
+};
+
+inline void normalise_rows(Tensor& t, int64_t dim) {
+  for (int64_t r = 0; r < t.numel() / dim; ++r) {
+    double ss = 0;
+    for (int64_t c = 0; c < dim; ++c) ss += get_element(t, r * dim + c) * get_element(t, r * dim + c);
+    for (int64_t c = 0; c < dim; ++c) set_element(t, r * dim + c, get_element(t, r * dim + c) / std::sqrt(ss));
+  }
+}
+
+inline KdaInputs make_kda_inputs(std::vector<int32_t> cu, int64_t heads, int64_t kd, int64_t vd, uint64_t seed,
+                                 DType dtype = DType::kF64) {
+  auto sigmoid = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
+  auto softplus = [](double x) { return std::log1p(std::exp(x)); };
+  KdaInputs in;
+  in.tokens = cu.back();
+  in.heads = heads;
+  in.kd = kd;
+  in.vd = vd;
+  in.scale = 1.0 / std::sqrt(static_cast<double>(kd));
+  const int64_t t = in.tokens;
+  in.q = random_tensor({t, heads, kd}, dtype, seed + 1);
+  in.k = random_tensor({t, heads, kd}, dtype, seed + 2);
+  normalise_rows(in.q, kd);
+  normalise_rows(in.k, kd);
+  in.v = random_tensor({t, heads, vd}, dtype, seed + 3);
+  in.g = Tensor({t, heads, kd}, dtype);
+  in.beta = Tensor({t, heads}, dtype);
+  TestRng rng(seed + 4);
+  for (int64_t i = 0; i < in.g.numel(); ++i) {
+    const bool strong = i % 7 == 3;
+    const double a = strong ? rng.uniform(1.5, 2.3) : rng.uniform(-2.0, 0.5);
+    set_element(in.g, i, -std::exp(a) * softplus(rng.uniform(-3.0, 2.0)));
+  }
+  for (int64_t i = 0; i < in.beta.numel(); ++i) set_element(in.beta, i, sigmoid(rng.uniform(-3.0, 3.0)));
+  in.cu_seqlens = make_i32(cu);
+  in.dout = random_tensor({t, heads, vd}, dtype, seed + 5);
+  return in;
+}
+
+}  // namespace moetrain::testing
