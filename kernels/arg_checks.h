@@ -87,14 +87,21 @@ inline void expect_embedding_shapes(const char* op, const TensorView& rows_out, 
 }
 
 // q, k [tokens, heads, d_qk], v and out [tokens, heads, d_v], lse [tokens, heads].
+// keys_own_tokens: k and v have tokens of their own (AttentionArgs::cu_seqlens_k).
 inline void expect_attention_shapes(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
-                                    const TensorView& out, const TensorView& lse) {
+                                    const TensorView& out, const TensorView& lse, bool keys_own_tokens = false) {
   expect_ndim(op, "q", q, 3);
-  expect_shape(op, "k", k, q.shape);
+  expect_ndim(op, "k", k, 3);
   expect_ndim(op, "v", v, 3);
-  expect(v.size(0) == q.size(0) && v.size(1) == q.size(1), op,
-         describe("v", v) + " and " + describe("q", q) + " differ in tokens or heads");
-  expect_shape(op, "out", out, v.shape);
+  if (keys_own_tokens) {
+    expect(k.size(1) == q.size(1) && k.size(2) == q.size(2), op,
+           describe("k", k) + " and " + describe("q", q) + " differ in heads or head dim");
+  } else {
+    expect_shape(op, "k", k, q.shape);
+  }
+  expect(v.size(0) == k.size(0) && v.size(1) == q.size(1), op,
+         describe("v", v) + " and " + describe("k", k) + " differ in tokens or heads");
+  expect_shape(op, "out", out, Shape{q.size(0), q.size(1), v.size(2)});
   expect_numel(op, "lse", lse, q.size(0) * q.size(1));
 }
 

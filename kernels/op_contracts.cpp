@@ -226,13 +226,29 @@ void check_rope(OperandRules& rules, const RopeArgs& args, int64_t max_rope_dim)
   expect_rope_shapes(op, args, width);
 }
 
+namespace {
+
+// Keys with segments of their own (AttentionArgs::cu_seqlens_k): offsets over k's tokens, as many
+// segments as the queries have.
+void expect_key_segments(OperandRules& rules, const char* op, const TensorView& cu_seqlens,
+                         const TensorView& cu_seqlens_k, const TensorView& k) {
+  if (!given(cu_seqlens_k)) return;
+  rules.offsets(op, "cu_seqlens_k", cu_seqlens_k, k.size(0), "key sequences");
+  expect(cu_seqlens_k.numel() == cu_seqlens.numel(), op,
+         describe("cu_seqlens_k", cu_seqlens_k) + " should have as many segments as " +
+             describe("cu_seqlens", cu_seqlens));
+}
+
+}  // namespace
+
 void check_attention_forward(OperandRules& rules, const AttentionArgs& args) {
   const char* op = "attention_forward";
   rules.activation(op, "out", args.out);
   rules.accumulation(op, "lse", args.lse);
   activations(rules, op, {{"q", &args.q}, {"k", &args.k}, {"v", &args.v}});
-  expect_attention_shapes(op, args.q, args.k, args.v, args.out, args.lse);
+  expect_attention_shapes(op, args.q, args.k, args.v, args.out, args.lse, given(args.cu_seqlens_k));
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
+  expect_key_segments(rules, op, args.cu_seqlens, args.cu_seqlens_k, args.k);
 }
 
 void check_attention_backward(OperandRules& rules, const AttentionBackwardArgs& args) {
@@ -241,8 +257,9 @@ void check_attention_backward(OperandRules& rules, const AttentionBackwardArgs& 
               {{"dq", &args.dq}, {"dk", &args.dk}, {"dv", &args.dv}, {"dout", &args.dout}, {"q", &args.q},
                {"k", &args.k}, {"v", &args.v}, {"out", &args.out}});
   rules.accumulation(op, "lse", args.lse);
-  expect_attention_shapes(op, args.q, args.k, args.v, args.out, args.lse);
+  expect_attention_shapes(op, args.q, args.k, args.v, args.out, args.lse, given(args.cu_seqlens_k));
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
+  expect_key_segments(rules, op, args.cu_seqlens, args.cu_seqlens_k, args.k);
   expect_shape(op, "dq", args.dq, args.q.shape);
   expect_shape(op, "dk", args.dk, args.k.shape);
   expect_shape(op, "dv", args.dv, args.v.shape);

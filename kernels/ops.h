@@ -145,6 +145,11 @@ struct RopeArgs {
 // q, k: [tokens, heads, qk_dim]; v, out: [tokens, heads, v_dim]; lse: [tokens, heads],
 // lse[t, h] = log sum_s exp(scale * q[t, h] . k[s, h]) (natural log, scale included).
 // Softmax in fp32 (or f64) whatever the storage dtype.
+// cu_seqlens_k, optional: the keys have tokens of their own (k, v: [k_tokens, heads, ...]) in as
+// many segments as the queries, and each query segment is the last rows of its key segment
+// (queries of a context-parallel shard against every key up to the shard's end): query i of a
+// segment of q_len rows attends keys s <= i + k_len - q_len of its key segment (q_len <= k_len).
+// (The CPU backend has it; the CUDA backend refuses it.)
 struct AttentionArgs {
   TensorView out;
   TensorView lse;
@@ -153,7 +158,9 @@ struct AttentionArgs {
   TensorView v;
   TensorView cu_seqlens;
   double scale = 1.0;
+  TensorView cu_seqlens_k{};  // optional (see above)
 };
+// dk, dv are shaped like k, v (with cu_seqlens_k, the keys' tokens).
 struct AttentionBackwardArgs {
   TensorView dq;
   TensorView dk;
@@ -166,6 +173,7 @@ struct AttentionBackwardArgs {
   TensorView lse;
   TensorView cu_seqlens;
   double scale = 1.0;
+  TensorView cu_seqlens_k{};  // optional (see AttentionArgs)
 };
 
 // SwiGLU: h = silu(gate) * up; gate_up is [rows, 2 * width] with gate in the first half.

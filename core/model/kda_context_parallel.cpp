@@ -35,21 +35,14 @@ Tensor identities(const StateDims& d, DType dtype) {
   return t;
 }
 
-// Every rank's M followed by one state (S_local forward, D_local backward), rank after rank.
-struct GatheredShards {
-  Tensor values;                   // [ranks, transition + state]
-  std::vector<int32_t> continues;  // [ranks]: the shard continues the document of the one before
-};
-
-GatheredShards gather(Communicator& cp, const TensorView& transition, const TensorView& state, bool continues) {
+// Every rank's M followed by one state (S_local forward, D_local backward): [ranks, M + S].
+Tensor gather(Communicator& cp, const TensorView& transition, const TensorView& state) {
   const int64_t per_rank = transition.numel() + state.numel();
   Tensor mine({per_rank}, state.dtype);
   std::memcpy(mine.view().data, transition.data, transition.nbytes());
   std::memcpy(static_cast<char*>(mine.view().data) + transition.nbytes(), state.data, state.nbytes());
-  GatheredShards all{Tensor({cp.size(), per_rank}, state.dtype), std::vector<int32_t>(cp.size())};
-  cp.all_gather(all.values.view(), mine.view());
-  const int32_t flag = continues ? 1 : 0;
-  cp.all_gather(all.continues.data(), &flag, 1);
+  Tensor all({cp.size(), per_rank}, state.dtype);
+  cp.all_gather(all.view(), mine.view());
   return all;
 }
 
@@ -71,12 +64,12 @@ void apply_transition(const T* m, const T* s, T* out, const StateDims& d, bool t
 // The state entering shard `me`: S(0) = 0, S(j + 1) = M_j S(j) + S_local_j, or 0 where shard j + 1
 // starts a document.
 template <typename T>
-void fold_entering(const GatheredShards& all, int me, const StateDims& d, T* entering) {
-  const T* values = all.values.ptr<T>();
+void fold_entering(const Tensor& all, const ContextShards& shards, int me, const StateDims& d, T* entering) {
+  const T* values = all.ptr<T>();
   const int64_t per_rank = d.transition() + d.state();
   std::vector<T> s(d.state(), T(0));
   for (int j = 0; j < me; ++j) {
-    if (!all.continues[j + 1]) {
+    if (!shards.continues_document(j + 1)) {
       std::fill(s.begin(), s.end(), T(0));
       continue;
     }
@@ -91,13 +84,13 @@ void fold_entering(const GatheredShards& all, int me, const StateDims& d, T* ent
 // The gradient of the state leaving shard `me`: dS_out(last) = 0, and
 // dS_out(j - 1) = M_j^T dS_out(j) + D_local_j, or 0 where shard j starts a document.
 template <typename T>
-void fold_leaving(const GatheredShards& all, int me, const StateDims& d, T* leaving) {
-  const T* values = all.values.ptr<T>();
+void fold_leaving(const Tensor& all, const ContextShards& shards, int me, const StateDims& d, T* leaving) {
+  const T* values = all.ptr<T>();
   const int64_t per_rank = d.transition() + d.state();
-  const int ranks = static_cast<int>(all.continues.size());
+  const int ranks = shards.ranks();
   std::vector<T> ds(d.state(), T(0));
   for (int j = ranks - 1; j > me; --j) {
-    if (!all.continues[j]) {
+    if (!shards.continues_document(j)) {
       std::fill(ds.begin(), ds.end(), T(0));
       continue;
     }
@@ -127,28 +120,12 @@ void expect_cpu(const kernels::Backend& backend) {
 
 }  // namespace
 
-KdaShardPlacement place_kda_shard(const int32_t* window_cu, int64_t window_segments, int64_t begin, int64_t end,
-                                  std::vector<int32_t>* local_cu) {
-  MOETRAIN_CHECK(window_segments >= 1 && begin >= 0 && begin <= end && end <= window_cu[window_segments],
-                 ExitCode::kInternal, "a KDA shard outside its window");
-  KdaShardPlacement placement;
-  placement.continues_document = std::find(window_cu, window_cu + window_segments + 1, begin) ==
-                                 window_cu + window_segments + 1;
-  placement.within_one_document = true;
-  local_cu->assign(1, 0);
-  for (int64_t s = 0; s <= window_segments; ++s) {
-    if (window_cu[s] > begin && window_cu[s] < end) {
-      local_cu->push_back(static_cast<int32_t>(window_cu[s] - begin));
-      placement.within_one_document = false;
-    }
-  }
-  local_cu->push_back(static_cast<int32_t>(end - begin));
-  return placement;
+KdaAcrossRanks::KdaAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards)
+    : backend_(backend), cp_(cp), shards_(shards) {
+  MOETRAIN_CHECK(shards.ranks() == cp.size(), ExitCode::kInternal, "KDA across ranks: a shard per rank");
 }
 
-KdaAcrossRanks::KdaAcrossRanks(kernels::Backend& backend, Communicator& cp) : backend_(backend), cp_(cp) {}
-
-void KdaAcrossRanks::forward(const KdaArgs& args, const KdaShardPlacement& placement, KdaShardState* saved) {
+void KdaAcrossRanks::forward(const KdaArgs& args, KdaShardState* saved) {
   expect_cpu(backend_);
   const StateDims d = state_dims(args.q, args.v);
   const DType accum = args.g.dtype;
@@ -162,7 +139,7 @@ void KdaAcrossRanks::forward(const KdaArgs& args, const KdaShardPlacement& place
 
   // M: the shard applied to the identity, with zero values (zero when a document starts inside).
   Tensor transition = zeros({d.heads, d.kd, d.kd}, accum);
-  if (placement.within_one_document) {
+  if (shards_.within_one_document(cp_.rank())) {
     Tensor no_values = zeros({tokens, d.heads, d.kd}, args.v.dtype), scratch({tokens, d.heads, d.kd}, args.out.dtype);
     KdaArgs through = args;
     through.v = no_values;
@@ -174,11 +151,11 @@ void KdaAcrossRanks::forward(const KdaArgs& args, const KdaShardPlacement& place
     backend_.kda_forward(through);
   }
 
-  const GatheredShards all = gather(cp_, transition.view(), local_final.view(), placement.continues_document);
+  const Tensor all = gather(cp_, transition.view(), local_final.view());
   saved->entering = Tensor({d.heads, d.kd, d.vd}, accum);
   with_accum_type(accum, [&](auto t) {
     using T = decltype(t);
-    fold_entering<T>(all, cp_.rank(), d, saved->entering.ptr<T>());
+    fold_entering<T>(all, shards_, cp_.rank(), d, saved->entering.ptr<T>());
   });
   saved->transition = std::move(transition);
 
@@ -187,8 +164,7 @@ void KdaAcrossRanks::forward(const KdaArgs& args, const KdaShardPlacement& place
   backend_.kda_forward(run);
 }
 
-void KdaAcrossRanks::backward(const KdaBackwardArgs& args, const KdaShardPlacement& placement,
-                              const KdaShardState& saved) {
+void KdaAcrossRanks::backward(const KdaBackwardArgs& args, const KdaShardState& saved) {
   expect_cpu(backend_);
   const StateDims d = state_dims(args.q, args.v);
   const DType accum = args.g.dtype;
@@ -201,11 +177,11 @@ void KdaAcrossRanks::backward(const KdaBackwardArgs& args, const KdaShardPlaceme
   pull.dinitial_state = local_pull;
   backend_.kda_backward(pull);
 
-  const GatheredShards all = gather(cp_, saved.transition.view(), local_pull.view(), placement.continues_document);
+  const Tensor all = gather(cp_, saved.transition.view(), local_pull.view());
   Tensor leaving({d.heads, d.kd, d.vd}, accum);
   with_accum_type(accum, [&](auto t) {
     using T = decltype(t);
-    fold_leaving<T>(all, cp_.rank(), d, leaving.ptr<T>());
+    fold_leaving<T>(all, shards_, cp_.rank(), d, leaving.ptr<T>());
   });
 
   KdaBackwardArgs run = args;

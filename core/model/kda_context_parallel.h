@@ -19,44 +19,32 @@
 // the CPU backend only for now (the CUDA KDA takes no states yet).
 #pragma once
 
-#include <cstdint>
-#include <vector>
-
 #include "core/base/tensor.h"
+#include "core/model/context_shards.h"
 #include "kernels/ops.h"
 #include "parallel/comm.h"
 
 namespace moetrain {
 
-// Where a rank's shard sits among the documents of the window.
-struct KdaShardPlacement {
-  bool continues_document = false;  // its first token continues a document of the shard before
-  bool within_one_document = false;  // no document starts inside it (after its first token)
-};
-
-// A shard's placement from the window's global segment offsets: the shard holds window tokens
-// [begin, end). Its local offsets (cu_seqlens for its own ops) are returned in `local_cu`.
-KdaShardPlacement place_kda_shard(const int32_t* window_cu, int64_t window_segments, int64_t begin, int64_t end,
-                                  std::vector<int32_t>* local_cu);
-
 // What the forward keeps for the backward: the state this shard started from and its M.
 struct KdaShardState {
   Tensor entering;    // S_in [heads, k_dim, v_dim]
-  Tensor transition;  // M [heads, k_dim, k_dim] (zero unless within_one_document)
+  Tensor transition;  // M [heads, k_dim, k_dim] (zero unless the shard is within one document)
 };
 
 class KdaAcrossRanks {
  public:
-  // `cp`: the context-parallel group, rank order = shard order. Not owned.
-  KdaAcrossRanks(kernels::Backend& backend, Communicator& cp);
+  // `cp`: the context-parallel group, its rank r holding shard r of `shards`. Neither is owned.
+  KdaAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards);
 
-  // args: this shard's rows and local cu_seqlens, no states (they are the business of this class).
-  void forward(const kernels::KdaArgs& args, const KdaShardPlacement& placement, KdaShardState* saved);
-  void backward(const kernels::KdaBackwardArgs& args, const KdaShardPlacement& placement, const KdaShardState& saved);
+  // args: this shard's rows, cu_seqlens its shards.local_cu(), no states (this class sets them).
+  void forward(const kernels::KdaArgs& args, KdaShardState* saved);
+  void backward(const kernels::KdaBackwardArgs& args, const KdaShardState& saved);
 
  private:
   kernels::Backend& backend_;
   Communicator& cp_;
+  const ContextShards& shards_;
 };
 
 }  // namespace moetrain

@@ -18,18 +18,20 @@ void expect_shape(const TensorView& t, const Shape& shape, const char* name) {
 }
 
 struct AttentionDims {
-  int64_t tokens = 0;
+  int64_t tokens = 0;  // queries
   int64_t heads = 0;
   int64_t qk_dim = 0;
   int64_t v_dim = 0;
+  int64_t key_tokens = 0;
 };
 
 AttentionDims attention_dims(const TensorView& q, const TensorView& k, const TensorView& v) {
   MOETRAIN_ASSERT(q.ndim() == 3, "attention: q must be [tokens, heads, qk_dim], got " + q.shape.str());
   MOETRAIN_ASSERT(v.ndim() == 3, "attention: v must be [tokens, heads, v_dim], got " + v.shape.str());
-  AttentionDims d{q.size(0), q.size(1), q.size(2), v.size(2)};
-  expect_shape(k, q.shape, "k");
-  expect_shape(v, Shape({d.tokens, d.heads, d.v_dim}), "v");
+  MOETRAIN_ASSERT(k.ndim() == 3, "attention: k must be [tokens, heads, qk_dim], got " + k.shape.str());
+  AttentionDims d{q.size(0), q.size(1), q.size(2), v.size(2), k.size(0)};
+  expect_shape(k, Shape({d.key_tokens, d.heads, d.qk_dim}), "k");
+  expect_shape(v, Shape({d.key_tokens, d.heads, d.v_dim}), "v");
   return d;
 }
 
@@ -54,6 +56,29 @@ std::vector<int64_t> segment_bounds(const TensorView& cu_seqlens, int64_t tokens
   return bounds;
 }
 
+// Each query segment and the keys it sees: query t of [q_begin, q_end) attends keys
+// [k_begin, last_key(t)] (ops.h AttentionArgs: without key segments of their own, the keys are
+// the queries' own tokens and last_key(t) = t).
+struct SegmentPair {
+  int64_t q_begin = 0, q_end = 0, k_begin = 0, k_end = 0;
+  int64_t last_key(int64_t t) const { return t + (k_end - k_begin) - (q_end - q_begin) - q_begin + k_begin; }
+};
+
+std::vector<SegmentPair> segment_pairs(const TensorView& cu_seqlens, const TensorView& cu_seqlens_k,
+                                       const AttentionDims& d) {
+  const std::vector<int64_t> q = segment_bounds(cu_seqlens, d.tokens);
+  const std::vector<int64_t> k = cu_seqlens_k.data == nullptr ? q : segment_bounds(cu_seqlens_k, d.key_tokens);
+  MOETRAIN_ASSERT(k.size() == q.size(), "attention: cu_seqlens_k has " + std::to_string(k.size() - 1) +
+                                            " segments, cu_seqlens " + std::to_string(q.size() - 1));
+  std::vector<SegmentPair> pairs;
+  for (size_t s = 0; s + 1 < q.size(); ++s) {
+    pairs.push_back({q[s], q[s + 1], k[s], k[s + 1]});
+    MOETRAIN_ASSERT(q[s + 1] - q[s] <= k[s + 1] - k[s], "attention: segment " + std::to_string(s) +
+                                                             " has more queries than keys");
+  }
+  return pairs;
+}
+
 template <typename T>
 double dot(const T* a, const T* b, int64_t n) {
   double s = 0.0;
@@ -68,7 +93,7 @@ void attention_forward(const AttentionArgs& args) {
   const AttentionDims d = attention_dims(args.q, args.k, args.v);
   expect_shape(args.out, Shape({d.tokens, d.heads, d.v_dim}), "out");
   expect_lse(args.lse, d);
-  const std::vector<int64_t> bounds = segment_bounds(args.cu_seqlens, d.tokens);
+  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d);
   const T* q = args.q.ptr<T>();
   const T* k = args.k.ptr<T>();
   const T* v = args.v.ptr<T>();
@@ -78,22 +103,23 @@ void attention_forward(const AttentionArgs& args) {
 
   std::vector<double> logits;
   std::vector<double> acc(static_cast<size_t>(d.v_dim));
-  for (size_t seg = 0; seg + 1 < bounds.size(); ++seg) {
-    const int64_t begin = bounds[seg];
-    for (int64_t t = begin; t < bounds[seg + 1]; ++t) {
+  for (const SegmentPair& seg : segments) {
+    const int64_t begin = seg.k_begin;
+    for (int64_t t = seg.q_begin; t < seg.q_end; ++t) {
+      const int64_t last = seg.last_key(t);
       for (int64_t h = 0; h < d.heads; ++h) {
         const T* qt = q + t * q_row + h * d.qk_dim;
-        // Keys begin..t inclusive: causal within the segment.
-        logits.resize(static_cast<size_t>(t - begin + 1));
+        // Keys begin..last inclusive: causal within the segment.
+        logits.resize(static_cast<size_t>(last - begin + 1));
         double max_logit = -std::numeric_limits<double>::infinity();
-        for (int64_t s = begin; s <= t; ++s) {
+        for (int64_t s = begin; s <= last; ++s) {
           const double l = args.scale * dot(qt, k + s * q_row + h * d.qk_dim, d.qk_dim);
           logits[s - begin] = l;
           max_logit = std::max(max_logit, l);
         }
         std::fill(acc.begin(), acc.end(), 0.0);
         double denom = 0.0;
-        for (int64_t s = begin; s <= t; ++s) {
+        for (int64_t s = begin; s <= last; ++s) {
           const double p = std::exp(logits[s - begin] - max_logit);
           denom += p;
           const T* vs = v + s * v_row + h * d.v_dim;
@@ -116,7 +142,7 @@ void attention_backward(const AttentionBackwardArgs& args) {
   expect_shape(args.dq, args.q.shape, "dq");
   expect_shape(args.dk, args.k.shape, "dk");
   expect_shape(args.dv, args.v.shape, "dv");
-  const std::vector<int64_t> bounds = segment_bounds(args.cu_seqlens, d.tokens);
+  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d);
   const T* q = args.q.ptr<T>();
   const T* k = args.k.ptr<T>();
   const T* v = args.v.ptr<T>();
@@ -130,18 +156,19 @@ void attention_backward(const AttentionBackwardArgs& args) {
 
   std::vector<double> dq_acc(static_cast<size_t>(d.qk_dim));
   std::vector<double> dk_acc, dv_acc;  // [segment length, dim] for one (segment, head)
-  for (size_t seg = 0; seg + 1 < bounds.size(); ++seg) {
-    const int64_t begin = bounds[seg], end = bounds[seg + 1];
+  for (const SegmentPair& seg : segments) {
+    const int64_t begin = seg.k_begin, end = seg.k_end;
     for (int64_t h = 0; h < d.heads; ++h) {
       dk_acc.assign(static_cast<size_t>((end - begin) * d.qk_dim), 0.0);
       dv_acc.assign(static_cast<size_t>((end - begin) * d.v_dim), 0.0);
-      for (int64_t t = begin; t < end; ++t) {
+      for (int64_t t = seg.q_begin; t < seg.q_end; ++t) {
+        const int64_t last = seg.last_key(t);
         const T* qt = q + t * q_row + h * d.qk_dim;
         const T* dout_t = dout + t * v_row + h * d.v_dim;
         const double row_lse = static_cast<double>(lse[t * d.heads + h]);
         const double delta = dot(dout_t, out + t * v_row + h * d.v_dim, d.v_dim);
         std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
-        for (int64_t s = begin; s <= t; ++s) {
+        for (int64_t s = begin; s <= last; ++s) {
           const T* ks = k + s * q_row + h * d.qk_dim;
           const T* vs = v + s * v_row + h * d.v_dim;
           const double p = std::exp(args.scale * dot(qt, ks, d.qk_dim) - row_lse);

@@ -360,11 +360,15 @@ class CudaBackend final : public Backend {
 
   void attention_forward(const AttentionArgs& args) override {
     check_attention_forward(rules_, args);
+    expect(args.cu_seqlens_k.data == nullptr, "attention_forward",
+           "the CUDA backend's attention takes no cu_seqlens_k (keys of their own)");
     cuda_ops::attention_forward(args, stream_);
   }
 
   void attention_backward(const AttentionBackwardArgs& args) override {
     check_attention_backward(rules_, args);
+    expect(args.cu_seqlens_k.data == nullptr, "attention_backward",
+           "the CUDA backend's attention takes no cu_seqlens_k (keys of their own)");
     cuda_ops::attention_backward(args, stream_);
   }
 

@@ -1,0 +1,43 @@
+// Causal attention over a sequence split across the ranks of a context-parallel group
+// (docs/ARCHITECTURE.md §5): queries stay on their rank; every shard's keys and values are
+// all-gathered (padded to the longest shard), each rank attends its queries against the keys of
+// their documents up to its shard's end (ops.h AttentionArgs::cu_seqlens_k), and the gradients
+// of the keys and values are reduce-scattered back to the ranks that own them. Memory per rank
+// grows with the whole window's keys; a ring that overlaps the exchange with compute would not.
+// The gathers run on the host: the CPU backend only for now (the CUDA attention takes no key
+// segments yet).
+#pragma once
+
+#include "core/base/tensor.h"
+#include "core/model/context_shards.h"
+#include "kernels/ops.h"
+#include "parallel/comm.h"
+
+namespace moetrain {
+
+class AttentionAcrossRanks {
+ public:
+  // `cp`: the context-parallel group, its rank r holding shard r of `shards`. Neither is owned.
+  AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards);
+
+  // args: this shard's rows (q, k, v, out, lse; dq, dk, dv for its own keys), cu_seqlens its
+  // shards.local_cu(), no cu_seqlens_k (this class sets it).
+  void forward(const kernels::AttentionArgs& args);
+  void backward(const kernels::AttentionBackwardArgs& args);
+
+ private:
+  // The keys and values that this rank's queries see: tokens [document_start, end) of the window.
+  struct VisibleKeys {
+    Tensor k, v, cu;
+  };
+  VisibleKeys gather_keys(const TensorView& k, const TensorView& v);
+  // The gradient `visible` of the visible keys, summed over every rank that saw them, into this
+  // rank's own rows `own`.
+  void return_gradient(const TensorView& visible, const TensorView& own);
+
+  kernels::Backend& backend_;
+  Communicator& cp_;
+  const ContextShards& shards_;
+};
+
+}  // namespace moetrain

@@ -1,0 +1,191 @@
+// The mixers across a context-parallel group (core/model/kda_context_parallel.h,
+// attention_context_parallel.h) equal the same mixer over the whole window on one rank, forward
+// and every input gradient, on the CPU backend under mpirun: documents inside one shard, across
+// two and across all, a document starting exactly at a shard's start, a window that does not
+// split evenly, and (3 ranks or more) an empty shard; in F64 and F32.
+// Prints "EQUAL" on rank 0 when every case of every rank agrees.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/base/log.h"
+#include "core/model/attention_context_parallel.h"
+#include "core/model/kda_context_parallel.h"
+#include "kda_inputs.h"
+#include "kernels/ops.h"
+#include "parallel/comm.h"
+#include "parallel/runtime.h"
+
+namespace moetrain {
+namespace {
+
+using kernels::AttentionArgs;
+using kernels::AttentionBackwardArgs;
+using kernels::KdaArgs;
+using kernels::KdaBackwardArgs;
+using testing::KdaInputs;
+
+struct Case {
+  std::string name;
+  std::vector<int32_t> cu;     // the window's documents
+  std::vector<int64_t> cuts;   // shard r holds [cuts[r], cuts[r + 1]); empty: an even split
+};
+
+struct Outputs {
+  Tensor out, dq, dk, dv, dg, dbeta;
+  explicit Outputs(const KdaInputs& in)
+      : out({in.tokens, in.heads, in.vd}, in.q.dtype()), dq({in.tokens, in.heads, in.kd}, in.q.dtype()),
+        dk({in.tokens, in.heads, in.kd}, in.q.dtype()), dv({in.tokens, in.heads, in.vd}, in.q.dtype()),
+        dg({in.tokens, in.heads, in.kd}, in.q.dtype()), dbeta({in.tokens, in.heads}, in.q.dtype()) {}
+  KdaArgs forward(const KdaInputs& in) const { return {out, in.q, in.k, in.v, in.g, in.beta, in.cu_seqlens, in.scale}; }
+  KdaBackwardArgs backward(const KdaInputs& in) const {
+    return {dq, dk, dv, dg, dbeta, in.dout, in.q, in.k, in.v, in.g, in.beta, in.cu_seqlens, in.scale};
+  }
+};
+
+KdaInputs shard_of(const KdaInputs& in, int64_t begin, int64_t end, const std::vector<int32_t>& local_cu) {
+  KdaInputs part;
+  part.tokens = end - begin;
+  part.heads = in.heads;
+  part.kd = in.kd;
+  part.vd = in.vd;
+  part.scale = in.scale;
+  auto rows = [&](const Tensor& t) { return testing::copy_as(t.view().slice_rows(begin, end), t.dtype()); };
+  part.q = rows(in.q);
+  part.k = rows(in.k);
+  part.v = rows(in.v);
+  part.g = rows(in.g);
+  part.beta = rows(in.beta);
+  part.dout = rows(in.dout);
+  part.cu_seqlens = testing::make_i32(local_cu);
+  return part;
+}
+
+// The worst relative difference of this shard's rows against the whole window's.
+double worst_difference(const Tensor& shard, const Tensor& whole, int64_t begin) {
+  double worst = 0, scale = 0;
+  for (int64_t i = 0; i < whole.numel(); ++i) scale = std::max(scale, std::fabs(testing::get_element(whole, i)));
+  const int64_t row = whole.numel() / std::max<int64_t>(whole.shape()[0], 1);
+  for (int64_t i = 0; i < shard.numel(); ++i) {
+    const double d = testing::get_element(shard, i) - testing::get_element(whole, begin * row + i);
+    worst = std::max(worst, std::fabs(d));
+  }
+  return scale > 0 ? worst / scale : worst;
+}
+
+// The checks of one case on this rank: each named tensor of the shard against its rows of the whole.
+struct Checked {
+  const char* name;
+  const Tensor* shard;
+  const Tensor* whole;
+};
+
+int compare(const std::string& label, const std::vector<Checked>& checks, int64_t begin, int64_t end, int me,
+            double tolerance) {
+  int failures = 0;
+  for (const Checked& c : checks) {
+    const double worst = worst_difference(*c.shard, *c.whole, begin);
+    if (!(worst <= tolerance)) {
+      ++failures;
+      log::error(fmt::format("{}, rank {} tokens [{}, {}): {} differs from the whole window's by {:.3e} (relative "
+                             "to its largest value; at most {:.0e})",
+                             label, me, begin, end, c.name, worst, tolerance));
+    }
+  }
+  return failures;
+}
+
+int run_kda_case(const Case& c, const ContextShards& shards, DType dtype, double tolerance, kernels::Backend& backend,
+                 Communicator& cp) {
+  const int me = cp.rank();
+  const KdaInputs whole = testing::make_kda_inputs(c.cu, 2, 4, 3, 1000 + c.cu.size(), dtype);
+  Outputs want(whole);
+  backend.kda_forward(want.forward(whole));
+  backend.kda_backward(want.backward(whole));
+
+  const int64_t begin = shards.begin(me), end = shards.end(me);
+  const KdaInputs shard = shard_of(whole, begin, end, shards.local_cu(me));
+  Outputs got(shard);
+  KdaAcrossRanks kda(backend, cp, shards);
+  KdaShardState saved;
+  kda.forward(got.forward(shard), &saved);
+  kda.backward(got.backward(shard), saved);
+  return compare("kda: " + c.name + " (" + dtype_name(dtype) + ")",
+                 {{"out", &got.out, &want.out}, {"dq", &got.dq, &want.dq}, {"dk", &got.dk, &want.dk},
+                  {"dv", &got.dv, &want.dv}, {"dg", &got.dg, &want.dg}, {"dbeta", &got.dbeta, &want.dbeta}},
+                 begin, end, me, tolerance);
+}
+
+// Attention: q, k, v [tokens, heads, dim] of one window, and every result of a call on them.
+struct AttentionRun {
+  Tensor q, k, v, dout, out, lse, dq, dk, dv, cu;
+  AttentionRun(const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& dout_, std::vector<int32_t> cu_)
+      : q(testing::copy_as(q_, q_.dtype())), k(testing::copy_as(k_, k_.dtype())), v(testing::copy_as(v_, v_.dtype())),
+        dout(testing::copy_as(dout_, dout_.dtype())), out(v.shape(), v.dtype()), lse({q.shape()[0], q.shape()[1]}, q.dtype()),
+        dq(q.shape(), q.dtype()), dk(k.shape(), k.dtype()), dv(v.shape(), v.dtype()), cu(testing::make_i32(cu_)) {}
+  AttentionArgs forward(double scale) const { return {out, lse, q, k, v, cu, scale}; }
+  AttentionBackwardArgs backward(double scale) const { return {dq, dk, dv, dout, q, k, v, out, lse, cu, scale}; }
+};
+
+int run_attention_case(const Case& c, const ContextShards& shards, DType dtype, double tolerance,
+                       kernels::Backend& backend, Communicator& cp) {
+  const int me = cp.rank();
+  const int64_t tokens = c.cu.back(), heads = 2, qk = 5, vd = 3;
+  const double scale = 0.4;
+  const uint64_t seed = 2000 + c.cu.size();
+  AttentionRun whole(testing::random_tensor({tokens, heads, qk}, dtype, seed, -1.0, 1.0),
+                     testing::random_tensor({tokens, heads, qk}, dtype, seed + 1, -1.0, 1.0),
+                     testing::random_tensor({tokens, heads, vd}, dtype, seed + 2, -1.0, 1.0),
+                     testing::random_tensor({tokens, heads, vd}, dtype, seed + 3, -1.0, 1.0), c.cu);
+  backend.attention_forward(whole.forward(scale));
+  backend.attention_backward(whole.backward(scale));
+
+  const int64_t begin = shards.begin(me), end = shards.end(me);
+  auto rows = [&](const Tensor& t) { return testing::copy_as(t.view().slice_rows(begin, end), t.dtype()); };
+  AttentionRun shard(rows(whole.q), rows(whole.k), rows(whole.v), rows(whole.dout), shards.local_cu(me));
+  AttentionAcrossRanks attention(backend, cp, shards);
+  attention.forward(shard.forward(scale));
+  attention.backward(shard.backward(scale));
+  return compare("attention: " + c.name + " (" + dtype_name(dtype) + ")",
+                 {{"out", &shard.out, &whole.out}, {"lse", &shard.lse, &whole.lse}, {"dq", &shard.dq, &whole.dq},
+                  {"dk", &shard.dk, &whole.dk}, {"dv", &shard.dv, &whole.dv}},
+                 begin, end, me, tolerance);
+}
+
+int run_test(Runtime& runtime, int, char**) {
+  MpiCommunicator cp(MPI_COMM_WORLD);
+  auto backend = kernels::make_cpu_backend();
+  const int ranks = cp.size();
+  std::vector<Case> cases = {
+      {"one document over every shard, uneven split", {0, 150}, {}},
+      {"documents inside one shard and across two", {0, 40, 100, 130, 150}, {}},
+      {"short documents, several per shard", {0, 7, 9, 30, 31, 60, 90, 121}, {}},
+  };
+  // A document that starts exactly where shard 1 starts.
+  cases.push_back({"a document starting at a shard's start", {0, 200 / ranks, 200}, {}});
+  if (ranks >= 3) {
+    std::vector<int64_t> cuts = {0, 50, 50};  // shard 1 is empty
+    for (int r = 3; r <= ranks; ++r) cuts.push_back(50 + 70 * (r - 2) / (ranks - 2));
+    cases.push_back({"an empty shard inside a document", {0, 120}, cuts});
+  }
+  int failures = 0;
+  for (const Case& c : cases) {
+    const ContextShards shards = c.cuts.empty() ? ContextShards::even(c.cu, ranks) : ContextShards(c.cu, c.cuts);
+    for (const auto& [dtype, tolerance] : {std::make_pair(DType::kF64, 1e-10), std::make_pair(DType::kF32, 2e-5)}) {
+      failures += run_kda_case(c, shards, dtype, tolerance, *backend, cp);
+      failures += run_attention_case(c, shards, dtype, tolerance, *backend, cp);
+    }
+  }
+  cp.all_reduce(&failures, 1);
+  if (runtime.is_root())
+    std::printf("context_parallel cp %d, kda and attention, %zu cases in F64 and F32: %s\n", ranks, cases.size(),
+                failures == 0 ? "EQUAL" : "DIFFERENT");
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace moetrain
+
+int main(int argc, char** argv) { return moetrain::run_main(argc, argv, moetrain::run_test); }
