@@ -37,7 +37,7 @@ class DsaAttention final : public Mixer {
   void collect_weights(std::vector<WeightSlot>& out) override;
 
   // Every projection, for LoRA targeting by module name (the indexer's are frozen).
-  std::vector<LoraLinear*> projections() { return proj.projections(); }
+  std::vector<LoraLinear*> projections() override { return proj.projections(); }
 
   MlaProjections proj;
   DsaIndexer indexer;

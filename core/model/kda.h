@@ -35,7 +35,7 @@ class KdaAttention final : public Mixer {
   void collect_weights(std::vector<WeightSlot>& out) override;
 
   // Every projection this layer has, for LoRA targeting by module name.
-  std::vector<LoraLinear*> projections();
+  std::vector<LoraLinear*> projections() override;
 
   LoraLinear q_proj, k_proj, v_proj;  // separate projections (fused_qkv false)
   LoraLinear qkv_proj;                // [3 H d, D] (fused_qkv)

@@ -27,7 +27,7 @@ class MlaAttention final : public Mixer {
   void collect_weights(std::vector<WeightSlot>& out) override;
 
   // Every projection, for LoRA targeting by module name.
-  std::vector<LoraLinear*> projections() { return proj.projections(); }
+  std::vector<LoraLinear*> projections() override { return proj.projections(); }
 
   MlaProjections proj;
 

@@ -3,6 +3,7 @@
 // scratch directory and broken one way at a time.
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -42,15 +43,14 @@ fs::path scratch_model(const std::string& name) {
   return dir;
 }
 
-// Rewrites the directory's weights without `drop` and with `reshape` given a wrong shape.
-void rewrite_weights(const fs::path& dir, const std::string& drop, const std::string& reshape) {
+// Rewrites the directory's weights, each passed through `edit` first (false: left out).
+void rewrite_weights(const fs::path& dir, const std::function<bool(const std::string&, Tensor&)>& edit) {
   SafetensorsFile original((kFixture / "model.safetensors").string());
   std::vector<Tensor> keep;
   std::vector<NamedTensor> tensors;
   for (const std::string& name : original.names()) {
-    if (name == drop) continue;
     Tensor t = original.read_as(name, DType::kF32);
-    if (name == reshape) t = Tensor({t.numel()}, DType::kF32);  // flattened: wrong shape, same bytes
+    if (!edit(name, t)) continue;
     tensors.push_back({name, t.view()});
     keep.push_back(std::move(t));
   }
@@ -58,19 +58,20 @@ void rewrite_weights(const fs::path& dir, const std::string& drop, const std::st
   write_hf_checkpoint(dir.string(), tensors, HfShardedWriteParams{});
 }
 
+// Rewrites the directory's weights without `drop` and with `reshape` given a wrong shape.
+void rewrite_weights(const fs::path& dir, const std::string& drop, const std::string& reshape) {
+  rewrite_weights(dir, [&](const std::string& name, Tensor& t) {
+    if (name == reshape) t = Tensor({t.numel()}, DType::kF32);  // flattened: wrong shape, same bytes
+    return name != drop;
+  });
+}
+
 // Rewrites the directory's weights with one element of `name` set to NaN.
 void poison_weight(const fs::path& dir, const std::string& name, int64_t element) {
-  SafetensorsFile original((kFixture / "model.safetensors").string());
-  std::vector<Tensor> keep;
-  std::vector<NamedTensor> tensors;
-  for (const std::string& n : original.names()) {
-    Tensor t = original.read_as(n, DType::kF32);
+  rewrite_weights(dir, [&](const std::string& n, Tensor& t) {
     if (n == name) t.ptr<float>()[element] = std::numeric_limits<float>::quiet_NaN();
-    tensors.push_back({n, t.view()});
-    keep.push_back(std::move(t));
-  }
-  fs::remove(dir / "model.safetensors");
-  write_hf_checkpoint(dir.string(), tensors, HfShardedWriteParams{});
+    return true;
+  });
 }
 
 Error load_error(const fs::path& dir, std::vector<std::string> targets = {"o_proj"}) {
@@ -88,6 +89,17 @@ Error load_error(const fs::path& dir, std::vector<std::string> targets = {"o_pro
     return e;
   }
   return Error(ExitCode::kOk, "");
+}
+
+// The error of loading the fixture rewritten without `drop` and with `reshape` misshapen (in
+// scratch directory `scratch`): a checkpoint error naming the tensor.
+Error checkpoint_error(const std::string& scratch, const std::string& drop, const std::string& reshape) {
+  fs::path dir = scratch_model(scratch);
+  rewrite_weights(dir, drop, reshape);
+  Error e = load_error(dir);
+  CHECK(e.code() == ExitCode::kBadCheckpoint);
+  CHECK(contains(e.what(), drop.empty() ? reshape : drop));
+  return e;
 }
 
 }  // namespace
@@ -110,28 +122,16 @@ TEST_CASE("an unknown model_type is a config error naming it", "[import]") {
 }
 
 TEST_CASE("a missing tensor is a checkpoint error naming it", "[import]") {
-  fs::path dir = scratch_model("missing");
-  rewrite_weights(dir, "model.layers.1.self_attn.kv_b_proj.weight", "");
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadCheckpoint);
-  CHECK(contains(e.what(), "model.layers.1.self_attn.kv_b_proj.weight"));
+  Error e = checkpoint_error("missing", "model.layers.1.self_attn.kv_b_proj.weight", "");
   CHECK(contains(e.what(), "missing"));
 }
 
 TEST_CASE("a missing routed expert tensor is named with its expert", "[import]") {
-  fs::path dir = scratch_model("missing_expert");
-  rewrite_weights(dir, "model.layers.2.mlp.experts.5.up_proj.weight", "");
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadCheckpoint);
-  CHECK(contains(e.what(), "model.layers.2.mlp.experts.5.up_proj.weight"));
+  checkpoint_error("missing_expert", "model.layers.2.mlp.experts.5.up_proj.weight", "");
 }
 
 TEST_CASE("a tensor whose shape does not match config.json is named with both shapes", "[import]") {
-  fs::path dir = scratch_model("shape");
-  rewrite_weights(dir, "", "model.layers.0.mlp.down_proj.weight");
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadCheckpoint);
-  CHECK(contains(e.what(), "model.layers.0.mlp.down_proj.weight"));
+  Error e = checkpoint_error("shape", "", "model.layers.0.mlp.down_proj.weight");
   CHECK(contains(e.what(), "[1536]"));
   CHECK(contains(e.what(), "[32, 48]"));
 }
