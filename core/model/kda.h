@@ -31,7 +31,6 @@ class KdaAttention final : public Mixer {
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
   void release_saved() override;
-  void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
 
   // Every projection this layer has, for LoRA targeting by module name.

@@ -44,7 +44,8 @@ class LayerBlock {
   virtual void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
                         const TensorView& x) = 0;
   virtual void release_saved() = 0;
-  virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
+  // The block's trainable parameters, in a fixed order; by default the adapters of projections().
+  virtual void collect_parameters(std::vector<Parameter*>& out);
   virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
   // The block's LoRA-capable projections, for LoRA targeting by HF module name (SwiGLU networks
   // carry their adapters themselves: SwigluExperts).

@@ -10,7 +10,6 @@
 #include "core/config/lora_patterns.h"
 #include "core/model/dense_ffn.h"
 #include "core/model/dsa.h"
-#include "core/model/fsdp_bucket.h"
 #include "core/model/kda.h"
 #include "core/model/latent_moe.h"
 #include "core/model/moe.h"
@@ -327,8 +326,7 @@ void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorVie
   kernels::Backend& be = backend_;
   DecoderLayer& layer = layers_[index];
   LayerSaved& s = saved_[index];
-  const int64_t n = x.size(0);
-  const int64_t d = x.size(1);
+  const int64_t n = x.size(0), d = x.size(1);
   const double eps = spec_.config.rms_norm_eps;
   if (auto* moe = routed_moe(layer.ffn.get())) {
     moe->set_noise_seed(options_.seed ^ (forward_count_ * 1000003ull + index));
@@ -365,8 +363,7 @@ void Model::layer_backward(const LayerContext& ctx, size_t index, const TensorVi
   kernels::Backend& be = backend_;
   DecoderLayer& layer = layers_[index];
   LayerSaved& s = saved_[index];
-  const int64_t n = x.size(0);
-  const int64_t d = x.size(1);
+  const int64_t n = x.size(0), d = x.size(1);
   Tensor dnormed_mid = ctx.alloc({n, d});
   layer.ffn->backward(ctx, dnormed_mid, dout, s.normed_mid);
   // dhidden: the gradient of the sum the feed-forward's output was added to.

@@ -70,7 +70,7 @@ struct FrozenWeightBytes {
   size_t kept_whole = 0;  // the part of `full` never sharded (included in `resident`)
 };
 
-
+// One decoder layer's frozen norms and depth mixes, and its two blocks.
 struct DecoderLayer {
   Tensor input_norm;           // input_layernorm.weight
   Tensor post_attention_norm;  // post_attention_layernorm.weight
@@ -189,11 +189,13 @@ class Model final : public TrainableModel {
   // from it gets that in front: an out-of-memory then names the layer and pass as well as the
   // tensor). The embedding/head bucket stays gathered after forward for the head's GEMMs.
   Forward forward(const LayerContext& ctx, ForwardMode mode, std::string& where);
-  // Per-token losses [tokens] on the device; with dfinal given, their gradient times grad_scale
-  // goes into it (= ), else grad_scale is 0 and nothing is kept.
+  // Per-token losses [tokens] on the device, from the head's logits in row chunks. With dfinal
+  // given, the final hidden state's gradient (times grad_scale) is written into it; without, the
+  // pass is forward only (grad_scale unused).
   Tensor head_loss(const LayerContext& ctx, const TensorView& final_hidden, const TensorView* dfinal,
                    double grad_scale);
-  // From the final norm's output gradient down to the embedding; releases the outer weights.
+  // From the final norm's output gradient down to the first layer's input (the embedding is
+  // frozen); releases the outer weights first.
   void backward(const LayerContext& ctx, Forward& fwd, const TensorView& dfinal, std::string& where);
   // forward_backward_async's body.
   PendingStep run_step(const Batch& batch, double grad_scale, std::string& where);

@@ -130,9 +130,7 @@ Tensor MoeFfn::router_noise(const LayerContext& ctx, int64_t n) const {
 
 void MoeFfn::route(const LayerContext& ctx, const TensorView& x) {
   kernels::Backend& be = ctx.backend;
-  const int64_t n = x.size(0);
-  const int64_t e = moe_.num_experts;
-  const int64_t k = moe_.top_k;
+  const int64_t n = x.size(0), e = moe_.num_experts, k = moe_.top_k;
   Saved& s = saved_;
   Tensor logits = ctx.alloc_accum({n, e});  // routing in F32, as transformers does
   be.gemm(GemmArgs{logits, x, router_weight, false, true, 1.0, 0.0});
@@ -158,9 +156,7 @@ void MoeFfn::route(const LayerContext& ctx, const TensorView& x) {
 
 void MoeFfn::dispatch(const LayerContext& ctx, const TensorView& rows) {
   kernels::Backend& be = ctx.backend;
-  const int64_t n = rows.size(0);
-  const int64_t e = moe_.num_experts;
-  const int64_t k = moe_.top_k;
+  const int64_t n = rows.size(0), e = moe_.num_experts, k = moe_.top_k;
   Saved& s = saved_;
   s.expert_offsets = ctx.alloc({e + 1}, DType::kI32);
   s.sorted_pair = ctx.alloc({n * k}, DType::kI32);

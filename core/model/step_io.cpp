@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "core/base/host_convert.h"
+#include "core/model/moe.h"
 
 namespace moetrain {
 

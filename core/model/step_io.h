@@ -10,10 +10,11 @@
 
 #include "core/data/batch.h"
 #include "core/model/layer_context.h"
-#include "core/model/moe.h"
 #include "core/model/trainable_model.h"
 
 namespace moetrain {
+
+class MoeFfn;
 
 // Checks on the host, before any id can index anything on a device: the batch's sizes, its token
 // ids and labels within the vocabulary, its positions below max_position (Error kBadData).

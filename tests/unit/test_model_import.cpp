@@ -91,6 +91,18 @@ Error load_error(const fs::path& dir, std::vector<std::string> targets = {"o_pro
   return Error(ExitCode::kOk, "");
 }
 
+// The error of loading the fixture with `from` in its config.json replaced by `to` (in scratch
+// directory `scratch`): a config error.
+Error config_json_error(const std::string& scratch, const std::string& from, const std::string& to) {
+  fs::path dir = scratch_model(scratch);
+  std::string json = read_text(dir / "config.json");
+  json.replace(json.find(from), from.size(), to);
+  write_text(dir / "config.json", json);
+  Error e = load_error(dir);
+  CHECK(e.code() == ExitCode::kBadConfig);
+  return e;
+}
+
 // The error of loading the fixture rewritten without `drop` and with `reshape` misshapen (in
 // scratch directory `scratch`): a checkpoint error naming the tensor.
 Error checkpoint_error(const std::string& scratch, const std::string& drop, const std::string& reshape) {
@@ -111,12 +123,7 @@ TEST_CASE("the unmodified fixture loads", "[import]") {
 }
 
 TEST_CASE("an unknown model_type is a config error naming it", "[import]") {
-  fs::path dir = scratch_model("model_type");
-  std::string json = read_text(dir / "config.json");
-  json.replace(json.find("\"deepseek_v3\""), 13, "\"llama\"");
-  write_text(dir / "config.json", json);
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadConfig);
+  Error e = config_json_error("model_type", "\"deepseek_v3\"", "\"llama\"");
   CHECK(contains(e.what(), "model_type \"llama\""));
   CHECK(contains(e.what(), "supported: deepseek_v3"));
 }
@@ -137,12 +144,7 @@ TEST_CASE("a tensor whose shape does not match config.json is named with both sh
 }
 
 TEST_CASE("config.json with a wrong-typed or missing key is named", "[import]") {
-  fs::path dir = scratch_model("json");
-  std::string json = read_text(dir / "config.json");
-  json.replace(json.find("\"n_routed_experts\""), 18, "\"n_routed_experts_renamed\"");
-  write_text(dir / "config.json", json);
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadConfig);
+  Error e = config_json_error("json", "\"n_routed_experts\"", "\"n_routed_experts_renamed\"");
   CHECK(contains(e.what(), "n_routed_experts"));
 }
 
