@@ -30,10 +30,6 @@ DsaAttention::DsaAttention(const ModelSpec& spec, int64_t layer, const LayerCont
                            const RopeDeviceTables* rope)
     : proj(spec, layer, ctx, rope), indexer(spec, layer, ctx, rope) {}
 
-void DsaAttention::collect_parameters(std::vector<Parameter*>& out) {
-  for (LoraLinear* p : proj.projections()) p->collect_parameters(out);
-}
-
 void DsaAttention::collect_weights(std::vector<WeightSlot>& out) {
   proj.collect_weights(out);
   indexer.collect_weights(out);

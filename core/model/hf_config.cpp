@@ -132,14 +132,20 @@ void mla_from_hf(const HfJson& hf, MlaConfig& mla) {
   mla.v_head_dim = hf.get<int64_t>("v_head_dim");
 }
 
-ModelConfig deepseek_v3_from_hf(const Json& json, const HfJson& hf) {
-  const std::string& source_name = hf.source();
+// What every family reads alike: the vocabulary, the widths and the layer count.
+ModelConfig sizes_from_hf(const HfJson& hf, const std::string& model_type) {
   ModelConfig m;
-  m.model_type = "deepseek_v3";
+  m.model_type = model_type;
   m.vocab_size = hf.get<int64_t>("vocab_size");
   m.hidden_size = hf.get<int64_t>("hidden_size");
   m.num_layers = layer_count(hf);
   m.intermediate_size = hf.get<int64_t>("intermediate_size");
+  return m;
+}
+
+ModelConfig deepseek_v3_from_hf(const Json& json, const HfJson& hf) {
+  const std::string& source_name = hf.source();
+  ModelConfig m = sizes_from_hf(hf, "deepseek_v3");
   m.first_k_dense = hf.get_or<int64_t>("first_k_dense_replace", 0);
   m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-6);
   m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);
@@ -286,12 +292,7 @@ KdaConfig kimi_kda(const Json& json, const HfJson& hf) {
 
 ModelConfig kimi_linear_from_hf(const Json& json, const HfJson& hf) {
   const std::string& source = hf.source();
-  ModelConfig m;
-  m.model_type = "kimi_linear";
-  m.vocab_size = hf.get<int64_t>("vocab_size");
-  m.hidden_size = hf.get<int64_t>("hidden_size");
-  m.num_layers = layer_count(hf);
-  m.intermediate_size = hf.get<int64_t>("intermediate_size");
+  ModelConfig m = sizes_from_hf(hf, "kimi_linear");
   m.first_k_dense = first_k_dense_from_hf(hf, m.num_layers, 1);  // 1: both implementations' default
   m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-5);
   m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);

@@ -82,10 +82,6 @@ std::vector<LoraLinear*> KdaAttention::projections() {
   return out;
 }
 
-void KdaAttention::collect_parameters(std::vector<Parameter*>& out) {
-  for (LoraLinear* p : projections()) p->collect_parameters(out);
-}
-
 void KdaAttention::collect_weights(std::vector<WeightSlot>& out) {
   for (LoraLinear* p : projections()) out.push_back({p->name() + ".weight", &p->weight});
   if (fused_qkv_) {

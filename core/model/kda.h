@@ -31,11 +31,10 @@ class KdaAttention final : public Mixer {
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
   void release_saved() override;
-  void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
 
   // Every projection this layer has, for LoRA targeting by module name.
-  std::vector<LoraLinear*> projections();
+  std::vector<LoraLinear*> projections() override;
 
   LoraLinear q_proj, k_proj, v_proj;  // separate projections (fused_qkv false)
   LoraLinear qkv_proj;                // [3 H d, D] (fused_qkv)

@@ -36,11 +36,7 @@ void LatentMoeFfn::forward(const LayerContext& ctx, const TensorView& out, const
     be.rmsnorm_forward(RmsNormArgs{s.normed, s.rstd, s.y, norm, eps_});
   }
   up_proj.forward(ctx, out, up_input());
-  if (moe.shared) {
-    Tensor shared_out = ctx.alloc({n, x.size(1)});
-    moe.shared->forward(ctx, shared_out, x);
-    be.axpby(out, shared_out, 1.0, 1.0);
-  }
+  moe.forward_shared(ctx, out, x);
 }
 
 void LatentMoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
@@ -63,8 +59,7 @@ void LatentMoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const
     back.rstd = s.rstd;
     be.rmsnorm_backward(back);
   }
-  if (moe.shared) moe.shared->backward(ctx, dx, dout, x);
-  else be.fill(dx, 0.0);
+  moe.backward_shared(ctx, dx, dout, x);
   Tensor dz = ctx.alloc({n, latent_});
   moe.backward_routed(ctx, dx, dz, dy, /*accumulate_rows=*/false);
   down_proj.backward(ctx, dx, dz, x, /*accumulate_dx=*/true);

@@ -26,7 +26,7 @@ class LatentMoeFfn final : public FeedForward {
   void collect_weights(std::vector<WeightSlot>& out) override;
 
   // The LoRA-targetable projections (down, up), named as the checkpoint names them.
-  std::vector<LoraLinear*> projections() { return {&down_proj, &up_proj}; }
+  std::vector<LoraLinear*> projections() override { return {&down_proj, &up_proj}; }
 
   MoeFfn moe;            // router, routed experts at the latent width, shared experts at D
   LoraLinear down_proj;  // mlp.routed_expert_down_proj, [L, D]

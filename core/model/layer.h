@@ -1,7 +1,7 @@
 // The two halves of a decoder layer, as interfaces every kind plugs into:
 //   x -> x + Mixer(norm(x)) -> h -> h + FeedForward(norm(h))
-// Mixers: MLA today; KDA and (gated) DSA implement the same interface. Feed-forwards: dense
-// SwiGLU and routed MoE today; K3's latent MoE implements the same interface.
+// Both are a LayerBlock. Mixers: MLA, KDA and (gated) DSA. Feed-forwards: dense SwiGLU, the routed
+// MoE and K3's latent MoE.
 //
 // forward saves what backward needs inside the layer; release_saved() drops it (activation
 // recompute: the model re-runs forward before backward). backward overwrites dx and adds
@@ -34,26 +34,25 @@ struct WeightSlot {
   Tensor* scale = nullptr;
 };
 
-class Mixer {
+class LoraLinear;
+
+// One half of a decoder layer: a mixer or a feed-forward.
+class LayerBlock {
  public:
-  virtual ~Mixer() = default;
+  virtual ~LayerBlock() = default;
   virtual void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) = 0;
   virtual void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
                         const TensorView& x) = 0;
   virtual void release_saved() = 0;
-  virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
+  // The block's trainable parameters, in a fixed order; by default the adapters of projections().
+  virtual void collect_parameters(std::vector<Parameter*>& out);
   virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
+  // The block's LoRA-capable projections, for LoRA targeting by HF module name (SwiGLU networks
+  // carry their adapters themselves: SwigluExperts).
+  virtual std::vector<LoraLinear*> projections() { return {}; }
 };
 
-class FeedForward {
- public:
-  virtual ~FeedForward() = default;
-  virtual void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) = 0;
-  virtual void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
-                        const TensorView& x) = 0;
-  virtual void release_saved() = 0;
-  virtual void collect_parameters(std::vector<Parameter*>& out) = 0;
-  virtual void collect_weights(std::vector<WeightSlot>& out) = 0;
-};
+class Mixer : public LayerBlock {};
+class FeedForward : public LayerBlock {};
 
 }  // namespace moetrain

@@ -10,10 +10,6 @@ MlaAttention::MlaAttention(const ModelSpec& spec, int64_t layer, const LayerCont
                            const RopeDeviceTables* rope)
     : proj(spec, layer, ctx, rope) {}
 
-void MlaAttention::collect_parameters(std::vector<Parameter*>& out) {
-  for (LoraLinear* p : proj.projections()) p->collect_parameters(out);
-}
-
 void MlaAttention::collect_weights(std::vector<WeightSlot>& out) { proj.collect_weights(out); }
 
 void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {

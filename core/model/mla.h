@@ -23,11 +23,10 @@ class MlaAttention final : public Mixer {
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;
   void release_saved() override;
-  void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
 
   // Every projection, for LoRA targeting by module name.
-  std::vector<LoraLinear*> projections() { return proj.projections(); }
+  std::vector<LoraLinear*> projections() override { return proj.projections(); }
 
   MlaProjections proj;
 

@@ -10,13 +10,15 @@
 #include <string>
 #include <vector>
 
-#include "core/model/fsdp_bucket.h"
+#include "core/model/attn_res.h"
+#include "core/model/fsdp_schedule.h"
 #include "core/model/layer.h"
 #include "core/model/lora_linear.h"
 #include "core/model/mla.h"
 #include "core/model/model_spec.h"
 #include "core/model/parallel_groups.h"
 #include "core/model/parameter_group.h"
+#include "core/model/step_io.h"
 #include "core/model/trainable_model.h"
 
 namespace moetrain {
@@ -68,14 +70,7 @@ struct FrozenWeightBytes {
   size_t kept_whole = 0;  // the part of `full` never sharded (included in `resident`)
 };
 
-
-// One depth mix of Block Attention Residuals: its RMSNorm weight and pseudo-query, both [D]
-// (the checkpoint stores the query as a [1, D] projection), frozen.
-struct AttnResMix {
-  Tensor norm;   // <name>_norm.weight
-  Tensor query;  // <name>_proj.weight
-};
-
+// One decoder layer's frozen norms and depth mixes, and its two blocks.
 struct DecoderLayer {
   Tensor input_norm;           // input_layernorm.weight
   Tensor post_attention_norm;  // post_attention_layernorm.weight
@@ -130,44 +125,51 @@ class Model final : public TrainableModel {
   // (no data) outside a layer's use: write weights only through load_weights/init_random_weights.
   std::vector<WeightSlot> weight_slots();
   FrozenWeightBytes frozen_non_expert_bytes();
-  bool fsdp_sharded() const { return !fsdp_layers_.empty(); }
+  bool fsdp_sharded() const { return fsdp_.layer_buckets() > 0; }
   // The most FSDP buckets gathered at once so far (layers and the embed/norm/head bucket): with
   // re-gathering for backward, max(prefetch + 1, 2) -- the weights are freed after use.
-  int64_t fsdp_peak_gathered_buckets() const { return fsdp_peak_gathered_; }
+  int64_t fsdp_peak_gathered_buckets() const { return fsdp_.peak_gathered(); }
   // Every LoRA-capable projection, by HF module name (tests and adapter import/export).
   std::vector<std::pair<std::string, LoraLinear*>> linear_modules();
 
  private:
+  // What a forward leaves for the loss and the backward.
+  struct Forward {
+    // The layer inputs and the last layer's output (the activation checkpoints); a forward-only
+    // pass keeps the last output and the block summaries alone.
+    std::vector<Tensor> inputs;
+    TensorView final_in;       // the final norm's input (undefined after a forward-only pass)
+    Tensor final_hidden;       // [tokens, D] the final norm's output
+    Tensor final_rstd;         // [tokens]
+  };
+  // kForBackward keeps what the backward reads (ModelOptions::recompute permitting) and the last
+  // layer's gathered weights; kForwardOnly keeps nothing (logits, evaluate).
+  enum class ForwardMode { kForBackward, kForwardOnly };
+
+  // The batch checked on the host, then on the device.
   BatchTensors upload(const Batch& batch);
   LayerContext context(const BatchTensors& batch) { return LayerContext{backend_, options_.dtype, batch}; }
   DType parameter_dtype() const { return options_.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
+  const Tensor& head() const { return spec_.config.tie_word_embeddings ? embed_ : lm_head_; }
+  // The MoE layers' routed halves, in layer order.
+  std::vector<MoeFfn*> moe_layers();
   // x_out = layer(x_in); saves the layer's internals (and the norms' outputs) in `saved`.
   // `hidden` is the sum the feed-forward's output is added to (x + mixer, or with Block Attention
-  // Residuals the block's running sum); mixer_in / ffn_in and their probabilities exist only when
-  // a depth mix made those inputs.
+  // Residuals the block's running sum); mixer_mix / ffn_mix exist only when a depth mix made
+  // those inputs.
   struct LayerSaved {
     Tensor normed_in, rstd_in, hidden, normed_mid, rstd_mid;
-    Tensor mixer_in, mixer_probs, ffn_in, ffn_probs;
+    AttnResSaved mixer_mix, ffn_mix;
   };
   // `summaries`: with Block Attention Residuals, the block summaries filed up to and including
-  // this layer (inputs of layers 0, B, 2B, ... <= index; the last is x itself at a block start);
-  // empty otherwise. The backward adds the summaries' gradients into `dsummaries` (accum dtype)
-  // and writes x's own (without its summary's share) into dx.
+  // this layer (AttnResiduals::summaries_for); empty otherwise. The backward adds the summaries'
+  // gradients into `dsummaries` (accum dtype) and writes x's own (without its summary's share)
+  // into dx.
   void layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x,
                      const std::vector<TensorView>& summaries);
   void layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
                       const TensorView& x, const std::vector<TensorView>& summaries,
                       const std::vector<TensorView>& dsummaries);
-  bool attn_res() const { return spec_.config.attn_res_block_size > 0; }
-  // Layer `index` files the stream as a block summary (Block Attention Residuals).
-  bool starts_block(size_t index) const {
-    return attn_res() && index % static_cast<size_t>(spec_.config.attn_res_block_size) == 0;
-  }
-  // The summaries among the layer inputs `inputs` that layer `index` sees (see layer_forward).
-  std::vector<TensorView> summaries_for(const std::vector<Tensor>& inputs, size_t index) const;
-  // The final norm's input: the last layer's output (inputs.back()), or its depth mix with every
-  // summary (kept in final_mix_ for the backward).
-  TensorView final_norm_input(const LayerContext& ctx, const std::vector<Tensor>& inputs);
   void release_layer(size_t index);
   // Layer `index` drops what its backward reads after its forward and re-runs that forward in the
   // backward (ModelOptions::recompute, recompute_layers: the first layers re-run).
@@ -178,29 +180,24 @@ class Model final : public TrainableModel {
   std::vector<WeightSlot> layer_weight_slots(size_t index);
   // FSDP (model_weights.cpp): at construction, each layer's (and the outer) non-expert frozen
   // weights become a bucket of which this rank keeps one shard; loading writes that shard only.
-  // The gather/release calls are no-ops when the weights are not sharded.
   void shard_layer_weights(size_t index);
   void shard_outer_weights();
-  const FsdpBucket::OwnedPart* sharded_part(const Tensor* weight) const;
-  void release_all_weights();
-  void gather_layers(size_t index, int direction);  // index, then fsdp_prefetch more that way
-  void release_layer_weights(size_t index);
-  void gather_outer_weights();
-  void release_outer_weights();
   void attach_lora();
   void group_parameters();
-  // The forward of logits() and evaluate(), keeping nothing for a backward: the final norm's
-  // output [tokens, D]. The embedding/head bucket stays gathered for the caller's head GEMM
-  // (release_outer_weights after it). `where` follows the pass, as in run_step.
-  Tensor forward_without_backward(const LayerContext& ctx, std::string& where);
-  // Per-token losses [tokens] on the device (read by sum_losses); dfinal gets their gradient.
-  Tensor loss_and_grad(const LayerContext& ctx, const TensorView& dfinal, const TensorView& final_hidden,
-                       double grad_scale);
-  // The micro-batch's losses and every MoE layer's statistics gathered on the device and copied
-  // into pinned host memory, behind an event; the PendingStep reads them when asked.
-  PendingStep queue_results(const LayerContext& ctx, const Tensor& losses, int64_t targets);
-  // forward_backward_async's body; it keeps `where` at the part of the step it is in (an Error
-  // from it gets that in front: an out-of-memory then names the layer and pass as well as the tensor).
+
+  // The step's parts, in order. Each keeps `where` at the part of the step it is in (an Error
+  // from it gets that in front: an out-of-memory then names the layer and pass as well as the
+  // tensor). The embedding/head bucket stays gathered after forward for the head's GEMMs.
+  Forward forward(const LayerContext& ctx, ForwardMode mode, std::string& where);
+  // Per-token losses [tokens] on the device, from the head's logits in row chunks. With dfinal
+  // given, the final hidden state's gradient (times grad_scale) is written into it; without, the
+  // pass is forward only (grad_scale unused).
+  Tensor head_loss(const LayerContext& ctx, const TensorView& final_hidden, const TensorView* dfinal,
+                   double grad_scale);
+  // From the final norm's output gradient down to the first layer's input (the embedding is
+  // frozen); releases the outer weights first.
+  void backward(const LayerContext& ctx, Forward& fwd, const TensorView& dfinal, std::string& where);
+  // forward_backward_async's body.
   PendingStep run_step(const Batch& batch, double grad_scale, std::string& where);
 
   ModelSpec spec_;
@@ -212,28 +209,13 @@ class Model final : public TrainableModel {
   Tensor lm_head_;     // [V, D] (unused when tied: embed_ is the head)
   std::vector<DecoderLayer> layers_;
   std::vector<LayerSaved> saved_;
-  Tensor final_rstd_;
-  AttnResMix output_mix_;   // model.output_attn_res_*: the final norm's input (attn_res_block_size > 0)
-  Tensor final_mix_, final_mix_probs_;
+  AttnResiduals attn_res_;
   uint64_t forward_count_ = 0;  // seeds router noise per forward
-  // FSDP buckets: one per decoder layer, and one for embed_tokens + final norm + lm_head.
-  std::vector<std::unique_ptr<FsdpBucket>> fsdp_layers_;
-  std::unique_ptr<FsdpBucket> fsdp_outer_;
-  int64_t fsdp_peak_gathered_ = 0;
+  FsdpSchedule fsdp_;
   std::vector<std::unique_ptr<ParameterGroup>> parameter_groups_;  // own the parameters' storage
   std::vector<Parameter*> parameters_;
-  void note_gathered();
-  // Batch uploads go through pinned host buffers, two in turn: the host fills one while the
-  // device may still copy from the other; the event after a buffer's copies guards its refill
-  // (in a steady run long done, so no wait).
-  struct UploadBuffer {
-    Tensor host;  // int32, pinned
-    std::unique_ptr<kernels::QueueEvent> copied;
-  };
-  std::array<UploadBuffer, 2> upload_buffers_;
-  size_t upload_turn_ = 0;
-  // Pinned buffers that results come back into (U8); one a PendingStep still holds is busy.
-  std::vector<std::shared_ptr<Tensor>> result_buffers_;
+  BatchStaging batches_;
+  ResultReadback results_;
 };
 
 }  // namespace moetrain

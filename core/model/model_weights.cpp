@@ -338,10 +338,10 @@ void load_quantized_experts(const HfCheckpoint& checkpoint, const WeightSlot& sl
 }  // namespace
 
 void Model::load_weights(const HfCheckpoint& checkpoint) {
-  release_all_weights();  // the shards change: no gathered copy may outlive them
+  fsdp_.release_all();  // the shards change: no gathered copy may outlive them
   for (const WeightSlot& slot : weight_slots()) {
     watchdog_progress("loading base weights: " + slot.name);
-    if (const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor)) {
+    if (const FsdpBucket::OwnedPart* part = fsdp_.owned_part(slot.tensor)) {
       // FSDP: this rank's range of the weight only.
       Tensor host({part->end - part->begin}, DType::kF64);
       read_flat_range(checkpoint, find_layout(checkpoint, slot), part->begin, part->end, host.ptr<double>());
@@ -372,7 +372,7 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
 }
 
 void Model::init_random_weights() {
-  release_all_weights();  // the shards change: no gathered copy may outlive them
+  fsdp_.release_all();  // the shards change: no gathered copy may outlive them
   for (const WeightSlot& slot : weight_slots()) {
     watchdog_progress("initialising base weights: " + slot.name);
     if (slot.scale != nullptr) {
@@ -390,7 +390,7 @@ void Model::init_random_weights() {
       backend_.random_mxfp4(args);
       continue;
     }
-    const FsdpBucket::OwnedPart* part = sharded_part(slot.tensor);
+    const FsdpBucket::OwnedPart* part = fsdp_.owned_part(slot.tensor);
     // FSDP: this rank's range only; element i's value depends only on i, so the shards hold
     // exactly what the whole tensor would.
     Tensor host = part ? Tensor({part->end - part->begin}, slot.tensor->dtype())
@@ -431,75 +431,25 @@ bool shardable(const WeightSlot& slot, DType weight_dtype) {
 }  // namespace
 
 void Model::shard_layer_weights(size_t index) {
-  const ParallelGroups* p = options_.parallel;
-  if (!p || !p->fsdp_sharded()) return;
+  if (!fsdp_.sharded()) return;
   std::vector<Tensor*> members;
   for (const WeightSlot& slot : layer_weight_slots(index))
     if (shardable(slot, options_.dtype)) members.push_back(slot.tensor);
-  fsdp_layers_.push_back(
-      std::make_unique<FsdpBucket>("model.layers." + std::to_string(index), members, *p->fsdp, backend_));
+  fsdp_.add_layer(index, members);
 }
 
 void Model::shard_outer_weights() {
-  const ParallelGroups* p = options_.parallel;
-  if (!p || !p->fsdp_sharded()) return;
+  if (!fsdp_.sharded()) return;
   std::vector<Tensor*> outer = {&embed_, &final_norm_};
   if (!spec_.config.tie_word_embeddings) outer.push_back(&lm_head_);
-  if (attn_res()) outer.insert(outer.end(), {&output_mix_.norm, &output_mix_.query});
-  fsdp_outer_ = std::make_unique<FsdpBucket>("embed+norm+lm_head", outer, *p->fsdp, backend_);
+  for (Tensor* mix : attn_res_.output_tensors()) outer.push_back(mix);
+  fsdp_.set_outer(outer);
   FrozenWeightBytes bytes = frozen_non_expert_bytes();
   log::info(fmt::format("FSDP over {} ranks: frozen non-expert weights {:.3f} MiB per rank of {:.3f} MiB "
                         "({} layer buckets + embed/norm/head; gathered per layer, prefetch {}, {})",
-                        p->fsdp->size(), bytes.resident / 1048576.0, bytes.full / 1048576.0, fsdp_layers_.size(),
+                        fsdp_.ranks(), bytes.resident / 1048576.0, bytes.full / 1048576.0, fsdp_.layer_buckets(),
                         options_.fsdp_prefetch,
                         options_.fsdp_reshard_after_forward ? "re-gathered for backward" : "kept until backward"));
-}
-
-const FsdpBucket::OwnedPart* Model::sharded_part(const Tensor* weight) const {
-  for (const auto& bucket : fsdp_layers_)
-    if (const FsdpBucket::OwnedPart* part = bucket->owned_part(weight)) return part;
-  return fsdp_outer_ ? fsdp_outer_->owned_part(weight) : nullptr;
-}
-
-void Model::release_all_weights() {
-  for (auto& bucket : fsdp_layers_) bucket->release();
-  if (fsdp_outer_) fsdp_outer_->release();
-}
-
-void Model::gather_layers(size_t index, int direction) {
-  if (fsdp_layers_.empty()) return;
-  // The layer about to compute first (gathered and made ready), then the prefetched ones: their
-  // gathers are queued after it, so on NCCL they run while it computes (fsdp_bucket.h). On the
-  // CPU backend every gather blocks.
-  for (int64_t k = 0; k <= std::max<int64_t>(0, options_.fsdp_prefetch); ++k) {
-    int64_t layer = static_cast<int64_t>(index) + direction * k;
-    if (layer < 0 || layer >= static_cast<int64_t>(fsdp_layers_.size())) break;
-    fsdp_layers_[layer]->gather();
-    if (k == 0) fsdp_layers_[layer]->ready();
-  }
-  note_gathered();
-}
-
-void Model::note_gathered() {
-  int64_t gathered = fsdp_outer_ && fsdp_outer_->gathered() ? 1 : 0;
-  for (const auto& bucket : fsdp_layers_) gathered += bucket->gathered() ? 1 : 0;
-  fsdp_peak_gathered_ = std::max(fsdp_peak_gathered_, gathered);
-}
-
-void Model::release_layer_weights(size_t index) {
-  if (index < fsdp_layers_.size()) fsdp_layers_[index]->release();
-}
-
-void Model::gather_outer_weights() {
-  if (fsdp_outer_) {
-    fsdp_outer_->gather();
-    fsdp_outer_->ready();
-  }
-  note_gathered();
-}
-
-void Model::release_outer_weights() {
-  if (fsdp_outer_) fsdp_outer_->release();
 }
 
 FrozenWeightBytes Model::frozen_non_expert_bytes() {
@@ -509,9 +459,7 @@ FrozenWeightBytes Model::frozen_non_expert_bytes() {
     bytes.full += slot.tensor->nbytes();
     if (slot.tensor->owns_memory()) bytes.kept_whole += slot.tensor->nbytes();
   }
-  bytes.resident = bytes.kept_whole;
-  for (auto& bucket : fsdp_layers_) bytes.resident += bucket->resident_bytes();
-  if (fsdp_outer_) bytes.resident += fsdp_outer_->resident_bytes();
+  bytes.resident = bytes.kept_whole + fsdp_.resident_bytes();
   return bytes;
 }
 

@@ -91,33 +91,50 @@ void MoeFfn::collect_weights(std::vector<WeightSlot>& out) {
 
 void MoeFfn::forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) {
   forward_routed(ctx, out, x, x);
-  if (shared) {
-    Tensor shared_out = ctx.alloc({x.size(0), hidden_});
-    shared->forward(ctx, shared_out, x);
-    ctx.backend.axpby(out, shared_out, 1.0, 1.0);
-  }
+  forward_shared(ctx, out, x);
+}
+
+void MoeFfn::forward_shared(const LayerContext& ctx, const TensorView& out, const TensorView& x) {
+  if (!shared) return;
+  Tensor shared_out = ctx.alloc({x.size(0), hidden_});
+  shared->forward(ctx, shared_out, x);
+  ctx.backend.axpby(out, shared_out, 1.0, 1.0);
+}
+
+void MoeFfn::backward_shared(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
+                             const TensorView& x) {
+  if (shared) shared->backward(ctx, dx, dout, x);
+  else ctx.backend.fill(dx, 0.0);
 }
 
 void MoeFfn::forward_routed(const LayerContext& ctx, const TensorView& out, const TensorView& x,
                             const TensorView& rows) {
-  kernels::Backend& be = ctx.backend;
-  const int64_t n = x.size(0);
-  const int64_t e = moe_.num_experts;
-  const int64_t k = moe_.top_k;
-  Saved& s = saved_;
+  route(ctx, x);
+  dispatch(ctx, rows);
+  Tensor expert_out = run_experts(ctx);
+  combine(ctx, out, expert_out);
+  record_statistics(ctx, x.size(0));
+}
 
-  // Route.
+Tensor MoeFfn::router_noise(const LayerContext& ctx, int64_t n) const {
+  if (moe_.router_noise <= 0.0 || !noise_enabled_) return Tensor();
+  const int64_t e = moe_.num_experts;
+  Tensor host({n, e}, DType::kF64);
+  fill_gaussian(host.ptr<double>(), host.numel(), moe_.router_noise, noise_seed_);
+  Tensor staged({n, e}, ctx.accum());
+  convert_host(staged, host);
+  Tensor noise = ctx.alloc_accum({n, e});
+  ctx.backend.copy(noise, staged);
+  return noise;
+}
+
+void MoeFfn::route(const LayerContext& ctx, const TensorView& x) {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = x.size(0), e = moe_.num_experts, k = moe_.top_k;
+  Saved& s = saved_;
   Tensor logits = ctx.alloc_accum({n, e});  // routing in F32, as transformers does
   be.gemm(GemmArgs{logits, x, router_weight, false, true, 1.0, 0.0});
-  Tensor noise;
-  if (moe_.router_noise > 0.0 && noise_enabled_) {
-    Tensor host({n, e}, DType::kF64);
-    fill_gaussian(host.ptr<double>(), host.numel(), moe_.router_noise, noise_seed_);
-    Tensor staged({n, e}, ctx.accum());
-    convert_host(staged, host);
-    noise = ctx.alloc_accum({n, e});
-    be.copy(noise, staged);
-  }
+  Tensor noise = router_noise(ctx, n);
   s.scores = ctx.alloc_accum({n, e});
   s.topk_index = ctx.alloc({n, k}, DType::kI32);
   s.topk_weight = ctx.alloc_accum({n, k});
@@ -135,34 +152,57 @@ void MoeFfn::forward_routed(const LayerContext& ctx, const TensorView& out, cons
   route.normalize = moe_.normalize_topk;
   route.scaling = moe_.routed_scaling_factor;
   be.router_forward(route);
+}
 
-  // Dispatch.
+void MoeFfn::dispatch(const LayerContext& ctx, const TensorView& rows) {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = rows.size(0), e = moe_.num_experts, k = moe_.top_k;
+  Saved& s = saved_;
   s.expert_offsets = ctx.alloc({e + 1}, DType::kI32);
   s.sorted_pair = ctx.alloc({n * k}, DType::kI32);
   s.pair_row = ctx.alloc({n * k}, DType::kI32);
   be.moe_permutation(MoePermutationArgs{s.expert_offsets, s.sorted_pair, s.pair_row, s.topk_index, e});
   s.routed_x = ctx.alloc({n * k, row_width_});
   be.moe_permute(s.routed_x, rows, s.sorted_pair, k);
+  if (!dispatch_) return;
+  // The exchange's sizes are host values: the one host synchronization of an expert-parallel
+  // layer (a single rank's layer has none).
+  Tensor offsets_host({e + 1}, DType::kI32);
+  be.copy(offsets_host, s.expert_offsets);
+  s.local_offsets = dispatch_->plan(ctx, offsets_host.ptr<int32_t>());
+  s.expert_rows = dispatch_->local_offsets();
+  s.local_x = ctx.alloc({dispatch_->local_rows(), row_width_});
+  dispatch_->to_experts(ctx, s.local_x, s.routed_x);
+}
 
-  // Experts (on the ranks that hold them), then combine.
-  s.routed_out = ctx.alloc({n * k, row_width_});
+MoeFfn::ExpertRows MoeFfn::expert_rows() const {
+  const Saved& s = saved_;
+  if (dispatch_) return ExpertRows{s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()}};
+  return ExpertRows{s.routed_x, GroupOffsets{s.expert_offsets, nullptr}};
+}
+
+Tensor MoeFfn::run_experts(const LayerContext& ctx) {
+  const ExpertRows rows = expert_rows();
+  Tensor out = ctx.alloc({rows.x.size(0), row_width_});
+  experts.forward(ctx, out, rows.x, rows.offsets);
+  return out;
+}
+
+void MoeFfn::combine(const LayerContext& ctx, const TensorView& out, Tensor& expert_out) {
+  Saved& s = saved_;
   if (dispatch_) {
-    // The exchange's sizes are host values: the one host synchronization of an expert-parallel
-    // layer (a single rank's layer has none).
-    Tensor offsets_host({e + 1}, DType::kI32);
-    be.copy(offsets_host, s.expert_offsets);
-    s.local_offsets = dispatch_->plan(ctx, offsets_host.ptr<int32_t>());
-    s.expert_rows = dispatch_->local_offsets();
-    s.local_x = ctx.alloc({dispatch_->local_rows(), row_width_});
-    dispatch_->to_experts(ctx, s.local_x, s.routed_x);
-    Tensor local_out = ctx.alloc({dispatch_->local_rows(), row_width_});
-    experts.forward(ctx, local_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()});
-    dispatch_->from_experts(ctx, s.routed_out, local_out);
+    s.routed_out = ctx.alloc({s.routed_x.size(0), row_width_});
+    dispatch_->from_experts(ctx, s.routed_out, expert_out);
   } else {
-    experts.forward(ctx, s.routed_out, s.routed_x, GroupOffsets{s.expert_offsets, nullptr});
+    s.routed_out = std::move(expert_out);
   }
-  be.moe_combine(MoeCombineArgs{out, s.routed_out, s.topk_weight, s.pair_row});
+  ctx.backend.moe_combine(MoeCombineArgs{out, s.routed_out, s.topk_weight, s.pair_row});
+}
 
+void MoeFfn::record_statistics(const LayerContext& ctx, int64_t n) {
+  kernels::Backend& be = ctx.backend;
+  const int64_t e = moe_.num_experts;
+  Saved& s = saved_;
   stats_offsets_ = ctx.alloc({e + 1}, DType::kI32);
   be.copy(stats_offsets_, s.expert_offsets);
   stats_aux_loss_.reset();
@@ -198,37 +238,54 @@ FeedForwardStats MoeFfn::expert_loads(const int32_t* o, int64_t e) {
 }
 
 void MoeFfn::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) {
-  if (shared) shared->backward(ctx, dx, dout, x);
-  else ctx.backend.fill(dx, 0.0);
+  backward_shared(ctx, dx, dout, x);
   backward_routed(ctx, dx, dx, dout, /*accumulate_rows=*/true);
 }
 
 void MoeFfn::backward_routed(const LayerContext& ctx, const TensorView& dx, const TensorView& drows,
                              const TensorView& dout, bool accumulate_rows) {
-  kernels::Backend& be = ctx.backend;
-  const int64_t n = dout.size(0);
-  const int64_t e = moe_.num_experts;
-  const int64_t k = moe_.top_k;
+  Tensor dtopk_weight = ctx.alloc_accum({dout.size(0), moe_.top_k});
+  Tensor dexpert_out = combine_backward(ctx, dtopk_weight, dout);
+  Tensor dexpert_x = experts_backward(ctx, dexpert_out);
+  dispatch_backward(ctx, drows, dexpert_x, accumulate_rows);
+  route_backward(ctx, dx, dtopk_weight);
+}
+
+Tensor MoeFfn::combine_backward(const LayerContext& ctx, const TensorView& dtopk_weight, const TensorView& dout) {
   Saved& s = saved_;
-
-  Tensor drouted_out = ctx.alloc({n * k, row_width_});
-  Tensor dtopk_weight = ctx.alloc_accum({n, k});
-  be.moe_combine_backward(
+  Tensor drouted_out = ctx.alloc({s.routed_out.size(0), row_width_});
+  ctx.backend.moe_combine_backward(
       MoeCombineBackwardArgs{drouted_out, dtopk_weight, dout, s.routed_out, s.topk_weight, s.pair_row});
-  Tensor drouted_x = ctx.alloc({n * k, row_width_});
-  if (dispatch_) {
-    // The gradients retrace the rows' journey: to the experts' ranks, through the experts, back.
-    Tensor dlocal_out = ctx.alloc({dispatch_->local_rows(), row_width_});
-    dispatch_->to_experts(ctx, dlocal_out, drouted_out);
-    Tensor dlocal_x = ctx.alloc({dispatch_->local_rows(), row_width_});
-    experts.backward(ctx, dlocal_x, dlocal_out, s.local_x, GroupOffsets{s.local_offsets, s.expert_rows.data()}, false);
-    dispatch_->from_experts(ctx, drouted_x, dlocal_x);
-  } else {
-    experts.backward(ctx, drouted_x, drouted_out, s.routed_x, GroupOffsets{s.expert_offsets, nullptr}, false);
-  }
-  be.moe_unpermute_sum(drows, drouted_x, s.pair_row, k, accumulate_rows);
+  if (!dispatch_) return drouted_out;
+  // The gradients retrace the rows' journey: to the experts' ranks, through the experts, back.
+  Tensor dlocal_out = ctx.alloc({dispatch_->local_rows(), row_width_});
+  dispatch_->to_experts(ctx, dlocal_out, drouted_out);
+  return dlocal_out;
+}
 
-  Tensor dlogits = ctx.alloc_accum({n, e});
+Tensor MoeFfn::experts_backward(const LayerContext& ctx, const TensorView& dexpert_out) {
+  const ExpertRows rows = expert_rows();
+  Tensor dx = ctx.alloc({rows.x.size(0), row_width_});
+  experts.backward(ctx, dx, dexpert_out, rows.x, rows.offsets, false);
+  return dx;
+}
+
+void MoeFfn::dispatch_backward(const LayerContext& ctx, const TensorView& drows, Tensor& dexpert_x,
+                               bool accumulate_rows) {
+  Saved& s = saved_;
+  Tensor drouted_x;
+  if (dispatch_) {
+    drouted_x = ctx.alloc({s.routed_x.size(0), row_width_});
+    dispatch_->from_experts(ctx, drouted_x, dexpert_x);
+  } else {
+    drouted_x = std::move(dexpert_x);
+  }
+  ctx.backend.moe_unpermute_sum(drows, drouted_x, s.pair_row, moe_.top_k, accumulate_rows);
+}
+
+void MoeFfn::route_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dtopk_weight) {
+  Saved& s = saved_;
+  Tensor dlogits = ctx.alloc_accum({s.scores.size(0), moe_.num_experts});
   RouterBackwardArgs back;
   back.dlogits = dlogits;
   back.dtopk_weight = dtopk_weight;
@@ -238,8 +295,8 @@ void MoeFfn::backward_routed(const LayerContext& ctx, const TensorView& dx, cons
   back.scoring = scoring_of(moe_);
   back.normalize = moe_.normalize_topk;
   back.scaling = moe_.routed_scaling_factor;
-  be.router_backward(back);
-  be.gemm(GemmArgs{dx, dlogits, router_weight, false, false, 1.0, 1.0});
+  ctx.backend.router_backward(back);
+  ctx.backend.gemm(GemmArgs{dx, dlogits, router_weight, false, false, 1.0, 1.0});
 }
 
 void MoeFfn::release_saved() {

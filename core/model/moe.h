@@ -3,9 +3,9 @@
 //   dispatch  sort the (token, slot) pairs by expert and gather the rows (moe_permutation/permute)
 //   experts   one grouped SwiGLU over the expert-sorted rows
 //   combine   out[t] = sum_j w[t, j] * expert_out[t, j]  (+ the shared experts on every token)
-// Backward mirrors it; gradients flow through the routing weights into the router logits and
-// on into x (the router itself is frozen). Expert parallelism (parallel/) later replaces
-// dispatch/combine with all-to-all exchanges around the same expert stage.
+// Backward runs the stages in reverse; gradients flow through the routing weights into the router
+// logits and on into x (the router itself is frozen). Under expert parallelism dispatch ends, and
+// combine starts, with the all-to-all exchanges of expert_dispatch.h around the same expert stage.
 #pragma once
 
 #include <memory>
@@ -48,6 +48,10 @@ class MoeFfn final : public FeedForward {
   // The expert loads of a host copy of stats_offsets() (FeedForwardStats::aux_loss left 0).
   static FeedForwardStats expert_loads(const int32_t* offsets, int64_t experts);
 
+  // The shared experts' part (no-op without them): out += shared(x); dx = their backward (0
+  // without them).
+  void forward_shared(const LayerContext& ctx, const TensorView& out, const TensorView& x);
+  void backward_shared(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x);
   // The routed half alone (no shared experts), for feed-forwards that wrap it (LatentMoeFfn):
   // route on x [n, D], send rows [n, W] through the chosen experts, out [n, W] = their weighted sum.
   void forward_routed(const LayerContext& ctx, const TensorView& out, const TensorView& x, const TensorView& rows);
@@ -70,6 +74,31 @@ class MoeFfn final : public FeedForward {
   std::unique_ptr<DenseFfn> shared;  // null without shared experts
 
  private:
+  // The stages of forward_routed, in order. route: scores, top-k experts and weights from x.
+  // dispatch: the (token, slot) rows sorted by expert and, under expert parallelism, sent to the
+  // ranks holding their experts. run_experts: the local experts' outputs (expert_rows' layout).
+  // combine: the outputs back to their ranks and out[t] = sum_j w[t, j] * row(t, j).
+  // record_statistics: the expert offsets and the aux loss (and its score gradient).
+  void route(const LayerContext& ctx, const TensorView& x);
+  Tensor router_noise(const LayerContext& ctx, int64_t tokens) const;  // undefined: no noise
+  void dispatch(const LayerContext& ctx, const TensorView& rows);
+  Tensor run_experts(const LayerContext& ctx);
+  void combine(const LayerContext& ctx, const TensorView& out, Tensor& expert_out);
+  void record_statistics(const LayerContext& ctx, int64_t tokens);
+  // backward_routed's, in reverse: each returns (or writes) the gradient of its stage's input;
+  // route_backward adds the router's share into dx.
+  Tensor combine_backward(const LayerContext& ctx, const TensorView& dtopk_weight, const TensorView& dout);
+  Tensor experts_backward(const LayerContext& ctx, const TensorView& dexpert_out);
+  void dispatch_backward(const LayerContext& ctx, const TensorView& drows, Tensor& dexpert_x, bool accumulate_rows);
+  void route_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dtopk_weight);
+  // The rows this rank's experts run on and their group offsets: the exchanged rows under expert
+  // parallelism, else the dispatched ones.
+  struct ExpertRows {
+    TensorView x;
+    GroupOffsets offsets;
+  };
+  ExpertRows expert_rows() const;
+
   MoeConfig moe_;
   int64_t hidden_;
   int64_t row_width_;  // the routed experts' input and output width

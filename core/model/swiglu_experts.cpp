@@ -11,10 +11,11 @@ GatedActivation gated_activation_of(const ModelConfig& model) {
 
 namespace {
 
-GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, bool transpose_b,
-                        double alpha = 1.0, double beta = 0.0) {
+// A grouped GEMM of `kind` over the row groups of `offsets`.
+GroupedGemmArgs grouped_gemm(GroupedGemmKind kind, TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets,
+                             bool transpose_b, double alpha, double beta) {
   GroupedGemmArgs args;
-  args.kind = GroupedGemmKind::kMGrouped;
+  args.kind = kind;
   args.c = c;
   args.a = a;
   args.b = b;
@@ -26,6 +27,12 @@ GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const GroupOff
   return args;
 }
 
+// c[rows_g] = alpha * a[rows_g] op(b[g]) + beta * c[rows_g].
+GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, bool transpose_b,
+                        double alpha = 1.0, double beta = 0.0) {
+  return grouped_gemm(GroupedGemmKind::kMGrouped, c, a, b, offsets, transpose_b, alpha, beta);
+}
+
 // The grouped GEMM on a base weight, with its MXFP4 scales when it is held packed.
 GroupedGemmArgs with_scale(GroupedGemmArgs args, const Tensor& scale) {
   if (scale.defined()) args.b_scale = scale;
@@ -35,16 +42,7 @@ GroupedGemmArgs with_scale(GroupedGemmArgs args, const Tensor& scale) {
 // c[g] = alpha * a[rows_g]^T b[rows_g] + beta * c[g]: the per-group weight gradient.
 GroupedGemmArgs k_grouped(TensorView c, TensorView a, TensorView b, const GroupOffsets& offsets, double alpha,
                           double beta) {
-  GroupedGemmArgs args;
-  args.kind = GroupedGemmKind::kKGrouped;
-  args.c = c;
-  args.a = a;
-  args.b = b;
-  args.group_offsets = offsets.device;
-  args.host_group_offsets = offsets.host;
-  args.alpha = alpha;
-  args.beta = beta;
-  return args;
+  return grouped_gemm(GroupedGemmKind::kKGrouped, c, a, b, offsets, GroupedGemmArgs{}.transpose_b, alpha, beta);
 }
 
 }  // namespace

@@ -33,6 +33,25 @@ inline std::string fixture_dir_or_fail(const std::string& name, const std::strin
 }
 #endif
 
+// The spec of the fixture directory `dir` for windows of `seq_len` tokens, as a config naming it
+// resolves it.
+inline ModelSpec golden_spec(const std::string& dir, int64_t seq_len) {
+  Config config;
+  config.model.hf_dir = dir;
+  config.data.seq_len = seq_len;
+  return resolve_model_spec(config);
+}
+
+// Options in `dtype` with the reference adapter's rank, alpha and rsLoRA, on `targets`.
+inline ModelOptions adapter_model_options(const std::string& dir, DType dtype, std::vector<std::string> targets) {
+  const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
+  ModelOptions options;
+  options.dtype = dtype;
+  options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
+  options.lora_targets = std::move(targets);
+  return options;
+}
+
 // The fixture's model: the weights of the Hugging Face directory `dir` and its PEFT adapter
 // (dir/adapter) loaded into a model of `spec` built with `options`.
 inline std::unique_ptr<Model> load_golden_model(const ModelSpec& spec, kernels::Backend& backend,
@@ -93,6 +112,32 @@ inline std::vector<std::string> check_adapter_gradients(
   }
   CHECK(compared.size() == SafetensorsFile(adapter_dir + "/adapter_model.safetensors").names().size());
   return compared;
+}
+
+// How check_golden_step reads the reference: the bounds; our_key as check_adapter_gradients takes
+// it; `alias` (optional) a second name each of our gradients may be looked up by (the spelling of
+// the fixture's adapter, where it differs).
+struct GoldenStepChecks {
+  GoldenBounds bounds;
+  std::function<std::string(const std::string&)> our_key;
+  std::function<std::string(const std::string&)> alias;
+};
+
+// One golden step: check_logits_and_loss, then every adapter gradient against the reference's
+// (check_adapter_gradients). Returns the PEFT keys compared.
+inline std::vector<std::string> check_golden_step(const std::string& label, Model& model, kernels::Backend& backend,
+                                                  const SafetensorsFile& golden, const Batch& batch,
+                                                  const std::string& dir, const GoldenStepChecks& checks = {}) {
+  check_logits_and_loss(label, model, golden, batch, checks.bounds);
+  std::map<std::string, Tensor> grads = host_gradients(model, backend);
+  if (checks.alias) {
+    for (Parameter* p : model.parameters()) {
+      const std::string renamed = checks.alias(p->name);
+      if (renamed != p->name) grads.emplace(renamed, host_f64(backend, p->grad));
+    }
+  }
+  return check_adapter_gradients(label, golden, std::move(grads), dir + "/adapter", checks.bounds.gradient,
+                                 checks.our_key);
 }
 
 }  // namespace moetrain::testing

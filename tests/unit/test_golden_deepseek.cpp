@@ -25,10 +25,7 @@ void check_config(const std::string& name, DType dtype) {
   const std::string dir = testing::golden_dir(name);
   SafetensorsFile golden(dir + "/golden.safetensors");
 
-  Config config;
-  config.model.hf_dir = dir;
-  config.data.seq_len = 16;
-  ModelSpec spec = resolve_model_spec(config);
+  ModelSpec spec = testing::golden_spec(dir, 16);
   auto backend = kernels::make_cpu_backend();
   ModelOptions options = testing::golden_model_options(dir, spec);
   options.dtype = dtype;
@@ -36,8 +33,7 @@ void check_config(const std::string& name, DType dtype) {
   Batch batch = golden_batch(golden);
 
   REQUIRE(batch.num_targets() == 25);
-  testing::check_logits_and_loss(name, *model, golden, batch);
-  testing::check_adapter_gradients(name, golden, testing::host_gradients(*model, *backend), dir + "/adapter");
+  testing::check_golden_step(name, *model, *backend, golden, batch, dir);
 }
 
 }  // namespace

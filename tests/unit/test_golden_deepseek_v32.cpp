@@ -32,10 +32,7 @@ void check_fixture(const std::string& name, DType dtype, int64_t top_k) {
   Batch batch = golden_batch(golden);
   REQUIRE(batch.seq_len == 16);
 
-  Config config;
-  config.model.hf_dir = dir;
-  config.data.seq_len = batch.seq_len;
-  ModelSpec spec = resolve_model_spec(config);
+  ModelSpec spec = testing::golden_spec(dir, batch.seq_len);
   REQUIRE(spec.mixers == std::vector<MixerKind>(spec.mixers.size(), MixerKind::kDsa));
   REQUIRE(spec.config.dsa.index_topk == top_k);  // fewer than the window's 16 keys: the selection matters
   auto backend = kernels::make_cpu_backend();
@@ -43,8 +40,7 @@ void check_fixture(const std::string& name, DType dtype, int64_t top_k) {
   options.dtype = dtype;
   std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
 
-  testing::check_logits_and_loss(name, *model, golden, batch);
-  testing::check_adapter_gradients(name, golden, testing::host_gradients(*model, *backend), dir + "/adapter");
+  testing::check_golden_step(name, *model, *backend, golden, batch, dir);
 }
 
 }  // namespace

@@ -43,10 +43,7 @@ bool fixture_present(const std::string& name) {
 }
 
 std::unique_ptr<Model> golden_model(const std::string& dir, kernels::Backend& backend, DType dtype, bool fused) {
-  Config config;
-  config.model.hf_dir = dir;
-  config.data.seq_len = 16;
-  ModelSpec spec = resolve_model_spec(config);
+  ModelSpec spec = testing::golden_spec(dir, 16);
   ModelOptions options = testing::golden_model_options(dir, spec);
   options.dtype = dtype;
   options.fused_expert_gate_up = fused;
@@ -70,9 +67,7 @@ void check_fixture(const std::string& name, DType dtype) {
   Batch batch = golden_batch(golden);
 
   REQUIRE(batch.num_targets() == 25);
-  testing::check_logits_and_loss(name, *model, golden, batch);
-  const std::vector<std::string> compared =
-      testing::check_adapter_gradients(name, golden, testing::host_gradients(*model, *backend), dir + "/adapter");
+  const std::vector<std::string> compared = testing::check_golden_step(name, *model, *backend, golden, batch, dir);
   CHECK(std::count_if(compared.begin(), compared.end(), [](const std::string& key) {
           return key.find(".experts.base_layer.") != std::string::npos;
         }) == 4);  // A and B of both MoE layers' fused gate_up

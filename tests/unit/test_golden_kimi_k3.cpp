@@ -110,22 +110,16 @@ void check_fixture(const Fixture& fixture, DType dtype, double logits_tolerance 
   REQUIRE(m.moe.expert_format == expert_format);
 
   auto backend = kernels::make_cpu_backend();
-  const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
-  ModelOptions options;
-  options.dtype = dtype;
-  options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
-  options.lora_targets = testing::k3_adapter_targets(dir + "/adapter");
+  const ModelOptions options =
+      testing::adapter_model_options(dir, dtype, testing::k3_adapter_targets(dir + "/adapter"));
   std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
 
-  testing::GoldenBounds bounds;
-  bounds.logits = logits_tolerance;
-  testing::check_logits_and_loss(name, *model, golden, batch, bounds);
+  testing::GoldenStepChecks checks;
+  checks.bounds.logits = logits_tolerance;
+  checks.our_key = our_parameter_name;
   // Every adapter of ours has a reference gradient, under K3's names.
-  std::map<std::string, Tensor> grads = testing::host_gradients(*model, *backend);
-  const size_t ours = grads.size();
-  const std::vector<std::string> compared =
-      testing::check_adapter_gradients(name, golden, std::move(grads), dir + "/adapter", 1e-4, our_parameter_name);
-  CHECK(compared.size() == ours);
+  const std::vector<std::string> compared = testing::check_golden_step(name, *model, *backend, golden, batch, dir, checks);
+  CHECK(compared.size() == model->parameters().size());
 }
 
 }  // namespace

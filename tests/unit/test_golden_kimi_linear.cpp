@@ -25,7 +25,6 @@ using namespace moetrain;
 namespace {
 
 using testing::golden_batch;
-using testing::host_f64;
 
 // The fixture directory, or a failure that says how to make it.
 std::string fixture_dir(const std::string& name) { return testing::fixture_dir_or_fail(name, "kimi_linear"); }
@@ -36,28 +35,18 @@ void check_fixture(const std::string& name, DType dtype) {
   Batch batch = golden_batch(golden);
   REQUIRE(batch.seq_len == 70);
 
-  Config config;
-  config.model.hf_dir = dir;
-  config.data.seq_len = batch.seq_len;
-  ModelSpec spec = resolve_model_spec(config);
+  ModelSpec spec = testing::golden_spec(dir, batch.seq_len);
   REQUIRE(std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) >= 1);
   REQUIRE(std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kMla) >= 1);
   auto backend = kernels::make_cpu_backend();
-  const PeftAdapterConfig adapter = read_peft_adapter_config(dir + "/adapter");
-  ModelOptions options;
-  options.dtype = dtype;
-  options.lora = LoraSettings{adapter.rank, adapter.alpha, adapter.rslora};
-  options.lora_targets = testing::kimi_adapter_targets(dir + "/adapter");
+  const ModelOptions options =
+      testing::adapter_model_options(dir, dtype, testing::kimi_adapter_targets(dir + "/adapter"));
   std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
 
-  testing::check_logits_and_loss(name, *model, golden, batch);
   // Our gradients under our names and transformers' (the adapter's keys use the latter's).
-  std::map<std::string, Tensor> grads = testing::host_gradients(*model, *backend);
-  for (Parameter* p : model->parameters()) {
-    const std::string renamed = transformers_module_name(p->name);
-    if (renamed != p->name) grads.emplace(renamed, host_f64(*backend, p->grad));
-  }
-  testing::check_adapter_gradients(name, golden, std::move(grads), dir + "/adapter");
+  testing::GoldenStepChecks checks;
+  checks.alias = transformers_module_name;
+  testing::check_golden_step(name, *model, *backend, golden, batch, dir, checks);
 }
 
 }  // namespace

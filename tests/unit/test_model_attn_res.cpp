@@ -10,6 +10,7 @@
 #include <string>
 
 #include "catch.h"
+#include "config_errors.h"
 #include "core/base/error.h"
 #include "core/config/config.h"
 #include "core/model/model.h"
@@ -137,18 +138,12 @@ TEST_CASE("the plan counts a tiny K3's weights and adapters as the model allocat
 }
 
 TEST_CASE("attention residuals: model.attn_res_block_size is checked", "[config]") {
-  auto message = [](const std::vector<std::string>& overrides) -> std::string {
-    try {
-      parse_config("model:\n  vocab_size: 64\n  hidden_size: 32\n  num_layers: 40\n  mla:\n    num_heads: 2\n"
-                   "data:\n  seq_len: 16\n",
-                   "k3.yaml", overrides);
-    } catch (const Error& e) {
-      CHECK(e.code() == ExitCode::kBadConfig);
-      return e.what();
-    }
-    return "";
+  auto message = [](const std::vector<std::string>& overrides) {
+    return testing::config_error(
+        "model:\n  vocab_size: 64\n  hidden_size: 32\n  num_layers: 40\n  mla:\n    num_heads: 2\ndata:\n  seq_len: 16\n",
+        "k3.yaml", overrides);
   };
-  auto has = [](const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; };
+  auto has = testing::contains;
   CHECK(has(message({"model.attn_res_block_size=-1"}), "model.attn_res_block_size"));
   // 40 summaries and the running sum: more values than a mix takes.
   CHECK(has(message({"model.attn_res_block_size=1"}), "more than 31 residual blocks"));

@@ -3,6 +3,7 @@
 // scratch directory and broken one way at a time.
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -42,15 +43,14 @@ fs::path scratch_model(const std::string& name) {
   return dir;
 }
 
-// Rewrites the directory's weights without `drop` and with `reshape` given a wrong shape.
-void rewrite_weights(const fs::path& dir, const std::string& drop, const std::string& reshape) {
+// Rewrites the directory's weights, each passed through `edit` first (false: left out).
+void rewrite_weights(const fs::path& dir, const std::function<bool(const std::string&, Tensor&)>& edit) {
   SafetensorsFile original((kFixture / "model.safetensors").string());
   std::vector<Tensor> keep;
   std::vector<NamedTensor> tensors;
   for (const std::string& name : original.names()) {
-    if (name == drop) continue;
     Tensor t = original.read_as(name, DType::kF32);
-    if (name == reshape) t = Tensor({t.numel()}, DType::kF32);  // flattened: wrong shape, same bytes
+    if (!edit(name, t)) continue;
     tensors.push_back({name, t.view()});
     keep.push_back(std::move(t));
   }
@@ -58,19 +58,20 @@ void rewrite_weights(const fs::path& dir, const std::string& drop, const std::st
   write_hf_checkpoint(dir.string(), tensors, HfShardedWriteParams{});
 }
 
+// Rewrites the directory's weights without `drop` and with `reshape` given a wrong shape.
+void rewrite_weights(const fs::path& dir, const std::string& drop, const std::string& reshape) {
+  rewrite_weights(dir, [&](const std::string& name, Tensor& t) {
+    if (name == reshape) t = Tensor({t.numel()}, DType::kF32);  // flattened: wrong shape, same bytes
+    return name != drop;
+  });
+}
+
 // Rewrites the directory's weights with one element of `name` set to NaN.
 void poison_weight(const fs::path& dir, const std::string& name, int64_t element) {
-  SafetensorsFile original((kFixture / "model.safetensors").string());
-  std::vector<Tensor> keep;
-  std::vector<NamedTensor> tensors;
-  for (const std::string& n : original.names()) {
-    Tensor t = original.read_as(n, DType::kF32);
+  rewrite_weights(dir, [&](const std::string& n, Tensor& t) {
     if (n == name) t.ptr<float>()[element] = std::numeric_limits<float>::quiet_NaN();
-    tensors.push_back({n, t.view()});
-    keep.push_back(std::move(t));
-  }
-  fs::remove(dir / "model.safetensors");
-  write_hf_checkpoint(dir.string(), tensors, HfShardedWriteParams{});
+    return true;
+  });
 }
 
 Error load_error(const fs::path& dir, std::vector<std::string> targets = {"o_proj"}) {
@@ -90,6 +91,29 @@ Error load_error(const fs::path& dir, std::vector<std::string> targets = {"o_pro
   return Error(ExitCode::kOk, "");
 }
 
+// The error of loading the fixture with `from` in its config.json replaced by `to` (in scratch
+// directory `scratch`): a config error.
+Error config_json_error(const std::string& scratch, const std::string& from, const std::string& to) {
+  fs::path dir = scratch_model(scratch);
+  std::string json = read_text(dir / "config.json");
+  json.replace(json.find(from), from.size(), to);
+  write_text(dir / "config.json", json);
+  Error e = load_error(dir);
+  CHECK(e.code() == ExitCode::kBadConfig);
+  return e;
+}
+
+// The error of loading the fixture rewritten without `drop` and with `reshape` misshapen (in
+// scratch directory `scratch`): a checkpoint error naming the tensor.
+Error checkpoint_error(const std::string& scratch, const std::string& drop, const std::string& reshape) {
+  fs::path dir = scratch_model(scratch);
+  rewrite_weights(dir, drop, reshape);
+  Error e = load_error(dir);
+  CHECK(e.code() == ExitCode::kBadCheckpoint);
+  CHECK(contains(e.what(), drop.empty() ? reshape : drop));
+  return e;
+}
+
 }  // namespace
 
 TEST_CASE("the unmodified fixture loads", "[import]") {
@@ -99,50 +123,28 @@ TEST_CASE("the unmodified fixture loads", "[import]") {
 }
 
 TEST_CASE("an unknown model_type is a config error naming it", "[import]") {
-  fs::path dir = scratch_model("model_type");
-  std::string json = read_text(dir / "config.json");
-  json.replace(json.find("\"deepseek_v3\""), 13, "\"llama\"");
-  write_text(dir / "config.json", json);
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadConfig);
+  Error e = config_json_error("model_type", "\"deepseek_v3\"", "\"llama\"");
   CHECK(contains(e.what(), "model_type \"llama\""));
   CHECK(contains(e.what(), "supported: deepseek_v3"));
 }
 
 TEST_CASE("a missing tensor is a checkpoint error naming it", "[import]") {
-  fs::path dir = scratch_model("missing");
-  rewrite_weights(dir, "model.layers.1.self_attn.kv_b_proj.weight", "");
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadCheckpoint);
-  CHECK(contains(e.what(), "model.layers.1.self_attn.kv_b_proj.weight"));
+  Error e = checkpoint_error("missing", "model.layers.1.self_attn.kv_b_proj.weight", "");
   CHECK(contains(e.what(), "missing"));
 }
 
 TEST_CASE("a missing routed expert tensor is named with its expert", "[import]") {
-  fs::path dir = scratch_model("missing_expert");
-  rewrite_weights(dir, "model.layers.2.mlp.experts.5.up_proj.weight", "");
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadCheckpoint);
-  CHECK(contains(e.what(), "model.layers.2.mlp.experts.5.up_proj.weight"));
+  checkpoint_error("missing_expert", "model.layers.2.mlp.experts.5.up_proj.weight", "");
 }
 
 TEST_CASE("a tensor whose shape does not match config.json is named with both shapes", "[import]") {
-  fs::path dir = scratch_model("shape");
-  rewrite_weights(dir, "", "model.layers.0.mlp.down_proj.weight");
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadCheckpoint);
-  CHECK(contains(e.what(), "model.layers.0.mlp.down_proj.weight"));
+  Error e = checkpoint_error("shape", "", "model.layers.0.mlp.down_proj.weight");
   CHECK(contains(e.what(), "[1536]"));
   CHECK(contains(e.what(), "[32, 48]"));
 }
 
 TEST_CASE("config.json with a wrong-typed or missing key is named", "[import]") {
-  fs::path dir = scratch_model("json");
-  std::string json = read_text(dir / "config.json");
-  json.replace(json.find("\"n_routed_experts\""), 18, "\"n_routed_experts_renamed\"");
-  write_text(dir / "config.json", json);
-  Error e = load_error(dir);
-  CHECK(e.code() == ExitCode::kBadConfig);
+  Error e = config_json_error("json", "\"n_routed_experts\"", "\"n_routed_experts_renamed\"");
   CHECK(contains(e.what(), "n_routed_experts"));
 }
 
