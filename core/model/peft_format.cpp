@@ -136,32 +136,33 @@ Tensor stack_from_peft_a(const TensorView& fused_a, int64_t experts) {
   return out;
 }
 
-Tensor peft_fused_b(const TensorView& stack_b) {
-  const int64_t experts = stack_b.size(0), rows = stack_b.size(1), rank = stack_b.size(2);
-  Tensor out({rows, rank * experts}, stack_b.dtype);
-  with_float_type(stack_b.dtype, [&](auto* type) {
+namespace {
+
+// B between the stack [E, out, R] and PEFT's [out, R E] (expert e's rank k in column k E + e).
+Tensor relaid_b(const TensorView& src, int64_t experts, int64_t rows, int64_t rank, bool to_peft) {
+  Tensor out(to_peft ? Shape{rows, rank * experts} : Shape{experts, rows, rank}, src.dtype);
+  with_float_type(src.dtype, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    const T* src = stack_b.ptr<T>();
-    T* dst = out.ptr<T>();
+    const T* from = src.ptr<T>();
+    T* to = out.ptr<T>();
     for (int64_t e = 0; e < experts; ++e)
       for (int64_t o = 0; o < rows; ++o)
-        for (int64_t k = 0; k < rank; ++k) dst[(o * rank + k) * experts + e] = src[(e * rows + o) * rank + k];
+        for (int64_t k = 0; k < rank; ++k) {
+          const int64_t stack = (e * rows + o) * rank + k, peft = (o * rank + k) * experts + e;
+          to[to_peft ? peft : stack] = from[to_peft ? stack : peft];
+        }
   });
   return out;
 }
 
+}  // namespace
+
+Tensor peft_fused_b(const TensorView& stack_b) {
+  return relaid_b(stack_b, stack_b.size(0), stack_b.size(1), stack_b.size(2), /*to_peft=*/true);
+}
+
 Tensor stack_from_peft_b(const TensorView& fused_b, int64_t experts) {
-  const int64_t rows = fused_b.size(0), rank = fused_b.size(1) / experts;
-  Tensor out({experts, rows, rank}, fused_b.dtype);
-  with_float_type(fused_b.dtype, [&](auto* type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    const T* src = fused_b.ptr<T>();
-    T* dst = out.ptr<T>();
-    for (int64_t e = 0; e < experts; ++e)
-      for (int64_t o = 0; o < rows; ++o)
-        for (int64_t k = 0; k < rank; ++k) dst[(e * rows + o) * rank + k] = src[(o * rank + k) * experts + e];
-  });
-  return out;
+  return relaid_b(fused_b, experts, fused_b.size(0), fused_b.size(1) / experts, /*to_peft=*/false);
 }
 
 ExpertStacks gate_up_side_by_side(const TensorView& gate_a, const TensorView& gate_b, const TensorView& up_a,

@@ -514,8 +514,7 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
   using Run = testing::TrainingRun;
 
   Run straight(make_config("straight"));
-  std::vector<double> expected = straight.trainer->run();
-  REQUIRE(expected.size() == 4);
+  const std::vector<double> expected = testing::four_step_losses(straight);
   REQUIRE(find_parameter(*straight.model, "model.layers.2.self_attn.o_proj.lora_A.weight")->value.size(0) == 6);
   REQUIRE(find_parameter(*straight.model, "model.layers.2.mlp.experts.up_proj.lora_A.weight")->value.size(1) == 2);
 
@@ -524,8 +523,7 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
   Run& second = *resumed;
 
   // `moetrain export` takes the patterns from the checkpoint's config; --init-adapter reads them.
-  fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
-  export_checkpoint_adapter(split.logging.run_dir + "/checkpoints", adapter.string());
+  const fs::path adapter = testing::export_run_adapter(split);
   OrderedJson config = read_json(adapter / "adapter_config.json");
   CHECK(config["alpha_pattern"][".*\\.down_proj"] == 3.0);
   Run fresh(make_config("fresh"));
