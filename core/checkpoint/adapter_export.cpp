@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -19,6 +18,7 @@
 #include "core/checkpoint/checkpoint_reader.h"
 #include "core/config/lora_patterns.h"
 #include "core/io/safetensors_writer.h"
+#include "core/model/peft_format.h"
 #include "core/model/swiglu_experts.h"
 
 namespace moetrain {
@@ -27,41 +27,6 @@ namespace fs = std::filesystem;
 namespace {
 
 using Json = nlohmann::json;
-
-constexpr const char* kPeftPrefix = "base_model.model.";
-
-
-Json unique_sorted(const Json& names) {
-  std::set<std::string> set;
-  for (const Json& n : names) set.insert(n.get<std::string>());
-  return Json(std::vector<std::string>(set.begin(), set.end()));
-}
-
-// Our module path `name` (model.layers.L.mlp.experts.E.gate_proj, ...) as the released checkpoint
-// names it (AdapterLayout::kReleased).
-std::string released_name(std::string name, bool text_under_language_model) {
-  auto replace = [&](const std::string& from, const std::string& to) {
-    const size_t at = name.find(from);
-    if (at != std::string::npos) name.replace(at, from.size(), to);
-  };
-  for (const char* moe_module : {".mlp.experts.", ".mlp.shared_experts.", ".mlp.routed_expert_"}) {
-    replace(moe_module, std::string(".block_sparse_moe.") + (moe_module + 5));
-  }
-  const size_t experts = name.find(".block_sparse_moe.experts.");
-  if (experts != std::string::npos) {
-    for (const auto& [ours, released] : {std::pair<const char*, const char*>{".gate_proj", ".w1"},
-                                         {".up_proj", ".w3"},
-                                         {".down_proj", ".w2"}}) {
-      const size_t at = name.find(ours, experts);
-      if (at != std::string::npos) {
-        name.replace(at, std::strlen(ours), released);
-        break;
-      }
-    }
-  }
-  if (text_under_language_model && name.rfind("model.", 0) == 0) name = "language_model." + name;
-  return name;
-}
 
 // A regex that matches exactly `text`.
 std::string escaped(const std::string& text) {
@@ -86,15 +51,17 @@ struct PeftModule {
 // (first matching key): one key `.*\.<tail>` for a tail whose modules all agree, else one key per
 // module; none for a module at the default. No two keys select the same module, so the order of
 // the keys (JSON objects are written sorted) does not matter.
-void write_patterns(const std::vector<PeftModule>& modules, int64_t rank, double alpha, Json& rank_pattern,
-                    Json& alpha_pattern) {
+void write_patterns(const std::vector<PeftModule>& modules, int64_t rank, double alpha, PatternMap<int64_t>& rank_pattern,
+                    PatternMap<double>& alpha_pattern) {
+  std::map<std::string, int64_t> ranks;
+  std::map<std::string, double> alphas;
   std::map<std::string, std::vector<const PeftModule*>> by_tail;
   for (const PeftModule& m : modules) by_tail[m.tail].push_back(&m);
   for (const auto& entry : by_tail) {
     // Named references, not a structured binding: a lambda may not capture one before C++20.
     const std::string& tail = entry.first;
     const std::vector<const PeftModule*>& members = entry.second;
-    auto fill = [&](Json& pattern, auto value_of, auto default_value) {
+    auto fill = [&](auto& pattern, auto value_of, auto default_value) {
       bool uniform = true;
       for (const PeftModule* m : members) uniform &= value_of(*m) == value_of(*members.front());
       if (uniform) {
@@ -104,9 +71,11 @@ void write_patterns(const std::vector<PeftModule>& modules, int64_t rank, double
       for (const PeftModule* m : members)
         if (value_of(*m) != default_value) pattern[m->key] = value_of(*m);
     };
-    fill(rank_pattern, [](const PeftModule& m) { return m.rank; }, rank);
-    fill(alpha_pattern, [](const PeftModule& m) { return m.alpha; }, alpha);
+    fill(ranks, [](const PeftModule& m) { return m.rank; }, rank);
+    fill(alphas, [](const PeftModule& m) { return m.alpha; }, alpha);
   }
+  rank_pattern.assign(ranks.begin(), ranks.end());
+  alpha_pattern.assign(alphas.begin(), alphas.end());
 }
 
 // A shared expert A [r, in] (lora.expert_a: shared) repeated for every expert of its B [E, out, r]:
@@ -132,31 +101,13 @@ std::vector<std::pair<std::string, TensorView>> expand_shared_a(
   return out;
 }
 
-// PEFT's 3-D factors of stacked expert adapters A [E, R, in] / B [E, out, R] (F32): A [E R, in]
-// with expert-major rows (the same memory), B [out, R E] with column k E + e. B times `factor`.
-Tensor peft_fused_a(const TensorView& a) {
-  Tensor out({a.size(0) * a.size(1), a.size(2)}, DType::kF32);
-  std::copy(a.ptr<float>(), a.ptr<float>() + out.numel(), out.ptr<float>());
-  return out;
-}
-Tensor peft_fused_b(const TensorView& b, double factor) {
-  const int64_t experts = b.size(0), rows = b.size(1), rank = b.size(2);
-  Tensor out({rows, rank * experts}, DType::kF32);
-  for (int64_t e = 0; e < experts; ++e)
-    for (int64_t o = 0; o < rows; ++o)
-      for (int64_t k = 0; k < rank; ++k)
-        out.ptr<float>()[(o * rank + k) * experts + e] =
-            static_cast<float>(factor * b.ptr<float>()[(e * rows + o) * rank + k]);
-  return out;
-}
-
 // kTransformers5: the routed experts' stacked adapters as PEFT's 3-D adapters on the fused
 // gate_up_proj and on down_proj. gate_up_proj's adapter: the model's fused one as it is, or its
 // separate gate and up adapters (ranks r_g, r_u, alphas a_g, a_u) as one of rank r_g + r_u and
 // alpha a_g + a_u (2r and 2 alpha when they agree, as PEFT writes its fused form) with
 // A = [A_gate; A_up] and a block-diagonal B, each block scaled so that PEFT's scale for the pair
 // gives the model's function (a factor 1 without rsLoRA and equal settings, 1/sqrt 2 with rsLoRA).
-void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep, Json& target_parameters,
+void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep, std::set<std::string>& target_parameters,
                            std::vector<PeftModule>& modules, ModuleSettings& module_settings,
                            const std::vector<std::pair<std::string, TensorView>>& params, bool rslora) {
   std::map<std::string, std::map<std::string, TensorView>> experts;  // module -> "gate_proj.lora_A.weight" -> value
@@ -174,16 +125,20 @@ void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep,
                    ExitCode::kBadConfig,
                    module + ": the transformers 5 adapter layout needs adapters on both gate and up of the routed "
                             "experts (target `experts`), or on neither");
+    auto add_fused = [&](const std::string& a_key, const TensorView& a, const std::string& b_key, const TensorView& b) {
+      keep.push_back(peft_fused_a(a));
+      writer.add(a_key, keep.back().view());
+      keep.push_back(peft_fused_b(b));
+      writer.add(b_key, keep.back().view());
+    };
     // With both targeted, PEFT nests gate_up_proj (inner: base_layer) inside down_proj.
-    const std::string gate_up_prefix = kPeftPrefix + module + (has_down ? ".base_layer." : ".");
+    const std::string gate_up_a = peft_fused_gate_up_key(module, has_down, "lora_A.weight");
+    const std::string gate_up_b = peft_fused_gate_up_key(module, has_down, "lora_B.weight");
     if (has_fused) {  // lora.expert_gate_up: fused: already PEFT's adapter
       const TensorView& a = f.at("gate_up_proj.lora_A.weight");
       const LoraSettings s = module_settings.of(module + ".gate_up_proj", a.size(1), /*fused=*/true);
-      keep.push_back(peft_fused_a(a));
-      writer.add(gate_up_prefix + "lora_A.weight", keep.back().view());
-      keep.push_back(peft_fused_b(f.at("gate_up_proj.lora_B.weight"), 1.0));
-      writer.add(gate_up_prefix + "lora_B.weight", keep.back().view());
-      target_parameters.push_back("mlp.experts.gate_up_proj");
+      add_fused(gate_up_a, a, gate_up_b, f.at("gate_up_proj.lora_B.weight"));
+      target_parameters.insert("mlp.experts.gate_up_proj");
       modules.push_back({escaped(module + ".gate_up_proj"), "gate_up_proj", s.rank, s.alpha});
     }
     if (has_gate_up) {  // separate gate and up adapters side by side
@@ -194,39 +149,18 @@ void fused_expert_adapters(SafetensorsWriter& writer, std::vector<Tensor>& keep,
       const LoraSettings gate = module_settings.of(module + ".gate_proj", ag.size(1));
       const LoraSettings up = module_settings.of(module + ".up_proj", au.size(1));
       const LoraSettings pair{gate.rank + up.rank, gate.alpha + up.alpha, rslora};
-      const int64_t e_count = ag.size(0), in = ag.size(2), width = bg.size(1), rg = gate.rank, ru = up.rank;
-      const int64_t r2 = pair.rank;
-      const double gate_factor = gate.scale() / pair.scale(), up_factor = up.scale() / pair.scale();
-      Tensor a({e_count, r2, in}, DType::kF32);
-      Tensor b = Tensor::zeros({e_count, 2 * width, r2}, DType::kF32);
-      for (int64_t e = 0; e < e_count; ++e) {
-        std::copy(ag.ptr<float>() + e * rg * in, ag.ptr<float>() + (e + 1) * rg * in, a.ptr<float>() + e * r2 * in);
-        std::copy(au.ptr<float>() + e * ru * in, au.ptr<float>() + (e + 1) * ru * in,
-                  a.ptr<float>() + (e * r2 + rg) * in);
-        for (int64_t o = 0; o < width; ++o) {
-          for (int64_t k = 0; k < rg; ++k)
-            b.ptr<float>()[(e * 2 * width + o) * r2 + k] =
-                static_cast<float>(gate_factor * bg.ptr<float>()[(e * width + o) * rg + k]);
-          for (int64_t k = 0; k < ru; ++k)
-            b.ptr<float>()[(e * 2 * width + width + o) * r2 + rg + k] =
-                static_cast<float>(up_factor * bu.ptr<float>()[(e * width + o) * ru + k]);
-        }
-      }
-      keep.push_back(peft_fused_a(a.view()));
-      writer.add(gate_up_prefix + "lora_A.weight", keep.back().view());
-      keep.push_back(peft_fused_b(b.view(), 1.0));
-      writer.add(gate_up_prefix + "lora_B.weight", keep.back().view());
-      target_parameters.push_back("mlp.experts.gate_up_proj");
+      const ExpertStacks side_by_side =
+          gate_up_side_by_side(ag, bg, au, bu, gate.scale() / pair.scale(), up.scale() / pair.scale());
+      add_fused(gate_up_a, side_by_side.a.view(), gate_up_b, side_by_side.b.view());
+      target_parameters.insert("mlp.experts.gate_up_proj");
       modules.push_back({escaped(module + ".gate_up_proj"), "gate_up_proj", pair.rank, pair.alpha});
     }
     if (has_down) {
       const TensorView& a = f.at("down_proj.lora_A.weight");
       const LoraSettings s = module_settings.of(module + ".down_proj", a.size(1));
-      keep.push_back(peft_fused_a(a));
-      writer.add(kPeftPrefix + module + ".lora_A.weight", keep.back().view());
-      keep.push_back(peft_fused_b(f.at("down_proj.lora_B.weight"), 1.0));
-      writer.add(kPeftPrefix + module + ".lora_B.weight", keep.back().view());
-      target_parameters.push_back("mlp.experts.down_proj");
+      add_fused(peft_fused_down_key(module, "lora_A.weight"), a, peft_fused_down_key(module, "lora_B.weight"),
+                f.at("down_proj.lora_B.weight"));
+      target_parameters.insert("mlp.experts.down_proj");
       modules.push_back({escaped(module + ".down_proj"), "down_proj", s.rank, s.alpha});
     }
   }
@@ -306,8 +240,7 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
 
   SafetensorsWriter writer;
   writer.set_metadata("format", "pt");  // what PEFT's save_pretrained writes
-  std::set<std::string> target_modules;
-  Json target_parameters = Json::array(), rank_pattern = Json::object(), alpha_pattern = Json::object();
+  std::set<std::string> target_modules, target_parameters;
   std::vector<Tensor> fused;  // expanded shared A's and kTransformers5's re-laid factors, alive until written
   const std::vector<std::pair<std::string, TensorView>> params = expand_shared_a(given, fused);
   ModuleSettings module_settings(settings);
@@ -315,7 +248,7 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
   const bool transformers5 = settings.layout == AdapterLayout::kTransformers5;
   // Module paths as the adapter names them: ours, or the released checkpoint's (kReleased).
   auto named = [&](const std::string& module) {
-    return settings.layout == AdapterLayout::kReleased ? released_name(module, settings.text_under_language_model)
+    return settings.layout == AdapterLayout::kReleased ? released_module_name(module, settings.text_under_language_model)
                                                        : module;
   };
   if (transformers5) fused_expert_adapters(writer, fused, target_parameters, modules, module_settings, params, settings.rslora);
@@ -326,7 +259,7 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
     const std::string module = name.substr(0, name.rfind(".lora_"));
     const bool is_a = n.factor == "lora_A.weight";
     if (transformers5 && n.module.find(".mlp") != std::string::npos) {
-      target_parameters.push_back(n.projection + ".weight");  // dense MLP / shared experts
+      target_parameters.insert(n.projection + ".weight");  // dense MLP / shared experts
       if (is_a) {
         const LoraSettings s = module_settings.of(module, value.size(0));
         modules.push_back({escaped(module + ".weight"), n.projection + ".weight", s.rank, s.alpha});
@@ -339,7 +272,7 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
       }
     }
     if (value.ndim() == 2) {
-      writer.add(kPeftPrefix + named(module) + "." + n.factor, value);
+      writer.add(peft_key(named(module) + "." + n.factor), value);
       continue;
     }
     // A stacked routed-expert adapter: expert e's 2-D factor is row block e (views, no copy).
@@ -357,31 +290,20 @@ void write_peft_adapter(const std::string& out_dir, const std::vector<std::pair<
       modules.push_back({escaped(experts_module) + "\\.[0-9]+\\." + escaped(projection), projection, s.rank, s.alpha});
     }
     for (int64_t e = 0; e < value.size(0); ++e) {
-      std::string key = fmt::format("{}{}.{}.{}.{}", kPeftPrefix, experts_module, e, projection, n.factor);
+      const std::string key = peft_key(fmt::format("{}.{}.{}.{}", experts_module, e, projection, n.factor));
       writer.add(key, value.slice_rows(e, e + 1).reshaped({value.size(1), value.size(2)}));
     }
   }
-  write_patterns(modules, settings.rank, settings.alpha, rank_pattern, alpha_pattern);
-  writer.write_atomic((fs::path(out_dir) / "adapter_model.safetensors").string());
-
-  Json config = {{"peft_type", "LORA"},
-                 {"task_type", "CAUSAL_LM"},
-                 {"r", settings.rank},
-                 {"lora_alpha", settings.alpha},
-                 {"use_rslora", settings.rslora},
-                 {"lora_dropout", 0.0},
-                 {"bias", "none"},
-                 {"fan_in_fan_out", false},
-                 {"init_lora_weights", true},
-                 {"inference_mode", true},
-                 {"target_modules", std::vector<std::string>(target_modules.begin(), target_modules.end())},
-                 {"target_parameters", unique_sorted(target_parameters)},
-                 {"base_model_name_or_path", settings.base_model ? Json(*settings.base_model) : Json(nullptr)},
-                 {"modules_to_save", nullptr},
-                 {"rank_pattern", rank_pattern},
-                 {"alpha_pattern", alpha_pattern},
-                 {"revision", nullptr}};
-  write_text_durably((fs::path(out_dir) / "adapter_config.json").string(), config.dump(2) + "\n");
+  PeftAdapterConfig config;
+  config.rank = settings.rank;
+  config.alpha = settings.alpha;
+  config.rslora = settings.rslora;
+  config.target_modules.assign(target_modules.begin(), target_modules.end());
+  config.target_parameters.assign(target_parameters.begin(), target_parameters.end());
+  config.base_model = settings.base_model;
+  write_patterns(modules, settings.rank, settings.alpha, config.rank_pattern, config.alpha_pattern);
+  writer.write_atomic((fs::path(out_dir) / kPeftWeightsFile).string());
+  write_text_durably((fs::path(out_dir) / kPeftConfigFile).string(), peft_adapter_config_text(config));
   log::info(fmt::format("PEFT adapter written to {} ({} tensors)", out_dir, writer.size()));
 }
 

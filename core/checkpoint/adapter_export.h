@@ -1,5 +1,6 @@
 // Export of the trained LoRA weights as a PEFT adapter directory that PEFT
-// (PeftModel.from_pretrained) and vLLM load, and that load_peft_adapter reads back:
+// (PeftModel.from_pretrained) and vLLM load, and that load_peft_adapter reads back (the format's
+// names, keys and layouts are core/model/peft_format.h's):
 //
 //   adapter_config.json        peft_type LORA, r, lora_alpha, use_rslora, target_modules,
 //                              base_model_name_or_path, task_type CAUSAL_LM

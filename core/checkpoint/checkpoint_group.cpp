@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/base/error.h"
+#include "parallel/watchdog.h"
 
 namespace moetrain {
 namespace {
@@ -66,6 +67,39 @@ class MpiGroup final : public CheckpointGroup {
 };
 
 }  // namespace
+
+void decide_on_root(CheckpointGroup& group, const std::function<void()>& decide) {
+  std::string failure;  // "<exit code> <message>"
+  if (group.is_root()) {
+    try {
+      decide();
+    } catch (const Error& e) {
+      failure = std::to_string(static_cast<int>(e.code())) + " " + e.what();
+    }
+  }
+  failure = group.broadcast_from_root(failure);
+  if (failure.empty()) return;
+  const size_t space = failure.find(' ');
+  throw Error(static_cast<ExitCode>(std::stoi(failure.substr(0, space))), failure.substr(space + 1));
+}
+
+void run_agreed(CheckpointGroup& group, const std::string& progress, const Error& elsewhere,
+                const std::function<void()>& phase) {
+  std::string error;
+  ExitCode code = ExitCode::kInternal;
+  watchdog_progress(progress);
+  try {
+    phase();
+  } catch (const Error& e) {
+    error = e.what();
+    code = e.code();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!group.any(!error.empty())) return;
+  if (!error.empty()) throw Error(code, error);
+  throw elsewhere;
+}
 
 std::unique_ptr<CheckpointGroup> make_single_process_group() { return std::make_unique<SingleProcessGroup>(); }
 std::unique_ptr<CheckpointGroup> make_mpi_checkpoint_group() { return std::make_unique<MpiGroup>(); }

@@ -6,9 +6,12 @@
 // instead of the healthy ranks waiting forever in the next barrier.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "core/base/error.h"
 
 namespace moetrain {
 
@@ -27,6 +30,18 @@ class CheckpointGroup {
   // Every rank receives rank 0's `text` (the argument is ignored on the other ranks).
   virtual std::string broadcast_from_root(const std::string& text) = 0;
 };
+
+// Runs `decide` on rank 0 alone, then every rank learns how it went: an Error thrown there is
+// thrown on every rank with the same exit code and message, so all ranks exit alike. Call it on
+// every rank (it is a collective); what rank 0 decided beyond success travels separately
+// (broadcast_from_root).
+void decide_on_root(CheckpointGroup& group, const std::function<void()>& decide);
+
+// Runs `phase` on every rank, then agrees: when any rank failed, every rank throws. A rank that
+// failed throws its own error (an Error keeps its exit code, any other exception is kInternal);
+// the others throw `elsewhere`. `progress` names the phase to the watchdog before it starts.
+void run_agreed(CheckpointGroup& group, const std::string& progress, const Error& elsewhere,
+                const std::function<void()>& phase);
 
 // One process, no MPI calls: every collective is the identity.
 std::unique_ptr<CheckpointGroup> make_single_process_group();

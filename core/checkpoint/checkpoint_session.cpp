@@ -117,33 +117,23 @@ bool CheckpointSession::resume() {
   const std::string& mode = config_.checkpoint.resume;
   // Rank 0 cleans up, chooses and checks; every rank then opens the same checkpoint.
   std::string chosen;
-  std::string failure;  // "<exit code> <message>"
-  if (group_.is_root()) {
-    try {
-      remove_incomplete_checkpoints(root_);
-      if (mode == "auto") {
-        chosen = newest_usable_checkpoint();
-      } else if (mode != "none") {
-        chosen = resolve_checkpoint_path(mode);
-        check_checkpoint_finite(CheckpointReader(chosen));
-      }
-      if (!chosen.empty()) {
-        const int64_t step = read_manifest(chosen).step;
-        MOETRAIN_CHECK(step < config_.train.steps, ExitCode::kBadConfig,
-                       fmt::format("nothing to do: {} is at step {} and train.steps is {}. To train on, raise "
-                                   "train.steps (e.g. --set train.steps={}); for a new run, use another "
-                                   "logging.run_dir",
-                                   chosen, step, config_.train.steps, step + config_.train.steps));
-      }
-    } catch (const Error& e) {
-      failure = std::to_string(static_cast<int>(e.code())) + " " + e.what();
+  decide_on_root(group_, [&] {
+    remove_incomplete_checkpoints(root_);
+    if (mode == "auto") {
+      chosen = newest_usable_checkpoint();
+    } else if (mode != "none") {
+      chosen = resolve_checkpoint_path(mode);
+      check_checkpoint_finite(CheckpointReader(chosen));
     }
-  }
-  failure = group_.broadcast_from_root(failure);
-  if (!failure.empty()) {
-    const size_t space = failure.find(' ');
-    throw Error(static_cast<ExitCode>(std::stoi(failure.substr(0, space))), failure.substr(space + 1));
-  }
+    if (!chosen.empty()) {
+      const int64_t step = read_manifest(chosen).step;
+      MOETRAIN_CHECK(step < config_.train.steps, ExitCode::kBadConfig,
+                     fmt::format("nothing to do: {} is at step {} and train.steps is {}. To train on, raise "
+                                 "train.steps (e.g. --set train.steps={}); for a new run, use another "
+                                 "logging.run_dir",
+                                 chosen, step, config_.train.steps, step + config_.train.steps));
+    }
+  });
   chosen = group_.broadcast_from_root(chosen);
   if (chosen.empty()) return false;
 
@@ -247,21 +237,13 @@ void CheckpointSession::finish() {
   const std::string checkpoint = trainer_.next_step() == last_saved_step_ ? last_saved_path_ : save_now();
   const std::string out = export_dir();
   if (out.empty()) return;
-  std::string failure;  // "<exit code> <message>"
-  if (group_.is_root()) {
-    try {
-      export_checkpoint_adapter(checkpoint, out);
-    } catch (const Error& e) {
-      failure = std::to_string(static_cast<int>(e.code())) + " " + e.what();
-    }
+  try {
+    decide_on_root(group_, [&] { export_checkpoint_adapter(checkpoint, out); });
+  } catch (const Error& e) {
+    throw Error(e.code(), fmt::format("{}\nThe adapter was not exported, but the training is saved in {}: export it "
+                                      "with `moetrain export --checkpoint {} --out DIR`",
+                                      e.what(), checkpoint, checkpoint));
   }
-  failure = group_.broadcast_from_root(failure);
-  if (failure.empty()) return;
-  const size_t space = failure.find(' ');
-  throw Error(static_cast<ExitCode>(std::stoi(failure.substr(0, space))),
-              fmt::format("{}\nThe adapter was not exported, but the training is saved in {}: export it with `moetrain "
-                          "export --checkpoint {} --out DIR`",
-                          failure.substr(space + 1), checkpoint, checkpoint));
 }
 
 }  // namespace moetrain

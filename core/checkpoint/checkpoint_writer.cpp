@@ -16,7 +16,6 @@
 #include "core/base/log.h"
 #include "core/checkpoint/checkpoint_directory.h"
 #include "core/checkpoint/fault_injection.h"
-#include "parallel/watchdog.h"
 #include "core/io/output_file.h"
 #include "core/io/safetensors_writer.h"
 
@@ -29,22 +28,10 @@ using Json = nlohmann::json;
 
 // Runs `phase` on this rank, then agrees with the others: every rank throws when any failed.
 void agree(CheckpointGroup& group, const std::string& what, const std::function<void()>& phase) {
-  std::string error;
-  ExitCode code = ExitCode::kBadCheckpoint;
-  watchdog_progress("checkpoint save: " + what);
-  try {
-    phase();
-  } catch (const Error& e) {
-    error = e.what();
-    code = e.code();
-  } catch (const std::exception& e) {
-    error = e.what();
-    code = ExitCode::kInternal;
-  }
-  if (!group.any(!error.empty())) return;
-  if (!error.empty()) throw Error(code, error);
-  throw Error(ExitCode::kBadCheckpoint,
-              fmt::format("checkpoint save failed on another rank while {} (see that rank's message)", what));
+  run_agreed(group, "checkpoint save: " + what,
+             Error(ExitCode::kBadCheckpoint,
+                   fmt::format("checkpoint save failed on another rank while {} (see that rank's message)", what)),
+             phase);
 }
 
 // The manifest's own directory entry must be durable before the rename publishes the directory.

@@ -49,20 +49,9 @@ bool ends_with(const std::string& s, const std::string& tail) {
 
 // Runs `phase` on this rank, then agrees with the others: every rank throws when any failed.
 void agree(CheckpointGroup& group, const std::string& what, const std::function<void()>& phase) {
-  std::string error;
-  ExitCode code = ExitCode::kInternal;
-  watchdog_progress("merge: " + what);
-  try {
-    phase();
-  } catch (const Error& e) {
-    error = e.what();
-    code = e.code();
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  if (!group.any(!error.empty())) return;
-  if (!error.empty()) throw Error(code, error);
-  throw Error(ExitCode::kInternal, fmt::format("merge failed on another rank while {} (see that rank's message)", what));
+  run_agreed(group, "merge: " + what,
+             Error(ExitCode::kInternal, fmt::format("merge failed on another rank while {} (see that rank's message)", what)),
+             phase);
 }
 
 // One output tensor: a base tensor copied or merged, or an MXFP4 weight decoded (packed != "").

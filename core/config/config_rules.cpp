@@ -414,7 +414,7 @@ void check_export_adapter(const std::string& value, Rules& r) {
   }
 }
 
-void check_training(const Config& c, Rules& r) {
+void check_parallel(const Config& c, Rules& r) {
   const ParallelConfig& p = c.parallel;
   r.positive("parallel.fsdp", p.fsdp);
   r.positive("parallel.ep", p.ep);
@@ -437,34 +437,37 @@ void check_training(const Config& c, Rules& r) {
            "`parallel.ep` = " + show(p.ep) + " must be <= `model.moe.num_experts` = " +
                show(c.model.moe.num_experts) + ": every expert-parallel rank needs at least one expert");
   }
+}
 
+// data.source and data.eval.source take the same forms.
+void check_data_source(const std::string& key, const std::string& source, const std::vector<DataSourceSpec>& mixture,
+                     Rules& r) {
+  if (source == kDataSourceMixture && mixture.empty()) {
+    r.fail({key}, "`" + key + "` = `mixture` needs the list form: source: [{path: dir/a, weight: 2}, "
+                  "{path: dir/b, weight: 1}] (a dataset named `mixture` is written ./mixture)");
+  }
+  if (!mixture.empty() && source != kDataSourceMixture) {
+    r.fail({key}, "`" + key + "` = `" + source + "` while a mixture list is set: use one or the other");
+  }
+  for (size_t i = 0; i < mixture.size(); ++i) {
+    const std::string entry = key + "[" + std::to_string(i) + "]";
+    if (mixture[i].path.empty()) r.fail({key}, "`" + entry + ".path` must not be empty");
+    if (mixture[i].path == "synthetic") {
+      r.fail({key}, "`" + entry + ".path` = `synthetic`: the built-in data cannot be mixed with datasets "
+                    "(a dataset named `synthetic` is written ./synthetic)");
+    }
+    if (!(mixture[i].weight > 0)) {
+      r.fail({key}, "`" + entry + ".weight` = " + show(mixture[i].weight) + " must be > 0");
+    }
+  }
+}
+
+void check_data(const Config& c, Rules& r) {
   const DataConfig& d = c.data;
   r.not_empty("data.source", d.source);
-  // data.source and data.eval.source take the same forms.
-  auto check_source = [&r](const std::string& key, const std::string& source,
-                           const std::vector<DataSourceSpec>& mixture) {
-    if (source == kDataSourceMixture && mixture.empty()) {
-      r.fail({key}, "`" + key + "` = `mixture` needs the list form: source: [{path: dir/a, weight: 2}, "
-                    "{path: dir/b, weight: 1}] (a dataset named `mixture` is written ./mixture)");
-    }
-    if (!mixture.empty() && source != kDataSourceMixture) {
-      r.fail({key}, "`" + key + "` = `" + source + "` while a mixture list is set: use one or the other");
-    }
-    for (size_t i = 0; i < mixture.size(); ++i) {
-      const std::string entry = key + "[" + std::to_string(i) + "]";
-      if (mixture[i].path.empty()) r.fail({key}, "`" + entry + ".path` must not be empty");
-      if (mixture[i].path == "synthetic") {
-        r.fail({key}, "`" + entry + ".path` = `synthetic`: the built-in data cannot be mixed with datasets "
-                      "(a dataset named `synthetic` is written ./synthetic)");
-      }
-      if (!(mixture[i].weight > 0)) {
-        r.fail({key}, "`" + entry + ".weight` = " + show(mixture[i].weight) + " must be > 0");
-      }
-    }
-  };
-  check_source("data.source", d.source, d.mixture);
+  check_data_source("data.source", d.source, d.mixture, r);
   const EvalDataConfig& e = d.eval;
-  check_source("data.eval.source", e.source, e.mixture);
+  check_data_source("data.eval.source", e.source, e.mixture, r);
   r.in_range("data.eval.holdout", e.holdout, 0.0, 1.0, false);
   r.at_least<int64_t>("data.eval.windows", e.windows, 0);
   if (!e.source.empty() && e.holdout > 0) {
@@ -496,7 +499,9 @@ void check_training(const Config& c, Rules& r) {
            "`data.seq_len` = " + show(d.seq_len) + " is longer than `model.max_position_embeddings` = " +
                show(c.model.max_position_embeddings) + ": shorten the windows or raise the model's limit");
   }
+}
 
+void check_train(const Config& c, Rules& r) {
   const TrainConfig& t = c.train;
   r.positive("train.steps", t.steps);
   r.positive("train.lr", t.lr);
@@ -514,13 +519,15 @@ void check_training(const Config& c, Rules& r) {
   r.non_negative("train.grad_clip", t.grad_clip);
   r.at_least<int64_t>("train.seed", t.seed, 0);
   r.at_least<int64_t>("train.eval_every", t.eval_every, 0);
-  if (t.eval_every > 0 && !e.enabled()) {
+  if (t.eval_every > 0 && !c.data.eval.enabled()) {
     r.fail({"train.eval_every", "data.eval"},
            "`train.eval_every` = " + show(t.eval_every) + " but no eval data is set: add `data.eval.source` (a "
            "dataset prefix) or `data.eval.holdout` (a fraction of the training documents), or drop train.eval_every");
   }
   r.one_of("train.device", t.device, kDevices);
+}
 
+void check_checkpoint(const Config& c, Rules& r) {
   const CheckpointConfig& k = c.checkpoint;
   if (k.dir) r.not_empty("checkpoint.dir", *k.dir);
   r.at_least<int64_t>("checkpoint.every", k.every, 0);
@@ -542,7 +549,14 @@ void check_training(const Config& c, Rules& r) {
            "transformers5 (PEFT's fused gate_up_proj adapter)");
   }
   if (k.init_adapter) r.not_empty("checkpoint.init_adapter", *k.init_adapter);
+}
 
+// The run's own sections: parallel, data, train, checkpoint and logging.
+void check_training(const Config& c, Rules& r) {
+  check_parallel(c, r);
+  check_data(c, r);
+  check_train(c, r);
+  check_checkpoint(c, r);
   const LoggingConfig& g = c.logging;
   r.not_empty("logging.run_dir", g.run_dir);
   r.positive("logging.every", g.every);

@@ -4,17 +4,12 @@
 
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
-#include <type_traits>
 #include <utility>
 
 #include "core/base/host_convert.h"
 #include "core/config/lora_patterns.h"
-#include "core/io/json_integer.h"
 #include "core/io/safetensors.h"
 #include "core/model/hf_names.h"
 #include "core/model/swiglu_experts.h"
@@ -22,38 +17,8 @@
 namespace moetrain {
 namespace {
 
-using OrderedJson = nlohmann::ordered_json;
-
-constexpr const char* kPeftPrefix = "base_model.model.";
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-// An adapter key in our names when it was saved under a released checkpoint's (Kimi K3's, as
-// NeMo AutoModel saves PEFT adapters): the text model under language_model., the MoE's modules
-// under block_sparse_moe, routed experts' projections as w1 / w3 / w2. Other keys are unchanged.
-std::string our_adapter_key(std::string key) {
-  const std::string text_prefix = std::string(kPeftPrefix) + "language_model.";
-  if (key.compare(0, text_prefix.size(), text_prefix) == 0) key = kPeftPrefix + key.substr(text_prefix.size());
-  const std::string moe = ".block_sparse_moe.";
-  for (size_t at = key.find(moe); at != std::string::npos; at = key.find(moe, at)) key.replace(at, moe.size(), ".mlp.");
-  const size_t experts = key.find(".mlp.experts.");
-  if (experts != std::string::npos) {
-    const size_t index = experts + std::strlen(".mlp.experts.");
-    const size_t dot = key.find_first_not_of("0123456789", index);
-    if (dot != std::string::npos && dot > index && key[dot] == '.') {
-      for (const auto& [released, ours] : {std::pair<const char*, const char*>{".w1.", ".gate_proj."},
-                                           {".w3.", ".up_proj."},
-                                           {".w2.", ".down_proj."}}) {
-        if (key.compare(dot, 4, released) == 0) {
-          key.replace(dot, 4, ours);
-          break;
-        }
-      }
-    }
-  }
-  return key;
 }
 
 // Reads adapter keys as F64, remembering which were used. A key stored under a released
@@ -134,24 +99,12 @@ Tensor read_per_expert(AdapterFile& file, const std::string& module, const std::
   return out;
 }
 
-// One factor of PEFT's 3-D adapter, A [E R, in] (rows e R + k) or B [out, R E] (column k E + e),
-// as the stack A [E, R, in] or B [E, out, R].
+// One factor of PEFT's 3-D adapter, A [E R, in] or B [out, R E] (peft_format.h), as the stack
+// A [E, R, in] or B [E, out, R].
 Tensor read_fused(AdapterFile& file, const std::string& key, bool is_a, int64_t rank, int64_t in_or_out,
                   int64_t experts) {
-  if (is_a) {  // expert-major rows: the stack is the same memory
-    Tensor fused = file.read(key, Shape{experts * rank, in_or_out});
-    Tensor out({experts, rank, in_or_out}, DType::kF64);
-    std::memcpy(out.data(), fused.data(), out.nbytes());
-    return out;
-  }
-  Tensor fused = file.read(key, Shape{in_or_out, rank * experts});
-  Tensor out({experts, in_or_out, rank}, DType::kF64);
-  const double* src = fused.ptr<double>();
-  double* dst = out.ptr<double>();
-  for (int64_t e = 0; e < experts; ++e)
-    for (int64_t o = 0; o < in_or_out; ++o)
-      for (int64_t k = 0; k < rank; ++k) dst[(e * in_or_out + o) * rank + k] = src[(o * rank + k) * experts + e];
-  return out;
+  if (is_a) return stack_from_peft_a(file.read(key, Shape{experts * rank, in_or_out}).view(), experts);
+  return stack_from_peft_b(file.read(key, Shape{in_or_out, rank * experts}).view(), experts);
 }
 
 // A gate_up adapter as one adapter on [gate | up] per expert: A [E, R, D], B [E, 2F, R], its
@@ -169,24 +122,9 @@ struct GateUp {
 // at the gate's scale (the up block times up_scale / scale, 1 when they agree).
 GateUp side_by_side(const Tensor& gate_a, const Tensor& gate_b, const Tensor& up_a, const Tensor& up_b, double scale,
                     double up_scale, std::string key) {
-  const int64_t experts = gate_a.size(0), rg = gate_a.size(1), ru = up_a.size(1), in = gate_a.size(2);
-  const int64_t f = gate_b.size(1), r2 = rg + ru;
-  const double up_factor = up_scale / scale;
-  GateUp g{Tensor({experts, r2, in}, DType::kF64), Tensor::zeros({experts, 2 * f, r2}, DType::kF64), scale, rg,
-           std::move(key)};
-  for (int64_t e = 0; e < experts; ++e) {
-    std::memcpy(g.a.ptr<double>() + e * r2 * in, gate_a.ptr<double>() + e * rg * in,
-                static_cast<size_t>(rg * in) * sizeof(double));
-    std::memcpy(g.a.ptr<double>() + (e * r2 + rg) * in, up_a.ptr<double>() + e * ru * in,
-                static_cast<size_t>(ru * in) * sizeof(double));
-    for (int64_t o = 0; o < f; ++o) {
-      for (int64_t k = 0; k < rg; ++k)
-        g.b.ptr<double>()[(e * 2 * f + o) * r2 + k] = gate_b.ptr<double>()[(e * f + o) * rg + k];
-      for (int64_t k = 0; k < ru; ++k)
-        g.b.ptr<double>()[(e * 2 * f + f + o) * r2 + rg + k] = up_factor * up_b.ptr<double>()[(e * f + o) * ru + k];
-    }
-  }
-  return g;
+  ExpertStacks stacks =
+      gate_up_side_by_side(gate_a.view(), gate_b.view(), up_a.view(), up_b.view(), 1.0, up_scale / scale);
+  return GateUp{std::move(stacks.a), std::move(stacks.b), scale, gate_a.size(1), std::move(key)};
 }
 
 // Whether B [E, 2F, R] is block diagonal at `split`: gate rows zero in the up ranks [split, R) and
@@ -337,8 +275,7 @@ class ExpertLoader {
   }
 
   std::string fused_key(const std::string& module, bool down, const char* factor) const {
-    // gate_up_proj is the inner wrapper (base_layer) when down_proj is targeted too.
-    return peft_key(module + (!down && fused_down_ ? ".base_layer." : ".") + factor);
+    return down ? peft_fused_down_key(module, factor) : peft_fused_gate_up_key(module, fused_down_, factor);
   }
 
   // The file's rank and alpha of `projection` for every expert (per-expert keys): each expert's A
@@ -483,66 +420,7 @@ class ExpertLoader {
   bool fused_gate_up_ = false, fused_down_ = false;
 };
 
-// A pattern map of adapter_config.json, in the file's order; Error(kBadCheckpoint) naming the key
-// on a pattern moetrain does not evaluate as PEFT does, or a value that is not positive.
-template <class T>
-PatternMap<T> read_pattern(const OrderedJson& json, const char* name, const std::string& path) {
-  PatternMap<T> out;
-  if (!json.contains(name) || json[name].is_null()) return out;
-  for (const auto& [key, value] : json[name].items()) {
-    const std::string problem = lora_pattern_problem(key);
-    MOETRAIN_CHECK(problem.empty(), ExitCode::kBadCheckpoint,
-                   fmt::format("{}: {} key \"{}\": {}", path, name, key, problem));
-    if constexpr (std::is_integral_v<T>) {
-      T rank = 0;
-      MOETRAIN_CHECK(json_integer(value, &rank), ExitCode::kBadCheckpoint,
-                     fmt::format("{}: {} \"{}\" is {}, expected an integer", path, name, key, value.dump()));
-      out.emplace_back(key, rank);
-    } else {
-      out.emplace_back(key, value.template get<T>());
-    }
-    MOETRAIN_CHECK(out.back().second > 0, ExitCode::kBadCheckpoint,
-                   fmt::format("{}: {} \"{}\" must be positive", path, name, key));
-  }
-  return out;
-}
-
 }  // namespace
-
-std::string peft_key(const std::string& parameter_name) { return kPeftPrefix + parameter_name; }
-
-PeftAdapterConfig read_peft_adapter_config(const std::string& dir) {
-  std::string path = dir + "/adapter_config.json";
-  std::ifstream in(path);
-  MOETRAIN_CHECK(in.good(), ExitCode::kBadCheckpoint, "cannot read " + path + " (is " + dir + " a PEFT adapter?)");
-  std::stringstream text;
-  text << in.rdbuf();
-  OrderedJson json;  // the patterns' order matters: PEFT takes the first matching key
-  try {
-    json = OrderedJson::parse(text.str());
-  } catch (const OrderedJson::exception& e) {
-    throw Error(ExitCode::kBadCheckpoint, fmt::format("{}: not valid JSON ({})", path, e.what()));
-  }
-  PeftAdapterConfig config;
-  try {
-    MOETRAIN_CHECK(json.value("peft_type", "LORA") == "LORA", ExitCode::kBadCheckpoint,
-                   path + ": peft_type is not LORA");
-    MOETRAIN_CHECK(json_integer(json.at("r"), &config.rank), ExitCode::kBadCheckpoint,
-                   fmt::format("{}: r is {}, expected an integer", path, json.at("r").dump()));
-    config.alpha = json.at("lora_alpha").get<double>();
-    config.rslora = json.value("use_rslora", false);
-    MOETRAIN_CHECK(config.rank > 0 && config.alpha > 0, ExitCode::kBadCheckpoint,
-                   path + ": r and lora_alpha must be positive");
-    config.rank_pattern = read_pattern<int64_t>(json, "rank_pattern", path);
-    config.alpha_pattern = read_pattern<double>(json, "alpha_pattern", path);
-    if (json.contains("target_parameters") && json["target_parameters"].is_array()) {
-      config.target_parameters = json["target_parameters"].get<std::vector<std::string>>();
-    }
-  } catch (const OrderedJson::exception& e) {
-    throw Error(ExitCode::kBadCheckpoint, fmt::format("{}: {}", path, e.what()));
-  }
-  return config;
-}
 
 void load_peft_adapter(Model& model, const std::string& dir) {
   PeftAdapterConfig config = read_peft_adapter_config(dir);
@@ -552,7 +430,7 @@ void load_peft_adapter(Model& model, const std::string& dir) {
                  fmt::format("{}: the adapter has r {}, lora_alpha {}, use_rslora {} but the config says lora.rank "
                              "{}, lora.alpha {}, lora.rslora {}: set the config to the adapter's values",
                              dir, config.rank, config.alpha, config.rslora, lora.rank, lora.alpha, lora.rslora));
-  AdapterFile file(dir + "/adapter_model.safetensors");
+  AdapterFile file(dir + "/" + kPeftWeightsFile);
   kernels::Backend& backend = model.backend();
   Ranks ranks(config, model, dir);
   std::map<std::string, ExpertParams> experts;  // routed-experts module -> its adapters
@@ -570,7 +448,7 @@ void load_peft_adapter(Model& model, const std::string& dir) {
     const std::string transformers_key = peft_key(transformers_module_name(p->name));
     if (!file.has(key) && file.has(transformers_key)) key = transformers_key;
     // The module as PEFT named it, for the file's patterns; the model's rank and alpha for it.
-    const std::string file_module = key.substr(std::strlen(kPeftPrefix), key.rfind(".lora_") - std::strlen(kPeftPrefix));
+    const std::string file_module = peft_module(key);
     const std::string current_key = ranks.current_key(file_module);
     const ModuleLora f = ranks.file(current_key);
     const bool is_a = p->name.compare(factor, std::string::npos, ".lora_A.weight") == 0;

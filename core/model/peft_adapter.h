@@ -1,16 +1,9 @@
 // PEFT LoRA adapters: reading one into the model's adapters (`--init-adapter`, and the golden
-// tests). An adapter directory holds adapter_config.json (r, lora_alpha, use_rslora, targets,
-// rank_pattern / alpha_pattern) and adapter_model.safetensors with keys
-// `base_model.model.<module>.lora_{A,B}.weight`.
+// tests). The format (files, keys, the two routed-expert layouts) is peft_format.h's.
 //
-// Routed experts come in two layouts, both read here:
-//   per expert (transformers 4 / vLLM): <...>.mlp.experts.<e>.{gate,up,down}_proj.lora_{A,B}.weight
-//   fused (transformers 5 + PEFT target_parameters on the 3-D expert tensors): one adapter on
-//     gate_up_proj of rank R (r, or what rank_pattern gives `<experts>.gate_up_proj`), whose
-//     A [E R, D] feeds both gate and up (rows e R .. e R + R-1 are expert e's) and whose B [2F, R E]
-//     has expert e's rank k in column k E + e; down_proj likewise at rank r. With both targeted,
-//     gate_up_proj's keys are `experts.base_layer.lora_*` and down_proj's `experts.lora_*` (PEFT
-//     nests the wrappers in sorted order).
+// Routed experts come in two layouts, both read here: per expert, and PEFT's fused one with an
+// adapter on gate_up_proj of rank R (r, or what rank_pattern gives `<experts>.gate_up_proj`)
+// whose A feeds both gate and up, and one on down_proj at rank r.
 // The model holds its routed experts' gate and up adapters in one of two forms
 // (`lora.expert_gate_up`, SwigluExperts):
 //   separate  gate and up adapters of rank r each. Holds per-expert adapters, a fused gate_up
@@ -41,31 +34,14 @@
 #include <vector>
 
 #include "core/model/model.h"
+#include "core/model/peft_format.h"
 
 namespace moetrain {
-
-struct PeftAdapterConfig {
-  int64_t rank = 0;
-  double alpha = 0.0;
-  bool rslora = false;
-  std::vector<std::string> target_parameters;  // the 3-D expert tensors PEFT targeted, if any
-  // rank_pattern / alpha_pattern in the file's order (core/config/lora_patterns.h); PEFT writes
-  // {".*\\.gate_up_proj": 2r / 2 alpha} for its fused expert form.
-  PatternMap<int64_t> rank_pattern;
-  PatternMap<double> alpha_pattern;
-};
-
-// Reads <dir>/adapter_config.json. Error(kBadCheckpoint) naming the file and key on anything
-// malformed, and on a pattern key moetrain does not evaluate as PEFT does.
-PeftAdapterConfig read_peft_adapter_config(const std::string& dir);
 
 // Loads every adapter of the model from <dir>. The model's r, lora_alpha and rsLoRA must equal the
 // adapter's, and each module's rank and alpha as above; every model adapter must be present and
 // every adapter key used (a mismatch names the key and says which config to change). Under expert parallelism each rank reads the rows
 // of its own experts. Gradients are left untouched.
 void load_peft_adapter(Model& model, const std::string& dir);
-
-// The PEFT key of a moetrain parameter name (a non-stacked adapter).
-std::string peft_key(const std::string& parameter_name);
 
 }  // namespace moetrain

@@ -14,6 +14,7 @@
 
 #include "core/base/error.h"
 #include "core/base/host_convert.h"
+#include "core/checkpoint/adapter_export.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "gradcheck.h"
@@ -74,6 +75,21 @@ inline std::unique_ptr<TrainingRun> check_resume_matches(const Config& c, Traini
   for (int i = 0; i < 4; ++i) CHECK(losses[i] == expected[i]);
   CHECK(same_adapter_bytes(*resumed->model, *straight.model));
   return resumed;
+}
+
+// The losses of `run` (a four_step_run_config) trained straight through its 4 steps.
+inline std::vector<double> four_step_losses(TrainingRun& run) {
+  std::vector<double> losses = run.trainer->run();
+  REQUIRE(losses.size() == 4);
+  return losses;
+}
+
+// The adapter of the newest checkpoint of the run `c` exported (`moetrain export`) into
+// <run_dir>/adapter; returns that directory.
+inline std::filesystem::path export_run_adapter(const Config& c) {
+  const std::filesystem::path adapter = std::filesystem::path(c.logging.run_dir) / "adapter";
+  export_checkpoint_adapter(c.logging.run_dir + "/checkpoints", adapter.string());
+  return adapter;
 }
 
 // The Error (and its code) that loading the PEFT adapter `dir` into `model` throws; kOk and ""

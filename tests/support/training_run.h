@@ -16,6 +16,35 @@
 
 namespace moetrain::testing {
 
+// The Trainer's options as run_training gives them for `c`: its train, data and logging sections.
+inline TrainerOptions trainer_options_for(const Config& c) {
+  TrainerOptions t;
+  t.train = c.train;
+  t.data = c.data;
+  t.logging = c.logging;
+  return t;
+}
+
+// The model of `c` on `backend` with random frozen weights.
+inline std::unique_ptr<Model> random_model(const Config& c, kernels::Backend& backend) {
+  auto model = std::make_unique<Model>(resolve_model_spec(c), backend, model_options_for(c));
+  model->init_random_weights();
+  return model;
+}
+
+// `steps` steps of the tiny model (tiny_model.h) with LoRA r4 / alpha 8 on micro-batches of 2, at
+// lr 1e-2 after one warm-up step: the base of the training-run tests' configs.
+inline Config short_lora_run_config(int64_t steps) {
+  Config c = tiny_model_config(false);
+  c.lora.rank = 4;
+  c.lora.alpha = 8.0;
+  c.data.micro_batch = 2;
+  c.train.steps = steps;
+  c.train.lr = 1e-2;
+  c.train.warmup_steps = 1;
+  return c;
+}
+
 struct TrainingRun {
   Config config;
   std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
@@ -26,14 +55,9 @@ struct TrainingRun {
   std::unique_ptr<CheckpointSession> session;
 
   explicit TrainingRun(const Config& c) : config(c) {
-    model = std::make_unique<Model>(resolve_model_spec(c), *backend, model_options_for(c));
-    model->init_random_weights();
+    model = random_model(c, *backend);
     data = std::make_unique<SyntheticData>(c.data, c.model.vocab_size);
-    TrainerOptions t;
-    t.train = c.train;
-    t.data = c.data;
-    t.logging = c.logging;
-    trainer = std::make_unique<Trainer>(t, *model, [this] { return data->next(); });
+    trainer = std::make_unique<Trainer>(trainer_options_for(c), *model, [this] { return data->next(); });
     DataCursorAccess cursor{[this] { return data->cursor(); }, [this](uint64_t v) { data->seek(v); }, {}, {}};
     session = std::make_unique<CheckpointSession>(c, *group, *trainer, *backend, cursor);
     trainer->set_after_step([this](const StepRecord&) { session->after_step(); });
@@ -43,13 +67,7 @@ struct TrainingRun {
 // Four steps of the tiny model (tiny_model.h) with LoRA r4 / alpha 8, saving a checkpoint every
 // 2 steps into run_dir: the resume checks of the adapter forms set their targets and form on it.
 inline Config four_step_run_config(const std::string& run_dir) {
-  Config c = tiny_model_config(false);
-  c.lora.rank = 4;
-  c.lora.alpha = 8.0;
-  c.data.micro_batch = 2;
-  c.train.steps = 4;
-  c.train.lr = 1e-2;
-  c.train.warmup_steps = 1;
+  Config c = short_lora_run_config(4);
   c.logging.run_dir = run_dir;
   c.checkpoint.every = 2;
   c.checkpoint.export_adapter = "false";

@@ -111,20 +111,16 @@ TEST_CASE("checkpoint config: save_on_signal must be a boolean") {
 }
 
 TEST_CASE("checkpoint config: export_adapter must be true, false or a directory") {
-  std::string message = bad_config_message("checkpoint: {export_adapter: [a, b]}");
-  CHECK(contains(message, "`checkpoint.export_adapter` expects a string"));
-  message = bad_config_message("checkpoint: {export_adapter: {dir: out}}");
-  CHECK(contains(message, "`checkpoint.export_adapter` expects a string"));
+  for (const char* yaml : {"checkpoint: {export_adapter: [a, b]}", "checkpoint: {export_adapter: {dir: out}}"}) {
+    CHECK(contains(bad_config_message(yaml), "`checkpoint.export_adapter` expects a string"));
+  }
   // Not optional: false (not null) switches the export off.
-  message = bad_config_message("checkpoint: {export_adapter: null}");
-  CHECK(contains(message, "`checkpoint.export_adapter`"));
-  message = bad_config_message("checkpoint: {export_adapter: \"\"}");
-  CHECK(contains(message, "`checkpoint.export_adapter`"));
-  message = bad_config_message("", {"checkpoint.export_adapter="});
-  CHECK(contains(message, "`checkpoint.export_adapter`"));
+  CHECK(contains(bad_config_message("checkpoint: {export_adapter: null}"), "`checkpoint.export_adapter`"));
+  CHECK(contains(bad_config_message("checkpoint: {export_adapter: \"\"}"), "`checkpoint.export_adapter`"));
+  CHECK(contains(bad_config_message("", {"checkpoint.export_adapter="}), "`checkpoint.export_adapter`"));
 }
 
-// Issue 28 item 10: export_adapter takes the booleans' rule; a word that reads as a boolean (or
+// export_adapter takes the booleans' rule; a word that reads as a boolean (or
 // none, or a number) is never taken for a directory's name.
 TEST_CASE("checkpoint config: export_adapter is true, false or a path, never a boolean-ish directory name") {
   for (const char* word : {"true", "True", "TRUE"}) {
@@ -147,12 +143,10 @@ TEST_CASE("checkpoint config: export_adapter is true, false or a path, never a b
 }
 
 TEST_CASE("checkpoint config: init_adapter must be a directory or null") {
-  std::string message = bad_config_message("checkpoint: {init_adapter: [a]}");
-  CHECK(contains(message, "`checkpoint.init_adapter` expects a string or null"));
-  message = bad_config_message("checkpoint: {init_adapter: {path: a}}");
-  CHECK(contains(message, "`checkpoint.init_adapter` expects a string or null"));
-  message = bad_config_message("checkpoint: {init_adapter: \"\"}");
-  CHECK(contains(message, "`checkpoint.init_adapter`"));
+  for (const char* yaml : {"checkpoint: {init_adapter: [a]}", "checkpoint: {init_adapter: {path: a}}"}) {
+    CHECK(contains(bad_config_message(yaml), "`checkpoint.init_adapter` expects a string or null"));
+  }
+  CHECK(contains(bad_config_message("checkpoint: {init_adapter: \"\"}"), "`checkpoint.init_adapter`"));
 }
 
 TEST_CASE("checkpoint config: a misspelt key is unknown and the message suggests the real one") {

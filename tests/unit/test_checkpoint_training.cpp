@@ -27,14 +27,9 @@ using namespace moetrain;
 namespace {
 
 Config tiny_run_config(const std::string& name) {
-  Config c = testing::tiny_model_config(false);
-  c.lora.rank = 4;
-  c.lora.alpha = 8.0;
+  Config c = testing::short_lora_run_config(10);
   c.lora.targets = testing::all_lora_targets(false);
   c.data.seq_len = 8;
-  c.data.micro_batch = 2;
-  c.train.steps = 10;
-  c.train.lr = 1e-2;
   c.train.warmup_steps = 2;
   fs::path dir = fs::temp_directory_path() / ("moetrain_test_ckpt_training_" + name);
   fs::remove_all(dir);

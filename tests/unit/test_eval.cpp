@@ -22,6 +22,7 @@
 #include "kernels/ops.h"
 #include "test_data_support.h"
 #include "tiny_model.h"
+#include "training_run.h"
 
 namespace moetrain {
 namespace {
@@ -32,15 +33,9 @@ using testing::numbered_documents;
 // The tiny hybrid model with router noise on, so that a forward drawn by an evaluation (or a
 // moved noise stream) would change training.
 Config noisy_tiny_config() {
-  Config c = testing::tiny_model_config(false);
+  Config c = testing::short_lora_run_config(4);
   c.model.moe.router_noise = 0.05;
-  c.lora.rank = 4;
-  c.lora.alpha = 8.0;
   c.lora.targets = testing::all_lora_targets(false);
-  c.data.micro_batch = 2;
-  c.train.steps = 4;
-  c.train.lr = 1e-2;
-  c.train.warmup_steps = 1;
   c.logging.every = 1000;
   return c;
 }
@@ -53,13 +48,9 @@ struct Run {
   std::unique_ptr<Trainer> trainer;
 
   explicit Run(const Config& c) {
-    model = std::make_unique<Model>(resolve_model_spec(c), *backend, model_options_for(c));
-    model->init_random_weights();
+    model = testing::random_model(c, *backend);
     data = std::make_unique<SyntheticData>(c.data, c.model.vocab_size);
-    TrainerOptions t;
-    t.train = c.train;
-    t.data = c.data;
-    t.logging = c.logging;
+    TrainerOptions t = testing::trainer_options_for(c);
     eval = make_eval_data(c.data, c.model.vocab_size);
     if (eval) {
       t.eval_micro_batches = eval->micro_batches(c.data.micro_batch, 1);

@@ -344,8 +344,7 @@ TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[sha
   using Run = testing::TrainingRun;
 
   Run straight(make_config("straight"));
-  std::vector<double> expected = straight.trainer->run();
-  REQUIRE(expected.size() == 4);
+  const std::vector<double> expected = testing::four_step_losses(straight);
   Parameter* a = find_parameter(*straight.model, kGateA);
   REQUIRE(a);
   CHECK(a->value.shape() == Shape({4, 16}));
@@ -355,8 +354,7 @@ TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[sha
   Run& second = *resumed;
 
   // The checkpoint holds the one A whole; the exported adapter has it once per expert.
-  fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
-  export_checkpoint_adapter(split.logging.run_dir + "/checkpoints", adapter.string());
+  const fs::path adapter = testing::export_run_adapter(split);
   SafetensorsFile file((adapter / "adapter_model.safetensors").string());
   CHECK(file.info("base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight").shape == Shape({6 * 8, 16}));
   auto reloaded = std::make_unique<Model>(resolve_model_spec(split), *second.backend, [&] {

@@ -181,21 +181,21 @@ TEST_CASE("lora patterns: the config keys, in order, written back, overridden, a
   CHECK(set.lora.rank_pattern == PatternMap<int64_t>{{"q_proj", 6}});
 
   auto problem = [&](const std::string& lora) { return error_message([&] { parse_config(kYaml + lora, "x.yaml"); }); };
-  std::string m = problem("lora: {rank_pattern: {\"(?P<x>o)_proj\": 4}}\n");
-  CHECK(contains(m, "x.yaml:3:"));
-  CHECK(contains(m, "`lora.rank_pattern[\"(?P<x>o)_proj\"]`: \"(?P\" (a named group"));
-  m = problem("lora: {rank_pattern: {o_proj: 0}}\n");
-  CHECK(contains(m, "`lora.rank_pattern[\"o_proj\"]` = 0 must be > 0"));
-  m = problem("lora: {alpha_pattern: {o_proj: -1.0}}\n");
-  CHECK(contains(m, "`lora.alpha_pattern[\"o_proj\"]` = -1.0 must be > 0"));
-  m = problem("lora: {rank_pattern: [o_proj]}\n");
-  CHECK(contains(m, "`lora.rank_pattern` expects a map from module-name patterns to values"));
-  m = problem("lora: {rank_pattern: {o_proj: 2, o_proj: 3}}\n");
-  CHECK(contains(m, "`lora.rank_pattern[\"o_proj\"]` is set more than once"));
-  m = problem("lora: {rank_pattern: {o_proj: sixteen}}\n");
-  CHECK(contains(m, "`lora.rank_pattern[\"o_proj\"]` expects an integer"));
-  m = problem("lora: {rank_patern: {o_proj: 2}}\n");
-  CHECK(contains(m, "did you mean `lora.rank_pattern`?"));
+  CHECK(contains(problem("lora: {rank_pattern: {\"(?P<x>o)_proj\": 4}}\n"), "x.yaml:3:"));
+  // Each config's message holds its text.
+  const std::pair<const char*, const char*> refused[] = {
+      {"lora: {rank_pattern: {\"(?P<x>o)_proj\": 4}}\n", "`lora.rank_pattern[\"(?P<x>o)_proj\"]`: \"(?P\" (a named group"},
+      {"lora: {rank_pattern: {o_proj: 0}}\n", "`lora.rank_pattern[\"o_proj\"]` = 0 must be > 0"},
+      {"lora: {alpha_pattern: {o_proj: -1.0}}\n", "`lora.alpha_pattern[\"o_proj\"]` = -1.0 must be > 0"},
+      {"lora: {rank_pattern: [o_proj]}\n", "`lora.rank_pattern` expects a map from module-name patterns to values"},
+      {"lora: {rank_pattern: {o_proj: 2, o_proj: 3}}\n", "`lora.rank_pattern[\"o_proj\"]` is set more than once"},
+      {"lora: {rank_pattern: {o_proj: sixteen}}\n", "`lora.rank_pattern[\"o_proj\"]` expects an integer"},
+      {"lora: {rank_patern: {o_proj: 2}}\n", "did you mean `lora.rank_pattern`?"},
+  };
+  for (const auto& [lora, expected] : refused) {
+    INFO(lora);
+    CHECK(contains(problem(lora), expected));
+  }
 }
 
 TEST_CASE("lora patterns: the model gives each module its rank and alpha; unmatched keys refused", "[rank_pattern]") {
@@ -514,8 +514,7 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
   using Run = testing::TrainingRun;
 
   Run straight(make_config("straight"));
-  std::vector<double> expected = straight.trainer->run();
-  REQUIRE(expected.size() == 4);
+  const std::vector<double> expected = testing::four_step_losses(straight);
   REQUIRE(find_parameter(*straight.model, "model.layers.2.self_attn.o_proj.lora_A.weight")->value.size(0) == 6);
   REQUIRE(find_parameter(*straight.model, "model.layers.2.mlp.experts.up_proj.lora_A.weight")->value.size(1) == 2);
 
@@ -524,8 +523,7 @@ TEST_CASE("lora patterns: training checkpoints and resumes bit for bit, and expo
   Run& second = *resumed;
 
   // `moetrain export` takes the patterns from the checkpoint's config; --init-adapter reads them.
-  fs::path adapter = fs::path(split.logging.run_dir) / "adapter";
-  export_checkpoint_adapter(split.logging.run_dir + "/checkpoints", adapter.string());
+  const fs::path adapter = testing::export_run_adapter(split);
   OrderedJson config = read_json(adapter / "adapter_config.json");
   CHECK(config["alpha_pattern"][".*\\.down_proj"] == 3.0);
   Run fresh(make_config("fresh"));

@@ -132,41 +132,37 @@ std::vector<Part> parts_of(std::string name, const Shape& shape, const std::map<
   return adapted;
 }
 
-void check_merge(const MergeCase& c) {
-  const std::string dir = testing::golden_dir(c.fixture);
-  SafetensorsFile golden(dir + "/golden.safetensors");
-  const Batch batch = testing::golden_batch(golden);
-  const Config config = case_config(dir, c, batch.seq_len, /*merged=*/false);
-  auto backend = kernels::make_cpu_backend();
-  auto model = make_model(*backend, config, /*with_adapters=*/true);
-
-  // Random non-zero adapters, F32-valued (what a checkpoint holds).
+// Random non-zero adapters of `model`, F32-valued (what a checkpoint holds), set into the model
+// too; by parameter name.
+std::map<std::string, Tensor> random_f32_adapters(Model& model) {
   std::map<std::string, Tensor> adapters;  // F32, by parameter name
   uint64_t seed = 4100;
-  for (Parameter* p : model->parameters()) {
+  for (Parameter* p : model.parameters()) {
     testing::fill_random(p->value, seed++, 0.05, 0.3);
     Tensor f32(p->value.shape(), DType::kF32);
     convert_host(f32, p->value);
     convert_host(p->value, f32);
     adapters.emplace(p->name, std::move(f32));
   }
-  const Tensor logits = model->logits(batch);
+  return adapters;
+}
 
-  testing::ScratchDir scratch("merged_export_" + c.fixture);
-  auto group = make_single_process_group();
+// `adapters` saved as the step-1 checkpoint of `config` under `root`; returns its path.
+std::string save_adapters(CheckpointGroup& group, const std::map<std::string, Tensor>& adapters, const Config& config,
+                          const std::string& root) {
   RankShard shard;
   for (const auto& [name, value] : adapters)
     shard.tensors.push_back({std::string(kParamKind) + name, value.view(), TensorSlice{value.shape(), 0}});
   SaveRequest request;
-  request.root = scratch.file("checkpoints");
+  request.root = root;
   request.step = 1;
   request.config_yaml = config_to_yaml(config);
-  const std::string checkpoint = save_checkpoint(*group, request, shard);
-  const std::string out = scratch.file("merged");
-  merge_checkpoint(*group, MergeOptions{checkpoint, out, std::nullopt, 0});
-  keep_for_transformers(c.keep_as, out, batch, logits);
+  return save_checkpoint(group, request, shard);
+}
 
-  // The directory: config.json (without quantization_config once MXFP4 is decoded), the index.
+// config.json of the merged directory `out` (without quantization_config once MXFP4 is decoded),
+// and its index.
+void check_merged_config(const std::string& dir, const std::string& out, const MergeCase& c) {
   REQUIRE(fs::exists(out + "/model.safetensors.index.json"));
   REQUIRE_FALSE(fs::exists(out + ".tmp"));
   std::ifstream base_config_in(dir + "/config.json"), merged_config_in(out + "/config.json");
@@ -178,8 +174,12 @@ void check_merge(const MergeCase& c) {
     if (expected_config.contains("text_config")) expected_config["text_config"].erase("quantization_config");
   }
   CHECK(merged_config == expected_config);
+}
 
-  // (a) W + s B A in double, rounded once; (b) the rest bit-identical.
+// Every weight of the merged directory `out` against the base `dir`: (a) W + s B A in double, rounded
+// once; (b) the rest bit-identical; every adapter used.
+void check_merged_weights(const std::string& dir, const std::string& out, const MergeCase& c,
+                          const std::map<std::string, Tensor>& adapters) {
   auto scale_of = [&](const std::string& module, int64_t rank) {
     // The cases' lora sections: o_proj at rank 2, the routed experts at alpha 4, else 8; the
     // fused gate_up adapter takes twice its gate's (PEFT's 2 alpha).
@@ -251,6 +251,28 @@ void check_merge(const MergeCase& c) {
     INFO(module);
     CHECK(used[module] > 0);
   }
+}
+
+void check_merge(const MergeCase& c) {
+  const std::string dir = testing::golden_dir(c.fixture);
+  SafetensorsFile golden(dir + "/golden.safetensors");
+  const Batch batch = testing::golden_batch(golden);
+  const Config config = case_config(dir, c, batch.seq_len, /*merged=*/false);
+  auto backend = kernels::make_cpu_backend();
+  auto model = make_model(*backend, config, /*with_adapters=*/true);
+
+  const std::map<std::string, Tensor> adapters = random_f32_adapters(*model);
+  const Tensor logits = model->logits(batch);
+
+  testing::ScratchDir scratch("merged_export_" + c.fixture);
+  auto group = make_single_process_group();
+  const std::string checkpoint = save_adapters(*group, adapters, config, scratch.file("checkpoints"));
+  const std::string out = scratch.file("merged");
+  merge_checkpoint(*group, MergeOptions{checkpoint, out, std::nullopt, 0});
+  keep_for_transformers(c.keep_as, out, batch, logits);
+
+  check_merged_config(dir, out, c);
+  check_merged_weights(dir, out, c, adapters);
 
   // (c) The merged directory with no adapter computes what the base computes with the adapter.
   auto merged_model = make_model(*backend, case_config(out, c, batch.seq_len, /*merged=*/true), false);

@@ -25,14 +25,8 @@ using namespace moetrain;
 namespace {
 
 Config safety_config(const std::string& name) {
-  Config c = testing::tiny_model_config(false);
-  c.lora.rank = 4;
-  c.lora.alpha = 8.0;
+  Config c = testing::short_lora_run_config(6);
   c.data.seq_len = 8;
-  c.data.micro_batch = 2;
-  c.train.steps = 6;
-  c.train.lr = 1e-2;
-  c.train.warmup_steps = 1;
   const fs::path dir = fs::temp_directory_path() / ("moetrain_test_run_safety_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   c.logging.run_dir = dir.string();
