@@ -33,7 +33,6 @@ Needs torch, transformers 5.x (kimi_linear), peft, safetensors, numpy; CPU is en
 See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md (section 8) for the semantics.
 """
 
-import argparse
 import collections
 import json
 import math
@@ -43,15 +42,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_fixtures as mf  # noqa: E402  (shared helpers; it checks the imports and sets CUBLAS_WORKSPACE_CONFIG)
+from fixtures import common  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import peft  # noqa: E402
-import safetensors  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from safetensors.numpy import load_file as np_load_file  # noqa: E402
-from safetensors.torch import save_file as torch_save_file  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 try:
@@ -548,17 +545,7 @@ def make_one(name, out_root, device, seed, results):
     pm.train()
     expert_keys = expert_adapter_keys(pm)
     adapter_dir = os.path.join(tmp_dir, "adapter")
-    pm.save_pretrained(adapter_dir)
-    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
-        adapter = {k: f.get_tensor(k) for k in f.keys()}
-    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-        acfg = json.load(f)
-    for k in ("target_modules", "target_parameters"):
-        if isinstance(acfg.get(k), list):
-            acfg[k] = sorted(acfg[k])
-    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
-        json.dump(acfg, f, indent=2, sort_keys=True)
-        f.write("\n")
+    adapter, acfg = common.save_peft_adapter(pm, adapter_dir)
     check(acfg.get("r") == LORA_RANK and acfg.get("lora_alpha") == LORA_ALPHA and not acfg.get("use_rslora"),
           f"adapter_config.json: unexpected r/alpha/rslora: {acfg}")
     print(f"  adapter: target_modules={acfg.get('target_modules')} target_parameters={acfg.get('target_parameters')}")
@@ -597,15 +584,7 @@ def make_one(name, out_root, device, seed, results):
     pm.train()
     check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
 
-    grads = {}
-    for pname, p in pm.named_parameters():
-        if not p.requires_grad:
-            continue
-        key = pname.replace(".default.", ".")
-        check(key in adapter, f"trainable {pname} -> {key} is not a key of adapter_model.safetensors")
-        check(p.grad is not None and bool(p.grad.abs().max() > 0), f"{key}: no or all-zero gradient (vacuous test)")
-        grads[key] = p.grad.detach().cpu().float().clone()
-    check(set(grads) == set(adapter), f"adapter keys without gradient: {sorted(set(adapter) - set(grads))}")
+    grads = common.collect_grads(pm, adapter)
 
     # Reported checks: reload, numpy reference, central differences.
     try:
@@ -626,59 +605,18 @@ def make_one(name, out_root, device, seed, results):
         ref = KimiNumpyReference(tmp_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, top_k, roles,
                                  expert_keys)
         ref_logits = ref.logits(ids_np)
-        unused = sorted(set(adapter) - ref.used)
-        if unused:
-            warn.append(f"numpy reference did not use adapter keys {unused[:4]}...")
-        lg = logits.detach().cpu().double().numpy()
-        err = np.abs(ref_logits - lg).max() / max(1.0, np.abs(ref_logits).max())
-        ref_loss = mf.NumpyReference.loss(ref_logits, labels_np)
-        print(f"  numpy float64 reference: max |dlogits|/max|logits| = {err:.2e}, loss {ref_loss:.8f}")
-        if err > 1e-4 or abs(ref_loss - loss.item()) > 1e-5 * abs(ref_loss):
-            warn.append(f"numpy reference differs: logits {err:.2e}, loss {ref_loss} vs {loss.item()}")
-        else:
-            gen = np.random.default_rng(seed)
+
+        def probes():
             kda_keys = sorted(k for k in adapter if f".{roles['f_b']}." in k or f".{roles['b']}." in k)
-            probes = kda_keys[:2] + sorted(k for k in adapter if "lora_A" in k)[:1] + [
+            return kda_keys[:2] + sorted(k for k in adapter if "lora_A" in k)[:1] + [
                 ADAPTER_PREFIX + expert_keys["gate_up_proj"].format(L=moe_layers[-1]) + ".lora_B.weight"]
-            worst = 0.0
-            for key in probes:
-                g = grads[key].numpy()
-                idx = np.unravel_index(int(np.argmax(np.abs(g))) if gen.random() < 0.5 else int(gen.integers(g.size)),
-                                       g.shape)
-                orig = ref.ad[key].copy()
-                vals = []
-                for sgn in (1, -1):
-                    pert = orig.copy()
-                    pert[idx] += sgn * 1e-5
-                    ref.override(key, pert)
-                    vals.append(mf.NumpyReference.loss(ref.logits(ids_np), labels_np))
-                ref.override(key, orig)
-                fd = (vals[0] - vals[1]) / 2e-5
-                rel = abs(fd - g[idx]) / max(abs(fd), 1e-3)
-                worst = max(worst, rel)
-            print(f"  central differences on {len(probes)} entries: worst relative error {worst:.2e}")
-            if worst > 2e-2:
-                warn.append(f"central differences disagree with autograd (worst {worst:.2e})")
+        common.reference_checks(ref, ref_logits, mf.NumpyReference.loss, adapter, logits, loss, ids_np, labels_np,
+                                grads, probes, seed, warn)
     except Exception as exc:  # noqa: BLE001
         warn.append(f"numpy reference failed: {type(exc).__name__}: {exc}")
 
-    golden = {
-        "input_ids": ids.to(torch.int32).contiguous(),
-        "labels": labels.to(torch.int32).contiguous(),
-        "logits": logits.detach().cpu().float().contiguous(),
-        "loss": torch.tensor([loss.item()], dtype=torch.float32),
-    }
-    for key, g in grads.items():
-        golden[f"grad.{key}"] = g.contiguous()
-    for key, v in store.items():
-        if key.startswith(("hidden.", "attn_out.", "mlp_out.")):
-            golden[key] = v.cpu().float().contiguous()
-    for L in moe_layers:
-        idx = store[f"router.layers.{L}.raw_index"].cpu()
-        wts = store[f"router.layers.{L}.raw_weight"].cpu()
-        order = torch.argsort(idx, dim=-1)
-        golden[f"router.layers.{L}.topk_index"] = torch.gather(idx, 1, order).to(torch.int32).contiguous()
-        golden[f"router.layers.{L}.topk_weight"] = torch.gather(wts, 1, order).float().contiguous()
+    golden = common.golden_tensors(ids, labels, logits, loss, grads, store, ("hidden.", "attn_out.", "mlp_out."),
+                                   moe_layers)
     meta = {
         "generator": "scripts/make_fixtures_kimi_linear.py", "torch": torch.__version__,
         "transformers": transformers.__version__, "peft": peft.__version__, "device": str(device),
@@ -688,61 +626,20 @@ def make_one(name, out_root, device, seed, results):
         "expert_adapter_keys": json.dumps(expert_keys, sort_keys=True), "warnings": json.dumps(warn),
         "loss": f"{loss.item():.9e}",
     }
-    torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
-                    metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})
-
-    for f in os.listdir(tmp_dir):
-        if f not in ("config.json", "model.safetensors", "adapter", "golden.safetensors"):
-            p = os.path.join(tmp_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    for f in os.listdir(adapter_dir):
-        if f not in ("adapter_config.json", "adapter_model.safetensors"):
-            p = os.path.join(adapter_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-    print("  adapter tensors:")
-    for k in sorted(adapter):
-        print(f"    {k} {list(adapter[k].shape)}")
+    common.save_golden(golden, meta, tmp_dir)
+    common.publish(tmp_dir, adapter_dir, out_dir, adapter)
     results[name] = (loss.item(), warn)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="tests/fixtures/golden", help="output root (one directory per config)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    args = ap.parse_args()
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"peft {peft.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}")
-    check(int(transformers.__version__.split(".")[0]) >= 5, "needs transformers 5.x")
-    if args.device == "cuda":
-        check(torch.cuda.is_available(), "--device cuda but CUDA is not available")
-        torch.backends.cuda.matmul.allow_tf32 = False
-    torch.use_deterministic_algorithms(True)
-    device = torch.device(args.device)
-    names = [n for n in args.configs.split(",") if n]
-    for n in names:
-        check(n in VARIANTS, f"unknown config {n!r}; known: {', '.join(VARIANTS)}")
-    os.makedirs(args.out, exist_ok=True)
+    args = common.parse_args(__doc__, VARIANTS)
+    device, names, _ = common.start(args, VARIANTS, cudnn_tf32=False)
     results = {}
     for n in names:
         make_one(n, args.out, device, args.seed, results)
 
-    print("\n=== summary")
-    total = 0
-    for n in names:
-        for root, _, files in sorted(os.walk(os.path.join(args.out, n))):
-            for f in sorted(files):
-                p = os.path.join(root, f)
-                total += os.path.getsize(p)
-                print(f"  {mf.human(os.path.getsize(p)):>10}  {p}")
-    print(f"  {mf.human(total):>10}  total")
-    for n, (loss, warn) in results.items():
-        print(f"  {n}: loss {loss:.8f}; checks: " + ("PASS (reload, numpy reference, central differences)"
-                                                    if not warn else "WARN: " + " | ".join(warn)))
-    check(total < 2 << 20, f"fixtures are {mf.human(total)}, budget is 2 MiB")
+    total = common.summary(args.out, names)
+    common.report(results, "reload, numpy reference, central differences", total, 2)
 
 
 if __name__ == "__main__":
