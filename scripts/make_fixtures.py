@@ -261,13 +261,7 @@ def attach_lora(model, targets, seed, rank_pattern, alpha_pattern):
 
 
 def make_batch(vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]  # next-token prediction; the last position has no target
-    for b, t in EXTRA_MASKED:
-        labels[b, t] = IGNORE
-    return ids, labels
+    return common.make_batch(vocab, seed, BATCH, SEQ, EXTRA_MASKED)
 
 
 def masked_mean_ce(logits, labels):
@@ -282,70 +276,30 @@ def inner_model(pm):
 
 def register_hooks(pm, cfg, store):
     m = inner_model(pm)
-    handles = []
 
-    def first(out):
-        return out[0] if isinstance(out, (tuple, list)) else out
+    def router_hooks(i, layer):
+        if i < cfg.first_k_dense_replace:
+            return []
 
-    def save(key):
-        def hook(_mod, _inp, out):
-            store[key] = first(out).detach().clone()
-        return hook
-
-    handles.append(m.embed_tokens.register_forward_hook(save("hidden.embed")))
-    handles.append(m.norm.register_forward_hook(save("hidden.final_norm")))
-    for i, layer in enumerate(m.layers):
-        handles.append(layer.register_forward_hook(save(f"hidden.layers.{i}")))
-        handles.append(layer.self_attn.register_forward_hook(save(f"attn_out.layers.{i}")))
-        handles.append(layer.mlp.register_forward_hook(save(f"mlp_out.layers.{i}")))
-        if i >= cfg.first_k_dense_replace:
-            def router_hook(_mod, inp, out, i=i):
-                check(isinstance(out, tuple) and len(out) == 3,
-                      "DeepseekV3TopkRouter.forward no longer returns (logits, weights, indices)")
-                _, weights, idx = out
-                check(not idx.dtype.is_floating_point, "router indices are not integer")
-                store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, cfg.hidden_size).clone()
-                store[f"router.layers.{i}.raw_index"] = idx.detach().clone()
-                store[f"router.layers.{i}.raw_weight"] = weights.detach().clone()
-            handles.append(layer.mlp.gate.register_forward_hook(router_hook))
-    return handles
+        def router_hook(_mod, inp, out, i=i):
+            check(isinstance(out, tuple) and len(out) == 3,
+                  "DeepseekV3TopkRouter.forward no longer returns (logits, weights, indices)")
+            _, weights, idx = out
+            check(not idx.dtype.is_floating_point, "router indices are not integer")
+            store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, cfg.hidden_size).clone()
+            store[f"router.layers.{i}.raw_index"] = idx.detach().clone()
+            store[f"router.layers.{i}.raw_weight"] = weights.detach().clone()
+        return [layer.mlp.gate.register_forward_hook(router_hook)]
+    return common.activation_hooks(m, enumerate(m.layers), store, router_hooks)
 
 
 def forward(pm, cfg, ids, labels):
     store = {}
-    handles = register_hooks(pm, cfg, store)
-    try:
-        out = pm(input_ids=ids)
-    finally:
-        for h in handles:
-            h.remove()
+    out = common.run_hooked(register_hooks(pm, cfg, store), lambda: pm(input_ids=ids))
     logits = out.logits
     check(tuple(logits.shape) == (BATCH, SEQ, cfg.vocab_size), f"logits shape {tuple(logits.shape)}")
     check(logits.dtype == torch.float32, f"logits dtype {logits.dtype}")
     return logits, masked_mean_ce(logits, labels), store
-
-
-def routing_margins(router_in, router_w, bias, cfg):
-    """Recomputes the routing in float64 as documented and returns (selected sets, min margin)."""
-    x = router_in.double().cpu().numpy()
-    s = 1.0 / (1.0 + np.exp(-(x @ router_w.double().cpu().numpy().T)))
-    c = s + bias.double().cpu().numpy()[None, :]
-    E, G, TG, K = cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
-    per = E // G
-    gs = np.sort(c.reshape(-1, G, per), axis=-1)[..., -2:].sum(-1)  # [N, G] sum of each group's top 2
-    margin = np.inf
-    chosen = []
-    for n in range(c.shape[0]):
-        order = np.argsort(-gs[n], kind="stable")
-        if TG < G:
-            margin = min(margin, gs[n, order[TG - 1]] - gs[n, order[TG]])
-        allowed = np.concatenate([np.arange(g * per, (g + 1) * per) for g in order[:TG]])
-        vals = c[n, allowed]
-        o = np.argsort(-vals, kind="stable")
-        if K < len(allowed):
-            margin = min(margin, vals[o[K - 1]] - vals[o[K]])
-        chosen.append(sorted(allowed[o[:K]].tolist()))
-    return chosen, margin
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,18 +471,11 @@ def make_one(name, out_root, device, seed):
 
     # Pick a batch whose routing has no near-ties anywhere (C++ float32 must pick the same experts).
     moe_layers = list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
-    biases = {L: inner_model(pm).layers[L].mlp.gate.e_score_correction_bias for L in moe_layers}
-    router_w = {L: inner_model(pm).layers[L].mlp.gate.weight for L in moe_layers}
     for attempt in range(MAX_DATA_TRIES):
         ids, labels = make_batch(cfg.vocab_size, seed + 100 + attempt)
         with torch.no_grad():
             _, _, store = forward(pm, cfg, ids.to(device), labels.to(device))
-        margin = math.inf
-        for L in moe_layers:
-            chosen, m = routing_margins(store[f"router_in.layers.{L}"], router_w[L], biases[L], cfg)
-            hf = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == hf, f"layer {L}: HF routing differs from the documented algorithm")
-            margin = min(margin, m)
+        margin = common.smallest_routing_margin(store, moe_layers, lambda L: inner_model(pm).layers[L].mlp.gate, cfg)
         if margin >= MIN_ROUTING_MARGIN:
             break
         print(f"  batch seed {seed + 100 + attempt}: routing margin {margin:.2e} too small, next batch")
@@ -536,12 +483,8 @@ def make_one(name, out_root, device, seed):
         fail(f"no batch with routing margin >= {MIN_ROUTING_MARGIN} in {MAX_DATA_TRIES} tries")
     print(f"  batch seed {seed + 100 + attempt}, smallest routing margin {margin:.3e}")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(pm, cfg, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(cfg.vocab_size):.4f})")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(pm, cfg, i, lab), ids, labels,
+                                                         device, cfg.vocab_size)
 
     # Training mode must equal eval mode: no dropout, no router noise in HF's DeepseekV3.
     pm.eval()

@@ -388,13 +388,7 @@ def make_one(name, out_root, device, seed, results):
         ids, labels = mf.make_batch(cfg.vocab_size, seed + 100 + attempt)
         with torch.no_grad():
             _, _, store = forward(pm, cfg, ids.to(device), labels.to(device))
-        route_margin = math.inf
-        for L in moe_layers:
-            gate = layers[L].mlp.gate
-            chosen, m = mf.routing_margins(store[f"router_in.layers.{L}"], gate.weight, gate.e_score_correction_bias, cfg)
-            hf = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == hf, f"layer {L}: HF routing differs from the documented algorithm")
-            route_margin = min(route_margin, m)
+        route_margin = common.smallest_routing_margin(store, moe_layers, lambda L: layers[L].mlp.gate, cfg)
         index_margin = check_indexer(store, layers, cfg)
         if route_margin >= mf.MIN_ROUTING_MARGIN and index_margin >= MIN_INDEX_MARGIN:
             break
@@ -404,12 +398,8 @@ def make_one(name, out_root, device, seed, results):
              f"{mf.MAX_DATA_TRIES} tries")
     print(f"  batch seed {seed + 100 + attempt}: smallest margins routing {route_margin:.3e}, index {index_margin:.3e}")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(pm, cfg, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(cfg.vocab_size):.4f})")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(pm, cfg, i, lab), ids, labels,
+                                                         device, cfg.vocab_size)
     check(cfg.index_topk < SEQ, f"index_topk {cfg.index_topk} >= {SEQ} tokens: the selection would not matter")
     pm.eval()
     with torch.no_grad():

@@ -503,43 +503,19 @@ def save_adapter(pm, model, adapter_dir):
 
 
 def make_batch(vocab, seed, seq=SEQ, masked=EXTRA_MASKED):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, seq), generator=gen)
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]
-    for b, t in masked:
-        labels[b, t] = IGNORE
-    return ids, labels
+    return common.make_batch(vocab, seed, BATCH, seq, masked)
 
 
 def forward(model, ids, labels):
     """Logits, loss and debugging activations of NeMo's model (LoRA injected) on the batch."""
     store = {}
     m = model.model
-    handles = []
+    save_in = common.input_saver(store)
 
-    def first(out):
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-    def save_out(key):
-        def hook(_mod, _inp, out):
-            store[key] = first(out).detach().clone()
-        return hook
-
-    def save_in(key):
-        def hook(_mod, inp):
-            store[key] = inp[0].detach().clone()
-        return hook
-
-    handles.append(m.embed_tokens.register_forward_hook(save_out("hidden.embed")))
-    handles.append(m.norm.register_forward_pre_hook(save_in("hidden.output_mix")))
-    handles.append(m.norm.register_forward_hook(save_out("hidden.final_norm")))
-    for i, layer in m.layers.items():
-        handles.append(layer.register_forward_hook(save_out(f"hidden.layers.{i}")))
-        handles.append(layer.input_layernorm.register_forward_pre_hook(save_in(f"attn_in.layers.{i}")))
-        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(save_in(f"mlp_in.layers.{i}")))
-        handles.append(layer.self_attn.register_forward_hook(save_out(f"attn_out.layers.{i}")))
-        handles.append(layer.mlp.register_forward_hook(save_out(f"mlp_out.layers.{i}")))
+    # Pre-hooks on modules the common hooks do not touch: the order in which they fire is unchanged.
+    def more_hooks(i, layer):
+        handles = [layer.input_layernorm.register_forward_pre_hook(save_in(f"attn_in.layers.{i}")),
+                   layer.post_attention_layernorm.register_forward_pre_hook(save_in(f"mlp_in.layers.{i}"))]
         if hasattr(layer.mlp, "gate"):
             def router_hook(_mod, inp, out, i=i):
                 check(isinstance(out, tuple) and len(out) == 3, "KimiK3Gate no longer returns (weights, indices, aux)")
@@ -547,11 +523,10 @@ def forward(model, ids, labels):
                 store[f"router.layers.{i}.raw_weight"] = out[0].detach().clone()
                 store[f"router.layers.{i}.raw_index"] = out[1].detach().clone()
             handles.append(layer.mlp.gate.register_forward_hook(router_hook))
-    try:
-        logits = model(input_ids=ids).logits
-    finally:
-        for h in handles:
-            h.remove()
+        return handles
+    handles = common.activation_hooks(m, m.layers.items(), store, more_hooks)
+    handles.append(m.norm.register_forward_pre_hook(save_in("hidden.output_mix")))
+    logits = common.run_hooked(handles, lambda: model(input_ids=ids).logits)
     check(tuple(logits.shape) == tuple(ids.shape) + (COMMON["vocab_size"],), f"logits shape {tuple(logits.shape)}")
     return logits, mf.masked_mean_ce(logits, labels), store
 
@@ -612,13 +587,8 @@ def make_one(nemo, name, out_root, device, seed, results):
         ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt, plan.seq, plan.masked)
         with torch.no_grad():
             _, _, store = forward(model, ids.to(device), labels.to(device))
-        margin = math.inf
-        for L in moe_layers:
-            gate = model.model.layers[str(L)].mlp.gate
-            chosen, m = mf.routing_margins(store[f"router_in.layers.{L}"], gate.weight, gate.e_score_correction_bias, ns)
-            got = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == got, f"layer {L}: NeMo's routing differs from the documented algorithm")
-            margin = min(margin, m)
+        margin = common.smallest_routing_margin(store, moe_layers, lambda L: model.model.layers[str(L)].mlp.gate, ns,
+                                                "NeMo's")
         if margin >= mf.MIN_ROUTING_MARGIN:
             break
     else:
@@ -628,12 +598,8 @@ def make_one(nemo, name, out_root, device, seed, results):
         used = len(set(store[f"router.layers.{L}.raw_index"].reshape(-1).tolist()))
         check(2 * used >= COMMON["num_experts"], f"layer {L}: only {used} experts get tokens")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(model, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(COMMON['vocab_size']):.4f})")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(model, i, lab), ids, labels,
+                                                         device, COMMON["vocab_size"])
 
     grads = common.collect_grads(pm, adapter, key_of=lambda key: hf_adapter_key(model, key))
 

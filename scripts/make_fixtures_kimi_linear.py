@@ -314,46 +314,25 @@ def expert_adapter_keys(pm):
 
 
 def make_batch(vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]
-    for b, t in EXTRA_MASKED:
-        labels[b, t] = IGNORE
-    return ids, labels
+    return common.make_batch(vocab, seed, BATCH, SEQ, EXTRA_MASKED)
 
 
 def forward(pm, ids, labels):
     store = {}
     m = pm.get_base_model().model
-    handles = []
 
-    def first(out):
-        return out[0] if isinstance(out, (tuple, list)) else out
+    def router_hooks(i, layer):
+        if not hasattr(layer.mlp, "gate"):
+            return []
 
-    def save(key):
-        def hook(_mod, _inp, out):
-            store[key] = first(out).detach().clone()
-        return hook
-
-    handles.append(m.embed_tokens.register_forward_hook(save("hidden.embed")))
-    handles.append(m.norm.register_forward_hook(save("hidden.final_norm")))
-    for i, layer in enumerate(m.layers):
-        handles.append(layer.register_forward_hook(save(f"hidden.layers.{i}")))
-        handles.append(layer.self_attn.register_forward_hook(save(f"attn_out.layers.{i}")))
-        handles.append(layer.mlp.register_forward_hook(save(f"mlp_out.layers.{i}")))
-        if hasattr(layer.mlp, "gate"):
-            def router_hook(_mod, inp, out, i=i):
-                check(isinstance(out, tuple) and len(out) == 3, "the router no longer returns (logits, weights, indices)")
-                store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, COMMON["hidden_size"]).clone()
-                store[f"router.layers.{i}.raw_index"] = out[2].detach().clone()
-                store[f"router.layers.{i}.raw_weight"] = out[1].detach().clone()
-            handles.append(layer.mlp.gate.register_forward_hook(router_hook))
-    try:
-        out = pm(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+        def router_hook(_mod, inp, out, i=i):
+            check(isinstance(out, tuple) and len(out) == 3, "the router no longer returns (logits, weights, indices)")
+            store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, COMMON["hidden_size"]).clone()
+            store[f"router.layers.{i}.raw_index"] = out[2].detach().clone()
+            store[f"router.layers.{i}.raw_weight"] = out[1].detach().clone()
+        return [layer.mlp.gate.register_forward_hook(router_hook)]
+    handles = common.activation_hooks(m, enumerate(m.layers), store, router_hooks)
+    out = common.run_hooked(handles, lambda: pm(input_ids=ids, use_cache=False))
     logits = out.logits
     check(tuple(logits.shape) == (BATCH, SEQ, COMMON["vocab_size"]), f"logits shape {tuple(logits.shape)}")
     return logits, mf.masked_mean_ce(logits, labels), store
@@ -559,25 +538,15 @@ def make_one(name, out_root, device, seed, results):
         ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt)
         with torch.no_grad():
             _, _, store = forward(pm, ids.to(device), labels.to(device))
-        margin = math.inf
-        for L in moe_layers:
-            gate = layers[L].mlp.gate
-            chosen, m = mf.routing_margins(store[f"router_in.layers.{L}"], gate.weight, gate.e_score_correction_bias, ns)
-            hf = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == hf, f"layer {L}: HF routing differs from the documented algorithm")
-            margin = min(margin, m)
+        margin = common.smallest_routing_margin(store, moe_layers, lambda L: layers[L].mlp.gate, ns)
         if margin >= mf.MIN_ROUTING_MARGIN:
             break
     else:
         fail(f"no batch with routing margin >= {mf.MIN_ROUTING_MARGIN} in {mf.MAX_DATA_TRIES} tries")
     print(f"  batch seed {seed + 100 + attempt}, smallest routing margin {margin:.3e}")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(pm, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(COMMON['vocab_size']):.4f})")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(pm, i, lab), ids, labels, device,
+                                                         COMMON["vocab_size"])
     pm.eval()
     with torch.no_grad():
         logits_eval = pm(input_ids=ids_d, use_cache=False).logits
