@@ -23,7 +23,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from export_check import compare_logits, verdict
+from export_check import check_logits, verdict
 
 
 def main():
@@ -62,10 +62,9 @@ def main():
             logits = model(input_ids=ours["input_ids"].long()).logits.float()
             with model.disable_adapter():
                 base_logits = model(input_ids=ours["input_ids"].long()).logits.float()
-        error, base_error, good = compare_logits(logits, base_logits, expected)
+        good = check_logits(f"{layout}: PEFT logits vs moetrain", logits, base_logits, expected, "without the adapter",
+                            f"; gate_up ranks {ranks}")
         ok = ok and good
-        print(f"{layout}: PEFT logits vs moetrain: max |diff| / max |logit| = {error:.3e} "
-              f"(without the adapter: {base_error:.3e}; gate_up ranks {ranks}): {'OK' if good else 'MISMATCH'}")
     return verdict("check_peft_export", ok)
 
 if __name__ == "__main__":

@@ -3,13 +3,16 @@ Hugging Face load of moetrain's export against moetrain's own, and the base mode
 (it must differ, or the comparison would pass without the adapter)."""
 
 
-def compare_logits(logits, base_logits, expected, tolerance=1e-4):
-    """(error, base_error, good): max |diff| / max |expected logit| of logits and of base_logits;
-    good when the first is within tolerance and the second above 1e-3 (the adapter matters)."""
+def check_logits(head, logits, base_logits, expected, base_label, tail="", tolerance=1e-4):
+    """Whether logits match expected (max |diff| / max |expected logit| within tolerance) while
+    base_logits do not (above 1e-3: the adapter matters); prints one line that starts with head."""
     scale = expected.abs().max().item()
     error = (logits - expected).abs().max().item() / scale
     base_error = (base_logits - expected).abs().max().item() / scale
-    return error, base_error, error <= tolerance and base_error > 1e-3
+    good = error <= tolerance and base_error > 1e-3
+    print(f"{head}: max |diff| / max |logit| = {error:.3e} ({base_label}: {base_error:.3e}{tail}): "
+          f"{'OK' if good else 'MISMATCH'}")
+    return good
 
 
 def verdict(tool, ok):

@@ -29,7 +29,6 @@ See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md for the reference
 import json
 import math
 import os
-import shutil
 import sys
 
 # Must be set before CUDA initialises, for torch.use_deterministic_algorithms with cuBLAS.
@@ -245,13 +244,7 @@ def attach_lora(model, targets, seed, rank_pattern, alpha_pattern):
     check(trainable, "no trainable parameters after get_peft_model")
     with torch.no_grad():
         for name, p in trainable:
-            check(".lora_A." in name or ".lora_B." in name, f"unexpected trainable parameter {name}")
-            if ".lora_A." in name:  # PEFT's own init: U(-1/sqrt(in), 1/sqrt(in)); redone for seeding
-                bound = 1.0 / math.sqrt(p.shape[1])
-                val = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
-            else:
-                val = B_STD * torch.randn(p.shape, generator=gen)
-            p.copy_(val.to(p.dtype))
+            p.copy_(common.lora_value(name, p, gen, B_STD).to(p.dtype))
     return pm
 
 
@@ -431,10 +424,7 @@ def check_delta_layout(pm, cfg, gate_up_rank=LORA_RANK):
 def make_one(name, out_root, device, seed):
     overrides, layout, targets = VARIANTS[name]
     cfg = make_config(overrides)
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: q_lora_rank={cfg.q_lora_rank} rope={cfg.rope_parameters} "
           f"routed_scaling_factor={cfg.routed_scaling_factor}, experts saved {layout}")
 

@@ -36,7 +36,6 @@ See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md (section 9) for t
 import json
 import math
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -345,10 +344,7 @@ class V32NumpyReference(mf.NumpyReference):
 def make_one(name, out_root, device, seed, results):
     overrides, layout = VARIANTS[name]
     cfg = make_config(overrides)
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: index_topk {cfg.index_topk} of {SEQ}, indexer {cfg.index_n_heads} x {cfg.index_head_dim}, "
           f"rope {cfg.rope_parameters}, routed_scaling_factor {cfg.routed_scaling_factor}, experts saved {layout}")
     warn = []

@@ -55,7 +55,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import types
 
@@ -452,13 +451,8 @@ def attach_lora(model, seed, plan):
     wrapped = set()
     with torch.no_grad():
         for name, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
-            check(".lora_A." in name or ".lora_B." in name, f"unexpected trainable parameter {name}")
+            val = common.lora_value(name, p, gen, B_STD)
             wrapped.add(name[len(ADAPTER_PREFIX):].split(".lora_")[0])
-            if ".lora_A." in name:
-                bound = 1.0 / math.sqrt(p.shape[1])
-                val = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
-            else:
-                val = B_STD * torch.randn(p.shape, generator=gen)
             p.copy_(val.to(p.dtype))
     want = expected_adapter_modules(plan)
     check(wrapped == want, f"PEFT wrapped {sorted(wrapped ^ want)[:8]} unlike the plan (missing or extra)")
@@ -543,10 +537,7 @@ def make_one(nemo, name, out_root, device, seed, results):
     if plan.kda:
         install_kda_stand_ins(nemo)
         KDA_CROSSCHECK.clear()
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: experts {experts}, attn_res_block_size {variant.block}, SiTU betas {variant.betas}, "
           f"groups {variant.groups}, routed_scaling_factor {variant.scaling}, top {variant.top_k}, "
           f"bf16 weights {variant.bf16_weights}"

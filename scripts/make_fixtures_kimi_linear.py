@@ -37,7 +37,6 @@ import collections
 import json
 import math
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -281,13 +280,7 @@ def attach_lora(model, seed):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
-            check(".lora_A." in name or ".lora_B." in name, f"unexpected trainable parameter {name}")
-            if ".lora_A." in name:
-                bound = 1.0 / math.sqrt(p.shape[1])
-                val = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
-            else:
-                val = B_STD * torch.randn(p.shape, generator=gen)
-            p.copy_(val.to(p.dtype))
+            p.copy_(common.lora_value(name, p, gen, B_STD).to(p.dtype))
     return pm, sorted(linear_names)
 
 
@@ -492,10 +485,7 @@ def checkpoint_layout(path):
 
 def make_one(name, out_root, device, seed, results):
     mixers, q_lora_rank, groups, scaling, shared, original_format, top_k, bf16_weights = VARIANTS[name]
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: mixers {mixers}, q_lora_rank {q_lora_rank}, groups {groups}, scaling {scaling}, "
           f"shared experts {shared}, save_original_format={original_format}, top {top_k}, bf16 weights {bf16_weights}")
     warn = []
