@@ -314,11 +314,7 @@ class V32NumpyReference(mf.NumpyReference):
         k_rot = rope64(ckv[:, None, :, kvr:], cos, sin, "interleaved")
         qf = np.concatenate([q[..., :dn], q_rot], -1)
         kf = np.concatenate([k_nope, np.broadcast_to(k_rot, (B, H, T, dr))], -1)
-        scale = (dn + dr) ** -0.5
-        rp = self.rope_params()
-        if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
-            m = 0.1 * rp["mscale_all_dim"] * math.log(rp["factor"]) + 1.0 if rp["factor"] > 1 else 1.0
-            scale *= m * m
+        scale = self.softmax_scale(dn, dr)
         # The indexer (frozen, no adapter): each query keeps its top index_topk keys <= itself.
         w = {n: self.w[f"{p}.indexer.{n}" + ("" if "." in n else ".weight")]
              for n in ("wq_b", "wk", "k_norm.weight", "k_norm.bias", "weights_proj")}

@@ -425,10 +425,7 @@ class KimiNumpyReference(mf.NumpyReference):
         p = f"model.layers.{L}.mlp"
         B, T, D = x.shape
         xf = x.reshape(-1, D)
-        s = 1.0 / (1.0 + np.exp(-(xf @ self.w[f"{p}.gate.weight"].T)))
-        sc = s + self.w[f"{p}.gate.e_score_correction_bias"][None, :]
-        per = E // G
-        gs = np.sort(sc.reshape(-1, G, per), -1)[..., -2:].sum(-1)
+        s, sc, per, gs = self.router(xf, p, E, G)
         if f"{p}.experts.gate_up_proj" in self.w:
             gu, dn = self.w[f"{p}.experts.gate_up_proj"].copy(), self.w[f"{p}.experts.down_proj"].copy()
         else:
@@ -445,11 +442,7 @@ class KimiNumpyReference(mf.NumpyReference):
                 Wt[e] += self.scaling * Bm[:, :, e] @ A[e]
         out = np.zeros_like(xf)
         for n in range(xf.shape[0]):
-            groups = np.argsort(-gs[n], kind="stable")[:TG]
-            masked = np.full(E, -np.inf)
-            for gi in groups:
-                masked[gi * per:(gi + 1) * per] = sc[n, gi * per:(gi + 1) * per]
-            idx = np.argsort(-masked, kind="stable")[:K]
+            idx = self.top_experts(sc[n], E, per, np.argsort(-gs[n], kind="stable")[:TG], K)
             wts = s[n, idx] / (s[n, idx].sum() + 1e-20) * self.scaling_factor
             for e, wt in zip(idx, wts):
                 hgu = gu[e] @ xf[n]
