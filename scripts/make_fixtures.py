@@ -477,11 +477,7 @@ def make_one(name, out_root, device, seed):
                                                          device, cfg.vocab_size)
 
     # Training mode must equal eval mode: no dropout, no router noise in HF's DeepseekV3.
-    pm.eval()
-    with torch.no_grad():
-        logits_eval = pm(input_ids=ids_d).logits
-    pm.train()
-    check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
+    common.check_eval_equals_train(pm, ids_d, logits)
 
     # Gradients, keyed like the saved adapter.
     grads = common.collect_grads(pm, adapter, strict=True)

@@ -47,7 +47,6 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import peft  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from peft import PeftModel  # noqa: E402
 
 try:
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
@@ -393,27 +392,12 @@ def make_one(name, out_root, device, seed, results):
     ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(pm, cfg, i, lab), ids, labels,
                                                          device, cfg.vocab_size)
     check(cfg.index_topk < SEQ, f"index_topk {cfg.index_topk} >= {SEQ} tokens: the selection would not matter")
-    pm.eval()
-    with torch.no_grad():
-        logits_eval = pm(input_ids=ids_d).logits
-    pm.train()
-    check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
+    common.check_eval_equals_train(pm, ids_d, logits)
 
     grads = common.collect_grads(pm, adapter)
 
     # Reported checks: reload, numpy reference, central differences.
-    try:
-        base2 = DeepseekV32ForCausalLM.from_pretrained(tmp_dir, attn_implementation="eager",
-                                                       experts_implementation="eager", dtype=torch.float32).to(device)
-        pm2 = PeftModel.from_pretrained(base2, adapter_dir)
-        pm2.train()
-        with torch.no_grad():
-            diff = (pm2(input_ids=ids_d).logits - logits.detach()).abs().max().item()
-        print(f"  reload through from_pretrained + PeftModel.from_pretrained: max |dlogits| = {diff:.2e}")
-        if diff > 1e-5:
-            warn.append(f"reloaded logits differ by {diff:.2e}")
-    except Exception as exc:  # noqa: BLE001 - reported, the C++ test is the judge
-        warn.append(f"reload failed: {type(exc).__name__}: {exc}")
+    common.reload_check(DeepseekV32ForCausalLM, tmp_dir, adapter_dir, device, ids_d, logits, warn)
 
     ids_np, labels_np = ids.numpy(), labels.numpy()
     try:
