@@ -26,6 +26,8 @@ import transformers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from export_check import check_logits, verdict
+
 # case directory -> the golden fixture it was merged from
 CASES = {
     "noqlora": "noqlora",
@@ -67,7 +69,6 @@ def main():
             continue
         ours = load_file(ours_file)
         expected = ours["logits"].float()
-        scale = expected.abs().max().item()
         try:
             merged = load(merged_dir, args.device)
         except Exception as e:  # report and go on: the other cases may load
@@ -82,14 +83,10 @@ def main():
             print(f"{case}: logits of shape {tuple(logits.shape)}, ours {tuple(expected.shape)}: MISMATCH")
             ok = False
             continue
-        error = (logits - expected).abs().max().item() / scale
-        base_error = (base_logits - expected).abs().max().item() / scale
-        good = error <= args.tolerance and base_error > 1e-3
+        good = check_logits(f"{case}: merged model (transformers) vs moetrain with the adapter", logits, base_logits,
+                            expected, "the base model alone", tolerance=args.tolerance)
         ok = ok and good
-        print(f"{case}: merged model (transformers) vs moetrain with the adapter: max |diff| / max |logit| = "
-              f"{error:.3e} (the base model alone: {base_error:.3e}): {'OK' if good else 'MISMATCH'}")
-    print("check_merged_export: " + ("OK" if ok else "MISMATCH"))
-    return 0 if ok else 1
+    return verdict("check_merged_export", ok)
 
 
 if __name__ == "__main__":

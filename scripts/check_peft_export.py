@@ -23,6 +23,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from export_check import check_logits, verdict
+
 
 def main():
     export_dir = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("MOETRAIN_PEFT_EXPORT_DIR", "/tmp/peft_export")
@@ -45,7 +47,6 @@ def main():
             continue
         ours = load_file(os.path.join(export_dir, ours_file))
         expected = ours["logits"].float()
-        scale = expected.abs().max().item()
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
         try:
             model = PeftModel.from_pretrained(base, os.path.join(export_dir, layout))
@@ -61,14 +62,10 @@ def main():
             logits = model(input_ids=ours["input_ids"].long()).logits.float()
             with model.disable_adapter():
                 base_logits = model(input_ids=ours["input_ids"].long()).logits.float()
-        error = (logits - expected).abs().max().item() / scale
-        base_error = (base_logits - expected).abs().max().item() / scale
-        good = error <= 1e-4 and base_error > 1e-3
+        good = check_logits(f"{layout}: PEFT logits vs moetrain", logits, base_logits, expected, "without the adapter",
+                            f"; gate_up ranks {ranks}")
         ok = ok and good
-        print(f"{layout}: PEFT logits vs moetrain: max |diff| / max |logit| = {error:.3e} "
-              f"(without the adapter: {base_error:.3e}; gate_up ranks {ranks}): {'OK' if good else 'MISMATCH'}")
-    print("check_peft_export: " + ("OK" if ok else "MISMATCH"))
-    return 0 if ok else 1
+    return verdict("check_peft_export", ok)
 
 if __name__ == "__main__":
     sys.exit(main())

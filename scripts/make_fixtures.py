@@ -26,12 +26,9 @@ Needs torch, transformers 5.x, peft, safetensors, numpy. Usage:
 See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md for the reference semantics.
 """
 
-import argparse
 import json
 import math
 import os
-import re
-import shutil
 import sys
 
 # Must be set before CUDA initialises, for torch.use_deterministic_algorithms with cuBLAS.
@@ -44,9 +41,8 @@ try:
     import torch.nn.functional as F  # noqa: E402
     import transformers  # noqa: E402
     import peft  # noqa: E402
-    import safetensors  # noqa: E402
+    import safetensors  # noqa: E402,F401  (checked here, used by fixtures.common)
     from safetensors import safe_open  # noqa: E402
-    from safetensors.numpy import load_file as np_load_file  # noqa: E402
     from safetensors.torch import save_file as torch_save_file  # noqa: E402
 except ImportError as exc:  # pragma: no cover - depends on the machine
     sys.exit(f"make_fixtures.py needs torch, transformers, peft, safetensors and numpy: {exc}")
@@ -54,8 +50,11 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
+from fixtures import common  # noqa: E402
+from fixtures.common import ADAPTER_PREFIX, IGNORE, check, fail, human  # noqa: E402,F401  (the other scripts use mf.*)
+from fixtures.deepseek_v3_reference import EXPERT_ADAPTER_KEYS, NumpyReference, pattern_value  # noqa: E402
+
 BATCH, SEQ = 2, 16
-IGNORE = -100
 # (batch, position) pairs whose label is masked on top of the last position, to exercise the loss mask.
 EXTRA_MASKED = [(0, 2), (0, 9), (1, 0), (1, 5), (1, 6)]
 LORA_RANK, LORA_ALPHA = 4, 8
@@ -63,7 +62,6 @@ B_STD = 0.1  # std of the random lora_B values (PEFT would start at zero, which 
 BIAS_MAX = 0.2  # e_score_correction_bias ~ U[0, BIAS_MAX)
 MIN_ROUTING_MARGIN = 2e-4  # smallest allowed gap at any top-k boundary of the router
 MAX_DATA_TRIES = 50
-ADAPTER_PREFIX = "base_model.model."
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # The dense MLP (layer 0) and the shared experts are targeted through target_parameters on their 2-D
 # weights, not through target_modules: PEFT >= 0.19 on transformers 5 rewrites target_modules entries
@@ -157,23 +155,6 @@ def lora_patterns(name):
     return {}, {}
 
 
-def pattern_value(patterns, key, default):
-    r"""PEFT's get_pattern_key: the first pattern p with re.match(rf"(.*\.)?({p})$", key), else the default."""
-    for p, value in patterns.items():
-        if re.match(rf"(.*\.)?({p})$", key):
-            return value
-    return default
-
-
-def fail(msg):
-    raise SystemExit(f"make_fixtures.py: FAILED: {msg}")
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
-
-
 # ----------------------------------------------------------------------------------------------
 # model construction
 # ----------------------------------------------------------------------------------------------
@@ -263,13 +244,7 @@ def attach_lora(model, targets, seed, rank_pattern, alpha_pattern):
     check(trainable, "no trainable parameters after get_peft_model")
     with torch.no_grad():
         for name, p in trainable:
-            check(".lora_A." in name or ".lora_B." in name, f"unexpected trainable parameter {name}")
-            if ".lora_A." in name:  # PEFT's own init: U(-1/sqrt(in), 1/sqrt(in)); redone for seeding
-                bound = 1.0 / math.sqrt(p.shape[1])
-                val = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
-            else:
-                val = B_STD * torch.randn(p.shape, generator=gen)
-            p.copy_(val.to(p.dtype))
+            p.copy_(common.lora_value(name, p, gen, B_STD).to(p.dtype))
     return pm
 
 
@@ -279,13 +254,7 @@ def attach_lora(model, targets, seed, rank_pattern, alpha_pattern):
 
 
 def make_batch(vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]  # next-token prediction; the last position has no target
-    for b, t in EXTRA_MASKED:
-        labels[b, t] = IGNORE
-    return ids, labels
+    return common.make_batch(vocab, seed, BATCH, SEQ, EXTRA_MASKED)
 
 
 def masked_mean_ce(logits, labels):
@@ -300,70 +269,30 @@ def inner_model(pm):
 
 def register_hooks(pm, cfg, store):
     m = inner_model(pm)
-    handles = []
 
-    def first(out):
-        return out[0] if isinstance(out, (tuple, list)) else out
+    def router_hooks(i, layer):
+        if i < cfg.first_k_dense_replace:
+            return []
 
-    def save(key):
-        def hook(_mod, _inp, out):
-            store[key] = first(out).detach().clone()
-        return hook
-
-    handles.append(m.embed_tokens.register_forward_hook(save("hidden.embed")))
-    handles.append(m.norm.register_forward_hook(save("hidden.final_norm")))
-    for i, layer in enumerate(m.layers):
-        handles.append(layer.register_forward_hook(save(f"hidden.layers.{i}")))
-        handles.append(layer.self_attn.register_forward_hook(save(f"attn_out.layers.{i}")))
-        handles.append(layer.mlp.register_forward_hook(save(f"mlp_out.layers.{i}")))
-        if i >= cfg.first_k_dense_replace:
-            def router_hook(_mod, inp, out, i=i):
-                check(isinstance(out, tuple) and len(out) == 3,
-                      "DeepseekV3TopkRouter.forward no longer returns (logits, weights, indices)")
-                _, weights, idx = out
-                check(not idx.dtype.is_floating_point, "router indices are not integer")
-                store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, cfg.hidden_size).clone()
-                store[f"router.layers.{i}.raw_index"] = idx.detach().clone()
-                store[f"router.layers.{i}.raw_weight"] = weights.detach().clone()
-            handles.append(layer.mlp.gate.register_forward_hook(router_hook))
-    return handles
+        def router_hook(_mod, inp, out, i=i):
+            check(isinstance(out, tuple) and len(out) == 3,
+                  "DeepseekV3TopkRouter.forward no longer returns (logits, weights, indices)")
+            _, weights, idx = out
+            check(not idx.dtype.is_floating_point, "router indices are not integer")
+            store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, cfg.hidden_size).clone()
+            store[f"router.layers.{i}.raw_index"] = idx.detach().clone()
+            store[f"router.layers.{i}.raw_weight"] = weights.detach().clone()
+        return [layer.mlp.gate.register_forward_hook(router_hook)]
+    return common.activation_hooks(m, enumerate(m.layers), store, router_hooks)
 
 
 def forward(pm, cfg, ids, labels):
     store = {}
-    handles = register_hooks(pm, cfg, store)
-    try:
-        out = pm(input_ids=ids)
-    finally:
-        for h in handles:
-            h.remove()
+    out = common.run_hooked(register_hooks(pm, cfg, store), lambda: pm(input_ids=ids))
     logits = out.logits
     check(tuple(logits.shape) == (BATCH, SEQ, cfg.vocab_size), f"logits shape {tuple(logits.shape)}")
     check(logits.dtype == torch.float32, f"logits dtype {logits.dtype}")
     return logits, masked_mean_ce(logits, labels), store
-
-
-def routing_margins(router_in, router_w, bias, cfg):
-    """Recomputes the routing in float64 as documented and returns (selected sets, min margin)."""
-    x = router_in.double().cpu().numpy()
-    s = 1.0 / (1.0 + np.exp(-(x @ router_w.double().cpu().numpy().T)))
-    c = s + bias.double().cpu().numpy()[None, :]
-    E, G, TG, K = cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
-    per = E // G
-    gs = np.sort(c.reshape(-1, G, per), axis=-1)[..., -2:].sum(-1)  # [N, G] sum of each group's top 2
-    margin = np.inf
-    chosen = []
-    for n in range(c.shape[0]):
-        order = np.argsort(-gs[n], kind="stable")
-        if TG < G:
-            margin = min(margin, gs[n, order[TG - 1]] - gs[n, order[TG]])
-        allowed = np.concatenate([np.arange(g * per, (g + 1) * per) for g in order[:TG]])
-        vals = c[n, allowed]
-        o = np.argsort(-vals, kind="stable")
-        if K < len(allowed):
-            margin = min(margin, vals[o[K - 1]] - vals[o[K]])
-        chosen.append(sorted(allowed[o[:K]].tolist()))
-    return chosen, margin
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,216 +361,6 @@ def save_hf_dir(model, cfg, out_dir, layout):
     return note
 
 
-# ----------------------------------------------------------------------------------------------
-# independent float64 numpy forward from the saved files (executable form of HF_SEMANTICS.md)
-# ----------------------------------------------------------------------------------------------
-
-
-class NumpyReference:
-    def __init__(self, hf_dir, adapter_dir):
-        with open(os.path.join(hf_dir, "config.json")) as f:
-            self.c = json.load(f)
-        self.w = {k: v.astype(np.float64) for k, v in np_load_file(os.path.join(hf_dir, "model.safetensors")).items()}
-        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-            acfg = json.load(f)
-        self.ad = {k: v.astype(np.float64) for k, v in np_load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).items()}
-        r, alpha = acfg["r"], acfg["lora_alpha"]
-        self.scaling = alpha / math.sqrt(r) if acfg.get("use_rslora") else alpha / r
-        self.r, self.alpha, self.rslora = r, alpha, bool(acfg.get("use_rslora"))
-        self.rank_pattern, self.alpha_pattern = acfg.get("rank_pattern") or {}, acfg.get("alpha_pattern") or {}
-        self.used = set()
-
-    def rank_scaling(self, key):
-        """PEFT's rank and scaling of the adapter on module or parameter `key` (rank_pattern/alpha_pattern)."""
-        r = pattern_value(self.rank_pattern, key, self.r)
-        alpha = pattern_value(self.alpha_pattern, key, self.alpha)
-        return r, (alpha / math.sqrt(r) if self.rslora else alpha / r)
-
-    def override(self, key, value):
-        self.ad[key] = value
-
-    def rms(self, x, wkey):
-        eps = self.c["rms_norm_eps"]
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * self.w[wkey]
-
-    def linear(self, x, name):
-        y = x @ self.w[name + ".weight"].T
-        ka, kb = f"{ADAPTER_PREFIX}{name}.lora_A.weight", f"{ADAPTER_PREFIX}{name}.lora_B.weight"
-        if ka in self.ad:
-            self.used.update([ka, kb])
-            y = y + (x @ self.ad[ka].T) @ self.ad[kb].T * self.rank_scaling(name)[1]
-        return y
-
-    def rope_params(self):
-        # transformers 5 writes "rope_parameters" (with rope_theta inside); 4.x wrote "rope_scaling" + "rope_theta"
-        rp = dict(self.c.get("rope_parameters") or self.c.get("rope_scaling") or {})
-        rp.setdefault("rope_type", rp.get("type", "default"))
-        rp.setdefault("rope_theta", self.c.get("rope_theta", 10000.0))
-        return rp
-
-    def rope_tables(self, T):
-        rp = self.rope_params()
-        d = self.c["qk_rope_head_dim"]
-        base = rp["rope_theta"]
-        pos_freqs = base ** (np.arange(0, d, 2, dtype=np.float64) / d)
-        inv_freq = 1.0 / pos_freqs
-        attn_factor = 1.0
-        if rp["rope_type"] == "yarn":
-            factor = rp["factor"]
-            omax = rp["original_max_position_embeddings"]
-
-            def mscale(scale, m=1.0):
-                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-            if rp.get("attention_factor") is not None:
-                attn_factor = rp["attention_factor"]
-            elif rp.get("mscale") and rp.get("mscale_all_dim"):
-                attn_factor = mscale(factor, rp["mscale"]) / mscale(factor, rp["mscale_all_dim"])
-            else:
-                attn_factor = mscale(factor)
-            beta_fast = rp.get("beta_fast") or 32
-            beta_slow = rp.get("beta_slow") or 1
-
-            def corr_dim(rot):
-                return d * math.log(omax / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-            low, high = corr_dim(beta_fast), corr_dim(beta_slow)
-            if rp.get("truncate", True):
-                low, high = math.floor(low), math.ceil(high)
-            low, high = max(low, 0), min(high, d - 1)
-            if low == high:
-                high += 0.001
-            ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-            extrap = 1.0 - ramp
-            inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrap) + inv_freq * extrap
-        elif rp["rope_type"] != "default":
-            fail(f"numpy reference: rope_type {rp['rope_type']} not implemented")
-        ang = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
-        return np.cos(ang) * attn_factor, np.sin(ang) * attn_factor
-
-    def apply_rope(self, x, cos, sin):  # x [..., T, d]; cos/sin [T, d/2]
-        if self.c.get("rope_interleave", True):
-            x1, x2 = x[..., 0::2], x[..., 1::2]  # pairs (x0,x1), (x2,x3), ...
-        else:
-            h = x.shape[-1] // 2
-            x1, x2 = x[..., :h], x[..., h:]
-        # output in "half" layout [rotated firsts | rotated seconds] for q and k alike
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-    def attention(self, h, L):
-        c = self.c
-        B, T, _ = h.shape
-        H, dn, dr, dv, kvr = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                              c["v_head_dim"], c["kv_lora_rank"])
-        p = f"model.layers.{L}.self_attn"
-        if c.get("q_lora_rank") is None:
-            q = self.linear(h, f"{p}.q_proj")
-        else:
-            q = self.linear(self.rms(self.linear(h, f"{p}.q_a_proj"), f"{p}.q_a_layernorm.weight"), f"{p}.q_b_proj")
-        q = q.reshape(B, T, H, dn + dr).transpose(0, 2, 1, 3)  # [B, H, T, dqk]
-        ckv = self.linear(h, f"{p}.kv_a_proj_with_mqa")
-        latent, k_rope = ckv[..., :kvr], ckv[..., kvr:]
-        latent = self.rms(latent, f"{p}.kv_a_layernorm.weight")
-        kv = self.linear(latent, f"{p}.kv_b_proj").reshape(B, T, H, dn + dv).transpose(0, 2, 1, 3)
-        k_nope, v = kv[..., :dn], kv[..., dn:]
-        cos, sin = self.rope_tables(T)
-        q_rot = self.apply_rope(q[..., dn:], cos, sin)
-        k_rot = self.apply_rope(k_rope[:, None], cos, sin)  # one rope key shared by all heads
-        qf = np.concatenate([q[..., :dn], q_rot], -1)
-        kf = np.concatenate([k_nope, np.broadcast_to(k_rot, (B, H, T, dr))], -1)
-        scale = (dn + dr) ** -0.5
-        rp = self.rope_params()
-        if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
-            m = 0.1 * rp["mscale_all_dim"] * math.log(rp["factor"]) + 1.0 if rp["factor"] > 1 else 1.0
-            scale *= m * m
-        s = qf @ kf.transpose(0, 1, 3, 2) * scale
-        s = s + np.triu(np.full((T, T), -np.inf), 1)
-        s = np.exp(s - s.max(-1, keepdims=True))
-        pr = s / s.sum(-1, keepdims=True)
-        o = (pr @ v).transpose(0, 2, 1, 3).reshape(B, T, H * dv)
-        return self.linear(o, f"{p}.o_proj")
-
-    def mlp(self, x, p):
-        g = self.linear(x, f"{p}.gate_proj")
-        u = self.linear(x, f"{p}.up_proj")
-        return self.linear(g / (1 + np.exp(-g)) * u, f"{p}.down_proj")
-
-    def expert_weights(self, L):
-        p = f"model.layers.{L}.mlp.experts"
-        E = self.c["n_routed_experts"]
-        if f"{p}.gate_up_proj" in self.w:
-            gu, dn = self.w[f"{p}.gate_up_proj"], self.w[f"{p}.down_proj"]
-        else:
-            gu = np.stack([np.concatenate([self.w[f"{p}.{e}.gate_proj.weight"], self.w[f"{p}.{e}.up_proj.weight"]], 0)
-                           for e in range(E)])
-            dn = np.stack([self.w[f"{p}.{e}.down_proj.weight"] for e in range(E)])
-        gu, dn = gu.copy(), dn.copy()
-        for which, W in (("gate_up_proj", gu), ("down_proj", dn)):
-            key = EXPERT_ADAPTER_KEYS[which].format(L=L)
-            ka, kb = ADAPTER_PREFIX + key + ".lora_A.weight", ADAPTER_PREFIX + key + ".lora_B.weight"
-            if ka not in self.ad:
-                continue
-            self.used.update([ka, kb])
-            r, scaling = self.rank_scaling(f"{p}.{which}")  # gate_up_proj: 2r in the fused-form configs
-            A = self.ad[ka].reshape(E, r, -1)  # rows e*r + k
-            Bm = self.ad[kb].reshape(self.ad[kb].shape[0], r, E)  # columns k*E + e
-            for e in range(E):
-                W[e] += scaling * Bm[:, :, e] @ A[e]
-        return gu, dn
-
-    def moe(self, x, L):
-        c = self.c
-        p = f"model.layers.{L}.mlp"
-        B, T, D = x.shape
-        xf = x.reshape(-1, D)
-        s = 1.0 / (1.0 + np.exp(-(xf @ self.w[f"{p}.gate.weight"].T)))
-        sc = s + self.w[f"{p}.gate.e_score_correction_bias"][None, :]
-        E, G, TG, K = c["n_routed_experts"], c["n_group"], c["topk_group"], c["num_experts_per_tok"]
-        per = E // G
-        gs = np.sort(sc.reshape(-1, G, per), -1)[..., -2:].sum(-1)
-        gu, dn = self.expert_weights(L)
-        Fm = c["moe_intermediate_size"]
-        out = np.zeros_like(xf)
-        for n in range(xf.shape[0]):
-            groups = np.argsort(-gs[n], kind="stable")[:TG]
-            masked = np.full(E, -np.inf)
-            for g in groups:
-                masked[g * per:(g + 1) * per] = sc[n, g * per:(g + 1) * per]
-            idx = np.argsort(-masked, kind="stable")[:K]
-            wts = s[n, idx]
-            if c["norm_topk_prob"]:
-                wts = wts / (wts.sum() + 1e-20)
-            wts = wts * c["routed_scaling_factor"]
-            for e, wt in zip(idx, wts):
-                hgu = gu[e] @ xf[n]
-                g, u = hgu[:Fm], hgu[Fm:]
-                out[n] += wt * (dn[e] @ (g / (1 + np.exp(-g)) * u))
-        return out.reshape(B, T, D) + self.mlp(x, f"{p}.shared_experts")
-
-    def logits(self, ids):
-        c = self.c
-        x = self.w["model.embed_tokens.weight"][ids]
-        for L in range(c["num_hidden_layers"]):
-            p = f"model.layers.{L}"
-            x = x + self.attention(self.rms(x, f"{p}.input_layernorm.weight"), L)
-            h = self.rms(x, f"{p}.post_attention_layernorm.weight")
-            x = x + (self.moe(h, L) if L >= c["first_k_dense_replace"] else self.mlp(h, f"{p}.mlp"))
-        x = self.rms(x, "model.norm.weight")
-        return x @ self.w["lm_head.weight"].T
-
-    @staticmethod
-    def loss(logits, labels):
-        z = logits.reshape(-1, logits.shape[-1])
-        y = labels.reshape(-1)
-        keep = y != IGNORE
-        z, y = z[keep], y[keep]
-        m = z.max(-1, keepdims=True)
-        lse = np.log(np.exp(z - m).sum(-1)) + m[:, 0]
-        return float((lse - z[np.arange(len(y)), y]).mean())
-
-
-# Filled in from the live PEFT model (documented in docs/HF_SEMANTICS.md; asserted in main()).
-EXPERT_ADAPTER_KEYS = {}
 
 
 def find_expert_adapter_keys(pm, cfg):
@@ -702,17 +421,10 @@ def check_delta_layout(pm, cfg, gate_up_rank=LORA_RANK):
 # ----------------------------------------------------------------------------------------------
 
 
-def human(n):
-    return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.2f} MiB"
-
-
 def make_one(name, out_root, device, seed):
     overrides, layout, targets = VARIANTS[name]
     cfg = make_config(overrides)
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: q_lora_rank={cfg.q_lora_rank} rope={cfg.rope_parameters} "
           f"routed_scaling_factor={cfg.routed_scaling_factor}, experts saved {layout}")
 
@@ -732,21 +444,8 @@ def make_one(name, out_root, device, seed):
     print(f"  expert adapter modules: {EXPERT_ADAPTER_KEYS}")
     check_delta_layout(pm, cfg, gate_up_rank)
     adapter_dir = os.path.join(tmp_dir, "adapter")
-    pm.save_pretrained(adapter_dir)
-    for f in ("adapter_config.json", "adapter_model.safetensors"):
-        check(os.path.exists(os.path.join(adapter_dir, f)), f"PEFT did not write adapter/{f}")
-    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
-        adapter = {k: f.get_tensor(k) for k in f.keys()}
-    # PEFT keeps the target lists as Python sets (order depends on the hash seed): sort them so that
-    # reruns are byte-identical. The content is unchanged; the reload check below uses this file.
-    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-        acfg = json.load(f)
-    for k in ("target_modules", "target_parameters"):
-        if isinstance(acfg.get(k), list):
-            acfg[k] = sorted(acfg[k])
-    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
-        json.dump(acfg, f, indent=2, sort_keys=True)
-        f.write("\n")
+    # The target lists come back sorted; the content is unchanged and the reload check below uses this file.
+    adapter, acfg = common.save_peft_adapter(pm, adapter_dir)
     check(acfg.get("r") == LORA_RANK and acfg.get("lora_alpha") == LORA_ALPHA and not acfg.get("use_rslora")
           and (acfg.get("rank_pattern") or {}) == rank_pattern and (acfg.get("alpha_pattern") or {}) == alpha_pattern,
           f"adapter_config.json: unexpected r/alpha/rslora/patterns: {acfg}")
@@ -762,18 +461,11 @@ def make_one(name, out_root, device, seed):
 
     # Pick a batch whose routing has no near-ties anywhere (C++ float32 must pick the same experts).
     moe_layers = list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
-    biases = {L: inner_model(pm).layers[L].mlp.gate.e_score_correction_bias for L in moe_layers}
-    router_w = {L: inner_model(pm).layers[L].mlp.gate.weight for L in moe_layers}
     for attempt in range(MAX_DATA_TRIES):
         ids, labels = make_batch(cfg.vocab_size, seed + 100 + attempt)
         with torch.no_grad():
             _, _, store = forward(pm, cfg, ids.to(device), labels.to(device))
-        margin = math.inf
-        for L in moe_layers:
-            chosen, m = routing_margins(store[f"router_in.layers.{L}"], router_w[L], biases[L], cfg)
-            hf = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == hf, f"layer {L}: HF routing differs from the documented algorithm")
-            margin = min(margin, m)
+        margin = common.smallest_routing_margin(store, moe_layers, lambda L: inner_model(pm).layers[L].mlp.gate, cfg)
         if margin >= MIN_ROUTING_MARGIN:
             break
         print(f"  batch seed {seed + 100 + attempt}: routing margin {margin:.2e} too small, next batch")
@@ -781,32 +473,14 @@ def make_one(name, out_root, device, seed):
         fail(f"no batch with routing margin >= {MIN_ROUTING_MARGIN} in {MAX_DATA_TRIES} tries")
     print(f"  batch seed {seed + 100 + attempt}, smallest routing margin {margin:.3e}")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(pm, cfg, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(cfg.vocab_size):.4f})")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(pm, cfg, i, lab), ids, labels,
+                                                         device, cfg.vocab_size)
 
     # Training mode must equal eval mode: no dropout, no router noise in HF's DeepseekV3.
-    pm.eval()
-    with torch.no_grad():
-        logits_eval = pm(input_ids=ids_d).logits
-    pm.train()
-    check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
+    common.check_eval_equals_train(pm, ids_d, logits)
 
     # Gradients, keyed like the saved adapter.
-    grads = {}
-    for pname, p in pm.named_parameters():
-        if not p.requires_grad:
-            continue
-        key = pname.replace(".default.", ".")
-        check(key in adapter, f"trainable {pname} -> {key} is not a key of adapter_model.safetensors")
-        check(torch.equal(adapter[key], p.detach().cpu()), f"saved adapter tensor {key} differs from the model's")
-        check(p.grad is not None, f"{key}: no gradient")
-        check(bool(p.grad.abs().max() > 0), f"{key}: gradient is all zero (vacuous test)")
-        grads[key] = p.grad.detach().cpu().float().clone()
-    check(set(grads) == set(adapter), f"adapter keys without gradient: {sorted(set(adapter) - set(grads))}")
+    grads = common.collect_grads(pm, adapter, strict=True)
 
     # Every expert's adapter must see tokens: per layer, count experts whose A rows got gradient.
     E = cfg.n_routed_experts
@@ -851,47 +525,19 @@ def make_one(name, out_root, device, seed):
     check(abs(ref_loss - loss.item()) < 1e-5 * abs(ref_loss), f"numpy loss {ref_loss} vs HF {loss.item()}")
 
     # Central differences (float64 numpy) on a few gradient entries, routed experts included.
-    gen = np.random.default_rng(seed)
     probe_keys = sorted(k for k in adapter if "lora_A" in k)[:2] + sorted(k for k in adapter if "lora_B" in k)[-2:]
     probe_keys += [ADAPTER_PREFIX + EXPERT_ADAPTER_KEYS[w].format(L=moe_layers[-1]) + f".lora_{ab}.weight"
                    for w in ("gate_up_proj", "down_proj") for ab in ("A", "B")]
     worst = 0.0
-    for key in probe_keys:
-        g = grads[key].numpy()
-        flat = int(np.argmax(np.abs(g))) if gen.random() < 0.5 else int(gen.integers(g.size))
-        idx = np.unravel_index(flat, g.shape)
-        orig = ref.ad[key].copy()
-        vals = []
-        for sgn in (1, -1):
-            pert = orig.copy()
-            pert[idx] += sgn * 1e-5
-            ref.override(key, pert)
-            vals.append(NumpyReference.loss(ref.logits(ids_np), labels_np))
-        ref.override(key, orig)
-        fd = (vals[0] - vals[1]) / 2e-5
-        rel = abs(fd - g[idx]) / max(abs(fd), 1e-3)
+    for key, idx, g, fd, rel in common.central_differences(ref, NumpyReference.loss, grads, probe_keys, ids_np,
+                                                          labels_np, seed):
         worst = max(worst, rel)
-        check(rel < 2e-2, f"{key}{list(idx)}: autograd {g[idx]:.6e} vs central difference {fd:.6e}")
+        check(rel < 2e-2, f"{key}{list(idx)}: autograd {g:.6e} vs central difference {fd:.6e}")
     print(f"  central differences on {len(probe_keys)} entries: worst relative error {worst:.2e}")
 
     # golden.safetensors
-    golden = {
-        "input_ids": ids.to(torch.int32).contiguous(),
-        "labels": labels.to(torch.int32).contiguous(),
-        "logits": logits.detach().cpu().float().contiguous(),
-        "loss": torch.tensor([loss.item()], dtype=torch.float32),
-    }
-    for key, g in grads.items():
-        golden[f"grad.{key}"] = g.contiguous()
-    for key, v in store.items():
-        if key.startswith(("hidden.", "attn_out.", "mlp_out.")):
-            golden[key] = v.cpu().float().contiguous()
-    for L in moe_layers:
-        idx = store[f"router.layers.{L}.raw_index"].cpu()
-        wts = store[f"router.layers.{L}.raw_weight"].cpu()
-        order = torch.argsort(idx, dim=-1)
-        golden[f"router.layers.{L}.topk_index"] = torch.gather(idx, 1, order).to(torch.int32).contiguous()
-        golden[f"router.layers.{L}.topk_weight"] = torch.gather(wts, 1, order).float().contiguous()
+    golden = common.golden_tensors(ids, labels, logits, loss, grads, store, ("hidden.", "attn_out.", "mlp_out."),
+                                   moe_layers)
     meta = {
         "generator": "scripts/make_fixtures.py",
         "torch": torch.__version__,
@@ -907,61 +553,17 @@ def make_one(name, out_root, device, seed):
     }
     if rank_pattern:  # only the fused-form configs: the others' files stay byte-identical
         meta.update(rank_pattern=json.dumps(rank_pattern), alpha_pattern=json.dumps(alpha_pattern))
-    # One metadata entry: safetensors writes the metadata map in arbitrary order, one key keeps reruns identical.
-    torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
-                    metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})
-
-    # keep only what the tests need
-    for f in os.listdir(tmp_dir):
-        if f not in ("config.json", "model.safetensors", "adapter", "golden.safetensors"):
-            p = os.path.join(tmp_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    for f in os.listdir(adapter_dir):
-        if f not in ("adapter_config.json", "adapter_model.safetensors"):
-            p = os.path.join(adapter_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-
-    print("  adapter tensors:")
-    for k in sorted(adapter):
-        print(f"    {k} {list(adapter[k].shape)}")
+    common.save_golden(golden, meta, tmp_dir)
+    common.publish(tmp_dir, adapter_dir, out_dir, adapter)
     return loss.item()
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="tests/fixtures/golden", help="output root (one directory per config)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    args = ap.parse_args()
-
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"peft {peft.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}")
-    check(int(transformers.__version__.split(".")[0]) >= 5, "needs transformers 5.x (fused experts)")
-    if args.device == "cuda":
-        check(torch.cuda.is_available(), "--device cuda but CUDA is not available")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True)
-    device = torch.device(args.device)
-
-    names = [n for n in args.configs.split(",") if n]
-    for n in names:
-        check(n in VARIANTS, f"unknown config {n!r}; known: {', '.join(VARIANTS)}")
-    os.makedirs(args.out, exist_ok=True)
+    args = common.parse_args(__doc__, VARIANTS)
+    device, names, _ = common.start(args, VARIANTS, "needs transformers 5.x (fused experts)")
     losses = {n: make_one(n, args.out, device, args.seed) for n in names}
 
-    print("\n=== summary")
-    total = 0  # of the configs written now (--out may hold other scripts' fixtures too)
-    for root, _, files in sorted(w for n in names for w in os.walk(os.path.join(args.out, n))):
-        for f in sorted(files):
-            p = os.path.join(root, f)
-            size = os.path.getsize(p)
-            total += size
-            print(f"  {human(size):>10}  {p}")
-    print(f"  {human(total):>10}  total")
+    total = common.summary(args.out, names, across_names=True)  # of the configs written now
     for n, l in losses.items():
         print(f"  loss[{n}] = {l:.8f}")
     check(total < 3 << 20, f"fixtures are {human(total)}, budget is 3 MiB")

@@ -33,24 +33,20 @@ Needs torch, transformers 5.x (deepseek_v32), peft, safetensors, numpy; CPU is e
 See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md (section 9) for the semantics.
 """
 
-import argparse
 import json
 import math
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_fixtures as mf  # noqa: E402  (shared helpers; it checks the imports and sets CUBLAS_WORKSPACE_CONFIG)
+from fixtures import common  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import peft  # noqa: E402
-import safetensors  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file as torch_save_file  # noqa: E402
-from peft import PeftModel  # noqa: E402
 
 try:
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402
@@ -317,11 +313,7 @@ class V32NumpyReference(mf.NumpyReference):
         k_rot = rope64(ckv[:, None, :, kvr:], cos, sin, "interleaved")
         qf = np.concatenate([q[..., :dn], q_rot], -1)
         kf = np.concatenate([k_nope, np.broadcast_to(k_rot, (B, H, T, dr))], -1)
-        scale = (dn + dr) ** -0.5
-        rp = self.rope_params()
-        if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
-            m = 0.1 * rp["mscale_all_dim"] * math.log(rp["factor"]) + 1.0 if rp["factor"] > 1 else 1.0
-            scale *= m * m
+        scale = self.softmax_scale(dn, dr)
         # The indexer (frozen, no adapter): each query keeps its top index_topk keys <= itself.
         w = {n: self.w[f"{p}.indexer.{n}" + ("" if "." in n else ".weight")]
              for n in ("wq_b", "wk", "k_norm.weight", "k_norm.bias", "weights_proj")}
@@ -347,10 +339,7 @@ class V32NumpyReference(mf.NumpyReference):
 def make_one(name, out_root, device, seed, results):
     overrides, layout = VARIANTS[name]
     cfg = make_config(overrides)
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: index_topk {cfg.index_topk} of {SEQ}, indexer {cfg.index_n_heads} x {cfg.index_head_dim}, "
           f"rope {cfg.rope_parameters}, routed_scaling_factor {cfg.routed_scaling_factor}, experts saved {layout}")
     warn = []
@@ -379,18 +368,8 @@ def make_one(name, out_root, device, seed, results):
     mf.EXPERT_ADAPTER_KEYS.update(mf.find_expert_adapter_keys(pm, cfg))
     mf.check_delta_layout(pm, cfg)
     adapter_dir = os.path.join(tmp_dir, "adapter")
-    pm.save_pretrained(adapter_dir)
-    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
-        adapter = {k: f.get_tensor(k) for k in f.keys()}
+    adapter, acfg = common.save_peft_adapter(pm, adapter_dir)
     check(not any(".indexer." in k for k in adapter), "PEFT put an adapter on the indexer (it must stay frozen)")
-    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-        acfg = json.load(f)
-    for k in ("target_modules", "target_parameters"):
-        if isinstance(acfg.get(k), list):
-            acfg[k] = sorted(acfg[k])
-    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
-        json.dump(acfg, f, indent=2, sort_keys=True)
-        f.write("\n")
     print(f"  adapter: target_modules={acfg.get('target_modules')} target_parameters={acfg.get('target_parameters')}")
 
     # A batch whose routing and key selection have no near-ties (float32 C++ must pick the same).
@@ -400,13 +379,7 @@ def make_one(name, out_root, device, seed, results):
         ids, labels = mf.make_batch(cfg.vocab_size, seed + 100 + attempt)
         with torch.no_grad():
             _, _, store = forward(pm, cfg, ids.to(device), labels.to(device))
-        route_margin = math.inf
-        for L in moe_layers:
-            gate = layers[L].mlp.gate
-            chosen, m = mf.routing_margins(store[f"router_in.layers.{L}"], gate.weight, gate.e_score_correction_bias, cfg)
-            hf = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == hf, f"layer {L}: HF routing differs from the documented algorithm")
-            route_margin = min(route_margin, m)
+        route_margin = common.smallest_routing_margin(store, moe_layers, lambda L: layers[L].mlp.gate, cfg)
         index_margin = check_indexer(store, layers, cfg)
         if route_margin >= mf.MIN_ROUTING_MARGIN and index_margin >= MIN_INDEX_MARGIN:
             break
@@ -416,42 +389,15 @@ def make_one(name, out_root, device, seed, results):
              f"{mf.MAX_DATA_TRIES} tries")
     print(f"  batch seed {seed + 100 + attempt}: smallest margins routing {route_margin:.3e}, index {index_margin:.3e}")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(pm, cfg, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(cfg.vocab_size):.4f})")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(pm, cfg, i, lab), ids, labels,
+                                                         device, cfg.vocab_size)
     check(cfg.index_topk < SEQ, f"index_topk {cfg.index_topk} >= {SEQ} tokens: the selection would not matter")
-    pm.eval()
-    with torch.no_grad():
-        logits_eval = pm(input_ids=ids_d).logits
-    pm.train()
-    check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
+    common.check_eval_equals_train(pm, ids_d, logits)
 
-    grads = {}
-    for pname, p in pm.named_parameters():
-        if not p.requires_grad:
-            continue
-        key = pname.replace(".default.", ".")
-        check(key in adapter, f"trainable {pname} -> {key} is not a key of adapter_model.safetensors")
-        check(p.grad is not None and bool(p.grad.abs().max() > 0), f"{key}: no or all-zero gradient (vacuous test)")
-        grads[key] = p.grad.detach().cpu().float().clone()
-    check(set(grads) == set(adapter), f"adapter keys without gradient: {sorted(set(adapter) - set(grads))}")
+    grads = common.collect_grads(pm, adapter)
 
     # Reported checks: reload, numpy reference, central differences.
-    try:
-        base2 = DeepseekV32ForCausalLM.from_pretrained(tmp_dir, attn_implementation="eager",
-                                                       experts_implementation="eager", dtype=torch.float32).to(device)
-        pm2 = PeftModel.from_pretrained(base2, adapter_dir)
-        pm2.train()
-        with torch.no_grad():
-            diff = (pm2(input_ids=ids_d).logits - logits.detach()).abs().max().item()
-        print(f"  reload through from_pretrained + PeftModel.from_pretrained: max |dlogits| = {diff:.2e}")
-        if diff > 1e-5:
-            warn.append(f"reloaded logits differ by {diff:.2e}")
-    except Exception as exc:  # noqa: BLE001 - reported, the C++ test is the judge
-        warn.append(f"reload failed: {type(exc).__name__}: {exc}")
+    common.reload_check(DeepseekV32ForCausalLM, tmp_dir, adapter_dir, device, ids_d, logits, warn)
 
     ids_np, labels_np = ids.numpy(), labels.numpy()
     try:
@@ -460,59 +406,18 @@ def make_one(name, out_root, device, seed, results):
         for L in range(cfg.num_hidden_layers):
             if ref.selected[L] != hf_selection(store[f"indexer.layers.{L}.raw_index"].cpu(), SEQ):
                 warn.append(f"numpy reference selects other keys than HF in layer {L}")
-        unused = sorted(set(adapter) - ref.used)
-        if unused:
-            warn.append(f"numpy reference did not use adapter keys {unused[:4]}...")
-        lg = logits.detach().cpu().double().numpy()
-        err = np.abs(ref_logits - lg).max() / max(1.0, np.abs(ref_logits).max())
-        ref_loss = mf.NumpyReference.loss(ref_logits, labels_np)
-        print(f"  numpy float64 reference: max |dlogits|/max|logits| = {err:.2e}, loss {ref_loss:.8f}")
-        if err > 1e-4 or abs(ref_loss - loss.item()) > 1e-5 * abs(ref_loss):
-            warn.append(f"numpy reference differs: logits {err:.2e}, loss {ref_loss} vs {loss.item()}")
-        else:
-            gen = np.random.default_rng(seed)
-            probes = [k for k in sorted(adapter) if ".kv_b_proj." in k][:2] + [
+
+        def probes():
+            return [k for k in sorted(adapter) if ".kv_b_proj." in k][:2] + [
                 k for k in sorted(adapter) if ".q_a_proj.lora_A" in k][:1] + [
                 ADAPTER_PREFIX + mf.EXPERT_ADAPTER_KEYS["gate_up_proj"].format(L=moe_layers[-1]) + ".lora_B.weight"]
-            worst = 0.0
-            for key in probes:
-                g = grads[key].numpy()
-                idx = np.unravel_index(int(np.argmax(np.abs(g))) if gen.random() < 0.5 else int(gen.integers(g.size)),
-                                       g.shape)
-                orig = ref.ad[key].copy()
-                vals = []
-                for sgn in (1, -1):
-                    pert = orig.copy()
-                    pert[idx] += sgn * 1e-5
-                    ref.override(key, pert)
-                    vals.append(mf.NumpyReference.loss(ref.logits(ids_np), labels_np))
-                ref.override(key, orig)
-                fd = (vals[0] - vals[1]) / 2e-5
-                rel = abs(fd - g[idx]) / max(abs(fd), 1e-3)
-                worst = max(worst, rel)
-            print(f"  central differences on {len(probes)} entries: worst relative error {worst:.2e}")
-            if worst > 2e-2:
-                warn.append(f"central differences disagree with autograd (worst {worst:.2e})")
+        common.reference_checks(ref, ref_logits, mf.NumpyReference.loss, adapter, logits, loss, ids_np, labels_np,
+                                grads, probes, seed, warn)
     except Exception as exc:  # noqa: BLE001
         warn.append(f"numpy reference failed: {type(exc).__name__}: {exc}")
 
-    golden = {
-        "input_ids": ids.to(torch.int32).contiguous(),
-        "labels": labels.to(torch.int32).contiguous(),
-        "logits": logits.detach().cpu().float().contiguous(),
-        "loss": torch.tensor([loss.item()], dtype=torch.float32),
-    }
-    for key, g in grads.items():
-        golden[f"grad.{key}"] = g.contiguous()
-    for key, v in store.items():
-        if key.startswith(("hidden.", "attn_out.", "mlp_out.")):
-            golden[key] = v.cpu().float().contiguous()
-    for L in moe_layers:
-        idx = store[f"router.layers.{L}.raw_index"].cpu()
-        wts = store[f"router.layers.{L}.raw_weight"].cpu()
-        order = torch.argsort(idx, dim=-1)
-        golden[f"router.layers.{L}.topk_index"] = torch.gather(idx, 1, order).to(torch.int32).contiguous()
-        golden[f"router.layers.{L}.topk_weight"] = torch.gather(wts, 1, order).float().contiguous()
+    golden = common.golden_tensors(ids, labels, logits, loss, grads, store, ("hidden.", "attn_out.", "mlp_out."),
+                                   moe_layers)
     k = min(cfg.index_topk, SEQ)
     for L in range(cfg.num_hidden_layers):
         rows = hf_selection(store[f"indexer.layers.{L}.raw_index"].cpu(), SEQ)
@@ -528,62 +433,20 @@ def make_one(name, out_root, device, seed, results):
         "expert_adapter_keys": json.dumps(mf.EXPERT_ADAPTER_KEYS, sort_keys=True), "warnings": json.dumps(warn),
         "loss": f"{loss.item():.9e}",
     }
-    torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
-                    metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})
-
-    for f in os.listdir(tmp_dir):
-        if f not in ("config.json", "model.safetensors", "adapter", "golden.safetensors"):
-            p = os.path.join(tmp_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    for f in os.listdir(adapter_dir):
-        if f not in ("adapter_config.json", "adapter_model.safetensors"):
-            p = os.path.join(adapter_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-    print("  adapter tensors:")
-    for key in sorted(adapter):
-        print(f"    {key} {list(adapter[key].shape)}")
+    common.save_golden(golden, meta, tmp_dir)
+    common.publish(tmp_dir, adapter_dir, out_dir, adapter)
     results[name] = (loss.item(), warn)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="tests/fixtures/golden", help="output root (one directory per config)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    args = ap.parse_args()
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"peft {peft.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}")
-    check(int(transformers.__version__.split(".")[0]) >= 5, "needs transformers 5.x")
-    if args.device == "cuda":
-        check(torch.cuda.is_available(), "--device cuda but CUDA is not available")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True)
-    device = torch.device(args.device)
-    names = [n for n in args.configs.split(",") if n]
-    for n in names:
-        check(n in VARIANTS, f"unknown config {n!r}; known: {', '.join(VARIANTS)}")
-    os.makedirs(args.out, exist_ok=True)
+    args = common.parse_args(__doc__, VARIANTS)
+    device, names, _ = common.start(args, VARIANTS)
     results = {}
     for n in names:
         make_one(n, args.out, device, args.seed, results)
 
-    print("\n=== summary")
-    total = 0
-    for n in names:
-        for root, _, files in sorted(os.walk(os.path.join(args.out, n))):
-            for f in sorted(files):
-                p = os.path.join(root, f)
-                total += os.path.getsize(p)
-                print(f"  {mf.human(os.path.getsize(p)):>10}  {p}")
-    print(f"  {mf.human(total):>10}  total")
-    for n, (loss, warn) in results.items():
-        print(f"  {n}: loss {loss:.8f}; checks: " + ("PASS (reload, numpy reference, central differences)"
-                                                    if not warn else "WARN: " + " | ".join(warn)))
-    check(total < 2 << 20, f"fixtures are {mf.human(total)}, budget is 2 MiB")
+    total = common.summary(args.out, names)
+    common.report(results, "reload, numpy reference, central differences", total, 2)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ kimi_k3_hybrid (BF16 experts) and kimi_k3_hybrid_mxfp4 mix NeMo's KimiDeltaAtten
 q/k/v projections with one short conv each, full-rank output gate g_proj, bounded decay
 lower_bound * sigmoid(exp(A_log) (f + dt_bias)), lower bound -5) with MLA. NeMo's KDA layer calls fla (ShortConvolution, FusedRMSNormGated, chunk_kda
 / fused_recurrent_kda), which is not installed where this runs; for those variants only, this script
-puts torch stand-ins under those names in NeMo's module (KDA STAND-INS below: fla's documented
+puts torch stand-ins under those names in NeMo's module (KDA STAND-INS in scripts/fixtures/kimi_k3_nemo.py: fla's documented
 semantics, the delta rule token by token) and reports the recurrence against transformers' own torch
 chunked KDA when this transformers has one. Everything else in the layer (projections, LoRA, NeMo's
 torch decay gate, reshapes, the output gate) is NeMo's code. kimi_k3_bf16 and kimi_k3_mxfp4_bf16
@@ -50,29 +50,26 @@ checkout, or the trimmed copy in .nemo_ref/ described in docs/FIXTURES.md); CPU 
     python3 scripts/make_fixtures_kimi_k3.py --out tests/fixtures/golden [--nemo PATH]
 """
 
-import argparse
 import collections
-import hashlib
-import importlib
-import inspect
 import json
 import math
 import os
 import re
-import shutil
 import sys
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded (transformers' kernel-hub wrappers)
 import make_fixtures as mf  # noqa: E402  (shared helpers; it checks the imports and sets CUBLAS_WORKSPACE_CONFIG)
+from fixtures import common  # noqa: E402
+from fixtures.kimi_k3_nemo import (CausalShortConv, GatedRmsNorm, KDA_CROSSCHECK, import_nemo,  # noqa: E402
+                                   install_kda_stand_ins)
+from fixtures.kimi_k3_reference import TEXT_PREFIX, K3NumpyReference, mxfp4_decode, plain_name  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 import peft  # noqa: E402
-import safetensors  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file as torch_save_file  # noqa: E402
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict  # noqa: E402
@@ -84,7 +81,6 @@ IGNORE = mf.IGNORE
 EXTRA_MASKED = [(0, 2), (0, 9), (1, 0), (1, 5), (1, 20)]
 LORA_RANK, LORA_ALPHA, B_STD, BIAS_MAX = mf.LORA_RANK, mf.LORA_ALPHA, mf.B_STD, mf.BIAS_MAX
 ADAPTER_PREFIX = mf.ADAPTER_PREFIX
-TEXT_PREFIX = "language_model."
 # LoRA on nn.Linear modules by name; the dense MLP and the shared experts (gate/up/down_proj) through
 # target_parameters, as make_fixtures.py does and for its reason (PEFT rewrites those names in
 # target_modules for transformers MoE model types, and K3's text config says kimi_linear).
@@ -164,227 +160,6 @@ def layer_plan(name):
 def linear_targets(plan):
     return LINEAR_TARGETS + (KDA_TARGETS if plan.kda else [])
 MXFP4_SCALE_BYTES = (121, 124)  # E8M0 scales 2^-6 .. 2^-4: weights of about the size of 1/sqrt(fan_in)
-
-
-# ----------------------------------------------------------------------------------------------
-# NeMo AutoModel
-# ----------------------------------------------------------------------------------------------
-
-
-def placeholder_module(name):
-    """An importable stand-in whose every attribute is an empty class (for code paths never run here)."""
-    mod = types.ModuleType(name)
-
-    def __getattr__(attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return type(attr, (), {})
-
-    mod.__getattr__ = __getattr__
-    return mod
-
-
-def import_nemo(nemo_dir):
-    """Imports NeMo's kimi_k3 modules from `nemo_dir` (a directory holding nemo_automodel/). NeMo
-    guards its optional kernels (transformer_engine, fla, deep_ep, grouped_gemm) itself; should it
-    import something unguarded that this machine lacks (a module, or a name a newer torch dropped),
-    a placeholder takes its place and is reported: none of that code runs for an eager CPU forward."""
-    check(os.path.isdir(os.path.join(nemo_dir, "nemo_automodel")), f"--nemo {nemo_dir}: no nemo_automodel/ there "
-          "(docs/FIXTURES.md says how to make .nemo_ref/)")
-    os.environ["NO_VCS_VERSION"] = "1"  # package_info would otherwise run git in the enclosing repository
-    sys.path.insert(0, os.path.abspath(nemo_dir))
-    stubbed = []
-    try:  # the pre-2.5 name of torch.distributed.tensor, imported inside NeMo's expert splitting
-        importlib.import_module("torch.distributed._tensor.placement_types")
-    except ImportError:
-        for sub in ("", ".placement_types"):
-            sys.modules["torch.distributed._tensor" + sub] = importlib.import_module("torch.distributed.tensor" + sub)
-        stubbed.append("torch.distributed._tensor -> torch.distributed.tensor")
-    for _ in range(30):
-        try:
-            from nemo_automodel.components.models.kimi_k3 import model as k3_model  # noqa: F401
-            from nemo_automodel.components.models.kimi_k3 import state_dict_adapter as k3_sda  # noqa: F401
-            from nemo_automodel.components.models.kimi_k3 import config as k3_config  # noqa: F401
-            from nemo_automodel.components.models.common import BackendConfig  # noqa: F401
-            break
-        except ModuleNotFoundError as exc:
-            missing = exc.name or ""
-            check(missing and not missing.startswith("nemo_automodel"),
-                  f"NeMo source under {nemo_dir} is incomplete: {exc}")
-            sys.modules[missing] = placeholder_module(missing)
-            stubbed.append(missing)
-        except ImportError as exc:
-            found = re.search(r"cannot import name '(\w+)' from '([\w.]+)'", str(exc))
-            check(found and found.group(2) in sys.modules and not found.group(2).startswith("nemo_automodel"),
-                  f"importing NeMo's kimi_k3: {exc}")
-            setattr(sys.modules[found.group(2)], found.group(1), type(found.group(1), (), {}))
-            stubbed.append(f"{found.group(2)}.{found.group(1)}")
-        for name in [n for n in sys.modules if n.startswith("nemo_automodel")]:
-            del sys.modules[name]
-    else:
-        fail(f"could not import NeMo's kimi_k3 (placeholders so far: {stubbed})")
-    commit = "unknown"
-    commit_file = os.path.join(nemo_dir, "NEMO_COMMIT")
-    if os.path.exists(commit_file):
-        commit = open(commit_file).read().strip()
-    elif os.path.isdir(os.path.join(nemo_dir, ".git")):
-        commit = os.popen(f"git -C '{nemo_dir}' rev-parse HEAD").read().strip() or "unknown"
-    hashes = {}
-    for f in ("model.py", "state_dict_adapter.py", "config.py"):
-        with open(os.path.join(nemo_dir, "nemo_automodel/components/models/kimi_k3", f), "rb") as fh:
-            hashes[f] = hashlib.sha256(fh.read()).hexdigest()[:16]
-    nemo = types.SimpleNamespace(model=k3_model, sda=k3_sda, config=k3_config, BackendConfig=BackendConfig,
-                                 commit=commit, hashes=hashes, stubbed=stubbed)
-    print(f"NeMo AutoModel {commit} from {nemo_dir}; kimi_k3 sha256/16 {hashes}; stubbed modules: {stubbed or 'none'}")
-    return nemo
-
-
-# ----------------------------------------------------------------------------------------------
-# KDA STAND-INS: what NeMo's KimiDeltaAttention takes from fla, in plain torch (hybrid variants only)
-# ----------------------------------------------------------------------------------------------
-
-
-class CausalShortConv(torch.nn.Conv1d):
-    """fla.modules.ShortConvolution as NeMo builds it: a depthwise causal conv whose weight [C, 1, W]
-    meets token t with weight[:, W - 1] and t - j with weight[:, W - 1 - j] (nn.Conv1d's correlation
-    with W - 1 zeros in front, as fla's own torch reference computes it), no bias unless asked, then
-    SiLU; each document of cu_seqlens starts from zeros."""
-
-    def __init__(self, hidden_size, kernel_size, bias=False, activation="silu", backend=None, device=None,
-                 dtype=None, **_):
-        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias,
-                         padding=kernel_size - 1, device=device, dtype=dtype)
-        check(activation in (None, "silu", "swish"), f"ShortConvolution activation {activation!r} is not modelled")
-        self.activation = activation
-
-    def causal(self, x):
-        """x [B, T, C] -> [B, T, C]."""
-        T = x.shape[1]
-        y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, padding=self.kernel_size[0] - 1,
-                     groups=self.groups)[..., :T].transpose(1, 2)
-        return F.silu(y) if self.activation else y
-
-    def forward(self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, **kwargs):
-        check(residual is None and mask is None and cache is None and not output_final_state
-              and kwargs.get("cp_context") is None,
-              "ShortConvolution stand-in: residual / mask / cache / final state / context parallelism not modelled")
-        if cu_seqlens is None:
-            return self.causal(x), None
-        check(x.shape[0] == 1, "ShortConvolution with cu_seqlens takes one flattened row")
-        bounds = [int(b) for b in cu_seqlens.reshape(-1).tolist()]
-        return torch.cat([self.causal(x[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dim=1), None
-
-
-class GatedRmsNorm(torch.nn.Module):
-    """fla.modules.FusedRMSNormGated: x / sqrt(mean(x^2) + eps) * weight * act(g) over the last
-    dimension (norm first, then the gate; act sigmoid for K3, swish otherwise), in fp32."""
-
-    def __init__(self, hidden_size, elementwise_affine=True, eps=1e-5, activation="swish", device=None, dtype=None):
-        super().__init__()
-        check(elementwise_affine and activation in ("sigmoid", "swish", "silu"),
-              f"FusedRMSNormGated(elementwise_affine={elementwise_affine}, activation={activation!r}) is not modelled")
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.eps, self.activation = eps, activation
-
-    def reset_parameters(self):
-        torch.nn.init.ones_(self.weight)
-
-    def forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
-        check(residual is None and not prenorm, "FusedRMSNormGated stand-in: residual / prenorm not modelled")
-        xf, gf = x.float(), g.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        gate = torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf)
-        return (y * gate).to(x.dtype)
-
-
-def l2_normalised(x):
-    """fla's (and transformers') l2norm: x / sqrt(sum x^2 + 1e-6)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-
-
-# Options of fla's KDA kernels that change nothing here: the state's memory layout (NeMo discards the
-# state), the gate clamp to [lower_bound, 0) (NeMo's gate is inside it already), recompute, chunking.
-KDA_HARMLESS_OPTIONS = {"safe_gate", "transpose_state_layout", "state_v_first", "lower_bound", "disable_recompute",
-                        "chunk_size", "cu_seqlens_cpu"}
-KDA_CROSSCHECK = []  # (max |recurrence - transformers' chunked|, max |recurrence|) of each kernel call
-
-
-def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, **options):
-    """fla's chunk_kda / fused_recurrent_kda with a precomputed log decay g, token by token in fp32.
-    q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] (<= 0), beta [B, T, H]. Per head, S [K, V] from
-    zero at each sequence or document start:
-        S <- diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = scale S^T q_t
-    with scale K^-1/2 by default and q, k L2-normalised first when asked. Returns (o, final S or None)."""
-    unknown = sorted(key for key, val in options.items() if key not in KDA_HARMLESS_OPTIONS and val is not None and val is not False)
-    check(initial_state is None and not unknown, f"KDA kernel stand-in: options not modelled: initial_state "
-          f"{initial_state is not None}, {unknown}")
-    if cu_seqlens is not None:
-        check(q.shape[0] == 1, "KDA with cu_seqlens takes one flattened row")
-        bounds = [int(b) for b in cu_seqlens.reshape(-1).tolist()]
-        parts = [recurrent_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, None, False,
-                               use_qk_l2norm_in_kernel) for a, b in zip(bounds[:-1], bounds[1:])]
-        return torch.cat([o for o, _ in parts], dim=1), None
-    B, T, H, K = k.shape
-    qf, kf, vf, gf, bf = (t.float() for t in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        qf, kf = l2_normalised(qf), l2_normalised(kf)
-    scale = K ** -0.5 if scale is None else scale
-    S = vf.new_zeros(B, H, K, vf.shape[-1])
-    outs = []
-    for t in range(T):
-        S = S * gf[:, t].exp().unsqueeze(-1)
-        kt = kf[:, t]
-        delta = bf[:, t].unsqueeze(-1) * (vf[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S))
-        S = S + torch.einsum("bhk,bhv->bhkv", kt, delta)
-        outs.append(scale * torch.einsum("bhk,bhkv->bhv", qf[:, t], S))
-    o = torch.stack(outs, dim=1)
-    crosscheck_kda(qf, kf, vf, gf, bf, scale, o)
-    return o.to(v.dtype), (S if output_final_state else None)
-
-
-def transformers_chunk_kda():
-    """transformers' own torch KDA for kimi_linear (chunked, 64 tokens), if this version has one taking
-    (q, k, v, g = log decay, beta) first."""
-    try:
-        mod = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
-        fn = getattr(mod, "torch_chunk_kda", None)
-        names = list(inspect.signature(fn).parameters)[:5] if callable(fn) else []
-    except Exception:  # noqa: BLE001 - only a cross-check
-        return None
-    return fn if len(names) == 5 and names[3] == "g" and names[4] == "beta" else None
-
-
-def crosscheck_kda(q, k, v, g, beta, scale, o):
-    """Records how far the recurrence is from transformers' chunked torch KDA on the same inputs
-    (q, k already normalised; its scale is K^-1/2). Reported, never fatal: versions differ in names."""
-    fn = transformers_chunk_kda()
-    if fn is None or abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-        return
-    try:
-        with torch.no_grad():
-            out = fn(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach())
-        ref = out[0] if isinstance(out, (tuple, list)) else out
-        if tuple(ref.shape) == tuple(o.shape):
-            KDA_CROSSCHECK.append(((ref.float() - o.detach()).abs().max().item(), o.detach().abs().max().item()))
-    except Exception as exc:  # noqa: BLE001
-        KDA_CROSSCHECK.append((f"{type(exc).__name__}: {exc}", None))
-
-
-def install_kda_stand_ins(nemo):
-    """Puts the stand-ins under the names NeMo's kimi_k3 model module imported from fla. The decay gate
-    stays NeMo's: with fla's fused_kda_gate marked as lacking lower_bound, NeMo's _fused_kda_gate takes
-    its own _torch_kda_gate for K3's bounded gate."""
-    m = nemo.model
-
-    def no_fused_gate(*_args, **_kwargs):
-        fail("NeMo called fla's fused_kda_gate; with gate_lower_bound set it should take _torch_kda_gate")
-
-    m.ShortConvolution, m.FusedRMSNormGated = CausalShortConv, GatedRmsNorm
-    m.chunk_kda = m.fused_recurrent_kda = recurrent_kda
-    m.fused_kda_gate = no_fused_gate
-    m._FUSED_KDA_GATE_HAS_G_BIAS = m._FUSED_KDA_GATE_HAS_LOWER_BOUND = False
-    m._SHORT_CONV_OK = m._FUSED_RMSNORM_GATED_OK = m._CHUNK_KDA_OK = m._RECURRENT_KDA_OK = m._KDA_GATE_OK = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -564,22 +339,6 @@ def unpadded_a_log(key, value):
     return value[:heads].contiguous()
 
 
-def e2m1(codes):
-    """OCP E2M1 from the bits (sign, 2 exponent bits with bias 1, 1 mantissa bit), not from NeMo's table."""
-    codes = codes.astype(np.int64)
-    sign = np.where(codes & 8, -1.0, 1.0)
-    e, m = (codes >> 1) & 3, codes & 1
-    mag = np.where(e == 0, 0.5 * m, np.exp2(e - 1.0) * (1.0 + 0.5 * m))
-    return sign * mag
-
-
-def mxfp4_decode(packed, scales):
-    """[out, in/2] bytes (even input in the low nibble) and [out, in/32] E8M0 scales -> [out, in] float64."""
-    codes = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint8)
-    codes[:, 0::2], codes[:, 1::2] = packed & 0x0F, packed >> 4
-    return e2m1(codes) * np.repeat(np.exp2(scales.astype(np.float64) - 127.0), 32, axis=1)
-
-
 def checkpoint_tensors(model, experts, seed):
     """The model's weights under the checkpoint names (NeMo's to_hf), experts stored as requested:
     BF16 (the values rounded to BF16 first), or MXFP4 codes and scales drawn at random (the reference
@@ -692,13 +451,8 @@ def attach_lora(model, seed, plan):
     wrapped = set()
     with torch.no_grad():
         for name, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
-            check(".lora_A." in name or ".lora_B." in name, f"unexpected trainable parameter {name}")
+            val = common.lora_value(name, p, gen, B_STD)
             wrapped.add(name[len(ADAPTER_PREFIX):].split(".lora_")[0])
-            if ".lora_A." in name:
-                bound = 1.0 / math.sqrt(p.shape[1])
-                val = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
-            else:
-                val = B_STD * torch.randn(p.shape, generator=gen)
             p.copy_(val.to(p.dtype))
     want = expected_adapter_modules(plan)
     check(wrapped == want, f"PEFT wrapped {sorted(wrapped ^ want)[:8]} unlike the plan (missing or extra)")
@@ -730,17 +484,8 @@ def save_adapter(pm, model, adapter_dir):
         hf[hf_key] = value.detach().cpu().float().contiguous()
     torch_save_file(hf, os.path.join(adapter_dir, "adapter_model.safetensors"))
     pm.peft_config["default"].save_pretrained(adapter_dir)
-    path = os.path.join(adapter_dir, "adapter_config.json")
-    with open(path) as f:
-        acfg = json.load(f)
-    # Sets come out in hash order: sorted for byte-identical reruns. Short names need no renaming
-    # (NeMo's map_peft_target_module_to_hf leaves them as they are).
-    for k in ("target_modules", "target_parameters"):
-        if isinstance(acfg.get(k), list):
-            acfg[k] = sorted(model.state_dict_adapter.map_peft_target_module_to_hf(t) for t in acfg[k])
-    with open(path, "w") as f:
-        json.dump(acfg, f, indent=2, sort_keys=True)
-        f.write("\n")
+    # Short names need no renaming (NeMo's map_peft_target_module_to_hf leaves them as they are).
+    acfg = common.sort_adapter_config(adapter_dir, model.state_dict_adapter.map_peft_target_module_to_hf)
     check(acfg.get("r") == LORA_RANK and acfg.get("lora_alpha") == LORA_ALPHA and not acfg.get("use_rslora")
           and not acfg.get("rank_pattern") and not acfg.get("alpha_pattern"), f"adapter_config.json: {acfg}")
     return hf, acfg
@@ -752,43 +497,19 @@ def save_adapter(pm, model, adapter_dir):
 
 
 def make_batch(vocab, seed, seq=SEQ, masked=EXTRA_MASKED):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, seq), generator=gen)
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]
-    for b, t in masked:
-        labels[b, t] = IGNORE
-    return ids, labels
+    return common.make_batch(vocab, seed, BATCH, seq, masked)
 
 
 def forward(model, ids, labels):
     """Logits, loss and debugging activations of NeMo's model (LoRA injected) on the batch."""
     store = {}
     m = model.model
-    handles = []
+    save_in = common.input_saver(store)
 
-    def first(out):
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-    def save_out(key):
-        def hook(_mod, _inp, out):
-            store[key] = first(out).detach().clone()
-        return hook
-
-    def save_in(key):
-        def hook(_mod, inp):
-            store[key] = inp[0].detach().clone()
-        return hook
-
-    handles.append(m.embed_tokens.register_forward_hook(save_out("hidden.embed")))
-    handles.append(m.norm.register_forward_pre_hook(save_in("hidden.output_mix")))
-    handles.append(m.norm.register_forward_hook(save_out("hidden.final_norm")))
-    for i, layer in m.layers.items():
-        handles.append(layer.register_forward_hook(save_out(f"hidden.layers.{i}")))
-        handles.append(layer.input_layernorm.register_forward_pre_hook(save_in(f"attn_in.layers.{i}")))
-        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(save_in(f"mlp_in.layers.{i}")))
-        handles.append(layer.self_attn.register_forward_hook(save_out(f"attn_out.layers.{i}")))
-        handles.append(layer.mlp.register_forward_hook(save_out(f"mlp_out.layers.{i}")))
+    # Pre-hooks on modules the common hooks do not touch: the order in which they fire is unchanged.
+    def more_hooks(i, layer):
+        handles = [layer.input_layernorm.register_forward_pre_hook(save_in(f"attn_in.layers.{i}")),
+                   layer.post_attention_layernorm.register_forward_pre_hook(save_in(f"mlp_in.layers.{i}"))]
         if hasattr(layer.mlp, "gate"):
             def router_hook(_mod, inp, out, i=i):
                 check(isinstance(out, tuple) and len(out) == 3, "KimiK3Gate no longer returns (weights, indices, aux)")
@@ -796,186 +517,12 @@ def forward(model, ids, labels):
                 store[f"router.layers.{i}.raw_weight"] = out[0].detach().clone()
                 store[f"router.layers.{i}.raw_index"] = out[1].detach().clone()
             handles.append(layer.mlp.gate.register_forward_hook(router_hook))
-    try:
-        logits = model(input_ids=ids).logits
-    finally:
-        for h in handles:
-            h.remove()
+        return handles
+    handles = common.activation_hooks(m, m.layers.items(), store, more_hooks)
+    handles.append(m.norm.register_forward_pre_hook(save_in("hidden.output_mix")))
+    logits = common.run_hooked(handles, lambda: model(input_ids=ids).logits)
     check(tuple(logits.shape) == tuple(ids.shape) + (COMMON["vocab_size"],), f"logits shape {tuple(logits.shape)}")
     return logits, mf.masked_mean_ce(logits, labels), store
-
-
-# ----------------------------------------------------------------------------------------------
-# independent float64 numpy forward from the saved files
-# ----------------------------------------------------------------------------------------------
-
-
-def plain_name(key):
-    """Checkpoint name -> the name the reference uses: no language_model. prefix, mlp for block_sparse_moe."""
-    if key.startswith(ADAPTER_PREFIX + TEXT_PREFIX):
-        key = ADAPTER_PREFIX + key[len(ADAPTER_PREFIX + TEXT_PREFIX):]
-    elif key.startswith(TEXT_PREFIX):
-        key = key[len(TEXT_PREFIX):]
-    return key.replace(".block_sparse_moe.", ".mlp.")
-
-
-class K3NumpyReference(mf.NumpyReference):
-    """Kimi K3 in float64 from config.json, model.safetensors and the adapter only: gated NoPE MLA,
-    KDA in its recurrent form, SiTU MLPs, the latent MoE, block attention residuals
-    (docs/HF_SEMANTICS.md, Kimi-Linear and Kimi K3 sections); MXFP4 experts decoded by mxfp4_decode."""
-
-    def __init__(self, hf_dir, adapter_dir):
-        # Not mf.NumpyReference's loader: numpy's safetensors reader has no BF16.
-        with open(os.path.join(hf_dir, "config.json")) as f:
-            self.top = json.load(f)
-        self.c = self.top["text_config"]
-        with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
-            raw = {k: f.get_tensor(k) for k in f.keys()}
-        self.w = {}
-        for k, t in raw.items():
-            if k.endswith("_packed"):
-                base = k[:-len("_packed")]
-                self.w[plain_name(base)] = mxfp4_decode(t.numpy(), raw[base + "_scale"].numpy())
-            elif not k.endswith("_scale"):
-                self.w[plain_name(k)] = t.double().numpy()
-        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-            acfg = json.load(f)
-        self.r, self.alpha, self.rslora = acfg["r"], acfg["lora_alpha"], bool(acfg.get("use_rslora"))
-        self.rank_pattern, self.alpha_pattern = acfg.get("rank_pattern") or {}, acfg.get("alpha_pattern") or {}
-        with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
-            self.ad = {plain_name(k): f.get_tensor(k).double().numpy() for k in f.keys()}
-        self.used = set()
-        self.kda_layers = {L - 1 for L in self.c["linear_attn_config"]["kda_layers"]}
-
-    def override(self, key, value):
-        self.ad[plain_name(key)] = value
-
-    def kda(self, h, L):
-        """KDA with q/k/v projections and one causal conv + SiLU each, per-head L2 norm, the bounded
-        decay g = lower_bound sigmoid(exp(A_log) (f + dt_bias)), the delta rule token by token, then
-        the per-head RMSNorm gated by sigmoid(g_proj(h)) and o_proj."""
-        lin = self.c["linear_attn_config"]
-        H, d, W = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
-        B, T, _ = h.shape
-        p = f"model.layers.{L}.self_attn"
-
-        def stream(s):
-            x = self.linear(h, f"{p}.{s}_proj")
-            w = self.w[f"{p}.{s}_conv1d.weight"].reshape(H * d, W)
-            y = np.zeros_like(x)
-            for j in range(W):  # weight column j meets token t - (W - 1 - j)
-                lag = W - 1 - j
-                y[:, lag:] += x[:, :T - lag] * w[:, j]
-            return (y / (1 + np.exp(-y))).reshape(B, T, H, d)
-
-        q, k, v = stream("q"), stream("k"), stream("v")
-        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-        f = self.linear(self.linear(h, f"{p}.f_a_proj"), f"{p}.f_b_proj").reshape(B, T, H, d)
-        a = np.exp(self.w[f"{p}.A_log"].reshape(-1)[:H])[:, None]
-        g = lin["gate_lower_bound"] / (1 + np.exp(-a * (f + self.w[f"{p}.dt_bias"].reshape(H, d))))
-        beta = 1 / (1 + np.exp(-self.linear(h, f"{p}.b_proj")))  # [B, T, H]
-        S = np.zeros((B, H, d, d))  # [key channel, value channel]
-        o = np.zeros((B, T, H, d))
-        for t in range(T):
-            S = S * np.exp(g[:, t])[..., None]
-            delta = beta[:, t, :, None] * (v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], S))
-            S = S + np.einsum("bhk,bhv->bhkv", k[:, t], delta)
-            o[:, t] = np.einsum("bhk,bhkv->bhv", q[:, t], S) * d ** -0.5
-        gate = self.linear(h, f"{p}.g_proj").reshape(B, T, H, d)
-        o = o / np.sqrt((o * o).mean(-1, keepdims=True) + self.c["rms_norm_eps"]) * self.w[f"{p}.o_norm.weight"]
-        return self.linear((o / (1 + np.exp(-gate))).reshape(B, T, H * d), f"{p}.o_proj")
-
-    def rms(self, x, wkey, eps=None):
-        eps = self.c["rms_norm_eps"] if eps is None else eps
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * self.w[wkey]
-
-    def attention(self, h, L):
-        """NoPE MLA: the rope part of q and k is kept unrotated; sigmoid output gate before o_proj.
-        q_a_layernorm and kv_a_layernorm are KimiRMSNorm with its default eps 1e-6."""
-        c = self.c
-        B, T, _ = h.shape
-        H, dn, dr, dv, kvr = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                              c["v_head_dim"], c["kv_lora_rank"])
-        p = f"model.layers.{L}.self_attn"
-        q = self.linear(self.rms(self.linear(h, f"{p}.q_a_proj"), f"{p}.q_a_layernorm.weight", 1e-6), f"{p}.q_b_proj")
-        q = q.reshape(B, T, H, dn + dr).transpose(0, 2, 1, 3)
-        ckv = self.linear(h, f"{p}.kv_a_proj_with_mqa")
-        kv = self.linear(self.rms(ckv[..., :kvr], f"{p}.kv_a_layernorm.weight", 1e-6), f"{p}.kv_b_proj")
-        kv = kv.reshape(B, T, H, dn + dv).transpose(0, 2, 1, 3)
-        k = np.concatenate([kv[..., :dn], np.broadcast_to(ckv[:, None, :, kvr:], (B, H, T, dr))], -1)
-        s = q @ k.transpose(0, 1, 3, 2) * (dn + dr) ** -0.5 + np.triu(np.full((T, T), -np.inf), 1)
-        s = np.exp(s - s.max(-1, keepdims=True))
-        o = (s / s.sum(-1, keepdims=True) @ kv[..., dn:]).transpose(0, 2, 1, 3).reshape(B, T, H * dv)
-        g = self.linear(h, f"{p}.g_proj")
-        return self.linear(o / (1 + np.exp(-g)), f"{p}.o_proj")
-
-    def situ(self, g, u):
-        beta = self.c.get("activation_situ_beta") or 1.0
-        lb = self.c.get("activation_situ_linear_beta")
-        a = beta * np.tanh(g / beta) / (1 + np.exp(-g))
-        return a * (lb * np.tanh(u / lb) if lb is not None else u)
-
-    def mlp(self, x, p):
-        return self.linear(self.situ(self.linear(x, f"{p}.gate_proj"), self.linear(x, f"{p}.up_proj")), f"{p}.down_proj")
-
-    def moe(self, x, L):
-        c = self.c
-        E, K = c["num_experts"], c["num_experts_per_token"]
-        G, TG = c["num_expert_group"], c["topk_group"]
-        p = f"model.layers.{L}.mlp"
-        B, T, D = x.shape
-        xf = x.reshape(-1, D)
-        s = 1.0 / (1.0 + np.exp(-(xf @ self.w[f"{p}.gate.weight"].T)))
-        sc = s + self.w[f"{p}.gate.e_score_correction_bias"][None, :]
-        per = E // G
-        gs = np.sort(sc.reshape(-1, G, per), -1)[..., -2:].sum(-1)
-        z = self.linear(xf, f"{p}.routed_expert_down_proj")  # [N, latent]
-        y = np.zeros_like(z)
-        for n in range(xf.shape[0]):
-            masked = np.full(E, -np.inf)
-            for gi in (np.argsort(-gs[n], kind="stable")[:TG] if G > TG else range(G)):
-                masked[gi * per:(gi + 1) * per] = sc[n, gi * per:(gi + 1) * per]
-            idx = np.argsort(-masked, kind="stable")[:K]
-            wts = s[n, idx]
-            if c["moe_renormalize"] and K > 1:
-                wts = wts / (wts.sum() + 1e-20)
-            for e, wt in zip(idx, wts * c["routed_scaling_factor"]):
-                ex = f"{p}.experts.{e}"
-                h = self.situ(self.w[f"{ex}.w1.weight"] @ z[n], self.w[f"{ex}.w3.weight"] @ z[n])
-                y[n] += wt * (self.w[f"{ex}.w2.weight"] @ h)
-        if c.get("latent_moe_use_norm"):
-            y = self.rms(y, f"{p}.routed_expert_norm.weight")
-        out = self.linear(y, f"{p}.routed_expert_up_proj").reshape(B, T, D)
-        return out + self.mlp(x, f"{p}.shared_experts")
-
-    def mix(self, values, prefix):
-        """Depth softmax over RMS-normalised values scored by norm.weight * proj.weight."""
-        V = np.stack(values, 2)  # [B, T, n, D]
-        keys = V / np.sqrt((V * V).mean(-1, keepdims=True) + self.c["rms_norm_eps"])
-        score = (keys * (self.w[f"{prefix}_norm.weight"] * self.w[f"{prefix}_proj.weight"].reshape(-1))).sum(-1)
-        score = np.exp(score - score.max(-1, keepdims=True))
-        return ((score / score.sum(-1, keepdims=True))[..., None] * V).sum(2)
-
-    def logits(self, ids):
-        c = self.c
-        block = c["attn_res_block_size"]
-        h = self.w["model.embed_tokens.weight"][ids]
-        blocks = []  # the block summaries: inputs of layers 0, block, 2 block, ...
-        for L in range(c["num_hidden_layers"]):
-            p = f"model.layers.{L}"
-            x = self.mix(blocks + [h], f"{p}.self_attention_res") if blocks else h
-            partial = h
-            if L % block == 0:
-                blocks.append(h)
-                partial = None
-            mixer = self.kda if L in self.kda_layers else self.attention
-            a = mixer(self.rms(x, f"{p}.input_layernorm.weight"), L)
-            partial = a if partial is None else partial + a
-            m = self.rms(self.mix(blocks + [partial], f"{p}.mlp_res"), f"{p}.post_attention_layernorm.weight")
-            h = partial + (self.moe(m, L) if L >= c["first_k_dense_replace"] else self.mlp(m, f"{p}.mlp"))
-        x = self.rms(self.mix(blocks + [h], "model.output_attn_res"), "model.norm.weight")
-        return x @ self.w["lm_head.weight"].T
 
 
 # ----------------------------------------------------------------------------------------------
@@ -990,10 +537,7 @@ def make_one(nemo, name, out_root, device, seed, results):
     if plan.kda:
         install_kda_stand_ins(nemo)
         KDA_CROSSCHECK.clear()
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: experts {experts}, attn_res_block_size {variant.block}, SiTU betas {variant.betas}, "
           f"groups {variant.groups}, routed_scaling_factor {variant.scaling}, top {variant.top_k}, "
           f"bf16 weights {variant.bf16_weights}"
@@ -1034,13 +578,8 @@ def make_one(nemo, name, out_root, device, seed, results):
         ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt, plan.seq, plan.masked)
         with torch.no_grad():
             _, _, store = forward(model, ids.to(device), labels.to(device))
-        margin = math.inf
-        for L in moe_layers:
-            gate = model.model.layers[str(L)].mlp.gate
-            chosen, m = mf.routing_margins(store[f"router_in.layers.{L}"], gate.weight, gate.e_score_correction_bias, ns)
-            got = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == got, f"layer {L}: NeMo's routing differs from the documented algorithm")
-            margin = min(margin, m)
+        margin = common.smallest_routing_margin(store, moe_layers, lambda L: model.model.layers[str(L)].mlp.gate, ns,
+                                                "NeMo's")
         if margin >= mf.MIN_ROUTING_MARGIN:
             break
     else:
@@ -1050,22 +589,10 @@ def make_one(nemo, name, out_root, device, seed, results):
         used = len(set(store[f"router.layers.{L}.raw_index"].reshape(-1).tolist()))
         check(2 * used >= COMMON["num_experts"], f"layer {L}: only {used} experts get tokens")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(model, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(COMMON['vocab_size']):.4f})")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(model, i, lab), ids, labels,
+                                                         device, COMMON["vocab_size"])
 
-    grads = {}
-    for pname, p in pm.named_parameters():
-        if not p.requires_grad:
-            continue
-        hf_key = hf_adapter_key(model, pname.replace(".default.", "."))
-        check(hf_key in adapter, f"trainable {pname} -> {hf_key} is not a key of adapter_model.safetensors")
-        check(p.grad is not None and bool(p.grad.abs().max() > 0), f"{hf_key}: no or all-zero gradient (vacuous test)")
-        grads[hf_key] = p.grad.detach().cpu().float().clone()
-    check(set(grads) == set(adapter), f"adapter keys without gradient: {sorted(set(adapter) - set(grads))}")
+    grads = common.collect_grads(pm, adapter, key_of=lambda key: hf_adapter_key(model, key))
 
     # Reported checks. Train mode: NeMo's GroupedExperts loop instead of the checkpoint-order loop.
     try:
@@ -1104,17 +631,8 @@ def make_one(nemo, name, out_root, device, seed, results):
     try:
         ref = K3NumpyReference(tmp_dir, adapter_dir)
         ref_logits = ref.logits(ids_np)
-        unused = sorted(set(ref.ad) - ref.used)
-        if unused:
-            warn.append(f"numpy reference did not use adapter keys {unused[:4]}")
-        lg = logits.detach().cpu().double().numpy()
-        err = np.abs(ref_logits - lg).max() / max(1.0, np.abs(ref_logits).max())
-        ref_loss = mf.NumpyReference.loss(ref_logits, labels_np)
-        print(f"  numpy float64 reference: max |dlogits|/max|logits| = {err:.2e}, loss {ref_loss:.8f}")
-        if err > 1e-4 or abs(ref_loss - loss.item()) > 1e-5 * abs(ref_loss):
-            warn.append(f"numpy reference differs: logits {err:.2e}, loss {ref_loss} vs {loss.item()}")
-        else:
-            gen = np.random.default_rng(seed)
+
+        def probes():
             P = ADAPTER_PREFIX + TEXT_PREFIX + "model.layers."
             probes = [P + "0.self_attn.q_b_proj.lora_A.weight", P + "0.mlp.up_proj.lora_B.weight",
                       P + "1.block_sparse_moe.shared_experts.down_proj.lora_A.weight",
@@ -1126,44 +644,15 @@ def make_one(nemo, name, out_root, device, seed, results):
                           P + "4.self_attn.v_proj.lora_A.weight", P + "3.self_attn.q_b_proj.lora_A.weight",
                           P + "0.mlp.up_proj.lora_B.weight",
                           P + "5.block_sparse_moe.routed_expert_up_proj.lora_B.weight"]
-            worst = 0.0
-            for key in probes:
-                g = grads[key].numpy()
-                idx = np.unravel_index(int(np.argmax(np.abs(g))) if gen.random() < 0.5 else int(gen.integers(g.size)),
-                                       g.shape)
-                orig = ref.ad[plain_name(key)].copy()
-                vals = []
-                for sgn in (1, -1):
-                    pert = orig.copy()
-                    pert[idx] += sgn * 1e-5
-                    ref.override(key, pert)
-                    vals.append(mf.NumpyReference.loss(ref.logits(ids_np), labels_np))
-                ref.override(key, orig)
-                fd = (vals[0] - vals[1]) / 2e-5
-                worst = max(worst, abs(fd - g[idx]) / max(abs(fd), 1e-3))
-            print(f"  central differences on {len(probes)} entries: worst relative error {worst:.2e}")
-            if worst > 2e-2:
-                warn.append(f"central differences disagree with autograd (worst {worst:.2e})")
+            return probes
+        common.reference_checks(ref, ref_logits, mf.NumpyReference.loss, ref.ad, logits, loss, ids_np, labels_np,
+                                grads, probes, seed, warn, ad_key=plain_name, unused_tail="")
     except Exception as exc:  # noqa: BLE001
         warn.append(f"numpy reference failed: {type(exc).__name__}: {exc}")
 
-    golden = {
-        "input_ids": ids.to(torch.int32).contiguous(),
-        "labels": labels.to(torch.int32).contiguous(),
-        "logits": logits.detach().cpu().float().contiguous(),
-        "loss": torch.tensor([loss.item()], dtype=torch.float32),
-    }
-    for key, g in grads.items():
-        golden[f"grad.{key}"] = g.contiguous()
-    for key, v in store.items():
-        if key.startswith(("hidden.", "attn_in.", "mlp_in.", "attn_out.", "mlp_out.")):
-            golden[key] = v.cpu().float().reshape(*ids.shape, -1).contiguous()
-    for L in moe_layers:
-        idx = store[f"router.layers.{L}.raw_index"].cpu()
-        wts = store[f"router.layers.{L}.raw_weight"].cpu()
-        order = torch.argsort(idx, dim=-1)
-        golden[f"router.layers.{L}.topk_index"] = torch.gather(idx, 1, order).to(torch.int32).contiguous()
-        golden[f"router.layers.{L}.topk_weight"] = torch.gather(wts, 1, order).float().contiguous()
+    golden = common.golden_tensors(ids, labels, logits, loss, grads, store,
+                                   ("hidden.", "attn_in.", "mlp_in.", "attn_out.", "mlp_out."), moe_layers,
+                                   per_token=True)
     meta = {
         "generator": "scripts/make_fixtures_kimi_k3.py", "reference": "NeMo AutoModel KimiK3ForCausalLM (eval mode)",
         "nemo_automodel_commit": nemo.commit, "nemo_kimi_k3_sha256_16": json.dumps(nemo.hashes, sort_keys=True),
@@ -1192,60 +681,20 @@ def make_one(nemo, name, out_root, device, seed, results):
                            "by this script's torch stand-ins; NeMo's own _torch_kda_gate",
             "kda_vs_transformers_chunk_kda": note, "a_log_storage": f"[{KDA['num_heads']}] (to_hf's zero padding cut)",
         })
-    torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
-                    metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})
-
-    for f in os.listdir(adapter_dir):
-        if f not in ("adapter_config.json", "adapter_model.safetensors"):
-            p = os.path.join(adapter_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-    print("  adapter tensors:")
-    for k in sorted(adapter):
-        print(f"    {k} {list(adapter[k].shape)}")
+    common.save_golden(golden, meta, tmp_dir)
+    common.publish(tmp_dir, adapter_dir, out_dir, adapter, prune_top=False)
     results[name] = (loss.item(), warn)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="tests/fixtures/golden", help="output root (one directory per config)")
-    ap.add_argument("--nemo", default=os.path.join(REPO, ".nemo_ref"),
-                    help="directory holding NeMo AutoModel's nemo_automodel/ package (a checkout or .nemo_ref)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    args = ap.parse_args()
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"peft {peft.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}")
-    check(int(transformers.__version__.split(".")[0]) >= 5, "needs transformers 5.x")
-    nemo = import_nemo(args.nemo)
-    if args.device == "cuda":
-        check(torch.cuda.is_available(), "--device cuda but CUDA is not available")
-        torch.backends.cuda.matmul.allow_tf32 = False
-    torch.use_deterministic_algorithms(True)
-    device = torch.device(args.device)
-    names = [n for n in args.configs.split(",") if n]
-    for n in names:
-        check(n in VARIANTS, f"unknown config {n!r}; known: {', '.join(VARIANTS)}")
-    os.makedirs(args.out, exist_ok=True)
+    args = common.parse_args(__doc__, VARIANTS, nemo_default=os.path.join(REPO, ".nemo_ref"))
+    device, names, nemo = common.start(args, VARIANTS, cudnn_tf32=False, prepare=lambda: import_nemo(args.nemo))
     results = {}
     for n in names:
         make_one(nemo, n, args.out, device, args.seed, results)
 
-    print("\n=== summary")
-    total = 0
-    for n in names:
-        for root, _, files in sorted(os.walk(os.path.join(args.out, n))):
-            for f in sorted(files):
-                p = os.path.join(root, f)
-                total += os.path.getsize(p)
-                print(f"  {mf.human(os.path.getsize(p)):>10}  {p}")
-    print(f"  {mf.human(total):>10}  total")
-    for n, (loss, warn) in results.items():
-        print(f"  {n}: loss {loss:.8f}; checks: " + ("PASS (reload, train mode, numpy reference, central differences)"
-                                                    if not warn else "WARN: " + " | ".join(warn)))
-    check(total < 3 << 20, f"fixtures are {mf.human(total)}, budget is 3 MiB")
+    total = common.summary(args.out, names)
+    common.report(results, "reload, train mode, numpy reference, central differences", total, 3)
 
 
 if __name__ == "__main__":

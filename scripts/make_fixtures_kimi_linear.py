@@ -33,26 +33,22 @@ Needs torch, transformers 5.x (kimi_linear), peft, safetensors, numpy; CPU is en
 See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md (section 8) for the semantics.
 """
 
-import argparse
 import collections
 import json
 import math
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_fixtures as mf  # noqa: E402  (shared helpers; it checks the imports and sets CUBLAS_WORKSPACE_CONFIG)
+from fixtures import common  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import peft  # noqa: E402
-import safetensors  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from safetensors.numpy import load_file as np_load_file  # noqa: E402
-from safetensors.torch import save_file as torch_save_file  # noqa: E402
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
 
 try:
     from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -284,13 +280,7 @@ def attach_lora(model, seed):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
-            check(".lora_A." in name or ".lora_B." in name, f"unexpected trainable parameter {name}")
-            if ".lora_A." in name:
-                bound = 1.0 / math.sqrt(p.shape[1])
-                val = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
-            else:
-                val = B_STD * torch.randn(p.shape, generator=gen)
-            p.copy_(val.to(p.dtype))
+            p.copy_(common.lora_value(name, p, gen, B_STD).to(p.dtype))
     return pm, sorted(linear_names)
 
 
@@ -317,46 +307,25 @@ def expert_adapter_keys(pm):
 
 
 def make_batch(vocab, seed):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]
-    for b, t in EXTRA_MASKED:
-        labels[b, t] = IGNORE
-    return ids, labels
+    return common.make_batch(vocab, seed, BATCH, SEQ, EXTRA_MASKED)
 
 
 def forward(pm, ids, labels):
     store = {}
     m = pm.get_base_model().model
-    handles = []
 
-    def first(out):
-        return out[0] if isinstance(out, (tuple, list)) else out
+    def router_hooks(i, layer):
+        if not hasattr(layer.mlp, "gate"):
+            return []
 
-    def save(key):
-        def hook(_mod, _inp, out):
-            store[key] = first(out).detach().clone()
-        return hook
-
-    handles.append(m.embed_tokens.register_forward_hook(save("hidden.embed")))
-    handles.append(m.norm.register_forward_hook(save("hidden.final_norm")))
-    for i, layer in enumerate(m.layers):
-        handles.append(layer.register_forward_hook(save(f"hidden.layers.{i}")))
-        handles.append(layer.self_attn.register_forward_hook(save(f"attn_out.layers.{i}")))
-        handles.append(layer.mlp.register_forward_hook(save(f"mlp_out.layers.{i}")))
-        if hasattr(layer.mlp, "gate"):
-            def router_hook(_mod, inp, out, i=i):
-                check(isinstance(out, tuple) and len(out) == 3, "the router no longer returns (logits, weights, indices)")
-                store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, COMMON["hidden_size"]).clone()
-                store[f"router.layers.{i}.raw_index"] = out[2].detach().clone()
-                store[f"router.layers.{i}.raw_weight"] = out[1].detach().clone()
-            handles.append(layer.mlp.gate.register_forward_hook(router_hook))
-    try:
-        out = pm(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+        def router_hook(_mod, inp, out, i=i):
+            check(isinstance(out, tuple) and len(out) == 3, "the router no longer returns (logits, weights, indices)")
+            store[f"router_in.layers.{i}"] = inp[0].detach().reshape(-1, COMMON["hidden_size"]).clone()
+            store[f"router.layers.{i}.raw_index"] = out[2].detach().clone()
+            store[f"router.layers.{i}.raw_weight"] = out[1].detach().clone()
+        return [layer.mlp.gate.register_forward_hook(router_hook)]
+    handles = common.activation_hooks(m, enumerate(m.layers), store, router_hooks)
+    out = common.run_hooked(handles, lambda: pm(input_ids=ids, use_cache=False))
     logits = out.logits
     check(tuple(logits.shape) == (BATCH, SEQ, COMMON["vocab_size"]), f"logits shape {tuple(logits.shape)}")
     return logits, mf.masked_mean_ce(logits, labels), store
@@ -456,10 +425,7 @@ class KimiNumpyReference(mf.NumpyReference):
         p = f"model.layers.{L}.mlp"
         B, T, D = x.shape
         xf = x.reshape(-1, D)
-        s = 1.0 / (1.0 + np.exp(-(xf @ self.w[f"{p}.gate.weight"].T)))
-        sc = s + self.w[f"{p}.gate.e_score_correction_bias"][None, :]
-        per = E // G
-        gs = np.sort(sc.reshape(-1, G, per), -1)[..., -2:].sum(-1)
+        s, sc, per, gs = self.router(xf, p, E, G)
         if f"{p}.experts.gate_up_proj" in self.w:
             gu, dn = self.w[f"{p}.experts.gate_up_proj"].copy(), self.w[f"{p}.experts.down_proj"].copy()
         else:
@@ -476,11 +442,7 @@ class KimiNumpyReference(mf.NumpyReference):
                 Wt[e] += self.scaling * Bm[:, :, e] @ A[e]
         out = np.zeros_like(xf)
         for n in range(xf.shape[0]):
-            groups = np.argsort(-gs[n], kind="stable")[:TG]
-            masked = np.full(E, -np.inf)
-            for gi in groups:
-                masked[gi * per:(gi + 1) * per] = sc[n, gi * per:(gi + 1) * per]
-            idx = np.argsort(-masked, kind="stable")[:K]
+            idx = self.top_experts(sc[n], E, per, np.argsort(-gs[n], kind="stable")[:TG], K)
             wts = s[n, idx] / (s[n, idx].sum() + 1e-20) * self.scaling_factor
             for e, wt in zip(idx, wts):
                 hgu = gu[e] @ xf[n]
@@ -516,10 +478,7 @@ def checkpoint_layout(path):
 
 def make_one(name, out_root, device, seed, results):
     mixers, q_lora_rank, groups, scaling, shared, original_format, top_k, bf16_weights = VARIANTS[name]
-    out_dir = os.path.join(out_root, name)
-    tmp_dir = out_dir + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
+    out_dir, tmp_dir = common.fresh_tmp_dir(out_root, name)
     print(f"\n=== {name}: mixers {mixers}, q_lora_rank {q_lora_rank}, groups {groups}, scaling {scaling}, "
           f"shared experts {shared}, save_original_format={original_format}, top {top_k}, bf16 weights {bf16_weights}")
     warn = []
@@ -548,17 +507,7 @@ def make_one(name, out_root, device, seed, results):
     pm.train()
     expert_keys = expert_adapter_keys(pm)
     adapter_dir = os.path.join(tmp_dir, "adapter")
-    pm.save_pretrained(adapter_dir)
-    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), "pt") as f:
-        adapter = {k: f.get_tensor(k) for k in f.keys()}
-    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-        acfg = json.load(f)
-    for k in ("target_modules", "target_parameters"):
-        if isinstance(acfg.get(k), list):
-            acfg[k] = sorted(acfg[k])
-    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
-        json.dump(acfg, f, indent=2, sort_keys=True)
-        f.write("\n")
+    adapter, acfg = common.save_peft_adapter(pm, adapter_dir)
     check(acfg.get("r") == LORA_RANK and acfg.get("lora_alpha") == LORA_ALPHA and not acfg.get("use_rslora"),
           f"adapter_config.json: unexpected r/alpha/rslora: {acfg}")
     print(f"  adapter: target_modules={acfg.get('target_modules')} target_parameters={acfg.get('target_parameters')}")
@@ -572,113 +521,39 @@ def make_one(name, out_root, device, seed, results):
         ids, labels = make_batch(COMMON["vocab_size"], seed + 100 + attempt)
         with torch.no_grad():
             _, _, store = forward(pm, ids.to(device), labels.to(device))
-        margin = math.inf
-        for L in moe_layers:
-            gate = layers[L].mlp.gate
-            chosen, m = mf.routing_margins(store[f"router_in.layers.{L}"], gate.weight, gate.e_score_correction_bias, ns)
-            hf = [sorted(row) for row in store[f"router.layers.{L}.raw_index"].cpu().tolist()]
-            check(chosen == hf, f"layer {L}: HF routing differs from the documented algorithm")
-            margin = min(margin, m)
+        margin = common.smallest_routing_margin(store, moe_layers, lambda L: layers[L].mlp.gate, ns)
         if margin >= mf.MIN_ROUTING_MARGIN:
             break
     else:
         fail(f"no batch with routing margin >= {mf.MIN_ROUTING_MARGIN} in {mf.MAX_DATA_TRIES} tries")
     print(f"  batch seed {seed + 100 + attempt}, smallest routing margin {margin:.3e}")
 
-    ids_d, labels_d = ids.to(device), labels.to(device)
-    pm.zero_grad(set_to_none=True)
-    logits, loss, store = forward(pm, ids_d, labels_d)
-    loss.backward()
-    n_targets = int((labels != IGNORE).sum())
-    print(f"  loss {loss.item():.6f} over {n_targets} targets (ln V = {math.log(COMMON['vocab_size']):.4f})")
-    pm.eval()
-    with torch.no_grad():
-        logits_eval = pm(input_ids=ids_d, use_cache=False).logits
-    pm.train()
-    check(torch.equal(logits_eval, logits.detach()), "eval-mode logits differ from train-mode logits")
+    ids_d, logits, loss, store = common.forward_backward(pm, lambda i, lab: forward(pm, i, lab), ids, labels, device,
+                                                         COMMON["vocab_size"])
+    common.check_eval_equals_train(pm, ids_d, logits, use_cache=False)
 
-    grads = {}
-    for pname, p in pm.named_parameters():
-        if not p.requires_grad:
-            continue
-        key = pname.replace(".default.", ".")
-        check(key in adapter, f"trainable {pname} -> {key} is not a key of adapter_model.safetensors")
-        check(p.grad is not None and bool(p.grad.abs().max() > 0), f"{key}: no or all-zero gradient (vacuous test)")
-        grads[key] = p.grad.detach().cpu().float().clone()
-    check(set(grads) == set(adapter), f"adapter keys without gradient: {sorted(set(adapter) - set(grads))}")
+    grads = common.collect_grads(pm, adapter)
 
     # Reported checks: reload, numpy reference, central differences.
-    try:
-        base2 = KimiLinearForCausalLM.from_pretrained(tmp_dir, attn_implementation="eager",
-                                                      experts_implementation="eager", dtype=torch.float32).to(device)
-        pm2 = PeftModel.from_pretrained(base2, adapter_dir)
-        pm2.train()
-        with torch.no_grad():
-            diff = (pm2(input_ids=ids_d, use_cache=False).logits - logits.detach()).abs().max().item()
-        print(f"  reload through from_pretrained + PeftModel.from_pretrained: max |dlogits| = {diff:.2e}")
-        if diff > 1e-5:
-            warn.append(f"reloaded logits differ by {diff:.2e}")
-    except Exception as exc:  # noqa: BLE001 - reported, the C++ test is the judge
-        warn.append(f"reload failed: {type(exc).__name__}: {exc}")
+    common.reload_check(KimiLinearForCausalLM, tmp_dir, adapter_dir, device, ids_d, logits, warn, use_cache=False)
 
     ids_np, labels_np = ids.numpy(), labels.numpy()
     try:
         ref = KimiNumpyReference(tmp_dir, adapter_dir, mixers, q_lora_rank, groups, scaling, shared, top_k, roles,
                                  expert_keys)
         ref_logits = ref.logits(ids_np)
-        unused = sorted(set(adapter) - ref.used)
-        if unused:
-            warn.append(f"numpy reference did not use adapter keys {unused[:4]}...")
-        lg = logits.detach().cpu().double().numpy()
-        err = np.abs(ref_logits - lg).max() / max(1.0, np.abs(ref_logits).max())
-        ref_loss = mf.NumpyReference.loss(ref_logits, labels_np)
-        print(f"  numpy float64 reference: max |dlogits|/max|logits| = {err:.2e}, loss {ref_loss:.8f}")
-        if err > 1e-4 or abs(ref_loss - loss.item()) > 1e-5 * abs(ref_loss):
-            warn.append(f"numpy reference differs: logits {err:.2e}, loss {ref_loss} vs {loss.item()}")
-        else:
-            gen = np.random.default_rng(seed)
+
+        def probes():
             kda_keys = sorted(k for k in adapter if f".{roles['f_b']}." in k or f".{roles['b']}." in k)
-            probes = kda_keys[:2] + sorted(k for k in adapter if "lora_A" in k)[:1] + [
+            return kda_keys[:2] + sorted(k for k in adapter if "lora_A" in k)[:1] + [
                 ADAPTER_PREFIX + expert_keys["gate_up_proj"].format(L=moe_layers[-1]) + ".lora_B.weight"]
-            worst = 0.0
-            for key in probes:
-                g = grads[key].numpy()
-                idx = np.unravel_index(int(np.argmax(np.abs(g))) if gen.random() < 0.5 else int(gen.integers(g.size)),
-                                       g.shape)
-                orig = ref.ad[key].copy()
-                vals = []
-                for sgn in (1, -1):
-                    pert = orig.copy()
-                    pert[idx] += sgn * 1e-5
-                    ref.override(key, pert)
-                    vals.append(mf.NumpyReference.loss(ref.logits(ids_np), labels_np))
-                ref.override(key, orig)
-                fd = (vals[0] - vals[1]) / 2e-5
-                rel = abs(fd - g[idx]) / max(abs(fd), 1e-3)
-                worst = max(worst, rel)
-            print(f"  central differences on {len(probes)} entries: worst relative error {worst:.2e}")
-            if worst > 2e-2:
-                warn.append(f"central differences disagree with autograd (worst {worst:.2e})")
+        common.reference_checks(ref, ref_logits, mf.NumpyReference.loss, adapter, logits, loss, ids_np, labels_np,
+                                grads, probes, seed, warn)
     except Exception as exc:  # noqa: BLE001
         warn.append(f"numpy reference failed: {type(exc).__name__}: {exc}")
 
-    golden = {
-        "input_ids": ids.to(torch.int32).contiguous(),
-        "labels": labels.to(torch.int32).contiguous(),
-        "logits": logits.detach().cpu().float().contiguous(),
-        "loss": torch.tensor([loss.item()], dtype=torch.float32),
-    }
-    for key, g in grads.items():
-        golden[f"grad.{key}"] = g.contiguous()
-    for key, v in store.items():
-        if key.startswith(("hidden.", "attn_out.", "mlp_out.")):
-            golden[key] = v.cpu().float().contiguous()
-    for L in moe_layers:
-        idx = store[f"router.layers.{L}.raw_index"].cpu()
-        wts = store[f"router.layers.{L}.raw_weight"].cpu()
-        order = torch.argsort(idx, dim=-1)
-        golden[f"router.layers.{L}.topk_index"] = torch.gather(idx, 1, order).to(torch.int32).contiguous()
-        golden[f"router.layers.{L}.topk_weight"] = torch.gather(wts, 1, order).float().contiguous()
+    golden = common.golden_tensors(ids, labels, logits, loss, grads, store, ("hidden.", "attn_out.", "mlp_out."),
+                                   moe_layers)
     meta = {
         "generator": "scripts/make_fixtures_kimi_linear.py", "torch": torch.__version__,
         "transformers": transformers.__version__, "peft": peft.__version__, "device": str(device),
@@ -688,61 +563,20 @@ def make_one(name, out_root, device, seed, results):
         "expert_adapter_keys": json.dumps(expert_keys, sort_keys=True), "warnings": json.dumps(warn),
         "loss": f"{loss.item():.9e}",
     }
-    torch_save_file(golden, os.path.join(tmp_dir, "golden.safetensors"),
-                    metadata={"make_fixtures": json.dumps(meta, sort_keys=True)})
-
-    for f in os.listdir(tmp_dir):
-        if f not in ("config.json", "model.safetensors", "adapter", "golden.safetensors"):
-            p = os.path.join(tmp_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    for f in os.listdir(adapter_dir):
-        if f not in ("adapter_config.json", "adapter_model.safetensors"):
-            p = os.path.join(adapter_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-    print("  adapter tensors:")
-    for k in sorted(adapter):
-        print(f"    {k} {list(adapter[k].shape)}")
+    common.save_golden(golden, meta, tmp_dir)
+    common.publish(tmp_dir, adapter_dir, out_dir, adapter)
     results[name] = (loss.item(), warn)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="tests/fixtures/golden", help="output root (one directory per config)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--configs", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
-    args = ap.parse_args()
-    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"peft {peft.__version__}, safetensors {safetensors.__version__}, numpy {np.__version__}")
-    check(int(transformers.__version__.split(".")[0]) >= 5, "needs transformers 5.x")
-    if args.device == "cuda":
-        check(torch.cuda.is_available(), "--device cuda but CUDA is not available")
-        torch.backends.cuda.matmul.allow_tf32 = False
-    torch.use_deterministic_algorithms(True)
-    device = torch.device(args.device)
-    names = [n for n in args.configs.split(",") if n]
-    for n in names:
-        check(n in VARIANTS, f"unknown config {n!r}; known: {', '.join(VARIANTS)}")
-    os.makedirs(args.out, exist_ok=True)
+    args = common.parse_args(__doc__, VARIANTS)
+    device, names, _ = common.start(args, VARIANTS, cudnn_tf32=False)
     results = {}
     for n in names:
         make_one(n, args.out, device, args.seed, results)
 
-    print("\n=== summary")
-    total = 0
-    for n in names:
-        for root, _, files in sorted(os.walk(os.path.join(args.out, n))):
-            for f in sorted(files):
-                p = os.path.join(root, f)
-                total += os.path.getsize(p)
-                print(f"  {mf.human(os.path.getsize(p)):>10}  {p}")
-    print(f"  {mf.human(total):>10}  total")
-    for n, (loss, warn) in results.items():
-        print(f"  {n}: loss {loss:.8f}; checks: " + ("PASS (reload, numpy reference, central differences)"
-                                                    if not warn else "WARN: " + " | ".join(warn)))
-    check(total < 2 << 20, f"fixtures are {mf.human(total)}, budget is 2 MiB")
+    total = common.summary(args.out, names)
+    common.report(results, "reload, numpy reference, central differences", total, 2)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,15 @@ installs it, and without it this test fails saying so).
     plot_metrics_test.py --moetrain BUILD/apps/moetrain --source REPO --work SCRATCH_DIR
 """
 
-import argparse
 import json
 import math
 import os
 import re
-import shutil
 import struct
 import subprocess
 import sys
+
+import script_test_args
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 6
@@ -56,14 +56,8 @@ def check_png(path, min_bytes=8000, min_side=300):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--moetrain", required=True)
-    parser.add_argument("--source", required=True)
-    parser.add_argument("--work", required=True)
-    args = parser.parse_args()
+    args = script_test_args.parse_args()
     plot_script = os.path.join(args.source, "scripts", "plot_metrics.py")
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
 
     probe = run([sys.executable, plot_script, "--check"])
     if probe.returncode != 0:

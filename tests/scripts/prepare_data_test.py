@@ -5,11 +5,11 @@ data without a single target token; the `bytes` tokenizer's output read back by
 `moetrain data-stats`.
 
 usage: prepare_data_test.py --source REPO --moetrain MOETRAIN --work DIR"""
-import argparse
 import os
-import shutil
 import subprocess
 import sys
+
+import script_test_args
 
 
 def run(args, work, *extra):
@@ -26,14 +26,8 @@ def expect_one_line_error(result, what, expected):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--source", required=True)
-    parser.add_argument("--moetrain", required=True)
-    parser.add_argument("--work", required=True)
-    args = parser.parse_args()
+    args = script_test_args.parse_args()
     work = args.work
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
 
     expect_one_line_error(run(args, work, "--input", "absent.jsonl", "--output", "out"), "missing input",
                           "cannot read --input absent.jsonl: No such file or directory")
