@@ -1,36 +1,18 @@
 // The CPU reference backend: the public entry of every op. Each method checks its arguments
 // against the op's contract (kernels/op_contracts.h) under the CPU's rules (HostRules: host
 // tensors, one compute dtype, index values read and range-checked), then dispatches on the
-// compute dtype (F32 -> float, F64 -> double) to the templated functions in
-// kernels/cpu/<family>.h, which hold the arithmetic. A failed check is a bug in the caller:
+// compute dtype (F32 -> float, F64 -> double) to the templated functions of
+// kernels/cpu/reference.h, which hold the arithmetic. A failed check is a bug in the caller:
 // Error(kInternal) naming the op, the argument and both shapes. (Bad token ids are the one
 // user-data error here: embedding_forward throws kBadData.)
 //
 // Every op that takes an argument struct has the same entry, written once from the op list
-// (kernels/op_list.h): check_<op>(rules, args), then reference::<op><T>(args). The ops with
-// plain parameters are written out.
+// (kernels/op_list.h): check_<op>(rules, args), then cpu::<op><T>(args). The ops with plain
+// parameters are written out.
 #include <optional>
 #include <string>
 
-#include "kernels/cpu/adamw.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/attention_gate.h"
-#include "kernels/cpu/cross_entropy.h"
-#include "kernels/cpu/dense.h"
-#include "kernels/cpu/dsa.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/kda.h"
-#include "kernels/cpu/kda_gate.h"
-#include "kernels/cpu/kda_norms.h"
-#include "kernels/cpu/moe.h"
-#include "kernels/cpu/mxfp4.h"
-#include "kernels/cpu/rmsnorm.h"
-#include "kernels/cpu/rope.h"
-#include "kernels/cpu/router.h"
-#include "kernels/cpu/short_conv.h"
-#include "kernels/cpu/attn_res.h"
-#include "kernels/cpu/situ.h"
-#include "kernels/cpu/swiglu.h"
+#include "kernels/cpu/reference.h"
 #include "kernels/arg_checks.h"
 #include "kernels/op_contracts.h"
 #include "kernels/op_list.h"
@@ -124,40 +106,6 @@ auto dispatch(const char* op, DType dtype, F&& f) {
                    " is not supported by the CPU backend (F32 or F64; convert bf16/f16 weights first)");
   }
 }
-
-// reference::<op><T>(args): the function that computes an op in T. It is the function of the same
-// name in kernels/cpu (found through the using-directive), except for the ops defined here, which
-// qualified lookup finds first.
-namespace reference {
-using namespace cpu;
-
-// The chunked form, which the GPU kernels compute too (the recurrent one is the tests' oracle).
-template <typename T>
-void kda_forward(const KdaArgs& args) {
-  kda_chunked_forward<T>(args);
-}
-template <typename T>
-void kda_backward(const KdaBackwardArgs& args) {
-  kda_chunked_backward<T>(args);
-}
-
-// An MXFP4 b (ops.h) is dequantized, then the plain grouped GEMM runs.
-template <typename T>
-void grouped_gemm(const GroupedGemmArgs& args) {
-  if (given(args.b_scale)) {
-    cpu::grouped_gemm_mxfp4<T>(args);
-  } else {
-    cpu::grouped_gemm<T>(args);
-  }
-}
-
-// Codes and scales are bytes: T is unused.
-template <typename T>
-void random_mxfp4(const RandomMxfp4Args& args) {
-  cpu::random_mxfp4(args);
-}
-
-}  // namespace reference
 
 // Calls f(T{}) with T the call's compute dtype. An op whose contract names no floating operand
 // (random_mxfp4's codes, moe_permutation's indices) has none: its reference does not depend on T
@@ -274,7 +222,7 @@ class CpuBackend final : public Backend {
   void op(const Args& args) override {                                                  \
     HostRules rules;                                                                    \
     check_##op(rules, args);                                                            \
-    dispatch(#op, rules, [&](auto t) { reference::op<decltype(t)>(args); });            \
+    dispatch(#op, rules, [&](auto t) { cpu::op<decltype(t)>(args); });            \
   }
   MOETRAIN_STRUCT_OPS(MOETRAIN_CPU_OP)
 #undef MOETRAIN_CPU_OP

@@ -516,7 +516,7 @@ class CudaBackend final : public Backend {
   }
   // ---- KDA end
 
-  // ---- DSA (kernels/cuda/dsa*.cu, sparse_attention.cu; the CPU reference is kernels/cpu/dsa.h) ----
+  // ---- DSA (kernels/cuda/dsa*.cu, sparse_attention.cu; the CPU reference is kernels/cpu/dsa.cpp) ----
   void layernorm_forward(const LayerNormArgs& args) override {
     check_layernorm_forward(rules_, args);
     cuda_ops::layernorm_forward(args, stream_);
