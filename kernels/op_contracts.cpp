@@ -162,6 +162,9 @@ void check_grouped_gemm(OperandRules& rules, const GroupedGemmArgs& args) {
   expect_ndim(op, "a", args.a, 2);
   rules.offsets(op, "group_offsets", args.group_offsets, args.a.size(0), "groups");
   expect_grouped_gemm_shapes(op, args, args.group_offsets.numel() - 1);
+  if (args.host_group_offsets != nullptr) {
+    rules.host_offsets(op, "group_offsets", args.host_group_offsets, args.group_offsets, args.a.size(0));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -226,6 +229,8 @@ void check_rope(OperandRules& rules, const RopeArgs& args, int64_t max_rope_dim)
   expect_rope_shapes(op, args, width);
 }
 
+void check_rope(OperandRules& rules, const RopeArgs& args) { check_rope(rules, args, /*max_rope_dim=*/0); }
+
 namespace {
 
 // Keys with segments of their own (AttentionArgs::cu_seqlens_k): offsets over k's tokens, as many
@@ -272,11 +277,9 @@ void check_swiglu_forward(OperandRules& rules, const TensorView& h, const Tensor
   expect_swiglu_shapes(op, h, gate_up);
 }
 
-
 void check_swiglu_backward(OperandRules& rules, const SwigluBackwardArgs& args) {
   check_gated_unit_backward(rules, "swiglu_backward", args.dgate_up, args.dh, args.gate_up);
 }
-
 
 void check_attn_res_forward(OperandRules& rules, const AttnResArgs& args) {
   const char* op = "attn_res_forward";

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/base/tensor.h"
+#include "kernels/op_list.h"
 #include "kernels/ops.h"
 
 namespace moetrain::kernels {
@@ -35,6 +36,11 @@ class OperandRules {
   // A sparse attention's topk_index rows are causal selections (ops.h), on a backend that reads
   // index tensors.
   virtual void selection(const char* op, const TensorView& topk_index) = 0;
+  // The caller's host copy `host` of the offsets `device` (checked by offsets() already): equal to
+  // the device values on a backend that reads them, prefix sums over `total` rows on one that
+  // does not.
+  virtual void host_offsets(const char* op, const char* name, const int32_t* host, const TensorView& device,
+                            int64_t total) = 0;
 
   // On the backend's device, with memory unless it has no elements.
   void placed(const char* op, const char* name, const TensorView& t) const;
@@ -45,71 +51,31 @@ class OperandRules {
   Device device_;
 };
 
-// Utilities
+// check_<op>(rules, args) for every op that takes an argument struct (kernels/op_list.h).
+#define MOETRAIN_DECLARE_CHECK(op, Args) void check_##op(OperandRules& rules, const Args& args);
+MOETRAIN_STRUCT_OPS(MOETRAIN_DECLARE_CHECK)
+#undef MOETRAIN_DECLARE_CHECK
+// rope with the largest rope_dim the backend's kernel takes, 0 for no limit (the two-argument
+// form above has none).
+void check_rope(OperandRules& rules, const RopeArgs& args, int64_t max_rope_dim);
+
+// The ops with plain parameters, given those the contract is about. `op` names the entry point of
+// embedding_forward (it or a variant of it).
 void check_convert(OperandRules& rules, const TensorView& dst, const TensorView& src);
 void check_fill(OperandRules& rules, const TensorView& dst);
-void check_random_mxfp4(OperandRules& rules, const RandomMxfp4Args& args);
 void check_axpby(OperandRules& rules, const TensorView& y, const TensorView& x);
 void check_sum_squares(OperandRules& rules, const TensorView& x);
-void check_copy_columns(OperandRules& rules, const CopyColumnsArgs& args);
-void check_copy_block(OperandRules& rules, const CopyBlockArgs& args);
 void check_sum_over_heads(OperandRules& rules, const TensorView& dst, const TensorView& src);
-void check_gemm(OperandRules& rules, const GemmArgs& args);
-// Not args.host_group_offsets: how a backend checks it depends on whether it read the device copy.
-void check_grouped_gemm(OperandRules& rules, const GroupedGemmArgs& args);
-
-// Dense layers. `op` names the entry point (embedding_forward or a variant of it).
 void check_embedding_forward(OperandRules& rules, const char* op, const TensorView& out, const TensorView& table,
                              const TensorView& ids);
 void check_embedding_backward(OperandRules& rules, const TensorView& dtable, const TensorView& dout,
                               const TensorView& ids);
-void check_rmsnorm_forward(OperandRules& rules, const RmsNormArgs& args);
-void check_rmsnorm_backward(OperandRules& rules, const RmsNormBackwardArgs& args);
-// max_rope_dim: the largest rope_dim the backend's kernel takes, 0 for no limit.
-void check_rope(OperandRules& rules, const RopeArgs& args, int64_t max_rope_dim);
-void check_attention_forward(OperandRules& rules, const AttentionArgs& args);
-void check_attention_backward(OperandRules& rules, const AttentionBackwardArgs& args);
 void check_swiglu_forward(OperandRules& rules, const TensorView& h, const TensorView& gate_up);
-void check_swiglu_backward(OperandRules& rules, const SwigluBackwardArgs& args);
-void check_attn_res_forward(OperandRules& rules, const AttnResArgs& args);
-void check_attn_res_backward(OperandRules& rules, const AttnResBackwardArgs& args);
-void check_situ_forward(OperandRules& rules, const SituArgs& args);
-void check_situ_backward(OperandRules& rules, const SituBackwardArgs& args);
-
-// MoE, loss, optimizer
-void check_router_forward(OperandRules& rules, const RouterArgs& args);
-void check_router_backward(OperandRules& rules, const RouterBackwardArgs& args);
-void check_aux_loss(OperandRules& rules, const AuxLossArgs& args);
-void check_moe_permutation(OperandRules& rules, const MoePermutationArgs& args);
 void check_moe_permute(OperandRules& rules, const TensorView& out, const TensorView& x, const TensorView& sorted_pair,
                        int64_t top_k);
 void check_moe_unpermute_sum(OperandRules& rules, const TensorView& dx, const TensorView& drows,
                              const TensorView& pair_row, int64_t top_k);
-void check_moe_combine(OperandRules& rules, const MoeCombineArgs& args);
-void check_moe_combine_backward(OperandRules& rules, const MoeCombineBackwardArgs& args);
-void check_cross_entropy(OperandRules& rules, const CrossEntropyArgs& args);
-void check_adamw(OperandRules& rules, const AdamWArgs& args);
-
-// KDA family
-void check_short_conv_forward(OperandRules& rules, const ShortConvArgs& args);
-void check_short_conv_backward(OperandRules& rules, const ShortConvBackwardArgs& args);
-void check_l2norm_forward(OperandRules& rules, const L2NormArgs& args);
-void check_l2norm_backward(OperandRules& rules, const L2NormBackwardArgs& args);
-void check_kda_gate_forward(OperandRules& rules, const KdaGateArgs& args);
-void check_kda_gate_backward(OperandRules& rules, const KdaGateBackwardArgs& args);
-void check_kda_forward(OperandRules& rules, const KdaArgs& args);
-void check_kda_backward(OperandRules& rules, const KdaBackwardArgs& args);
-void check_gated_rmsnorm_forward(OperandRules& rules, const GatedRmsNormArgs& args);
-void check_gated_rmsnorm_backward(OperandRules& rules, const GatedRmsNormBackwardArgs& args);
 void check_sigmoid_forward(OperandRules& rules, const TensorView& y, const TensorView& x);
 void check_sigmoid_backward(OperandRules& rules, const TensorView& dx, const TensorView& dy, const TensorView& y);
-
-// DSA family
-void check_layernorm_forward(OperandRules& rules, const LayerNormArgs& args);
-void check_dsa_indexer_topk(OperandRules& rules, const DsaIndexerArgs& args);
-void check_sparse_attention_forward(OperandRules& rules, const SparseAttentionArgs& args);
-void check_sparse_attention_backward(OperandRules& rules, const SparseAttentionBackwardArgs& args);
-void check_attention_gate_forward(OperandRules& rules, const AttentionGateArgs& args);
-void check_attention_gate_backward(OperandRules& rules, const AttentionGateBackwardArgs& args);
 
 }  // namespace moetrain::kernels

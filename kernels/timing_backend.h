@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/op_list.h"
 #include "kernels/ops.h"
 
 namespace moetrain::kernels {
@@ -63,64 +64,22 @@ class TimingBackend : public Backend {
   void reset_peak_memory() override { inner_.reset_peak_memory(); }
   void* stream() override { return inner_.stream(); }
 
+  // Every op is forwarded, timed under its own name (the row names of the file comment).
   void copy(const TensorView& dst, const TensorView& src) override;
   Allocator& pinned_allocator() override { return inner_.pinned_allocator(); }
   void copy_async(const TensorView& dst, const TensorView& src) override;
   std::unique_ptr<QueueEvent> record_event() override { return inner_.record_event(); }
-  void convert(const TensorView& dst, const TensorView& src) override;
-  void fill(const TensorView& dst, double value) override;
-  void random_mxfp4(const RandomMxfp4Args& args) override;
-  void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override;
-  double sum_squares(const TensorView& x) override;
-  void copy_columns(const CopyColumnsArgs& args) override;
-  void copy_block(const CopyBlockArgs& args) override;
-  void sum_over_heads(const TensorView& dst, const TensorView& src) override;
-  void gemm(const GemmArgs& args) override;
-  void grouped_gemm(const GroupedGemmArgs& args) override;
-  void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override;
-  void embedding_forward_checked_ids(const TensorView& out, const TensorView& table, const TensorView& ids) override;
-  void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) override;
-  void rmsnorm_forward(const RmsNormArgs& args) override;
-  void rmsnorm_backward(const RmsNormBackwardArgs& args) override;
-  void rope(const RopeArgs& args) override;
-  void attention_forward(const AttentionArgs& args) override;
-  void attention_backward(const AttentionBackwardArgs& args) override;
-  void swiglu_forward(const TensorView& h, const TensorView& gate_up) override;
-  void swiglu_backward(const SwigluBackwardArgs& args) override;
-  void attn_res_forward(const AttnResArgs& args) override;
-  void attn_res_backward(const AttnResBackwardArgs& args) override;
-  void situ_forward(const SituArgs& args) override;
-  void situ_backward(const SituBackwardArgs& args) override;
-  void router_forward(const RouterArgs& args) override;
-  void router_backward(const RouterBackwardArgs& args) override;
-  void aux_loss(const AuxLossArgs& args) override;
-  void moe_permutation(const MoePermutationArgs& args) override;
-  void moe_permute(const TensorView& out, const TensorView& x, const TensorView& sorted_pair,
-                   int64_t top_k) override;
-  void moe_unpermute_sum(const TensorView& dx, const TensorView& drows, const TensorView& pair_row, int64_t top_k,
-                         bool accumulate) override;
-  void moe_combine(const MoeCombineArgs& args) override;
-  void moe_combine_backward(const MoeCombineBackwardArgs& args) override;
-  void cross_entropy(const CrossEntropyArgs& args) override;
-  void adamw(const AdamWArgs& args) override;
-  void short_conv_forward(const ShortConvArgs& args) override;
-  void short_conv_backward(const ShortConvBackwardArgs& args) override;
-  void l2norm_forward(const L2NormArgs& args) override;
-  void l2norm_backward(const L2NormBackwardArgs& args) override;
-  void kda_gate_forward(const KdaGateArgs& args) override;
-  void kda_gate_backward(const KdaGateBackwardArgs& args) override;
-  void kda_forward(const KdaArgs& args) override;
-  void kda_backward(const KdaBackwardArgs& args) override;
-  void gated_rmsnorm_forward(const GatedRmsNormArgs& args) override;
-  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) override;
-  void sigmoid_forward(const TensorView& y, const TensorView& x) override;
-  void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorView& y) override;
-  void layernorm_forward(const LayerNormArgs& args) override;
-  void dsa_indexer_topk(const DsaIndexerArgs& args) override;
-  void sparse_attention_forward(const SparseAttentionArgs& args) override;
-  void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override;
-  void attention_gate_forward(const AttentionGateArgs& args) override;
-  void attention_gate_backward(const AttentionGateBackwardArgs& args) override;
+  void embedding_forward_checked_ids(const TensorView& out, const TensorView& table, const TensorView& ids) override {
+    timed("embedding_forward", [&] { inner_.embedding_forward_checked_ids(out, table, ids); });
+  }
+#define MOETRAIN_TIMED_STRUCT_OP(op, Args) \
+  void op(const Args& args) override { timed(row_name(#op, args), [&] { inner_.op(args); }); }
+#define MOETRAIN_TIMED_PLAIN_OP(Return, op, parameters, arguments) \
+  Return op parameters override { return timed(#op, [&] { return inner_.op arguments; }); }
+  MOETRAIN_STRUCT_OPS(MOETRAIN_TIMED_STRUCT_OP)
+  MOETRAIN_PLAIN_OPS(MOETRAIN_TIMED_PLAIN_OP)
+#undef MOETRAIN_TIMED_STRUCT_OP
+#undef MOETRAIN_TIMED_PLAIN_OP
 
  private:
   struct Total {
@@ -141,6 +100,15 @@ class TimingBackend : public Backend {
   };
 
   void record(const char* op, std::chrono::steady_clock::time_point start);
+
+  // The row an op's call is charged to: the op's name, or its variant's (the file comment).
+  template <typename Args>
+  static const char* row_name(const char* op, const Args&) {
+    return op;
+  }
+  static const char* row_name(const char*, const GroupedGemmArgs& args) {
+    return args.kind == GroupedGemmKind::kMGrouped ? "grouped_gemm (m-grouped)" : "grouped_gemm (k-grouped)";
+  }
 
   // Runs `call` (a forwarding lambda) and charges it to `op`; returns what it returns.
   template <typename Call>

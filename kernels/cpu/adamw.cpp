@@ -1,4 +1,9 @@
-#include "kernels/cpu/adamw.h"
+// AdamW, in place, with PyTorch's torch.optim.AdamW semantics (decoupled weight decay, bias
+// correction), CPU reference (contract: kernels/ops.h, AdamWArgs). Per element:
+//   param *= 1 - lr * weight_decay
+//   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+//   param -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+#include "kernels/cpu/reference.h"
 
 #include <cmath>
 

@@ -1,7 +1,8 @@
-// Causal attention on the CPU: the reference every other attention kernel is tested against.
-// Loops run query row by query row inside each (segment, head); sums are taken in double in a
-// fixed order, so results do not depend on anything but the inputs.
-#include "kernels/cpu/attention.h"
+// Causal softmax attention within cu_seqlens segments, forward and backward (see AttentionArgs
+// in kernels/ops.h), CPU reference: the one every other attention kernel is tested against.
+// Loops run query row by query row inside each (segment, head), never a [T, T] matrix; sums are
+// taken in double in a fixed order, so results do not depend on anything but the inputs.
+#include "kernels/cpu/reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -88,6 +89,8 @@ double dot(const T* a, const T* b, int64_t n) {
 
 }  // namespace
 
+// out and lse are overwritten. lse[t, h] = log sum_s exp(scale * q[t, h] . k[s, h]) over the
+// keys t attends to (natural log, the scale included), in T (the accumulation dtype on the CPU).
 template <typename T>
 void attention_forward(const AttentionArgs& args) {
   const AttentionDims d = attention_dims(args.q, args.k, args.v);
@@ -133,6 +136,8 @@ void attention_forward(const AttentionArgs& args) {
   }
 }
 
+// dq, dk, dv are overwritten. P is recomputed from q, k and the saved lse;
+// D[t] = dout[t] . out[t], dS = P * (dP - D), dq = scale * dS . k, dk = scale * dS^T . q, dv = P^T . dout.
 template <typename T>
 void attention_backward(const AttentionBackwardArgs& args) {
   const AttentionDims d = attention_dims(args.q, args.k, args.v);

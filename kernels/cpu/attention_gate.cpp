@@ -1,4 +1,7 @@
-#include "kernels/cpu/attention_gate.h"
+// The attention output gate, CPU reference (contract: kernels/ops.h, AttentionGateArgs):
+//   y = x * s,  s = sigmoid(gate)   per element, or per (token, head) when headwise
+//   dx = dy * s,  dgate = dy * x * s * (1 - s)   (summed over the head's columns when headwise)
+#include "kernels/cpu/reference.h"
 
 #include <cmath>
 
@@ -21,6 +24,7 @@ void attention_gate_forward(const AttentionGateArgs& args) {
   }
 }
 
+// dx and dgate overwritten; dx may alias dy (each (token, head) reads dy before writing dx).
 template <typename T>
 void attention_gate_backward(const AttentionGateBackwardArgs& args) {
   const int64_t rows = args.x.size(0) * args.x.size(1), dim = args.x.size(2);

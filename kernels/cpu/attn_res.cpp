@@ -1,4 +1,7 @@
-#include "kernels/cpu/attn_res.h"
+// Block Attention Residuals' depth mix, CPU reference (contract: kernels/ops.h, AttnResArgs).
+// One row at a time: the m keys' scales and scores, their softmax, then the weighted sum; the
+// backward recomputes the scales and scores from the values and the saved probabilities.
+#include "kernels/cpu/reference.h"
 
 #include <algorithm>
 #include <cmath>

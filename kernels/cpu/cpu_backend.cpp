@@ -1,34 +1,21 @@
 // The CPU reference backend: the public entry of every op. Each method checks its arguments
 // against the op's contract (kernels/op_contracts.h) under the CPU's rules (HostRules: host
 // tensors, one compute dtype, index values read and range-checked), then dispatches on the
-// compute dtype (F32 -> float, F64 -> double) to the templated functions in
-// kernels/cpu/<family>.h, which hold the arithmetic. A failed check is a bug in the caller:
+// compute dtype (F32 -> float, F64 -> double) to the templated functions of
+// kernels/cpu/reference.h, which hold the arithmetic. A failed check is a bug in the caller:
 // Error(kInternal) naming the op, the argument and both shapes. (Bad token ids are the one
 // user-data error here: embedding_forward throws kBadData.)
+//
+// Every op that takes an argument struct has the same entry, written once from the op list
+// (kernels/op_list.h): check_<op>(rules, args), then cpu::<op><T>(args). The ops with plain
+// parameters are written out.
 #include <optional>
 #include <string>
 
-#include "kernels/cpu/adamw.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/attention_gate.h"
-#include "kernels/cpu/cross_entropy.h"
-#include "kernels/cpu/dense.h"
-#include "kernels/cpu/dsa.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/kda.h"
-#include "kernels/cpu/kda_gate.h"
-#include "kernels/cpu/kda_norms.h"
-#include "kernels/cpu/moe.h"
-#include "kernels/cpu/mxfp4.h"
-#include "kernels/cpu/rmsnorm.h"
-#include "kernels/cpu/rope.h"
-#include "kernels/cpu/router.h"
-#include "kernels/cpu/short_conv.h"
-#include "kernels/cpu/attn_res.h"
-#include "kernels/cpu/situ.h"
-#include "kernels/cpu/swiglu.h"
+#include "kernels/cpu/reference.h"
 #include "kernels/arg_checks.h"
 #include "kernels/op_contracts.h"
+#include "kernels/op_list.h"
 #include "kernels/ops.h"
 
 namespace moetrain::kernels {
@@ -64,6 +51,17 @@ class HostRules final : public OperandRules {
                  std::to_string(bound) + ")");
   }
 
+  // The kernel reads the device values, checked by offsets(): the host copy must equal them.
+  void host_offsets(const char* op, const char* name, const int32_t* host, const TensorView& device,
+                    int64_t) override {
+    const int32_t* values = device.ptr<int32_t>();
+    for (int64_t i = 0; i < device.numel(); ++i) {
+      expect(host[i] == values[i], op,
+             "host_" + std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(host[i]) + " but " +
+                 name + " holds " + std::to_string(values[i]));
+    }
+  }
+
   // Each row t: keys in [0, t], strictly ascending, then only -1s.
   void selection(const char* op, const TensorView& topk_index) override {
     const int64_t top_k = topk_index.size(1);
@@ -91,6 +89,7 @@ class HostRules final : public OperandRules {
     MOETRAIN_ASSERT(dtype_.has_value(), "the op's contract named no floating operand");
     return *dtype_;
   }
+  bool has_dtype() const { return dtype_.has_value(); }
 
  private:
   std::optional<DType> dtype_;
@@ -105,6 +104,18 @@ auto dispatch(const char* op, DType dtype, F&& f) {
     default:
       fail(op, std::string("compute dtype ") + dtype_name(dtype) +
                    " is not supported by the CPU backend (F32 or F64; convert bf16/f16 weights first)");
+  }
+}
+
+// Calls f(T{}) with T the call's compute dtype. An op whose contract names no floating operand
+// (random_mxfp4's codes, moe_permutation's indices) has none: its reference does not depend on T
+// and runs as float.
+template <typename F>
+void dispatch(const char* op, const HostRules& rules, F&& f) {
+  if (rules.has_dtype()) {
+    dispatch(op, rules.dtype(), f);
+  } else {
+    f(float{});
   }
 }
 
@@ -139,12 +150,6 @@ class CpuBackend final : public Backend {
     cpu::fill(dst, value);
   }
 
-  void random_mxfp4(const RandomMxfp4Args& args) override {
-    HostRules rules;
-    check_random_mxfp4(rules, args);
-    cpu::random_mxfp4(args);
-  }
-
   void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) override {
     HostRules rules;
     check_axpby(rules, y, x);
@@ -157,50 +162,10 @@ class CpuBackend final : public Backend {
     return dispatch("sum_squares", rules.dtype(), [&](auto t) { return cpu::sum_squares<decltype(t)>(x); });
   }
 
-  void copy_columns(const CopyColumnsArgs& args) override {
-    HostRules rules;
-    check_copy_columns(rules, args);
-    dispatch("copy_columns", rules.dtype(), [&](auto t) { cpu::copy_columns<decltype(t)>(args); });
-  }
-
-  void copy_block(const CopyBlockArgs& args) override {
-    HostRules rules;
-    check_copy_block(rules, args);
-    dispatch("copy_block", rules.dtype(), [&](auto t) { cpu::copy_block<decltype(t)>(args); });
-  }
-
   void sum_over_heads(const TensorView& dst, const TensorView& src) override {
     HostRules rules;
     check_sum_over_heads(rules, dst, src);
     dispatch("sum_over_heads", rules.dtype(), [&](auto t) { cpu::sum_over_heads<decltype(t)>(dst, src); });
-  }
-
-  void gemm(const GemmArgs& args) override {
-    HostRules rules;
-    check_gemm(rules, args);
-    dispatch("gemm", rules.dtype(), [&](auto t) { cpu::gemm<decltype(t)>(args); });
-  }
-
-  void grouped_gemm(const GroupedGemmArgs& args) override {
-    const char* op = "grouped_gemm";
-    HostRules rules;
-    check_grouped_gemm(rules, args);
-    // The offsets the kernel reads were checked above; the caller's host copy must equal them.
-    if (args.host_group_offsets != nullptr) {
-      const int32_t* device = args.group_offsets.ptr<int32_t>();
-      for (int64_t i = 0; i < args.group_offsets.numel(); ++i) {
-        expect(args.host_group_offsets[i] == device[i], op,
-               "host_group_offsets[" + std::to_string(i) + "] = " + std::to_string(args.host_group_offsets[i]) +
-                   " but group_offsets holds " + std::to_string(device[i]));
-      }
-    }
-    dispatch(op, rules.dtype(), [&](auto t) {
-      if (given(args.b_scale)) {  // b packed (ops.h): dequantized, then the plain GEMM
-        cpu::grouped_gemm_mxfp4<decltype(t)>(args);
-      } else {
-        cpu::grouped_gemm<decltype(t)>(args);
-      }
-    });
   }
 
   void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) override {
@@ -218,94 +183,10 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void rmsnorm_forward(const RmsNormArgs& args) override {
-    HostRules rules;
-    check_rmsnorm_forward(rules, args);
-    dispatch("rmsnorm_forward", rules.dtype(), [&](auto t) { cpu::rmsnorm_forward<decltype(t)>(args); });
-  }
-
-  void rmsnorm_backward(const RmsNormBackwardArgs& args) override {
-    HostRules rules;
-    check_rmsnorm_backward(rules, args);
-    dispatch("rmsnorm_backward", rules.dtype(), [&](auto t) { cpu::rmsnorm_backward<decltype(t)>(args); });
-  }
-
-  void rope(const RopeArgs& args) override {
-    HostRules rules;
-    check_rope(rules, args, /*max_rope_dim=*/0);
-    dispatch("rope", rules.dtype(), [&](auto t) { cpu::rope<decltype(t)>(args); });
-  }
-
-  void attention_forward(const AttentionArgs& args) override {
-    HostRules rules;
-    check_attention_forward(rules, args);
-    dispatch("attention_forward", rules.dtype(), [&](auto t) { cpu::attention_forward<decltype(t)>(args); });
-  }
-
-  void attention_backward(const AttentionBackwardArgs& args) override {
-    HostRules rules;
-    check_attention_backward(rules, args);
-    dispatch("attention_backward", rules.dtype(), [&](auto t) { cpu::attention_backward<decltype(t)>(args); });
-  }
-
   void swiglu_forward(const TensorView& h, const TensorView& gate_up) override {
     HostRules rules;
     check_swiglu_forward(rules, h, gate_up);
     dispatch("swiglu_forward", rules.dtype(), [&](auto t) { cpu::swiglu_forward<decltype(t)>(h, gate_up); });
-  }
-
-  void swiglu_backward(const SwigluBackwardArgs& args) override {
-    HostRules rules;
-    check_swiglu_backward(rules, args);
-    dispatch("swiglu_backward", rules.dtype(), [&](auto t) { cpu::swiglu_backward<decltype(t)>(args); });
-  }
-
-  void attn_res_forward(const AttnResArgs& args) override {
-    HostRules rules;
-    check_attn_res_forward(rules, args);
-    dispatch("attn_res_forward", rules.dtype(), [&](auto t) { cpu::attn_res_forward<decltype(t)>(args); });
-  }
-
-  void attn_res_backward(const AttnResBackwardArgs& args) override {
-    HostRules rules;
-    check_attn_res_backward(rules, args);
-    dispatch("attn_res_backward", rules.dtype(), [&](auto t) { cpu::attn_res_backward<decltype(t)>(args); });
-  }
-
-  void situ_forward(const SituArgs& args) override {
-    HostRules rules;
-    check_situ_forward(rules, args);
-    dispatch("situ_forward", rules.dtype(), [&](auto t) { cpu::situ_forward<decltype(t)>(args); });
-  }
-
-  void situ_backward(const SituBackwardArgs& args) override {
-    HostRules rules;
-    check_situ_backward(rules, args);
-    dispatch("situ_backward", rules.dtype(), [&](auto t) { cpu::situ_backward<decltype(t)>(args); });
-  }
-
-  void router_forward(const RouterArgs& args) override {
-    HostRules rules;
-    check_router_forward(rules, args);
-    dispatch("router_forward", rules.dtype(), [&](auto t) { cpu::router_forward<decltype(t)>(args); });
-  }
-
-  void router_backward(const RouterBackwardArgs& args) override {
-    HostRules rules;
-    check_router_backward(rules, args);
-    dispatch("router_backward", rules.dtype(), [&](auto t) { cpu::router_backward<decltype(t)>(args); });
-  }
-
-  void aux_loss(const AuxLossArgs& args) override {
-    HostRules rules;
-    check_aux_loss(rules, args);
-    dispatch("aux_loss", rules.dtype(), [&](auto t) { cpu::aux_loss<decltype(t)>(args); });
-  }
-
-  void moe_permutation(const MoePermutationArgs& args) override {
-    HostRules rules;
-    check_moe_permutation(rules, args);
-    cpu::moe_permutation<float>(args);  // integers only: the element type is irrelevant
   }
 
   void moe_permute(const TensorView& out, const TensorView& x, const TensorView& sorted_pair,
@@ -324,90 +205,6 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void moe_combine(const MoeCombineArgs& args) override {
-    HostRules rules;
-    check_moe_combine(rules, args);
-    dispatch("moe_combine", rules.dtype(), [&](auto t) { cpu::moe_combine<decltype(t)>(args); });
-  }
-
-  void moe_combine_backward(const MoeCombineBackwardArgs& args) override {
-    HostRules rules;
-    check_moe_combine_backward(rules, args);
-    dispatch("moe_combine_backward", rules.dtype(), [&](auto t) { cpu::moe_combine_backward<decltype(t)>(args); });
-  }
-
-  void cross_entropy(const CrossEntropyArgs& args) override {
-    HostRules rules;
-    check_cross_entropy(rules, args);
-    dispatch("cross_entropy", rules.dtype(), [&](auto t) { cpu::cross_entropy<decltype(t)>(args); });
-  }
-
-  void adamw(const AdamWArgs& args) override {
-    HostRules rules;
-    check_adamw(rules, args);
-    dispatch("adamw", rules.dtype(), [&](auto t) { cpu::adamw<decltype(t)>(args); });
-  }
-
-  void short_conv_forward(const ShortConvArgs& args) override {
-    HostRules rules;
-    check_short_conv_forward(rules, args);
-    dispatch("short_conv_forward", rules.dtype(), [&](auto t) { cpu::short_conv_forward<decltype(t)>(args); });
-  }
-
-  void short_conv_backward(const ShortConvBackwardArgs& args) override {
-    HostRules rules;
-    check_short_conv_backward(rules, args);
-    dispatch("short_conv_backward", rules.dtype(), [&](auto t) { cpu::short_conv_backward<decltype(t)>(args); });
-  }
-
-  void l2norm_forward(const L2NormArgs& args) override {
-    HostRules rules;
-    check_l2norm_forward(rules, args);
-    dispatch("l2norm_forward", rules.dtype(), [&](auto t) { cpu::l2norm_forward<decltype(t)>(args); });
-  }
-
-  void l2norm_backward(const L2NormBackwardArgs& args) override {
-    HostRules rules;
-    check_l2norm_backward(rules, args);
-    dispatch("l2norm_backward", rules.dtype(), [&](auto t) { cpu::l2norm_backward<decltype(t)>(args); });
-  }
-
-  void kda_gate_forward(const KdaGateArgs& args) override {
-    HostRules rules;
-    check_kda_gate_forward(rules, args);
-    dispatch("kda_gate_forward", rules.dtype(), [&](auto t) { cpu::kda_gate_forward<decltype(t)>(args); });
-  }
-
-  void kda_gate_backward(const KdaGateBackwardArgs& args) override {
-    HostRules rules;
-    check_kda_gate_backward(rules, args);
-    dispatch("kda_gate_backward", rules.dtype(), [&](auto t) { cpu::kda_gate_backward<decltype(t)>(args); });
-  }
-
-  void kda_forward(const KdaArgs& args) override {
-    HostRules rules;
-    check_kda_forward(rules, args);
-    dispatch("kda_forward", rules.dtype(), [&](auto t) { cpu::kda_chunked_forward<decltype(t)>(args); });
-  }
-
-  void kda_backward(const KdaBackwardArgs& args) override {
-    HostRules rules;
-    check_kda_backward(rules, args);
-    dispatch("kda_backward", rules.dtype(), [&](auto t) { cpu::kda_chunked_backward<decltype(t)>(args); });
-  }
-
-  void gated_rmsnorm_forward(const GatedRmsNormArgs& args) override {
-    HostRules rules;
-    check_gated_rmsnorm_forward(rules, args);
-    dispatch("gated_rmsnorm_forward", rules.dtype(), [&](auto t) { cpu::gated_rmsnorm_forward<decltype(t)>(args); });
-  }
-
-  void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) override {
-    HostRules rules;
-    check_gated_rmsnorm_backward(rules, args);
-    dispatch("gated_rmsnorm_backward", rules.dtype(), [&](auto t) { cpu::gated_rmsnorm_backward<decltype(t)>(args); });
-  }
-
   void sigmoid_forward(const TensorView& y, const TensorView& x) override {
     HostRules rules;
     check_sigmoid_forward(rules, y, x);
@@ -420,47 +217,15 @@ class CpuBackend final : public Backend {
     dispatch("sigmoid_backward", rules.dtype(), [&](auto t) { cpu::sigmoid_backward<decltype(t)>(dx, dy, y); });
   }
 
-  void layernorm_forward(const LayerNormArgs& args) override {
-    HostRules rules;
-    check_layernorm_forward(rules, args);
-    dispatch("layernorm_forward", rules.dtype(), [&](auto t) { cpu::layernorm_forward<decltype(t)>(args); });
+  // The ops that take an argument struct.
+#define MOETRAIN_CPU_OP(op, Args)                                                       \
+  void op(const Args& args) override {                                                  \
+    HostRules rules;                                                                    \
+    check_##op(rules, args);                                                            \
+    dispatch(#op, rules, [&](auto t) { cpu::op<decltype(t)>(args); });            \
   }
-
-  void dsa_indexer_topk(const DsaIndexerArgs& args) override {
-    HostRules rules;
-    check_dsa_indexer_topk(rules, args);
-    dispatch("dsa_indexer_topk", rules.dtype(), [&](auto t) { cpu::dsa_indexer_topk<decltype(t)>(args); });
-  }
-
-  void sparse_attention_forward(const SparseAttentionArgs& args) override {
-    HostRules rules;
-    check_sparse_attention_forward(rules, args);
-    dispatch("sparse_attention_forward", rules.dtype(), [&](auto t) {
-      cpu::sparse_attention_forward<decltype(t)>(args);
-    });
-  }
-
-  void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override {
-    HostRules rules;
-    check_sparse_attention_backward(rules, args);
-    dispatch("sparse_attention_backward", rules.dtype(), [&](auto t) {
-      cpu::sparse_attention_backward<decltype(t)>(args);
-    });
-  }
-
-  void attention_gate_forward(const AttentionGateArgs& args) override {
-    HostRules rules;
-    check_attention_gate_forward(rules, args);
-    dispatch("attention_gate_forward", rules.dtype(), [&](auto t) { cpu::attention_gate_forward<decltype(t)>(args); });
-  }
-
-  void attention_gate_backward(const AttentionGateBackwardArgs& args) override {
-    HostRules rules;
-    check_attention_gate_backward(rules, args);
-    dispatch("attention_gate_backward", rules.dtype(), [&](auto t) {
-      cpu::attention_gate_backward<decltype(t)>(args);
-    });
-  }
+  MOETRAIN_STRUCT_OPS(MOETRAIN_CPU_OP)
+#undef MOETRAIN_CPU_OP
 };
 
 }  // namespace

@@ -1,4 +1,9 @@
-#include "kernels/cpu/cross_entropy.h"
+// Cross-entropy over a chunk of rows, CPU reference (contract: kernels/ops.h, CrossEntropyArgs).
+//   loss[r] = lse(logits[r]) - logits[r, label],  lse computed after subtracting the row max
+//   dlogits[r] = (softmax(logits[r]) - onehot(label)) * grad_scale
+// Rows with label < 0: loss 0, gradient 0. dlogits may alias logits; an empty dlogits view
+// (no data) computes the loss only.
+#include "kernels/cpu/reference.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,8 +1,9 @@
-// Dense ops of the CPU reference backend. The GEMM packs transposed operands into contiguous
+// Dense linear algebra and memory ops of the CPU reference backend (see kernels/ops.h for the
+// contract of each). The GEMM packs transposed operands into contiguous
 // buffers so that a single kernel (rows of c accumulated as sums of scaled rows of b, the i-k-j
 // order, blocked over k and n to stay in cache) does every case; that inner loop is a plain
 // saxpy the compiler vectorises. No threads: results depend only on the inputs.
-#include "kernels/cpu/dense.h"
+#include "kernels/cpu/reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include "core/base/bf16.h"
+#include "kernels/arg_checks.h"
+#include "kernels/cpu/mxfp4.h"
 
 namespace moetrain::kernels::cpu {
 namespace {
@@ -87,6 +90,8 @@ void gemm_raw(T* c, const T* a, const T* b, int64_t m, int64_t n, int64_t k, boo
 
 }  // namespace
 
+// c = alpha * op(a) . op(b) + beta * c, accumulated in T. beta == 0 never reads c (so stale
+// NaNs in an output buffer do not leak into it), as in BLAS.
 template <typename T>
 void gemm(const GemmArgs& args) {
   const int64_t m = args.c.size(0), n = args.c.size(1);
@@ -95,8 +100,15 @@ void gemm(const GemmArgs& args) {
            args.alpha, args.beta);
 }
 
+// Both MoE layouts (see GroupedGemmArgs). Empty groups are normal: kMGrouped has nothing to do
+// for them; kKGrouped sets c[g] = beta * c[g] (zero for beta == 0). An MXFP4 b (b_scale given)
+// is dequantized first (grouped_gemm_mxfp4), which then runs this plain form.
 template <typename T>
 void grouped_gemm(const GroupedGemmArgs& args) {
+  if (given(args.b_scale)) {
+    grouped_gemm_mxfp4<T>(args);
+    return;
+  }
   const int32_t* offsets = args.group_offsets.ptr<int32_t>();
   const int64_t groups = args.group_offsets.numel() - 1;
   T* c = args.c.ptr<T>();
@@ -125,6 +137,7 @@ void grouped_gemm(const GroupedGemmArgs& args) {
   }
 }
 
+// y = alpha * x + beta * y; beta == 0 never reads y.
 template <typename T>
 void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) {
   T* yp = y.ptr<T>();
@@ -138,6 +151,7 @@ void axpby(const TensorView& y, const TensorView& x, double alpha, double beta) 
   }
 }
 
+// Sum of squares in double, in index order.
 template <typename T>
 double sum_squares(const TensorView& x) {
   const T* xp = x.ptr<T>();
@@ -146,6 +160,7 @@ double sum_squares(const TensorView& x) {
   return sum;
 }
 
+// Rows are the tensor's elements grouped by its last dimension.
 template <typename T>
 void copy_columns(const CopyColumnsArgs& args) {
   const int64_t dst_width = args.dst.size(-1), src_width = args.src.size(-1);
@@ -163,6 +178,7 @@ void copy_columns(const CopyColumnsArgs& args) {
   }
 }
 
+// CopyBlockArgs (kernels/ops.h): dst and src of one dtype, the product alpha * src in T.
 template <typename T>
 void copy_block(const CopyBlockArgs& args) {
   const int64_t batch = args.dst.size(0);
@@ -178,6 +194,8 @@ void copy_block(const CopyBlockArgs& args) {
   }
 }
 
+// dst [tokens, dim] = sum over h of src [tokens, heads, dim] (src may be given as
+// [tokens * heads, dim]: row r of src belongs to token r / heads).
 template <typename T>
 void sum_over_heads(const TensorView& dst, const TensorView& src) {
   const int64_t dim = dst.size(-1);
@@ -239,6 +257,8 @@ void store_element(const TensorView& t, int64_t i, double value) {
 
 }  // namespace
 
+// Any dtype: floating values are rounded to nearest (bf16/f16 nearest-even), integer ones
+// truncated toward zero.
 void fill(const TensorView& dst, double value) {
   if (dst.numel() == 0) return;
   store_element(dst, 0, value);
@@ -247,10 +267,14 @@ void fill(const TensorView& dst, double value) {
   for (int64_t i = 1; i < dst.numel(); ++i) std::memcpy(bytes + i * width, bytes, width);
 }
 
+// Byte copy of two host tensors of the same dtype and element count.
 void copy(const TensorView& dst, const TensorView& src) {
   if (dst.nbytes() > 0 && dst.data != src.data) std::memmove(dst.data, src.data, dst.nbytes());
 }
 
+// Element conversion between F32, F64, BF16, F16, I32 and I64 (host tensors, same element
+// count). To bf16/f16 rounds to nearest even (through float for F64: double rounding, which
+// can differ from a direct F64 -> bf16 rounding in the last bit in rare halfway cases).
 void convert(const TensorView& dst, const TensorView& src) {
   // The two common cases get a direct loop; every other pair goes through double, which holds
   // each source value exactly (I64 beyond 2^53 excepted).

@@ -1,4 +1,5 @@
-#include "kernels/cpu/embedding.h"
+// Token embedding lookup and its backward, CPU reference (contract: kernels/ops.h).
+#include "kernels/cpu/reference.h"
 
 #include <algorithm>
 #include <string>
@@ -17,6 +18,8 @@ void check_token_ids(const int32_t* ids, int64_t tokens, int64_t rows) {
 
 }  // namespace
 
+// out [tokens, dim] = table [rows, dim] at ids (int32 [tokens]). An id outside [0, rows) is bad
+// training data: Error(kBadData) naming the token position and the id.
 template <typename T>
 void embedding_forward(const TensorView& out, const TensorView& table, const TensorView& ids) {
   const int64_t tokens = ids.numel(), rows = table.size(0), dim = table.size(1);
@@ -27,6 +30,7 @@ void embedding_forward(const TensorView& out, const TensorView& table, const Ten
   for (int64_t t = 0; t < tokens; ++t) std::copy(tab + id[t] * dim, tab + (id[t] + 1) * dim, o + t * dim);
 }
 
+// dtable[ids[t], :] += dout[t, :] in token order: it accumulates (several tokens share a row).
 template <typename T>
 void embedding_backward(const TensorView& dtable, const TensorView& dout, const TensorView& ids) {
   const int64_t tokens = ids.numel(), rows = dtable.size(0), dim = dtable.size(1);

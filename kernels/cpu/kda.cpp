@@ -13,6 +13,8 @@
 // Last, dg = the reverse cumulative sum of dG within the chunk, and dq = scale * d(scaled q).
 #include "kernels/cpu/kda.h"
 
+#include "kernels/cpu/reference.h"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -608,6 +610,22 @@ void kda_chunked_backward(const KdaBackwardArgs& args, int64_t chunk) {
   });
 }
 
+// The backend's KDA is the chunked form, which the GPU kernels compute too (the recurrent one is
+// the tests' oracle).
+template <typename T>
+void kda_forward(const KdaArgs& args) {
+  kda_chunked_forward<T>(args);
+}
+
+template <typename T>
+void kda_backward(const KdaBackwardArgs& args) {
+  kda_chunked_backward<T>(args);
+}
+
+template void kda_forward<float>(const KdaArgs&);
+template void kda_forward<double>(const KdaArgs&);
+template void kda_backward<float>(const KdaBackwardArgs&);
+template void kda_backward<double>(const KdaBackwardArgs&);
 template void kda_recurrent_forward<float>(const KdaArgs&);
 template void kda_recurrent_forward<double>(const KdaArgs&);
 template void kda_recurrent_backward<float>(const KdaBackwardArgs&);

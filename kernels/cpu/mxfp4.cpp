@@ -10,7 +10,7 @@
 #include "core/base/bf16.h"
 #include "core/base/random.h"
 #include "kernels/arg_checks.h"
-#include "kernels/cpu/dense.h"
+#include "kernels/cpu/reference.h"
 
 namespace moetrain::kernels::cpu {
 
@@ -92,6 +92,9 @@ void mxfp4_quantize(uint8_t* packed, uint8_t* scales, const double* values, int6
 
 namespace moetrain::kernels::cpu {
 
+// Backend::random_mxfp4 (ops.h): the quantized uniform weights, made one row at a time. T is
+// unused (codes and scales are bytes); a template only so the backend dispatches uniformly.
+template <typename T>
 void random_mxfp4(const RandomMxfp4Args& args) {
   const int64_t cols = 2 * args.codes.size(-1), rows = args.codes.numel() / args.codes.size(-1);
   auto* codes = static_cast<uint8_t*>(args.codes.data);
@@ -121,6 +124,8 @@ void grouped_gemm_mxfp4(const GroupedGemmArgs& args) {
 
 template void mxfp4_dequantize<float>(float*, const uint8_t*, const uint8_t*, int64_t, int64_t);
 template void mxfp4_dequantize<double>(double*, const uint8_t*, const uint8_t*, int64_t, int64_t);
+template void random_mxfp4<float>(const RandomMxfp4Args&);
+template void random_mxfp4<double>(const RandomMxfp4Args&);
 template void grouped_gemm_mxfp4<float>(const GroupedGemmArgs&);
 template void grouped_gemm_mxfp4<double>(const GroupedGemmArgs&);
 

@@ -38,9 +38,6 @@ void mxfp4_dequantize(T* out, const uint8_t* packed, const uint8_t* scales, int6
 using kernels::mxfp4_dequantize;
 using kernels::mxfp4_quantize;
 
-// Backend::random_mxfp4 (ops.h): the quantized uniform weights, made one row at a time.
-void random_mxfp4(const RandomMxfp4Args& args);
-
 // The grouped GEMM with an MXFP4 b (GroupedGemmArgs::b_scale given; shapes checked by the
 // backend): b dequantized into T, then grouped_gemm<T>.
 template <typename T>

@@ -1,4 +1,8 @@
-#include "kernels/cpu/rmsnorm.h"
+// RMSNorm forward and backward, CPU reference (contract: kernels/ops.h, RmsNormArgs).
+//   y = x * rstd * w,  rstd = 1 / sqrt(mean(x^2) + eps)
+//   dx_k = rstd * w_k * dy_k - x_k * rstd^3 / dim * sum_j dy_j * w_j * x_j
+//   dw_j = sum_rows dy_j * x_j * rstd
+#include "kernels/cpu/reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +29,8 @@ void rmsnorm_forward(const RmsNormArgs& args) {
   }
 }
 
+// dx is overwritten, or added to with `accumulate`. dweight (when given) is always overwritten
+// with this call's sum over rows.
 template <typename T>
 void rmsnorm_backward(const RmsNormBackwardArgs& args) {
   const int64_t dim = args.x.size(-1);

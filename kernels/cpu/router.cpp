@@ -1,5 +1,8 @@
-// MoE routing on the CPU, matching transformers' DeepseekV3MoE.route_tokens_to_experts
-// (transformers 5.x) and Kimi-Linear's gate, with two deliberate, documented differences:
+// MoE routing on the CPU (see RouterArgs, RouterBackwardArgs and AuxLossArgs in kernels/ops.h):
+// scores, group-limited top-k selection with the score-correction bias, normalised and scaled
+// weights, their backward, and the auxiliary load-balancing loss. It matches transformers'
+// DeepseekV3MoE.route_tokens_to_experts (transformers 5.x) and Kimi-Linear's gate, with two
+// deliberate, documented differences:
 //
 // 1. Group scores are the sum of the two best selection scores in the group for sigmoid AND
 //    softmax scoring. transformers' DeepSeek-V3 only has sigmoid; Kimi-Linear's gate (the one
@@ -16,7 +19,7 @@
 //
 // Arithmetic: scores are computed in double and rounded to T; selection scores and group sums
 // are formed in T, as the reference does in fp32, so near-ties resolve the same way.
-#include "kernels/cpu/router.h"
+#include "kernels/cpu/reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +28,19 @@
 
 namespace moetrain::kernels::cpu {
 namespace {
+
+struct RoutingDims {
+  int64_t tokens, experts, top_k;
+};
+
+// The sizes of scores [tokens, experts] and of a selection topk_index [tokens, top_k] of them.
+RoutingDims routing_dims(const char* op, const TensorView& scores, const TensorView& topk_index) {
+  MOETRAIN_ASSERT(scores.ndim() == 2, std::string(op) + ": scores must be [tokens, experts], got " + scores.shape.str());
+  const int64_t tokens = scores.size(0);
+  MOETRAIN_ASSERT(topk_index.ndim() == 2 && topk_index.size(0) == tokens,
+                  std::string(op) + ": topk_index is " + topk_index.shape.str());
+  return {tokens, scores.size(1), topk_index.size(1)};
+}
 
 constexpr double kNormalizeEpsilon = 1e-20;  // transformers adds it to the top-k sum
 
@@ -97,6 +113,7 @@ void keep_best_groups(std::vector<char>& eligible, const T* choice, const Router
 
 }  // namespace
 
+// scores, topk_index and topk_weight are overwritten.
 template <typename T>
 void router_forward(const RouterArgs& args) {
   MOETRAIN_ASSERT(args.logits.ndim() == 2, "router_forward: logits must be [tokens, experts], got " +
@@ -156,14 +173,10 @@ void router_forward(const RouterArgs& args) {
   }
 }
 
+// dlogits is overwritten. The selection (topk_index) is a constant.
 template <typename T>
 void router_backward(const RouterBackwardArgs& args) {
-  MOETRAIN_ASSERT(args.scores.ndim() == 2, "router_backward: scores must be [tokens, experts], got " +
-                                               args.scores.shape.str());
-  const int64_t tokens = args.scores.size(0), experts = args.scores.size(1);
-  MOETRAIN_ASSERT(args.topk_index.ndim() == 2 && args.topk_index.size(0) == tokens,
-                  "router_backward: topk_index is " + args.topk_index.shape.str());
-  const int64_t top_k = args.topk_index.size(1);
+  const auto [tokens, experts, top_k] = routing_dims("router_backward", args.scores, args.topk_index);
   expect_shape(args.dlogits, args.scores.shape, "router_backward", "dlogits");
   expect_shape(args.dtopk_weight, args.topk_index.shape, "router_backward", "dtopk_weight");
   const bool has_extra = !is_absent(args.dscores_extra);
@@ -218,14 +231,10 @@ void router_backward(const RouterBackwardArgs& args) {
   }
 }
 
+// loss [1] and dscores [tokens, experts] are overwritten.
 template <typename T>
 void aux_loss(const AuxLossArgs& args) {
-  MOETRAIN_ASSERT(args.scores.ndim() == 2, "aux_loss: scores must be [tokens, experts], got " +
-                                               args.scores.shape.str());
-  const int64_t tokens = args.scores.size(0), experts = args.scores.size(1);
-  MOETRAIN_ASSERT(args.topk_index.ndim() == 2 && args.topk_index.size(0) == tokens,
-                  "aux_loss: topk_index is " + args.topk_index.shape.str());
-  const int64_t top_k = args.topk_index.size(1);
+  const auto [tokens, experts, top_k] = routing_dims("aux_loss", args.scores, args.topk_index);
   const int64_t seg_len = args.tokens_per_segment;
   MOETRAIN_ASSERT(seg_len > 0 && tokens % seg_len == 0, "aux_loss: " + std::to_string(tokens) +
                                                             " tokens are not whole segments of " +

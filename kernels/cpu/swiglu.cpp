@@ -1,45 +1,27 @@
-#include "kernels/cpu/swiglu.h"
+// SwiGLU, CPU reference (contract: kernels/ops.h).
+//   h = silu(g) * u,  silu(g) = g * sigmoid(g),  gate_up = [g | u] per row
+//   dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  du = dh * silu(g)
+#include "kernels/cpu/reference.h"
 
 #include <cmath>
 
+#include "kernels/cpu/gated_unit.h"
 #include "kernels/cpu/sigmoid.h"
 
 namespace moetrain::kernels::cpu {
 
 template <typename T>
 void swiglu_forward(const TensorView& h, const TensorView& gate_up) {
-  const int64_t width = h.size(-1);
-  const int64_t rows = width == 0 ? 0 : h.numel() / width;
-  const T* gu = gate_up.ptr<T>();
-  T* out = h.ptr<T>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gu + r * 2 * width;
-    const T* u = g + width;
-    T* hr = out + r * width;
-    for (int64_t j = 0; j < width; ++j) hr[j] = g[j] * sigmoid(g[j]) * u[j];
-  }
+  gated_unit_forward<T>(h, gate_up, [](T g, T u) { return g * sigmoid(g) * u; });
 }
 
 template <typename T>
 void swiglu_backward(const SwigluBackwardArgs& args) {
-  const int64_t width = args.dh.size(-1);
-  const int64_t rows = width == 0 ? 0 : args.dh.numel() / width;
-  const T* gu = args.gate_up.ptr<T>();
-  const T* dh = args.dh.ptr<T>();
-  T* dgu = args.dgate_up.ptr<T>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gu + r * 2 * width;
-    const T* u = g + width;
-    const T* dhr = dh + r * width;
-    T* dg = dgu + r * 2 * width;
-    T* du = dg + width;
-    for (int64_t j = 0; j < width; ++j) {
-      const T sig = sigmoid(g[j]);
-      const T gj = g[j], uj = u[j], dhj = dhr[j];  // read first: dgate_up may alias gate_up
-      dg[j] = dhj * uj * sig * (T(1) + gj * (T(1) - sig));
-      du[j] = dhj * gj * sig;
-    }
-  }
+  gated_unit_backward<T>(args.dgate_up, args.dh, args.gate_up, [](T g, T u, T dh, T& dg, T& du) {
+    const T sig = sigmoid(g);
+    dg = dh * u * sig * (T(1) + g * (T(1) - sig));
+    du = dh * g * sig;
+  });
 }
 
 template void swiglu_forward<float>(const TensorView&, const TensorView&);

@@ -86,6 +86,12 @@ class DeviceRules final : public OperandRules {
   }
   void indices_below(const char*, const char*, const TensorView&, int64_t) override {}
   void selection(const char*, const TensorView&) override {}
+  // The kernel reads the offsets on the device (no read-back, no wait): the caller's host copy is
+  // checked on its own.
+  void host_offsets(const char* op, const char* name, const int32_t* host, const TensorView& device,
+                    int64_t total) override {
+    expect_offsets(op, name, host, device.numel(), total);
+  }
 };
 
 // Times the host waited for a backend's stream (BackendStats::host_waits), over the process.
@@ -315,12 +321,6 @@ class CudaBackend final : public Backend {
 
   void grouped_gemm(const GroupedGemmArgs& args) override {
     check_grouped_gemm(rules_, args);
-    // The offsets are read on the device (no read-back, no wait); the caller's host copy, when it
-    // has one, is checked here.
-    if (args.host_group_offsets != nullptr) {
-      expect_offsets("grouped_gemm", "group_offsets", args.host_group_offsets, args.group_offsets.numel(),
-                     args.a.size(0));
-    }
     cuda_ops::grouped_gemm(args, blas_, stream_);
   }
 
@@ -522,7 +522,7 @@ class CudaBackend final : public Backend {
   }
   // ---- KDA end
 
-  // ---- DSA (kernels/cuda/dsa*.cu, sparse_attention.cu; the CPU reference is kernels/cpu/dsa.h) ----
+  // ---- DSA (kernels/cuda/dsa*.cu, sparse_attention.cu; the CPU reference is kernels/cpu/dsa.cpp) ----
   void layernorm_forward(const LayerNormArgs& args) override {
     check_layernorm_forward(rules_, args);
     cuda_ops::layernorm_forward(args, stream_);

@@ -6,22 +6,15 @@
 #include <vector>
 
 #include "catch.h"
-#include "kernels/cpu/attention.h"
+#include "kernels/cpu/reference.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
 using namespace moetrain::kernels;
-using moetrain::testing::check_gradient;
-using moetrain::testing::compare_tensors;
-using moetrain::testing::random_tensor;
+using namespace moetrain::testing;
 
 namespace {
-
-Tensor int_tensor(const std::vector<int32_t>& values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kI32);
-  for (size_t i = 0; i < values.size(); ++i) t.ptr<int32_t>()[i] = values[i];
-  return t;
-}
 
 struct Problem {
   int64_t tokens, heads, qk_dim, v_dim;
@@ -69,30 +62,10 @@ void naive_attention(std::vector<double>& out, std::vector<double>& lse, const P
   }
 }
 
-Tensor to_tensor(const std::vector<double>& values, Shape shape, DType dtype) {
-  Tensor t(shape, dtype);
-  for (size_t i = 0; i < values.size(); ++i) moetrain::testing::set_element(t, static_cast<int64_t>(i), values[i]);
-  return t;
-}
-
-Tensor converted(const Tensor& src, DType dtype) {
-  Tensor t(src.shape(), dtype);
-  for (int64_t i = 0; i < src.numel(); ++i)
-    moetrain::testing::set_element(t, i, moetrain::testing::get_element(src, i));
-  return t;
-}
-
 template <typename T>
 void run_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                  const Tensor& cu, double scale) {
-  AttentionArgs args;
-  args.out = out;
-  args.lse = lse;
-  args.q = q;
-  args.k = k;
-  args.v = v;
-  args.cu_seqlens = cu;
-  args.scale = scale;
+  AttentionArgs args{out, lse, q, k, v, cu, scale};
   cpu::attention_forward<T>(args);
 }
 
@@ -103,21 +76,17 @@ TEST_CASE("attention forward matches the full-matrix definition", "[attention]")
   Tensor q = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF64, 1, 0.1, 1.5);
   Tensor k = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF64, 2, 0.1, 1.5);
   Tensor v = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF64, 3);
-  Tensor cu = int_tensor(pb.cu_seqlens);
+  Tensor cu = make_i32(pb.cu_seqlens);
   std::vector<double> want_out, want_lse;
   naive_attention(want_out, want_lse, pb, q, k, v);
-  Tensor expected_out = to_tensor(want_out, {pb.tokens, pb.heads, pb.v_dim}, DType::kF64);
-  Tensor expected_lse = to_tensor(want_lse, {pb.tokens, pb.heads}, DType::kF64);
+  Tensor expected_out = tensor_of(want_out, {pb.tokens, pb.heads, pb.v_dim}, DType::kF64);
+  Tensor expected_lse = tensor_of(want_lse, {pb.tokens, pb.heads}, DType::kF64);
 
   SECTION("double") {
     Tensor out({pb.tokens, pb.heads, pb.v_dim}, DType::kF64), lse({pb.tokens, pb.heads}, DType::kF64);
     run_forward<double>(out, lse, q, k, v, cu, pb.scale);
-    auto c = compare_tensors(out, expected_out, 1e-12, 1e-13, "out");
-    INFO(c.message);
-    CHECK(c.ok);
-    auto l = compare_tensors(lse, expected_lse, 1e-12, 1e-13, "lse");
-    INFO(l.message);
-    CHECK(l.ok);
+    check(compare_tensors(out, expected_out, 1e-12, 1e-13, "out"));
+    check(compare_tensors(lse, expected_lse, 1e-12, 1e-13, "lse"));
     // The single-token segment (token 3) attends only to itself: out = v exactly.
     for (int64_t h = 0; h < pb.heads; ++h)
       for (int64_t c2 = 0; c2 < pb.v_dim; ++c2)
@@ -125,15 +94,11 @@ TEST_CASE("attention forward matches the full-matrix definition", "[attention]")
               v.ptr<double>()[(3 * pb.heads + h) * pb.v_dim + c2]);
   }
   SECTION("float") {
-    Tensor qf = converted(q, DType::kF32), kf = converted(k, DType::kF32), vf = converted(v, DType::kF32);
+    Tensor qf = copy_as(q, DType::kF32), kf = copy_as(k, DType::kF32), vf = copy_as(v, DType::kF32);
     Tensor out({pb.tokens, pb.heads, pb.v_dim}, DType::kF32), lse({pb.tokens, pb.heads}, DType::kF32);
     run_forward<float>(out, lse, qf, kf, vf, cu, pb.scale);
-    auto c = compare_tensors(out, expected_out, 1e-5, 1e-6, "out");
-    INFO(c.message);
-    CHECK(c.ok);
-    auto l = compare_tensors(lse, expected_lse, 1e-5, 1e-6, "lse");
-    INFO(l.message);
-    CHECK(l.ok);
+    check(compare_tensors(out, expected_out, 1e-5, 1e-6, "out"));
+    check(compare_tensors(lse, expected_lse, 1e-5, 1e-6, "lse"));
   }
 }
 
@@ -144,7 +109,7 @@ TEST_CASE("attention forward is stable for large logits", "[attention]") {
   Tensor k = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF32, 12, 1.0, 3.0);
   Tensor v = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF32, 13);
   Tensor out({pb.tokens, pb.heads, pb.v_dim}, DType::kF32), lse({pb.tokens, pb.heads}, DType::kF32);
-  Tensor cu = int_tensor(pb.cu_seqlens);
+  Tensor cu = make_i32(pb.cu_seqlens);
   run_forward<float>(out, lse, q, k, v, cu, pb.scale);
   for (int64_t i = 0; i < out.numel(); ++i) CHECK(std::isfinite(out.ptr<float>()[i]));
   for (int64_t i = 0; i < lse.numel(); ++i) CHECK(std::isfinite(lse.ptr<float>()[i]));
@@ -156,7 +121,7 @@ TEST_CASE("attention backward matches finite differences", "[attention][grad]") 
   Tensor k = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF64, 22, 0.1, 1.5);
   Tensor v = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF64, 23);
   Tensor dout = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF64, 24);
-  Tensor cu = int_tensor(pb.cu_seqlens);
+  Tensor cu = make_i32(pb.cu_seqlens);
   Tensor out({pb.tokens, pb.heads, pb.v_dim}, DType::kF64), lse({pb.tokens, pb.heads}, DType::kF64);
   run_forward<double>(out, lse, q, k, v, cu, pb.scale);
 
@@ -164,18 +129,7 @@ TEST_CASE("attention backward matches finite differences", "[attention][grad]") 
   Tensor dq = random_tensor(q.shape(), DType::kF64, 91, 5.0, 9.0);
   Tensor dk = random_tensor(k.shape(), DType::kF64, 92, 5.0, 9.0);
   Tensor dv = random_tensor(v.shape(), DType::kF64, 93, 5.0, 9.0);
-  AttentionBackwardArgs args;
-  args.dq = dq;
-  args.dk = dk;
-  args.dv = dv;
-  args.dout = dout;
-  args.q = q;
-  args.k = k;
-  args.v = v;
-  args.out = out;
-  args.lse = lse;
-  args.cu_seqlens = cu;
-  args.scale = pb.scale;
+  AttentionBackwardArgs args{dq, dk, dv, dout, q, k, v, out, lse, cu, pb.scale};
   cpu::attention_backward<double>(args);
 
   Tensor scratch_out(out.shape(), DType::kF64), scratch_lse(lse.shape(), DType::kF64);
@@ -188,9 +142,7 @@ TEST_CASE("attention backward matches finite differences", "[attention][grad]") 
   for (auto [input, grad, name] : {std::tuple<const Tensor*, const Tensor*, const char*>{&q, &dq, "q"},
                                    {&k, &dk, "k"},
                                    {&v, &dv, "v"}}) {
-    auto c = check_gradient(loss, *input, *grad, name, options);
-    INFO(c.message);
-    CHECK(c.ok);
+    check(check_gradient(loss, *input, *grad, name, options));
   }
 }
 
@@ -200,25 +152,14 @@ TEST_CASE("attention backward in float agrees with double", "[attention][grad]")
   Tensor k = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF64, 32);
   Tensor v = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF64, 33);
   Tensor dout = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF64, 34);
-  Tensor cu = int_tensor(pb.cu_seqlens);
+  Tensor cu = make_i32(pb.cu_seqlens);
   auto run = [&](DType dtype, Tensor& dq, Tensor& dk, Tensor& dv) {
-    Tensor qx = converted(q, dtype), kx = converted(k, dtype), vx = converted(v, dtype), gx = converted(dout, dtype);
+    Tensor qx = copy_as(q, dtype), kx = copy_as(k, dtype), vx = copy_as(v, dtype), gx = copy_as(dout, dtype);
     Tensor out(v.shape(), dtype), lse({pb.tokens, pb.heads}, dtype);
     dq = Tensor(q.shape(), dtype);
     dk = Tensor(k.shape(), dtype);
     dv = Tensor(v.shape(), dtype);
-    AttentionBackwardArgs args;
-    args.dq = dq;
-    args.dk = dk;
-    args.dv = dv;
-    args.dout = gx;
-    args.q = qx;
-    args.k = kx;
-    args.v = vx;
-    args.out = out;
-    args.lse = lse;
-    args.cu_seqlens = cu;
-    args.scale = pb.scale;
+    AttentionBackwardArgs args{dq, dk, dv, gx, qx, kx, vx, out, lse, cu, pb.scale};
     if (dtype == DType::kF32) {
       run_forward<float>(out, lse, qx, kx, vx, cu, pb.scale);
       cpu::attention_backward<float>(args);
@@ -233,9 +174,7 @@ TEST_CASE("attention backward in float agrees with double", "[attention][grad]")
   for (auto [a, b, name] : {std::tuple<Tensor*, Tensor*, const char*>{&dq32, &dq64, "dq"},
                             {&dk32, &dk64, "dk"},
                             {&dv32, &dv64, "dv"}}) {
-    auto c = compare_tensors(*a, *b, 1e-4, 1e-5, name);
-    INFO(c.message);
-    CHECK(c.ok);
+    check(compare_tensors(*a, *b, 1e-4, 1e-5, name));
   }
 }
 
@@ -243,9 +182,9 @@ TEST_CASE("attention rejects inconsistent cu_seqlens", "[attention]") {
   Tensor q = random_tensor({4, 1, 2}, DType::kF64, 1), k = random_tensor({4, 1, 2}, DType::kF64, 2);
   Tensor v = random_tensor({4, 1, 2}, DType::kF64, 3);
   Tensor out({4, 1, 2}, DType::kF64), lse({4, 1}, DType::kF64);
-  Tensor short_cu = int_tensor({0, 3});
+  Tensor short_cu = make_i32({0, 3});
   CHECK_THROWS_AS(run_forward<double>(out, lse, q, k, v, short_cu, 1.0), Error);
-  Tensor decreasing = int_tensor({0, 3, 2, 4});
+  Tensor decreasing = make_i32({0, 3, 2, 4});
   CHECK_THROWS_AS(run_forward<double>(out, lse, q, k, v, decreasing, 1.0), Error);
 }
 
@@ -255,15 +194,13 @@ TEST_CASE("attention through the CPU backend", "[attention][backend]") {
   Tensor q = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF32, 41);
   Tensor k = random_tensor({pb.tokens, pb.heads, pb.qk_dim}, DType::kF32, 42);
   Tensor v = random_tensor({pb.tokens, pb.heads, pb.v_dim}, DType::kF32, 43);
-  Tensor cu = int_tensor(pb.cu_seqlens);
+  Tensor cu = make_i32(pb.cu_seqlens);
   Tensor out({pb.tokens, pb.heads, pb.v_dim}, DType::kF32), lse({pb.tokens, pb.heads}, DType::kF32);
   Tensor direct_out(out.shape(), DType::kF32), direct_lse(lse.shape(), DType::kF32);
   AttentionArgs args{out, lse, q, k, v, cu, pb.scale};
   backend->attention_forward(args);
   run_forward<float>(direct_out, direct_lse, q, k, v, cu, pb.scale);
-  auto c = compare_tensors(out, direct_out, 0.0, 0.0, "backend out");
-  INFO(c.message);
-  CHECK(c.ok);
+  check(compare_tensors(out, direct_out, 0.0, 0.0, "backend out"));
   // A mixed-dtype call is refused rather than misread.
   Tensor lse64({pb.tokens, pb.heads}, DType::kF64);
   CHECK_THROWS_AS(backend->attention_forward(AttentionArgs{out, lse64, q, k, v, cu, pb.scale}), Error);

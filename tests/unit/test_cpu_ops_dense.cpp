@@ -9,6 +9,7 @@
 #include "core/base/bf16.h"
 #include "kernels/ops.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
 using namespace moetrain::kernels;
@@ -77,12 +78,8 @@ TEST_CASE("gemm gives the weight and input gradients of a linear layer", "[cpu_o
   };
   backend->gemm({dx, dy, w});
   backend->gemm({dw, dy, x, true, false});
-  auto cx = check_gradient(loss, x, dx, "x");
-  INFO(cx.message);
-  CHECK(cx.ok);
-  auto cw = check_gradient(loss, w, dw, "w");
-  INFO(cw.message);
-  CHECK(cw.ok);
+  check(check_gradient(loss, x, dx, "x"));
+  check(check_gradient(loss, w, dw, "w"));
 }
 
 TEST_CASE("gemm rejects mismatched shapes and unsupported dtypes", "[cpu_ops]") {

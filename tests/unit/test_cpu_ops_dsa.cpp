@@ -14,6 +14,7 @@
 #include "catch.h"
 #include "kernels/ops.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
 using namespace moetrain::kernels;
@@ -21,18 +22,8 @@ using namespace moetrain::testing;
 
 namespace {
 
-void check(const Comparison& c) {
-  INFO(c.message);
-  CHECK(c.ok);
-}
-
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
-std::vector<int32_t> row_of(const Tensor& index, int64_t t) {
-  const int64_t k = index.size(1);
-  return std::vector<int32_t>(index.ptr<int32_t>() + t * k, index.ptr<int32_t>() + (t + 1) * k);
 }
 
 // Segments of 5, 1, 0 and 7 tokens: a single-token document and an empty one.
@@ -230,13 +221,13 @@ TEST_CASE("indexer top-k equals ranking the definition's scores, per document, p
   // Spot checks the naive ranking cannot share a bug with: a document's first token keeps only
   // itself; token 7 (second of the last document) has two keys, so with top_k 3 it pads once.
   Tensor got = run_indexer(*be, in, 3, scale);
-  CHECK(row_of(got, 0) == std::vector<int32_t>{0, -1, -1});
-  CHECK(row_of(got, 5) == std::vector<int32_t>{5, -1, -1});
-  CHECK(row_of(got, 7) == std::vector<int32_t>{6, 7, -1});
+  CHECK(i32_row(got, 0) == std::vector<int32_t>{0, -1, -1});
+  CHECK(i32_row(got, 5) == std::vector<int32_t>{5, -1, -1});
+  CHECK(i32_row(got, 7) == std::vector<int32_t>{6, 7, -1});
   // Documents never cross: every selected key lies in the query's own document, at or before it.
   for (size_t seg = 0; seg + 1 < kSegments.size(); ++seg)
     for (int64_t t = kSegments[seg]; t < kSegments[seg + 1]; ++t)
-      for (int32_t s : row_of(got, t)) CHECK((s == -1 || (s >= kSegments[seg] && s <= t)));
+      for (int32_t s : i32_row(got, t)) CHECK((s == -1 || (s >= kSegments[seg] && s <= t)));
   // Scores in float select the same keys here (no near-ties in this draw).
   CHECK(bitwise_equal(run_indexer(*be, in, 3, scale, DType::kF32), got));
 }
@@ -251,7 +242,7 @@ TEST_CASE("indexer top-k >= the keys available selects all of them", "[cpu_ops][
         std::vector<int32_t> want;
         for (int64_t s = kSegments[seg]; s <= t; ++s) want.push_back(static_cast<int32_t>(s));
         want.resize(static_cast<size_t>(top_k), -1);
-        CHECK(row_of(got, t) == want);
+        CHECK(i32_row(got, t) == want);
       }
   }
 }
@@ -269,11 +260,11 @@ TEST_CASE("indexer ties go to the lower key, relu zeros included", "[cpu_ops][ds
     set_element(in.k, s * 2 + 1, 0.3 * static_cast<double>(s));  // differs per key, but q ignores it
   }
   // Query 7 ranks: 0.7 at keys 0, 2, 4; 0.2 at 3, 6; 0 (relu) at 1, 5, 7.
-  CHECK(row_of(run_indexer(*be, in, 2, 1.0), 7) == std::vector<int32_t>{0, 2});
-  CHECK(row_of(run_indexer(*be, in, 4, 1.0), 7) == std::vector<int32_t>{0, 2, 3, 4});
-  CHECK(row_of(run_indexer(*be, in, 6, 1.0), 7) == std::vector<int32_t>{0, 1, 2, 3, 4, 6});
+  CHECK(i32_row(run_indexer(*be, in, 2, 1.0), 7) == std::vector<int32_t>{0, 2});
+  CHECK(i32_row(run_indexer(*be, in, 4, 1.0), 7) == std::vector<int32_t>{0, 2, 3, 4});
+  CHECK(i32_row(run_indexer(*be, in, 6, 1.0), 7) == std::vector<int32_t>{0, 1, 2, 3, 4, 6});
   // Query 5 (keys 0..5): the relu ties at 0 are keys 1 and 5; one of them fits: key 1.
-  CHECK(row_of(run_indexer(*be, in, 5, 1.0), 5) == std::vector<int32_t>{0, 1, 2, 3, 4});
+  CHECK(i32_row(run_indexer(*be, in, 5, 1.0), 5) == std::vector<int32_t>{0, 1, 2, 3, 4});
 }
 
 TEST_CASE("indexer on packed documents equals each document alone", "[cpu_ops][dsa]") {
@@ -290,9 +281,9 @@ TEST_CASE("indexer on packed documents equals each document alone", "[cpu_ops][d
     alone.weights = copy_as(packed.weights.view().slice_rows(begin, begin + n), DType::kF64);
     Tensor apart = run_indexer(*be, alone, top_k, 0.7);
     for (int64_t t = 0; t < n; ++t) {
-      std::vector<int32_t> shifted = row_of(apart, t);
+      std::vector<int32_t> shifted = i32_row(apart, t);
       for (int32_t& s : shifted) s = s < 0 ? -1 : s + static_cast<int32_t>(begin);
-      CHECK(row_of(together, begin + t) == shifted);
+      CHECK(i32_row(together, begin + t) == shifted);
     }
   }
 }

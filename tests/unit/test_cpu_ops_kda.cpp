@@ -11,6 +11,7 @@
 #include "kernels/cpu/kda.h"
 #include "kernels/ops.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
 using namespace moetrain::kernels;
@@ -18,13 +19,7 @@ using namespace moetrain::testing;
 
 namespace {
 
-double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 double softplus(double x) { return std::log1p(std::exp(x)); }
-
-void check(const Comparison& c) {
-  INFO(c.message);
-  CHECK(c.ok);
-}
 
 // ---------------------------------------------------------------------------------------------
 // KDA inputs as the layer makes them: q, k L2-normalised rows, g = -exp(a) * softplus(x) (a few

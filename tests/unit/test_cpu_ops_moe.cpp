@@ -5,24 +5,15 @@
 #include <vector>
 
 #include "catch.h"
-#include "kernels/cpu/moe.h"
+#include "kernels/cpu/reference.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
 using namespace moetrain::kernels;
-using moetrain::testing::check_gradient;
-using moetrain::testing::compare_tensors;
-using moetrain::testing::random_tensor;
+using namespace moetrain::testing;
 
 namespace {
-
-Tensor int_tensor(const std::vector<int32_t>& values, Shape shape) {
-  Tensor t(shape, DType::kI32);
-  for (size_t i = 0; i < values.size(); ++i) t.ptr<int32_t>()[i] = values[i];
-  return t;
-}
-
-std::vector<int32_t> values(const Tensor& t) { return std::vector<int32_t>(t.ptr<int32_t>(), t.ptr<int32_t>() + t.numel()); }
 
 struct Permutation {
   Tensor offsets, sorted_pair, pair_row;
@@ -31,43 +22,38 @@ struct Permutation {
 Permutation permute_by_expert(const Tensor& topk_index, int64_t experts) {
   const int64_t pairs = topk_index.numel();
   Permutation p{Tensor({experts + 1}, DType::kI32), Tensor({pairs}, DType::kI32), Tensor({pairs}, DType::kI32)};
-  MoePermutationArgs args;
-  args.expert_offsets = p.offsets;
-  args.sorted_pair = p.sorted_pair;
-  args.pair_row = p.pair_row;
-  args.topk_index = topk_index;
-  args.num_experts = experts;
+  MoePermutationArgs args{p.offsets, p.sorted_pair, p.pair_row, topk_index, experts};
   cpu::moe_permutation<float>(args);
   return p;
 }
 
 // Five tokens, top-2, four experts; expert 2 gets nothing.
-Tensor five_token_routing() { return int_tensor({1, 3, 0, 1, 3, 0, 1, 3, 0, 1}, {5, 2}); }
+Tensor five_token_routing() { return i32_tensor({1, 3, 0, 1, 3, 0, 1, 3, 0, 1}, {5, 2}); }
 
 }  // namespace
 
 TEST_CASE("moe_permutation sorts pairs by expert, stably, with empty experts", "[moe]") {
   Permutation p = permute_by_expert(five_token_routing(), 4);
   // Pairs t * 2 + j: expert 0 has pairs 2, 5, 8; expert 1: 0, 3, 6, 9; expert 2: none; expert 3: 1, 4, 7.
-  CHECK(values(p.offsets) == std::vector<int32_t>{0, 3, 7, 7, 10});
-  CHECK(values(p.sorted_pair) == std::vector<int32_t>{2, 5, 8, 0, 3, 6, 9, 1, 4, 7});
-  CHECK(values(p.pair_row) == std::vector<int32_t>{3, 7, 0, 4, 8, 1, 5, 9, 2, 6});
+  CHECK(i32_values(p.offsets) == std::vector<int32_t>{0, 3, 7, 7, 10});
+  CHECK(i32_values(p.sorted_pair) == std::vector<int32_t>{2, 5, 8, 0, 3, 6, 9, 1, 4, 7});
+  CHECK(i32_values(p.pair_row) == std::vector<int32_t>{3, 7, 0, 4, 8, 1, 5, 9, 2, 6});
 }
 
 TEST_CASE("moe_permutation with every token on one expert", "[moe]") {
-  Permutation p = permute_by_expert(int_tensor({2, 2, 2, 2}, {4, 1}), 3);
-  CHECK(values(p.offsets) == std::vector<int32_t>{0, 0, 0, 4});  // experts 0 and 1 empty, 2 holds all
-  CHECK(values(p.sorted_pair) == std::vector<int32_t>{0, 1, 2, 3});
-  CHECK(values(p.pair_row) == std::vector<int32_t>{0, 1, 2, 3});
+  Permutation p = permute_by_expert(i32_tensor({2, 2, 2, 2}, {4, 1}), 3);
+  CHECK(i32_values(p.offsets) == std::vector<int32_t>{0, 0, 0, 4});  // experts 0 and 1 empty, 2 holds all
+  CHECK(i32_values(p.sorted_pair) == std::vector<int32_t>{0, 1, 2, 3});
+  CHECK(i32_values(p.pair_row) == std::vector<int32_t>{0, 1, 2, 3});
 }
 
 TEST_CASE("moe_permutation with no tokens", "[moe]") {
-  Permutation p = permute_by_expert(int_tensor({}, {0, 2}), 3);
-  CHECK(values(p.offsets) == std::vector<int32_t>{0, 0, 0, 0});
+  Permutation p = permute_by_expert(i32_tensor({}, {0, 2}), 3);
+  CHECK(i32_values(p.offsets) == std::vector<int32_t>{0, 0, 0, 0});
 }
 
 TEST_CASE("moe_permutation names the token and slot of a bad expert", "[moe]") {
-  Tensor bad = int_tensor({1, 3, 0, 1, 3, 0, 1, 4, 0, 1}, {5, 2});
+  Tensor bad = i32_tensor({1, 3, 0, 1, 3, 0, 1, 4, 0, 1}, {5, 2});
   bool thrown = false;
   try {
     permute_by_expert(bad, 4);
@@ -78,7 +64,7 @@ TEST_CASE("moe_permutation names the token and slot of a bad expert", "[moe]") {
     CHECK(std::string(e.what()).find("expert 4") != std::string::npos);
   }
   CHECK(thrown);
-  CHECK_THROWS_AS(permute_by_expert(int_tensor({-1}, {1, 1}), 4), Error);
+  CHECK_THROWS_AS(permute_by_expert(i32_tensor({-1}, {1, 1}), 4), Error);
 }
 
 TEST_CASE("moe_permute gathers tokens into expert order and unpermute_sum is its backward", "[moe][grad]") {
@@ -101,18 +87,14 @@ TEST_CASE("moe_permute gathers tokens into expert order and unpermute_sum is its
     cpu::moe_permute<double>(scratch, x, p.sorted_pair, top_k);
     return moetrain::testing::dot(drows, scratch);
   };
-  auto c = check_gradient(loss, x, dx, "x");
-  INFO(c.message);
-  CHECK(c.ok);
+  check(check_gradient(loss, x, dx, "x"));
 
   // accumulate adds onto what is there.
   Tensor acc = random_tensor({tokens, dim}, DType::kF64, 4);
   Tensor expected({tokens, dim}, DType::kF64);
   for (int64_t i = 0; i < acc.numel(); ++i) expected.ptr<double>()[i] = acc.ptr<double>()[i] + dx.ptr<double>()[i];
   cpu::moe_unpermute_sum<double>(acc, drows, p.pair_row, top_k, true);
-  auto a = compare_tensors(acc, expected, 1e-14, 1e-15, "accumulated dx");
-  INFO(a.message);
-  CHECK(a.ok);
+  check(compare_tensors(acc, expected, 1e-14, 1e-15, "accumulated dx"));
 }
 
 TEST_CASE("moe_combine weights expert outputs back into token order", "[moe]") {
@@ -121,11 +103,7 @@ TEST_CASE("moe_combine weights expert outputs back into token order", "[moe]") {
   Tensor rows = random_tensor({tokens * top_k, dim}, DType::kF64, 5);
   Tensor weight = random_tensor({tokens, top_k}, DType::kF64, 6);
   Tensor out = random_tensor({tokens, dim}, DType::kF64, 7, 5.0, 9.0);  // overwritten
-  MoeCombineArgs args;
-  args.out = out;
-  args.rows = rows;
-  args.weight = weight;
-  args.pair_row = p.pair_row;
+  MoeCombineArgs args{out, rows, weight, p.pair_row};
   cpu::moe_combine<double>(args);
 
   // Scatter from the expert side: row r belongs to pair sorted_pair[r] = t * top_k + j.
@@ -135,9 +113,7 @@ TEST_CASE("moe_combine weights expert outputs back into token order", "[moe]") {
     for (int64_t c = 0; c < dim; ++c)
       expected.ptr<double>()[(pair / top_k) * dim + c] += weight.ptr<double>()[pair] * rows.ptr<double>()[r * dim + c];
   }
-  auto cmp = compare_tensors(out, expected, 1e-14, 1e-15, "out");
-  INFO(cmp.message);
-  CHECK(cmp.ok);
+  check(compare_tensors(out, expected, 1e-14, 1e-15, "out"));
 
   // Dispatch, identity experts, combine: every token comes back scaled by its weight sum.
   Tensor x = random_tensor({tokens, dim}, DType::kF64, 8);
@@ -162,31 +138,17 @@ TEST_CASE("moe_combine backward matches finite differences", "[moe][grad]") {
   Tensor dout = random_tensor({tokens, dim}, DType::kF64, 13);
   Tensor drows = random_tensor({rows_n, dim}, DType::kF64, 14, 5.0, 9.0);  // overwritten
   Tensor dweight = random_tensor({tokens, top_k}, DType::kF64, 15, 5.0, 9.0);
-  MoeCombineBackwardArgs back;
-  back.drows = drows;
-  back.dweight = dweight;
-  back.dout = dout;
-  back.rows = rows;
-  back.weight = weight;
-  back.pair_row = p.pair_row;
+  MoeCombineBackwardArgs back{drows, dweight, dout, rows, weight, p.pair_row};
   cpu::moe_combine_backward<double>(back);
 
   Tensor out({tokens, dim}, DType::kF64);
   auto loss = [&] {
-    MoeCombineArgs args;
-    args.out = out;
-    args.rows = rows;
-    args.weight = weight;
-    args.pair_row = p.pair_row;
+    MoeCombineArgs args{out, rows, weight, p.pair_row};
     cpu::moe_combine<double>(args);
     return moetrain::testing::dot(dout, out);
   };
-  auto r = check_gradient(loss, rows, drows, "rows");
-  INFO(r.message);
-  CHECK(r.ok);
-  auto w = check_gradient(loss, weight, dweight, "weight");
-  INFO(w.message);
-  CHECK(w.ok);
+  check(check_gradient(loss, rows, drows, "rows"));
+  check(check_gradient(loss, weight, dweight, "weight"));
   for (int64_t c = 0; c < dim; ++c) CHECK(drows.ptr<double>()[(rows_n - 1) * dim + c] == 0.0);
 }
 
@@ -203,9 +165,7 @@ TEST_CASE("moe ops in float agree with double", "[moe]") {
   MoeCombineArgs a32{out32, rows32, weight32, p.pair_row};
   cpu::moe_combine<double>(a64);
   cpu::moe_combine<float>(a32);
-  auto c = compare_tensors(out32, out64, 1e-6, 1e-7, "combine out");
-  INFO(c.message);
-  CHECK(c.ok);
+  check(compare_tensors(out32, out64, 1e-6, 1e-7, "combine out"));
 }
 
 TEST_CASE("moe ops through the CPU backend", "[moe][backend]") {
@@ -214,7 +174,7 @@ TEST_CASE("moe ops through the CPU backend", "[moe][backend]") {
   Tensor topk = five_token_routing();
   Tensor offsets({5}, DType::kI32), sorted_pair({10}, DType::kI32), pair_row({10}, DType::kI32);
   backend->moe_permutation(MoePermutationArgs{offsets, sorted_pair, pair_row, topk, 4});
-  CHECK(values(pair_row) == std::vector<int32_t>{3, 7, 0, 4, 8, 1, 5, 9, 2, 6});
+  CHECK(i32_values(pair_row) == std::vector<int32_t>{3, 7, 0, 4, 8, 1, 5, 9, 2, 6});
 
   Tensor x = random_tensor({tokens, dim}, DType::kF32, 31);
   Tensor rows({tokens * top_k, dim}, DType::kF32), out({tokens, dim}, DType::kF32);
@@ -226,7 +186,7 @@ TEST_CASE("moe ops through the CPU backend", "[moe][backend]") {
     for (int64_t c = 0; c < dim; ++c) CHECK(std::fabs(out.ptr<float>()[t * dim + c] - w * x.ptr<float>()[t * dim + c]) < 1e-6);
   }
 
-  Tensor bad = int_tensor({1, 3, 0, 1, 3, 0, 1, 3, 0, 9}, {5, 2});
+  Tensor bad = i32_tensor({1, 3, 0, 1, 3, 0, 1, 3, 0, 9}, {5, 2});
   bool named = false;
   try {
     backend->moe_permutation(MoePermutationArgs{offsets, sorted_pair, pair_row, bad, 4});

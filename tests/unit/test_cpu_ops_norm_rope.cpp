@@ -7,6 +7,7 @@
 #include "catch.h"
 #include "kernels/ops.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
 using namespace moetrain::kernels;
@@ -64,12 +65,8 @@ TEST_CASE("rmsnorm forward matches a naive computation", "[cpu_ops]") {
     }
     backend->rmsnorm_forward({y, rstd, x, w, eps});
     const double tol = dtype == DType::kF32 ? 1e-6 : 1e-14;
-    auto cy = compare_tensors(y, expected_y, tol, tol, "y");
-    INFO(cy.message);
-    CHECK(cy.ok);
-    auto cr = compare_tensors(rstd, expected_rstd, tol, tol, "rstd");
-    INFO(cr.message);
-    CHECK(cr.ok);
+    check(compare_tensors(y, expected_y, tol, tol, "y"));
+    check(compare_tensors(rstd, expected_rstd, tol, tol, "rstd"));
   }
 }
 
@@ -86,21 +83,15 @@ TEST_CASE("rmsnorm backward matches finite differences", "[cpu_ops]") {
   loss();
   Tensor dx = random_tensor({rows, dim}, DType::kF64, 4), dw = random_tensor({dim}, DType::kF64, 5);
   backend->rmsnorm_backward({dx, dw, dy, x, w, rstd, false});
-  auto cx = check_gradient(loss, x, dx, "x");
-  INFO(cx.message);
-  CHECK(cx.ok);
-  auto cw = check_gradient(loss, w, dw, "weight");
-  INFO(cw.message);
-  CHECK(cw.ok);
+  check(check_gradient(loss, x, dx, "x"));
+  check(check_gradient(loss, w, dw, "weight"));
 
   SECTION("accumulate adds dx to what is there; no dweight for a frozen norm") {
     Tensor acc = random_tensor({rows, dim}, DType::kF64, 6);
     Tensor expected({rows, dim}, DType::kF64);
     for (int64_t i = 0; i < acc.numel(); ++i) set_element(expected, i, get_element(acc, i) + get_element(dx, i));
     backend->rmsnorm_backward({acc, TensorView{}, dy, x, w, rstd, true});
-    auto c = compare_tensors(acc, expected, 1e-14, 1e-14, "accumulated dx");
-    INFO(c.message);
-    CHECK(c.ok);
+    check(compare_tensors(acc, expected, 1e-14, 1e-14, "accumulated dx"));
   }
 
   SECTION("no rows (a rank with no tokens): dweight is zero") {
@@ -155,9 +146,7 @@ TEST_CASE("rope forward matches transformers' formulation for both layouts", "[c
       // inverse undoes it, in place too.
       args.inverse = true;
       backend->rope(args);
-      auto back = compare_tensors(in_place, x, tol, tol, "rope then inverse");
-      INFO(back.message);
-      CHECK(back.ok);
+      check(compare_tensors(in_place, x, tol, tol, "rope then inverse"));
     }
   }
 }

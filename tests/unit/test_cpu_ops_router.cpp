@@ -6,24 +6,15 @@
 #include <vector>
 
 #include "catch.h"
-#include "kernels/cpu/router.h"
+#include "kernels/cpu/reference.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
 using namespace moetrain::kernels;
-using moetrain::testing::check_gradient;
-using moetrain::testing::random_tensor;
-using moetrain::testing::TestRng;
+using namespace moetrain::testing;
 
 namespace {
-
-Tensor tensor_of(const std::vector<double>& values, Shape shape, DType dtype = DType::kF64) {
-  Tensor t(shape, dtype);
-  for (size_t i = 0; i < values.size(); ++i) moetrain::testing::set_element(t, static_cast<int64_t>(i), values[i]);
-  return t;
-}
-
-double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 bool close(double a, double b, double tol = 1e-12) { return std::fabs(a - b) <= tol * (1.0 + std::fabs(b)); }
 
@@ -59,10 +50,7 @@ RouterArgs options(int64_t top_k, int64_t groups, int64_t topk_groups, bool norm
   return a;
 }
 
-std::vector<int32_t> indices(const Routed& r, int64_t token = 0) {
-  const int64_t k = r.index.size(1);
-  return std::vector<int32_t>(r.index.ptr<int32_t>() + token * k, r.index.ptr<int32_t>() + (token + 1) * k);
-}
+std::vector<int32_t> indices(const Routed& r, int64_t token = 0) { return i32_row(r.index, token); }
 
 }  // namespace
 
@@ -221,9 +209,7 @@ TEST_CASE("router backward matches finite differences", "[router][grad]") {
       if (cs.extra) l += moetrain::testing::dot(dextra, r.scores);
       return l;
     };
-    auto c = check_gradient(loss, logits, dlogits, "logits");
-    INFO(c.message);
-    CHECK(c.ok);
+    check(check_gradient(loss, logits, dlogits, "logits"));
     CHECK_FALSE(selection_changed);
   }
 }
@@ -232,20 +218,8 @@ namespace {
 
 void run_aux_loss(const Tensor& loss, const Tensor& dscores, const Tensor& scores, const Tensor& index,
                   int64_t tokens_per_segment, double coef) {
-  AuxLossArgs args;
-  args.loss = loss;
-  args.dscores = dscores;
-  args.scores = scores;
-  args.topk_index = index;
-  args.tokens_per_segment = tokens_per_segment;
-  args.coef = coef;
+  AuxLossArgs args{loss, dscores, scores, index, tokens_per_segment, coef};
   cpu::aux_loss<double>(args);
-}
-
-Tensor index_tensor(const std::vector<int32_t>& values, int64_t tokens, int64_t top_k) {
-  Tensor t({tokens, top_k}, DType::kI32);
-  for (size_t i = 0; i < values.size(); ++i) t.ptr<int32_t>()[i] = values[i];
-  return t;
 }
 
 }  // namespace
@@ -254,8 +228,8 @@ TEST_CASE("aux loss of a perfectly balanced router is the coefficient", "[aux_lo
   // 4 experts, top-2, 4 tokens per segment: every expert chosen twice (f_e = 1) and uniform
   // scores (P_e = 1/4): L = coef * sum_e 1 * 1/4 = coef. Unnormalised uniform scores give the same.
   Tensor scores = tensor_of(std::vector<double>(16, 0.3), {4, 4});
-  Tensor index = index_tensor({0, 1, 2, 3, 1, 2, 3, 0}, 4, 2);
-  Tensor index2 = index_tensor({0, 1, 2, 3, 1, 2, 3, 0, 0, 1, 2, 3, 1, 2, 3, 0}, 8, 2);
+  Tensor index = i32_tensor({0, 1, 2, 3, 1, 2, 3, 0}, {4, 2});
+  Tensor index2 = i32_tensor({0, 1, 2, 3, 1, 2, 3, 0, 0, 1, 2, 3, 1, 2, 3, 0}, {8, 2});
   Tensor scores2 = tensor_of(std::vector<double>(32, 0.7), {8, 4});
   Tensor loss({1}, DType::kF64), dscores({4, 4}, DType::kF64), dscores2({8, 4}, DType::kF64);
   run_aux_loss(loss, dscores, scores, index, 2, 0.01);
@@ -265,7 +239,7 @@ TEST_CASE("aux loss of a perfectly balanced router is the coefficient", "[aux_lo
 
   // All tokens on experts 0 and 1 with all score mass there: f = (2, 2, 0, 0), P = (1/2, 1/2, 0, 0).
   Tensor skewed = tensor_of({0.5, 0.5, 0, 0, 0.5, 0.5, 0, 0}, {2, 4});
-  Tensor skewed_index = index_tensor({0, 1, 1, 0}, 2, 2);
+  Tensor skewed_index = i32_tensor({0, 1, 1, 0}, {2, 2});
   Tensor d2({2, 4}, DType::kF64);
   run_aux_loss(loss, d2, skewed, skewed_index, 2, 1.0);
   CHECK(close(loss.ptr<double>()[0], 2.0));
@@ -276,7 +250,7 @@ TEST_CASE("aux loss gradient matches finite differences", "[aux_loss][grad]") {
   Tensor scores({tokens, experts}, DType::kF64);
   TestRng rng(3);
   for (int64_t i = 0; i < scores.numel(); ++i) scores.ptr<double>()[i] = rng.uniform(0.05, 1.0);
-  Tensor index = index_tensor({0, 1, 2, 0, 4, 3, 1, 2, 0, 3, 4, 1}, tokens, top_k);
+  Tensor index = i32_tensor({0, 1, 2, 0, 4, 3, 1, 2, 0, 3, 4, 1}, {tokens, top_k});
   Tensor loss({1}, DType::kF64), scratch({1}, DType::kF64);
   Tensor dscores = random_tensor({tokens, experts}, DType::kF64, 9, 5.0, 9.0);  // overwritten
   Tensor scratch_d({tokens, experts}, DType::kF64);
@@ -287,9 +261,7 @@ TEST_CASE("aux loss gradient matches finite differences", "[aux_loss][grad]") {
       run_aux_loss(scratch, scratch_d, scores, index, segment, 0.3);
       return scratch.ptr<double>()[0];
     };
-    auto c = check_gradient(f, scores, dscores, "scores");
-    INFO(c.message);
-    CHECK(c.ok);
+    check(check_gradient(f, scores, dscores, "scores"));
   }
 }
 
@@ -301,7 +273,7 @@ TEST_CASE("aux loss matches its definition", "[aux_loss]") {
   TestRng rng(8);
   for (int64_t i = 0; i < scores.numel(); ++i) scores.ptr<double>()[i] = rng.uniform(0.05, 1.0);
   const std::vector<int32_t> idx = {0, 1, 0, 2, 0, 3, 3, 2, 1, 2, 2, 3};
-  Tensor index = index_tensor(idx, tokens, top_k);
+  Tensor index = i32_tensor(idx, {tokens, top_k});
   double expected = 0.0;
   for (int64_t g = 0; g < 2; ++g) {
     for (int64_t e = 0; e < experts; ++e) {
@@ -322,10 +294,10 @@ TEST_CASE("aux loss matches its definition", "[aux_loss]") {
 
 TEST_CASE("aux loss rejects partial segments and bad experts", "[aux_loss]") {
   Tensor scores = tensor_of(std::vector<double>(12, 0.5), {3, 4});
-  Tensor index = index_tensor({0, 1, 2}, 3, 1);
+  Tensor index = i32_tensor({0, 1, 2}, {3, 1});
   Tensor loss({1}, DType::kF64), dscores({3, 4}, DType::kF64);
   CHECK_THROWS_AS(run_aux_loss(loss, dscores, scores, index, 2, 1.0), Error);
-  Tensor bad = index_tensor({0, 4, 2}, 3, 1);
+  Tensor bad = i32_tensor({0, 4, 2}, {3, 1});
   CHECK_THROWS_AS(run_aux_loss(loss, dscores, scores, bad, 3, 1.0), Error);
 }
 
