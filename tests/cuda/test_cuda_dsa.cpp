@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "cuda_test_support.h"
-#include "kernels/cuda/dsa.h"
-#include "kernels/cuda/scratch.h"
+#include "kernels/cuda/dsa/dsa.h"
+#include "kernels/cuda/common/scratch.h"
 
 namespace {
 
