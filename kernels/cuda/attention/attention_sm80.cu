@@ -51,11 +51,13 @@
 
 #include "kernels/cuda/attention/attention_segments.cuh"
 #include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/warp_mma_sm80.cuh"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
 
 using bf16 = __nv_bfloat16;
+using namespace sm80;
 
 constexpr int kWarps = 4;
 constexpr int kTcThreads = 32 * kWarps;
@@ -104,58 +106,7 @@ struct TcBackwardParams {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Register-tile primitives (one warp)
-
-__device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  uint32_t bits;
-  memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
-
-// Four 8 x 8 bf16 matrices from shared memory; lanes 8i..8i+7 address the rows of matrix i
-// (16 bytes each) and register i receives matrix i as lane l holds it in an mma fragment:
-// (row l / 4, columns 2 (l % 4), +1).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* row_address) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(row_address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
-}
-
-// A fragment of the 16 x 16 block at (row0, col0) of a row-major shared tile: matrices
-// (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15) = a0..a3.
-__device__ __forceinline__ void load_a_st(uint32_t (&a)[4], const bf16* st, int stride, int row0, int col0, int lane) {
-  ldmatrix_x4(a, st + (row0 + (lane & 15)) * stride + col0 + (lane >> 4) * 8);
-}
-
-// B fragments of two n-tiles (k in [k0, k0 + 16), n in [n0, n0 + 16)) of a shared tile stored
-// [n][k]: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) =
-// b0, b1 of n-tile n0 and b0, b1 of n-tile n0 + 8.
-__device__ __forceinline__ void load_b_st_nk_x2(uint32_t (&b)[4], const bf16* st, int stride, int n0, int k0,
-                                                int lane) {
-  ldmatrix_x4(b, st + (n0 + (lane & 7) + ((lane >> 4) << 3)) * stride + k0 + ((lane >> 3) & 1) * 8);
-}
-
-// B fragments of two n-tiles (k in [k0, k0 + 16), n in [n0, n0 + 16)) of a shared tile stored
-// [k][n], by ldmatrix.trans: lanes 0-15 address rows k0 + lane at column n0 (matrices 0, 1 =
-// b0, b1 of n-tile n0), lanes 16-31 rows k0 + lane - 16 at column n0 + 8 (b0, b1 of n-tile n0 + 8).
-__device__ __forceinline__ void load_b_st_kn_x2(uint32_t (&b)[4], const bf16* st, int stride, int k0, int n0,
-                                                int lane) {
-  const bf16* p = st + (k0 + (lane & 15)) * stride + n0 + (lane >> 4) * 8;
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-               : "r"(address)
-               : "memory");
-}
+// Register-tile products (one warp; the primitives are warp_mma_sm80.cuh's)
 
 // The A fragment of k-step kk of a 16-row accumulator array (two C tiles of 8 columns each).
 template <int kTiles>
@@ -174,13 +125,13 @@ __device__ __forceinline__ void mma_st_nk(float (&acc)[kNTiles][4], const bf16* 
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[4];
-    load_a_st(a, a_st, a_stride, a_row0, kk * 16, lane);
+    load_a<ALayout::kMK>(a, a_st, a_stride, a_row0, kk * 16, lane);
 #pragma unroll
     for (int j = 0; j < kNTiles / 2; ++j) {
       uint32_t b[4];
-      load_b_st_nk_x2(b, b_st, b_stride, j * 16, kk * 16, lane);
-      mma_bf16_16x8x16(acc[2 * j], a, b[0], b[1]);
-      mma_bf16_16x8x16(acc[2 * j + 1], a, b[2], b[3]);
+      load_b_x2<BLayout::kNK>(b, b_st, b_stride, j * 16, kk * 16, lane);
+      mma_m16n8k16_bf16(acc[2 * j], a, b[0], b[1]);
+      mma_m16n8k16_bf16(acc[2 * j + 1], a, b[2], b[3]);
     }
   }
 }
@@ -198,47 +149,15 @@ __device__ __forceinline__ void mma_rt_kn(float (&acc)[kNTiles][4], const float 
 #pragma unroll
     for (int j = 0; j < kNTiles / 2; ++j) {
       uint32_t b[4];
-      load_b_st_kn_x2(b, b_st, b_stride, kk * 16, j * 16, lane);
-      mma_bf16_16x8x16(acc[2 * j], a, b[0], b[1]);
-      mma_bf16_16x8x16(acc[2 * j + 1], a, b[2], b[3]);
+      load_b_x2<BLayout::kKN>(b, b_st, b_stride, j * 16, kk * 16, lane);
+      mma_m16n8k16_bf16(acc[2 * j], a, b[0], b[1]);
+      mma_m16n8k16_bf16(acc[2 * j + 1], a, b[2], b[3]);
     }
   }
 }
 
-template <int kNTiles>
-__device__ __forceinline__ void zero(float (&acc)[kNTiles][4]) {
-#pragma unroll
-  for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-}
-
-// Max and sum over the 4 lanes (a quad) that hold one accumulator row.
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Global -> shared
-
-// Asynchronous copies (cp.async, 16 bytes, L2 only): issued now, landed after
-// cp_async_wait<N> (at most N newer groups still in flight) and visible to the CTA after the
-// __syncthreads that follows it. A source size of 0 writes 16 zero bytes.
-__device__ __forceinline__ void cp_async_16_or_zero(bf16* dst, const bf16* src, bool copy) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(src), "r"(copy ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kNewerGroupsInFlight>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kNewerGroupsInFlight) : "memory");
-}
 
 // Issues the copy of rows [row0, row0 + rows) of head `head` of a BF16 [tokens, heads, dim]
 // tensor into a shared tile [rows][kDim + kSmemPad], 16 bytes per thread per step (not yet
@@ -254,7 +173,7 @@ __device__ __forceinline__ void load_rows_st(bf16* st, const bf16* src, int row0
     const bool copy = t < row_limit && chunk * 8 < dim;
     // A zero-size copy reads nothing; its source is still a valid address.
     const bf16* from = copy ? src + (static_cast<int64_t>(t) * heads + head) * dim + chunk * 8 : src;
-    cp_async_16_or_zero(st + r * kStride + chunk * 8, from, copy);
+    cp_async_16(st + r * kStride + chunk * 8, from, copy);
   }
 }
 
@@ -321,7 +240,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_sm90_bf16_mma_ke
     row_start[h] = row_start_st[r];
   }
   float o[kOutTiles][4];
-  zero(o);
+  zero_tiles(o);
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};  // this lane's partial sums; the quad adds them at the end
 
@@ -343,7 +262,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_sm90_bf16_mma_ke
     __syncthreads();
 
     float score[kScoreTiles][4];
-    zero(score);
+    zero_tiles(score);
     mma_st_nk<kQk, kScoreTiles>(score, q_st, Smem::kQkStride, warp_row0, k_cur, Smem::kQkStride, lane);
 
     float tile_max[2] = {-INFINITY, -INFINITY};
@@ -486,7 +405,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dq_sm90_bf16_mm
     row_delta[h] = delta_st[r];
   }
   float dq[kDqTiles][4];
-  zero(dq);
+  zero_tiles(dq);
 
   for (int block = 0; block < num_kv_blocks; ++block) {
     const int n0 = kv_begin + block * kKeyBlock;
@@ -506,10 +425,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dq_sm90_bf16_mm
     __syncthreads();
 
     float score[kScoreTiles][4];
-    zero(score);
+    zero_tiles(score);
     mma_st_nk<kQk, kScoreTiles>(score, q_st, Smem::kQkStride, warp_row0, k_cur, Smem::kQkStride, lane);
     float dprob[kScoreTiles][4];
-    zero(dprob);
+    zero_tiles(dprob);
     mma_st_nk<kV, kScoreTiles>(dprob, dout_st, Smem::kVStride, warp_row0, v_cur, Smem::kVStride, lane);
 
     // dS (without the scale) into `score`.
@@ -622,8 +541,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dkdv_sm90_bf16_
 #pragma unroll
   for (int h = 0; h < 2; ++h) row_key[h] = n0 + warp_key0 + (lane >> 2) + 8 * h;
   float dk[kDkTiles][4], dv[kDvTiles][4];
-  zero(dk);
-  zero(dv);
+  zero_tiles(dk);
+  zero_tiles(dv);
 
   for (int step = 0; step < num_query_blocks; ++step) {
     const int m0 = n0 + step * kDkdvQueryBlock, buf = step & 1;
@@ -643,7 +562,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dkdv_sm90_bf16_
 
     // S^T = K Q^T (rows: this warp's keys; columns: the step's queries), then P^T in place.
     float prob_t[kQueryTiles][4];
-    zero(prob_t);
+    zero_tiles(prob_t);
     mma_st_nk<kQk, kQueryTiles>(prob_t, k_st, Smem::kQkStride, warp_key0, q_st, Smem::kQkStride, lane);
     auto probability = [&](auto masked) {
 #pragma unroll
@@ -671,7 +590,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_backward_dkdv_sm90_bf16_
 
     // dP^T = V dO^T, then dS^T = P^T (dP^T - delta) (without the scale) in place.
     float dscore_t[kQueryTiles][4];
-    zero(dscore_t);
+    zero_tiles(dscore_t);
     mma_st_nk<kV, kQueryTiles>(dscore_t, v_st, Smem::kVStride, warp_key0, dout_st, Smem::kVStride, lane);
 #pragma unroll
     for (int j = 0; j < kQueryTiles; ++j)

@@ -32,6 +32,7 @@
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device.h"
 #include "kernels/cuda/common/primitives_sm90.cuh"
+#include "kernels/cuda/common/warp_mma_sm80.cuh"
 #include "kernels/cuda/common/wgmma_bf16_sm90.cuh"
 
 namespace moetrain::kernels::cuda_ops::flash_sm90 {
@@ -158,12 +159,7 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 // ---------------------------------------------------------------------------------------------
 // Register fragments
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  uint32_t bits;
-  memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
+using sm80::pack_bf16x2;
 
 // A wgmma accumulator (64 x N, F32: acc[4j + 2h + e] = row g + 8h, column 8j + 2c + e of the
 // warp's 16 rows) packed to BF16 as the A fragments of the k-steps over its N columns.
@@ -207,14 +203,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // Max and sum over the 4 lanes (a quad) that hold one accumulator row.
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
+using sm80::quad_max;
+using sm80::quad_sum;
 
 // Stores row `row` (this thread's columns 8j + 2c, + 1 of a 64 x kN accumulator, half h) times
 // `factor` as BF16 into a [tokens, heads, kN] tensor.

@@ -27,12 +27,14 @@
 
 #include "kernels/cuda/attention/attention_segments.cuh"
 #include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/warp_mma_sm80.cuh"
 #include "kernels/cuda/dsa/dsa.h"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
 
 using bf16 = __nv_bfloat16;
+using namespace sm80;
 
 // Scores of one chunk in scratch: at most this many bytes unless one row alone is larger.
 constexpr int64_t kScoreBudgetBytes = int64_t{128} << 20;
@@ -79,35 +81,7 @@ __device__ __forceinline__ float load_value(const void* p, bool is_bf16, int64_t
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core scores (BF16 q and k)
-
-__device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8 x 8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i holds
-// matrix i as an mma fragment (row lane / 4, columns 2 (lane % 4), +1).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* row_address) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(row_address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
-}
-
-// A fragment (16 x 16, row-major) at (row0, col0) of a shared tile: a0 rows 0-7 / cols 0-7,
-// a1 rows 8-15, a2 cols 8-15, a3 both.
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int stride, int row0, int col0, int lane) {
-  ldmatrix_x4(a, tile + (row0 + (lane & 15)) * stride + col0 + (lane >> 4) * 8);
-}
-
-// B fragments of two n-tiles (n in [n0, n0 + 16), k in [k0, k0 + 16)) of a shared tile stored
-// [n][k]: b[0], b[1] for n-tile n0, b[2], b[3] for n-tile n0 + 8.
-__device__ __forceinline__ void load_b_pair(uint32_t (&b)[4], const bf16* tile, int stride, int n0, int k0, int lane) {
-  ldmatrix_x4(b, tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * stride + k0 + ((lane >> 3) & 1) * 8);
-}
+// Tensor-core scores (BF16 q and k; the fragment loads and mma are warp_mma_sm80.cuh's)
 
 // Rows [0, rows) of a shared bf16 tile with `cols` columns (a multiple of 8) and row stride
 // `stride`: row i is src_row(i)'s first `width` values then zeros, or all zeros when src_row(i)
@@ -191,13 +165,13 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int n = 0; n < kKeyTile / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
       for (int k0 = 0; k0 < padded_dim; k0 += 16) {
         uint32_t a[4];
-        load_a(a, q_st, stride, warp * padded_heads + h0, k0, lane);
+        load_a<ALayout::kMK>(a, q_st, stride, warp * padded_heads + h0, k0, lane);
 #pragma unroll
         for (int j = 0; j < kKeyTile / 16; ++j) {
           uint32_t b[4];
-          load_b_pair(b, k_st, stride, j * 16, k0, lane);
-          mma_bf16_16x8x16(acc[2 * j], a, b[0], b[1]);
-          mma_bf16_16x8x16(acc[2 * j + 1], a, b[2], b[3]);
+          load_b_x2<BLayout::kNK>(b, k_st, stride, j * 16, k0, lane);
+          mma_m16n8k16_bf16(acc[2 * j], a, b[0], b[1]);
+          mma_m16n8k16_bf16(acc[2 * j + 1], a, b[2], b[3]);
         }
       }
       const float w_lo = w_st[warp * padded_heads + h0 + g], w_hi = w_st[warp * padded_heads + h0 + g + 8];

@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_backward_sm90_ke
                       valid_row);
         cp_async_commit();
       }
-      cp_async_wait_all();
+      cp_async_wait<0>();
       sm90::fence_proxy_async_shared();
       if (__syncthreads_or(valid_row) == 0) continue;
 
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_backward_sm90_ke
       if (wg == 0) fs::store_row_bf16<64>(dst + 512, dq_b, h, 1.0f, quad);
     }
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
 }
 
 }  // namespace

@@ -31,12 +31,9 @@ using QTile = fs::SwizzledTile<kHeads, kQk>;
 using KvTile = fs::SwizzledTile<kBlockKeys, kQk>;
 using PTile = fs::SwizzledTile<kHeads, kBlockKeys>;  // [heads, keys]: P, dS
 
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  MOETRAIN_SM90_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                    : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { MOETRAIN_SM90_ASM("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { MOETRAIN_SM90_ASM("cp.async.wait_group 0;" ::: "memory"); }
+using sm80::cp_async_16;
+using sm80::cp_async_commit;
+using sm80::cp_async_wait;
 
 // Thread `part` of a row's kLoadersPerRow copies its share of one row of kCols BF16 (zeros when
 // !valid) into row r of a swizzled tile of `rows` rows: 16-byte unit u of 64-column chunk c lands

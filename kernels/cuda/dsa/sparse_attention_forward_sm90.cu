@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_ker
     const int stage = b & 1;
     // Block b has landed (this thread's copies), made visible to wgmma, and every thread is past
     // block b - 1 (so the other stage and P are free).
-    cp_async_wait_all();
+    cp_async_wait<0>();
     sm90::fence_proxy_async_shared();
     const bool any = __syncthreads_or(next_valid) != 0;
     next_valid = b + 1 < n_blocks && issue_block(b + 1, stage ^ 1);
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_ker
     sm90::wgmma_wait<0>();
     sm90::fence_registers(o);
   }
-  cp_async_wait_all();  // no copy may land after the CTA ends
+  cp_async_wait<0>();  // no copy may land after the CTA ends
 
   // Row sums: each warpgroup's over its own keys, added in a fixed order.
   float partial[2];

@@ -50,6 +50,7 @@
 #include "kernels/cuda/common/element_access.cuh"
 #include "kernels/cuda/gemm/grouped_gemm_common_sm90.cuh"
 #include "kernels/cuda/common/primitives_sm90.cuh"
+#include "kernels/cuda/common/warp_mma_sm80.cuh"
 #include "kernels/cuda/common/wgmma_bf16_sm90.cuh"
 
 namespace moetrain::kernels::cuda_ops {
@@ -163,10 +164,7 @@ __device__ __forceinline__ void decode4(uint32_t codes, uint32_t scale, uint32_t
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
+  sm80::ldmatrix_x4_trans(r, address);
 #else
   __trap();
 #endif

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
   {
     constexpr int kTiles = kDk / 16;
     float acc[kTiles][4];
-    zero_acc(acc);
+    zero_tiles(acc);
     warp_mma<ALayout::kMK, BLayout::kNK, kDv / 16, kTiles>(acc, dvnew_st, kVS, 16 * mb, 0, s_st, kVS,
                                                            nh * (kDk / 2), 0, lane, /*negate=*/true);
 #pragma unroll
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
   {
     constexpr int kTiles = kDv / 16;
     float acc[kTiles][4];
-    zero_acc(acc);
+    zero_tiles(acc);
     warp_mma<ALayout::kKM, BLayout::kKN, kChunk / 16, kTiles>(acc, m_st, kMS, 16 * mb, 0, dvnew_st, kVS,
                                                               nh * (kDv / 2), 0, lane);
 #pragma unroll
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
   {
     constexpr int kTiles = kDk / 16;
     float acc[kTiles][4];
-    zero_acc(acc);
+    zero_tiles(acc);
     warp_mma<ALayout::kKM, BLayout::kKN, kChunk / 16, kTiles>(acc, m_st, kMS, 16 * mb, 0, dw_st, kKS,
                                                               nh * (kDk / 2), 0, lane);
 #pragma unroll
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16
   // dA = -(db u^T + dc w^T), strictly lower and inside the chunk: warp (mb, nh) -> 32 columns.
   {
     float acc[4][4];
-    zero_acc(acc);
+    zero_tiles(acc);
     warp_mma<ALayout::kMK, BLayout::kNK, kDv / 16, 4>(acc, db_st, kVS, 16 * mb, 0, u_st, kVS, nh * 32, 0, lane, true);
     warp_mma<ALayout::kMK, BLayout::kNK, kDk / 16, 4>(acc, dc_st, kKS, 16 * mb, 0, w_st, kKS, nh * 32, 0, lane, true);
     float part[2] = {0.0f, 0.0f};
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_b
   // dAqk = dout v_new^T on and below the diagonal: 32 columns per warp.
   {
     float acc[4][4];
-    zero_acc(acc);
+    zero_tiles(acc);
     warp_mma<ALayout::kMK, BLayout::kNK, kDv / 16, 4>(acc, dout_st, kVS, 16 * mb, 0, vnew_st, kVS, nh * 32, 0, lane);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_b
   // dqg = dout S^T -> dq = scale exp(G) dqg;  dkt = v_new dS^T -> exp(G_last - G) dkt.
   const int n0 = nh * (kDh / 2);  // the warp's key columns (within the half)
   float dq_reg[kNTiles][4], dkt_reg[kNTiles][4];
-  zero_acc(dq_reg);
-  zero_acc(dkt_reg);
+  zero_tiles(dq_reg);
+  zero_tiles(dkt_reg);
   warp_mma<ALayout::kMK, BLayout::kNK, kDv / 16, kNTiles>(dq_reg, dout_st, kVS, 16 * mb, 0, s_st, kVS, n0, 0, lane);
   warp_mma<ALayout::kMK, BLayout::kNK, kDv / 16, kNTiles>(dkt_reg, vnew_st, kVS, 16 * mb, 0, ds_st, kVS, n0, 0, lane);
   {
@@ -382,8 +382,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_b
     // Row side: rows of block b against every earlier column; factors split at row ref.
     const int ref = b * kSub - 1;
     float xq[kNTiles][4], xk[kNTiles][4];
-    zero_acc(xq);
-    zero_acc(xk);
+    zero_tiles(xq);
+    zero_tiles(xk);
     for (int cb = 0; cb < b; ++cb) {
       uint32_t aq[4], ak[4];
 #pragma unroll
@@ -405,8 +405,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_b
           fb[half] = pack_bf16x2(__bfloat162float(k_st[s * kHS + d]) * exp2f(gref - g_st[s * kFS + d]),
                                  __bfloat162float(k_st[(s + 1) * kHS + d]) * exp2f(gref - g_st[(s + 1) * kFS + d]));
         }
-        mma_16816(xq[j], aq, fb[0], fb[1]);
-        mma_16816(xk[j], ak, fb[0], fb[1]);
+        mma_m16n8k16_bf16_ordered(xq[j], aq, fb[0], fb[1]);
+        mma_m16n8k16_bf16_ordered(xk[j], ak, fb[0], fb[1]);
       }
     }
 #pragma unroll
@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_b
     // Column side: keys of block b against every later row; factors split at row ref.
     const int ref = b * kSub + kSub - 1;
     float y[kNTiles][4];
-    zero_acc(y);
+    zero_tiles(y);
     for (int rb = b + 1; rb < kSubs; ++rb) {
       // A = (scale dAqk)^T and dpkk^T: element (m = key s, k = row r).
       uint32_t aq[4], ak[4];
@@ -448,8 +448,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_b
           fq[half] = pack_bf16x2(__bfloat162float(q_st[r * kHS + d]) * f0, __bfloat162float(q_st[(r + 1) * kHS + d]) * f1);
           fk[half] = pack_bf16x2(__bfloat162float(k_st[r * kHS + d]) * f0, __bfloat162float(k_st[(r + 1) * kHS + d]) * f1);
         }
-        mma_16816(y[j], aq, fq[0], fq[1]);
-        mma_16816(y[j], ak, fk[0], fk[1]);
+        mma_m16n8k16_bf16_ordered(y[j], aq, fq[0], fq[1]);
+        mma_m16n8k16_bf16_ordered(y[j], ak, fk[0], fk[1]);
       }
     }
 #pragma unroll

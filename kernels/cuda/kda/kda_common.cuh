@@ -1,5 +1,5 @@
 // Shared pieces of the chunked KDA kernels (kda_intra.cu, kda_state.cu, kda_backward.cu, kda.cu):
-// the parameter block, the chunk table lookup, and the warp-level tensor-core primitives.
+// the parameter block, the chunk table lookup, and the warp-level tensor-core products.
 //
 // Chunks: every segment of cu_seqlens is cut into chunks of kChunk tokens from its start (the last
 // one may be shorter; a chunk never spans two segments). Chunks are numbered globally, segment by
@@ -28,10 +28,12 @@
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/element_access.cuh"
+#include "kernels/cuda/common/warp_mma_sm80.cuh"
 
 namespace moetrain::kernels::cuda_ops::kda {
 
 using bf16 = __nv_bfloat16;
+using namespace sm80;
 
 constexpr int kChunk = 64;      // tokens per chunk (fla's and the CPU reference's chunk size)
 constexpr int kSub = 16;        // sub-chunk: one mma row block; pairs inside one are computed exactly
@@ -126,74 +128,7 @@ __device__ __forceinline__ bool find_chunk(const KdaParams& p, int chunk, ChunkS
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core primitives (one warp)
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  uint32_t bits;
-  memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
-
-__device__ __forceinline__ float2 unpack_bf16x2(uint32_t bits) {
-  __nv_bfloat162 v;
-  memcpy(&v, &bits, sizeof(bits));
-  return __bfloat1622float2(v);
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* row_address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row_address))
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* row_address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(row_address))
-               : "memory");
-}
-
-// How an operand tile is stored in shared memory (row stride `stride` BF16):
-//   A: kMK = element (m, k) at [m * stride + k];  kKM = at [k * stride + m] (read transposed)
-//   B: kNK = element (k, n) at [n * stride + k];  kKN = at [k * stride + n] (read transposed)
-enum class ALayout { kMK, kKM };
-enum class BLayout { kNK, kKN };
-
-// The A fragment of the 16 x 16 block at (m0, k0).
-template <ALayout kLayout>
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* st, int stride, int m0, int k0, int lane) {
-  if constexpr (kLayout == ALayout::kMK) {
-    // Matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15) = a0..a3.
-    ldmatrix_x4(a, st + (m0 + (lane & 15)) * stride + k0 + (lane >> 4) * 8);
-  } else {
-    // The same four matrices, each stored k-major: lanes 8i..8i+7 address its eight k rows.
-    ldmatrix_x4_trans(a, st + (k0 + (lane & 7) + ((lane >> 4) << 3)) * stride + m0 + ((lane >> 3) & 1) * 8);
-  }
-}
-
-// B fragments of the two n-tiles [n0, n0 + 8) and [n0 + 8, n0 + 16) for k in [k0, k0 + 16):
-// b[0], b[1] of the first, b[2], b[3] of the second.
-template <BLayout kLayout>
-__device__ __forceinline__ void load_b_x2(uint32_t (&b)[4], const bf16* st, int stride, int n0, int k0, int lane) {
-  if constexpr (kLayout == BLayout::kNK) {
-    ldmatrix_x4(b, st + (n0 + (lane & 7) + ((lane >> 4) << 3)) * stride + k0 + ((lane >> 3) & 1) * 8);
-  } else {
-    ldmatrix_x4_trans(b, st + (k0 + (lane & 15)) * stride + n0 + (lane >> 4) * 8);
-  }
-}
+// Tensor-core products (one warp; the primitives are warp_mma_sm80.cuh's)
 
 // acc[16 x 8 kNTiles] (+)= A[m0 .. m0 + 16, k0 .. k0 + 16 kKSteps] . B[k0 .., n0 .. n0 + 8 kNTiles];
 // `negate` flips the sign of A (exactly: the BF16 sign bits).
@@ -214,33 +149,14 @@ __device__ __forceinline__ void warp_mma(float (&acc)[kNTiles][4], const bf16* a
     for (int j = 0; j < kNTiles / 2; ++j) {
       uint32_t b[4];
       load_b_x2<kB>(b, b_st, b_stride, n0 + 16 * j, b_k0 + 16 * kk, lane);
-      mma_16816(acc[2 * j], a, b[0], b[1]);
-      mma_16816(acc[2 * j + 1], a, b[2], b[3]);
+      mma_m16n8k16_bf16_ordered(acc[2 * j], a, b[0], b[1]);
+      mma_m16n8k16_bf16_ordered(acc[2 * j + 1], a, b[2], b[3]);
     }
   }
 }
 
-template <int kNTiles>
-__device__ __forceinline__ void zero_acc(float (&acc)[kNTiles][4]) {
-#pragma unroll
-  for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Global -> shared (cp.async, 16 bytes, L2 only); visible after cp_async_wait and a barrier.
-
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool copy) {
-  // A source size of 0 writes 16 zero bytes and reads nothing (the address stays valid anyway).
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(copy ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kNewerGroupsInFlight>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kNewerGroupsInFlight) : "memory");
-}
 
 // Issues the copy of rows [0, 64) of a tile: row r comes from src + r * src_row_stride (elements
 // of T), kCols elements wide (16-byte aligned), into dst + r * dst_stride; rows >= valid_rows are

@@ -187,8 +187,8 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm90_bf16_
     const int ci = warp - bi * (bi - 1) / 2;
     const int ref = bi * kSub - 1;
     float akk[2][4], aqk[2][4];
-    zero_acc(akk);
-    zero_acc(aqk);
+    zero_tiles(akk);
+    zero_tiles(aqk);
 #pragma unroll
     for (int kk = 0; kk < kDk / 16; ++kk) {
       uint32_t fk[4], fq[4];
@@ -217,8 +217,8 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm90_bf16_
           const float2 kv = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(k_st + s * kKS + d));
           fb[half] = pack_bf16x2(kv.x * exp2f(gf.x - gs.x), kv.y * exp2f(gf.y - gs.y));
         }
-        mma_16816(akk[nt], fk, fb[0], fb[1]);
-        mma_16816(aqk[nt], fq, fb[0], fb[1]);
+        mma_m16n8k16_bf16_ordered(akk[nt], fk, fb[0], fb[1]);
+        mma_m16n8k16_bf16_ordered(aqk[nt], fq, fb[0], fb[1]);
       }
     }
 #pragma unroll
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm90_bf16_
   {
     constexpr int kTiles = kDk / 16;
     float acc[kTiles][4];
-    zero_acc(acc);
+    zero_tiles(acc);
     warp_mma<ALayout::kMK, BLayout::kKN, kChunk / 16, kTiles>(acc, t_st, kTS, 16 * mb, 0, kg_st, kKS,
                                                               nh * (kDk / 2), 0, lane);
 #pragma unroll
@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm90_bf16_
   {
     constexpr int kTiles = kDv / 16;
     float acc[kTiles][4];
-    zero_acc(acc);
+    zero_tiles(acc);
     warp_mma<ALayout::kMK, BLayout::kKN, kChunk / 16, kTiles>(acc, t_st, kTS, 16 * mb, 0, v_st, kVS,
                                                               nh * (kDv / 2), 0, lane);
 #pragma unroll

@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm90_bf16_
 
   StateRegs<kDk> s;
 #pragma unroll
-  for (int mt = 0; mt < StateRegs<kDk>::kMTiles; ++mt) zero_acc(s.acc[mt]);
+  for (int mt = 0; mt < StateRegs<kDk>::kMTiles; ++mt) zero_tiles(s.acc[mt]);
   for (int i = threadIdx.x; i < kDk * kSliceStride; i += kStateThreads) s_st[i] = __float2bfloat16_rn(0.0f);
   issue(0);
   issue(1);
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm90_bf16_
     // v_new = u - w S for the warp's 16 rows.
     {
       float acc[kSliceTiles][4];
-      zero_acc(acc);
+      zero_tiles(acc);
       warp_mma<ALayout::kMK, BLayout::kKN, kDk / 16, kSliceTiles>(acc, st.w, kKS, 16 * warp, 0, s_st, kSliceStride,
                                                                   0, 0, lane);
 #pragma unroll
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm90_bf16_
     if constexpr (kOut) {
       // out = qg S + Aqk v_new (Aqk is zero above the diagonal).
       float acc[kSliceTiles][4];
-      zero_acc(acc);
+      zero_tiles(acc);
       warp_mma<ALayout::kMK, BLayout::kKN, kDk / 16, kSliceTiles>(acc, st.qg, kKS, 16 * warp, 0, s_st, kSliceStride,
                                                                   0, 0, lane);
       warp_mma<ALayout::kMK, BLayout::kKN, kChunk / 16, kSliceTiles>(acc, st.aqk, kAqkStride, 16 * warp, 0, vnew_st,
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_backward_sm90_bf16
 
   StateRegs<kDk> ds;
 #pragma unroll
-  for (int mt = 0; mt < StateRegs<kDk>::kMTiles; ++mt) zero_acc(ds.acc[mt]);
+  for (int mt = 0; mt < StateRegs<kDk>::kMTiles; ++mt) zero_tiles(ds.acc[mt]);
   for (int i = threadIdx.x; i < kDk * kSliceStride; i += kStateThreads) ds_st[i] = __float2bfloat16_rn(0.0f);
   issue(0);
   issue(1);
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_backward_sm90_bf16
     // dv_new = Aqk^T dout + kt dS for the warp's 16 rows (tokens).
     {
       float acc[kSliceTiles][4];
-      zero_acc(acc);
+      zero_tiles(acc);
       warp_mma<ALayout::kKM, BLayout::kKN, kChunk / 16, kSliceTiles>(acc, st.aqk, kAqkStride, 16 * warp, 0, st.slice,
                                                                      kSliceStride, 0, 0, lane);
       warp_mma<ALayout::kMK, BLayout::kKN, kDk / 16, kSliceTiles>(acc, st.kt, kKS, 16 * warp, 0, ds_st, kSliceStride,
