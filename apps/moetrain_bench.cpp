@@ -32,7 +32,7 @@
 #include "core/plan/model_flops.h"
 #include "core/data/synthetic_data.h"
 #include "kernels/cuda/common/cuda_check.h"
-#include "kernels/cuda/dsa/dsa.h"
+#include "kernels/cuda/dsa/dsa_indexer.h"
 #include "kernels/cuda/gemm/grouped_gemm.h"
 #include "kernels/cuda/common/device.h"
 #include "kernels/ops.h"

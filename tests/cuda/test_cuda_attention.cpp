@@ -293,11 +293,11 @@ TEST_CASE("cuda attention: the Hopper flash path is taken on sm_90 for BF16 64/6
     kernels::AttentionArgs fwd{out.dev, lse.dev, q.dev, q.dev, v.dev, cu.dev, 0.125};
     kernels::AttentionBackwardArgs bwd{dq.dev, dq.dev, dv.dev, out.dev, q.dev, q.dev, v.dev, out.dev, lse.dev,
                                        cu.dev, 0.125};
-    CHECK(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd) == d.expected);
-    CHECK(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd) == d.expected);
+    CHECK(kernels::cuda_ops::flash_attention_forward_sm90_supported(fwd) == d.expected);
+    CHECK(kernels::cuda_ops::flash_attention_backward_sm90_supported(bwd) == d.expected);
     const ScopedEnv env(kAttentionPath, "mma");
-    CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd));
-    CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd));
+    CHECK_FALSE(kernels::cuda_ops::flash_attention_forward_sm90_supported(fwd));
+    CHECK_FALSE(kernels::cuda_ops::flash_attention_backward_sm90_supported(bwd));
   }
 }
 

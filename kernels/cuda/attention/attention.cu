@@ -586,12 +586,12 @@ void attention_forward(const AttentionArgs& args, cudaStream_t stream) {
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
   if (p.shape.tokens == 0) return;
   // The paths in order (the header comment says which shapes each takes).
-  if (flash_attention_sm90_forward_supported(args)) {
-    flash_attention_sm90_forward(args, stream);
+  if (flash_attention_forward_sm90_supported(args)) {
+    flash_attention_forward_sm90(args, stream);
     return;
   }
-  if (attention_tensor_core_supported(args)) {
-    attention_forward_tensor_core(args, stream);
+  if (attention_forward_sm80_supported(args)) {
+    attention_forward_sm80(args, stream);
     return;
   }
 
@@ -622,8 +622,8 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
   const AttentionShape& s = p.shape;
   if (s.tokens == 0) return;
-  if (flash_attention_sm90_backward_supported(args)) {  // computes its own delta
-    flash_attention_sm90_backward(args, stream);
+  if (flash_attention_backward_sm90_supported(args)) {  // computes its own delta
+    flash_attention_backward_sm90(args, stream);
     return;
   }
 
@@ -637,8 +637,8 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
   attention_backward_delta_kernel<<<delta_blocks, kDeltaThreads, 0, stream>>>(delta, p.dout, out, rows, s.v_dim);
   CUDA_CHECK_LAUNCH();
 
-  if (attention_backward_tensor_core_supported(args)) {
-    attention_backward_tensor_core(args, delta, stream);
+  if (attention_backward_sm80_supported(args)) {
+    attention_backward_sm80(args, delta, stream);
   } else {
     const size_t smem = backward_smem_floats(s.qk_dim, s.v_dim) * sizeof(float);
     const unsigned heads = static_cast<unsigned>(s.heads);

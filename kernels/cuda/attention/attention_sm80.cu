@@ -35,7 +35,7 @@
 // Blocks wholly inside the causal/segment range skip the per-element mask (a uniform branch).
 //
 // mma.sync, 4 warps per CTA, no warp specialization: the portable path. On Hopper the head dims
-// 64/64, 128/128 and 192/128 run on flash_attention_sm90_*.cu instead (wgmma + TMA, several times
+// 64/64, 128/128 and 192/128 run on flash_attention_*_sm90.cu instead (wgmma + TMA, several times
 // faster; docs/PERF.md has both); this path keeps the other BF16 head dims, other GPUs, and
 // MOETRAIN_ATTENTION=mma.
 #include "kernels/cuda/attention/attention_sm80.h"
@@ -192,7 +192,7 @@ struct ForwardSmem {
 };
 
 template <int kQk, int kV>
-__global__ void __launch_bounds__(kTcThreads) attention_forward_sm90_bf16_mma_kernel(TcForwardParams p) {
+__global__ void __launch_bounds__(kTcThreads) attention_forward_sm80_bf16_kernel(TcForwardParams p) {
   static_assert(kQk % 16 == 0 && kV % 16 == 0 && kQk <= 256 && kV <= 256, "head dims are whole k-steps");
   using Smem = ForwardSmem<kQk, kV>;
   constexpr int kScoreTiles = kKeyBlock / 8;
@@ -349,7 +349,7 @@ struct DqSmem {
 };
 
 template <int kQk, int kV>
-__global__ void __launch_bounds__(kTcThreads) attention_backward_dq_sm90_bf16_mma_kernel(TcBackwardParams p) {
+__global__ void __launch_bounds__(kTcThreads) attention_backward_dq_sm80_bf16_kernel(TcBackwardParams p) {
   static_assert(kQk % 16 == 0 && kV % 16 == 0, "head dims are whole k-steps");
   using Smem = DqSmem<kQk, kV>;
   constexpr int kScoreTiles = kKeyBlock / 8;
@@ -489,7 +489,7 @@ struct DkdvSmem {
 };
 
 template <int kQk, int kV>
-__global__ void __launch_bounds__(kTcThreads) attention_backward_dkdv_sm90_bf16_mma_kernel(TcBackwardParams p) {
+__global__ void __launch_bounds__(kTcThreads) attention_backward_dkdv_sm80_bf16_kernel(TcBackwardParams p) {
   static_assert(kQk % 16 == 0 && kV % 16 == 0, "head dims are whole k-steps");
   using Smem = DkdvSmem<kQk, kV>;
   constexpr int kQueryTiles = kDkdvQueryBlock / 8;
@@ -704,7 +704,7 @@ unsigned tc_blocks_for(int tokens) { return static_cast<unsigned>((tokens + kBlo
 
 }  // namespace
 
-bool attention_tensor_core_supported(const AttentionArgs& args) {
+bool attention_forward_sm80_supported(const AttentionArgs& args) {
   if (simt_forced_by_environment()) return false;
   for (const TensorView* t : {&args.q, &args.k, &args.v, &args.out}) {
     if (!bf16_aligned(*t)) return false;
@@ -712,7 +712,7 @@ bool attention_tensor_core_supported(const AttentionArgs& args) {
   return head_dims_fit(args.q, args.v, 256, 256);
 }
 
-bool attention_backward_tensor_core_supported(const AttentionBackwardArgs& args) {
+bool attention_backward_sm80_supported(const AttentionBackwardArgs& args) {
   if (simt_forced_by_environment()) return false;
   for (const TensorView* t : {&args.q, &args.k, &args.v, &args.dout, &args.dq, &args.dk, &args.dv}) {
     if (!bf16_aligned(*t)) return false;
@@ -720,7 +720,7 @@ bool attention_backward_tensor_core_supported(const AttentionBackwardArgs& args)
   return head_dims_fit(args.q, args.v, 192, 128);
 }
 
-void attention_forward_tensor_core(const AttentionArgs& args, cudaStream_t stream) {
+void attention_forward_sm80(const AttentionArgs& args, cudaStream_t stream) {
   TcForwardParams p;
   p.shape = shape_of(args.q, args.v, args.cu_seqlens, args.scale);
   p.out = static_cast<bf16*>(args.out.data);
@@ -733,12 +733,12 @@ void attention_forward_tensor_core(const AttentionArgs& args, cudaStream_t strea
   const dim3 grid(tc_blocks_for(p.shape.tokens), static_cast<unsigned>(p.shape.heads));
   dispatch_dims_bucket(p.shape.qk_dim, p.shape.v_dim, [&](auto qk, auto v) {
     constexpr int kQk = decltype(qk)::value, kV = decltype(v)::value;
-    launch_tc("attention_forward", attention_forward_sm90_bf16_mma_kernel<kQk, kV>, grid,
+    launch_tc("attention_forward", attention_forward_sm80_bf16_kernel<kQk, kV>, grid,
               ForwardSmem<kQk, kV>::kBytes, stream, p);
   });
 }
 
-void attention_backward_tensor_core(const AttentionBackwardArgs& args, const float* delta, cudaStream_t stream) {
+void attention_backward_sm80(const AttentionBackwardArgs& args, const float* delta, cudaStream_t stream) {
   TcBackwardParams p;
   p.shape = shape_of(args.q, args.v, args.cu_seqlens, args.scale);
   p.dq = static_cast<bf16*>(args.dq.data);
@@ -755,9 +755,9 @@ void attention_backward_tensor_core(const AttentionBackwardArgs& args, const flo
   const dim3 grid(tc_blocks_for(p.shape.tokens), static_cast<unsigned>(p.shape.heads));
   dispatch_backward_dims_bucket(p.shape.qk_dim, p.shape.v_dim, [&](auto qk, auto v) {
     constexpr int kQk = decltype(qk)::value, kV = decltype(v)::value;
-    launch_tc("attention_backward", attention_backward_dkdv_sm90_bf16_mma_kernel<kQk, kV>, grid,
+    launch_tc("attention_backward", attention_backward_dkdv_sm80_bf16_kernel<kQk, kV>, grid,
               DkdvSmem<kQk, kV>::kBytes, stream, p);
-    launch_tc("attention_backward", attention_backward_dq_sm90_bf16_mma_kernel<kQk, kV>, grid,
+    launch_tc("attention_backward", attention_backward_dq_sm80_bf16_kernel<kQk, kV>, grid,
               DqSmem<kQk, kV>::kBytes, stream, p);
   });
 }

@@ -599,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 }  // namespace flash_sm90
 
-bool flash_attention_sm90_backward_supported(const AttentionBackwardArgs& args) {
+bool flash_attention_backward_sm90_supported(const AttentionBackwardArgs& args) {
   using namespace flash_sm90;
   if (!flash_enabled_by_environment()) return false;
   for (const TensorView* t : {&args.q, &args.k, &args.v, &args.out, &args.dout, &args.dq, &args.dk, &args.dv}) {
@@ -610,7 +610,7 @@ bool flash_attention_sm90_backward_supported(const AttentionBackwardArgs& args) 
   return runs;
 }
 
-void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream_t stream) {
+void flash_attention_backward_sm90(const AttentionBackwardArgs& args, cudaStream_t stream) {
   using namespace flash_sm90;
   const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2), v_dim = args.v.size(2);
   if (tokens == 0) return;

@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 }  // namespace flash_sm90
 
-bool flash_attention_sm90_forward_supported(const AttentionArgs& args) {
+bool flash_attention_forward_sm90_supported(const AttentionArgs& args) {
   using namespace flash_sm90;
   if (!flash_enabled_by_environment()) return false;
   for (const TensorView* t : {&args.q, &args.k, &args.v, &args.out}) {
@@ -353,7 +353,7 @@ bool flash_attention_sm90_forward_supported(const AttentionArgs& args) {
   return runs;
 }
 
-void flash_attention_sm90_forward(const AttentionArgs& args, cudaStream_t stream) {
+void flash_attention_forward_sm90(const AttentionArgs& args, cudaStream_t stream) {
   using namespace flash_sm90;
   const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2), v_dim = args.v.size(2);
   if (tokens == 0) return;

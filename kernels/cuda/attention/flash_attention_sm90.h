@@ -25,12 +25,12 @@ namespace moetrain::kernels::cuda_ops {
 // True on a compute capability 9.0 device with this build's sm_90a code, when q, k, v, out are
 // BF16 with 16-byte aligned bases, (qk_dim, v_dim) is (64, 64), (128, 128) or (192, 128), the scale
 // is positive, and MOETRAIN_ATTENTION is neither "mma" nor "simt".
-bool flash_attention_sm90_forward_supported(const AttentionArgs& args);
+bool flash_attention_forward_sm90_supported(const AttentionArgs& args);
 // The same, with dq, dk, dv, dout BF16 and aligned too.
-bool flash_attention_sm90_backward_supported(const AttentionBackwardArgs& args);
+bool flash_attention_backward_sm90_supported(const AttentionBackwardArgs& args);
 
 // Preconditions: the predicate is true and attention.cu's shape checks passed.
-void flash_attention_sm90_forward(const AttentionArgs& args, cudaStream_t stream);
-void flash_attention_sm90_backward(const AttentionBackwardArgs& args, cudaStream_t stream);
+void flash_attention_forward_sm90(const AttentionArgs& args, cudaStream_t stream);
+void flash_attention_backward_sm90(const AttentionBackwardArgs& args, cudaStream_t stream);
 
 }  // namespace moetrain::kernels::cuda_ops

@@ -2,7 +2,7 @@
 // spec): I[t, s] = scale * sum_j w[t, j] relu(q[t, j] . k[s]) for s in [segment start(t), t], the
 // top_k largest per query, ties to the lower s, written in ascending s, -1 padded.
 //
-// Queries go in chunks (dsa.h); per chunk two kernels:
+// Queries go in chunks (dsa_indexer.h); per chunk two kernels:
 //   scores  F32 scores of each query's keys into scratch [chunk_rows, tokens] as uint32 keys whose
 //           unsigned order is the scores' order (NaN ranks as -inf and -0 as +0, as the reference
 //           ranks them). Only a query's own causal range is written and later read.
@@ -28,7 +28,7 @@
 #include "kernels/cuda/attention/attention_segments.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/warp_mma_sm80.cuh"
-#include "kernels/cuda/dsa/dsa.h"
+#include "kernels/cuda/dsa/dsa_indexer.h"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {
@@ -116,7 +116,7 @@ size_t mma_scores_smem_bytes(int padded_heads, int padded_dim) {
 }
 
 __global__ void __launch_bounds__(kMmaThreads)
-    indexer_scores_sm80_bf16_mma_kernel(ScoreParams p, int padded_heads, int padded_dim, bool vector) {
+    indexer_scores_sm80_bf16_kernel(ScoreParams p, int padded_heads, int padded_dim, bool vector) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int stride = padded_dim + kRowPad;
   bf16* q_st = reinterpret_cast<bf16*>(smem);
@@ -366,7 +366,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
   const size_t simt_smem = static_cast<size_t>(kSimtKeys) * (dim + 1) * sizeof(float);
   if (need_scores) {
     if (use_mma) {
-      CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_sm80_bf16_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_sm80_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(mma_smem)));
     } else {
       CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_simt_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -384,7 +384,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
     p.chunk_rows = rows;
     if (need_scores) {
       if (use_mma) {
-        indexer_scores_sm80_bf16_mma_kernel<<<(rows + kMmaWarps - 1) / kMmaWarps, kMmaThreads, mma_smem, stream>>>(
+        indexer_scores_sm80_bf16_kernel<<<(rows + kMmaWarps - 1) / kMmaWarps, kMmaThreads, mma_smem, stream>>>(
             p, padded_heads, padded_dim, vector);
       } else {
         indexer_scores_simt_kernel<<<(rows + kSimtWarps - 1) / kSimtWarps, kSimtThreads, simt_smem, stream>>>(p);

@@ -6,7 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/common/cuda_check.h"
-#include "kernels/cuda/dsa/dsa.h"
+#include "kernels/cuda/dsa/dsa_norm_gate.h"
 #include "kernels/cuda/common/element_access.cuh"
 
 namespace moetrain::kernels::cuda_ops {

@@ -19,7 +19,7 @@
 //   2. per key s: dkv[s] = sum of contrib over every (t, i) that selected s, in ascending t. The
 //      (t, i) of each key come from an inverse index built once per call: a stable radix sort of
 //      the flat positions t * top_k + i by key (cub), so each key's positions are ascending.
-// Queries go in chunks whose contributions fit in scratch (dsa.h); chunks run in order and each
+// Queries go in chunks whose contributions fit in scratch (sparse_attention.h); chunks run in order and each
 // adds to an F32 dkv accumulator, so the order of every sum is fixed.
 //
 // topk_index stays on the device: an entry outside [0, t] is skipped (the CPU backend rejects
@@ -35,7 +35,7 @@
 #include "core/base/error.h"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device.h"
-#include "kernels/cuda/dsa/dsa.h"
+#include "kernels/cuda/dsa/sparse_attention.h"
 
 namespace moetrain::kernels::cuda_ops {
 namespace {

@@ -25,7 +25,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/dsa/dsa.h"
+#include "kernels/cuda/dsa/sparse_attention.h"
 #include "kernels/cuda/dsa/sparse_attention_common_sm90.cuh"
 
 namespace moetrain::kernels::cuda_ops {
@@ -101,7 +101,7 @@ __device__ __forceinline__ void dkv_chunk(int c, bool write, uint32_t q_base, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) sparse_attention_backward_sm90_kernel(const BackwardParams p) {
+__global__ void __launch_bounds__(kThreads, 1) sparse_attention_backward_sm90_bf16_kernel(const BackwardParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = fs::align_to_swizzle(smem_raw);
   const uint32_t q_base = sm90::smem_address(smem);
@@ -265,7 +265,7 @@ bool sparse_attention_backward_sm90_supported(const SparseAttentionBackwardArgs&
   if (args.q.ndim() != 3 || args.q.size(2) != kQk || args.out.size(2) != kV || args.q.size(1) == 0) return false;
   if (args.q.size(0) >= (int64_t{1} << 31)) return false;
   if (!std::isfinite(args.scale) || args.scale <= 0.0) return false;
-  static const bool runs = kernel_fits_device(sparse_attention_backward_sm90_kernel, kSmemBytes);
+  static const bool runs = kernel_fits_device(sparse_attention_backward_sm90_bf16_kernel, kSmemBytes);
   return runs;
 }
 
@@ -287,9 +287,9 @@ void sparse_attention_backward_sm90_queries(const SparseAttentionBackwardArgs& a
   p.chunk_begin = static_cast<int>(chunk_begin);
   p.scale = static_cast<float>(args.scale);
   p.scale_log2 = p.scale * fs::kLog2e;
-  CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_backward_sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_backward_sm90_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(kSmemBytes)));
-  sparse_attention_backward_sm90_kernel<<<static_cast<unsigned int>(rows), kThreads, kSmemBytes, stream>>>(p);
+  sparse_attention_backward_sm90_bf16_kernel<<<static_cast<unsigned int>(rows), kThreads, kSmemBytes, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

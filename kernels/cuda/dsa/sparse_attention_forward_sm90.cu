@@ -25,7 +25,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/dsa/dsa.h"
+#include "kernels/cuda/dsa/sparse_attention.h"
 #include "kernels/cuda/dsa/sparse_attention_common_sm90.cuh"
 
 namespace moetrain::kernels::cuda_ops {
@@ -50,7 +50,7 @@ struct Params {
   float scale_log2 = 0.0f;  // scale * log2(e), > 0
 };
 
-__global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_bf16_kernel(const Params p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = fs::align_to_swizzle(smem_raw);
   const uint32_t q_base = sm90::smem_address(smem);
@@ -214,7 +214,7 @@ bool sparse_attention_forward_sm90_supported(const SparseAttentionArgs& args) {
   if (args.q.ndim() != 3 || args.q.size(2) != kQk || args.out.size(2) != kV) return false;
   if (args.q.size(0) >= (int64_t{1} << 31) || (args.q.size(1) + kHeads - 1) / kHeads > 65535) return false;
   if (!std::isfinite(args.scale) || args.scale <= 0.0) return false;
-  static const bool runs = kernel_fits_device(sparse_attention_forward_sm90_kernel, kSmemBytes);
+  static const bool runs = kernel_fits_device(sparse_attention_forward_sm90_bf16_kernel, kSmemBytes);
   return runs;
 }
 
@@ -231,10 +231,10 @@ void sparse_attention_forward_sm90(const SparseAttentionArgs& args, cudaStream_t
   p.out = static_cast<bf16*>(args.out.data);
   p.lse = static_cast<float*>(args.lse.data);
   p.scale_log2 = static_cast<float>(args.scale) * fs::kLog2e;
-  CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_forward_sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_forward_sm90_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(kSmemBytes)));
   const dim3 grid(static_cast<unsigned int>(p.tokens), static_cast<unsigned int>((p.heads + kHeads - 1) / kHeads));
-  sparse_attention_forward_sm90_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  sparse_attention_forward_sm90_bf16_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,4 @@
-// Dense ops of the CUDA backend (see gemm.h).
+// The GEMM launchers of the CUDA backend and their helpers (see gemm.h).
 //
 // GEMM. Our tensors are row-major; cuBLAS(Lt) is column-major. A row-major X [r, c] is the
 // column-major X^T [c, r] with leading dimension c, so the row-major product C = op(A) op(B)

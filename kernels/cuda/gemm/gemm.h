@@ -1,6 +1,6 @@
-// Dense ops of the CUDA backend: GEMM through cuBLASLt, the grouped GEMM (grouped_gemm.h), and
-// the small memory-bound helpers around them (axpby, sum of squares, column copies, sum over
-// heads).
+// The GEMM launchers of the CUDA backend: GEMM through cuBLASLt, the grouped GEMM's entry
+// (grouped_gemm.h), and the small memory-bound helpers around them (axpby, sum of squares,
+// column copies, sum over heads).
 // Launchers follow the backend convention (see cuda_backend.cpp): the op's arguments, then
 // what the op needs of the backend (cuBLAS handles, scratch), then the stream. Arguments are
 // checked by CudaBackend before they get here.

@@ -1,6 +1,6 @@
 // The grouped GEMM (see grouped_gemm.h): a Hopper kernel and a plain fallback, one launch each.
 //
-// sm90_grouped_gemm_kernel<Layout, BN>: CTA tile 128 x BN over the output, K in steps of 64.
+// grouped_gemm_sm90_bf16_kernel<Layout, BN>: CTA tile 128 x BN over the output, K in steps of 64.
 //   Threads: warpgroup 0 is the producer (one thread issues every TMA copy), warpgroups 1 and 2
 //   the consumers, each owning 64 rows of the tile (wgmma m64nBNk16, accumulators in registers).
 //   Shared memory: a ring of kStages stages, each an A tile (128 x 64) and a B tile (64 x BN),
@@ -419,7 +419,7 @@ __device__ __forceinline__ void k_step_rows_as_n(float (&acc)[kRegisters], uint3
 
 template <Layout kLayout, int kBN>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+    grouped_gemm_sm90_bf16_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const __grid_constant__ CUtensorMap map_a2, const __grid_constant__ CUtensorMap map_b2,
                              const Sm90Params p) {
   using T = Tiling<kLayout, kBN>;
@@ -784,8 +784,8 @@ void launch_sm90(const GroupedGemmProblem& p, cudaStream_t stream) {
   // Barriers per stage: full and empty.
   const size_t shared_bytes = grouped::shared_bytes(2, T::kStages, T::kStageBytes, p.groups) +
                               (T::kRowsAsN ? kConsumerWarpgroups * kEpilogueBytes : 0);
-  grouped::allow_shared_memory<sm90_grouped_gemm_kernel<kLayout, kBN>>();
-  sm90_grouped_gemm_kernel<kLayout, kBN><<<grouped::persistent_grid(max_tiles), kThreads, shared_bytes, stream>>>(
+  grouped::allow_shared_memory<grouped_gemm_sm90_bf16_kernel<kLayout, kBN>>();
+  grouped_gemm_sm90_bf16_kernel<kLayout, kBN><<<grouped::persistent_grid(max_tiles), kThreads, shared_bytes, stream>>>(
       map_a, map_b, map_a2, map_b2, params);
   CUDA_CHECK_LAUNCH();
 }
@@ -846,7 +846,7 @@ GroupedGemmPath grouped_gemm_path(const GroupedGemmProblem& p) {
                        (p.k2 == 0 || (aligned_16(p.a2) && aligned_16(p.b2)));
   // The probe: any instantiation tells whether the binary has sm_90a code.
   if (shapes && fits && aligned && grouped::device_info().hopper &&
-      grouped::have_sm90a_code<sm90_grouped_gemm_kernel<Layout::kMGroupedKMajorB, 256>>())
+      grouped::have_sm90a_code<grouped_gemm_sm90_bf16_kernel<Layout::kMGroupedKMajorB, 256>>())
     return GroupedGemmPath::kSm90;
   return GroupedGemmPath::kFallback;
 }

@@ -1,6 +1,6 @@
 // The MXFP4 grouped GEMM (see grouped_gemm_mxfp4.h): a Hopper kernel and a plain fallback.
 //
-// sm90_mxfp4_kernel<kInputGrad> computes c^T = W . a^T: the expert weight is wgmma's A operand,
+// grouped_gemm_sm90_mxfp4_kernel<kInputGrad> computes c^T = W . a^T: the expert weight is wgmma's A operand,
 // from registers, and the activations (x, or dy for the input gradient) its B operand, from shared
 // memory. The M of a tile is 128 of W's output rows (the columns of c; two consumer warpgroups x
 // 64), its N up to 256 rows of one group, the group's rows rounded up to 32: a K3 expert (~146
@@ -286,7 +286,7 @@ __device__ __forceinline__ void store_scales(uint32_t* words, const ScaleBytes& 
 
 template <bool kInputGrad>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_mxfp4_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
+    grouped_gemm_sm90_mxfp4_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                       const __grid_constant__ CUtensorMap map_s, const Params p) {
   constexpr int kStages = StageLayout<kInputGrad>::kCount;
   extern __shared__ __align__(1024) unsigned char shared[];
@@ -644,12 +644,12 @@ void launch_sm90(const GroupedGemmProblem& p, const void* b_scale, cudaStream_t 
   const CUtensorMap map_w = w_tensor_map(p);
   CUtensorMap map_s{};  // unused unless params.scale_tma
   params.scale_tma = scale_tensor_map(p, b_scale, &map_s) ? 1 : 0;
-  grouped::allow_shared_memory<sm90_mxfp4_kernel<kInputGrad>>();
+  grouped::allow_shared_memory<grouped_gemm_sm90_mxfp4_kernel<kInputGrad>>();
   // Barriers per stage: full, empty and raw_full.
   const size_t shared = grouped::shared_bytes(3, Stages::kCount, Stages::kBytes, p.groups);
   // Each group adds at most one partial row block.
   const int64_t max_tiles = ((p.rows + kTokenRows - 1) / kTokenRows + p.groups) * params.n_tiles;
-  sm90_mxfp4_kernel<kInputGrad><<<grouped::persistent_grid(max_tiles), kThreads, shared, stream>>>(map_a, map_w, map_s,
+  grouped_gemm_sm90_mxfp4_kernel<kInputGrad><<<grouped::persistent_grid(max_tiles), kThreads, shared, stream>>>(map_a, map_w, map_s,
                                                                                                   params);
   CUDA_CHECK_LAUNCH();
 }
@@ -685,7 +685,7 @@ GroupedGemmPath grouped_gemm_mxfp4_path(const GroupedGemmProblem& p, const void*
                     p.groups * std::max(p.n, p.k) < (int64_t{1} << 31);
   using grouped::aligned_16;
   const bool aligned = aligned_16(p.a) && aligned_16(p.b) && aligned_16(p.c);
-  if (shapes && fits && aligned && grouped::device_info().hopper && grouped::have_sm90a_code<sm90_mxfp4_kernel<false>>())
+  if (shapes && fits && aligned && grouped::device_info().hopper && grouped::have_sm90a_code<grouped_gemm_sm90_mxfp4_kernel<false>>())
     return GroupedGemmPath::kSm90;
   return GroupedGemmPath::kFallback;
 }

@@ -64,7 +64,7 @@ struct WySmem {
 };
 
 template <int kDk, int kDv>
-__global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm90_bf16_kernel(KdaParams p) {
+__global__ void __launch_bounds__(kBackwardThreads, 1) kda_wy_backward_sm80_bf16_kernel(KdaParams p) {
   using Smem = WySmem<kDk, kDv>;
   constexpr int kKS = Smem::kKStride, kVS = Smem::kVStride, kMS = Smem::kMStride, kPS = Smem::kPStride;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -236,7 +236,7 @@ struct IntraBackSmem {
 };
 
 template <int kDk, int kDv>
-__global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm90_bf16_kernel(KdaParams p) {
+__global__ void __launch_bounds__(kBackwardThreads, 1) kda_intra_backward_sm80_bf16_kernel(KdaParams p) {
   using Smem = IntraBackSmem<kDk, kDv>;
   constexpr int kDh = Smem::kDh;
   constexpr int kHS = Smem::kHStride, kFS = Smem::kFStride, kVS = Smem::kVStride, kAS = Smem::kAStride;
@@ -549,7 +549,7 @@ void launch_kda_wy_backward(const KdaParams& p, int dk, int dv, cudaStream_t str
   const dim3 grid(static_cast<unsigned>(p.capacity), static_cast<unsigned>(p.heads));
   dispatch_head_dims(dk, dv, [&](auto k_dim, auto v_dim) {
     constexpr int kDk = decltype(k_dim)::value, kDv = decltype(v_dim)::value;
-    launch_kda_kernel(kda_wy_backward_sm90_bf16_kernel<kDk, kDv>, grid, kBackwardThreads, WySmem<kDk, kDv>::kBytes,
+    launch_kda_kernel(kda_wy_backward_sm80_bf16_kernel<kDk, kDv>, grid, kBackwardThreads, WySmem<kDk, kDv>::kBytes,
                       stream, p);
   });
 }
@@ -558,7 +558,7 @@ void launch_kda_intra_backward(const KdaParams& p, int dk, int dv, cudaStream_t 
   const dim3 grid(static_cast<unsigned>(p.capacity), static_cast<unsigned>(p.heads), 2);
   dispatch_head_dims(dk, dv, [&](auto k_dim, auto v_dim) {
     constexpr int kDk = decltype(k_dim)::value, kDv = decltype(v_dim)::value;
-    launch_kda_kernel(kda_intra_backward_sm90_bf16_kernel<kDk, kDv>, grid, kBackwardThreads,
+    launch_kda_kernel(kda_intra_backward_sm80_bf16_kernel<kDk, kDv>, grid, kBackwardThreads,
                       IntraBackSmem<kDk, kDv>::kBytes, stream, p);
   });
 }

@@ -79,7 +79,7 @@ __device__ __forceinline__ void load8f(float (&v)[8], const float* p) {
 }
 
 template <int kDk, int kDv, bool kForBackward>
-__global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm90_bf16_kernel(KdaParams p) {
+__global__ void __launch_bounds__(kIntraThreads, 1) kda_intra_forward_sm80_bf16_kernel(KdaParams p) {
   using Smem = IntraSmem<kDk, kDv>;
   static_assert(kDk % 32 == 0 && kDv % 16 == 0 && kDk <= 128 && kDv <= 128, "head dims");
   constexpr int kKS = Smem::kKStride, kVS = Smem::kVStride, kGS = Smem::kGStride, kAS = Smem::kAStride,
@@ -383,9 +383,9 @@ void launch_kda_intra(const KdaParams& p, int dk, int dv, bool for_backward, cud
     constexpr int kDk = decltype(k_dim)::value, kDv = decltype(v_dim)::value;
     const size_t bytes = IntraSmem<kDk, kDv>::kBytes;
     if (for_backward) {
-      launch_kda_kernel(kda_intra_forward_sm90_bf16_kernel<kDk, kDv, true>, grid, kIntraThreads, bytes, stream, p);
+      launch_kda_kernel(kda_intra_forward_sm80_bf16_kernel<kDk, kDv, true>, grid, kIntraThreads, bytes, stream, p);
     } else {
-      launch_kda_kernel(kda_intra_forward_sm90_bf16_kernel<kDk, kDv, false>, grid, kIntraThreads, bytes, stream, p);
+      launch_kda_kernel(kda_intra_forward_sm80_bf16_kernel<kDk, kDv, false>, grid, kIntraThreads, bytes, stream, p);
     }
   });
 }

@@ -163,7 +163,7 @@ __device__ __forceinline__ void write_state_tile(bf16* dst, const bf16* st, int 
 }
 
 template <int kDk, int kDv, bool kSave>
-__global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm90_bf16_kernel(KdaParams p) {
+__global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm80_bf16_kernel(KdaParams p) {
   constexpr bool kOut = !kSave;
   using Smem = StateSmem<kDk, kOut>;
   constexpr int kKS = kDk + kPad;
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm90_bf16_
 }
 
 template <int kDk, int kDv>
-__global__ void __launch_bounds__(kStateThreads, 1) kda_state_backward_sm90_bf16_kernel(KdaParams p) {
+__global__ void __launch_bounds__(kStateThreads, 1) kda_state_backward_sm80_bf16_kernel(KdaParams p) {
   using Smem = StateSmem<kDk, true>;
   constexpr int kKS = kDk + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -346,10 +346,10 @@ void launch_kda_state_forward(const KdaParams& p, int dk, int dv, bool save, cud
   dispatch_head_dims(dk, dv, [&](auto k_dim, auto v_dim) {
     constexpr int kDk = decltype(k_dim)::value, kDv = decltype(v_dim)::value;
     if (save) {
-      launch_kda_kernel(kda_state_forward_sm90_bf16_kernel<kDk, kDv, true>, grid, kStateThreads,
+      launch_kda_kernel(kda_state_forward_sm80_bf16_kernel<kDk, kDv, true>, grid, kStateThreads,
                         StateSmem<kDk, false>::kBytes, stream, p);
     } else {
-      launch_kda_kernel(kda_state_forward_sm90_bf16_kernel<kDk, kDv, false>, grid, kStateThreads,
+      launch_kda_kernel(kda_state_forward_sm80_bf16_kernel<kDk, kDv, false>, grid, kStateThreads,
                         StateSmem<kDk, true>::kBytes, stream, p);
     }
   });
@@ -360,7 +360,7 @@ void launch_kda_state_backward(const KdaParams& p, int dk, int dv, cudaStream_t 
                   static_cast<unsigned>(dv / kSlice));
   dispatch_head_dims(dk, dv, [&](auto k_dim, auto v_dim) {
     constexpr int kDk = decltype(k_dim)::value, kDv = decltype(v_dim)::value;
-    launch_kda_kernel(kda_state_backward_sm90_bf16_kernel<kDk, kDv>, grid, kStateThreads, StateSmem<kDk, true>::kBytes,
+    launch_kda_kernel(kda_state_backward_sm80_bf16_kernel<kDk, kDv>, grid, kStateThreads, StateSmem<kDk, true>::kBytes,
                       stream, p);
   });
 }
