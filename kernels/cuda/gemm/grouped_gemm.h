@@ -4,7 +4,7 @@
 //   kMGrouped: c[rows_g, :] = alpha * (a[rows_g, :] . op(b[g]) [+ a2[rows_g, :] . op(b2[g])]) + beta * c[rows_g, :]
 //   kKGrouped: c[g] = alpha * a[rows_g, :]^T . b[rows_g, :] + beta * c[g]
 //
-// Two kernels (grouped_gemm.cu):
+// Two kernels (grouped_gemm_sm90.cu, grouped_gemm.cu):
 //   - sm_90a: a persistent, warp-specialised wgmma kernel. Every CTA derives the same table from
 //     the device offsets at its start (per group: rows, and a prefix of its output tiles) and
 //     walks the tiles of all groups, so uneven and empty groups cost nothing. One producer warp
@@ -58,7 +58,7 @@ enum class GroupedGemmPath { kSm90, kFallback };
 //     to 288 of a group's rows as N, rounded up to 16 (a larger group splits into even tiles): a
 //     group of 207 rows costs 208 rows, not 256, and one of 280 rows is one tile. For the input
 //     gradient (dy W) the A tile is W's transpose, M-major (chosen for smaller groups than the
-//     forward's: grouped_gemm.cu, kRowsAsNInputGradMaxMeanRows).
+//     forward's: grouped_gemm_tiling.cpp, kRowsAsNInputGradMaxMeanRows).
 // kAuto (the default) chooses by shape: grouped_gemm_tiling.
 enum class GroupedGemmTiling { kAuto, kRowsAsM, kRowsAsN };
 
@@ -74,5 +74,9 @@ void set_grouped_gemm_tiling(GroupedGemmTiling tiling);
 GroupedGemmPath grouped_gemm_path(const GroupedGemmProblem& problem);
 
 void launch_grouped_gemm(const GroupedGemmProblem& problem, cudaStream_t stream);
+
+// The sm_90a kernel's launch (grouped_gemm_sm90.cu) in the tiling grouped_gemm_tiling picks;
+// launch_grouped_gemm calls it when grouped_gemm_path says kSm90.
+void launch_grouped_gemm_sm90(const GroupedGemmProblem& problem, cudaStream_t stream);
 
 }  // namespace moetrain::kernels::cuda_ops

@@ -1,4 +1,4 @@
-// What the two Hopper grouped GEMMs (grouped_gemm.cu: BF16 b; grouped_gemm_mxfp4.cu: MXFP4 b)
+// What the two Hopper grouped GEMMs (grouped_gemm_sm90.cu: BF16 b; grouped_gemm_mxfp4.cu: MXFP4 b)
 // share: the persistent tile scheduler and its host side.
 //
 // Scheduler: every CTA builds, from the device offsets, the per-group table in shared memory
@@ -28,6 +28,7 @@
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device.h"
 #include "kernels/cuda/common/primitives_sm90.cuh"
+#include "kernels/cuda/gemm/grouped_gemm_tiling.h"
 
 namespace moetrain::kernels::cuda_ops::grouped_sm90 {
 
@@ -40,11 +41,9 @@ constexpr int kStageBudgetBytes = 200 * 1024;  // of the 227 KB a CTA may have
 constexpr int kMaxStages = 8;
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K registers
-// The per-group table (two int32 [groups + 1]) shares shared memory with the stages.
-constexpr int64_t kTableBudgetBytes = 24 * 1024;
 // What a launch may ask for: 227 KB, all the shared memory a CTA can have. It holds the stages
 // (at most kStageBudgetBytes), the group table (at most kTableBudgetBytes), the barriers and, for
-// grouped_gemm.cu's rows-as-N tiles, 8 KB of epilogue buffers (that kernel checks its sum).
+// grouped_gemm_sm90.cu's rows-as-N tiles, 8 KB of epilogue buffers (that kernel checks its sum).
 constexpr int kMaxDynamicSharedBytes = 227 * 1024;
 constexpr int kMaxDevices = 64;  // per-device host caches
 
@@ -286,11 +285,6 @@ inline size_t shared_bytes(int stage_barriers, int stages, int stage_bytes, int6
 // The persistent grid: a CTA per multiprocessor, no more than there are tiles.
 inline int persistent_grid(int64_t max_tiles) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(device_info().multiprocessors, max_tiles)));
-}
-
-// The table of `groups` (two int32 [groups + 1]) fits `budget` bytes of shared memory.
-inline bool group_table_fits(int64_t groups, int64_t budget = kTableBudgetBytes) {
-  return groups * 2 * 4 + 8 <= budget;
 }
 
 inline bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

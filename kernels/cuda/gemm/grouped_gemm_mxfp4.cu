@@ -8,7 +8,7 @@
 // registers). K steps of 64. N is chosen once per tile and the K loop, decode included, is
 // compiled for each of the 8 values: choosing before every K step cost 6-25% at K3's shapes (H200).
 //   Tiles are listed by group, then 128-column block, then 256-row block and handed out in that
-//   order through a device counter (grouped_gemm_common_sm90.cuh, as grouped_gemm.cu: the tiles in
+//   order through a device counter (grouped_gemm_common_sm90.cuh, as grouped_gemm_sm90.cu: the tiles in
 //   flight share W[g] and rows of a in L2); the per-group table is built from the device offsets. Rows past a group's end are
 //   computed from the next group's rows (or TMA zeros) and never stored; so are W's rows past n.
 //   Warpgroup 0, the producer (40 registers):
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (active) decode(frag0, stage);
     int previous_stage = stage;
     // wgmma's N is chosen once per tile, with the K loop compiled for each (as the BF16 kernel);
-    // the last step's wgmmas complete inside each copy (see grouped_gemm.cu, run_k_steps).
+    // the last step's wgmmas complete inside each copy (see grouped_gemm_sm90.cu, run_k_steps).
     grouped::with_row_boxes(active ? boxes : 1, [&](auto n) {
       auto step = [&](uint32_t (&current)[16], uint32_t (&next)[16], int s) {
         sm90::fence_registers(acc);
