@@ -102,15 +102,7 @@ __device__ __forceinline__ void producer_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t address = sm90::smem_address(bar);
   uint64_t first_miss = 0;
   for (;;) {
-    uint32_t done = 0;
-    MOETRAIN_SM90_ASM(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(address), "r"(parity)
-        : "memory");
-    if (done != 0) return;
+    if (sm90::barrier_try_wait(address, parity) != 0) return;
     uint64_t now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (first_miss == 0) {

@@ -49,17 +49,25 @@ __device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
 
 // Waits until the phase with this parity has completed. A fresh barrier is in phase 0, so a
 // wait for parity 1 returns at once (producers start that way on the 'empty' barriers).
+// One try of barrier_wait: nonzero when the phase with this parity has completed (the hardware
+// may wait a little before it answers no). `address` is the barrier's shared address.
+__device__ __forceinline__ uint32_t barrier_try_wait(uint32_t address, uint32_t parity) {
+  uint32_t done = 0;
+  MOETRAIN_SM90_ASM(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(address), "r"(parity)
+      : "memory");
+  return done;
+}
+
 __device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t address = smem_address(bar);
   uint32_t done = 0;
   do {
-    MOETRAIN_SM90_ASM(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(address), "r"(parity)
-        : "memory");
+    done = barrier_try_wait(address, parity);
   } while (done == 0);
 }
 

@@ -54,6 +54,22 @@ __global__ void axpby_kernel(MutOperand y, ConstOperand x, float alpha, float be
   }
 }
 
+// The sum of every thread's acc in a fixed order (a shuffle tree per warp, then warp 0 over the
+// warps' sums), valid in thread 0. blockDim.x is a multiple of 32, at most 1024.
+__device__ __forceinline__ double block_sum(double acc, double (&warp_sums)[32]) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) warp_sums[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    acc = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[lane] : 0.0;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  }
+  return acc;
+}
+
 // Stage 1 of sum_squares: partial[block] = sum over this block's grid-stride share, in double.
 template <int kChunk>
 __global__ void sum_squares_partial_kernel(double* __restrict__ partial, ConstOperand x, int64_t chunks) {
@@ -66,17 +82,8 @@ __global__ void sum_squares_partial_kernel(double* __restrict__ partial, ConstOp
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) acc += static_cast<double>(v[e]) * static_cast<double>(v[e]);
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[lane] : 0.0;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (lane == 0) partial[blockIdx.x] = acc;
-  }
+  acc = block_sum(acc, warp_sums);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
 // Stage 2: one block of 32 * k threads sums the partials in a fixed order.
@@ -84,17 +91,8 @@ __global__ void sum_partials_kernel(double* __restrict__ total, const double* __
   __shared__ double warp_sums[32];
   double acc = 0.0;
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[lane] : 0.0;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (lane == 0) *total = acc;
-  }
+  acc = block_sum(acc, warp_sums);
+  if (threadIdx.x == 0) *total = acc;
 }
 
 struct ColumnCopyShape {

@@ -252,6 +252,19 @@ MutOperand row_out(const char* op, const char* name, const TensorView& t) {
 }
 int64_t row_width(const TensorView& t) { return t.size(0) == 0 ? 0 : t.numel() / t.size(0); }
 
+// pair_row: int32, one entry per (token, slot).
+void expect_pair_row(const char* op, const TensorView& pair_row, int64_t tokens, int64_t top_k) {
+  expect_dtype(op, "pair_row", pair_row, DType::kI32);
+  expect(pair_row.numel() == tokens * top_k, op, "pair_row is " + pair_row.shape.str() + ", expected " +
+                                                     std::to_string(tokens * top_k) + " entries");
+}
+
+// The combine weights: F32 [tokens, top_k].
+void expect_combine_weight(const char* op, const TensorView& weight) {
+  expect_dtype(op, "weight", weight, DType::kF32);
+  expect(weight.ndim() == 2, op, "weight is " + weight.shape.str() + ", expected [tokens, top_k]");
+}
+
 // The 16-byte chunk path when every row operand allows it, else scalars.
 template <typename F>
 void dispatch_chunk(int64_t width, std::initializer_list<const void*> pointers, F&& f) {
@@ -355,9 +368,7 @@ void moe_unpermute_sum(const TensorView& dx, const TensorView& drows, const Tens
   const int64_t tokens = dx.size(0), width = row_width(dx);
   expect(row_width(drows) == width || drows.size(0) == 0, op,
          "dx " + dx.shape.str() + " and drows " + drows.shape.str() + " rows differ in width");
-  expect_dtype(op, "pair_row", pair_row, DType::kI32);
-  expect(pair_row.numel() == tokens * top_k, op, "pair_row is " + pair_row.shape.str() + ", expected " +
-                                                     std::to_string(tokens * top_k) + " entries");
+  expect_pair_row(op, pair_row, tokens, top_k);
   if (tokens == 0 || width == 0) return;
   dispatch_chunk(width, {dx.data, drows.data}, [&](auto chunk) {
     moe_unpermute_sum_kernel<decltype(chunk)::value><<<row_blocks(tokens), kRowThreads, 0, stream>>>(
@@ -368,8 +379,7 @@ void moe_unpermute_sum(const TensorView& dx, const TensorView& drows, const Tens
 
 void moe_combine(const MoeCombineArgs& args, cudaStream_t stream) {
   const char* op = "moe_combine";
-  expect_dtype(op, "weight", args.weight, DType::kF32);
-  expect(args.weight.ndim() == 2, op, "weight is " + args.weight.shape.str() + ", expected [tokens, top_k]");
+  expect_combine_weight(op, args.weight);
   const int64_t tokens = args.weight.size(0), top_k = args.weight.size(1);
   const MutOperand out = row_out(op, "out", args.out);
   const ConstOperand rows = row_in(op, "rows", args.rows);
@@ -377,9 +387,7 @@ void moe_combine(const MoeCombineArgs& args, cudaStream_t stream) {
   expect(args.out.size(0) == tokens && (row_width(args.rows) == width || args.rows.size(0) == 0), op,
          "out " + args.out.shape.str() + ", rows " + args.rows.shape.str() + ", weight " + args.weight.shape.str() +
              " do not fit together");
-  expect_dtype(op, "pair_row", args.pair_row, DType::kI32);
-  expect(args.pair_row.numel() == tokens * top_k, op, "pair_row is " + args.pair_row.shape.str() + ", expected " +
-                                                          std::to_string(tokens * top_k) + " entries");
+  expect_pair_row(op, args.pair_row, tokens, top_k);
   if (tokens == 0 || width == 0) return;
   dispatch_chunk(width, {args.out.data, args.rows.data}, [&](auto chunk) {
     moe_combine_kernel<decltype(chunk)::value><<<row_blocks(tokens), kRowThreads, 0, stream>>>(
@@ -391,8 +399,7 @@ void moe_combine(const MoeCombineArgs& args, cudaStream_t stream) {
 
 void moe_combine_backward(const MoeCombineBackwardArgs& args, cudaStream_t stream) {
   const char* op = "moe_combine_backward";
-  expect_dtype(op, "weight", args.weight, DType::kF32);
-  expect(args.weight.ndim() == 2, op, "weight is " + args.weight.shape.str() + ", expected [tokens, top_k]");
+  expect_combine_weight(op, args.weight);
   const int64_t tokens = args.weight.size(0), top_k = args.weight.size(1);
   expect_dtype(op, "dweight", args.dweight, DType::kF32);
   const MutOperand drows = row_out(op, "drows", args.drows);
@@ -403,9 +410,7 @@ void moe_combine_backward(const MoeCombineBackwardArgs& args, cudaStream_t strea
              args.drows.shape == args.rows.shape && args.dweight.shape == args.weight.shape,
          op, "dout " + args.dout.shape.str() + ", rows " + args.rows.shape.str() + ", drows " + args.drows.shape.str() +
                  ", weight " + args.weight.shape.str() + ", dweight " + args.dweight.shape.str() + " do not fit together");
-  expect_dtype(op, "pair_row", args.pair_row, DType::kI32);
-  expect(args.pair_row.numel() == tokens * top_k, op, "pair_row is " + args.pair_row.shape.str() + ", expected " +
-                                                          std::to_string(tokens * top_k) + " entries");
+  expect_pair_row(op, args.pair_row, tokens, top_k);
   // With exactly one row per pair, pair_row (from moe_permutation) is a bijection and every row
   // is written below; otherwise rows no pair maps to must read as zero gradient.
   if (args.drows.size(0) != tokens * top_k && args.drows.nbytes() > 0) {
