@@ -128,38 +128,6 @@ __device__ __forceinline__ void locate_m_grouped_tile(int t, int groups, GroupTa
   tile.n0 = local / m_tiles * kTileColumns;
 }
 
-// The two-slot tile ring (kTileSlots): tile_full / tile_empty mbarriers and tile_slot indices in
-// shared memory, `slot` and `slot_phase` the caller's position in it.
-// The producer thread: waits for a free slot, takes the next tile index from the device counter,
-// publishes it and steps on.
-__device__ __forceinline__ int fetch_tile(uint64_t* tile_empty, uint64_t* tile_full, int* tile_slot, int& slot,
-                                          uint32_t& slot_phase, int* tile_counter) {
-  sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
-  const int t = atomicAdd(tile_counter, 1);
-  tile_slot[slot] = t;
-  sm90::barrier_arrive(&tile_full[slot]);
-  if (++slot == kTileSlots) {
-    slot = 0;
-    slot_phase ^= 1;
-  }
-  return t;
-}
-
-// A whole warp of the other warps: the next tile index the producer published; lane 0 gives the
-// slot back.
-__device__ __forceinline__ int next_tile(uint64_t* tile_empty, uint64_t* tile_full, const int* tile_slot, int& slot,
-                                         uint32_t& slot_phase, int lane) {
-  sm90::barrier_wait(&tile_full[slot], slot_phase);
-  const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
-  __syncwarp();
-  if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
-  if (++slot == kTileSlots) {
-    slot = 0;
-    slot_phase ^= 1;
-  }
-  return t;
-}
-
 // The producer thread, after fetching past the end: every CTA does so exactly once, and the last
 // one puts the counters back to zero for the next launch on the stream.
 __device__ __forceinline__ void release_tile_counter(int* tile_counter) {

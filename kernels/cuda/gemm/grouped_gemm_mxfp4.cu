@@ -324,7 +324,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   int stage = 0, slot = 0;
   uint32_t phase = 0, slot_phase = 0;
   // Consumers and converters: the next tile index from the ring thread 0 fills.
-  auto next_tile = [&]() { return grouped::next_tile(tile_empty, tile_full, tile_slot, slot, slot_phase, lane); };
+  auto next_tile = [&]() {
+    sm90::barrier_wait(&tile_full[slot], slot_phase);
+    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
+    __syncwarp();
+    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
+    if (++slot == kTileSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
+    return t;
+  };
   auto advance = [&]() {
     if (++stage == kStages) {
       stage = 0;
@@ -339,7 +349,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::tma_prefetch_descriptor(&map_w);
       if (kInputGrad && p.scale_tma) sm90::tma_prefetch_descriptor(&map_s);
       for (;;) {
-        const int t = grouped::fetch_tile(tile_empty, tile_full, tile_slot, slot, slot_phase, p.tile_counter);
+        sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
+        const int t = atomicAdd(p.tile_counter, 1);
+        tile_slot[slot] = t;
+        sm90::barrier_arrive(&tile_full[slot]);
+        if (++slot == kTileSlots) {
+          slot = 0;
+          slot_phase ^= 1;
+        }
         if (t >= total_tiles) break;
         const Tile tile = decode_tile(t, p, table);
         const int boxes = boxes_of(tile);

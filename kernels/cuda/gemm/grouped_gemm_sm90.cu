@@ -465,7 +465,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     int slot = 0;
     uint32_t slot_phase = 0;
     for (;;) {
-      const int t = grouped::fetch_tile(tile_empty, tile_full, tile_slot, slot, slot_phase, p.tile_counter);
+      sm90::barrier_wait(&tile_empty[slot], slot_phase ^ 1);
+      const int t = atomicAdd(p.tile_counter, 1);
+      tile_slot[slot] = t;
+      sm90::barrier_arrive(&tile_full[slot]);
+      if (++slot == kTileSlots) {
+        slot = 0;
+        slot_phase ^= 1;
+      }
       if (t >= total_tiles) break;
       const Tile tile = decode_tile<kLayout, kBN>(t, p, table);
       const int first_steps = (tile.k_end - tile.k0 + kBK - 1) / kBK;  // of a . op(b); the rest a2 . op(b2)
@@ -501,7 +508,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   int slot = 0;
   uint32_t slot_phase = 0;
   for (;;) {
-    const int t = grouped::next_tile(tile_empty, tile_full, tile_slot, slot, slot_phase, lane);
+    sm90::barrier_wait(&tile_full[slot], slot_phase);
+    const int t = __shfl_sync(kAllLanes, tile_slot[slot], 0);
+    __syncwarp();
+    if (lane == 0) sm90::barrier_arrive(&tile_empty[slot]);
+    if (++slot == kTileSlots) {
+      slot = 0;
+      slot_phase ^= 1;
+    }
     if (t >= total_tiles) break;
     const Tile tile = decode_tile<kLayout, kBN>(t, p, table);
     // A warpgroup whose 64 rows all lie past the group's end (or n_out), or with the rows as N
