@@ -182,6 +182,15 @@ void fill_common(KdaParams& p, const Dims& d, double scale, const TensorView& be
 // The call's scratch from the backend's device allocator. Handing it back as the call returns,
 // before its kernels have run, is safe as for any temporary tensor: every user of a block is on
 // the backend's one stream (kernels/caching_allocator.h), and a same-sized call reuses the block.
+// The first carvings of both passes: the chunk table, then BF16 (padded) q, k and v.
+void stage_chunks_qkv(KdaParams& p, Carver& carver, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const Dims& d, int64_t rows, bool fill, cudaStream_t stream) {
+  p.chunk_offsets = carver.take<int32_t>(d.segments + 1);
+  p.q = stage_input<bf16>(carver, q, DType::kBF16, d.dk, rows, fill, stream);
+  p.k = stage_input<bf16>(carver, k, DType::kBF16, d.dk, rows, fill, stream);
+  p.v = stage_input<bf16>(carver, v, DType::kBF16, d.dv, rows, fill, stream);
+}
+
 Tensor call_scratch(size_t bytes) {
   return Tensor(Shape{static_cast<int64_t>(bytes)}, DType::kU8, cuda::device_allocator());
 }
@@ -211,10 +220,7 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
   for (int pass = 0; pass < 2; ++pass) {
     Carver carver(pass == 0 ? nullptr : static_cast<char*>(scratch.data()));
     const bool fill = pass == 1;
-    p.chunk_offsets = carver.take<int32_t>(d.segments + 1);
-    p.q = stage_input<bf16>(carver, args.q, DType::kBF16, d.dk, rows, fill, stream);
-    p.k = stage_input<bf16>(carver, args.k, DType::kBF16, d.dk, rows, fill, stream);
-    p.v = stage_input<bf16>(carver, args.v, DType::kBF16, d.dv, rows, fill, stream);
+    stage_chunks_qkv(p, carver, args.q, args.k, args.v, d, rows, fill, stream);
     p.g = stage_input<float>(carver, args.g, DType::kF32, d.dk, rows, fill, stream);
     out = stage_output(carver, args.out, d.dv, rows);
     carve_forward(p, d, carver);
@@ -241,10 +247,7 @@ void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
   for (int pass = 0; pass < 2; ++pass) {
     Carver carver(pass == 0 ? nullptr : static_cast<char*>(scratch.data()));
     const bool fill = pass == 1;
-    p.chunk_offsets = carver.take<int32_t>(d.segments + 1);
-    p.q = stage_input<bf16>(carver, args.q, DType::kBF16, d.dk, rows, fill, stream);
-    p.k = stage_input<bf16>(carver, args.k, DType::kBF16, d.dk, rows, fill, stream);
-    p.v = stage_input<bf16>(carver, args.v, DType::kBF16, d.dv, rows, fill, stream);
+    stage_chunks_qkv(p, carver, args.q, args.k, args.v, d, rows, fill, stream);
     p.dout = stage_input<bf16>(carver, args.dout, DType::kBF16, d.dv, rows, fill, stream);
     p.g = stage_input<float>(carver, args.g, DType::kF32, d.dk, rows, fill, stream);
     dq = stage_output(carver, args.dq, d.dk, rows);
