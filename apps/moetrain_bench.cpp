@@ -31,10 +31,10 @@
 #include "core/model/model.h"
 #include "core/plan/model_flops.h"
 #include "core/data/synthetic_data.h"
-#include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/dsa.h"
-#include "kernels/cuda/grouped_gemm.h"
-#include "kernels/cuda/device.h"
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/dsa/dsa_indexer.h"
+#include "kernels/cuda/gemm/grouped_gemm.h"
+#include "kernels/cuda/common/device.h"
 #include "kernels/ops.h"
 #include "kernels/timing_backend.h"
 #include "parallel/nccl_comm.h"
@@ -421,7 +421,7 @@ void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
   rows.push_back({"attention fwd+bwd causal T32768 H32 D128", t32k.both, 3.5 * t32k.flops / (t32k.both * 1e9), 0,
                   fmt::format("fwd {:.3f} ms; {}", t32k.fwd, ratio(55.5, t32k.both, "the target 55.5 ms (>= 1)"))});
   {
-    // The mma.sync path these replace on Hopper (attention_tensor_core.cu), for comparison.
+    // The mma.sync path these replace on Hopper (attention_sm80.cu), for comparison.
     setenv("MOETRAIN_ATTENTION", "mma", 1);
     const AttentionTimes mma = time_attention(be, reps, {0, t}, 128, 128, true);
     unsetenv("MOETRAIN_ATTENTION");

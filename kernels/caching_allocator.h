@@ -2,7 +2,7 @@
 // temporaries a training step allocates and frees (thousands per step, the same sizes every
 // step) stop costing a cudaMalloc and a cudaFree each -- and cudaFree synchronizes the device,
 // which stops the host from running ahead of the GPU. The CUDA backend's default
-// (MOETRAIN_CUDA_ALLOCATOR=direct turns it off, kernels/cuda/device.h).
+// (MOETRAIN_CUDA_ALLOCATOR=direct turns it off, kernels/cuda/common/device.h).
 //
 // Blocks are reused for requests of exactly the same rounded size (512 B steps up to 1 MiB, then
 // 2 MiB steps): a step allocates the same shapes every time, and an exact match never hands a

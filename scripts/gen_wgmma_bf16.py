@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes kernels/cuda/wgmma_bf16.cuh: the inline-PTX wrappers of wgmma (m64nNk16, BF16 in, F32
-accumulate) that the grouped GEMMs and the flash attention use, in four forms:
+"""Writes kernels/cuda/common/wgmma_bf16_sm90.cuh: the inline-PTX wrappers of wgmma (m64nNk16,
+BF16 in, F32 accumulate) that the grouped GEMMs and the flash attention use, in four forms:
 
   Wgmma<N>           A and B from shared memory                 N in SHARED_A_NS
   WgmmaRegisterA<N>  A from registers                           N in REGISTER_A_NS
@@ -12,7 +12,7 @@ Inline asm needs one operand per accumulator register, so every N has its own as
 the header spells each one out (it is generated: the repetition lives there, the logic here, in
 asm_statement). To add an N, add it to the form's list and regenerate:
 
-    python3 scripts/gen_wgmma_bf16.py > kernels/cuda/wgmma_bf16.cuh
+    python3 scripts/gen_wgmma_bf16.py > kernels/cuda/common/wgmma_bf16_sm90.cuh
 """
 SHARED_A_NS = (16, 32, 48, 64, 96, 128, 256)  # grouped GEMM, flash attention
 REGISTER_A_NS = (64, 128, 192)  # flash attention: P and dS straight from the accumulators
@@ -47,7 +47,7 @@ HEADER = """\
 
 #include <cstdint>
 
-#include "kernels/cuda/sm90_primitives.cuh"
+#include "kernels/cuda/common/primitives_sm90.cuh"
 
 namespace moetrain::kernels::cuda_ops::sm90 {
 

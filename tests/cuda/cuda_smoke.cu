@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "core/base/tensor.h"
-#include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/device.h"
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/device.h"
 
 namespace {
 

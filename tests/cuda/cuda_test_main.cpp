@@ -9,7 +9,7 @@
 #include <catch2/catch.hpp>
 #endif
 
-#include "kernels/cuda/device.h"
+#include "kernels/cuda/common/device.h"
 
 int main(int argc, char** argv) {
   if (moetrain::cuda::device_count() == 0) {

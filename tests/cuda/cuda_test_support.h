@@ -28,7 +28,7 @@
 #include "core/base/host_convert.h"
 #include "core/base/tensor.h"
 #include "gradcheck.h"
-#include "kernels/cuda/device.h"
+#include "kernels/cuda/common/device.h"
 #include "kernels/ops.h"
 
 namespace moetrain::cuda_test {

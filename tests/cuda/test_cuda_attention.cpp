@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cuda_test_support.h"
-#include "kernels/cuda/flash_attention_sm90.h"
+#include "kernels/cuda/attention/flash_attention_sm90.h"
 
 namespace {
 
@@ -160,7 +160,7 @@ TEST_CASE("cuda attention forward writes one lse per (token, head) equal to log-
   }
 }
 
-// --- The BF16 tensor-core path (attention_tensor_core.cu): all-BF16 operands, head dims that are
+// --- The BF16 tensor-core path (attention_sm80.cu): all-BF16 operands, head dims that are
 // multiples of 16. Its CTAs hold 64 queries (forward, dq) or 64 keys (dk/dv) and step over 64 keys
 // or 32 queries, so these layouts put segment boundaries inside blocks, length-1 segments at a
 // block start, inside and at the end, and totals that are not multiples of 64.
@@ -293,11 +293,11 @@ TEST_CASE("cuda attention: the Hopper flash path is taken on sm_90 for BF16 64/6
     kernels::AttentionArgs fwd{out.dev, lse.dev, q.dev, q.dev, v.dev, cu.dev, 0.125};
     kernels::AttentionBackwardArgs bwd{dq.dev, dq.dev, dv.dev, out.dev, q.dev, q.dev, v.dev, out.dev, lse.dev,
                                        cu.dev, 0.125};
-    CHECK(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd) == d.expected);
-    CHECK(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd) == d.expected);
+    CHECK(kernels::cuda_ops::flash_attention_forward_sm90_supported(fwd) == d.expected);
+    CHECK(kernels::cuda_ops::flash_attention_backward_sm90_supported(bwd) == d.expected);
     const ScopedEnv env(kAttentionPath, "mma");
-    CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_forward_supported(fwd));
-    CHECK_FALSE(kernels::cuda_ops::flash_attention_sm90_backward_supported(bwd));
+    CHECK_FALSE(kernels::cuda_ops::flash_attention_forward_sm90_supported(fwd));
+    CHECK_FALSE(kernels::cuda_ops::flash_attention_backward_sm90_supported(bwd));
   }
 }
 
@@ -317,7 +317,7 @@ TEST_CASE("cuda attention Hopper path matches the CPU reference over several blo
 
 TEST_CASE("cuda attention Hopper path matches the CPU reference when each CTA takes several works") {
   // The Hopper passes are persistent: a CTA per multiprocessor takes (128-token block, head)
-  // works one after another (flash_attention_sm90_common.cuh, WorkRing). 5 blocks x 80 heads =
+  // works one after another (flash_attention_common_sm90.cuh, WorkRing). 5 blocks x 80 heads =
   // 400 works (more heads on a GPU of over 133 multiprocessors): at least 3 per CTA. The blocks
   // differ in length and in their segments, so consecutive works of one CTA change head, block
   // and mask.

@@ -29,8 +29,9 @@
 #include <vector>
 
 #include "cuda_test_support.h"
-#include "kernels/cuda/dsa.h"
-#include "kernels/cuda/scratch.h"
+#include "kernels/cuda/dsa/dsa_indexer.h"
+#include "kernels/cuda/dsa/sparse_attention.h"
+#include "kernels/cuda/common/scratch.h"
 
 namespace {
 
@@ -414,7 +415,7 @@ TEST_CASE("cuda sparse attention forward and backward match the CPU reference", 
 }
 
 // Forward and backward at DeepSeek-V3.2's latent dims (576 / 512), where BF16 runs on the Hopper
-// kernels (sparse_attention_sm90*.cu) and MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT ones: both
+// kernels (sparse_attention_*_sm90.cu) and MOETRAIN_SPARSE_ATTENTION=simt forces the SIMT ones: both
 // paths against the CPU. `empty_query`: that query's whole selection set to -1 (out 0, lse -inf,
 // checked apart; the rest compared as usual; its dq must come out 0).
 void check_latent(const SparseCase& c, DType dtype, uint64_t seed, bool simt, int64_t empty_query) {

@@ -1,4 +1,4 @@
-// The device-side grouped GEMM (kernels/cuda/grouped_gemm.h) against the CPU reference (F64):
+// The device-side grouped GEMM (kernels/cuda/gemm/grouped_gemm.h) against the CPU reference (F64):
 // M-grouped (x W^T and dy W) and K-grouped (weight gradients), with empty groups, one group
 // holding every row, row counts that are not multiples of the 128-row tile, random skewed
 // counts, every size of a group's last tile with 256-column tiles, the thin LoRA shapes (n or k
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cuda_test_support.h"
-#include "kernels/cuda/dense.h"
+#include "kernels/cuda/gemm/gemm.h"
 
 namespace moetrain::cuda_test {
 namespace {

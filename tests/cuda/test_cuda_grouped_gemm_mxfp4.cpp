@@ -1,4 +1,4 @@
-// The MXFP4 grouped GEMM (kernels/cuda/grouped_gemm_mxfp4.h) against dequantize-then-BF16-grouped-
+// The MXFP4 grouped GEMM (kernels/cuda/gemm/grouped_gemm_mxfp4.h) against dequantize-then-BF16-grouped-
 // GEMM on the same GPU (the weights decoded by the CPU reference, kernels/cpu/mxfp4.h, rounded to
 // BF16, which holds them exactly) and against the CPU reference in F64: the forward x W^T and the
 // input gradient dy W, uneven and empty groups, rows not multiples of the tile, k and n tails
@@ -18,7 +18,7 @@
 
 #include "cuda_test_support.h"
 #include "kernels/cpu/mxfp4.h"
-#include "kernels/cuda/dense.h"
+#include "kernels/cuda/gemm/gemm.h"
 
 namespace moetrain::cuda_test {
 namespace {
