@@ -144,6 +144,16 @@ std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
   return lines;
 }
 
+// Runs the trainer to its end or its first error: the error's code and message (kOk, "" if none).
+std::pair<ExitCode, std::string> run_until_error(Trainer& trainer) {
+  try {
+    trainer.run();
+  } catch (const Error& error) {
+    return {error.code(), error.what()};
+  }
+  return {ExitCode::kOk, ""};
+}
+
 }  // namespace
 
 TEST_CASE("the loop fits the model: the loss falls by an order of magnitude") {
@@ -230,14 +240,7 @@ TEST_CASE("non-finite steps are skipped, and five in a row stop the run") {
     hook_next_steps.push_back(trainer.next_step());
   });
 
-  ExitCode code = ExitCode::kOk;
-  std::string message;
-  try {
-    trainer.run();
-  } catch (const Error& error) {
-    code = error.code();
-    message = error.what();
-  }
+  const auto [code, message] = run_until_error(trainer);
   CHECK(code == ExitCode::kInternal);
   CHECK(message.find("5 steps in a row") != std::string::npos);
   CHECK(message.find("step 11") != std::string::npos);
@@ -268,14 +271,7 @@ TEST_CASE("an error inside a step's forward/backward names the step and micro-ba
   TrainerOptions options = make_options(5, 1, 2);
   SyntheticData data(options.data, kVocab);
   Trainer trainer(options, model, source(data));
-  ExitCode code = ExitCode::kOk;
-  std::string message;
-  try {
-    trainer.run();
-  } catch (const Error& error) {
-    code = error.code();
-    message = error.what();
-  }
+  const auto [code, message] = run_until_error(trainer);
   CHECK(code == ExitCode::kInternal);
   CHECK(message == "step 3, micro-batch 1: out of GPU memory (simulated)");
 }
