@@ -129,6 +129,54 @@ struct CommandLine {
   throw Error(ExitCode::kBadConfig, "command line: " + message + " (see the usage above)");
 }
 
+// The flags of `command` beyond --config, --set and --help.
+void add_command_flags(cxxopts::Options& options, const std::string& command) {
+  if (command == "train") {
+    options.add_options()("resume", "auto | none | a checkpoint path", cxxopts::value<std::string>())(
+        "init-adapter", "a PEFT adapter directory to start from", cxxopts::value<std::string>());
+  } else if (command == "export") {
+    options.add_options()("checkpoint", "a checkpoint directory", cxxopts::value<std::string>())(
+        "out", "the adapter directory to write", cxxopts::value<std::string>());
+  } else if (command == "merge") {
+    options.add_options()("checkpoint", "a checkpoint directory", cxxopts::value<std::string>())(
+        "out", "the Hugging Face directory to write", cxxopts::value<std::string>())(
+        "base", "the base model directory (default: the checkpoint's model.hf_dir)", cxxopts::value<std::string>())(
+        "max-shard-size", "cut the output into shards of at most this size (e.g. 5GB)", cxxopts::value<std::string>());
+  } else if (command == "plan") {
+    options.add_options()("world", "plan for a job of this many ranks", cxxopts::value<int>())(
+        "json", "print JSON instead of the table")("gpu-gb", "memory of one GPU in GB", cxxopts::value<double>());
+  } else {
+    options.add_options()("world", "check for a job of this many ranks", cxxopts::value<int>());
+  }
+}
+
+// export and merge: a checkpoint in, a directory out; the checkpoint holds the settings.
+void read_checkpoint_command(const Runtime& runtime, const cxxopts::ParseResult& result, CommandLine& cli) {
+  if (cli.command == "export") {
+    if (!result.count("checkpoint") || !result.count("out")) {
+      usage_error(runtime, "`moetrain export` needs --checkpoint DIR and --out ADAPTER_DIR");
+    }
+    cli.checkpoint = result["checkpoint"].as<std::string>();
+    cli.out = result["out"].as<std::string>();
+    if (result.count("config")) usage_error(runtime, "`moetrain export` takes no --config: the checkpoint holds its own");
+    if (result.count("set")) cli.overrides = result["set"].as<std::vector<std::string>>();
+    return;
+  }
+  // merge
+  if (!result.count("checkpoint") || !result.count("out")) {
+    usage_error(runtime, "`moetrain merge` needs --checkpoint DIR and --out HF_DIR");
+  }
+  cli.checkpoint = result["checkpoint"].as<std::string>();
+  cli.out = result["out"].as<std::string>();
+  if (result.count("base")) cli.base = result["base"].as<std::string>();
+  if (result.count("max-shard-size")) cli.max_shard_size = result["max-shard-size"].as<std::string>();
+  // Every command takes --config and --set at parse time; merge uses neither, and one silently
+  // ignored would look honoured.
+  if (result.count("config") || result.count("set")) {
+    usage_error(runtime, "`moetrain merge` takes no --config or --set: the settings are the checkpoint's own");
+  }
+}
+
 CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
   CommandLine cli;
   if (argc < 2) usage_error(runtime, "no command given");
@@ -158,23 +206,7 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
       ("config", "the YAML config file", cxxopts::value<std::string>())
       ("set", "override one key: key.path=value (repeatable)", cxxopts::value<std::vector<std::string>>())
       ("h,help", "print the usage");
-  if (cli.command == "train") {
-    options.add_options()("resume", "auto | none | a checkpoint path", cxxopts::value<std::string>())(
-        "init-adapter", "a PEFT adapter directory to start from", cxxopts::value<std::string>());
-  } else if (cli.command == "export") {
-    options.add_options()("checkpoint", "a checkpoint directory", cxxopts::value<std::string>())(
-        "out", "the adapter directory to write", cxxopts::value<std::string>());
-  } else if (cli.command == "merge") {
-    options.add_options()("checkpoint", "a checkpoint directory", cxxopts::value<std::string>())(
-        "out", "the Hugging Face directory to write", cxxopts::value<std::string>())(
-        "base", "the base model directory (default: the checkpoint's model.hf_dir)", cxxopts::value<std::string>())(
-        "max-shard-size", "cut the output into shards of at most this size (e.g. 5GB)", cxxopts::value<std::string>());
-  } else if (cli.command == "plan") {
-    options.add_options()("world", "plan for a job of this many ranks", cxxopts::value<int>())(
-        "json", "print JSON instead of the table")("gpu-gb", "memory of one GPU in GB", cxxopts::value<double>());
-  } else {
-    options.add_options()("world", "check for a job of this many ranks", cxxopts::value<int>());
-  }
+  add_command_flags(options, cli.command);
   try {
     cxxopts::ParseResult result = options.parse(argc - 1, argv + 1);
     if (result.count("help")) {
@@ -183,29 +215,8 @@ CommandLine parse_command_line(const Runtime& runtime, int argc, char** argv) {
       return cli;
     }
     if (!result.unmatched().empty()) usage_error(runtime, "unexpected argument `" + result.unmatched().front() + "`");
-    if (cli.command == "export") {
-      if (!result.count("checkpoint") || !result.count("out")) {
-        usage_error(runtime, "`moetrain export` needs --checkpoint DIR and --out ADAPTER_DIR");
-      }
-      cli.checkpoint = result["checkpoint"].as<std::string>();
-      cli.out = result["out"].as<std::string>();
-      if (result.count("config")) usage_error(runtime, "`moetrain export` takes no --config: the checkpoint holds its own");
-      if (result.count("set")) cli.overrides = result["set"].as<std::vector<std::string>>();
-      return cli;
-    }
-    if (cli.command == "merge") {
-      if (!result.count("checkpoint") || !result.count("out")) {
-        usage_error(runtime, "`moetrain merge` needs --checkpoint DIR and --out HF_DIR");
-      }
-      cli.checkpoint = result["checkpoint"].as<std::string>();
-      cli.out = result["out"].as<std::string>();
-      if (result.count("base")) cli.base = result["base"].as<std::string>();
-      if (result.count("max-shard-size")) cli.max_shard_size = result["max-shard-size"].as<std::string>();
-      // Every command takes --config and --set at parse time; merge uses neither, and one silently
-      // ignored would look honoured (as export's --set once was).
-      if (result.count("config") || result.count("set")) {
-        usage_error(runtime, "`moetrain merge` takes no --config or --set: the settings are the checkpoint's own");
-      }
+    if (cli.command == "export" || cli.command == "merge") {
+      read_checkpoint_command(runtime, result, cli);
       return cli;
     }
     if (!result.count("config")) usage_error(runtime, "`moetrain " + cli.command + "` needs --config FILE");

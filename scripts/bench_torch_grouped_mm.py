@@ -22,7 +22,7 @@ MASK64 = (1 << 64) - 1
 
 
 def expert_counts(kind, rows, experts):
-    """Per-expert row counts, exactly as expert_counts() in apps/moetrain_bench.cpp."""
+    """Per-expert row counts, exactly as expert_counts() in apps/bench/ops_matrix.cpp."""
     if kind == "uniform":
         return [rows // experts] * experts
     counts = [0] * experts

@@ -141,19 +141,53 @@ int64_t MemoryPlan::fewest_recompute_layers() const {
   return -1;
 }
 
-MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
-  // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
-  const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
-  const ModelConfig& m = spec.config;
-  const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep}, m.moe.num_experts,
-                        config.source_path.empty() ? "config" : config.source_path);
-  const double a = static_cast<double>(options.activation_bytes);
+namespace {
 
+// What every part of the plan reads: the config, the model it resolves to and the mesh.
+struct PlanInputs {
+  const Config& config;
+  const PlanOptions& options;
+  const ModelSpec& spec;
+  const MeshLayout& mesh;
+  double a;  // activation dtype size (options.activation_bytes)
+};
+
+// The DSA sizes the backward's scratch depends on: the keys a query selects (at most a window's
+// tokens) and the latent row [r + rope].
+struct DsaSizes {
+  bool present = false;
+  double top_k = 0, row = 0;
+};
+
+DsaSizes dsa_sizes(const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
+  DsaSizes dsa;
+  dsa.present = std::count(in.spec.mixers.begin(), in.spec.mixers.end(), MixerKind::kDsa) > 0;
+  dsa.top_k = static_cast<double>(std::min(m.dsa.index_topk, in.config.data.seq_len));
+  dsa.row = static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim);
+  return dsa;
+}
+
+// This rank's share of a count over all routed experts: its local experts'.
+double local_share(const MemoryPlan& plan, const ModelConfig& m, int64_t all_experts) {
+  return static_cast<double>(all_experts) / static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
+         static_cast<double>(plan.local_experts);
+}
+
+// Adam state per parameter of a group sharded over `ranks` (AdamW::init_groups): the two
+// moments, 8 B, and where the group spans several ranks the reduced gradient and the
+// all-gather's input, 8 B more.
+double adam_bytes_per_param(double ranks) { return (ranks > 1 ? 4 : 2) * kF32; }
+
+// The mesh, the batch and the parameter counts: what the parts below size from.
+MemoryPlan plan_layout(const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
+  const Config& config = in.config;
   MemoryPlan plan;
-  plan.world = mesh.world();
-  plan.fsdp = mesh.fsdp();
-  plan.ep = mesh.ep();
-  plan.replicate = mesh.replicate();
+  plan.world = in.mesh.world();
+  plan.fsdp = in.mesh.fsdp();
+  plan.ep = in.mesh.ep();
+  plan.replicate = in.mesh.replicate();
   plan.prefetch = static_cast<int>(config.parallel.prefetch);
   plan.recompute = config.parallel.recompute;
   plan.num_layers = m.num_layers;
@@ -162,16 +196,20 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
                               : m.num_layers;
   plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len;
   plan.micro_batches = config.data.grad_accum;
-  plan.local_experts = mesh.experts_per_rank();
-  plan.params = count_model_parameters(spec);
-  plan.lora = count_lora_parameters(spec, config.lora);
-  plan.gpu_bytes = options.gpu_bytes;
-  plan.usable_bytes = options.gpu_bytes * (1.0 - options.reserve_fraction);
-  const ModelParameterCount& p = plan.params;
-  const LoraParameterCount& lora = plan.lora;
-  const int64_t fsdp = plan.fsdp;
-  const int64_t moe_layers = lora.num_moe_layers;
+  plan.local_experts = in.mesh.experts_per_rank();
+  plan.params = count_model_parameters(in.spec);
+  plan.lora = count_lora_parameters(in.spec, config.lora);
+  plan.gpu_bytes = in.options.gpu_bytes;
+  plan.usable_bytes = in.options.gpu_bytes * (1.0 - in.options.reserve_fraction);
+  return plan;
+}
 
+// The frozen base weights: this rank's FSDP shards, the layers gathered ahead of use, its experts.
+void add_frozen_weights(MemoryPlan& plan, const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
+  const ModelParameterCount& p = plan.params;
+  const int64_t fsdp = plan.fsdp;
+  const int64_t moe_layers = plan.lora.num_moe_layers;
   // FSDP buckets: one per layer (its non-expert weights), plus the embedding, the head and the
   // final norm; each padded to a multiple of fsdp.
   std::vector<int64_t> buckets = {p.embedding, p.lm_head + p.final_norm};
@@ -202,59 +240,61 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
             : fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x 2 B (MXFP4 would be {:.1f} GB)",
                           plan.local_experts, moe_layers, static_cast<double>(expert_elements),
                           expert_bytes / kBf16 * (0.5 + 1.0 / 32) / 1e9));
+}
 
-  // Adapters (core/train/optimizer.h): FP32 value and gradient whole on every rank that uses them;
-  // the "Adam state" only for this rank's shard of its parameter group (non-expert adapters: all
-  // data-parallel ranks; the local experts' adapters: the ranks holding the same experts): the two
-  // moments, 8 B, and where the group spans several ranks the reduced gradient and the
-  // all-gather's input, 8 B more (AdamW::init_groups).
+// Adapters (core/train/optimizer.h): FP32 value and gradient whole on every rank that uses them;
+// the Adam state only for this rank's shard of its parameter group (non-expert adapters: all
+// data-parallel ranks; the local experts' adapters: the ranks holding the same experts).
+void add_adapters_and_optimizer(MemoryPlan& plan, const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
+  const LoraParameterCount& lora = plan.lora;
   const double world = static_cast<double>(plan.world);
-  const double replicas = static_cast<double>(mesh.expert_replicas());
-  auto adam_bytes_per_param = [](double ranks) { return (ranks > 1 ? 4 : 2) * kF32; };
+  const double replicas = static_cast<double>(in.mesh.expert_replicas());
   const double non_expert_lora = static_cast<double>(lora.non_expert());
   add(plan.fixed, "adapters + grads (fp32)", non_expert_lora * 2 * kF32,
       fmt::format("non-expert LoRA {:.3g} params x 8 B", non_expert_lora));
   add(plan.fixed, "adapter Adam state, sharded (fp32)", non_expert_lora / world * adam_bytes_per_param(world),
       fmt::format("non-expert LoRA / world {} x {:.0f} B", plan.world, adam_bytes_per_param(world)));
-  // This rank's share of a count over all routed experts: its local experts'.
-  auto local_share = [&](int64_t all_experts) {
-    return static_cast<double>(all_experts) / static_cast<double>(std::max<int64_t>(1, m.moe.num_experts)) *
-           static_cast<double>(plan.local_experts);
-  };
-  const double expert_lora = local_share(lora.routed_experts());
+  const double expert_lora = local_share(plan, m, lora.routed_experts());
   add(plan.fixed, "expert adapters + grads (fp32)", expert_lora * 2 * kF32,
       fmt::format("{:.3g} params of the local experts x 8 B", expert_lora));
   add(plan.fixed, "expert-adapter Adam state, sharded (fp32)", expert_lora / replicas * adam_bytes_per_param(replicas),
-      fmt::format("local experts' LoRA / {} expert replicas x {:.0f} B", mesh.expert_replicas(),
+      fmt::format("local experts' LoRA / {} expert replicas x {:.0f} B", in.mesh.expert_replicas(),
                   adam_bytes_per_param(replicas)));
   // The SwiGLU networks' adapters packed for their GEMMs and held over the optimizer step
   // (Model::hold_parameters), in the compute dtype.
-  const double packed = static_cast<double>(lora.packed_replicated) + local_share(lora.packed_routed_experts);
-  add(plan.fixed, "packed MLP and expert adapters", packed * a,
+  const double packed = static_cast<double>(lora.packed_replicated) + local_share(plan, m, lora.packed_routed_experts);
+  add(plan.fixed, "packed MLP and expert adapters", packed * in.a,
       fmt::format("{:.3g} elements (gate and up B's twice: block-diagonal) x {} B, held over the step", packed,
-                  options.activation_bytes));
+                  in.options.activation_bytes));
+}
+
+// Scratch that stays for the run whatever the batch: the DSA backward's chunk, the loss chunk.
+void add_workspace(MemoryPlan& plan, const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
   // The CUDA DSA backward's scratch (kernels/cuda/sparse_attention.cu, the backend's grow-only
   // DeviceScratch, so it stays for the run): the dkv contributions of one chunk of queries, F32
   // [top_k, r + rope] per query, at most 2 GiB per chunk (kTensorCoreContribBudgetBytes).
-  const bool has_dsa = std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kDsa) > 0;
-  const double dsa_top_k = static_cast<double>(std::min(m.dsa.index_topk, config.data.seq_len));
-  const double dsa_row = static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim);
-  const double dsa_query_bytes = dsa_top_k * dsa_row * kF32;
+  const DsaSizes dsa = dsa_sizes(in);
+  const double dsa_query_bytes = dsa.top_k * dsa.row * kF32;
   const double dsa_chunk = std::min(static_cast<double>(plan.tokens_per_micro_batch),
                                     std::floor(static_cast<double>(int64_t{2048} << 20) / std::max(1.0, dsa_query_bytes)));
-  add(plan.fixed, "DSA backward contribution chunk (fp32)", has_dsa ? dsa_chunk * dsa_query_bytes : 0.0,
+  add(plan.fixed, "DSA backward contribution chunk (fp32)", dsa.present ? dsa_chunk * dsa_query_bytes : 0.0,
       fmt::format("min(tokens, 2 GiB / query) queries x top_k {:.0f} x (r + rope) {:.0f} x 4 B; 0 without DSA",
-                  dsa_top_k, dsa_row));
+                  dsa.top_k, dsa.row));
   add(plan.fixed, "loss chunk (fp32 logits)",
-      static_cast<double>(std::min(options.loss_chunk_rows, plan.tokens_per_micro_batch) * m.vocab_size) * kF32,
-      fmt::format("min({}, tokens) x vocab {} x 4 B", options.loss_chunk_rows, m.vocab_size));
+      static_cast<double>(std::min(in.options.loss_chunk_rows, plan.tokens_per_micro_batch) * m.vocab_size) * kF32,
+      fmt::format("min({}, tokens) x vocab {} x 4 B", in.options.loss_chunk_rows, m.vocab_size));
+}
 
-  // Per token: activations and EP buffers.
-  double checkpoint = (static_cast<double>(m.num_layers) + 1) * static_cast<double>(m.hidden_size) * a;
-  int64_t rerun_moe_layers = 0;  // of the first recompute_layers
+// Per token: activations and EP buffers, with and without recompute.
+void add_activations(MemoryPlan& plan, const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
+  const ModelSpec& spec = in.spec;
+  const double a = in.a;
+  const double checkpoint = (static_cast<double>(m.num_layers) + 1) * static_cast<double>(m.hidden_size) * a;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
-    plan.layer_saved.push_back(layer_saved_per_token(spec, i, a, options.capacity_factor, config));
-    if (static_cast<int64_t>(i) < plan.recompute_layers && spec.ffns[i] == FfnKind::kMoe) ++rerun_moe_layers;
+    plan.layer_saved.push_back(layer_saved_per_token(spec, i, a, in.options.capacity_factor, in.config));
   }
   const double saved_max = saved_at_peak(plan.layer_saved, plan.num_layers);
   // KDA's chunked kernels hold the state entering every 64-token chunk (F32 d x d per head) while
@@ -265,7 +305,8 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
           : 0.0;
   // The DSA backward inverts the selection (which queries chose each key) by a radix sort of
   // the (key, query) pairs and sums dkv in F32 [r + rope]: scratch for the one layer being run.
-  const double dsa_scratch_per_token = has_dsa ? 6 * dsa_top_k * kI32 + kI32 + dsa_row * kF32 : 0.0;
+  const DsaSizes dsa = dsa_sizes(in);
+  const double dsa_scratch_per_token = dsa.present ? 6 * dsa.top_k * kI32 + kI32 + dsa.row * kF32 : 0.0;
   const double final_part = 2 * static_cast<double>(m.hidden_size) * a + kF32;  // final_hidden, dfinal, rstd
   // Block Attention Residuals: the final norm's mixed input [D], and through the backward the
   // summaries' gradients, F32 [D] each (the summaries themselves are layer inputs, counted above).
@@ -274,7 +315,8 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const double attn_res_part = block > 0 ? static_cast<double>(m.hidden_size) * (a + summaries * kF32) : 0.0;
   const double k = static_cast<double>(m.moe.top_k);
   const double d = static_cast<double>(m.hidden_size);
-  const double ep_buffers = moe_layers > 0 && plan.ep > 1 ? k * d * a * (1 + options.capacity_factor) : 0.0;
+  const double ep_buffers =
+      plan.lora.num_moe_layers > 0 && plan.ep > 1 ? k * d * a * (1 + in.options.capacity_factor) : 0.0;
   plan.ep_receive_worst_case_per_token =
       plan.ep > 1 ? static_cast<double>(plan.ep) * std::min<double>(k, static_cast<double>(plan.local_experts)) * d * a
                   : 0.0;
@@ -299,12 +341,28 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
         fmt::format("D x (a + {:.0f} summaries x 4 B)", summaries));
     add(items, "EP dispatch buffers", ep_buffers, "top_k x D x a x (send 1 + receive capacity)");
   }
+}
 
-  // Communication per rank per optimizer step (bytes sent; ring collectives send (n-1)/n).
+// Communication per rank per optimizer step (bytes sent; ring collectives send (n-1)/n).
+void add_communication(MemoryPlan& plan, const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
+  const LoraParameterCount& lora = plan.lora;
+  const int64_t fsdp = plan.fsdp;
+  const double a = in.a;
+  const double world = static_cast<double>(plan.world);
+  const double replicas = static_cast<double>(in.mesh.expert_replicas());
+  const double non_expert_lora = static_cast<double>(lora.non_expert());
+  const double expert_lora = local_share(plan, m, lora.routed_experts());
+  const double k = static_cast<double>(m.moe.top_k);
+  const double d = static_cast<double>(m.hidden_size);
+  int64_t rerun_moe_layers = 0;  // of the first recompute_layers
+  for (size_t i = 0; i < in.spec.mixers.size(); ++i) {
+    if (static_cast<int64_t>(i) < plan.recompute_layers && in.spec.ffns[i] == FfnKind::kMoe) ++rerun_moe_layers;
+  }
   const double fsdp_frac = static_cast<double>(fsdp - 1) / static_cast<double>(fsdp);
   const double micro = static_cast<double>(plan.micro_batches);
   add(plan.communication, "FSDP all-gather of frozen weights",
-      micro * 2 * static_cast<double>(p.non_expert()) * kBf16 * fsdp_frac,
+      micro * 2 * static_cast<double>(plan.params.non_expert()) * kBf16 * fsdp_frac,
       "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
   const double world_frac = (world - 1) / world;
   add(plan.communication, "reduce-scatter of LoRA grads", non_expert_lora * kF32 * world_frac,
@@ -314,12 +372,29 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   add(plan.communication, "expert-adapter reduce-scatter + gather",
       2 * (replicas - 1) / replicas * expert_lora * kF32, "2 (r-1)/r x local expert LoRA x 4 B, r = world / ep");
   // 4 passes per MoE layer (dispatch and combine, forward and backward), 2 more where it re-runs.
-  const double passes = 4.0 * static_cast<double>(moe_layers) + (plan.recompute ? 2.0 * rerun_moe_layers : 0.0);
+  const double passes =
+      4.0 * static_cast<double>(lora.num_moe_layers) + (plan.recompute ? 2.0 * rerun_moe_layers : 0.0);
   const double ep_frac = static_cast<double>(plan.ep - 1) / static_cast<double>(plan.ep);
   add(plan.communication, "EP all-to-all (dispatch + combine)",
       micro * passes * static_cast<double>(plan.tokens_per_micro_batch) * k * d * a * ep_frac,
       fmt::format("grad_accum x {:.0f} passes (4 per MoE layer, 6 where it re-runs) x tokens x top_k x D x a x (ep-1)/ep",
                   passes));
+}
+
+}  // namespace
+
+MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
+  // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
+  const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
+  const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep}, spec.config.moe.num_experts,
+                        config.source_path.empty() ? "config" : config.source_path);
+  const PlanInputs inputs{config, options, spec, mesh, static_cast<double>(options.activation_bytes)};
+  MemoryPlan plan = plan_layout(inputs);
+  add_frozen_weights(plan, inputs);
+  add_adapters_and_optimizer(plan, inputs);
+  add_workspace(plan, inputs);
+  add_activations(plan, inputs);
+  add_communication(plan, inputs);
   return plan;
 }
 

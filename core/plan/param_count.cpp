@@ -184,125 +184,164 @@ struct LoraModules {
   }
 };
 
-LoraParameterCount count_lora(const ModelSpec& spec, const LoraConfig& lora, LoraRanks& ranks, LoraModules& modules) {
-  const ModelConfig& m = spec.config;
-  const MlaConfig& a = m.mla;
-  const int64_t d = m.hidden_size;
-  const int64_t qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
-  const std::set<std::string> targets(lora.targets.begin(), lora.targets.end());
-  auto on = [&](const char* name) { return targets.count(name) > 0; };
-  // Each adapted module's rank, by its name in the model (core/model).
-  auto rank_of = [&](const std::string& module) {
-    modules.adapt(module);
-    return ranks.module(module).rank;
-  };
-  LoraParameterCount count;
-  for (size_t i = 0; i < spec.mixers.size(); ++i) {
-    const std::string layer = "model.layers." + std::to_string(i);
-    int64_t n = 0;
-    // One adapter on `module` (in -> out) when `target` is a LoRA target.
-    auto pair = [&](const std::string& module, int64_t in, int64_t out) {
-      return lora_pair(rank_of(module), in, out);
-    };
-    auto attention = [&](const char* name, int64_t in, int64_t out) {
-      modules.available_targets.insert(name);
-      if (on(name)) n += pair(layer + ".self_attn." + name, in, out);
-    };
-    // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows) on `prefix`; `group` is
-    // the target naming all three (shared_experts), if any.
-    auto swiglu = [&](const std::string& prefix, int64_t width, const char* group, int64_t rows) {
-      for (const char* name : {"gate_proj", "up_proj", "down_proj"}) modules.available_targets.insert(name);
-      if (group) modules.available_targets.insert(group);
-      const bool all = group && on(group);
-      const int64_t gate = all || on("gate_proj") ? rank_of(prefix + ".gate_proj") : 0;
-      const int64_t up = all || on("up_proj") ? rank_of(prefix + ".up_proj") : 0;
-      const int64_t down = all || on("down_proj") ? rank_of(prefix + ".down_proj") : 0;
-      count.packed_replicated += packed_swiglu(gate + up, down, rows, width);
-      return lora_pair(gate, rows, width) + lora_pair(up, rows, width) + lora_pair(down, width, rows);
-    };
-    if (spec.mixers[i] == MixerKind::kKda) {
-      const KdaConfig& k = m.kda;
-      const int64_t c = k.num_heads * k.head_dim;
-      if (k.fused_qkv) {
-        attention("qkv_proj", d, 3 * c);
+// Walks the model's layers as Model::attach_lora does, counting each adapted module's parameters
+// at its rank and recording the modules and targets met.
+class LoraCounter {
+ public:
+  LoraCounter(const ModelSpec& spec, const LoraConfig& lora, LoraRanks& ranks, LoraModules& modules)
+      : spec_(spec), m_(spec.config), lora_(lora), ranks_(ranks), modules_(modules),
+        targets_(lora.targets.begin(), lora.targets.end()) {}
+
+  LoraParameterCount count() {
+    for (size_t i = 0; i < spec_.mixers.size(); ++i) {
+      const std::string layer = "model.layers." + std::to_string(i);
+      int64_t n = spec_.mixers[i] == MixerKind::kKda ? kda_adapters(layer) : mla_adapters(layer);
+      int64_t routed = 0;
+      if (spec_.ffns[i] == FfnKind::kDense) {
+        n += swiglu(layer + ".mlp", m_.intermediate_size, nullptr, m_.hidden_size);
       } else {
-        for (const char* name : {"q_proj", "k_proj", "v_proj"}) attention(name, d, c);
+        moe_adapters(layer, n, routed);
       }
-      attention("f_a_proj", d, k.head_dim);
-      attention("f_b_proj", k.head_dim, c);
-      attention("b_proj", d, k.num_heads);
-      if (k.full_rank_output_gate) {
-        attention("g_proj", d, c);
-      } else {
-        attention("g_a_proj", d, k.head_dim);
-        attention("g_b_proj", k.head_dim, c);
-      }
-      attention("o_proj", c, d);
-    } else {
-      if (a.q_lora_rank) {
-        attention("q_a_proj", d, *a.q_lora_rank);
-        attention("q_b_proj", *a.q_lora_rank, a.num_heads * qk);
-      } else {
-        attention("q_proj", d, a.num_heads * qk);
-      }
-      attention("kv_a_proj_with_mqa", d, a.kv_lora_rank + a.qk_rope_head_dim);
-      attention("kv_b_proj", a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim));
-      if (attention_gate_outputs(m) > 0) attention("g_proj", d, attention_gate_outputs(m));
-      attention("o_proj", a.num_heads * a.v_head_dim, d);
+      count_.layer_non_expert.push_back(n);
+      count_.layer_routed_expert.push_back(routed);
     }
-    int64_t routed = 0;
-    if (spec.ffns[i] == FfnKind::kDense) {
-      n += swiglu(layer + ".mlp", m.intermediate_size, nullptr, d);
-    } else {
-      ++count.num_moe_layers;
-      const int64_t latent = m.moe.latent_size;
-      if (latent > 0) {
-        modules.available_targets.insert("routed_expert_down_proj");
-        modules.available_targets.insert("routed_expert_up_proj");
-      }
-      if (latent > 0 && on("routed_expert_down_proj")) n += pair(layer + ".mlp.routed_expert_down_proj", d, latent);
-      if (latent > 0 && on("routed_expert_up_proj")) n += pair(layer + ".mlp.routed_expert_up_proj", latent, d);
-      modules.available_targets.insert("experts");
-      if (on("experts")) {
-        const std::string experts = layer + ".mlp.experts";
-        const int64_t f = m.moe.expert_intermediate_size, e = m.moe.num_experts;
-        const int64_t rows = latent > 0 ? latent : d;
-        const bool shared_a = lora.expert_a == "shared";
-        // Each projection: B per expert; A per expert, or one for all (counted with the replicated).
-        auto routed_pair = [&](int64_t rank, int64_t in, int64_t out) {
-          routed += e * rank * out;
-          if (shared_a) n += rank * in, count.shared_expert_a += rank * in;
-          else routed += e * rank * in;
-        };
-        // lora.expert_gate_up: fused: one adapter on gate_up (rows -> 2F) instead of gate and up.
-        int64_t gate_up_rank = 0;
-        if (lora.expert_gate_up == "fused") {
-          modules.adapt(experts + ".gate_up_proj");
-          gate_up_rank = ranks.fused_gate_up(experts).rank;
-          routed_pair(gate_up_rank, rows, 2 * f);
-        } else {
-          const int64_t gate = rank_of(experts + ".gate_proj"), up = rank_of(experts + ".up_proj");
-          routed_pair(gate, rows, f);
-          routed_pair(up, rows, f);
-          gate_up_rank = gate + up;
-        }
-        const int64_t down_rank = rank_of(experts + ".down_proj");
-        routed_pair(down_rank, f, rows);
-        // Packed: the B's per expert; the A's per expert, or once (shared).
-        const int64_t packed_a = gate_up_rank * rows + down_rank * f;
-        count.packed_routed_experts += e * (packed_swiglu(gate_up_rank, down_rank, rows, f) - (shared_a ? packed_a : 0));
-        if (shared_a) count.packed_replicated += packed_a;
-      }
-      // After the routed experts, as attach_lora visits them (the order of its module list).
-      if (m.moe.num_shared_experts > 0) {
-        n += swiglu(layer + ".mlp.shared_experts", m.moe.expert_intermediate_size * m.moe.num_shared_experts,
-                    "shared_experts", d);
-      }
-    }
-    count.layer_non_expert.push_back(n);
-    count.layer_routed_expert.push_back(routed);
+    return count_;
   }
-  return count;
+
+ private:
+  bool on(const char* name) const { return targets_.count(name) > 0; }
+
+  // Each adapted module's rank, by its name in the model (core/model).
+  int64_t rank_of(const std::string& module) {
+    modules_.adapt(module);
+    return ranks_.module(module).rank;
+  }
+
+  // One adapter on `module` (in -> out).
+  int64_t pair(const std::string& module, int64_t in, int64_t out) { return lora_pair(rank_of(module), in, out); }
+
+  // The adapter on an attention projection `name` of `layer` when it is a LoRA target.
+  int64_t attention(const std::string& layer, const char* name, int64_t in, int64_t out) {
+    modules_.available_targets.insert(name);
+    return on(name) ? pair(layer + ".self_attn." + name, in, out) : 0;
+  }
+
+  // A SwiGLU block's adapters (gate, up: rows -> F; down: F -> rows) on `prefix`; `group` is
+  // the target naming all three (shared_experts), if any.
+  int64_t swiglu(const std::string& prefix, int64_t width, const char* group, int64_t rows) {
+    for (const char* name : {"gate_proj", "up_proj", "down_proj"}) modules_.available_targets.insert(name);
+    if (group) modules_.available_targets.insert(group);
+    const bool all = group && on(group);
+    const int64_t gate = all || on("gate_proj") ? rank_of(prefix + ".gate_proj") : 0;
+    const int64_t up = all || on("up_proj") ? rank_of(prefix + ".up_proj") : 0;
+    const int64_t down = all || on("down_proj") ? rank_of(prefix + ".down_proj") : 0;
+    count_.packed_replicated += packed_swiglu(gate + up, down, rows, width);
+    return lora_pair(gate, rows, width) + lora_pair(up, rows, width) + lora_pair(down, width, rows);
+  }
+
+  int64_t kda_adapters(const std::string& layer) {
+    const int64_t d = m_.hidden_size;
+    const KdaConfig& k = m_.kda;
+    const int64_t c = k.num_heads * k.head_dim;
+    int64_t n = 0;
+    if (k.fused_qkv) {
+      n += attention(layer, "qkv_proj", d, 3 * c);
+    } else {
+      for (const char* name : {"q_proj", "k_proj", "v_proj"}) n += attention(layer, name, d, c);
+    }
+    n += attention(layer, "f_a_proj", d, k.head_dim);
+    n += attention(layer, "f_b_proj", k.head_dim, c);
+    n += attention(layer, "b_proj", d, k.num_heads);
+    if (k.full_rank_output_gate) {
+      n += attention(layer, "g_proj", d, c);
+    } else {
+      n += attention(layer, "g_a_proj", d, k.head_dim);
+      n += attention(layer, "g_b_proj", k.head_dim, c);
+    }
+    n += attention(layer, "o_proj", c, d);
+    return n;
+  }
+
+  // MLA and DSA layers: the same projections.
+  int64_t mla_adapters(const std::string& layer) {
+    const int64_t d = m_.hidden_size;
+    const MlaConfig& a = m_.mla;
+    const int64_t qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
+    int64_t n = 0;
+    if (a.q_lora_rank) {
+      n += attention(layer, "q_a_proj", d, *a.q_lora_rank);
+      n += attention(layer, "q_b_proj", *a.q_lora_rank, a.num_heads * qk);
+    } else {
+      n += attention(layer, "q_proj", d, a.num_heads * qk);
+    }
+    n += attention(layer, "kv_a_proj_with_mqa", d, a.kv_lora_rank + a.qk_rope_head_dim);
+    n += attention(layer, "kv_b_proj", a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim));
+    if (attention_gate_outputs(m_) > 0) n += attention(layer, "g_proj", d, attention_gate_outputs(m_));
+    n += attention(layer, "o_proj", a.num_heads * a.v_head_dim, d);
+    return n;
+  }
+
+  // An MoE layer: the latent projections, the routed experts' adapters (`routed`; a shared A
+  // counts with the replicated `n`), then the shared experts'.
+  void moe_adapters(const std::string& layer, int64_t& n, int64_t& routed) {
+    const int64_t d = m_.hidden_size;
+    ++count_.num_moe_layers;
+    const int64_t latent = m_.moe.latent_size;
+    if (latent > 0) {
+      modules_.available_targets.insert("routed_expert_down_proj");
+      modules_.available_targets.insert("routed_expert_up_proj");
+    }
+    if (latent > 0 && on("routed_expert_down_proj")) n += pair(layer + ".mlp.routed_expert_down_proj", d, latent);
+    if (latent > 0 && on("routed_expert_up_proj")) n += pair(layer + ".mlp.routed_expert_up_proj", latent, d);
+    modules_.available_targets.insert("experts");
+    if (on("experts")) routed_expert_adapters(layer + ".mlp.experts", latent > 0 ? latent : d, n, routed);
+    // After the routed experts, as attach_lora visits them (the order of its module list).
+    if (m_.moe.num_shared_experts > 0) {
+      n += swiglu(layer + ".mlp.shared_experts", m_.moe.expert_intermediate_size * m_.moe.num_shared_experts,
+                  "shared_experts", d);
+    }
+  }
+
+  void routed_expert_adapters(const std::string& experts, int64_t rows, int64_t& n, int64_t& routed) {
+    const int64_t f = m_.moe.expert_intermediate_size, e = m_.moe.num_experts;
+    const bool shared_a = lora_.expert_a == "shared";
+    // Each projection: B per expert; A per expert, or one for all (counted with the replicated).
+    auto routed_pair = [&](int64_t rank, int64_t in, int64_t out) {
+      routed += e * rank * out;
+      if (shared_a) n += rank * in, count_.shared_expert_a += rank * in;
+      else routed += e * rank * in;
+    };
+    // lora.expert_gate_up: fused: one adapter on gate_up (rows -> 2F) instead of gate and up.
+    int64_t gate_up_rank = 0;
+    if (lora_.expert_gate_up == "fused") {
+      modules_.adapt(experts + ".gate_up_proj");
+      gate_up_rank = ranks_.fused_gate_up(experts).rank;
+      routed_pair(gate_up_rank, rows, 2 * f);
+    } else {
+      const int64_t gate = rank_of(experts + ".gate_proj"), up = rank_of(experts + ".up_proj");
+      routed_pair(gate, rows, f);
+      routed_pair(up, rows, f);
+      gate_up_rank = gate + up;
+    }
+    const int64_t down_rank = rank_of(experts + ".down_proj");
+    routed_pair(down_rank, f, rows);
+    // Packed: the B's per expert; the A's per expert, or once (shared).
+    const int64_t packed_a = gate_up_rank * rows + down_rank * f;
+    count_.packed_routed_experts += e * (packed_swiglu(gate_up_rank, down_rank, rows, f) - (shared_a ? packed_a : 0));
+    if (shared_a) count_.packed_replicated += packed_a;
+  }
+
+  const ModelSpec& spec_;
+  const ModelConfig& m_;
+  const LoraConfig& lora_;
+  LoraRanks& ranks_;
+  LoraModules& modules_;
+  const std::set<std::string> targets_;
+  LoraParameterCount count_;
+};
+
+LoraParameterCount count_lora(const ModelSpec& spec, const LoraConfig& lora, LoraRanks& ranks, LoraModules& modules) {
+  return LoraCounter(spec, lora, ranks, modules).count();
 }
 
 }  // namespace

@@ -200,28 +200,21 @@ std::string run_summary(const Trainer& trainer, const CheckpointSession& checkpo
   return text;
 }
 
-}  // namespace
-
-int run_training(Runtime& runtime, const Config& config) {
-  ScopedWatchdog watchdog(config.parallel.timeout_s);  // a hung rank aborts the job (parallel/watchdog.h)
-  std::unique_ptr<CheckpointGroup> group =
-      runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
-  // Before anything costly: the output paths, the locks, no mixing with an older run.
-  std::unique_ptr<RunDirectory> run_directory = claim_run_directory(config, *group);
-  ModelSpec spec = resolve_model_spec(config);
-  std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
-
-  // Several ranks: the device mesh and its communicators (MPI on the CPU backend, NCCL on CUDA).
+// Several ranks: the device mesh and its communicators (MPI on the CPU backend, NCCL on CUDA);
+// one rank: none of them (groups stays empty).
+struct RankMesh {
   std::unique_ptr<DeviceMesh> mesh;
-  std::vector<std::unique_ptr<Communicator>> communicators;
+  std::vector<std::unique_ptr<Communicator>> communicators;  // what groups point into
   ParallelGroups groups;
-  if (runtime.world() > 1) {
+
+  RankMesh(const Runtime& runtime, const Config& config, const ModelSpec& spec, const kernels::Backend& backend) {
+    if (runtime.world() == 1) return;
     mesh = std::make_unique<DeviceMesh>(
         MeshLayout(runtime.world(), MeshShape{config.parallel.fsdp, config.parallel.ep}, spec.config.moe.num_experts,
                    config.source_path));
     auto communicator = [&](MPI_Comm comm) -> Communicator* {
 #if MOETRAIN_HAVE_CUDA
-      if (backend->device() == Device::kCUDA) {
+      if (backend.device() == Device::kCUDA) {
         communicators.push_back(std::make_unique<NcclCommunicator>(comm));
         return communicators.back().get();
       }
@@ -240,13 +233,20 @@ int run_training(Runtime& runtime, const Config& config) {
                                                      "before use and freed after; each rank loads only its shards)"
                                                    : ""));
   }
+};
 
+ModelOptions run_model_options(const Config& config, const kernels::Backend& backend, const Runtime& runtime,
+                               RankMesh& mesh) {
   ModelOptions options = model_options_for(config);
-  options.dtype = backend->device() == Device::kCUDA ? DType::kBF16 : DType::kF32;
+  options.dtype = backend.device() == Device::kCUDA ? DType::kBF16 : DType::kF32;
   options.aux_loss_weight = 1.0 / static_cast<double>(config.data.grad_accum * runtime.world());
-  if (runtime.world() > 1) options.parallel = &groups;
-  check_model_fits(config, spec, *backend, runtime);
-  Model model(spec, *backend, options);
+  if (runtime.world() > 1) options.parallel = &mesh.groups;
+  return options;
+}
+
+// The frozen base (model.hf_dir, or random from train.seed), then the adapters a fresh run
+// starts from (checkpoint.init_adapter); a resumed checkpoint overrides the adapters later.
+void load_weights(Model& model, const ModelSpec& spec, const Config& config, const Runtime& runtime) {
   if (spec.config.hf_dir) {
     HfCheckpoint checkpoint(*spec.config.hf_dir);
     model.load_weights(checkpoint);
@@ -259,7 +259,6 @@ int run_training(Runtime& runtime, const Config& config) {
     log::info("no model.hf_dir: base weights are random (seed train.seed)");
   }
   if (config.checkpoint.init_adapter) {
-    // A resumed checkpoint (below) overrides these values: the adapter only seeds a fresh run.
     load_peft_adapter(model, *config.checkpoint.init_adapter);
     log::info(fmt::format("LoRA weights initialised from the PEFT adapter {}", *config.checkpoint.init_adapter));
   }
@@ -268,6 +267,95 @@ int run_training(Runtime& runtime, const Config& config) {
   log::info(fmt::format("model: {} layers, hidden {}, {} experts top-{}; {} LoRA tensors, {} trainable parameters",
                         spec.config.num_layers, spec.config.hidden_size, spec.config.moe.num_experts,
                         spec.config.moe.top_k, model.parameters().size(), trainable));
+}
+
+// What the trainer needs beyond the config: the data's loss floor, the FLOP count for MFU on a
+// GPU, and the eval set (data.eval: each rank a slice of it, core/data/eval_data.h).
+TrainerOptions make_trainer_options(const Config& config, const ModelSpec& spec, kernels::Backend& backend,
+                                    const DataSource& data, EvalData* eval, const Runtime& runtime) {
+  TrainerOptions options;
+  options.train = config.train;
+  options.data = config.data;
+  options.logging = config.logging;
+  options.loss_floor = data.loss_floor();
+  if (backend.device() != Device::kCPU) {
+    options.peak_flops = backend.stats().peak_bf16_flops;
+    options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
+      return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
+    };
+  }
+  if (eval) {
+    log::info(fmt::format("eval: {}; every {}", eval->describe(),
+                          config.train.eval_every > 0 ? fmt::format("{} steps and after the last", config.train.eval_every)
+                                                      : std::string("run after the last step")));
+    options.eval_micro_batches = eval->micro_batches(config.data.micro_batch, runtime.world());
+    options.eval_batch = [eval, &config, &runtime](int64_t i) {
+      return eval->micro_batch(i, config.data.micro_batch, runtime.rank(), runtime.world());
+    };
+  }
+  return options;
+}
+
+// Which part of each tensor this rank's checkpoint holds: world 1, every tensor whole.
+ParameterLayout checkpoint_layout(Model& model, const ModelSpec& spec, const RankMesh& mesh, const Runtime& runtime) {
+  ParameterLayout layout;
+  if (runtime.world() > 1) {
+    layout = expert_parallel_layout(model.parameters(), spec.config.moe.num_experts, mesh.groups.first_expert(),
+                                    runtime.rank(), mesh.groups.coordinates.expert_replica.index == 0);
+  }
+  return layout;
+}
+
+// A path as a POSIX shell reads it: as it is when it has no special characters, else
+// single-quoted, so that the line can be pasted as it is.
+std::string shell_quoted(const std::string& path) {
+  if (path.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-+=:,@") ==
+      std::string::npos) {
+    return path;
+  }
+  std::string quoted = "'";
+  for (char c : path) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+// The end of a run that took steps: the loss curve, the summary (rank 0) and how to plot it.
+// host_waits: the times the host waited for the device during the steps.
+void log_run_end(const Config& config, const Runtime& runtime, const Trainer& trainer,
+                 const CheckpointSession& checkpoints, const DataSource& data, const kernels::Backend& backend,
+                 const std::vector<double>& losses, int64_t waits) {
+  const double floor = data.loss_floor();
+  const std::string host_waits =
+      backend.device() == Device::kCPU
+          ? ""
+          : fmt::format("; {} host waits for the device ({:.2f} per step)", waits,
+                        static_cast<double>(waits) / static_cast<double>(losses.size()));
+  log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}{}; metrics in {}", losses.front(),
+                        losses.back(), losses.size(),
+                        std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor), host_waits,
+                        config.logging.run_dir + "/metrics.jsonl"));
+  if (runtime.is_root()) log::info(run_summary(trainer, checkpoints));
+  log::info(fmt::format("plots (PNGs next to metrics.jsonl; run from the moetrain checkout): "
+                        "python3 scripts/plot_metrics.py {}",
+                        shell_quoted(config.logging.run_dir)));
+}
+
+}  // namespace
+
+int run_training(Runtime& runtime, const Config& config) {
+  ScopedWatchdog watchdog(config.parallel.timeout_s);  // a hung rank aborts the job (parallel/watchdog.h)
+  std::unique_ptr<CheckpointGroup> group =
+      runtime.world() == 1 ? make_single_process_group() : make_mpi_checkpoint_group();
+  // Before anything costly: the output paths, the locks, no mixing with an older run.
+  std::unique_ptr<RunDirectory> run_directory = claim_run_directory(config, *group);
+
+  // The model on this rank: backend, mesh, the memory check, the weights.
+  ModelSpec spec = resolve_model_spec(config);
+  std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
+  RankMesh mesh(runtime, config, spec, *backend);
+  const ModelOptions options = run_model_options(config, *backend, runtime, mesh);
+  check_model_fits(config, spec, *backend, runtime);
+  Model model(spec, *backend, options);
+  load_weights(model, spec, config, runtime);
 
   // data.source: synthetic, a dataset prefix or a mixture (core/data/data_source.h, docs/DATA.md).
   std::unique_ptr<DataSource> data = make_data_source(config.data, spec.config.vocab_size, runtime.rank(),
@@ -279,38 +367,16 @@ int run_training(Runtime& runtime, const Config& config) {
     write_resolved_config(config);
     metrics = std::make_unique<MetricsWriter>(config.logging.run_dir);
   }
-  TrainerOptions trainer_options;
-  trainer_options.train = config.train;
-  trainer_options.data = config.data;
-  trainer_options.logging = config.logging;
-  trainer_options.loss_floor = data->loss_floor();
-  if (backend->device() != Device::kCPU) {
-    trainer_options.peak_flops = backend->stats().peak_bf16_flops;
-    trainer_options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
-      return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
-    };
-  }
-  // data.eval: a fixed eval set, each rank a slice of it (core/data/eval_data.h).
   std::unique_ptr<EvalData> eval = make_eval_data(config.data, spec.config.vocab_size);
-  if (eval) {
-    log::info(fmt::format("eval: {}; every {}", eval->describe(),
-                          config.train.eval_every > 0 ? fmt::format("{} steps and after the last", config.train.eval_every)
-                                                      : std::string("run after the last step")));
-    trainer_options.eval_micro_batches = eval->micro_batches(config.data.micro_batch, runtime.world());
-    trainer_options.eval_batch = [&eval, &config, &runtime](int64_t i) {
-      return eval->micro_batch(i, config.data.micro_batch, runtime.rank(), runtime.world());
-    };
-  }
-  Trainer trainer(trainer_options, model, [&data] { return data->next(); }, metrics.get());
+  Trainer trainer(make_trainer_options(config, spec, *backend, *data, eval.get(), runtime), model,
+                  [&data] { return data->next(); }, metrics.get());
+
+  // Resume, then train: checkpoints and signals are handled after every step.
   DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); },
                           [&model] { return model.forward_count(); },
                           [&model](uint64_t count) { model.set_forward_count(count); }};
-  ParameterLayout layout;  // world 1: every tensor whole
-  if (runtime.world() > 1) {
-    layout = expert_parallel_layout(model.parameters(), spec.config.moe.num_experts, groups.first_expert(),
-                                    runtime.rank(), groups.coordinates.expert_replica.index == 0);
-  }
-  CheckpointSession checkpoints(config, *group, trainer, *backend, cursor, layout);
+  CheckpointSession checkpoints(config, *group, trainer, *backend, cursor,
+                                checkpoint_layout(model, spec, mesh, runtime));
   checkpoints.resume();
   trainer.set_after_step([&checkpoints](const StepRecord&) { checkpoints.after_step(); });
   const int64_t waits_before = backend->stats().host_waits;
@@ -319,32 +385,11 @@ int run_training(Runtime& runtime, const Config& config) {
   // Times the host waited for the device during the steps (checkpoints included): one per step
   // is the gradient norm's read (core/train/trainer.h); the CPU backend never waits.
   const int64_t waits = backend->stats().host_waits - waits_before;
+
+  // The final checkpoint and the adapter export, then the summary.
   checkpoints.finish();
   log_device_memory(*backend, runtime);
-  if (!losses.empty()) {
-    const double floor = data->loss_floor();
-    const std::string host_waits =
-        backend->device() == Device::kCPU
-            ? ""
-            : fmt::format("; {} host waits for the device ({:.2f} per step)", waits,
-                          static_cast<double>(waits) / static_cast<double>(losses.size()));
-    log::info(fmt::format("done: loss {:.4f} -> {:.4f} over {} steps{}{}; metrics in {}", losses.front(),
-                          losses.back(), losses.size(),
-                          std::isnan(floor) ? "" : fmt::format(" (data entropy floor {:.4f})", floor), host_waits,
-                          config.logging.run_dir + "/metrics.jsonl"));
-    if (runtime.is_root()) log::info(run_summary(trainer, checkpoints));
-    // A run directory with spaces or quotes is single-quoted, so the line can be pasted as it is.
-    std::string run_dir = config.logging.run_dir;
-    if (run_dir.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-+=:,@") !=
-        std::string::npos) {
-      std::string quoted = "'";
-      for (char c : run_dir) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
-      run_dir = quoted + "'";
-    }
-    log::info(fmt::format("plots (PNGs next to metrics.jsonl; run from the moetrain checkout): "
-                          "python3 scripts/plot_metrics.py {}",
-                          run_dir));
-  }
+  if (!losses.empty()) log_run_end(config, runtime, trainer, checkpoints, *data, *backend, losses, waits);
   return 0;
 }
 

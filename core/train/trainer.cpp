@@ -81,8 +81,21 @@ StepRecord Trainer::train_step() {
   StepRecord record;
   record.step = next_step_;
   record.lr = learning_rate(options_.train, next_step_);
+  const std::vector<Batch> batches = read_micro_batches(record);
+  const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
+  std::vector<PendingStep> results = queue_micro_batches(batches, grad_scale, record.step);
+  watchdog_progress(fmt::format("step {}: gradient reduction", record.step + 1));
+  optimizer_->reduce_gradients();
+  record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);
+  read_results(results, record);
+  update_or_skip(record, batches.size());
+  record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  finish_step(record);
+  return record;
+}
 
-  // All micro-batches first: the gradient scale needs the whole step's target count.
+// All micro-batches first: the gradient scale needs the whole step's target count.
+std::vector<Batch> Trainer::read_micro_batches(StepRecord& record) {
   std::vector<Batch> batches;
   batches.reserve(static_cast<size_t>(options_.data.grad_accum));
   for (int64_t i = 0; i < options_.data.grad_accum; ++i) {
@@ -91,7 +104,6 @@ StepRecord Trainer::train_step() {
     record.targets += batches.back().num_targets();
     record.tokens += batches.back().num_tokens();
   }
-
   // Every target token of the step weighs the same on every data-parallel rank.
   record.targets = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.targets)));
   record.tokens = static_cast<int64_t>(model_.sum_over_data_ranks(static_cast<double>(record.tokens)));
@@ -100,26 +112,29 @@ StepRecord Trainer::train_step() {
     record.model_flops = model_.sum_over_data_ranks(record.model_flops);
     if (data_ranks_ == 0.0) data_ranks_ = model_.sum_over_data_ranks(1.0);
   }
-  const double grad_scale = record.targets > 0 ? 1.0 / static_cast<double>(record.targets) : 0.0;
-  // The micro-batches are queued without waiting for their results (loss, expert loads): the
-  // device runs them back to back while the host queues the next.
+  return batches;
+}
+
+// The micro-batches are queued without waiting for their results (loss, expert loads): the
+// device runs them back to back while the host queues the next.
+std::vector<PendingStep> Trainer::queue_micro_batches(const std::vector<Batch>& batches, double grad_scale,
+                                                      int64_t step) {
   std::vector<PendingStep> results;
-  {
-    ParameterHold hold(model_);  // the parameters change only in the optimizer step below
-    for (size_t i = 0; i < batches.size(); ++i) {
-      watchdog_progress(fmt::format("step {}: forward/backward of micro-batch {}", record.step + 1, i + 1));
-      try {
-        results.push_back(model_.forward_backward_async(batches[i], grad_scale));
-      } catch (const Error& error) {  // an out-of-memory, a bad token...: say where in the run
-        throw Error(error.code(), fmt::format("step {}, micro-batch {}: {}", record.step + 1, i + 1, error.what()));
-      }
+  ParameterHold hold(model_);  // the parameters change only in the optimizer step, after this
+  for (size_t i = 0; i < batches.size(); ++i) {
+    watchdog_progress(fmt::format("step {}: forward/backward of micro-batch {}", step + 1, i + 1));
+    try {
+      results.push_back(model_.forward_backward_async(batches[i], grad_scale));
+    } catch (const Error& error) {  // an out-of-memory, a bad token...: say where in the run
+      throw Error(error.code(), fmt::format("step {}, micro-batch {}: {}", step + 1, i + 1, error.what()));
     }
   }
-  watchdog_progress(fmt::format("step {}: gradient reduction", record.step + 1));
-  optimizer_->reduce_gradients();
-  record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);
-  // Read after the gradient norm, which has waited for the device: the results are there by then,
-  // so reading them adds no wait. The skip below needs both the loss and the norm on the host.
+  return results;
+}
+
+// Read after the gradient norm, which has waited for the device: the results are there by then,
+// so reading them adds no wait. The skip that follows needs both the loss and the norm on the host.
+void Trainer::read_results(std::vector<PendingStep>& results, StepRecord& record) {
   double loss_sum = 0.0;
   for (size_t i = 0; i < results.size(); ++i) {
     StepResult result;
@@ -132,15 +147,19 @@ StepRecord Trainer::train_step() {
     loss_sum += result.loss_sum;
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     merge_expert_loads(record, result);
-    record.aux_loss += result.aux_loss / static_cast<double>(batches.size());
+    record.aux_loss += result.aux_loss / static_cast<double>(results.size());
   }
   loss_sum = model_.sum_over_data_ranks(loss_sum);
   record.loss = record.targets > 0 ? loss_sum / static_cast<double>(record.targets) : 0.0;
+}
 
+// The optimizer step, or its skip: a step without target tokens or with a non-finite loss or
+// gradient norm leaves the adapters as they were.
+void Trainer::update_or_skip(StepRecord& record, size_t micro_batches) {
   const bool finite = std::isfinite(record.loss) && std::isfinite(record.grad_norm);
   if (record.targets == 0) {
     log::warn(fmt::format("step {}: no target tokens in {} micro-batch(es); update skipped",
-                          record.step + 1, batches.size()));
+                          record.step + 1, micro_batches));
     record.skipped = true;
     optimizer_->zero_grad();
   } else if (!finite) {
@@ -155,8 +174,11 @@ StepRecord Trainer::train_step() {
     optimizer_->step(record.lr);
     nonfinite_in_a_row_ = 0;
   }
+}
 
-  record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+// After the update: the counters, the evaluation due, the history and metrics, the hook, and the
+// stop after too many non-finite steps in a row.
+void Trainer::finish_step(StepRecord& record) {
   tokens_seen_ += record.tokens;
   tokens_this_run_ += record.tokens;
   ++steps_this_run_;
@@ -180,7 +202,6 @@ StepRecord Trainer::train_step() {
                              "gradient norm (last: loss {:.6g}, grad norm {:.6g}). Lower train.lr, set "
                              "train.grad_clip, or check the data, then resume from the last checkpoint",
                              record.step + 1, nonfinite_in_a_row_, record.loss, record.grad_norm));
-  return record;
 }
 
 EvalRecord Trainer::evaluate() {

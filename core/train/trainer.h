@@ -131,6 +131,12 @@ class Trainer {
   int nonfinite_in_a_row() const { return nonfinite_in_a_row_; }
 
  private:
+  // The parts of train_step, in order.
+  std::vector<Batch> read_micro_batches(StepRecord& record);
+  std::vector<PendingStep> queue_micro_batches(const std::vector<Batch>& batches, double grad_scale, int64_t step);
+  void read_results(std::vector<PendingStep>& results, StepRecord& record);
+  void update_or_skip(StepRecord& record, size_t micro_batches);
+  void finish_step(StepRecord& record);
   void report(const StepRecord& record);
 
   TrainerOptions options_;

@@ -2,6 +2,7 @@
 // memory plan's numbers follow their formulas on a small config worked out by hand.
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "catch.h"
 #include "core/base/error.h"
@@ -46,6 +47,14 @@ int64_t parameter_elements(Model& model) {
   int64_t n = 0;
   for (Parameter* p : model.parameters()) n += p->value.numel();
   return n;
+}
+
+// The plan's count of rank-`rank` adapters on `targets`.
+int64_t lora_elements(const ModelSpec& spec, int64_t rank, const std::vector<std::string>& targets) {
+  LoraConfig lora;
+  lora.rank = rank;
+  lora.targets = targets;
+  return count_lora_parameters(spec, lora).total();
 }
 
 struct Variant {
@@ -97,11 +106,7 @@ TEST_CASE("parameter counts equal Model::weight_slots and Model::parameters") {
       CHECK(count.total() == slot_elements(model));
       CHECK(count.routed_experts() == routed_expert_elements(model));
 
-      LoraConfig lora;
-      lora.rank = 4;
-      lora.targets = targets;
-      LoraParameterCount lora_count = count_lora_parameters(spec, lora);
-      CHECK(lora_count.total() == parameter_elements(model));
+      CHECK(lora_elements(spec, 4, targets) == parameter_elements(model));
     }
   }
 }
@@ -116,10 +121,7 @@ TEST_CASE("a target subset counts only its adapters") {
     options.lora = LoraSettings{3, 6.0, false};
     options.lora_targets = targets;
     Model model(spec, *backend, options);
-    LoraConfig lora;
-    lora.rank = 3;
-    lora.targets = targets;
-    CHECK(count_lora_parameters(spec, lora).total() == parameter_elements(model));
+    CHECK(lora_elements(spec, 3, targets) == parameter_elements(model));
   }
 }
 
@@ -151,10 +153,7 @@ TEST_CASE("kda, dsa and the attention gate are counted exactly") {
     options.lora_targets = {"g_proj", "kv_b_proj", "q_a_proj", "o_proj"};
     Model model(gated_spec, *backend, options);
     CHECK(gated_count.total() == slot_elements(model));
-    LoraConfig lora;
-    lora.rank = 4;
-    lora.targets = options.lora_targets;
-    CHECK(count_lora_parameters(gated_spec, lora).total() == parameter_elements(model));
+    CHECK(lora_elements(gated_spec, 4, options.lora_targets) == parameter_elements(model));
   }
 }
 
@@ -219,10 +218,7 @@ TEST_CASE("Kimi K3's KDA (fused qkv, full-rank output gate) counts what the mode
   options.lora_targets = targets;
   Model model(spec, *backend, options);
   CHECK(count_model_parameters(spec).total() == slot_elements(model));
-  LoraConfig lora;
-  lora.rank = 4;
-  lora.targets = targets;
-  CHECK(count_lora_parameters(spec, lora).total() == parameter_elements(model));
+  CHECK(lora_elements(spec, 4, targets) == parameter_elements(model));
 }
 
 TEST_CASE("memory plan numbers by hand on a small config") {

@@ -18,16 +18,18 @@ bool near(double actual, double expected, double tolerance = 1e-15) {
   return std::abs(actual - expected) <= tolerance;
 }
 
-// lr 1e-3, 4 warmup steps, 13 steps: decay over steps 4..12 (8 intervals), floor 1e-4.
-TrainConfig thirteen_steps(const char* schedule) {
+TrainConfig schedule_config(double lr, int64_t warmup_steps, int64_t steps, double min_lr_ratio, const char* schedule) {
   TrainConfig train;
-  train.lr = 1e-3;
-  train.warmup_steps = 4;
-  train.steps = 13;
-  train.min_lr_ratio = 0.1;
+  train.lr = lr;
+  train.warmup_steps = warmup_steps;
+  train.steps = steps;
+  train.min_lr_ratio = min_lr_ratio;
   train.schedule = schedule;
   return train;
 }
+
+// lr 1e-3, 4 warmup steps, 13 steps: decay over steps 4..12 (8 intervals), floor 1e-4.
+TrainConfig thirteen_steps(const char* schedule) { return schedule_config(1e-3, 4, 13, 0.1, schedule); }
 
 }  // namespace
 
@@ -69,12 +71,7 @@ TEST_CASE("constant holds the peak after warmup") {
 
 TEST_CASE("decaying schedules are monotone and stay within [floor, peak]") {
   for (const char* schedule : {"cosine", "linear"}) {
-    TrainConfig train;
-    train.lr = 3e-4;
-    train.warmup_steps = 10;
-    train.steps = 100;
-    train.min_lr_ratio = 0.05;
-    train.schedule = schedule;
+    const TrainConfig train = schedule_config(3e-4, 10, 100, 0.05, schedule);
     double previous = 0.0;
     for (int64_t step = 0; step < train.steps; ++step) {
       const double lr = learning_rate(train, step);

@@ -144,6 +144,27 @@ std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
   return lines;
 }
 
+// Trains to the end with a MetricsWriter on `dir`; returns the lines of its metrics.jsonl.
+std::vector<nlohmann::json> train_with_metrics(const TrainerOptions& options, LeastSquaresModel& model,
+                                               SyntheticData& data, const std::filesystem::path& dir) {
+  {
+    MetricsWriter writer(dir.string());
+    Trainer trainer(options, model, source(data), &writer);
+    trainer.run();
+  }
+  return read_jsonl(dir / "metrics.jsonl");
+}
+
+// Runs the trainer to its end or its first error: the error's code and message (kOk, "" if none).
+std::pair<ExitCode, std::string> run_until_error(Trainer& trainer) {
+  try {
+    trainer.run();
+  } catch (const Error& error) {
+    return {error.code(), error.what()};
+  }
+  return {ExitCode::kOk, ""};
+}
+
 }  // namespace
 
 TEST_CASE("the loop fits the model: the loss falls by an order of magnitude") {
@@ -230,14 +251,7 @@ TEST_CASE("non-finite steps are skipped, and five in a row stop the run") {
     hook_next_steps.push_back(trainer.next_step());
   });
 
-  ExitCode code = ExitCode::kOk;
-  std::string message;
-  try {
-    trainer.run();
-  } catch (const Error& error) {
-    code = error.code();
-    message = error.what();
-  }
+  const auto [code, message] = run_until_error(trainer);
   CHECK(code == ExitCode::kInternal);
   CHECK(message.find("5 steps in a row") != std::string::npos);
   CHECK(message.find("step 11") != std::string::npos);
@@ -268,14 +282,7 @@ TEST_CASE("an error inside a step's forward/backward names the step and micro-ba
   TrainerOptions options = make_options(5, 1, 2);
   SyntheticData data(options.data, kVocab);
   Trainer trainer(options, model, source(data));
-  ExitCode code = ExitCode::kOk;
-  std::string message;
-  try {
-    trainer.run();
-  } catch (const Error& error) {
-    code = error.code();
-    message = error.what();
-  }
+  const auto [code, message] = run_until_error(trainer);
   CHECK(code == ExitCode::kInternal);
   CHECK(message == "step 3, micro-batch 1: out of GPU memory (simulated)");
 }
@@ -330,12 +337,7 @@ TEST_CASE("per-layer expert loads: the max of the micro-batches' maxima and the 
   TrainerOptions options = make_options(2, 1, 2);
   options.loss_floor = 0.125;
   SyntheticData data(options.data, kVocab);
-  {
-    MetricsWriter writer(dir.string());
-    Trainer trainer(options, model, source(data), &writer);
-    trainer.run();
-  }
-  const std::vector<nlohmann::json> lines = read_jsonl(dir / "metrics.jsonl");
+  const std::vector<nlohmann::json> lines = train_with_metrics(options, model, data, dir);
   REQUIRE(lines.size() == 2);
   CHECK(lines[0].at("expert_load_max").get<std::vector<double>>() == std::vector<double>{1.5, 1.4});
   CHECK(lines[0].at("expert_load_min").get<std::vector<double>>() == std::vector<double>{0.5, 0.6});
@@ -349,12 +351,7 @@ TEST_CASE("per-layer expert loads: the max of the micro-batches' maxima and the 
   LeastSquaresModel plain;
   SyntheticData plain_data(options.data, kVocab);
   options.loss_floor = std::nan("");
-  {
-    MetricsWriter writer(plain_dir.string());
-    Trainer trainer(options, plain, source(plain_data), &writer);
-    trainer.run();
-  }
-  for (const auto& line : read_jsonl(plain_dir / "metrics.jsonl")) {
+  for (const auto& line : train_with_metrics(options, plain, plain_data, plain_dir)) {
     CHECK(!line.contains("expert_load_max"));
     CHECK(!line.contains("expert_load_min"));
     CHECK(!line.contains("loss_floor"));
@@ -383,12 +380,7 @@ TEST_CASE("mfu is the step's model FLOPs over its time and the device's peak, on
   }
   options.peak_flops = 0.0;  // an unknown device: no mfu key
   const auto dir2 = scratch_dir("mfu_unknown");
-  {
-    MetricsWriter writer(dir2.string());
-    Trainer trainer(options, model, source(data), &writer);
-    trainer.run();
-  }
-  for (const auto& line : read_jsonl(dir2 / "metrics.jsonl")) CHECK(!line.contains("mfu"));
+  for (const auto& line : train_with_metrics(options, model, data, dir2)) CHECK(!line.contains("mfu"));
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(dir2);
 }

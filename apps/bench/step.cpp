@@ -1,0 +1,125 @@
+// `step`: forward + backward of a model config on one GPU (tokens/s, MFU, memory, host waits);
+// --op-times: one more step timed op by op.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "apps/bench/bench.h"
+#include "apps/bench/common.h"
+#include "core/base/log.h"
+#include "core/config/config.h"
+#include "core/data/synthetic_data.h"
+#include "core/model/model.h"
+#include "core/plan/model_flops.h"
+#include "kernels/timing_backend.h"
+
+namespace moetrain::bench {
+
+namespace {
+
+// Where one step's time goes, op by op: one extra step after the timed ones, each op (and each
+// allocation between ops) timed with a synchronize after it, so the timed steps stay unprofiled.
+void print_op_times(kernels::TimingBackend& timing, Model& model, SyntheticData& data, double median_seconds) {
+  Batch batch = data.next();
+  timing.reset();
+  timing.enable();
+  auto start = std::chrono::steady_clock::now();
+  model.forward_backward(batch, 1.0 / std::max<int64_t>(1, batch.num_targets()));
+  timing.synchronize();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  timing.disable();
+  std::printf("\nop times of one more step (a synchronize after every op: %.1f ms in all, against the median "
+              "%.1f ms unsynchronized):\n%s",
+              seconds * 1e3, median_seconds * 1e3, kernels::format_op_times(timing.times(), 1, seconds).c_str());
+}
+
+}  // namespace
+
+int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
+  const int steps = bench.steps;
+  Config config = load_config(bench.config_path, bench.overrides);
+  validate_for_world(config, 1);
+  ModelSpec spec = resolve_model_spec(config);
+  auto cuda_backend = kernels::make_cuda_backend();
+  // Declared before the model, which allocates through it: it must outlive the model's tensors.
+  kernels::TimingBackend timing(*cuda_backend);
+  timing.disable();
+  Backend* backend = bench.op_times ? static_cast<Backend*>(&timing) : cuda_backend.get();
+  ModelOptions options = model_options_for(config);
+  options.dtype = DType::kBF16;
+  auto build_start = std::chrono::steady_clock::now();
+  Model model(spec, *backend, options);
+  model.init_random_weights();
+  backend->synchronize();
+  log::info(fmt::format("model built and initialised in {:.1f} s", std::chrono::duration<double>(
+                                                                       std::chrono::steady_clock::now() - build_start)
+                                                                       .count()));
+  SyntheticData data(config.data, spec.config.vocab_size, 0, 1);
+  Batch last_batch;
+  std::vector<double> times;
+  double loss = 0;
+  kernels::BackendStats before;  // at the first timed step: what the timed steps cost is the difference
+  int64_t bench_waits = 0;       // the timing's own synchronize, one per timed step
+  for (int s = 0; s < steps + 2; ++s) {
+    Batch batch = data.next();
+    if (s == 2) before = backend->stats();
+    auto start = std::chrono::steady_clock::now();
+    // As the trainer runs a micro-batch: the adapters held (packed once per optimizer step; here
+    // every step is one), the result read after the work is queued.
+    model.hold_parameters(true);
+    PendingStep pending = model.forward_backward_async(batch, 1.0 / std::max<int64_t>(1, batch.num_targets()));
+    model.hold_parameters(false);
+    backend->synchronize();
+    if (s >= 2) {
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      ++bench_waits;
+    }
+    const StepResult& r = pending.get();  // done by now: no wait
+    loss = r.loss_sum / std::max<int64_t>(1, r.targets);
+    last_batch = std::move(batch);
+  }
+  std::sort(times.begin(), times.end());
+  const double seconds = times[times.size() / 2];
+  const int64_t tokens = config.data.micro_batch * config.data.seq_len;
+  // Model FLOPs as docs/PERF.md defines them (core/plan/model_flops.h), as the trainer's `mfu`.
+  const double flops = ModelFlops(spec, config.lora).step(last_batch.num_tokens(), last_batch.cu_seqlens).total();
+  const int64_t rerun = config.parallel.recompute_layers;
+  const std::string recompute = !config.parallel.recompute ? "off"
+                                : rerun < 0 || rerun >= spec.config.num_layers
+                                    ? "on"
+                                    : fmt::format("on, first {} of {} layers", rerun, spec.config.num_layers);
+  std::printf("\nstep: %lld layers, hidden %lld, %lld experts top-%lld, %lld tokens (seq %lld), recompute %s\n",
+              static_cast<long long>(spec.config.num_layers), static_cast<long long>(spec.config.hidden_size),
+              static_cast<long long>(spec.config.moe.num_experts), static_cast<long long>(spec.config.moe.top_k),
+              static_cast<long long>(tokens), static_cast<long long>(config.data.seq_len), recompute.c_str());
+  std::printf("step: median %.1f ms, %.0f tokens/s, %.1f model TFLOP/s, MFU %.1f%% of %.0f (%.1f%% of the measured "
+              "771), last loss %.4f\n",
+              seconds * 1e3, tokens / seconds, flops / seconds / 1e12, 100.0 * flops / seconds / 1e12 / kDatasheetBf16Tflops,
+              kDatasheetBf16Tflops, 100.0 * flops / seconds / 1e12 / kMatrixCeilingTflops, loss);
+  const kernels::BackendStats after = backend->stats();
+  const char* allocator = std::getenv("MOETRAIN_CUDA_ALLOCATOR");
+  // Host waits inside the step: every wait of the timed steps but the timing's own synchronize
+  // after each (counted apart); the step's result is read after that, when it is done. Any wait
+  // left stops the host from running ahead of the device.
+  // The bench builds no optimizer: a training run on one rank also holds AdamW's two moments per
+  // adapter parameter (core/train/optimizer.h), which `moetrain plan` counts.
+  int64_t adapter_parameters = 0;
+  for (const Parameter* p : model.parameters()) adapter_parameters += p->value.numel();
+  std::printf("memory: peak %.2f GB in tensors (training adds %.2f GB of Adam moments); per timed step: %.1f "
+              "cudaMalloc calls, %.1f host waits inside the step (+ 1 the timing's synchronize) "
+              "(MOETRAIN_CUDA_ALLOCATOR=%s)\n",
+              static_cast<double>(after.peak_bytes) / 1e9, 2.0 * 4 * static_cast<double>(adapter_parameters) / 1e9,
+              static_cast<double>(after.device_allocations - before.device_allocations) / static_cast<double>(steps),
+              static_cast<double>(after.host_waits - before.host_waits - bench_waits) / static_cast<double>(steps),
+              allocator ? allocator : "caching");
+  if (bench.op_times) print_op_times(timing, model, data, seconds);
+  (void)runtime;
+  return 0;
+}
+
+}  // namespace moetrain::bench
