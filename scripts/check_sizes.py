@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks the size limits of docs/ARCHITECTURE.md section 8: no source file over 800 lines (generated
+"""Checks the size limits of docs/ARCHITECTURE.md ("Size limits"): no source file over 800 lines (generated
 files excepted), no function over 150 lines outside the device kernels (kernels/cuda). Prints every
 file and function past its limit, with its line, and exits 1 when there is one (CTest: check_sizes).
 
