@@ -222,21 +222,19 @@ class YamlApplier {
 
   template <class T>
   void field(const char* key, T& value) {
-    levels_.back().known.push_back(key);
     YAML::Node node;
     KeyOrigin where;
-    if (!find(key, &node, &where)) return;
-    std::string path = join_path(levels_.back().path, key);
+    std::string path;
+    if (!visit_key(key, &node, &where, &path)) return;
     if (read_value(path, node, where, value)) state_.origins[path] = where;
   }
 
   template <class S>
   void section(const char* key, S& value) {
-    levels_.back().known.push_back(key);
     YAML::Node node;
     KeyOrigin where;
-    if (!find(key, &node, &where)) return;
-    std::string path = join_path(levels_.back().path, key);
+    std::string path;
+    if (!visit_key(key, &node, &where, &path)) return;
     if (node.IsNull()) return;  // `mla:` with nothing under it keeps every default
     if (!node.IsMap()) {
       add_problem(where, "`" + path + "` is a section: expected a map of keys, got " + describe_node(node));
@@ -254,6 +252,15 @@ class YamlApplier {
     YAML::Node map;
     std::vector<std::string> known;
   };
+
+  // Marks key as known at the current level; when the level sets it, gives its node, origin and
+  // dotted path and returns true.
+  bool visit_key(const char* key, YAML::Node* node, KeyOrigin* where, std::string* path) {
+    levels_.back().known.push_back(key);
+    if (!find(key, node, where)) return false;
+    *path = join_path(levels_.back().path, key);
+    return true;
+  }
 
   KeyOrigin origin_of(const YAML::Node& node) const {
     KeyOrigin where = source_;

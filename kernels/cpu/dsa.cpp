@@ -12,15 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/rows.h"
+
 namespace moetrain::kernels::cpu {
 namespace {
-
-template <typename T>
-double dot(const T* a, const T* b, int64_t n) {
-  double s = 0.0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return s;
-}
 
 // The valid (>= 0) entries at the front of a topk_index row.
 int64_t selected_count(const int32_t* row, int64_t top_k) {
@@ -35,7 +30,7 @@ int64_t selected_count(const int32_t* row, int64_t top_k) {
 template <typename T>
 void layernorm_forward(const LayerNormArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   const T* weight = args.weight.ptr<T>();
   const T* bias = args.bias.ptr<T>();
@@ -81,7 +76,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args) {
       for (int64_t s = begin; s <= t; ++s) {
         double score = 0.0;
         for (int64_t j = 0; j < heads; ++j) {
-          const double logit = dot(q + (t * heads + j) * dim, k + s * dim, dim);
+          const double logit = dot_double(q + (t * heads + j) * dim, k + s * dim, dim);
           score += static_cast<double>(w[t * heads + j]) * std::max(logit, 0.0);
         }
         score *= args.scale;
@@ -119,7 +114,7 @@ void sparse_attention_forward(const SparseAttentionArgs& args) {
       // The same arithmetic, in the same order, as attention_forward over keys begin..t.
       double max_logit = -std::numeric_limits<double>::infinity();
       for (int64_t i = 0; i < count; ++i) {
-        logits[i] = args.scale * dot(qt, kv + selected[i] * qk_dim, qk_dim);
+        logits[i] = args.scale * dot_double(qt, kv + selected[i] * qk_dim, qk_dim);
         max_logit = std::max(max_logit, logits[i]);
       }
       std::fill(acc.begin(), acc.end(), 0.0);
@@ -163,13 +158,13 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
       const T* qt = q + row * qk_dim;
       const T* dout_t = dout + row * v_dim;
       const double row_lse = static_cast<double>(lse[row]);
-      const double delta = dot(dout_t, out + row * v_dim, v_dim);
+      const double delta = dot_double(dout_t, out + row * v_dim, v_dim);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t s = selected[i];
         const T* kvs = kv + s * qk_dim;
-        const double p = std::exp(args.scale * dot(qt, kvs, qk_dim) - row_lse);
-        const double dp = dot(dout_t, kvs, v_dim);
+        const double p = std::exp(args.scale * dot_double(qt, kvs, qk_dim) - row_lse);
+        const double dp = dot_double(dout_t, kvs, v_dim);
         const double ds = p * (dp - delta) * args.scale;
         double* dkvs = dkv_acc.data() + s * qk_dim;
         for (int64_t c = 0; c < qk_dim; ++c) {
@@ -185,13 +180,9 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
   for (int64_t i = 0; i < tokens * qk_dim; ++i) dkv[i] = static_cast<T>(dkv_acc[i]);
 }
 
-template void layernorm_forward<float>(const LayerNormArgs&);
-template void layernorm_forward<double>(const LayerNormArgs&);
-template void dsa_indexer_topk<float>(const DsaIndexerArgs&);
-template void dsa_indexer_topk<double>(const DsaIndexerArgs&);
-template void sparse_attention_forward<float>(const SparseAttentionArgs&);
-template void sparse_attention_forward<double>(const SparseAttentionArgs&);
-template void sparse_attention_backward<float>(const SparseAttentionBackwardArgs&);
-template void sparse_attention_backward<double>(const SparseAttentionBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(layernorm_forward, const LayerNormArgs&)
+MOETRAIN_CPU_INSTANTIATE(dsa_indexer_topk, const DsaIndexerArgs&)
+MOETRAIN_CPU_INSTANTIATE(sparse_attention_forward, const SparseAttentionArgs&)
+MOETRAIN_CPU_INSTANTIATE(sparse_attention_backward, const SparseAttentionBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu
