@@ -24,6 +24,27 @@ int64_t selected_count(const int32_t* row, int64_t top_k) {
   return n;
 }
 
+// The sizes of a sparse attention call: q [tokens, heads, qk_dim], out [tokens, heads, v_dim].
+struct SparseDims {
+  int64_t tokens, heads, qk_dim, v_dim;
+};
+
+SparseDims sparse_dims(const TensorView& q, const TensorView& out) {
+  return {q.size(0), q.size(1), q.size(2), out.size(2)};
+}
+
+// body(t, selected, count) for every query t in order: its row of topk_index and the number of
+// valid keys at the row's front.
+template <typename Body>
+void for_each_query(const TensorView& topk_index, int64_t tokens, Body&& body) {
+  const int64_t top_k = topk_index.size(1);
+  const int32_t* index = topk_index.ptr<int32_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t* selected = index + t * top_k;
+    body(t, selected, selected_count(selected, top_k));
+  }
+}
+
 }  // namespace
 
 // y = (x - mean) * rstd * weight + bias per row, statistics in double. y may alias x.
@@ -96,19 +117,16 @@ void dsa_indexer_topk(const DsaIndexerArgs& args) {
 // followed by -1s.
 template <typename T>
 void sparse_attention_forward(const SparseAttentionArgs& args) {
-  const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2);
-  const int64_t v_dim = args.out.size(2), top_k = args.topk_index.size(1);
+  const SparseDims d = sparse_dims(args.q, args.out);
+  const int64_t tokens = d.tokens, heads = d.heads, qk_dim = d.qk_dim, v_dim = d.v_dim;
   const T* q = args.q.ptr<T>();
   const T* kv = args.kv.ptr<T>();
-  const int32_t* index = args.topk_index.ptr<int32_t>();
   T* out = args.out.ptr<T>();
   T* lse = args.lse.ptr<T>();
 
-  std::vector<double> logits(static_cast<size_t>(top_k));
+  std::vector<double> logits(static_cast<size_t>(args.topk_index.size(1)));
   std::vector<double> acc(static_cast<size_t>(v_dim));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int32_t* selected = index + t * top_k;
-    const int64_t count = selected_count(selected, top_k);
+  for_each_query(args.topk_index, tokens, [&](int64_t t, const int32_t* selected, int64_t count) {
     for (int64_t h = 0; h < heads; ++h) {
       const T* qt = q + (t * heads + h) * qk_dim;
       // The same arithmetic, in the same order, as attention_forward over keys begin..t.
@@ -129,20 +147,19 @@ void sparse_attention_forward(const SparseAttentionArgs& args) {
       for (int64_t c = 0; c < v_dim; ++c) ot[c] = count > 0 ? static_cast<T>(acc[c] / denom) : T(0);
       lse[t * heads + h] = static_cast<T>(count > 0 ? max_logit + std::log(denom) : max_logit);
     }
-  }
+  });
 }
 
 // dq, dkv overwritten; P recomputed from q, kv and lse.
 template <typename T>
 void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
-  const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2);
-  const int64_t v_dim = args.out.size(2), top_k = args.topk_index.size(1);
+  const SparseDims d = sparse_dims(args.q, args.out);
+  const int64_t tokens = d.tokens, heads = d.heads, qk_dim = d.qk_dim, v_dim = d.v_dim;
   const T* q = args.q.ptr<T>();
   const T* kv = args.kv.ptr<T>();
   const T* out = args.out.ptr<T>();
   const T* dout = args.dout.ptr<T>();
   const T* lse = args.lse.ptr<T>();
-  const int32_t* index = args.topk_index.ptr<int32_t>();
   T* dq = args.dq.ptr<T>();
   T* dkv = args.dkv.ptr<T>();
 
@@ -150,9 +167,7 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
   // queries, heads and selected keys in ascending order.
   std::vector<double> dkv_acc(static_cast<size_t>(tokens * qk_dim), 0.0);
   std::vector<double> dq_acc(static_cast<size_t>(qk_dim));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int32_t* selected = index + t * top_k;
-    const int64_t count = selected_count(selected, top_k);
+  for_each_query(args.topk_index, tokens, [&](int64_t t, const int32_t* selected, int64_t count) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t row = t * heads + h;
       const T* qt = q + row * qk_dim;
@@ -176,7 +191,7 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
       T* dqt = dq + row * qk_dim;
       for (int64_t c = 0; c < qk_dim; ++c) dqt[c] = static_cast<T>(dq_acc[c]);
     }
-  }
+  });
   for (int64_t i = 0; i < tokens * qk_dim; ++i) dkv[i] = static_cast<T>(dkv_acc[i]);
 }
 
