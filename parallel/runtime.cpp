@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 
 #include "core/base/log.h"
@@ -30,6 +31,18 @@ int env_int(const char* name) {
   return static_cast<int>(value);
 }
 
+// The first of `names` that env_int reads as a number, naming it in *source; -1 when none does.
+int first_env_int(std::initializer_list<const char*> names, const char** source) {
+  for (const char* name : names) {
+    const int value = env_int(name);
+    if (value >= 0) {
+      *source = name;
+      return value;
+    }
+  }
+  return -1;
+}
+
 // Variables that mpirun (Open MPI), Hydra/PMI and srun set in every process they start.
 bool started_by_launcher() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"}) {
@@ -40,27 +53,13 @@ bool started_by_launcher() {
 
 // The node-local rank a launcher announced (Open MPI, Slurm, Hydra), or -1.
 int launcher_local_rank(const char** source) {
-  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}) {
-    const int value = env_int(name);
-    if (value >= 0) {
-      *source = name;
-      return value;
-    }
-  }
-  return -1;
+  return first_env_int({"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}, source);
 }
 
 // The job size a launcher announced for this step, or -1. SLURM_NTASKS is left out on purpose:
 // a batch script sees it too, where a plain process with world 1 is right.
 int launcher_world_size(const char** source) {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"}) {
-    const int value = env_int(name);
-    if (value >= 0) {
-      *source = name;
-      return value;
-    }
-  }
-  return -1;
+  return first_env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"}, source);
 }
 
 bool mpi_active() {

@@ -222,27 +222,20 @@ class YamlApplier {
 
   template <class T>
   void field(const char* key, T& value) {
-    levels_.back().known.push_back(key);
-    YAML::Node node;
-    KeyOrigin where;
-    if (!find(key, &node, &where)) return;
-    std::string path = join_path(levels_.back().path, key);
-    if (read_value(path, node, where, value)) state_.origins[path] = where;
+    SetKey set;
+    if (visit_key(key, &set) && read_value(set.path, set.node, set.where, value)) state_.origins[set.path] = set.where;
   }
 
   template <class S>
   void section(const char* key, S& value) {
-    levels_.back().known.push_back(key);
-    YAML::Node node;
-    KeyOrigin where;
-    if (!find(key, &node, &where)) return;
-    std::string path = join_path(levels_.back().path, key);
-    if (node.IsNull()) return;  // `mla:` with nothing under it keeps every default
-    if (!node.IsMap()) {
-      add_problem(where, "`" + path + "` is a section: expected a map of keys, got " + describe_node(node));
+    SetKey set;
+    if (!visit_key(key, &set)) return;
+    if (set.node.IsNull()) return;  // `mla:` with nothing under it keeps every default
+    if (!set.node.IsMap()) {
+      add_problem(set.where, "`" + set.path + "` is a section: expected a map of keys, got " + describe_node(set.node));
       return;
     }
-    levels_.push_back({path, node, {}});
+    levels_.push_back({set.path, set.node, {}});
     config_schema::visit_fields(*this, value);
     check_keys(levels_.back());
     levels_.pop_back();
@@ -254,6 +247,21 @@ class YamlApplier {
     YAML::Node map;
     std::vector<std::string> known;
   };
+
+  // A key the current level sets: its node, where it was set, and its dotted path.
+  struct SetKey {
+    YAML::Node node;
+    KeyOrigin where;
+    std::string path;
+  };
+
+  // Marks key as known at the current level; when the level sets it, fills *set and returns true.
+  bool visit_key(const char* key, SetKey* set) {
+    levels_.back().known.push_back(key);
+    if (!find(key, &set->node, &set->where)) return false;
+    set->path = join_path(levels_.back().path, key);
+    return true;
+  }
 
   KeyOrigin origin_of(const YAML::Node& node) const {
     KeyOrigin where = source_;

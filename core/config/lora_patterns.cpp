@@ -8,13 +8,8 @@
 namespace moetrain {
 namespace {
 
-std::vector<std::string> keys_of(const PatternMap<int64_t>& map) {
-  std::vector<std::string> keys;
-  for (const auto& entry : map) keys.push_back(entry.first);
-  return keys;
-}
-
-std::vector<std::string> keys_of(const PatternMap<double>& map) {
+template <typename V>
+std::vector<std::string> keys_of(const PatternMap<V>& map) {
   std::vector<std::string> keys;
   for (const auto& entry : map) keys.push_back(entry.first);
   return keys;
@@ -23,6 +18,16 @@ std::vector<std::string> keys_of(const PatternMap<double>& map) {
 // PEFT's wrapping of a key (get_pattern_key): group 1 is the optional dotted head, group 2 the
 // key, so the key's own groups (and back-references) are numbered as in Python.
 std::regex compile(const std::string& key) { return std::regex("(.*\\.)?(" + key + ")$", std::regex::ECMAScript); }
+
+// A fused gate_up module's value: the fused name's when a pattern matches it, else twice the gate
+// name's (the fused adapter holds the gate's and the up's side by side). *key is the matched key.
+template <typename V, typename At>
+V fused_value(const PatternKeys& keys, const std::string& fused, const std::string& gate, At&& at, int* key) {
+  *key = keys.match(fused);
+  if (*key >= 0) return at(*key);
+  *key = keys.match(gate);
+  return V(2) * at(*key);
+}
 
 }  // namespace
 
@@ -136,20 +141,8 @@ ModuleLora LoraRanks::module(const std::string& name) {
 ModuleLora LoraRanks::fused_gate_up(const std::string& experts) {
   const std::string fused = experts + ".gate_up_proj", gate = experts + ".gate_proj";
   ModuleLora m;
-  m.rank_key = rank_keys_.match(fused);
-  if (m.rank_key >= 0) {
-    m.rank = rank_at(m.rank_key);
-  } else {
-    m.rank_key = rank_keys_.match(gate);
-    m.rank = 2 * rank_at(m.rank_key);
-  }
-  m.alpha_key = alpha_keys_.match(fused);
-  if (m.alpha_key >= 0) {
-    m.alpha = alpha_at(m.alpha_key);
-  } else {
-    m.alpha_key = alpha_keys_.match(gate);
-    m.alpha = 2.0 * alpha_at(m.alpha_key);
-  }
+  m.rank = fused_value<int64_t>(rank_keys_, fused, gate, [&](int key) { return rank_at(key); }, &m.rank_key);
+  m.alpha = fused_value<double>(alpha_keys_, fused, gate, [&](int key) { return alpha_at(key); }, &m.alpha_key);
   return m;
 }
 

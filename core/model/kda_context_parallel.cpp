@@ -61,23 +61,28 @@ void apply_transition(const T* m, const T* s, T* out, const StateDims& d, bool t
   }
 }
 
+// One step of a fold over the gathered shards: s = 0 where `continues` is false (a document starts
+// there), else s = M_j s + local_j (M_j^T with `transpose`), local_j being shard j's state or
+// state gradient.
+template <typename T>
+void fold_step(const T* values, int j, bool continues, const StateDims& d, bool transpose, std::vector<T>& s) {
+  if (!continues) {
+    std::fill(s.begin(), s.end(), T(0));
+    return;
+  }
+  const int64_t per_rank = d.transition() + d.state();
+  const T* m = values + j * per_rank;
+  std::vector<T> next(m + d.transition(), m + per_rank);
+  apply_transition(m, s.data(), next.data(), d, transpose);
+  s.swap(next);
+}
+
 // The state entering shard `me`: S(0) = 0, S(j + 1) = M_j S(j) + S_local_j, or 0 where shard j + 1
 // starts a document.
 template <typename T>
 void fold_entering(const Tensor& all, const ContextShards& shards, int me, const StateDims& d, T* entering) {
-  const T* values = all.ptr<T>();
-  const int64_t per_rank = d.transition() + d.state();
   std::vector<T> s(d.state(), T(0));
-  for (int j = 0; j < me; ++j) {
-    if (!shards.continues_document(j + 1)) {
-      std::fill(s.begin(), s.end(), T(0));
-      continue;
-    }
-    const T* m = values + j * per_rank;
-    std::vector<T> next(m + d.transition(), m + per_rank);  // S_local_j
-    apply_transition(m, s.data(), next.data(), d, false);
-    s.swap(next);
-  }
+  for (int j = 0; j < me; ++j) fold_step(all.ptr<T>(), j, shards.continues_document(j + 1), d, false, s);
   std::copy(s.begin(), s.end(), entering);
 }
 
@@ -85,20 +90,8 @@ void fold_entering(const Tensor& all, const ContextShards& shards, int me, const
 // dS_out(j - 1) = M_j^T dS_out(j) + D_local_j, or 0 where shard j starts a document.
 template <typename T>
 void fold_leaving(const Tensor& all, const ContextShards& shards, int me, const StateDims& d, T* leaving) {
-  const T* values = all.ptr<T>();
-  const int64_t per_rank = d.transition() + d.state();
-  const int ranks = shards.ranks();
   std::vector<T> ds(d.state(), T(0));
-  for (int j = ranks - 1; j > me; --j) {
-    if (!shards.continues_document(j)) {
-      std::fill(ds.begin(), ds.end(), T(0));
-      continue;
-    }
-    const T* m = values + j * per_rank;
-    std::vector<T> next(m + d.transition(), m + per_rank);  // D_local_j
-    apply_transition(m, ds.data(), next.data(), d, true);
-    ds.swap(next);
-  }
+  for (int j = shards.ranks() - 1; j > me; --j) fold_step(all.ptr<T>(), j, shards.continues_document(j), d, true, ds);
   std::copy(ds.begin(), ds.end(), leaving);
 }
 

@@ -33,7 +33,6 @@ void adamw(const AdamWArgs& args) {
   }
 }
 
-template void adamw<float>(const AdamWArgs&);
-template void adamw<double>(const AdamWArgs&);
+MOETRAIN_CPU_INSTANTIATE(adamw, const AdamWArgs&)
 
 }  // namespace moetrain::kernels::cpu

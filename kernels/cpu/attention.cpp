@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/rows.h"
+
 namespace moetrain::kernels::cpu {
 namespace {
 
@@ -80,13 +82,6 @@ std::vector<SegmentPair> segment_pairs(const TensorView& cu_seqlens, const Tenso
   return pairs;
 }
 
-template <typename T>
-double dot(const T* a, const T* b, int64_t n) {
-  double s = 0.0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return s;
-}
-
 }  // namespace
 
 // out and lse are overwritten. lse[t, h] = log sum_s exp(scale * q[t, h] . k[s, h]) over the
@@ -116,7 +111,7 @@ void attention_forward(const AttentionArgs& args) {
         logits.resize(static_cast<size_t>(last - begin + 1));
         double max_logit = -std::numeric_limits<double>::infinity();
         for (int64_t s = begin; s <= last; ++s) {
-          const double l = args.scale * dot(qt, k + s * q_row + h * d.qk_dim, d.qk_dim);
+          const double l = args.scale * dot_double(qt, k + s * q_row + h * d.qk_dim, d.qk_dim);
           logits[s - begin] = l;
           max_logit = std::max(max_logit, l);
         }
@@ -171,13 +166,13 @@ void attention_backward(const AttentionBackwardArgs& args) {
         const T* qt = q + t * q_row + h * d.qk_dim;
         const T* dout_t = dout + t * v_row + h * d.v_dim;
         const double row_lse = static_cast<double>(lse[t * d.heads + h]);
-        const double delta = dot(dout_t, out + t * v_row + h * d.v_dim, d.v_dim);
+        const double delta = dot_double(dout_t, out + t * v_row + h * d.v_dim, d.v_dim);
         std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
         for (int64_t s = begin; s <= last; ++s) {
           const T* ks = k + s * q_row + h * d.qk_dim;
           const T* vs = v + s * v_row + h * d.v_dim;
-          const double p = std::exp(args.scale * dot(qt, ks, d.qk_dim) - row_lse);
-          const double dp = dot(dout_t, vs, d.v_dim);
+          const double p = std::exp(args.scale * dot_double(qt, ks, d.qk_dim) - row_lse);
+          const double dp = dot_double(dout_t, vs, d.v_dim);
           const double ds = p * (dp - delta) * args.scale;
           double* dks = dk_acc.data() + (s - begin) * d.qk_dim;
           double* dvs = dv_acc.data() + (s - begin) * d.v_dim;
@@ -200,9 +195,7 @@ void attention_backward(const AttentionBackwardArgs& args) {
   }
 }
 
-template void attention_forward<float>(const AttentionArgs&);
-template void attention_forward<double>(const AttentionArgs&);
-template void attention_backward<float>(const AttentionBackwardArgs&);
-template void attention_backward<double>(const AttentionBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(attention_forward, const AttentionArgs&)
+MOETRAIN_CPU_INSTANTIATE(attention_backward, const AttentionBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -52,9 +52,7 @@ void attention_gate_backward(const AttentionGateBackwardArgs& args) {
   }
 }
 
-template void attention_gate_forward<float>(const AttentionGateArgs&);
-template void attention_gate_forward<double>(const AttentionGateArgs&);
-template void attention_gate_backward<float>(const AttentionGateBackwardArgs&);
-template void attention_gate_backward<double>(const AttentionGateBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(attention_gate_forward, const AttentionGateArgs&)
+MOETRAIN_CPU_INSTANTIATE(attention_gate_backward, const AttentionGateBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/rows.h"
+
 namespace moetrain::kernels::cpu {
 namespace {
 
@@ -43,7 +45,7 @@ std::vector<T> combined_query(const TensorView& norm_weight, const TensorView& q
 template <typename T>
 void attn_res_forward(const AttnResArgs& args) {
   const int64_t dim = args.out.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.out.numel() / dim;
+  const int64_t rows = row_count(args.out, dim);
   const size_t m = args.values.size();
   const std::vector<T> w = combined_query<T>(args.norm_weight, args.query);
   std::vector<T> r, s;
@@ -66,7 +68,7 @@ void attn_res_forward(const AttnResArgs& args) {
 template <typename T>
 void attn_res_backward(const AttnResBackwardArgs& args) {
   const int64_t dim = args.dout.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.dout.numel() / dim;
+  const int64_t rows = row_count(args.dout, dim);
   const size_t m = args.values.size();
   const std::vector<T> w = combined_query<T>(args.norm_weight, args.query);
   std::vector<T> r, s, g(m), ds(m);
@@ -92,9 +94,7 @@ void attn_res_backward(const AttnResBackwardArgs& args) {
   }
 }
 
-template void attn_res_forward<float>(const AttnResArgs&);
-template void attn_res_forward<double>(const AttnResArgs&);
-template void attn_res_backward<float>(const AttnResBackwardArgs&);
-template void attn_res_backward<double>(const AttnResBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(attn_res_forward, const AttnResArgs&)
+MOETRAIN_CPU_INSTANTIATE(attn_res_backward, const AttnResBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -44,7 +44,6 @@ void cross_entropy(const CrossEntropyArgs& args) {
   }
 }
 
-template void cross_entropy<float>(const CrossEntropyArgs&);
-template void cross_entropy<double>(const CrossEntropyArgs&);
+MOETRAIN_CPU_INSTANTIATE(cross_entropy, const CrossEntropyArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -12,15 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/rows.h"
+
 namespace moetrain::kernels::cpu {
 namespace {
-
-template <typename T>
-double dot(const T* a, const T* b, int64_t n) {
-  double s = 0.0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return s;
-}
 
 // The valid (>= 0) entries at the front of a topk_index row.
 int64_t selected_count(const int32_t* row, int64_t top_k) {
@@ -29,13 +24,34 @@ int64_t selected_count(const int32_t* row, int64_t top_k) {
   return n;
 }
 
+// The sizes of a sparse attention call: q [tokens, heads, qk_dim], out [tokens, heads, v_dim].
+struct SparseDims {
+  int64_t tokens, heads, qk_dim, v_dim;
+};
+
+SparseDims sparse_dims(const TensorView& q, const TensorView& out) {
+  return {q.size(0), q.size(1), q.size(2), out.size(2)};
+}
+
+// body(t, selected, count) for every query t in order: its row of topk_index and the number of
+// valid keys at the row's front.
+template <typename Body>
+void for_each_query(const TensorView& topk_index, int64_t tokens, Body&& body) {
+  const int64_t top_k = topk_index.size(1);
+  const int32_t* index = topk_index.ptr<int32_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t* selected = index + t * top_k;
+    body(t, selected, selected_count(selected, top_k));
+  }
+}
+
 }  // namespace
 
 // y = (x - mean) * rstd * weight + bias per row, statistics in double. y may alias x.
 template <typename T>
 void layernorm_forward(const LayerNormArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   const T* weight = args.weight.ptr<T>();
   const T* bias = args.bias.ptr<T>();
@@ -81,7 +97,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args) {
       for (int64_t s = begin; s <= t; ++s) {
         double score = 0.0;
         for (int64_t j = 0; j < heads; ++j) {
-          const double logit = dot(q + (t * heads + j) * dim, k + s * dim, dim);
+          const double logit = dot_double(q + (t * heads + j) * dim, k + s * dim, dim);
           score += static_cast<double>(w[t * heads + j]) * std::max(logit, 0.0);
         }
         score *= args.scale;
@@ -101,25 +117,22 @@ void dsa_indexer_topk(const DsaIndexerArgs& args) {
 // followed by -1s.
 template <typename T>
 void sparse_attention_forward(const SparseAttentionArgs& args) {
-  const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2);
-  const int64_t v_dim = args.out.size(2), top_k = args.topk_index.size(1);
+  const SparseDims d = sparse_dims(args.q, args.out);
+  const int64_t tokens = d.tokens, heads = d.heads, qk_dim = d.qk_dim, v_dim = d.v_dim;
   const T* q = args.q.ptr<T>();
   const T* kv = args.kv.ptr<T>();
-  const int32_t* index = args.topk_index.ptr<int32_t>();
   T* out = args.out.ptr<T>();
   T* lse = args.lse.ptr<T>();
 
-  std::vector<double> logits(static_cast<size_t>(top_k));
+  std::vector<double> logits(static_cast<size_t>(args.topk_index.size(1)));
   std::vector<double> acc(static_cast<size_t>(v_dim));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int32_t* selected = index + t * top_k;
-    const int64_t count = selected_count(selected, top_k);
+  for_each_query(args.topk_index, tokens, [&](int64_t t, const int32_t* selected, int64_t count) {
     for (int64_t h = 0; h < heads; ++h) {
       const T* qt = q + (t * heads + h) * qk_dim;
       // The same arithmetic, in the same order, as attention_forward over keys begin..t.
       double max_logit = -std::numeric_limits<double>::infinity();
       for (int64_t i = 0; i < count; ++i) {
-        logits[i] = args.scale * dot(qt, kv + selected[i] * qk_dim, qk_dim);
+        logits[i] = args.scale * dot_double(qt, kv + selected[i] * qk_dim, qk_dim);
         max_logit = std::max(max_logit, logits[i]);
       }
       std::fill(acc.begin(), acc.end(), 0.0);
@@ -134,20 +147,19 @@ void sparse_attention_forward(const SparseAttentionArgs& args) {
       for (int64_t c = 0; c < v_dim; ++c) ot[c] = count > 0 ? static_cast<T>(acc[c] / denom) : T(0);
       lse[t * heads + h] = static_cast<T>(count > 0 ? max_logit + std::log(denom) : max_logit);
     }
-  }
+  });
 }
 
 // dq, dkv overwritten; P recomputed from q, kv and lse.
 template <typename T>
 void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
-  const int64_t tokens = args.q.size(0), heads = args.q.size(1), qk_dim = args.q.size(2);
-  const int64_t v_dim = args.out.size(2), top_k = args.topk_index.size(1);
+  const SparseDims d = sparse_dims(args.q, args.out);
+  const int64_t tokens = d.tokens, heads = d.heads, qk_dim = d.qk_dim, v_dim = d.v_dim;
   const T* q = args.q.ptr<T>();
   const T* kv = args.kv.ptr<T>();
   const T* out = args.out.ptr<T>();
   const T* dout = args.dout.ptr<T>();
   const T* lse = args.lse.ptr<T>();
-  const int32_t* index = args.topk_index.ptr<int32_t>();
   T* dq = args.dq.ptr<T>();
   T* dkv = args.dkv.ptr<T>();
 
@@ -155,21 +167,19 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
   // queries, heads and selected keys in ascending order.
   std::vector<double> dkv_acc(static_cast<size_t>(tokens * qk_dim), 0.0);
   std::vector<double> dq_acc(static_cast<size_t>(qk_dim));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int32_t* selected = index + t * top_k;
-    const int64_t count = selected_count(selected, top_k);
+  for_each_query(args.topk_index, tokens, [&](int64_t t, const int32_t* selected, int64_t count) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t row = t * heads + h;
       const T* qt = q + row * qk_dim;
       const T* dout_t = dout + row * v_dim;
       const double row_lse = static_cast<double>(lse[row]);
-      const double delta = dot(dout_t, out + row * v_dim, v_dim);
+      const double delta = dot_double(dout_t, out + row * v_dim, v_dim);
       std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t s = selected[i];
         const T* kvs = kv + s * qk_dim;
-        const double p = std::exp(args.scale * dot(qt, kvs, qk_dim) - row_lse);
-        const double dp = dot(dout_t, kvs, v_dim);
+        const double p = std::exp(args.scale * dot_double(qt, kvs, qk_dim) - row_lse);
+        const double dp = dot_double(dout_t, kvs, v_dim);
         const double ds = p * (dp - delta) * args.scale;
         double* dkvs = dkv_acc.data() + s * qk_dim;
         for (int64_t c = 0; c < qk_dim; ++c) {
@@ -181,17 +191,13 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
       T* dqt = dq + row * qk_dim;
       for (int64_t c = 0; c < qk_dim; ++c) dqt[c] = static_cast<T>(dq_acc[c]);
     }
-  }
+  });
   for (int64_t i = 0; i < tokens * qk_dim; ++i) dkv[i] = static_cast<T>(dkv_acc[i]);
 }
 
-template void layernorm_forward<float>(const LayerNormArgs&);
-template void layernorm_forward<double>(const LayerNormArgs&);
-template void dsa_indexer_topk<float>(const DsaIndexerArgs&);
-template void dsa_indexer_topk<double>(const DsaIndexerArgs&);
-template void sparse_attention_forward<float>(const SparseAttentionArgs&);
-template void sparse_attention_forward<double>(const SparseAttentionArgs&);
-template void sparse_attention_backward<float>(const SparseAttentionBackwardArgs&);
-template void sparse_attention_backward<double>(const SparseAttentionBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(layernorm_forward, const LayerNormArgs&)
+MOETRAIN_CPU_INSTANTIATE(dsa_indexer_topk, const DsaIndexerArgs&)
+MOETRAIN_CPU_INSTANTIATE(sparse_attention_forward, const SparseAttentionArgs&)
+MOETRAIN_CPU_INSTANTIATE(sparse_attention_backward, const SparseAttentionBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -45,9 +45,7 @@ void embedding_backward(const TensorView& dtable, const TensorView& dout, const 
   }
 }
 
-template void embedding_forward<float>(const TensorView&, const TensorView&, const TensorView&);
-template void embedding_forward<double>(const TensorView&, const TensorView&, const TensorView&);
-template void embedding_backward<float>(const TensorView&, const TensorView&, const TensorView&);
-template void embedding_backward<double>(const TensorView&, const TensorView&, const TensorView&);
+MOETRAIN_CPU_INSTANTIATE(embedding_forward, const TensorView&, const TensorView&, const TensorView&)
+MOETRAIN_CPU_INSTANTIATE(embedding_backward, const TensorView&, const TensorView&, const TensorView&)
 
 }  // namespace moetrain::kernels::cpu

@@ -79,6 +79,17 @@ void for_each_segment(const TensorView& cu_seqlens, Body&& body) {
     body(static_cast<int64_t>(cu[s]), static_cast<int64_t>(cu[s + 1]), SegmentEdges{s == 0, s == segments - 1});
 }
 
+// body(rows, h, start, edges) for every head of every segment, segments in order and heads in order
+// within each, with that head's rows of the segment loaded (KdaArgs or KdaBackwardArgs).
+template <typename T, typename Args, typename Body>
+void for_each_head(const Args& args, const KdaDims& d, Body&& body) {
+  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
+    for (int64_t h = 0; h < d.heads; ++h)
+      body(load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start), h, start,
+           edges);
+  });
+}
+
 // The optional states of KdaArgs, [heads, kd, vd]: head h's block, or null when not given.
 template <typename T>
 T* state_block(const TensorView& state, const KdaDims& d, int64_t h) {
@@ -475,15 +486,12 @@ void kda_recurrent_forward(const KdaArgs& args) {
   const KdaDims d = kda_dims(args.q, args.v);
   T* out = args.out.ptr<T>();
   clear_state<T>(args.final_state);
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
-    for (int64_t h = 0; h < d.heads; ++h) {
-      const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
-      std::vector<T> o(r.n * d.vd), s = entering_state<T>(args.initial_state, d, h, edges);
-      recurrent_states(r, d, s, &o);
-      store_state(s, args.final_state, d, h, edges.last);
-      for (int64_t t = 0; t < r.n; ++t)
-        std::copy(o.begin() + t * d.vd, o.begin() + (t + 1) * d.vd, out + ((start + t) * d.heads + h) * d.vd);
-    }
+  for_each_head<T>(args, d, [&](const HeadRows<T>& r, int64_t h, int64_t start, SegmentEdges edges) {
+    std::vector<T> o(r.n * d.vd), s = entering_state<T>(args.initial_state, d, h, edges);
+    recurrent_states(r, d, s, &o);
+    store_state(s, args.final_state, d, h, edges.last);
+    for (int64_t t = 0; t < r.n; ++t)
+      std::copy(o.begin() + t * d.vd, o.begin() + (t + 1) * d.vd, out + ((start + t) * d.heads + h) * d.vd);
   });
 }
 
@@ -493,63 +501,60 @@ void kda_recurrent_backward(const KdaBackwardArgs& args) {
   const int64_t kd = d.kd, vd = d.vd;
   const T* dout = args.dout.ptr<T>();
   clear_state<T>(args.dinitial_state);
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
-    for (int64_t h = 0; h < d.heads; ++h) {
-      const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
-      std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges);
-      const std::vector<std::vector<T>> states = recurrent_states<T>(r, d, s, nullptr);
-      HeadGrads<T> gr(r.n, d);
-      // The final state's gradient: what arrives from beyond the call on the last segment, else 0.
-      std::vector<T> ds = entering_state<T>(args.dfinal_state, d, h, SegmentEdges{edges.last, edges.last});
-      std::vector<T> dec(kd * vd), p(vd), delta(vd), dp(vd), s1(kd * vd);
-      for (int64_t t = r.n - 1; t >= 0; --t) {
-        // Recompute the step: D = Diag(exp(g)) S_prev, p = D^T k, delta = beta (v - p), S = D + k delta^T.
-        const T* k = row_of(r.k, t, kd);
-        const T* q = row_of(r.q, t, kd);
-        const T* v = row_of(r.v, t, vd);
-        const T* g = row_of(r.g, t, kd);
-        const T beta = r.beta[t];
-        const T* doi = dout + ((start + t) * d.heads + h) * vd;
-        for (int64_t a = 0; a < kd; ++a)
-          for (int64_t b = 0; b < vd; ++b) dec[a * vd + b] = std::exp(g[a]) * states[t][a * vd + b];
-        for (int64_t b = 0; b < vd; ++b) {
-          p[b] = 0;
-          for (int64_t a = 0; a < kd; ++a) p[b] += dec[a * vd + b] * k[a];
-          delta[b] = beta * (v[b] - p[b]);
-        }
-        for (int64_t a = 0; a < kd; ++a)
-          for (int64_t b = 0; b < vd; ++b) s1[a * vd + b] = dec[a * vd + b] + k[a] * delta[b];
-        // out = S^T q: dS += q dout^T, dq = S dout.
-        for (int64_t a = 0; a < kd; ++a) {
-          gr.dq[t * kd + a] = dot(s1.data() + a * vd, doi, vd);
-          for (int64_t b = 0; b < vd; ++b) ds[a * vd + b] += q[a] * doi[b];
-        }
-        // S = D + k delta^T: dk = dS delta, ddelta = dS^T k; delta = beta (v - p).
-        T dbeta = 0;
-        for (int64_t b = 0; b < vd; ++b) {
-          T ddelta = 0;
-          for (int64_t a = 0; a < kd; ++a) ddelta += ds[a * vd + b] * k[a];
-          dbeta += ddelta * (v[b] - p[b]);
-          gr.dv[t * vd + b] = beta * ddelta;
-          dp[b] = -beta * ddelta;
-        }
-        gr.dbeta[t] = dbeta;
-        // p = D^T k: dD = dS + k dp^T, dk += D dp; D = Diag(exp(g)) S_prev.
-        for (int64_t a = 0; a < kd; ++a) {
-          gr.dk[t * kd + a] = dot(ds.data() + a * vd, delta.data(), vd) + dot(dec.data() + a * vd, dp.data(), vd);
-          T dga = 0;
-          const T e = std::exp(g[a]);
-          for (int64_t b = 0; b < vd; ++b) {
-            const T ddab = ds[a * vd + b] + k[a] * dp[b];
-            dga += ddab * dec[a * vd + b];
-            ds[a * vd + b] = e * ddab;
-          }
-          gr.dg[t * kd + a] = dga;
-        }
+  for_each_head<T>(args, d, [&](const HeadRows<T>& r, int64_t h, int64_t start, SegmentEdges edges) {
+    std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges);
+    const std::vector<std::vector<T>> states = recurrent_states<T>(r, d, s, nullptr);
+    HeadGrads<T> gr(r.n, d);
+    // The final state's gradient: what arrives from beyond the call on the last segment, else 0.
+    std::vector<T> ds = entering_state<T>(args.dfinal_state, d, h, SegmentEdges{edges.last, edges.last});
+    std::vector<T> dec(kd * vd), p(vd), delta(vd), dp(vd), s1(kd * vd);
+    for (int64_t t = r.n - 1; t >= 0; --t) {
+      // Recompute the step: D = Diag(exp(g)) S_prev, p = D^T k, delta = beta (v - p), S = D + k delta^T.
+      const T* k = row_of(r.k, t, kd);
+      const T* q = row_of(r.q, t, kd);
+      const T* v = row_of(r.v, t, vd);
+      const T* g = row_of(r.g, t, kd);
+      const T beta = r.beta[t];
+      const T* doi = dout + ((start + t) * d.heads + h) * vd;
+      for (int64_t a = 0; a < kd; ++a)
+        for (int64_t b = 0; b < vd; ++b) dec[a * vd + b] = std::exp(g[a]) * states[t][a * vd + b];
+      for (int64_t b = 0; b < vd; ++b) {
+        p[b] = 0;
+        for (int64_t a = 0; a < kd; ++a) p[b] += dec[a * vd + b] * k[a];
+        delta[b] = beta * (v[b] - p[b]);
       }
-      store_state(ds, args.dinitial_state, d, h, edges.first);
-      store_grads(gr, args, args.scale, d, h, start, r.n);
+      for (int64_t a = 0; a < kd; ++a)
+        for (int64_t b = 0; b < vd; ++b) s1[a * vd + b] = dec[a * vd + b] + k[a] * delta[b];
+      // out = S^T q: dS += q dout^T, dq = S dout.
+      for (int64_t a = 0; a < kd; ++a) {
+        gr.dq[t * kd + a] = dot(s1.data() + a * vd, doi, vd);
+        for (int64_t b = 0; b < vd; ++b) ds[a * vd + b] += q[a] * doi[b];
+      }
+      // S = D + k delta^T: dk = dS delta, ddelta = dS^T k; delta = beta (v - p).
+      T dbeta = 0;
+      for (int64_t b = 0; b < vd; ++b) {
+        T ddelta = 0;
+        for (int64_t a = 0; a < kd; ++a) ddelta += ds[a * vd + b] * k[a];
+        dbeta += ddelta * (v[b] - p[b]);
+        gr.dv[t * vd + b] = beta * ddelta;
+        dp[b] = -beta * ddelta;
+      }
+      gr.dbeta[t] = dbeta;
+      // p = D^T k: dD = dS + k dp^T, dk += D dp; D = Diag(exp(g)) S_prev.
+      for (int64_t a = 0; a < kd; ++a) {
+        gr.dk[t * kd + a] = dot(ds.data() + a * vd, delta.data(), vd) + dot(dec.data() + a * vd, dp.data(), vd);
+        T dga = 0;
+        const T e = std::exp(g[a]);
+        for (int64_t b = 0; b < vd; ++b) {
+          const T ddab = ds[a * vd + b] + k[a] * dp[b];
+          dga += ddab * dec[a * vd + b];
+          ds[a * vd + b] = e * ddab;
+        }
+        gr.dg[t * kd + a] = dga;
+      }
     }
+    store_state(ds, args.dinitial_state, d, h, edges.first);
+    store_grads(gr, args, args.scale, d, h, start, r.n);
   });
 }
 
@@ -558,20 +563,17 @@ void kda_chunked_forward(const KdaArgs& args, int64_t chunk) {
   const KdaDims d = kda_dims(args.q, args.v);
   T* out = args.out.ptr<T>();
   clear_state<T>(args.final_state);
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
-    for (int64_t h = 0; h < d.heads; ++h) {
-      const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
-      std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges), o;
-      for (int64_t first : chunk_starts(r.n, chunk)) {
-        const Chunk<T> ch = make_chunk(r, d, first, std::min(chunk, r.n - first));
-        o.resize(ch.n * d.vd);
-        chunk_forward(ch, d, s, o.data());
-        for (int64_t i = 0; i < ch.n; ++i)
-          std::copy(o.begin() + i * d.vd, o.begin() + (i + 1) * d.vd,
-                    out + ((start + first + i) * d.heads + h) * d.vd);
-      }
-      store_state(s, args.final_state, d, h, edges.last);
+  for_each_head<T>(args, d, [&](const HeadRows<T>& r, int64_t h, int64_t start, SegmentEdges edges) {
+    std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges), o;
+    for (int64_t first : chunk_starts(r.n, chunk)) {
+      const Chunk<T> ch = make_chunk(r, d, first, std::min(chunk, r.n - first));
+      o.resize(ch.n * d.vd);
+      chunk_forward(ch, d, s, o.data());
+      for (int64_t i = 0; i < ch.n; ++i)
+        std::copy(o.begin() + i * d.vd, o.begin() + (i + 1) * d.vd,
+                  out + ((start + first + i) * d.heads + h) * d.vd);
     }
+    store_state(s, args.final_state, d, h, edges.last);
   });
 }
 
@@ -580,33 +582,30 @@ void kda_chunked_backward(const KdaBackwardArgs& args, int64_t chunk) {
   const KdaDims d = kda_dims(args.q, args.v);
   const T* dout = args.dout.ptr<T>();
   clear_state<T>(args.dinitial_state);
-  for_each_segment(args.cu_seqlens, [&](int64_t start, int64_t end, SegmentEdges edges) {
-    for (int64_t h = 0; h < d.heads; ++h) {
-      const HeadRows<T> r = load_rows<T>(args.q, args.k, args.v, args.g, args.beta, args.scale, d, h, start, end - start);
-      const std::vector<int64_t> firsts = chunk_starts(r.n, chunk);
-      // Forward sweep: the state entering each chunk.
-      std::vector<std::vector<T>> entering;
-      std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges);
-      for (int64_t first : firsts) {
-        entering.push_back(s);
-        chunk_forward(make_chunk(r, d, first, std::min(chunk, r.n - first)), d, s, static_cast<T*>(nullptr));
-      }
-      // Reverse sweep, from the final state's gradient: what arrives from beyond the call on the
-      // last segment, else zero (the final state is no output).
-      HeadGrads<T> gr(r.n, d);
-      std::vector<T> ds = entering_state<T>(args.dfinal_state, d, h, SegmentEdges{edges.last, edges.last}), dout_rows;
-      for (int64_t c = static_cast<int64_t>(firsts.size()) - 1; c >= 0; --c) {
-        const Chunk<T> ch = make_chunk(r, d, firsts[c], std::min(chunk, r.n - firsts[c]));
-        dout_rows.resize(ch.n * d.vd);
-        for (int64_t i = 0; i < ch.n; ++i) {
-          const T* src = dout + ((start + ch.first + i) * d.heads + h) * d.vd;
-          std::copy(src, src + d.vd, dout_rows.begin() + i * d.vd);
-        }
-        chunk_backward(ch, d, entering[c], dout_rows.data(), ds, gr);
-      }
-      store_state(ds, args.dinitial_state, d, h, edges.first);
-      store_grads(gr, args, args.scale, d, h, start, r.n);
+  for_each_head<T>(args, d, [&](const HeadRows<T>& r, int64_t h, int64_t start, SegmentEdges edges) {
+    const std::vector<int64_t> firsts = chunk_starts(r.n, chunk);
+    // Forward sweep: the state entering each chunk.
+    std::vector<std::vector<T>> entering;
+    std::vector<T> s = entering_state<T>(args.initial_state, d, h, edges);
+    for (int64_t first : firsts) {
+      entering.push_back(s);
+      chunk_forward(make_chunk(r, d, first, std::min(chunk, r.n - first)), d, s, static_cast<T*>(nullptr));
     }
+    // Reverse sweep, from the final state's gradient: what arrives from beyond the call on the
+    // last segment, else zero (the final state is no output).
+    HeadGrads<T> gr(r.n, d);
+    std::vector<T> ds = entering_state<T>(args.dfinal_state, d, h, SegmentEdges{edges.last, edges.last}), dout_rows;
+    for (int64_t c = static_cast<int64_t>(firsts.size()) - 1; c >= 0; --c) {
+      const Chunk<T> ch = make_chunk(r, d, firsts[c], std::min(chunk, r.n - firsts[c]));
+      dout_rows.resize(ch.n * d.vd);
+      for (int64_t i = 0; i < ch.n; ++i) {
+        const T* src = dout + ((start + ch.first + i) * d.heads + h) * d.vd;
+        std::copy(src, src + d.vd, dout_rows.begin() + i * d.vd);
+      }
+      chunk_backward(ch, d, entering[c], dout_rows.data(), ds, gr);
+    }
+    store_state(ds, args.dinitial_state, d, h, edges.first);
+    store_grads(gr, args, args.scale, d, h, start, r.n);
   });
 }
 
@@ -622,17 +621,11 @@ void kda_backward(const KdaBackwardArgs& args) {
   kda_chunked_backward<T>(args);
 }
 
-template void kda_forward<float>(const KdaArgs&);
-template void kda_forward<double>(const KdaArgs&);
-template void kda_backward<float>(const KdaBackwardArgs&);
-template void kda_backward<double>(const KdaBackwardArgs&);
-template void kda_recurrent_forward<float>(const KdaArgs&);
-template void kda_recurrent_forward<double>(const KdaArgs&);
-template void kda_recurrent_backward<float>(const KdaBackwardArgs&);
-template void kda_recurrent_backward<double>(const KdaBackwardArgs&);
-template void kda_chunked_forward<float>(const KdaArgs&, int64_t);
-template void kda_chunked_forward<double>(const KdaArgs&, int64_t);
-template void kda_chunked_backward<float>(const KdaBackwardArgs&, int64_t);
-template void kda_chunked_backward<double>(const KdaBackwardArgs&, int64_t);
+MOETRAIN_CPU_INSTANTIATE(kda_forward, const KdaArgs&)
+MOETRAIN_CPU_INSTANTIATE(kda_backward, const KdaBackwardArgs&)
+MOETRAIN_CPU_INSTANTIATE(kda_recurrent_forward, const KdaArgs&)
+MOETRAIN_CPU_INSTANTIATE(kda_recurrent_backward, const KdaBackwardArgs&)
+MOETRAIN_CPU_INSTANTIATE(kda_chunked_forward, const KdaArgs&, int64_t)
+MOETRAIN_CPU_INSTANTIATE(kda_chunked_backward, const KdaBackwardArgs&, int64_t)
 
 }  // namespace moetrain::kernels::cpu

@@ -88,13 +88,9 @@ void sigmoid_backward(const TensorView& dx, const TensorView& dy, const TensorVi
   for (int64_t i = 0; i < y.numel(); ++i) dxp[i] = dyp[i] * yp[i] * (T(1) - yp[i]);
 }
 
-template void kda_gate_forward<float>(const KdaGateArgs&);
-template void kda_gate_forward<double>(const KdaGateArgs&);
-template void kda_gate_backward<float>(const KdaGateBackwardArgs&);
-template void kda_gate_backward<double>(const KdaGateBackwardArgs&);
-template void sigmoid_forward<float>(const TensorView&, const TensorView&);
-template void sigmoid_forward<double>(const TensorView&, const TensorView&);
-template void sigmoid_backward<float>(const TensorView&, const TensorView&, const TensorView&);
-template void sigmoid_backward<double>(const TensorView&, const TensorView&, const TensorView&);
+MOETRAIN_CPU_INSTANTIATE(kda_gate_forward, const KdaGateArgs&)
+MOETRAIN_CPU_INSTANTIATE(kda_gate_backward, const KdaGateBackwardArgs&)
+MOETRAIN_CPU_INSTANTIATE(sigmoid_forward, const TensorView&, const TensorView&)
+MOETRAIN_CPU_INSTANTIATE(sigmoid_backward, const TensorView&, const TensorView&, const TensorView&)
 
 }  // namespace moetrain::kernels::cpu

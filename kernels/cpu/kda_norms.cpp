@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/rows.h"
 #include "kernels/cpu/sigmoid.h"
 
 namespace moetrain::kernels::cpu {
@@ -17,14 +18,13 @@ namespace moetrain::kernels::cpu {
 template <typename T>
 void l2norm_forward(const L2NormArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   T* y = args.y.ptr<T>();
   T* inv_norm = args.inv_norm.ptr<T>();
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
-    T sum_sq = 0;
-    for (int64_t j = 0; j < dim; ++j) sum_sq += xr[j] * xr[j];
+    const T sum_sq = sum_of_squares(xr, dim);
     const T inv = T(1) / std::sqrt(sum_sq + static_cast<T>(args.eps));
     inv_norm[r] = inv;
     for (int64_t j = 0; j < dim; ++j) y[r * dim + j] = xr[j] * inv;
@@ -34,7 +34,7 @@ void l2norm_forward(const L2NormArgs& args) {
 template <typename T>
 void l2norm_backward(const L2NormBackwardArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   const T* dy = args.dy.ptr<T>();
   const T* inv_norm = args.inv_norm.ptr<T>();
@@ -53,7 +53,7 @@ void l2norm_backward(const L2NormBackwardArgs& args) {
 template <typename T>
 void gated_rmsnorm_forward(const GatedRmsNormArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   const T* gate = args.gate.ptr<T>();
   const T* w = args.weight.ptr<T>();
@@ -61,8 +61,7 @@ void gated_rmsnorm_forward(const GatedRmsNormArgs& args) {
   T* rstd = args.rstd.ptr<T>();
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
-    T sum_sq = 0;
-    for (int64_t j = 0; j < dim; ++j) sum_sq += xr[j] * xr[j];
+    const T sum_sq = sum_of_squares(xr, dim);
     const T s = T(1) / std::sqrt(sum_sq / static_cast<T>(dim) + static_cast<T>(args.eps));
     rstd[r] = s;
     for (int64_t j = 0; j < dim; ++j) y[r * dim + j] = xr[j] * s * w[j] * sigmoid(gate[r * dim + j]);
@@ -73,7 +72,7 @@ void gated_rmsnorm_forward(const GatedRmsNormArgs& args) {
 template <typename T>
 void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   const T* gate = args.gate.ptr<T>();
   const T* w = args.weight.ptr<T>();
@@ -101,13 +100,9 @@ void gated_rmsnorm_backward(const GatedRmsNormBackwardArgs& args) {
   }
 }
 
-template void l2norm_forward<float>(const L2NormArgs&);
-template void l2norm_forward<double>(const L2NormArgs&);
-template void l2norm_backward<float>(const L2NormBackwardArgs&);
-template void l2norm_backward<double>(const L2NormBackwardArgs&);
-template void gated_rmsnorm_forward<float>(const GatedRmsNormArgs&);
-template void gated_rmsnorm_forward<double>(const GatedRmsNormArgs&);
-template void gated_rmsnorm_backward<float>(const GatedRmsNormBackwardArgs&);
-template void gated_rmsnorm_backward<double>(const GatedRmsNormBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(l2norm_forward, const L2NormArgs&)
+MOETRAIN_CPU_INSTANTIATE(l2norm_backward, const L2NormBackwardArgs&)
+MOETRAIN_CPU_INSTANTIATE(gated_rmsnorm_forward, const GatedRmsNormArgs&)
+MOETRAIN_CPU_INSTANTIATE(gated_rmsnorm_backward, const GatedRmsNormBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -124,9 +124,7 @@ void grouped_gemm_mxfp4(const GroupedGemmArgs& args) {
 
 template void mxfp4_dequantize<float>(float*, const uint8_t*, const uint8_t*, int64_t, int64_t);
 template void mxfp4_dequantize<double>(double*, const uint8_t*, const uint8_t*, int64_t, int64_t);
-template void random_mxfp4<float>(const RandomMxfp4Args&);
-template void random_mxfp4<double>(const RandomMxfp4Args&);
-template void grouped_gemm_mxfp4<float>(const GroupedGemmArgs&);
-template void grouped_gemm_mxfp4<double>(const GroupedGemmArgs&);
+MOETRAIN_CPU_INSTANTIATE(random_mxfp4, const RandomMxfp4Args&)
+MOETRAIN_CPU_INSTANTIATE(grouped_gemm_mxfp4, const GroupedGemmArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -49,3 +49,9 @@ void copy(const TensorView& dst, const TensorView& src);
 void convert(const TensorView& dst, const TensorView& src);
 
 }  // namespace moetrain::kernels::cpu
+
+// Instantiates a reference op template for both element types; the arguments after the name are
+// the op's parameter types, none of which depend on T.
+#define MOETRAIN_CPU_INSTANTIATE(op, ...)   \
+  template void op<float>(__VA_ARGS__);     \
+  template void op<double>(__VA_ARGS__);

@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/rows.h"
+
 namespace moetrain::kernels::cpu {
 
 template <typename T>
 void rmsnorm_forward(const RmsNormArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   const T* w = args.weight.ptr<T>();
   T* y = args.y.ptr<T>();
@@ -20,8 +22,7 @@ void rmsnorm_forward(const RmsNormArgs& args) {
   const T eps = static_cast<T>(args.eps);
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
-    T sum_sq = 0;
-    for (int64_t j = 0; j < dim; ++j) sum_sq += xr[j] * xr[j];
+    const T sum_sq = sum_of_squares(xr, dim);
     const T s = T(1) / std::sqrt(sum_sq / static_cast<T>(dim) + eps);
     rstd[r] = s;
     T* yr = y + r * dim;
@@ -34,7 +35,7 @@ void rmsnorm_forward(const RmsNormArgs& args) {
 template <typename T>
 void rmsnorm_backward(const RmsNormBackwardArgs& args) {
   const int64_t dim = args.x.size(-1);
-  const int64_t rows = dim == 0 ? 0 : args.x.numel() / dim;
+  const int64_t rows = row_count(args.x, dim);
   const T* x = args.x.ptr<T>();
   const T* w = args.weight.ptr<T>();
   const T* dy = args.dy.ptr<T>();
@@ -61,9 +62,7 @@ void rmsnorm_backward(const RmsNormBackwardArgs& args) {
   }
 }
 
-template void rmsnorm_forward<float>(const RmsNormArgs&);
-template void rmsnorm_forward<double>(const RmsNormArgs&);
-template void rmsnorm_backward<float>(const RmsNormBackwardArgs&);
-template void rmsnorm_backward<double>(const RmsNormBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(rmsnorm_forward, const RmsNormArgs&)
+MOETRAIN_CPU_INSTANTIATE(rmsnorm_backward, const RmsNormBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -64,7 +64,6 @@ void rope(const RopeArgs& args) {
   }
 }
 
-template void rope<float>(const RopeArgs&);
-template void rope<double>(const RopeArgs&);
+MOETRAIN_CPU_INSTANTIATE(rope, const RopeArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -281,11 +281,8 @@ void aux_loss(const AuxLossArgs& args) {
   args.loss.ptr<T>()[0] = static_cast<T>(loss);
 }
 
-template void router_forward<float>(const RouterArgs&);
-template void router_forward<double>(const RouterArgs&);
-template void router_backward<float>(const RouterBackwardArgs&);
-template void router_backward<double>(const RouterBackwardArgs&);
-template void aux_loss<float>(const AuxLossArgs&);
-template void aux_loss<double>(const AuxLossArgs&);
+MOETRAIN_CPU_INSTANTIATE(router_forward, const RouterArgs&)
+MOETRAIN_CPU_INSTANTIATE(router_backward, const RouterBackwardArgs&)
+MOETRAIN_CPU_INSTANTIATE(aux_loss, const AuxLossArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -104,9 +104,7 @@ void short_conv_backward(const ShortConvBackwardArgs& args) {
   }
 }
 
-template void short_conv_forward<float>(const ShortConvArgs&);
-template void short_conv_forward<double>(const ShortConvArgs&);
-template void short_conv_backward<float>(const ShortConvBackwardArgs&);
-template void short_conv_backward<double>(const ShortConvBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(short_conv_forward, const ShortConvArgs&)
+MOETRAIN_CPU_INSTANTIATE(short_conv_backward, const ShortConvBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

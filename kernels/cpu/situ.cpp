@@ -38,9 +38,7 @@ void situ_backward(const SituBackwardArgs& args) {
   });
 }
 
-template void situ_forward<float>(const SituArgs&);
-template void situ_forward<double>(const SituArgs&);
-template void situ_backward<float>(const SituBackwardArgs&);
-template void situ_backward<double>(const SituBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(situ_forward, const SituArgs&)
+MOETRAIN_CPU_INSTANTIATE(situ_backward, const SituBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu

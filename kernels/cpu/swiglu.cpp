@@ -24,9 +24,7 @@ void swiglu_backward(const SwigluBackwardArgs& args) {
   });
 }
 
-template void swiglu_forward<float>(const TensorView&, const TensorView&);
-template void swiglu_forward<double>(const TensorView&, const TensorView&);
-template void swiglu_backward<float>(const SwigluBackwardArgs&);
-template void swiglu_backward<double>(const SwigluBackwardArgs&);
+MOETRAIN_CPU_INSTANTIATE(swiglu_forward, const TensorView&, const TensorView&)
+MOETRAIN_CPU_INSTANTIATE(swiglu_backward, const SwigluBackwardArgs&)
 
 }  // namespace moetrain::kernels::cpu
