@@ -11,6 +11,7 @@
 #include "kernels/cpu/kda.h"
 #include "kernels/ops.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/kda_inputs.h"
 #include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
@@ -20,50 +21,6 @@ using namespace moetrain::testing;
 namespace {
 
 double softplus(double x) { return std::log1p(std::exp(x)); }
-
-// ---------------------------------------------------------------------------------------------
-// KDA inputs as the layer makes them: q, k L2-normalised rows, g = -exp(a) * softplus(x) (a few
-// channels with strong decays, down to about -20), beta = sigmoid(x) in (0, 1).
-struct KdaInputs {
-  int64_t tokens = 0, heads = 0, kd = 0, vd = 0;
-  double scale = 1.0;
-  Tensor q, k, v, g, beta, cu_seqlens, dout;
-};
-
-void normalise_rows(Tensor& t, int64_t dim) {
-  for (int64_t r = 0; r < t.numel() / dim; ++r) {
-    double ss = 0;
-    for (int64_t c = 0; c < dim; ++c) ss += get_element(t, r * dim + c) * get_element(t, r * dim + c);
-    for (int64_t c = 0; c < dim; ++c) set_element(t, r * dim + c, get_element(t, r * dim + c) / std::sqrt(ss));
-  }
-}
-
-KdaInputs make_kda_inputs(std::vector<int32_t> cu, int64_t heads, int64_t kd, int64_t vd, uint64_t seed) {
-  KdaInputs in;
-  in.tokens = cu.back();
-  in.heads = heads;
-  in.kd = kd;
-  in.vd = vd;
-  in.scale = 1.0 / std::sqrt(static_cast<double>(kd));
-  const int64_t t = in.tokens;
-  in.q = random_tensor({t, heads, kd}, DType::kF64, seed + 1);
-  in.k = random_tensor({t, heads, kd}, DType::kF64, seed + 2);
-  normalise_rows(in.q, kd);
-  normalise_rows(in.k, kd);
-  in.v = random_tensor({t, heads, vd}, DType::kF64, seed + 3);
-  in.g = Tensor({t, heads, kd}, DType::kF64);
-  in.beta = Tensor({t, heads}, DType::kF64);
-  TestRng rng(seed + 4);
-  for (int64_t i = 0; i < in.g.numel(); ++i) {
-    const bool strong = i % 7 == 3;
-    const double a = strong ? rng.uniform(1.5, 2.3) : rng.uniform(-2.0, 0.5);
-    set_element(in.g, i, -std::exp(a) * softplus(rng.uniform(-3.0, 2.0)));
-  }
-  for (int64_t i = 0; i < in.beta.numel(); ++i) set_element(in.beta, i, sigmoid(rng.uniform(-3.0, 3.0)));
-  in.cu_seqlens = make_i32(cu);
-  in.dout = random_tensor({t, heads, vd}, DType::kF64, seed + 5);
-  return in;
-}
 
 KdaArgs forward_args(const KdaInputs& in, const TensorView& out) {
   return {out, in.q, in.k, in.v, in.g, in.beta, in.cu_seqlens, in.scale};
@@ -215,20 +172,7 @@ TEST_CASE("kda on packed documents equals each document alone", "[cpu_ops][kda]"
   int64_t start = 0;
   for (int32_t length : lengths) {
     // The document alone: its rows of every input.
-    KdaInputs doc;
-    doc.tokens = length;
-    doc.heads = packed.heads;
-    doc.kd = packed.kd;
-    doc.vd = packed.vd;
-    doc.scale = packed.scale;
-    auto rows = [&](const Tensor& t) { return copy_as(t.view().slice_rows(start, start + length), DType::kF64); };
-    doc.q = rows(packed.q);
-    doc.k = rows(packed.k);
-    doc.v = rows(packed.v);
-    doc.g = rows(packed.g);
-    doc.beta = rows(packed.beta);
-    doc.dout = rows(packed.dout);
-    doc.cu_seqlens = make_i32({0, length});
+    const KdaInputs doc = rows_of(packed, start, start + length, {0, length});
     Tensor doc_out({length, doc.heads, doc.vd}, DType::kF64);
     backend->kda_forward(forward_args(doc, doc_out));
     KdaGrads doc_gr(doc);
@@ -544,25 +488,6 @@ TEST_CASE("the small KDA ops in F32 agree with F64", "[cpu_ops][kda]") {
 // is what a context-parallel rank does with its neighbours' states.
 
 namespace {
-
-// Rows [start, end) of every input, with their own segment offsets `cu` (relative to start).
-KdaInputs rows_of(const KdaInputs& in, int64_t start, int64_t end, std::vector<int32_t> cu) {
-  KdaInputs part;
-  part.tokens = end - start;
-  part.heads = in.heads;
-  part.kd = in.kd;
-  part.vd = in.vd;
-  part.scale = in.scale;
-  auto rows = [&](const Tensor& t) { return copy_as(t.view().slice_rows(start, end), DType::kF64); };
-  part.q = rows(in.q);
-  part.k = rows(in.k);
-  part.v = rows(in.v);
-  part.g = rows(in.g);
-  part.beta = rows(in.beta);
-  part.dout = rows(in.dout);
-  part.cu_seqlens = make_i32(cu);
-  return part;
-}
 
 Tensor state_tensor(const KdaInputs& in, uint64_t seed) {
   return random_tensor({in.heads, in.kd, in.vd}, DType::kF64, seed, -1.0, 1.0);
