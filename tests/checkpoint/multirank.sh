@@ -103,6 +103,15 @@ expect_checkpoint() {  # DIR WORLD: committed, with one shard per rank of a WORL
   done
 }
 
+await_two_steps() {  # JOB: until rank 0 of the signalled run logged two steps; both ranks started
+  local i
+  for ((i = 0; i < 1200; ++i)); do
+    [ -f "$work/signalled/rank0/metrics.jsonl" ] && [ "$(grep -c . "$work/signalled/rank0/metrics.jsonl")" -ge 2 ] && break
+    sleep 0.05
+  done
+  [ -f "$work/signalled/pid.0" ] && [ -f "$work/signalled/pid.1" ] || { kill "$1"; fail "the ranks never started"; }
+}
+
 case $scenario in
   resume_w1 | resume_w4)
     if [ "$scenario" == resume_w1 ]; then layout=(1 1 1 4); else layout=(4 4 2 1); fi
@@ -158,11 +167,7 @@ $(grep -h "config differs" "$work/w2.log" "$work/w1.log")"
       >"$work/signalled.log" 2>&1 &
     job=$!
     # After rank 0 logged two steps, SIGTERM rank 1 (signal_w2) or both ranks.
-    for ((i = 0; i < 1200; ++i)); do
-      [ -f "$work/signalled/rank0/metrics.jsonl" ] && [ "$(grep -c . "$work/signalled/rank0/metrics.jsonl")" -ge 2 ] && break
-      sleep 0.05
-    done
-    [ -f "$work/signalled/pid.0" ] && [ -f "$work/signalled/pid.1" ] || { kill "$job"; fail "the ranks never started"; }
+    await_two_steps "$job"
     if [ "$scenario" == signal_w2 ]; then victims=(1); else victims=(0 1); fi
     # One kill for all victims: signals sent by separate commands can be far enough apart on a
     # loaded machine that the ranks agree, save and exit on the first before the second arrives.
@@ -203,11 +208,7 @@ $(tail -n 30 "$work/signalled.log")"
     MPIRUN="$mpiexec" "$here/../../scripts/slurm/mpirun_preemptible.sh" -np 2 "${mpi_flags[@]}" "$here/rank_exec.sh" "$work/signalled" \
       "$moetrain" "${train_args[@]}" >"$work/signalled.log" 2>&1 &
     job=$!
-    for ((i = 0; i < 1200; ++i)); do
-      [ -f "$work/signalled/rank0/metrics.jsonl" ] && [ "$(grep -c . "$work/signalled/rank0/metrics.jsonl")" -ge 2 ] && break
-      sleep 0.05
-    done
-    [ -f "$work/signalled/pid.0" ] && [ -f "$work/signalled/pid.1" ] || { kill "$job"; fail "the ranks never started"; }
+    await_two_steps "$job"
     kill -TERM "$job"
     wait "$job"
     rc=$?

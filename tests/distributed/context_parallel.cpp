@@ -45,24 +45,6 @@ struct Outputs {
   }
 };
 
-KdaInputs shard_of(const KdaInputs& in, int64_t begin, int64_t end, const std::vector<int32_t>& local_cu) {
-  KdaInputs part;
-  part.tokens = end - begin;
-  part.heads = in.heads;
-  part.kd = in.kd;
-  part.vd = in.vd;
-  part.scale = in.scale;
-  auto rows = [&](const Tensor& t) { return testing::copy_as(t.view().slice_rows(begin, end), t.dtype()); };
-  part.q = rows(in.q);
-  part.k = rows(in.k);
-  part.v = rows(in.v);
-  part.g = rows(in.g);
-  part.beta = rows(in.beta);
-  part.dout = rows(in.dout);
-  part.cu_seqlens = testing::make_i32(local_cu);
-  return part;
-}
-
 // The worst relative difference of this shard's rows against the whole window's.
 double worst_difference(const Tensor& shard, const Tensor& whole, int64_t begin) {
   double worst = 0, scale = 0;
@@ -106,7 +88,7 @@ int run_kda_case(const Case& c, const ContextShards& shards, DType dtype, double
   backend.kda_backward(want.backward(whole));
 
   const int64_t begin = shards.begin(me), end = shards.end(me);
-  const KdaInputs shard = shard_of(whole, begin, end, shards.local_cu(me));
+  const KdaInputs shard = testing::rows_of(whole, begin, end, shards.local_cu(me));
   Outputs got(shard);
   KdaAcrossRanks kda(backend, cp, shards);
   KdaShardState saved;

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "catch.h"
 #include "core/base/error.h"
 #include "core/base/host_convert.h"
 #include "core/checkpoint/adapter_export.h"
@@ -101,6 +102,16 @@ inline std::pair<ExitCode, std::string> load_error(Model& model, const std::file
     return {e.code(), e.what()};
   }
   return {ExitCode::kOk, ""};
+}
+
+// Loading the PEFT adapter `dir` into `model` is refused with `code`, the message naming each of
+// `parts`.
+inline void check_load_refused(Model& model, const std::filesystem::path& dir, ExitCode code,
+                               const std::vector<std::string>& parts) {
+  auto [got, message] = load_error(model, dir);
+  INFO(message);
+  CHECK(got == code);
+  for (const std::string& part : parts) CHECK(contains(message, part));
 }
 
 // An empty directory <tmp>/moetrain_test_<test>_<name>.

@@ -57,4 +57,24 @@ inline KdaInputs make_kda_inputs(std::vector<int32_t> cu, int64_t heads, int64_t
   return in;
 }
 
+// Rows [start, end) of every input, in their dtype, with their own segment offsets `cu`
+// (relative to start): one document of a packed window, or one rank's shard of it.
+inline KdaInputs rows_of(const KdaInputs& in, int64_t start, int64_t end, const std::vector<int32_t>& cu) {
+  KdaInputs part;
+  part.tokens = end - start;
+  part.heads = in.heads;
+  part.kd = in.kd;
+  part.vd = in.vd;
+  part.scale = in.scale;
+  auto rows = [&](const Tensor& t) { return copy_as(t.view().slice_rows(start, end), t.dtype()); };
+  part.q = rows(in.q);
+  part.k = rows(in.k);
+  part.v = rows(in.v);
+  part.g = rows(in.g);
+  part.beta = rows(in.beta);
+  part.dout = rows(in.dout);
+  part.cu_seqlens = make_i32(cu);
+  return part;
+}
+
 }  // namespace moetrain::testing

@@ -2,6 +2,7 @@
 // tables written out here, the nibble order and the rounding rule on a hand-packed example, the
 // round trip of representable weights, and the grouped GEMM's MXFP4 form against a product
 // computed here from the same table.
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -35,25 +36,24 @@ TensorView host_view(void* data, DType dtype, Shape shape) {
 //   group 0, scale byte 127 (2^0): 6 -6 3 0.5 | 0.25 0.75 1.25 1.75 2.5 3.5 5 (the ties) | -0 -1 1.4 -2.9 0.1 | 0...
 //   group 1, scale byte 120 (2^-7): 6 -1 1.5 0.375 (all x 2^-7) | 0...
 // Codes: 7 F 5 1 | 0 2 2 4 4 6 6 | 8 A 3 D 0 | 0..., and 7 A 3 1 | 0...; low nibble first.
-std::vector<double> example_values() {
+// A row of the example's shape: group 0 starting with `g0`, group 1 with `g1` times 2^-7, zeros after.
+std::vector<double> example_row(const std::array<double, 16>& g0, const std::array<double, 4>& g1) {
   std::vector<double> v(64, 0.0);
-  const double g0[] = {6.0, -6.0, 3.0, 0.5, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -1.0, 1.4, -2.9, 0.1};
   for (int i = 0; i < 16; ++i) v[i] = g0[i];
-  const double g1[] = {6.0, -1.0, 1.5, 0.375};
   for (int i = 0; i < 4; ++i) v[32 + i] = std::ldexp(g1[i], -7);
   return v;
+}
+std::vector<double> example_values() {
+  return example_row({6.0, -6.0, 3.0, 0.5, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -1.0, 1.4, -2.9, 0.1},
+                     {6.0, -1.0, 1.5, 0.375});
 }
 const uint8_t kExamplePacked[32] = {0xF7, 0x15, 0x20, 0x42, 0x64, 0x86, 0x3A, 0x0D, 0, 0, 0, 0, 0, 0, 0, 0,
                                     0xA7, 0x13, 0,    0,    0,    0,    0,    0,    0, 0, 0, 0, 0, 0, 0, 0};
 const uint8_t kExampleScales[2] = {127, 120};
 // What the example decodes to: the nearest representable values (ties to the even mantissa).
 std::vector<double> example_decoded() {
-  std::vector<double> v(64, 0.0);
-  const double g0[] = {6.0, -6.0, 3.0, 0.5, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -1.0, 1.5, -3.0, 0.0};
-  for (int i = 0; i < 16; ++i) v[i] = g0[i];
-  const double g1[] = {6.0, -1.0, 1.5, 0.5};
-  for (int i = 0; i < 4; ++i) v[32 + i] = std::ldexp(g1[i], -7);
-  return v;
+  return example_row({6.0, -6.0, 3.0, 0.5, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -1.0, 1.5, -3.0, 0.0},
+                     {6.0, -1.0, 1.5, 0.5});
 }
 
 }  // namespace

@@ -17,6 +17,17 @@ using namespace moetrain::testing;
 
 namespace {
 
+// The grouped GEMM's arguments every case sets; the rest keep their defaults.
+GroupedGemmArgs grouped_gemm_args(const TensorView& c, const TensorView& a, const TensorView& b,
+                                  const TensorView& group_offsets) {
+  GroupedGemmArgs args;
+  args.c = c;
+  args.a = a;
+  args.b = b;
+  args.group_offsets = group_offsets;
+  return args;
+}
+
 // Reference: op(a)[i, p] . op(b)[p, j] in double.
 double naive_product(const TensorView& a, const TensorView& b, bool ta, bool tb, int64_t i, int64_t j, int64_t k) {
   double s = 0;
@@ -109,12 +120,8 @@ TEST_CASE("grouped gemm equals a gemm per group, empty groups included", "[cpu_o
       Tensor b = random_tensor(tb ? Shape{groups, n, k} : Shape{groups, k, n}, dtype, 11);
       Tensor c = random_tensor({rows, n}, dtype, 12);
       Tensor expected = random_tensor({rows, n}, dtype, 12);
-      GroupedGemmArgs args;
+      GroupedGemmArgs args = grouped_gemm_args(c, a, b, offsets);
       args.kind = GroupedGemmKind::kMGrouped;
-      args.c = c;
-      args.a = a;
-      args.b = b;
-      args.group_offsets = offsets;
       args.transpose_b = tb;
       args.alpha = 1.5;
       args.beta = 0.25;
@@ -135,12 +142,8 @@ TEST_CASE("grouped gemm equals a gemm per group, empty groups included", "[cpu_o
     for (double beta : {0.0, 0.5}) {
       Tensor c = random_tensor({groups, n_out, n_in}, dtype, 22);
       Tensor expected = random_tensor({groups, n_out, n_in}, dtype, 22);
-      GroupedGemmArgs args;
+      GroupedGemmArgs args = grouped_gemm_args(c, dy, x, offsets);
       args.kind = GroupedGemmKind::kKGrouped;
-      args.c = c;
-      args.a = dy;
-      args.b = x;
-      args.group_offsets = offsets;
       args.beta = beta;
       backend->grouped_gemm(args);
       for (int64_t g = 0; g < groups; ++g) {
@@ -183,13 +186,9 @@ TEST_CASE("grouped gemm's second product equals one product over both inner dime
           set_element(joined_b, tb ? (g * n + j) * (k + k2) + p : (g * (k + k2) + p) * n + j, v);
         }
     Tensor c = random_tensor({rows, n}, DType::kF64, 34), expected = random_tensor({rows, n}, DType::kF64, 34);
-    GroupedGemmArgs args;
-    args.c = c;
-    args.a = a;
-    args.b = b;
+    GroupedGemmArgs args = grouped_gemm_args(c, a, b, offsets);
     args.a2 = a2;
     args.b2 = b2;
-    args.group_offsets = offsets;
     args.transpose_b = tb;
     args.alpha = 1.5;
     args.beta = 0.25;
@@ -209,13 +208,9 @@ TEST_CASE("grouped gemm's second product equals one product over both inner dime
   Tensor a = random_tensor({rows, k}, DType::kF64, 40), a2 = random_tensor({rows, k2}, DType::kF64, 41);
   Tensor b = random_tensor({groups, n, k}, DType::kF64, 42), wrong_b2 = random_tensor({groups, n, k}, DType::kF64, 43);
   Tensor c({rows, n}, DType::kF64);
-  GroupedGemmArgs args;
-  args.c = c;
-  args.a = a;
-  args.b = b;
+  GroupedGemmArgs args = grouped_gemm_args(c, a, b, offsets);
   args.a2 = a2;
   args.b2 = wrong_b2;
-  args.group_offsets = offsets;
   CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "b2"));
   args.b2 = TensorView();
   CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "a2 and b2"));
@@ -226,11 +221,7 @@ TEST_CASE("grouped gemm rejects offsets that do not cover the rows", "[cpu_ops]"
   Tensor a = random_tensor({4, 2}, DType::kF32, 1), b = random_tensor({2, 3, 2}, DType::kF32, 2);
   Tensor c({4, 3}, DType::kF32);
   Tensor offsets = make_i32({0, 3, 5});
-  GroupedGemmArgs args;
-  args.c = c;
-  args.a = a;
-  args.b = b;
-  args.group_offsets = offsets;
+  GroupedGemmArgs args = grouped_gemm_args(c, a, b, offsets);
   CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "group_offsets"));
 }
 
@@ -239,11 +230,7 @@ TEST_CASE("grouped gemm checks a host copy of the offsets against the offsets", 
   Tensor a = random_tensor({4, 2}, DType::kF32, 1), b = random_tensor({2, 3, 2}, DType::kF32, 2);
   Tensor c({4, 3}, DType::kF32);
   Tensor offsets = make_i32({0, 3, 4});
-  GroupedGemmArgs args;
-  args.c = c;
-  args.a = a;
-  args.b = b;
-  args.group_offsets = offsets;
+  GroupedGemmArgs args = grouped_gemm_args(c, a, b, offsets);
   const int32_t same[3] = {0, 3, 4}, stale[3] = {0, 2, 4};
   args.host_group_offsets = same;
   backend->grouped_gemm(args);

@@ -2,6 +2,7 @@
 // KDA itself). Forwards against naive double computations written here from the formulas of
 // transformers' kimi_linear; backwards against central differences in double; the chunked KDA
 // (the backend's) against the recurrent oracle, forward and backward.
+#include <array>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -11,6 +12,7 @@
 #include "kernels/cpu/kda.h"
 #include "kernels/ops.h"
 #include "tests/support/gradcheck.h"
+#include "tests/support/kda_inputs.h"
 #include "tests/support/op_test_helpers.h"
 
 using namespace moetrain;
@@ -20,50 +22,6 @@ using namespace moetrain::testing;
 namespace {
 
 double softplus(double x) { return std::log1p(std::exp(x)); }
-
-// ---------------------------------------------------------------------------------------------
-// KDA inputs as the layer makes them: q, k L2-normalised rows, g = -exp(a) * softplus(x) (a few
-// channels with strong decays, down to about -20), beta = sigmoid(x) in (0, 1).
-struct KdaInputs {
-  int64_t tokens = 0, heads = 0, kd = 0, vd = 0;
-  double scale = 1.0;
-  Tensor q, k, v, g, beta, cu_seqlens, dout;
-};
-
-void normalise_rows(Tensor& t, int64_t dim) {
-  for (int64_t r = 0; r < t.numel() / dim; ++r) {
-    double ss = 0;
-    for (int64_t c = 0; c < dim; ++c) ss += get_element(t, r * dim + c) * get_element(t, r * dim + c);
-    for (int64_t c = 0; c < dim; ++c) set_element(t, r * dim + c, get_element(t, r * dim + c) / std::sqrt(ss));
-  }
-}
-
-KdaInputs make_kda_inputs(std::vector<int32_t> cu, int64_t heads, int64_t kd, int64_t vd, uint64_t seed) {
-  KdaInputs in;
-  in.tokens = cu.back();
-  in.heads = heads;
-  in.kd = kd;
-  in.vd = vd;
-  in.scale = 1.0 / std::sqrt(static_cast<double>(kd));
-  const int64_t t = in.tokens;
-  in.q = random_tensor({t, heads, kd}, DType::kF64, seed + 1);
-  in.k = random_tensor({t, heads, kd}, DType::kF64, seed + 2);
-  normalise_rows(in.q, kd);
-  normalise_rows(in.k, kd);
-  in.v = random_tensor({t, heads, vd}, DType::kF64, seed + 3);
-  in.g = Tensor({t, heads, kd}, DType::kF64);
-  in.beta = Tensor({t, heads}, DType::kF64);
-  TestRng rng(seed + 4);
-  for (int64_t i = 0; i < in.g.numel(); ++i) {
-    const bool strong = i % 7 == 3;
-    const double a = strong ? rng.uniform(1.5, 2.3) : rng.uniform(-2.0, 0.5);
-    set_element(in.g, i, -std::exp(a) * softplus(rng.uniform(-3.0, 2.0)));
-  }
-  for (int64_t i = 0; i < in.beta.numel(); ++i) set_element(in.beta, i, sigmoid(rng.uniform(-3.0, 3.0)));
-  in.cu_seqlens = make_i32(cu);
-  in.dout = random_tensor({t, heads, vd}, DType::kF64, seed + 5);
-  return in;
-}
 
 KdaArgs forward_args(const KdaInputs& in, const TensorView& out) {
   return {out, in.q, in.k, in.v, in.g, in.beta, in.cu_seqlens, in.scale};
@@ -82,6 +40,23 @@ struct KdaGrads {
     return {dq, dk, dv, dg, dbeta, in.dout, in.q, in.k, in.v, in.g, in.beta, in.cu_seqlens, in.scale};
   }
 };
+
+// KDA forward and backward of `in` on `backend`, in F64.
+struct KdaRun {
+  Tensor out;
+  KdaGrads grads;
+  KdaRun(Backend& backend, const KdaInputs& in) : out({in.tokens, in.heads, in.vd}, DType::kF64), grads(in) {
+    backend.kda_forward(forward_args(in, out));
+    backend.kda_backward(grads.args(in));
+  }
+};
+
+// Every output of KDA forward and backward against the same outputs of another run, named.
+void check_kda_outputs(const std::array<TensorView, 6>& got, const std::array<TensorView, 6>& want, double rtol,
+                       double atol) {
+  const char* names[6] = {"out", "dq", "dk", "dv", "dg", "dbeta"};
+  for (size_t i = 0; i < got.size(); ++i) check(compare_tensors(got[i], want[i], rtol, atol, names[i]));
+}
 
 using KdaForward = std::function<void(const KdaArgs&)>;
 using KdaBackward = std::function<void(const KdaBackwardArgs&)>;
@@ -208,38 +183,18 @@ TEST_CASE("kda on packed documents equals each document alone", "[cpu_ops][kda]"
   const std::vector<int32_t> lengths = {70, 65};
   const KdaInputs packed = make_kda_inputs({0, 70, 135}, 2, 4, 3, 60);
   auto backend = make_cpu_backend();
-  Tensor out({packed.tokens, packed.heads, packed.vd}, DType::kF64);
-  backend->kda_forward(forward_args(packed, out));
-  KdaGrads gr(packed);
-  backend->kda_backward(gr.args(packed));
+  const KdaRun whole(*backend, packed);
+  const KdaGrads& gr = whole.grads;
   int64_t start = 0;
   for (int32_t length : lengths) {
     // The document alone: its rows of every input.
-    KdaInputs doc;
-    doc.tokens = length;
-    doc.heads = packed.heads;
-    doc.kd = packed.kd;
-    doc.vd = packed.vd;
-    doc.scale = packed.scale;
-    auto rows = [&](const Tensor& t) { return copy_as(t.view().slice_rows(start, start + length), DType::kF64); };
-    doc.q = rows(packed.q);
-    doc.k = rows(packed.k);
-    doc.v = rows(packed.v);
-    doc.g = rows(packed.g);
-    doc.beta = rows(packed.beta);
-    doc.dout = rows(packed.dout);
-    doc.cu_seqlens = make_i32({0, length});
-    Tensor doc_out({length, doc.heads, doc.vd}, DType::kF64);
-    backend->kda_forward(forward_args(doc, doc_out));
-    KdaGrads doc_gr(doc);
-    backend->kda_backward(doc_gr.args(doc));
+    const KdaInputs doc = rows_of(packed, start, start + length, {0, length});
+    const KdaRun alone(*backend, doc);
+    const KdaGrads& doc_gr = alone.grads;
     INFO("document at " << start);
-    check(compare_tensors(out.view().slice_rows(start, start + length), doc_out, 0, 1e-14, "out"));
-    check(compare_tensors(gr.dq.view().slice_rows(start, start + length), doc_gr.dq, 0, 1e-14, "dq"));
-    check(compare_tensors(gr.dk.view().slice_rows(start, start + length), doc_gr.dk, 0, 1e-14, "dk"));
-    check(compare_tensors(gr.dv.view().slice_rows(start, start + length), doc_gr.dv, 0, 1e-14, "dv"));
-    check(compare_tensors(gr.dg.view().slice_rows(start, start + length), doc_gr.dg, 0, 1e-14, "dg"));
-    check(compare_tensors(gr.dbeta.view().slice_rows(start, start + length), doc_gr.dbeta, 0, 1e-14, "dbeta"));
+    auto rows = [&](const Tensor& t) { return t.view().slice_rows(start, start + length); };
+    check_kda_outputs({rows(whole.out), rows(gr.dq), rows(gr.dk), rows(gr.dv), rows(gr.dg), rows(gr.dbeta)},
+                      {alone.out, doc_gr.dq, doc_gr.dk, doc_gr.dv, doc_gr.dg, doc_gr.dbeta}, 0, 1e-14);
     start += length;
   }
 }
@@ -255,10 +210,8 @@ TEST_CASE("kda stays finite and exact under very strong decays", "[cpu_ops][kda]
 TEST_CASE("kda in F32 agrees with F64", "[cpu_ops][kda]") {
   const KdaInputs in = make_kda_inputs({0, 40, 100}, 2, 8, 4, 80);
   auto backend = make_cpu_backend();
-  Tensor out64({in.tokens, in.heads, in.vd}, DType::kF64);
-  backend->kda_forward(forward_args(in, out64));
-  KdaGrads gr64(in);
-  backend->kda_backward(gr64.args(in));
+  const KdaRun f64(*backend, in);
+  const KdaGrads& gr64 = f64.grads;
 
   Tensor q = copy_as(in.q, DType::kF32), k = copy_as(in.k, DType::kF32), v = copy_as(in.v, DType::kF32);
   Tensor g = copy_as(in.g, DType::kF32), beta = copy_as(in.beta, DType::kF32), dout = copy_as(in.dout, DType::kF32);
@@ -267,12 +220,7 @@ TEST_CASE("kda in F32 agrees with F64", "[cpu_ops][kda]") {
   Tensor dq(q.shape(), DType::kF32), dk(k.shape(), DType::kF32), dv(v.shape(), DType::kF32);
   Tensor dg(g.shape(), DType::kF32), dbeta(beta.shape(), DType::kF32);
   backend->kda_backward({dq, dk, dv, dg, dbeta, dout, q, k, v, g, beta, in.cu_seqlens, in.scale});
-  check(compare_tensors(out, out64, 1e-4, 1e-5, "out"));
-  check(compare_tensors(dq, gr64.dq, 1e-4, 1e-5, "dq"));
-  check(compare_tensors(dk, gr64.dk, 1e-4, 1e-5, "dk"));
-  check(compare_tensors(dv, gr64.dv, 1e-4, 1e-5, "dv"));
-  check(compare_tensors(dg, gr64.dg, 1e-4, 1e-5, "dg"));
-  check(compare_tensors(dbeta, gr64.dbeta, 1e-4, 1e-5, "dbeta"));
+  check_kda_outputs({out, dq, dk, dv, dg, dbeta}, {f64.out, gr64.dq, gr64.dk, gr64.dv, gr64.dg, gr64.dbeta}, 1e-4, 1e-5);
 }
 
 TEST_CASE("kda rejects bad shapes, dtypes and segments naming the op and tensor", "[cpu_ops][kda]") {
@@ -544,25 +492,6 @@ TEST_CASE("the small KDA ops in F32 agree with F64", "[cpu_ops][kda]") {
 // is what a context-parallel rank does with its neighbours' states.
 
 namespace {
-
-// Rows [start, end) of every input, with their own segment offsets `cu` (relative to start).
-KdaInputs rows_of(const KdaInputs& in, int64_t start, int64_t end, std::vector<int32_t> cu) {
-  KdaInputs part;
-  part.tokens = end - start;
-  part.heads = in.heads;
-  part.kd = in.kd;
-  part.vd = in.vd;
-  part.scale = in.scale;
-  auto rows = [&](const Tensor& t) { return copy_as(t.view().slice_rows(start, end), DType::kF64); };
-  part.q = rows(in.q);
-  part.k = rows(in.k);
-  part.v = rows(in.v);
-  part.g = rows(in.g);
-  part.beta = rows(in.beta);
-  part.dout = rows(in.dout);
-  part.cu_seqlens = make_i32(cu);
-  return part;
-}
 
 Tensor state_tensor(const KdaInputs& in, uint64_t seed) {
   return random_tensor({in.heads, in.kd, in.vd}, DType::kF64, seed, -1.0, 1.0);

@@ -16,6 +16,19 @@ namespace {
 using testing::DataScratchDir;
 using testing::numbered_documents;
 
+// The message of the data error (exit code 3) that make_data_source raises at start for
+// `config`; a test that gets none fails.
+std::string data_error(const DataConfig& config, int64_t vocab_size) {
+  try {
+    make_data_source(config, vocab_size, 0, 1);
+  } catch (const Error& e) {
+    CHECK(e.code() == ExitCode::kBadData);
+    return e.what();
+  }
+  FAIL("no error");
+  return "";
+}
+
 TEST_CASE("the mixture schedule gives each dataset its share, each sample once, in order") {
   MixtureSchedule schedule({3.0, 1.0, 0.5});
   std::vector<uint64_t> next_local(3, 0);
@@ -239,13 +252,7 @@ TEST_CASE("make_data_source picks the source data.source names") {
 
   config.mixture.clear();
   config.source = dir.file("nothing_here");
-  try {
-    make_data_source(config, 1 << 20, 0, 1);
-    FAIL("no error");
-  } catch (const Error& e) {
-    CHECK(e.code() == ExitCode::kBadData);
-    CHECK(std::string(e.what()).find("nothing_here.idx") != std::string::npos);
-  }
+  CHECK(data_error(config, 1 << 20).find("nothing_here.idx") != std::string::npos);
 }
 
 TEST_CASE("a token id >= vocab is exit code 3 naming file and offset, at start, before any batch") {
@@ -253,14 +260,8 @@ TEST_CASE("a token id >= vocab is exit code 3 naming file and offset, at start, 
   write_indexed_dataset(dir.file("a"), numbered_documents({10, 6}));  // ids 1..16
   DataConfig config = data_config(8, 2);
   config.source = dir.file("a");
-  try {
-    make_data_source(config, 16, 0, 1);
-    FAIL("no error");
-  } catch (const Error& e) {
-    CHECK(e.code() == ExitCode::kBadData);
-    // Token 16 is the 16th int32 of a.bin: byte offset 60.
-    CHECK(std::string(e.what()).find(dir.file("a") + ".bin: token id 16 at byte offset 60") != std::string::npos);
-  }
+  // Token 16 is the 16th int32 of a.bin: byte offset 60.
+  CHECK(data_error(config, 16).find(dir.file("a") + ".bin: token id 16 at byte offset 60") != std::string::npos);
 }
 
 TEST_CASE("data whose loss mask selects no token is exit code 3 at start; one such dataset of a mixture warns") {
@@ -273,13 +274,7 @@ TEST_CASE("data whose loss mask selects no token is exit code 3 at start; one su
   write_indexed_dataset(dir.file("some"), some);
   DataConfig config = data_config(8, 2);
   config.source = dir.file("none");
-  try {
-    make_data_source(config, 1 << 20, 0, 1);
-    FAIL("no error");
-  } catch (const Error& e) {
-    CHECK(e.code() == ExitCode::kBadData);
-    CHECK(std::string(e.what()).find(dir.file("none") + ".mask) has no target tokens") != std::string::npos);
-  }
+  CHECK(data_error(config, 1 << 20).find(dir.file("none") + ".mask) has no target tokens") != std::string::npos);
   config.source = dir.file("some");
   CHECK_NOTHROW(make_data_source(config, 1 << 20, 0, 1));
   config.source = kDataSourceMixture;

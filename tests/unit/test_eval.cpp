@@ -20,6 +20,7 @@
 #include "core/data/synthetic_data.h"
 #include "core/train/trainer.h"
 #include "kernels/ops.h"
+#include "tests/support/step_metrics.h"
 #include "test_data_support.h"
 #include "tiny_model.h"
 #include "training_run.h"
@@ -307,14 +308,7 @@ TEST_CASE("the progress line shows the eval loss, the elapsed time and the ETA")
   CHECK(format_duration(65) == "1m05s");
   CHECK(format_duration(3600 * 2 + 7 * 60 + 20) == "2h07m");
   CHECK(format_duration(std::nan("")) == "?");
-  StepMetrics m;
-  m.step = 12;
-  m.total_steps = 150;
-  m.loss = 4.12341;
-  m.lr = 1.2e-3;
-  m.grad_norm = 0.5321;
-  m.tokens_per_s = 12345;
-  m.max_expert_load = 1.4213;
+  StepMetrics m = moetrain::testing::progress_line_metrics();
   m.extra = {{"eval_loss", 3.5}, {"eval_ppl", std::exp(3.5)}};
   m.elapsed_s = 65;
   m.eta_s = 860;

@@ -370,12 +370,8 @@ TEST_CASE("fused gate_up: what each model form holds, and the refusals naming th
     fs::path dir = scratch("full_b") / "adapter";
     export_adapter(*fused, dir);
     auto separate = tiny_model(*backend, false);
-    auto [code, message] = load_error(*separate, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadConfig);
-    CHECK(contains(message, kGateUpB));
-    CHECK(contains(message, "B mixes gate and up"));
-    CHECK(contains(message, "Set lora.expert_gate_up: fused"));
+    check_load_refused(*separate, dir, ExitCode::kBadConfig,
+                       {kGateUpB, "B mixes gate and up", "Set lora.expert_gate_up: fused"});
   }
 
   SECTION("separate adapters (block-diagonal export, and per expert) load into the fused form exactly") {
@@ -439,12 +435,8 @@ TEST_CASE("fused gate_up: what each model form holds, and the refusals naming th
     config["alpha_pattern"] = nlohmann::json::object();
     write_json(dir / "adapter_config.json", config);
 
-    auto [code, message] = load_error(*fused, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadConfig);
-    CHECK(contains(message, kGateUpB));
-    CHECK(contains(message, "rank-4 gate_up adapter"));
-    CHECK(contains(message, "Set lora.expert_gate_up: separate"));
+    check_load_refused(*fused, dir, ExitCode::kBadConfig,
+                       {kGateUpB, "rank-4 gate_up adapter", "Set lora.expert_gate_up: separate"});
     auto separate = tiny_model(*backend, false);
     CHECK(load_error(*separate, dir).first == ExitCode::kOk);  // which holds it exactly
     // A shared by gate and up; B's rows split.
@@ -460,18 +452,12 @@ TEST_CASE("fused gate_up: what each model form holds, and the refusals naming th
     nlohmann::json config = read_json(dir / "adapter_config.json");
     config["rank_pattern"] = {{".*\\.gate_up_proj", 12}};
     write_json(dir / "adapter_config.json", config);
-    auto [code, message] = load_error(*fused, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadCheckpoint);
-    CHECK(contains(message, "base_layer.lora_A.weight"));  // its shape [48, 16] is not rank 12's [72, 16]
+    // base_layer.lora_A.weight: its shape [48, 16] is not rank 12's [72, 16].
+    check_load_refused(*fused, dir, ExitCode::kBadCheckpoint, {"base_layer.lora_A.weight"});
 
     config["rank_pattern"] = {{"o_proj", 8}};
     write_json(dir / "adapter_config.json", config);
-    std::tie(code, message) = load_error(*fused, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadCheckpoint);
-    CHECK(contains(message, "rank_pattern"));
-    CHECK(contains(message, "\"o_proj\""));
+    check_load_refused(*fused, dir, ExitCode::kBadCheckpoint, {"rank_pattern", "\"o_proj\""});
   }
 
   SECTION("the per_expert export layout has no key for a fused adapter") {

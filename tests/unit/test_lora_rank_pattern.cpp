@@ -436,23 +436,19 @@ TEST_CASE("lora patterns: --init-adapter checks the file's patterns in its order
     plain.lora.rank_pattern.clear();
     plain.lora.alpha_pattern.clear();
     auto other = make_model(*backend, plain);
-    auto [code, message] = load_error(*other, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadConfig);
-    CHECK(contains(message, "the adapter gives model.layers.0.self_attn.o_proj rank 6 (rank_pattern \".*\\.o_proj\") "
-                            "but the config gives model.layers.0.self_attn.o_proj rank 4 (lora.rank)"));
-    CHECK(contains(message, "set lora.rank_pattern"));
+    check_load_refused(*other, dir, ExitCode::kBadConfig,
+                       {"the adapter gives model.layers.0.self_attn.o_proj rank 6 (rank_pattern \".*\\.o_proj\") "
+                        "but the config gives model.layers.0.self_attn.o_proj rank 4 (lora.rank)",
+                        "set lora.rank_pattern"});
   }
 
   SECTION("an alpha that differs: refused, naming alpha_pattern") {
     Config other_alpha = c;
     other_alpha.lora.alpha_pattern = {{"o_proj", 12.0}, {"up_proj", 5.0}};
     auto other = make_model(*backend, other_alpha);
-    auto [code, message] = load_error(*other, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadConfig);
-    CHECK(contains(message, "lora_alpha 24 (alpha_pattern \".*\\.o_proj\")"));
-    CHECK(contains(message, "alpha 12 (lora.alpha_pattern[\"o_proj\"])"));
+    check_load_refused(*other, dir, ExitCode::kBadConfig,
+                       {"lora_alpha 24 (alpha_pattern \".*\\.o_proj\")",
+                        "alpha 12 (lora.alpha_pattern[\"o_proj\"])"});
   }
 
   SECTION("the first matching key in the file's order decides, as in PEFT") {
@@ -467,11 +463,9 @@ TEST_CASE("lora patterns: --init-adapter checks the file's patterns in its order
       if (key != ".*\\.o_proj") config["rank_pattern"][key] = value;
     write_json(dir / "adapter_config.json", config);
     auto again = make_model(*backend, c);
-    auto [code, message] = load_error(*again, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadCheckpoint);
-    CHECK(contains(message, "model.layers.1.self_attn.o_proj.lora_A.weight\" has rank 6, but adapter_config.json "
-                            "gives model.layers.1.self_attn.o_proj rank 2 (rank_pattern \".*o_proj\")"));
+    check_load_refused(*again, dir, ExitCode::kBadCheckpoint,
+                       {"model.layers.1.self_attn.o_proj.lora_A.weight\" has rank 6, but adapter_config.json "
+                        "gives model.layers.1.self_attn.o_proj rank 2 (rank_pattern \".*o_proj\")"});
     // The other order (".*\\.o_proj" first; a sorted map would read it so) loads.
     OrderedJson swapped = original;
     swapped["rank_pattern"] = OrderedJson::object();
@@ -496,10 +490,7 @@ TEST_CASE("lora patterns: --init-adapter checks the file's patterns in its order
     config["rank_pattern"]["(?i)O_PROJ"] = 6;
     write_json(dir / "adapter_config.json", config);
     auto again = make_model(*backend, c);
-    auto [code, message] = load_error(*again, dir);
-    INFO(message);
-    CHECK(code == ExitCode::kBadCheckpoint);
-    CHECK(contains(message, "rank_pattern key \"(?i)O_PROJ\""));
+    check_load_refused(*again, dir, ExitCode::kBadCheckpoint, {"rank_pattern key \"(?i)O_PROJ\""});
   }
 }
 

@@ -54,6 +54,12 @@ std::pair<ExitCode, std::string> error_of(F&& body) {
   return {ExitCode::kOk, ""};
 }
 
+// What resuming a run of `config` says, and its exit code; the run is gone afterwards.
+std::pair<ExitCode, std::string> resume_error(const Config& config) {
+  testing::TrainingRun run(config);
+  return error_of([&] { run.session->resume(); });
+}
+
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 void poison_first_adapter(testing::TrainingRun& run) {
@@ -178,8 +184,7 @@ TEST_CASE("health: a checkpoint holding a NaN is refused by path, and --resume a
   Config by_path = c;
   by_path.checkpoint.resume = checkpoints_of(c) + "/step_3";
   {
-    testing::TrainingRun run(by_path);
-    auto [code, message] = error_of([&] { run.session->resume(); });
+    auto [code, message] = resume_error(by_path);
     CHECK(code == ExitCode::kBadCheckpoint);
     CHECK(contains(message, "holds a non-finite value"));
     CHECK(contains(message, "param/"));
@@ -200,8 +205,7 @@ TEST_CASE("resume: a checkpoint at or past train.steps is nothing to do, not a s
   train_steps(c, 4);
   Config shorter = c;
   shorter.train.steps = 4;
-  testing::TrainingRun run(shorter);
-  auto [code, message] = error_of([&] { run.session->resume(); });
+  auto [code, message] = resume_error(shorter);
   CHECK(code == ExitCode::kBadConfig);
   CHECK(contains(message, "nothing to do: " + checkpoints_of(c) + "/step_4 is at step 4 and train.steps is 4"));
   fs::remove_all(c.logging.run_dir);
@@ -225,8 +229,7 @@ TEST_CASE("resume: a config that cannot continue the checkpoint names what chang
   train_steps(c, 2);
   Config other_rank = c;
   other_rank.lora.rank = 8;
-  testing::TrainingRun run(other_rank);
-  auto [code, message] = error_of([&] { run.session->resume(); });
+  auto [code, message] = resume_error(other_rank);
   CHECK(code == ExitCode::kBadConfig);
   CHECK(contains(message, "it differs in lora.rank: 4 -> 8"));
   CHECK(contains(message, "use another logging.run_dir"));

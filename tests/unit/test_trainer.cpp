@@ -20,6 +20,7 @@
 #include "core/train/schedule.h"
 #include "core/data/synthetic_data.h"
 #include "core/train/trainer.h"
+#include "tests/support/step_metrics.h"
 
 using moetrain::Batch;
 using moetrain::DType;
@@ -386,14 +387,7 @@ TEST_CASE("mfu is the step's model FLOPs over its time and the device's peak, on
 }
 
 TEST_CASE("the progress line reads as documented") {
-  StepMetrics m;
-  m.step = 12;
-  m.total_steps = 150;
-  m.loss = 4.12341;
-  m.lr = 1.2e-3;
-  m.grad_norm = 0.5321;
-  m.tokens_per_s = 12345;
-  m.max_expert_load = 1.4213;
+  StepMetrics m = moetrain::testing::progress_line_metrics();
   CHECK(moetrain::format_progress_line(m) ==
         "step 12/150 | loss 4.1234 | lr 1.20e-03 | grad 0.532 | 12.3k tok/s | max load 1.42");
   m.tokens_per_s = 950;
