@@ -272,7 +272,7 @@ void add_adapters_and_optimizer(MemoryPlan& plan, const PlanInputs& in) {
 // Scratch that stays for the run whatever the batch: the DSA backward's chunk, the loss chunk.
 void add_workspace(MemoryPlan& plan, const PlanInputs& in) {
   const ModelConfig& m = in.spec.config;
-  // The CUDA DSA backward's scratch (kernels/cuda/sparse_attention.cu, the backend's grow-only
+  // The CUDA DSA backward's scratch (kernels/cuda/dsa/sparse_attention.cu, the backend's grow-only
   // DeviceScratch, so it stays for the run): the dkv contributions of one chunk of queries, F32
   // [top_k, r + rope] per query, at most 2 GiB per chunk (kTensorCoreContribBudgetBytes).
   const DsaSizes dsa = dsa_sizes(in);

@@ -5,9 +5,9 @@
 // the op, the argument and its shape. Then it calls the op family's launcher on the backend's
 // stream.
 //
-// File convention, shared by every op family of kernels/cuda:
-//   kernels/cuda/<family>.h   declarations of the launchers (may include <cuda_runtime.h>);
-//   kernels/cuda/<family>.cu  file-static kernels -> launchers;
+// File convention, shared by every op family of kernels/cuda (docs/ARCHITECTURE.md §4):
+//   kernels/cuda/<family>/<op>.h   declarations of the launchers (may include <cuda_runtime.h>);
+//   kernels/cuda/<family>/<op>.cu  file-static kernels -> launchers;
 //   launchers: namespace moetrain::kernels::cuda_ops {
 //                void <backend_method_name>(const <Args>& args, cudaStream_t stream); }
 //   (methods with plain arguments: the same parameters, then the stream; launchers that need
