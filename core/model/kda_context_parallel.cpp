@@ -46,7 +46,7 @@ Tensor gather(Communicator& cp, const TensorView& transition, const TensorView& 
   return all;
 }
 
-// out[h] = m[h] s[h] (+ out[h] when accumulating): m [kd, kd] transposed or not, s [kd, vd].
+// out[h] += m[h] s[h] (m[h]^T with `transpose`): m [kd, kd], s and out [kd, vd].
 template <typename T>
 void apply_transition(const T* m, const T* s, T* out, const StateDims& d, bool transpose) {
   for (int64_t h = 0; h < d.heads; ++h) {
