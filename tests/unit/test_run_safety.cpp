@@ -66,11 +66,29 @@ void poison_first_adapter(testing::TrainingRun& run) {
   run.model->parameters().front()->value.ptr<float>()[0] = std::numeric_limits<float>::quiet_NaN();
 }
 
-// Trains `steps` steps of `c` into its run directory (a saved checkpoint every 2 steps).
-void train_steps(const Config& c, int steps) {
-  testing::TrainingRun run(c);
+// Starts `run` (resuming what its run directory holds) and trains `steps` steps (a saved
+// checkpoint every 2 steps).
+void start_and_train(testing::TrainingRun& run, int steps) {
   run.session->resume();
   for (int i = 0; i < steps; ++i) run.trainer->train_step();
+}
+
+// Trains `steps` steps of `c` into its run directory.
+void train_steps(const Config& c, int steps) {
+  testing::TrainingRun run(c);
+  start_and_train(run, steps);
+}
+
+// Trains `steps` steps of `c`, then resumes with the config `change` makes of `c`: the resume is
+// refused as a bad config, and what it says is returned.
+template <class F>
+std::string refused_resume(const Config& c, int steps, F&& change) {
+  train_steps(c, steps);
+  Config changed = c;
+  change(changed);
+  auto [code, message] = resume_error(changed);
+  CHECK(code == ExitCode::kBadConfig);
+  return message;
 }
 
 }  // namespace
@@ -153,9 +171,7 @@ TEST_CASE("run directory: every output path is checked before the first step") {
 TEST_CASE("health: no checkpoint is written or rotated while updates are skipped as non-finite") {
   Config c = safety_config("unhealthy");
   testing::TrainingRun run(c);
-  run.session->resume();
-  run.trainer->train_step();
-  run.trainer->train_step();  // step_2
+  start_and_train(run, 2);  // step_2
   poison_first_adapter(run);
   run.trainer->train_step();  // non-finite: skipped
   run.trainer->train_step();  // due a save at step 4: not written
@@ -173,10 +189,7 @@ TEST_CASE("health: a checkpoint holding a NaN is refused by path, and --resume a
   Config c = safety_config("nan_checkpoint");
   {
     testing::TrainingRun run(c);
-    run.session->resume();
-    run.trainer->train_step();
-    run.trainer->train_step();  // step_2
-    run.trainer->train_step();
+    start_and_train(run, 3);  // step_2, then a step more
     poison_first_adapter(run);
     run.session->save_now();    // step_3, as an older moetrain would have saved it
   }
@@ -202,11 +215,7 @@ TEST_CASE("health: a checkpoint holding a NaN is refused by path, and --resume a
 
 TEST_CASE("resume: a checkpoint at or past train.steps is nothing to do, not a silent success") {
   Config c = safety_config("nothing_to_do");
-  train_steps(c, 4);
-  Config shorter = c;
-  shorter.train.steps = 4;
-  auto [code, message] = resume_error(shorter);
-  CHECK(code == ExitCode::kBadConfig);
+  const std::string message = refused_resume(c, 4, [](Config& shorter) { shorter.train.steps = 4; });
   CHECK(contains(message, "nothing to do: " + checkpoints_of(c) + "/step_4 is at step 4 and train.steps is 4"));
   fs::remove_all(c.logging.run_dir);
 }
@@ -226,11 +235,7 @@ TEST_CASE("finish: the end of a run is saved with checkpoint.every 0") {
 
 TEST_CASE("resume: a config that cannot continue the checkpoint names what changed") {
   Config c = safety_config("differs");
-  train_steps(c, 2);
-  Config other_rank = c;
-  other_rank.lora.rank = 8;
-  auto [code, message] = resume_error(other_rank);
-  CHECK(code == ExitCode::kBadConfig);
+  const std::string message = refused_resume(c, 2, [](Config& other_rank) { other_rank.lora.rank = 8; });
   CHECK(contains(message, "it differs in lora.rank: 4 -> 8"));
   CHECK(contains(message, "use another logging.run_dir"));
   fs::remove_all(c.logging.run_dir);
