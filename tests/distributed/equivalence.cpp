@@ -51,11 +51,7 @@ Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3,
   Config config = testing::tiny_model_config(/*q_lora=*/true);
   if (k3) {
     ModelConfig& m = config.model;
-    m.hidden_act = "situ";
-    m.situ_beta = 0.5;
-    m.situ_linear_beta = 0.3;
-    m.moe.latent_size = 6;
-    m.moe.use_latent_norm = true;
+    testing::set_k3_ffn(m, /*latent_norm=*/true);
     m.attention_gate = "elementwise";
     m.attn_res_block_size = 2;
     if (mxfp4) {

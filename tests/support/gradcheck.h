@@ -110,6 +110,29 @@ inline bool within_tolerance(double actual, double expected, double rtol, double
   return std::fabs(actual - expected) <= atol + rtol * std::max(std::fabs(actual), std::fabs(expected));
 }
 
+// The running tally of an element-wise comparison: how many elements fail, the largest finite
+// |error|, and the worst element (the largest excess over its tolerance; a NaN error, from a NaN
+// or from inf against inf, is the worst).
+struct ElementTally {
+  int64_t failures = 0;
+  int64_t worst = -1;
+  double worst_excess = -1e300;
+  double max_abs_error = 0.0;
+
+  // Counts element i, `actual` against `expected`; true when it is the worst so far.
+  bool add(int64_t i, double actual, double expected, double rtol, double atol) {
+    const double err = std::fabs(actual - expected);
+    const double excess =
+        std::isnan(err) ? 1e300 : err - (atol + rtol * std::max(std::fabs(actual), std::fabs(expected)));
+    if (!within_tolerance(actual, expected, rtol, atol)) ++failures;
+    if (!std::isnan(err)) max_abs_error = std::max(max_abs_error, err);
+    if (excess <= worst_excess) return false;
+    worst_excess = excess;
+    worst = i;
+    return true;
+  }
+};
+
 // Element-wise comparison |actual - expected| <= atol + rtol * max(|actual|, |expected|).
 // The message names the worst element (largest excess over its tolerance) and the counts.
 // Use as: auto c = compare_tensors(...); INFO(c.message); CHECK(c.ok);
@@ -121,26 +144,16 @@ inline Comparison compare_tensors(const TensorView& actual, const TensorView& ex
     result.message = name + ": shape " + actual.shape.str() + " vs expected " + expected.shape.str();
     return result;
   }
-  int64_t worst = -1, failures = 0;
-  double worst_excess = -1e300;
-  for (int64_t i = 0; i < actual.numel(); ++i) {
-    double a = get_element(actual, i), e = get_element(expected, i);
-    double err = std::fabs(a - e);
-    double excess = std::isnan(a) || std::isnan(e) ? 1e300 : err - (atol + rtol * std::max(std::fabs(a), std::fabs(e)));
-    if (!within_tolerance(a, e, rtol, atol)) ++failures;
-    if (!std::isnan(err)) result.max_abs_error = std::max(result.max_abs_error, err);
-    if (excess > worst_excess) {
-      worst_excess = excess;
-      worst = i;
-    }
-  }
-  result.ok = failures == 0;
-  if (worst >= 0) {
+  ElementTally tally;
+  for (int64_t i = 0; i < actual.numel(); ++i) tally.add(i, get_element(actual, i), get_element(expected, i), rtol, atol);
+  result.ok = tally.failures == 0;
+  result.max_abs_error = tally.max_abs_error;
+  if (tally.worst >= 0) {
     std::ostringstream os;
     os.precision(10);
-    os << name << ": " << failures << " of " << actual.numel() << " elements outside rtol " << rtol << " atol "
-       << atol << "; worst at flat index " << worst << ": got " << get_element(actual, worst) << ", expected "
-       << get_element(expected, worst);
+    os << name << ": " << tally.failures << " of " << actual.numel() << " elements outside rtol " << rtol << " atol "
+       << atol << "; worst at flat index " << tally.worst << ": got " << get_element(actual, tally.worst)
+       << ", expected " << get_element(expected, tally.worst);
     result.message = os.str();
   }
   return result;
@@ -188,9 +201,8 @@ inline Comparison check_gradient(const std::function<double()>& loss, const Tens
     for (int64_t k = 0; k < options.max_elements; ++k) indices.push_back(rng.below(n));
   }
   double* x = static_cast<double*>(input.data);
-  Comparison result;
-  int64_t failures = 0, worst = -1;
-  double worst_excess = -1e300, worst_fd = 0.0;
+  ElementTally tally;
+  double worst_fd = 0.0;
   for (int64_t i : indices) {
     const double saved = x[i];
     x[i] = saved + options.eps;
@@ -199,24 +211,17 @@ inline Comparison check_gradient(const std::function<double()>& loss, const Tens
     const double minus = loss();
     x[i] = saved;
     const double fd = (plus - minus) / (2.0 * options.eps);
-    const double an = get_element(analytic, i);
-    const double err = std::fabs(fd - an);
-    const double excess = std::isnan(err) ? 1e300 : err - (options.atol + options.rtol * std::max(std::fabs(fd), std::fabs(an)));
-    if (!within_tolerance(an, fd, options.rtol, options.atol)) ++failures;
-    if (!std::isnan(err)) result.max_abs_error = std::max(result.max_abs_error, err);
-    if (excess > worst_excess) {
-      worst_excess = excess;
-      worst = i;
-      worst_fd = fd;
-    }
+    if (tally.add(i, get_element(analytic, i), fd, options.rtol, options.atol)) worst_fd = fd;
   }
-  result.ok = failures == 0;
-  if (worst >= 0) {
+  Comparison result;
+  result.ok = tally.failures == 0;
+  result.max_abs_error = tally.max_abs_error;
+  if (tally.worst >= 0) {
     std::ostringstream os;
     os.precision(10);
-    os << "gradient of " << name << ": " << failures << " of " << indices.size() << " checked elements outside rtol "
-       << options.rtol << " atol " << options.atol << "; worst at flat index " << worst << ": analytic "
-       << get_element(analytic, worst) << ", finite difference " << worst_fd;
+    os << "gradient of " << name << ": " << tally.failures << " of " << indices.size()
+       << " checked elements outside rtol " << options.rtol << " atol " << options.atol << "; worst at flat index "
+       << tally.worst << ": analytic " << get_element(analytic, tally.worst) << ", finite difference " << worst_fd;
     result.message = os.str();
   }
   return result;

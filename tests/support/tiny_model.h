@@ -52,18 +52,22 @@ inline Config tiny_model_config(bool q_lora) {
   return c;
 }
 
-// tiny_model_config (no q LoRA) in Kimi K3's feed-forward form: SiTU everywhere, and MoE layers
+// Kimi K3's feed-forward form on a tiny_model_config model: SiTU everywhere, and MoE layers
 // whose routed experts run in a latent width of 6 (hidden 16) between routed_expert_down_proj
 // and routed_expert_up_proj, with or without the latent RMSNorm. The SiTU caps are far below
 // K3's (4 and 25) so that the tiny model's small activations reach the tanh's curved part.
-inline Config tiny_k3_ffn_config(bool latent_norm) {
-  Config c = tiny_model_config(/*q_lora=*/false);
-  ModelConfig& m = c.model;
+inline void set_k3_ffn(ModelConfig& m, bool latent_norm) {
   m.hidden_act = "situ";
   m.situ_beta = 0.5;
   m.situ_linear_beta = 0.3;
   m.moe.latent_size = 6;
   m.moe.use_latent_norm = latent_norm;
+}
+
+// tiny_model_config (no q LoRA) in Kimi K3's feed-forward form (set_k3_ffn).
+inline Config tiny_k3_ffn_config(bool latent_norm) {
+  Config c = tiny_model_config(/*q_lora=*/false);
+  set_k3_ffn(c.model, latent_norm);
   return c;
 }
 

@@ -28,6 +28,17 @@ GroupedGemmArgs grouped_gemm_args(const TensorView& c, const TensorView& a, cons
   return args;
 }
 
+// An M-grouped GEMM of 4 rows (k 2) in 2 groups of n 3, F32, with the group offsets given (the
+// offsets checks' case).
+struct SmallGroupedGemm {
+  explicit SmallGroupedGemm(const std::vector<int32_t>& offset_values)
+      : offsets(make_i32(offset_values)), args(grouped_gemm_args(c, a, b, offsets)) {}
+  Tensor a = random_tensor({4, 2}, DType::kF32, 1), b = random_tensor({2, 3, 2}, DType::kF32, 2);
+  Tensor c{Shape{4, 3}, DType::kF32};
+  Tensor offsets;
+  GroupedGemmArgs args;
+};
+
 // Reference: op(a)[i, p] . op(b)[p, j] in double.
 double naive_product(const TensorView& a, const TensorView& b, bool ta, bool tb, int64_t i, int64_t j, int64_t k) {
   double s = 0;
@@ -218,19 +229,14 @@ TEST_CASE("grouped gemm's second product equals one product over both inner dime
 
 TEST_CASE("grouped gemm rejects offsets that do not cover the rows", "[cpu_ops]") {
   auto backend = make_cpu_backend();
-  Tensor a = random_tensor({4, 2}, DType::kF32, 1), b = random_tensor({2, 3, 2}, DType::kF32, 2);
-  Tensor c({4, 3}, DType::kF32);
-  Tensor offsets = make_i32({0, 3, 5});
-  GroupedGemmArgs args = grouped_gemm_args(c, a, b, offsets);
-  CHECK(contains(error_message([&] { backend->grouped_gemm(args); }), "group_offsets"));
+  const SmallGroupedGemm gemm({0, 3, 5});
+  CHECK(contains(error_message([&] { backend->grouped_gemm(gemm.args); }), "group_offsets"));
 }
 
 TEST_CASE("grouped gemm checks a host copy of the offsets against the offsets", "[cpu_ops]") {
   auto backend = make_cpu_backend();
-  Tensor a = random_tensor({4, 2}, DType::kF32, 1), b = random_tensor({2, 3, 2}, DType::kF32, 2);
-  Tensor c({4, 3}, DType::kF32);
-  Tensor offsets = make_i32({0, 3, 4});
-  GroupedGemmArgs args = grouped_gemm_args(c, a, b, offsets);
+  SmallGroupedGemm gemm({0, 3, 4});
+  GroupedGemmArgs& args = gemm.args;
   const int32_t same[3] = {0, 3, 4}, stale[3] = {0, 2, 4};
   args.host_group_offsets = same;
   backend->grouped_gemm(args);

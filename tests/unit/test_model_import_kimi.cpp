@@ -236,7 +236,9 @@ void write_checkpoint(const fs::path& dir, const std::vector<std::pair<std::stri
   write_hf_checkpoint(dir.string(), named, HfShardedWriteParams{});
 }
 
-Config kimi_yaml_config(const fs::path& dir) {
+// Writes `config_json` as dir's config.json; the config of a run that reads its model from dir.
+Config kimi_yaml_config(const fs::path& dir, const std::string& config_json) {
+  std::ofstream(dir / "config.json") << config_json;
   Config config;
   config.model.hf_dir = dir.string();
   config.data.seq_len = 16;
@@ -320,8 +322,7 @@ TEST_CASE("Kimi-Linear weights in the released and in transformers 5's layout lo
   for (bool k3 : {false, true}) {
     INFO((k3 ? "K3 flags" : "Kimi-Linear"));
     fs::path dir = scratch(k3 ? "k3" : "linear");
-    std::ofstream(dir / "config.json") << kReleasedConfig;
-    Config config = kimi_yaml_config(dir);
+    Config config = kimi_yaml_config(dir, kReleasedConfig);
     if (k3) {
       config = parse_config("model: {hf_dir: " + dir.string() +
                                 ", kda: {fused_qkv: true, full_rank_output_gate: true, lower_bound: -5.0}}\n"
@@ -343,8 +344,7 @@ TEST_CASE("Kimi-Linear weights in the released and in transformers 5's layout lo
 
 TEST_CASE("a Kimi-Linear checkpoint missing a KDA tensor names it", "[import][kimi]") {
   fs::path dir = scratch("missing");
-  std::ofstream(dir / "config.json") << kReleasedConfig;
-  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir));
+  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir, kReleasedConfig));
   auto backend = kernels::make_cpu_backend();
   std::unique_ptr<Model> model = make_model(spec, *backend);
   model->init_random_weights();
@@ -360,8 +360,7 @@ TEST_CASE("a Kimi-Linear checkpoint missing a KDA tensor names it", "[import][ki
 
 TEST_CASE("a PEFT adapter keyed by transformers 5's KDA module names loads", "[import][kimi]") {
   fs::path dir = scratch("adapter_model");
-  std::ofstream(dir / "config.json") << kReleasedConfig;
-  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir));
+  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir, kReleasedConfig));
   auto backend = kernels::make_cpu_backend();
   std::unique_ptr<Model> source = make_model(spec, *backend);
   std::unique_ptr<Model> target = make_model(spec, *backend);
@@ -403,38 +402,45 @@ const char* kK3Keys = R"(, "activation_situ_beta": 3.0, "activation_situ_linear_
   "routed_expert_hidden_size": 6, "latent_moe_use_norm": true, "attn_res_block_size": 2,
   "mla_use_output_gate": true)";
 
+// The values of a K3 config's SiTU, latent MoE, attention residual and shared expert keys.
+struct K3Values {
+  double situ_beta;
+  double situ_linear_beta;
+  int64_t latent_size;
+  int64_t attn_res_block_size;
+  int64_t num_shared_experts;
+  double routed_scaling_factor;
+};
+
+// `m` is Kimi K3's feed-forward and attention form (SiTU, the latent MoE with its norm, attention
+// residuals, the per-channel attention gate) with the values `want`.
+void check_k3_form(const ModelConfig& m, const K3Values& want) {
+  CHECK(m.hidden_act == "situ");
+  CHECK(m.situ_beta == want.situ_beta);
+  CHECK(m.situ_linear_beta == want.situ_linear_beta);
+  CHECK(m.moe.latent_size == want.latent_size);
+  CHECK(m.moe.use_latent_norm);
+  CHECK(m.attn_res_block_size == want.attn_res_block_size);
+  CHECK(m.attention_gate == "elementwise");
+  CHECK(m.moe.num_shared_experts == want.num_shared_experts);
+  CHECK(m.moe.routed_scaling_factor == want.routed_scaling_factor);
+}
+
 }  // namespace
 
 TEST_CASE("a Kimi K3 config.json maps its text_config onto the model section", "[import][k3]") {
   const ModelConfig m = model_config_from_hf_json(k3_config_json(kK3Keys), "k3/config.json");
   CHECK(m.model_type == "kimi_k3");
   CHECK(m.layers == std::vector<std::string>{"kda", "mla", "kda", "mla"});
-  CHECK(m.hidden_act == "situ");
-  CHECK(m.situ_beta == 3.0);
-  CHECK(m.situ_linear_beta == 20.0);
-  CHECK(m.moe.latent_size == 6);
-  CHECK(m.moe.use_latent_norm);
-  CHECK(m.attn_res_block_size == 2);
-  CHECK(m.attention_gate == "elementwise");
+  check_k3_form(m, {3.0, 20.0, 6, 2, /*num_shared_experts (given)=*/1, /*routed_scaling_factor (given)=*/2.446});
   CHECK(m.mla.q_lora_rank == 12);
   CHECK(!m.mla.use_rope);
-  CHECK(m.moe.num_shared_experts == 1);           // given
-  CHECK(m.moe.routed_scaling_factor == 2.446);    // given
 
   // Absent keys take KimiK3TextConfig's defaults, null ones switch the feature off.
   std::string bare = with(k3_config_json(""), R"("num_shared_experts": 1,)", "");
   bare = with(bare, R"("routed_scaling_factor": 2.446,)", "");
   bare = with(bare, R"("hidden_act": "situ",)", "");
-  const ModelConfig d = model_config_from_hf_json(bare, "k3/config.json");
-  CHECK(d.hidden_act == "situ");
-  CHECK(d.situ_beta == 4.0);
-  CHECK(d.situ_linear_beta == 25.0);
-  CHECK(d.moe.latent_size == 3584);
-  CHECK(d.moe.use_latent_norm);
-  CHECK(d.attn_res_block_size == 12);
-  CHECK(d.attention_gate == "elementwise");
-  CHECK(d.moe.num_shared_experts == 2);
-  CHECK(d.moe.routed_scaling_factor == 1.0);
+  check_k3_form(model_config_from_hf_json(bare, "k3/config.json"), {4.0, 25.0, 3584, 12, 2, 1.0});
   const ModelConfig off = model_config_from_hf_json(
       k3_config_json(R"(, "activation_situ_linear_beta": null, "routed_expert_hidden_size": null,
                        "attn_res_block_size": null, "mla_use_output_gate": false)"),
@@ -466,8 +472,7 @@ TEST_CASE("Kimi K3 config.json errors name the key and the problem", "[import][k
 TEST_CASE("Kimi K3 weights under language_model. (the released names) load to the model that wrote them",
           "[import][k3]") {
   fs::path dir = scratch("k3_config");
-  std::ofstream(dir / "config.json") << k3_config_json(kK3Keys);
-  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir));
+  ModelSpec spec = resolve_model_spec(kimi_yaml_config(dir, k3_config_json(kK3Keys)));
   auto backend = kernels::make_cpu_backend();
   std::unique_ptr<Model> model = make_model(spec, *backend);
   model->init_random_weights();
@@ -514,8 +519,7 @@ TEST_CASE("Kimi K3 weights under language_model. (the released names) load to th
 
 TEST_CASE("a Kimi K3 adapter exported under the released names loads back exactly", "[import][k3]") {
   fs::path dir = scratch("k3_export_model");
-  std::ofstream(dir / "config.json") << k3_config_json(kK3Keys);
-  Config config = kimi_yaml_config(dir);
+  Config config = kimi_yaml_config(dir, k3_config_json(kK3Keys));
   config.checkpoint.export_layout = "released";
   config.lora.targets = {"q_proj", "o_proj", "routed_expert_down_proj", "shared_experts", "experts"};
   ModelSpec spec = resolve_model_spec(config);

@@ -11,6 +11,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.h"
@@ -170,6 +171,13 @@ void check_fixture_values(const SafetensorsFile& file, bool bf16_required) {
   }
 }
 
+// A writer holding each tensor under its name; the tensors must outlive it (add keeps views).
+SafetensorsWriter writer_of(const std::vector<std::pair<std::string, TensorView>>& tensors) {
+  SafetensorsWriter writer;
+  for (const auto& [name, tensor] : tensors) writer.add(name, tensor);
+  return writer;
+}
+
 constexpr DType kAllDtypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16,
                                 DType::kI32, DType::kI64, DType::kU8,   DType::kBool};
 
@@ -218,11 +226,7 @@ TEST_CASE("the writer aligns the data start and every tensor, and pads the heade
   Tensor b = fixture_tensor(DType::kBF16, {5});
   Tensor c = fixture_tensor(DType::kF64, {2});
   Tensor d = fixture_tensor(DType::kI32, {3});
-  SafetensorsWriter writer;
-  writer.add("a", a);
-  writer.add("b", b);
-  writer.add("c", c);
-  writer.add("d", d);
+  SafetensorsWriter writer = writer_of({{"a", a}, {"b", b}, {"c", c}, {"d", d}});
   for (int n = 0; n < 8; ++n) {  // metadata lengths 0..7 exercise every padding amount
     writer.set_metadata("k", std::string(static_cast<size_t>(n), 'x'));
     std::string path = dir.file("aligned.safetensors");
@@ -289,9 +293,7 @@ TEST_CASE("read_rows copies a slice along the first dimension", "[safetensors]")
   ScratchDir dir("st_rows");
   Tensor m = fixture_tensor(DType::kF32, {6, 4});
   Tensor s = fixture_tensor(DType::kF32, {});
-  SafetensorsWriter writer;
-  writer.add("m", m);
-  writer.add("s", s);
+  SafetensorsWriter writer = writer_of({{"m", m}, {"s", s}});
   std::string path = dir.file("rows.safetensors");
   writer.write(path);
   SafetensorsFile file(path);
@@ -330,12 +332,7 @@ TEST_CASE("read_as converts floating tensors and refuses integer conversions", "
   f32.ptr<float>()[0] = 1.0f + 3 * std::ldexp(1.0f, -8);  // a bf16 tie: rounds up to even (1 + 2^-6)
   f32.ptr<float>()[1] = -1.0f - std::ldexp(1.0f, -8);      // a bf16 tie: rounds down to even (-1)
   Tensor ints = fixture_tensor(DType::kI32, {4});
-  SafetensorsWriter writer;
-  writer.add("bf", bf);
-  writer.add("half", half);
-  writer.add("f64", f64);
-  writer.add("f32", f32);
-  writer.add("ints", ints);
+  SafetensorsWriter writer = writer_of({{"bf", bf}, {"half", half}, {"f64", f64}, {"f32", f32}, {"ints", ints}});
   std::string path = dir.file("convert.safetensors");
   writer.write(path);
   SafetensorsFile file(path);
@@ -491,11 +488,8 @@ TEST_CASE("fuzz: corrupted files load cleanly or throw Error, never crash", "[sa
   Tensor b = fixture_tensor(DType::kBF16, {5});
   Tensor c = fixture_tensor(DType::kI64, {2});
   Tensor d = fixture_tensor(DType::kF16, {});
-  SafetensorsWriter writer;
-  writer.add("model.layers.0.weight", a);
-  writer.add("model.layers.0.bias", b);
-  writer.add("counts", c);
-  writer.add("scale", d);
+  SafetensorsWriter writer =
+      writer_of({{"model.layers.0.weight", a}, {"model.layers.0.bias", b}, {"counts", c}, {"scale", d}});
   writer.set_metadata("format", "pt");
   std::string base_path = dir.file("base.safetensors");
   writer.write(base_path);
