@@ -26,6 +26,7 @@
 #include "adapter_testing.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
+#include "model_gradcheck.h"
 #include "tiny_model.h"
 #include "training_run.h"
 
@@ -213,31 +214,19 @@ TEST_CASE("shared expert A: whole-model gradients, the replicated group, plan's 
 
     Batch batch = tiny_batch(37, 3);
     const double scale = 1.0 / static_cast<double>(batch.num_targets());
-    for (Parameter* p : model->parameters()) backend->fill(p->grad, 0.0);
-    model->forward_backward(batch, scale);
-    std::vector<Tensor> grads;  // copied now: every evaluation below adds to p->grad
-    for (Parameter* p : model->parameters()) {
-      grads.emplace_back(p->grad.shape(), DType::kF64);
-      backend->copy(grads.back(), p->grad);
-    }
-    GradCheckOptions options;
-    options.eps = 1e-6;
-    options.rtol = 1e-5;
-    options.atol = 1e-9;
+    // Copied now: every evaluation below adds to p->grad.
+    const std::vector<Tensor> grads = lora_gradients(*model, *backend, batch, scale);
+    GradCheckOptions options = whole_model_gradcheck_options();
     options.max_elements = 8;
-    std::vector<Parameter*> params = model->parameters();
-    for (size_t i = 0; i < params.size(); ++i) {
-      Parameter* p = params[i];
-      if (p->name.find(".mlp.experts.") == std::string::npos) continue;  // test_model_gradcheck covers the others
-      auto objective = [&] {
-        StepResult r = model->forward_backward(batch, scale);
-        return r.loss_sum * scale + r.aux_loss;
-      };
-      Comparison c = check_gradient(objective, p->value, grads[i], p->name, options);
-      INFO(c.message);
-      CHECK(c.ok);
+    const auto objective = [&] {
+      StepResult r = model->forward_backward(batch, scale);
+      return r.loss_sum * scale + r.aux_loss;
+    };
+    const auto experts = [](const std::string& name) {
+      return name.find(".mlp.experts.") != std::string::npos;  // test_model_gradcheck covers the others
+    };
+    for (size_t i : check_selected_gradients(*model, grads, objective, options, experts))
       CHECK(backend->sum_squares(grads[i]) > 0.0);
-    }
 
     Config config = tiny_model_config(true);
     config.lora.rank = 4;

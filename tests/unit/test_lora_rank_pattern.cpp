@@ -29,6 +29,7 @@
 #include "adapter_testing.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
+#include "model_gradcheck.h"
 #include "tiny_model.h"
 #include "training_run.h"
 
@@ -295,32 +296,16 @@ TEST_CASE("lora patterns: whole-model gradients with mixed ranks; plan's count i
   randomize_adapters(*model, 70);
   Batch batch = tiny_batch(37, 4);
   const double scale = 1.0 / static_cast<double>(batch.num_targets());
-  for (Parameter* p : model->parameters()) backend->fill(p->grad, 0.0);
-  model->forward_backward(batch, scale);
-  std::vector<Tensor> grads;
-  for (Parameter* p : model->parameters()) {
-    grads.emplace_back(p->grad.shape(), DType::kF64);
-    backend->copy(grads.back(), p->grad);
-  }
-  GradCheckOptions options;
-  options.rtol = 1e-5;
-  options.atol = 1e-9;
+  const std::vector<Tensor> grads = lora_gradients(*model, *backend, batch, scale);
+  GradCheckOptions options = whole_model_gradcheck_options();
   options.max_elements = 4;
-  std::vector<Parameter*> params = model->parameters();
-  int checked = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const std::string& name = params[i]->name;
-    // The modules whose rank or alpha a pattern set.
-    if (name.find("o_proj") == std::string::npos && name.find("layers.2.mlp") == std::string::npos &&
-        name.find("experts.gate_proj") == std::string::npos && name.find("up_proj") == std::string::npos)
-      continue;
-    auto objective = [&] { return model->forward_backward(batch, scale).loss_sum * scale; };
-    Comparison c = check_gradient(objective, params[i]->value, grads[i], name, options);
-    INFO(c.message);
-    CHECK(c.ok);
-    ++checked;
-  }
-  CHECK(checked >= 20);
+  const auto objective = [&] { return model->forward_backward(batch, scale).loss_sum * scale; };
+  // The modules whose rank or alpha a pattern set.
+  const auto patterned = [](const std::string& name) {
+    return name.find("o_proj") != std::string::npos || name.find("layers.2.mlp") != std::string::npos ||
+           name.find("experts.gate_proj") != std::string::npos || name.find("up_proj") != std::string::npos;
+  };
+  CHECK(check_selected_gradients(*model, grads, objective, options, patterned).size() >= 20);
 
   for (const char* gate_up : {"separate", "fused"})
     for (const char* expert_a : {"per_expert", "shared"}) {
