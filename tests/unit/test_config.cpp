@@ -5,12 +5,14 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.h"
 #include "core/base/error.h"
 #include "core/config/config.h"
 #include "core/model/model_spec.h"
+#include "expected_error.h"
 
 using namespace moetrain;
 
@@ -45,14 +47,7 @@ Config parse_tiny(const std::vector<std::string>& overrides = {}) {
 // Runs `body`, which must throw a bad-config Error; returns the message.
 template <class Body>
 std::string bad_config_message(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    CHECK(e.code() == ExitCode::kBadConfig);
-    return e.what();
-  }
-  FAIL("expected moetrain::Error(kBadConfig), nothing was thrown");
-  return "";
+  return testing::expected_error(ExitCode::kBadConfig, std::forward<Body>(body));
 }
 
 std::string parse_error(const std::vector<std::string>& lines, const std::vector<std::string>& overrides = {}) {

@@ -8,6 +8,7 @@
 #include "core/data/data_source.h"
 #include "core/data/dataset_source.h"
 #include "core/data/sampler.h"
+#include "expected_error.h"
 #include "test_data_support.h"
 
 namespace moetrain {
@@ -19,14 +20,7 @@ using testing::numbered_documents;
 // The message of the data error (exit code 3) that make_data_source raises at start for
 // `config`; a test that gets none fails.
 std::string data_error(const DataConfig& config, int64_t vocab_size) {
-  try {
-    make_data_source(config, vocab_size, 0, 1);
-  } catch (const Error& e) {
-    CHECK(e.code() == ExitCode::kBadData);
-    return e.what();
-  }
-  FAIL("no error");
-  return "";
+  return testing::expected_error(ExitCode::kBadData, [&] { make_data_source(config, vocab_size, 0, 1); });
 }
 
 TEST_CASE("the mixture schedule gives each dataset its share, each sample once, in order") {

@@ -13,6 +13,7 @@
 
 #include "catch.h"
 #include "core/io/hf_index.h"
+#include "expected_error.h"
 #include "scratch_dir.h"
 
 using namespace moetrain;
@@ -46,16 +47,7 @@ struct Model {
   }
 };
 
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& e) {
-    CHECK(e.code() == ExitCode::kBadCheckpoint);
-    return e.what();
-  }
-  FAIL("no Error was thrown");
-  return {};
-}
+std::string error_of(const std::function<void()>& action) { return testing::expected_error(ExitCode::kBadCheckpoint, action); }
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
