@@ -1,12 +1,13 @@
 // Shared by the tests of the adapter forms (fused gate_up, shared expert A, per-target ranks):
-// random non-zero adapters that an F32 export keeps exactly, lookup by name, the adapters as F32
-// host tensors (what a checkpoint holds), adapter load errors, the resume check and scratch
-// directories.
+// the tiny model in each expert form, random non-zero adapters that an F32 export keeps exactly, lookup by name, the adapters as F32
+// host tensors (what a checkpoint holds), adapter load errors, the resume check, the config key
+// checks and scratch directories.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -16,9 +17,11 @@
 #include "core/base/error.h"
 #include "core/base/host_convert.h"
 #include "core/checkpoint/adapter_export.h"
+#include "core/config/config.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
 #include "gradcheck.h"
+#include "tiny_model.h"
 #include "training_run.h"
 
 namespace moetrain::testing {
@@ -31,6 +34,27 @@ inline void randomize_adapters(Model& model, uint64_t seed) {
     for (int64_t i = 0; i < p->value.numel(); ++i)
       p->value.ptr<double>()[i] = static_cast<float>(p->value.ptr<double>()[i]);
   }
+}
+
+// The expert adapter forms (ModelOptions' switches) of tiny_form_model.
+struct ExpertForm {
+  bool fused_gate_up = false;
+  bool shared_a = false;
+  bool rslora = false;
+};
+
+// The whole tiny model (tiny_model_config with q LoRA) with every target, rank 4, alpha 8, in the
+// form `form`, in F64, its weights random.
+inline std::unique_ptr<Model> tiny_form_model(kernels::Backend& backend, const ExpertForm& form) {
+  ModelOptions options;
+  options.dtype = DType::kF64;
+  options.lora = LoraSettings{4, 8.0, form.rslora};
+  options.lora_targets = all_lora_targets(true);
+  options.fused_expert_gate_up = form.fused_gate_up;
+  options.shared_expert_a = form.shared_a;
+  auto model = std::make_unique<Model>(resolve_model_spec(tiny_model_config(true)), backend, options);
+  model->init_random_weights();
+  return model;
 }
 
 inline Parameter* find_parameter(Model& model, const std::string& name) {
@@ -85,6 +109,31 @@ inline std::vector<double> four_step_losses(TrainingRun& run) {
   return losses;
 }
 
+// The resume check of an expert adapter form: the four-step run with adapters on o_proj and the
+// routed experts in the form `set_form` sets, trained straight through in scratch("straight")
+// and again in scratch("split"), stopped after 2 steps and resumed (check_resume_matches).
+struct ExpertFormResume {
+  std::unique_ptr<TrainingRun> straight;
+  Config split;
+  std::unique_ptr<TrainingRun> resumed;
+};
+inline ExpertFormResume check_expert_form_resumes(
+    const std::function<std::filesystem::path(const std::string&)>& scratch,
+    const std::function<void(Config&)>& set_form) {
+  const auto make_config = [&](const std::string& name) {
+    Config c = four_step_run_config(scratch(name).string());
+    c.lora.targets = {"o_proj", "experts"};
+    set_form(c);
+    return c;
+  };
+  ExpertFormResume r;
+  r.straight = std::make_unique<TrainingRun>(make_config("straight"));
+  const std::vector<double> expected = four_step_losses(*r.straight);
+  r.split = make_config("split");
+  r.resumed = check_resume_matches(r.split, *r.straight, expected);
+  return r;
+}
+
 // The adapter of the newest checkpoint of the run `c` exported (`moetrain export`) into
 // <run_dir>/adapter; returns that directory.
 inline std::filesystem::path export_run_adapter(const Config& c) {
@@ -112,6 +161,26 @@ inline void check_load_refused(Model& model, const std::filesystem::path& dir, E
   INFO(message);
   CHECK(got == code);
   for (const std::string& part : parts) CHECK(contains(message, part));
+}
+
+// A tiny model and data section, for the config key checks of the adapter forms.
+inline const std::string kAdapterFormYaml =
+    "model: {vocab_size: 64, hidden_size: 32, num_layers: 2, mla: {num_heads: 2}, moe: {num_experts: 4, top_k: 2}}\n"
+    "data: {seq_len: 16}\n";
+
+// The lora key `key` (its value read by `read`) is `absent` when not set, and `value` when set,
+// also after a config_to_yaml round trip (what runs save).
+inline void check_lora_key(const std::string& key, const std::string& absent, const std::string& value,
+                           const std::function<std::string(const Config&)>& read) {
+  CHECK(read(parse_config(kAdapterFormYaml, "x.yaml")) == absent);
+  const Config set = parse_config(kAdapterFormYaml + "lora: {" + key + ": " + value + "}\n", "x.yaml");
+  CHECK(read(set) == value);
+  CHECK(read(parse_config(config_to_yaml(set), "resolved.yaml")) == value);
+}
+
+// The message of the Error parsing kAdapterFormYaml with `overrides` raises ("" when it parses).
+inline std::string adapter_form_config_error(const std::vector<std::string>& overrides) {
+  return error_message([&] { parse_config(kAdapterFormYaml, "x.yaml", overrides); });
 }
 
 // An empty directory <tmp>/moetrain_test_<test>_<name>.

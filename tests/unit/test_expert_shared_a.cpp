@@ -27,68 +27,31 @@
 #include "gradcheck.h"
 #include "kernels/ops.h"
 #include "model_gradcheck.h"
+#include "routed_experts.h"
 #include "tiny_model.h"
 #include "training_run.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
+using namespace moetrain::testing::routed_experts;
 namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int64_t kGroups = 3, kHidden = 5, kWidth = 4, kRows = 7;
-// Rows per expert: 3, 0 (an expert without tokens), 4.
-const std::vector<int32_t> kOffsets = {0, 3, 3, 7};
-
 // Routed experts with adapters on every projection (gate and up separate, or PEFT's fused
-// gate_up), each A shared by the experts or one per expert, every tensor random and non-zero.
-struct Experts {
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-  BatchTensors batch;
-  SwigluExperts mlp{"model.layers.1.mlp.experts", kGroups, kHidden, kWidth, /*routed=*/true};
-  Tensor offsets{Shape{kGroups + 1}, DType::kI32};
-  Tensor x = random_tensor({kRows, kHidden}, DType::kF64, 11);
-  Tensor dy = random_tensor({kRows, kHidden}, DType::kF64, 12);
-
-  Experts(bool shared, bool fused) {
-    mlp.gate_up = random_tensor({kGroups, 2 * kWidth, kHidden}, DType::kF64, 1);
-    mlp.down = random_tensor({kGroups, kHidden, kWidth}, DType::kF64, 2);
-    mlp.shared_lora_a = shared;
-    if (fused) {
-      mlp.add_gate_up_lora(LoraSettings{3, 5.0, false}, DType::kF64, *backend, 3);
-    } else {
-      mlp.add_lora(SwigluExperts::kGate, LoraSettings{2, 3.0, false}, DType::kF64, *backend, 3);
-      mlp.add_lora(SwigluExperts::kUp, LoraSettings{3, 2.0, false}, DType::kF64, *backend, 4);
-    }
-    mlp.add_lora(SwigluExperts::kDown, LoraSettings{2, 7.0, true}, DType::kF64, *backend, 5);
-    uint64_t seed = 20;
-    for (Parameter* p : params()) fill_random(p->value, seed++, 0.1, 0.6);
-    std::memcpy(offsets.data(), kOffsets.data(), offsets.nbytes());
-  }
-
-  std::vector<Parameter*> params() {
-    std::vector<Parameter*> out;
-    mlp.collect_parameters(out);
-    return out;
-  }
-  LayerContext ctx() { return LayerContext{*backend, DType::kF64, batch}; }
-  GroupOffsets groups() const { return GroupOffsets{offsets.view(), kOffsets.data()}; }
-
-  Tensor forward() {
-    Tensor out({kRows, kHidden}, DType::kF64);
-    mlp.forward(ctx(), out, x, groups());
-    return out;
-  }
-  double loss() { return dot(forward(), dy); }
-
-  // Gradients of loss() into the adapters' grads (zeroed first) and the returned dx.
-  Tensor backward() {
-    for (Parameter* p : params()) backend->fill(p->grad, 0.0);
-    forward();
-    Tensor dx({kRows, kHidden}, DType::kF64);
-    mlp.backward(ctx(), dx, dy, x, groups(), false);
-    return dx;
-  }
+// gate_up), each A shared by the experts or one per expert.
+struct Experts : RoutedExperts {
+  Experts(bool shared, bool fused)
+      : RoutedExperts([&](SwigluExperts& mlp, kernels::Backend& backend) {
+          mlp.shared_lora_a = shared;
+          if (fused) {
+            mlp.add_gate_up_lora(LoraSettings{3, 5.0, false}, DType::kF64, backend, 3);
+          } else {
+            mlp.add_lora(SwigluExperts::kGate, LoraSettings{2, 3.0, false}, DType::kF64, backend, 3);
+            mlp.add_lora(SwigluExperts::kUp, LoraSettings{3, 2.0, false}, DType::kF64, backend, 4);
+          }
+          mlp.add_lora(SwigluExperts::kDown, LoraSettings{2, 7.0, true}, DType::kF64, backend, 5);
+        }) {}
 };
 
 void check_equal(const TensorView& actual, const TensorView& expected, const std::string& name) {
@@ -116,16 +79,7 @@ void copy_as_per_expert(Experts& shared, Experts& per_expert) {
 
 // The whole tiny model with every target, in F64.
 std::unique_ptr<Model> tiny_model(kernels::Backend& backend, bool shared, bool fused) {
-  Config config = tiny_model_config(true);
-  ModelOptions options;
-  options.dtype = DType::kF64;
-  options.lora = LoraSettings{4, 8.0, false};
-  options.lora_targets = all_lora_targets(true);
-  options.fused_expert_gate_up = fused;
-  options.shared_expert_a = shared;
-  auto model = std::make_unique<Model>(resolve_model_spec(config), backend, options);
-  model->init_random_weights();
-  return model;
+  return tiny_form_model(backend, {/*fused_gate_up=*/fused, /*shared_a=*/shared, /*rslora=*/false});
 }
 
 fs::path scratch(const std::string& name) { return scratch_dir("expert_shared_a", name); }
@@ -312,35 +266,18 @@ TEST_CASE("shared expert A: an adapter whose experts' A differ is refused, namin
 }
 
 TEST_CASE("shared expert A: the config key", "[shared_a][config]") {
-  const std::string yaml =
-      "model: {vocab_size: 64, hidden_size: 32, num_layers: 2, mla: {num_heads: 2}, moe: {num_experts: 4, top_k: 2}}\n"
-      "data: {seq_len: 16}\n";
-  CHECK(parse_config(yaml, "x.yaml").lora.expert_a == "per_expert");
-  Config shared = parse_config(yaml + "lora: {expert_a: shared}\n", "x.yaml");
-  CHECK(shared.lora.expert_a == "shared");
-  CHECK(parse_config(config_to_yaml(shared), "resolved.yaml").lora.expert_a == "shared");
-  std::string message = error_message([&] { parse_config(yaml, "x.yaml", {"lora.expert_a=one"}); });
-  CHECK(contains(message, "`lora.expert_a` = `one` is not allowed: use one of per_expert | shared"));
+  check_lora_key("expert_a", "per_expert", "shared", [](const Config& c) { return c.lora.expert_a; });
+  CHECK(contains(adapter_form_config_error({"lora.expert_a=one"}),
+                 "`lora.expert_a` = `one` is not allowed: use one of per_expert | shared"));
 }
 
 TEST_CASE("shared expert A: training checkpoints and resumes bit for bit", "[shared_a][checkpoint]") {
-  auto make_config = [](const std::string& name) {
-    Config c = testing::four_step_run_config(scratch(name).string());
-    c.lora.targets = {"o_proj", "experts"};
-    c.lora.expert_a = "shared";
-    return c;
-  };
-  using Run = testing::TrainingRun;
-
-  Run straight(make_config("straight"));
-  const std::vector<double> expected = testing::four_step_losses(straight);
-  Parameter* a = find_parameter(*straight.model, kGateA);
+  const ExpertFormResume run = check_expert_form_resumes(scratch, [](Config& c) { c.lora.expert_a = "shared"; });
+  Parameter* a = find_parameter(*run.straight->model, kGateA);
   REQUIRE(a);
   CHECK(a->value.shape() == Shape({4, 16}));
-
-  Config split = make_config("split");
-  std::unique_ptr<Run> resumed = check_resume_matches(split, straight, expected);
-  Run& second = *resumed;
+  const Config& split = run.split;
+  TrainingRun& second = *run.resumed;
 
   // The checkpoint holds the one A whole; the exported adapter has it once per expert.
   const fs::path adapter = testing::export_run_adapter(split);

@@ -30,69 +30,32 @@
 #include "adapter_testing.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
+#include "routed_experts.h"
 #include "tiny_model.h"
 #include "training_run.h"
 
 using namespace moetrain;
 using namespace moetrain::testing;
+using namespace moetrain::testing::routed_experts;
 namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int64_t kGroups = 3, kHidden = 5, kWidth = 4, kRows = 7;
-// Rows per expert: 3, 0 (an expert without tokens), 4.
-const std::vector<int32_t> kOffsets = {0, 3, 3, 7};
-
 double silu(double g) { return g / (1.0 + std::exp(-g)); }
 
-// Routed experts with a fused gate_up adapter (rank 2 * 2, alpha 2 * 3) and a down adapter, every
-// tensor random and non-zero, in F64 on the CPU backend.
-struct Experts {
-  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
-  BatchTensors batch;
-  SwigluExperts mlp{"model.layers.1.mlp.experts", kGroups, kHidden, kWidth, /*routed=*/true};
-  Tensor offsets{Shape{kGroups + 1}, DType::kI32};
-  Tensor x = random_tensor({kRows, kHidden}, DType::kF64, 11);
-  Tensor dy = random_tensor({kRows, kHidden}, DType::kF64, 12);
-
-  explicit Experts(bool fused) {
-    mlp.gate_up = random_tensor({kGroups, 2 * kWidth, kHidden}, DType::kF64, 1);
-    mlp.down = random_tensor({kGroups, kHidden, kWidth}, DType::kF64, 2);
-    const LoraSettings lora{2, 3.0, false};
-    if (fused) {
-      mlp.add_fused_gate_up_lora(lora, DType::kF64, *backend, 3);
-    } else {
-      mlp.add_lora(SwigluExperts::kGate, lora, DType::kF64, *backend, 3);
-      mlp.add_lora(SwigluExperts::kUp, lora, DType::kF64, *backend, 4);
-    }
-    mlp.add_lora(SwigluExperts::kDown, lora, DType::kF64, *backend, 5);
-    std::vector<Parameter*> params;
-    mlp.collect_parameters(params);
-    uint64_t seed = 20;
-    for (Parameter* p : params) fill_random(p->value, seed++, 0.1, 0.6);
-    std::memcpy(offsets.data(), kOffsets.data(), offsets.nbytes());
-  }
-
-  LayerContext ctx() { return LayerContext{*backend, DType::kF64, batch}; }
-  GroupOffsets groups() const { return GroupOffsets{offsets.view(), kOffsets.data()}; }
-
-  Tensor forward() {
-    Tensor out({kRows, kHidden}, DType::kF64);
-    mlp.forward(ctx(), out, x, groups());
-    return out;
-  }
-  double loss() { return dot(forward(), dy); }
-
-  // Gradients of loss() into the adapters' grads (zeroed first) and the returned dx.
-  Tensor backward() {
-    std::vector<Parameter*> params;
-    mlp.collect_parameters(params);
-    for (Parameter* p : params) backend->fill(p->grad, 0.0);
-    forward();
-    Tensor dx({kRows, kHidden}, DType::kF64);
-    mlp.backward(ctx(), dx, dy, x, groups(), false);
-    return dx;
-  }
+// Routed experts with a fused gate_up adapter (rank 2 * 2, alpha 2 * 3) and a down adapter.
+struct Experts : RoutedExperts {
+  explicit Experts(bool fused)
+      : RoutedExperts([&](SwigluExperts& mlp, kernels::Backend& backend) {
+          const LoraSettings lora{2, 3.0, false};
+          if (fused) {
+            mlp.add_fused_gate_up_lora(lora, DType::kF64, backend, 3);
+          } else {
+            mlp.add_lora(SwigluExperts::kGate, lora, DType::kF64, backend, 3);
+            mlp.add_lora(SwigluExperts::kUp, lora, DType::kF64, backend, 4);
+          }
+          mlp.add_lora(SwigluExperts::kDown, lora, DType::kF64, backend, 5);
+        }) {}
 };
 
 // PEFT's ParamWrapper, written out: expert e's weights W'[e] = W[e] + s B_e A_e, then the SwiGLU
@@ -132,15 +95,7 @@ Tensor reference_forward(const Experts& f) {
 
 // The whole tiny model (MLA, KDA, DSA, dense and MoE layers) with every target, in F64.
 std::unique_ptr<Model> tiny_model(kernels::Backend& backend, bool fused, bool rslora = false) {
-  Config config = tiny_model_config(true);
-  ModelOptions options;
-  options.dtype = DType::kF64;
-  options.lora = LoraSettings{4, 8.0, rslora};
-  options.lora_targets = all_lora_targets(true);
-  options.fused_expert_gate_up = fused;
-  auto model = std::make_unique<Model>(resolve_model_spec(config), backend, options);
-  model->init_random_weights();
-  return model;
+  return tiny_form_model(backend, {/*fused_gate_up=*/fused, /*shared_a=*/false, rslora});
 }
 
 Tensor host_copy(kernels::Backend& backend, const Tensor& t) {
@@ -474,35 +429,20 @@ TEST_CASE("fused gate_up: what each model form holds, and the refusals naming th
 }
 
 TEST_CASE("fused gate_up: the config key and its rules", "[fused][config]") {
-  const std::string yaml =
-      "model: {vocab_size: 64, hidden_size: 32, num_layers: 2, mla: {num_heads: 2}, moe: {num_experts: 4, top_k: 2}}\n"
-      "data: {seq_len: 16}\n";
-  CHECK(parse_config(yaml, "x.yaml").lora.expert_gate_up == "separate");
-  Config fused = parse_config(yaml + "lora: {expert_gate_up: fused}\n", "x.yaml");
-  CHECK(fused.lora.expert_gate_up == "fused");
-  CHECK(parse_config(config_to_yaml(fused), "resolved.yaml").lora.expert_gate_up == "fused");  // what runs save
-  std::string message = error_message([&] { parse_config(yaml, "x.yaml", {"lora.expert_gate_up=fuse"}); });
+  check_lora_key("expert_gate_up", "separate", "fused", [](const Config& c) { return c.lora.expert_gate_up; });
+  std::string message = adapter_form_config_error({"lora.expert_gate_up=fuse"});
   CHECK(contains(message, "lora.expert_gate_up"));
   CHECK(contains(message, "fused"));
-  message = error_message(
-      [&] { parse_config(yaml, "x.yaml", {"lora.expert_gate_up=fused", "checkpoint.export_layout=per_expert"}); });
+  message = adapter_form_config_error({"lora.expert_gate_up=fused", "checkpoint.export_layout=per_expert"});
   CHECK(contains(message, "`checkpoint.export_layout` = `per_expert` cannot hold `lora.expert_gate_up` = `fused`"));
 }
 
 TEST_CASE("fused gate_up: training checkpoints and resumes bit for bit, and exports the fused adapter", "[fused][checkpoint]") {
-  auto make_config = [](const std::string& name) {
-    Config c = testing::four_step_run_config(scratch(name).string());
-    c.lora.targets = {"o_proj", "experts"};
-    c.lora.expert_gate_up = "fused";
-    return c;
-  };
-  using Run = testing::TrainingRun;
-
-  Run straight(make_config("straight"));
-  const std::vector<double> expected = testing::four_step_losses(straight);
+  const ExpertFormResume run =
+      check_expert_form_resumes(scratch, [](Config& c) { c.lora.expert_gate_up = "fused"; });
   // Training moves the fused B (zero at the start) off zero everywhere: an expert that got tokens
   // has a full B, gate rows in the up ranks included.
-  Parameter* b = find_parameter(*straight.model, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight");
+  Parameter* b = find_parameter(*run.straight->model, "model.layers.1.mlp.experts.gate_up_proj.lora_B.weight");
   REQUIRE(b);
   const int64_t block = b->value.numel() / b->value.size(0);
   int64_t full = 0;
@@ -513,10 +453,7 @@ TEST_CASE("fused gate_up: training checkpoints and resumes bit for bit, and expo
   }
   CHECK(full >= 1);
 
-  Config split = make_config("split");
-  std::unique_ptr<Run> resumed = check_resume_matches(split, straight, expected);
-
-  const fs::path adapter = testing::export_run_adapter(split);
+  const fs::path adapter = testing::export_run_adapter(run.split);
   SafetensorsFile file((adapter / "adapter_model.safetensors").string());
   CHECK(file.info(kGateUpB).shape == Shape({16, 8 * 6}));
   CHECK(read_json(adapter / "adapter_config.json")["rank_pattern"] == nlohmann::json({{".*\\.gate_up_proj", 8}}));
