@@ -39,13 +39,14 @@ MeshGroup strided_group(int rank, int stride, int world) {
 }  // namespace
 
 MeshLayout::MeshLayout(int world, const MeshShape& parallel, int64_t num_experts, const std::string& source)
-    : world_(world), fsdp_(0), ep_(0), num_experts_(num_experts) {
+    : world_(world), fsdp_(0), ep_(0), cp_(0), num_experts_(num_experts) {
   const std::string where = source + " with world size " + std::to_string(world) + ": ";
   std::string problems;
   auto fail = [&](const std::string& text) { problems += (problems.empty() ? "" : "\n") + where + text; };
   if (world < 1) fail("the world size must be at least 1");
   if (parallel.fsdp < 1) fail("`parallel.fsdp` = " + std::to_string(parallel.fsdp) + " must be >= 1");
   if (parallel.ep < 1) fail("`parallel.ep` = " + std::to_string(parallel.ep) + " must be >= 1");
+  if (parallel.cp < 1) fail("`parallel.cp` = " + std::to_string(parallel.cp) + " must be >= 1");
   if (num_experts < 1) fail("`model.moe.num_experts` = " + std::to_string(num_experts) + " must be >= 1");
   if (problems.empty()) {
     if (world % parallel.fsdp != 0) {
@@ -59,10 +60,16 @@ MeshLayout::MeshLayout(int world, const MeshShape& parallel, int64_t num_experts
            " (each expert-parallel rank holds num_experts / ep contiguous experts): set parallel.ep to one of " +
            divisors_of(world, num_experts));
     }
+    if (world % parallel.cp != 0) {
+      fail("`parallel.cp` = " + std::to_string(parallel.cp) + " does not divide the world size (each group of cp "
+           "ranks shares one micro-batch, world / cp groups read different data): set parallel.cp to one of " +
+           divisors_of(world) + ", or run on a multiple of " + std::to_string(parallel.cp) + " ranks");
+    }
   }
   MOETRAIN_CHECK(problems.empty(), ExitCode::kBadConfig, problems);
   fsdp_ = static_cast<int>(parallel.fsdp);
   ep_ = static_cast<int>(parallel.ep);
+  cp_ = static_cast<int>(parallel.cp);
 }
 
 MeshCoordinates MeshLayout::coordinates(int rank) const {
@@ -73,6 +80,7 @@ MeshCoordinates MeshLayout::coordinates(int rank) const {
   c.replicate = strided_group(rank, fsdp_, world_);
   c.ep = block_group(rank, ep_);
   c.expert_replica = strided_group(rank, ep_, world_);
+  c.cp = block_group(rank, cp_);
   c.local_experts = experts_per_rank();
   c.first_expert = static_cast<int64_t>(c.ep.index) * c.local_experts;
   return c;
@@ -113,12 +121,13 @@ DeviceMesh::DeviceMesh(const MeshLayout& layout, MPI_Comm parent) : layout_(layo
   MOETRAIN_CHECK(world == layout.world(), ExitCode::kBadConfig,
                  "the mesh was planned for a world of " + std::to_string(layout.world()) + " ranks but the job has " +
                      std::to_string(world) + ": launch " + std::to_string(layout.world()) +
-                     " ranks or change parallel.fsdp / parallel.ep");
+                     " ranks or change parallel.fsdp / parallel.ep / parallel.cp");
   coordinates_ = layout.coordinates(rank);
   fsdp_ = split(parent, coordinates_.fsdp);
   replicate_ = split(parent, coordinates_.replicate);
   ep_ = split(parent, coordinates_.ep);
   expert_replica_ = split(parent, coordinates_.expert_replica);
+  cp_ = split(parent, coordinates_.cp);
 }
 
 DeviceMesh::DeviceMesh(DeviceMesh&& other) noexcept
@@ -128,13 +137,15 @@ DeviceMesh::DeviceMesh(DeviceMesh&& other) noexcept
       fsdp_(std::exchange(other.fsdp_, MPI_COMM_NULL)),
       replicate_(std::exchange(other.replicate_, MPI_COMM_NULL)),
       ep_(std::exchange(other.ep_, MPI_COMM_NULL)),
-      expert_replica_(std::exchange(other.expert_replica_, MPI_COMM_NULL)) {}
+      expert_replica_(std::exchange(other.expert_replica_, MPI_COMM_NULL)),
+      cp_(std::exchange(other.cp_, MPI_COMM_NULL)) {}
 
 DeviceMesh::~DeviceMesh() {
   free_comm(&fsdp_);
   free_comm(&replicate_);
   free_comm(&ep_);
   free_comm(&expert_replica_);
+  free_comm(&cp_);
 }
 
 }  // namespace moetrain

@@ -21,8 +21,10 @@ namespace {
 
 // Settings a resumed run may change without breaking its continuation: where things go, how
 // long it runs, how it is launched (resharding handles the layout). A reshard keeps the global
-// batch, data.micro_batch x world, so that is what is compared.
+// batch, data.micro_batch x world / parallel.cp (the ranks of a context-parallel group share
+// their micro-batches), so that is what is compared.
 Config without_resumable_differences(Config c, int world) {
+  const int64_t data_groups = world / c.parallel.cp;
   Config defaults;
   c.checkpoint = defaults.checkpoint;
   c.logging = defaults.logging;
@@ -35,7 +37,7 @@ Config without_resumable_differences(Config c, int world) {
   c.data.eval.source = defaults.data.eval.source;
   c.data.eval.mixture = defaults.data.eval.mixture;
   c.data.eval.windows = defaults.data.eval.windows;
-  c.data.micro_batch *= world;
+  c.data.micro_batch *= data_groups;
   return c;
 }
 

@@ -294,6 +294,13 @@ void validate_for_world(const Config& config, int world_size) {
                                      std::to_string(ep) + " ranks"});
     }
   }
+  const int64_t cp = config.parallel.cp;
+  if (cp >= 1 && world % cp != 0) {
+    problems.push_back({where, "`parallel.cp` = " + std::to_string(cp) + " does not divide the world size " +
+                                   std::to_string(world) + " (each group of cp ranks shares one micro-batch): set " +
+                                   "parallel.cp to one of " + join(divisors(world), ", ") +
+                                   ", or run on a multiple of " + std::to_string(cp) + " ranks"});
+  }
   config_detail::throw_if_problems(problems);
 }
 

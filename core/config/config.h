@@ -143,6 +143,9 @@ struct LoraConfig {
 struct ParallelConfig {
   int64_t fsdp = 1;
   int64_t ep = 1;
+  // Context parallelism: each micro-batch is cut into cp contiguous shards of its tokens, one per
+  // rank of a group of cp ranks (docs/PARALLEL.md); the world / cp groups read different data.
+  int64_t cp = 1;
   int64_t prefetch = 1;
   // Re-run each layer's forward in its backward instead of keeping what the backward reads: less
   // memory, one more forward. recompute_layers: only the first N layers re-run (the rest keep

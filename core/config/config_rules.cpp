@@ -418,6 +418,14 @@ void check_parallel(const Config& c, Rules& r) {
   const ParallelConfig& p = c.parallel;
   r.positive("parallel.fsdp", p.fsdp);
   r.positive("parallel.ep", p.ep);
+  r.positive("parallel.cp", p.cp);
+  const int64_t tokens = c.data.seq_len * c.data.micro_batch;
+  if (p.cp > 1 && c.data.seq_len > 0 && c.data.micro_batch > 0 && tokens % p.cp != 0) {
+    r.fail({"parallel.cp", "data.seq_len", "data.micro_batch"},
+           "`parallel.cp` = " + show(p.cp) + " must divide a micro-batch's tokens, `data.seq_len` x " +
+               "`data.micro_batch` = " + show(tokens) + " (each rank of a context-parallel group holds an equal " +
+               "contiguous shard): make data.seq_len a multiple of " + show(p.cp));
+  }
   r.at_least<int64_t>("parallel.prefetch", p.prefetch, 0);
   r.at_least<double>("parallel.timeout_s", p.timeout_s, 0.0);
   if (p.recompute_layers != -1) {

@@ -117,6 +117,7 @@ template <class V>
 void visit_fields(V& v, ParallelConfig& c) {
   v.field("fsdp", c.fsdp);
   v.field("ep", c.ep);
+  v.field("cp", c.cp);
   v.field("prefetch", c.prefetch);
   v.field("recompute", c.recompute);
   v.field("recompute_layers", c.recompute_layers);

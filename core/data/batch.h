@@ -6,7 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
+
+#include "core/data/context_shards.h"
 
 namespace moetrain {
 
@@ -39,7 +42,15 @@ struct Batch {
     for (int32_t length : lengths) cu_seqlens.push_back(cu_seqlens.back() + length);
   }
 
-  int64_t num_tokens() const { return batch_size * seq_len; }
+  // Set when this is one rank's shard of a micro-batch split across a context-parallel group
+  // (parallel.cp > 1, context_shard() in core/data/context_shards.h): the micro-batch's cut, and
+  // that this is shard `context_rank` of it. input_ids, labels and positions then hold the
+  // shard's tokens, cu_seqlens its own segments (local_cu), and batch_size, seq_len the
+  // micro-batch's.
+  std::optional<ContextShards> context;
+  int context_rank = 0;
+
+  int64_t num_tokens() const { return context ? context->tokens(context_rank) : batch_size * seq_len; }
   int64_t num_targets() const {
     int64_t n = 0;
     for (int32_t label : labels) n += label >= 0;

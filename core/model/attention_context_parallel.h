@@ -9,7 +9,7 @@
 #pragma once
 
 #include "core/base/tensor.h"
-#include "core/model/context_shards.h"
+#include "core/data/context_shards.h"
 #include "kernels/ops.h"
 #include "parallel/comm.h"
 

@@ -110,7 +110,7 @@ void KdaAttention::project_qkv(const LayerContext& ctx, const TensorView& x) {
     s.qkv_lin = ctx.alloc({n, 3 * c});
     qkv_proj.forward(ctx, s.qkv_lin, x);
     Tensor conv = ctx.alloc({n, 3 * c});
-    be.short_conv_forward(ShortConvArgs{conv, s.qkv_lin, qkv_conv, segments, true});
+    conv_forward(ctx, ShortConvArgs{conv, s.qkv_lin, qkv_conv, segments, true});
     Tensor* parts[3] = {&s.q_conv, &s.k_conv, &s.v_conv};
     for (int64_t j = 0; j < 3; ++j) be.copy_columns(CopyColumnsArgs{*parts[j], conv, 0, j * c, c, 1, false});
     return;
@@ -125,7 +125,7 @@ void KdaAttention::project_qkv(const LayerContext& ctx, const TensorView& x) {
                     Stream{v_proj, s.v_lin, v_conv, s.v_conv}}) {
     st.lin = ctx.alloc({n, c});
     st.proj.forward(ctx, st.lin, x);
-    be.short_conv_forward(ShortConvArgs{st.conv, st.lin, st.weight, segments, true});
+    conv_forward(ctx, ShortConvArgs{st.conv, st.lin, st.weight, segments, true});
   }
 }
 
@@ -158,8 +158,8 @@ void KdaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   be.sigmoid_forward(s.beta, beta_logits);
 
   s.attn = ctx.alloc({n, heads_, dim_});
-  be.kda_forward(KdaArgs{s.attn, s.q, s.k, s.v_conv.view().reshaped({n, heads_, dim_}), s.g, s.beta,
-                         ctx.batch.cu_seqlens, 1.0 / std::sqrt(static_cast<double>(dim_))});
+  recurrence_forward(ctx, KdaArgs{s.attn, s.q, s.k, s.v_conv.view().reshaped({n, heads_, dim_}), s.g, s.beta,
+                                  ctx.batch.cu_seqlens, 1.0 / std::sqrt(static_cast<double>(dim_))});
 
   // Head-wise RMSNorm gated by sigmoid(output gate), then o_proj.
   s.gate = ctx.alloc({n, c});
@@ -192,7 +192,7 @@ void KdaAttention::qkv_backward(const LayerContext& ctx, const TensorView& dx, c
     const TensorView parts[3] = {dq_conv, dk_conv, dv_conv};
     for (int64_t j = 0; j < 3; ++j) be.copy_columns(CopyColumnsArgs{dconv, parts[j], j * c, 0, c, 1, false});
     Tensor dlin = ctx.alloc({n, 3 * c});
-    be.short_conv_backward(ShortConvBackwardArgs{dlin, {}, dconv, s.qkv_lin, qkv_conv, segments, true});
+    conv_backward(ctx, ShortConvBackwardArgs{dlin, {}, dconv, s.qkv_lin, qkv_conv, segments, true});
     qkv_proj.backward(ctx, dx, dlin, x, true);
     return;
   }
@@ -205,7 +205,7 @@ void KdaAttention::qkv_backward(const LayerContext& ctx, const TensorView& dx, c
   for (Stream st : {Stream{q_proj, s.q_lin, q_conv, dq_conv}, Stream{k_proj, s.k_lin, k_conv, dk_conv},
                     Stream{v_proj, s.v_lin, v_conv, dv_conv}}) {
     Tensor dlin = ctx.alloc({n, c});
-    be.short_conv_backward(ShortConvBackwardArgs{dlin, {}, st.dconv, st.lin, st.weight, segments, true});
+    conv_backward(ctx, ShortConvBackwardArgs{dlin, {}, st.dconv, st.lin, st.weight, segments, true});
     st.proj.backward(ctx, dx, dlin, x, true);
   }
 }
@@ -239,9 +239,9 @@ void KdaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
   Tensor dv = ctx.alloc({n, c});
   Tensor dg = ctx.alloc_accum({n, heads_, dim_});
   Tensor dbeta = ctx.alloc_accum({n, heads_});
-  be.kda_backward(KdaBackwardArgs{dq, dk, dv.view().reshaped({n, heads_, dim_}), dg, dbeta, dattn, s.q, s.k,
-                                  s.v_conv.view().reshaped({n, heads_, dim_}), s.g, s.beta, ctx.batch.cu_seqlens,
-                                  1.0 / std::sqrt(static_cast<double>(dim_))});
+  recurrence_backward(ctx, KdaBackwardArgs{dq, dk, dv.view().reshaped({n, heads_, dim_}), dg, dbeta, dattn, s.q,
+                                           s.k, s.v_conv.view().reshaped({n, heads_, dim_}), s.g, s.beta,
+                                           ctx.batch.cu_seqlens, 1.0 / std::sqrt(static_cast<double>(dim_))});
 
   // Beta and the forget gate, into dx.
   Tensor dbeta_logits = ctx.alloc({n, heads_});
@@ -261,6 +261,26 @@ void KdaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
   be.l2norm_backward(L2NormBackwardArgs{per_head(dk_conv, dim_), per_head(dk, dim_),
                                         per_head(s.k_conv, dim_), s.k_inv_norm});
   qkv_backward(ctx, dx, dq_conv, dk_conv, dv, x);
+}
+
+void KdaAttention::conv_forward(const LayerContext& ctx, const ShortConvArgs& args) const {
+  if (!ctx.context_parallel()) return ctx.backend.short_conv_forward(args);
+  ShortConvAcrossRanks(ctx.backend, *ctx.context_group, *ctx.batch.context, width_).forward(args);
+}
+
+void KdaAttention::conv_backward(const LayerContext& ctx, const ShortConvBackwardArgs& args) const {
+  if (!ctx.context_parallel()) return ctx.backend.short_conv_backward(args);
+  ShortConvAcrossRanks(ctx.backend, *ctx.context_group, *ctx.batch.context, width_).backward(args);
+}
+
+void KdaAttention::recurrence_forward(const LayerContext& ctx, const KdaArgs& args) {
+  if (!ctx.context_parallel()) return ctx.backend.kda_forward(args);
+  KdaAcrossRanks(ctx.backend, *ctx.context_group, *ctx.batch.context).forward(args, &saved_.shard_state);
+}
+
+void KdaAttention::recurrence_backward(const LayerContext& ctx, const KdaBackwardArgs& args) {
+  if (!ctx.context_parallel()) return ctx.backend.kda_backward(args);
+  KdaAcrossRanks(ctx.backend, *ctx.context_group, *ctx.batch.context).backward(args, saved_.shard_state);
 }
 
 void KdaAttention::release_saved() { saved_ = Saved{}; }

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/model/kda_context_parallel.h"
 #include "core/model/layer.h"
 #include "core/model/lora_linear.h"
 #include "core/model/model_spec.h"
@@ -59,6 +60,12 @@ class KdaAttention final : public Mixer {
   void project_qkv(const LayerContext& ctx, const TensorView& x);
   void qkv_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dq_conv,
                     const TensorView& dk_conv, const TensorView& dv_conv, const TensorView& x);
+  // The short convolutions and the recurrence, across the context-parallel group when the
+  // micro-batch is split (kda_context_parallel.h), else the backend's own.
+  void conv_forward(const LayerContext& ctx, const kernels::ShortConvArgs& args) const;
+  void conv_backward(const LayerContext& ctx, const kernels::ShortConvBackwardArgs& args) const;
+  void recurrence_forward(const LayerContext& ctx, const kernels::KdaArgs& args);
+  void recurrence_backward(const LayerContext& ctx, const kernels::KdaBackwardArgs& args);
 
   // Forward's intermediates, [tokens, ...]; "conv" = after the conv and SiLU.
   struct Saved {
@@ -73,6 +80,7 @@ class KdaAttention final : public Mixer {
     Tensor gate_low, gate;          // g_a_proj output [tokens, d] (low rank), gate pre-activation [tokens, H d]
     Tensor norm_rstd;               // [tokens * H]
     Tensor normed;                  // [tokens, H d], o_proj's input
+    KdaShardState shard_state;      // context parallelism: the state this shard started from
   } saved_;
 };
 

@@ -11,6 +11,8 @@ namespace moetrain {
 
 using kernels::KdaArgs;
 using kernels::KdaBackwardArgs;
+using kernels::ShortConvArgs;
+using kernels::ShortConvBackwardArgs;
 
 namespace {
 
@@ -181,6 +183,87 @@ void KdaAcrossRanks::backward(const KdaBackwardArgs& args, const KdaShardState& 
   run.initial_state = saved.entering;
   run.dfinal_state = leaving;
   backend_.kda_backward(run);
+}
+
+ShortConvAcrossRanks::ShortConvAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                                           int64_t width)
+    : backend_(backend), cp_(cp), shards_(shards), reach_(width - 1) {
+  MOETRAIN_CHECK(shards.ranks() == cp.size() && width >= 1, ExitCode::kInternal,
+                 "short convolution across ranks: a shard per rank and a width of at least 1");
+}
+
+int64_t ShortConvAcrossRanks::halo_begin(int r) const {
+  return std::max(shards_.document_start(r), shards_.begin(r) - reach_);
+}
+
+Tensor ShortConvAcrossRanks::gather_rows(const TensorView& mine) {
+  Tensor all({cp_.size() * reach_, mine.size(1)}, mine.dtype, backend_.allocator());
+  cp_.all_gather(all.view(), mine);
+  return all;
+}
+
+ShortConvAcrossRanks::Extended ShortConvAcrossRanks::extend(const TensorView& x) {
+  const int me = cp_.rank();
+  const int64_t tokens = x.size(0), channels = x.size(1);
+  // Every shard's last rows, aligned to its end: row reach_ - (end - g) holds window token g.
+  Tensor tail({reach_, channels}, x.dtype, backend_.allocator());
+  backend_.fill(tail, 0.0);
+  const int64_t kept = std::min(reach_, tokens);
+  if (kept > 0) backend_.copy(tail.view().slice_rows(reach_ - kept, reach_), x.slice_rows(tokens - kept, tokens));
+  const Tensor tails = gather_rows(tail);
+
+  Extended e;
+  e.halo = shards_.begin(me) - halo_begin(me);
+  e.x = Tensor({e.halo + tokens, channels}, x.dtype, backend_.allocator());
+  for (int64_t g = halo_begin(me); g < shards_.begin(me); ++g) {
+    int q = 0;
+    while (!(shards_.begin(q) <= g && g < shards_.end(q))) ++q;  // the owner of token g
+    const int64_t row = q * reach_ + reach_ - (shards_.end(q) - g);
+    const int64_t at = g - halo_begin(me);
+    backend_.copy(e.x.view().slice_rows(at, at + 1), tails.view().slice_rows(row, row + 1));
+  }
+  backend_.copy(e.x.view().slice_rows(e.halo, e.halo + tokens), x);
+
+  std::vector<int32_t> cu = shards_.local_cu(me);
+  for (size_t i = 1; i < cu.size(); ++i) cu[i] += static_cast<int32_t>(e.halo);
+  Tensor host({static_cast<int64_t>(cu.size())}, DType::kI32);
+  std::copy(cu.begin(), cu.end(), host.ptr<int32_t>());
+  e.cu = Tensor(host.shape(), DType::kI32, backend_.allocator());
+  backend_.copy(e.cu, host);
+  return e;
+}
+
+void ShortConvAcrossRanks::forward(const ShortConvArgs& args) {
+  const Extended e = extend(args.x);
+  const int64_t tokens = args.x.size(0);
+  Tensor y({e.halo + tokens, args.y.size(1)}, args.y.dtype, backend_.allocator());
+  backend_.short_conv_forward(ShortConvArgs{y, e.x, args.weight, e.cu, args.silu});
+  backend_.copy(args.y, y.view().slice_rows(e.halo, e.halo + tokens));
+}
+
+void ShortConvAcrossRanks::backward(const ShortConvBackwardArgs& args) {
+  const int me = cp_.rank();
+  const Extended e = extend(args.x);
+  const int64_t tokens = args.x.size(0), channels = args.x.size(1);
+  Tensor dy({e.halo + tokens, channels}, args.dy.dtype, backend_.allocator());
+  backend_.fill(dy.view().slice_rows(0, e.halo), 0.0);
+  backend_.copy(dy.view().slice_rows(e.halo, e.halo + tokens), args.dy);
+  Tensor dx({e.halo + tokens, channels}, args.dx.dtype, backend_.allocator());
+  backend_.short_conv_backward(ShortConvBackwardArgs{dx, args.dweight, dy, e.x, args.weight, e.cu, args.silu});
+  backend_.copy(args.dx, dx.view().slice_rows(e.halo, e.halo + tokens));
+
+  // The halo's gradient, aligned to this shard's start: row reach_ - (begin - g) holds token g's.
+  Tensor mine({reach_, channels}, args.dx.dtype, backend_.allocator());
+  backend_.fill(mine, 0.0);
+  if (e.halo > 0) backend_.copy(mine.view().slice_rows(reach_ - e.halo, reach_), dx.view().slice_rows(0, e.halo));
+  const Tensor halos = gather_rows(mine);
+  for (int r = me + 1; r < cp_.size(); ++r) {
+    const int64_t first = std::max(halo_begin(r), shards_.begin(me)), last = std::min(shards_.begin(r), shards_.end(me));
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t row = r * reach_ + reach_ - (shards_.begin(r) - g), at = g - shards_.begin(me);
+      backend_.axpby(args.dx.slice_rows(at, at + 1), halos.view().slice_rows(row, row + 1), 1.0, 1.0);
+    }
+  }
 }
 
 }  // namespace moetrain

@@ -20,7 +20,7 @@
 #pragma once
 
 #include "core/base/tensor.h"
-#include "core/model/context_shards.h"
+#include "core/data/context_shards.h"
 #include "kernels/ops.h"
 #include "parallel/comm.h"
 
@@ -45,6 +45,42 @@ class KdaAcrossRanks {
   kernels::Backend& backend_;
   Communicator& cp_;
   const ContextShards& shards_;
+};
+
+// The short convolutions before KDA over a split sequence: the first width - 1 tokens of a shard
+// read the tokens before them in their document, which sit on earlier ranks (a halo, reaching
+// past one rank when shards are shorter than width - 1). The group all-gathers every shard's last
+// width - 1 rows (a fixed size), each rank prepends its halo to its rows and runs the convolution
+// over both, and keeps the outputs of its own rows. The backward runs the same extended
+// convolution with no gradient arriving at the halo's outputs, and the halo rows' input gradient
+// goes back to the ranks that own them the same way (an all-gather of width - 1 rows).
+class ShortConvAcrossRanks {
+ public:
+  // `cp`: the context-parallel group, its rank r holding shard r of `shards`. Neither is owned.
+  ShortConvAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards, int64_t width);
+
+  // args: this shard's rows, cu_seqlens its shards.local_cu() (this class extends both).
+  void forward(const kernels::ShortConvArgs& args);
+  // dx: this shard's rows' whole gradient, the later shards' halos included (dweight, when
+  // given, this rank's part: summed over the group it is the gradient of the whole sequence).
+  void backward(const kernels::ShortConvBackwardArgs& args);
+
+ private:
+  // This shard's rows after the halo of rows before it: x [halo + tokens, channels], cu the
+  // shard's segments with the first one reaching back over the halo.
+  struct Extended {
+    Tensor x, cu;
+    int64_t halo = 0;
+  };
+  Extended extend(const TensorView& x);
+  int64_t halo_begin(int r) const;  // the window position of shard r's first halo token
+  // Every shard's [width - 1, channels] rows `mine`, gathered: [ranks * (width - 1), channels].
+  Tensor gather_rows(const TensorView& mine);
+
+  kernels::Backend& backend_;
+  Communicator& cp_;
+  const ContextShards& shards_;
+  int64_t reach_;  // width - 1: how far back a token reads
 };
 
 }  // namespace moetrain

@@ -1,9 +1,14 @@
-// What every layer's forward and backward sees: the backend, the compute dtype, and the
-// micro-batch's index tensors on the backend's device.
+// What every layer's forward and backward sees: the backend, the compute dtype, the
+// micro-batch's index tensors on the backend's device, and, when the micro-batch is split across
+// a context-parallel group, the cut and the group.
 #pragma once
 
+#include <optional>
+
 #include "core/base/tensor.h"
+#include "core/data/context_shards.h"
 #include "kernels/ops.h"
+#include "parallel/comm.h"
 
 namespace moetrain {
 
@@ -15,12 +20,20 @@ struct BatchTensors {
   Tensor cu_seqlens;  // [segments + 1]
   int64_t num_tokens = 0;
   int64_t seq_len = 0;  // window length (segments never span windows)
+  // Context parallelism (Batch::context): this rank holds shard context_group->rank() of the
+  // micro-batch cut as `context`; cu_seqlens are its own segments, positions the micro-batch's.
+  std::optional<ContextShards> context;
 };
 
 struct LayerContext {
   kernels::Backend& backend;
   DType dtype;                  // activations and frozen weights (F32/F64 on CPU, BF16 on CUDA)
   const BatchTensors& batch;
+  // The context-parallel group (parallel.cp > 1), when batch.context is set: the mixers exchange
+  // what crosses the cut (core/model/*_context_parallel.h); everything position-wise runs as is.
+  Communicator* context_group = nullptr;
+
+  bool context_parallel() const { return batch.context.has_value(); }
 
   // The "accumulation" dtype of kernels/ops.h: LoRA parameters and gradients, statistics,
   // router logits/scores/weights, losses. F64 when computing in F64, else F32.

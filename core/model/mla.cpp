@@ -1,5 +1,7 @@
 #include "core/model/mla.h"
 
+#include "core/model/attention_context_parallel.h"
+
 namespace moetrain {
 
 using kernels::AttentionArgs;
@@ -36,7 +38,9 @@ void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const
 
   Tensor attn = ctx.alloc({n, heads, v_dim});
   s.lse = ctx.alloc_accum({n, heads});
-  be.attention_forward(AttentionArgs{attn, s.lse, s.stages.q, s.k, s.v, ctx.batch.cu_seqlens, proj.softmax_scale()});
+  const AttentionArgs attention{attn, s.lse, s.stages.q, s.k, s.v, ctx.batch.cu_seqlens, proj.softmax_scale()};
+  if (ctx.context_parallel()) AttentionAcrossRanks(be, *ctx.context_group, *ctx.batch.context).forward(attention);
+  else be.attention_forward(attention);
   proj.output(ctx, out, std::move(attn), x, s.stages);
 }
 
@@ -53,8 +57,10 @@ void MlaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
   Tensor dq = ctx.alloc({n, heads, qk});
   Tensor dk = ctx.alloc({n, heads, qk});
   Tensor dv = ctx.alloc({n, heads, v_dim});
-  be.attention_backward(AttentionBackwardArgs{dq, dk, dv, dattn, s.stages.q, s.k, s.v, s.stages.attn, s.lse,
-                                              ctx.batch.cu_seqlens, proj.softmax_scale()});
+  const AttentionBackwardArgs attention{dq, dk, dv, dattn, s.stages.q, s.k, s.v, s.stages.attn, s.lse,
+                                        ctx.batch.cu_seqlens, proj.softmax_scale()};
+  if (ctx.context_parallel()) AttentionAcrossRanks(be, *ctx.context_group, *ctx.batch.context).backward(attention);
+  else be.attention_backward(attention);
 
   // Back through the key/value assembly into kv_b_proj's output and k_pe.
   TensorView dk_rows = dk.view().reshaped({n * heads, qk});

@@ -306,7 +306,22 @@ std::vector<WeightSlot> Model::weight_slots() {
   return slots;
 }
 
+LayerContext Model::context(const BatchTensors& batch) {
+  LayerContext ctx{backend_, options_.dtype, batch};
+  if (batch.context) ctx.context_group = options_.parallel->cp;  // checked in upload()
+  return ctx;
+}
+
 BatchTensors Model::upload(const Batch& batch) {
+  if (batch.context) {
+    const ParallelGroups* parallel = options_.parallel;
+    MOETRAIN_CHECK(parallel && parallel->cp && parallel->cp->size() == batch.context->ranks() &&
+                       parallel->cp->rank() == batch.context_rank,
+                   ExitCode::kInternal,
+                   fmt::format("shard {} of a micro-batch cut into {} context shards needs to run on that rank of a "
+                               "context-parallel group of as many ranks (ParallelGroups::cp)",
+                               batch.context_rank, batch.context->ranks()));
+  }
   check_batch(batch, spec_.config.vocab_size, spec_.config.mla.use_rope ? rope_.cos.size(0) : INT32_MAX);
   return batches_.upload(batch);
 }

@@ -148,7 +148,7 @@ class Model final : public TrainableModel {
 
   // The batch checked on the host, then on the device.
   BatchTensors upload(const Batch& batch);
-  LayerContext context(const BatchTensors& batch) { return LayerContext{backend_, options_.dtype, batch}; }
+  LayerContext context(const BatchTensors& batch);
   DType parameter_dtype() const { return options_.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
   const Tensor& head() const { return spec_.config.tie_word_embeddings ? embed_ : lm_head_; }
   // The MoE layers' routed halves, in layer order.

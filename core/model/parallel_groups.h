@@ -15,11 +15,13 @@ struct ParallelGroups {
   Communicator* ep = nullptr;             // the token exchange of expert parallelism
   Communicator* expert_replica = nullptr; // ranks holding the same experts: their adapter gradients
   Communicator* fsdp = nullptr;           // the shard set: all-gathers the frozen non-expert weights
+  Communicator* cp = nullptr;             // context parallelism: the ranks sharing one micro-batch
 
   int64_t first_expert() const { return coordinates.first_expert; }
   int64_t local_experts() const { return coordinates.local_experts; }
   bool expert_parallel() const { return ep != nullptr && ep->size() > 1; }
   bool fsdp_sharded() const { return fsdp != nullptr && fsdp->size() > 1; }
+  bool context_parallel() const { return cp != nullptr && cp->size() > 1; }
 };
 
 }  // namespace moetrain

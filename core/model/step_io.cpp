@@ -23,7 +23,9 @@ void check_batch(const Batch& batch, int64_t vocab, int64_t max_position) {
   MOETRAIN_CHECK(static_cast<int64_t>(batch.input_ids.size()) == n && static_cast<int64_t>(batch.labels.size()) == n &&
                      static_cast<int64_t>(batch.positions.size()) == n && batch.cu_seqlens.size() >= 2 &&
                      batch.cu_seqlens.back() == n,
-                 ExitCode::kInternal, "malformed batch: sizes do not match batch_size * seq_len");
+                 ExitCode::kInternal, fmt::format("malformed batch: input_ids, labels and positions must each hold its {} tokens, and "
+                             "cu_seqlens end there",
+                             n));
   for (int64_t t = 0; t < n; ++t) {
     MOETRAIN_CHECK(batch.input_ids[t] >= 0 && batch.input_ids[t] < vocab, ExitCode::kBadData,
                    fmt::format("token id {} at batch position {} is outside the vocabulary [0, {}): the data "
@@ -67,6 +69,7 @@ BatchTensors BatchStaging::upload(const Batch& batch) {
   buffer.copied = backend_.record_event();
   bt.num_tokens = n;
   bt.seq_len = batch.seq_len;
+  bt.context = batch.context;
   return bt;
 }
 

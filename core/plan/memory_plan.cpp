@@ -194,7 +194,8 @@ MemoryPlan plan_layout(const PlanInputs& in) {
   plan.recompute_layers = config.parallel.recompute && config.parallel.recompute_layers >= 0
                               ? std::min(config.parallel.recompute_layers, m.num_layers)
                               : m.num_layers;
-  plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len;
+  plan.cp = in.mesh.cp();
+  plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len / plan.cp;
   plan.micro_batches = config.data.grad_accum;
   plan.local_experts = in.mesh.experts_per_rank();
   plan.params = count_model_parameters(in.spec);
@@ -320,6 +321,13 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
   plan.ep_receive_worst_case_per_token =
       plan.ep > 1 ? static_cast<double>(plan.ep) * std::min<double>(k, static_cast<double>(plan.local_experts)) * d * a
                   : 0.0;
+  // Context parallelism: an MLA layer's forward and backward gather every shard's keys and values
+  // (padded to the longest shard), copy out the visible ones and, in the backward, their
+  // gradients: up to cp x this rank's tokens x H (qk + v) each, for the layer being run.
+  const bool has_mla = std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kMla) > 0;
+  const double mla_head_row = static_cast<double>(m.mla.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim +
+                                                                      m.mla.v_head_dim));
+  const double cp_keys = plan.cp > 1 && has_mla ? 3.0 * static_cast<double>(plan.cp) * mla_head_row * a : 0.0;
   for (bool recompute : {true, false}) {
     std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
     add(items, "layer inputs (checkpoints)", checkpoint, "(layers + 1) x D x a");
@@ -340,6 +348,8 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
     add(items, "attention-residual summary gradients", attn_res_part,
         fmt::format("D x (a + {:.0f} summaries x 4 B)", summaries));
     add(items, "EP dispatch buffers", ep_buffers, "top_k x D x a x (send 1 + receive capacity)");
+    add(items, "context-parallel keys and values (MLA)", cp_keys,
+        "3 (gathered, visible, their gradient) x cp x H (qk + v) x a; 0 at cp 1");
   }
 }
 
@@ -386,7 +396,7 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
   const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
-  const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep}, spec.config.moe.num_experts,
+  const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep, config.parallel.cp}, spec.config.moe.num_experts,
                         config.source_path.empty() ? "config" : config.source_path);
   const PlanInputs inputs{config, options, spec, mesh, static_cast<double>(options.activation_bytes)};
   MemoryPlan plan = plan_layout(inputs);

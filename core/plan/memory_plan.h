@@ -32,13 +32,13 @@ struct PlanItem {
 
 struct MemoryPlan {
   // The job.
-  int world = 1, fsdp = 1, ep = 1, replicate = 1, prefetch = 1;
+  int world = 1, fsdp = 1, ep = 1, replicate = 1, prefetch = 1, cp = 1;
   bool recompute = true;
   // Layers that re-run their forward in the "recompute" column (per_token_recompute): all of
   // them, or the first parallel.recompute_layers.
   int64_t recompute_layers = 0;
   int64_t num_layers = 0;
-  int64_t tokens_per_micro_batch = 0;  // data.micro_batch x data.seq_len
+  int64_t tokens_per_micro_batch = 0;  // this rank's: data.micro_batch x data.seq_len / parallel.cp
   int64_t micro_batches = 1;           // data.grad_accum
   int64_t local_experts = 0;
   ModelParameterCount params;

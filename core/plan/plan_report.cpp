@@ -44,8 +44,12 @@ std::string format_plan(const MemoryPlan& plan) {
                      count(p.non_expert()), count(p.routed_experts()));
   out += fmt::format("LoRA: {} = non-expert {} + routed experts {}\n", count(plan.lora.total()),
                      count(plan.lora.non_expert()), count(plan.lora.routed_experts()));
-  out += fmt::format("micro-batch: {} tokens per rank, {} micro-batches per step, recompute {}\n\n",
-                     plan.tokens_per_micro_batch, plan.micro_batches, plan.recompute ? on : "off");
+  out += fmt::format("micro-batch: {} tokens per rank{}, {} micro-batches per step, recompute {}\n\n",
+                     plan.tokens_per_micro_batch,
+                     plan.cp > 1 ? fmt::format(" (a shard: cp {} ranks share each micro-batch of {} tokens)", plan.cp,
+                                               plan.tokens_per_micro_batch * plan.cp)
+                                 : "",
+                     plan.micro_batches, plan.recompute ? on : "off");
 
   out += "memory per rank, fixed\n";
   rows(out, plan.fixed, 1.0);
@@ -70,9 +74,12 @@ std::string format_plan(const MemoryPlan& plan) {
                      plan.usable_bytes / 1e9);
   for (bool recompute : {true, false}) {
     const double peak = plan.peak_bytes(recompute);
-    out += fmt::format("  recompute {:<3}: peak {:.1f} GB -> {}; at most {} tokens per micro-batch per rank\n",
+    out += fmt::format("  recompute {:<3}: peak {:.1f} GB -> {}; at most {} tokens per micro-batch per rank{}\n",
                        recompute ? on : "off", peak / 1e9, peak <= plan.usable_bytes ? "fits" : "DOES NOT FIT",
-                       plan.max_tokens(recompute));
+                       plan.max_tokens(recompute),
+                       plan.cp > 1 ? fmt::format(" ({} per micro-batch over the cp {} ranks)",
+                                                 plan.max_tokens(recompute) * plan.cp, plan.cp)
+                                   : "");
   }
   const int64_t fewest = plan.fewest_recompute_layers();
   if (fewest == 0) {
@@ -94,6 +101,7 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["fsdp"] = plan.fsdp;
   j["replicate"] = plan.replicate;
   j["ep"] = plan.ep;
+  j["cp"] = plan.cp;
   j["local_experts"] = plan.local_experts;
   j["tokens_per_micro_batch"] = plan.tokens_per_micro_batch;
   j["micro_batches"] = plan.micro_batches;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -210,8 +211,8 @@ struct RankMesh {
   RankMesh(const Runtime& runtime, const Config& config, const ModelSpec& spec, const kernels::Backend& backend) {
     if (runtime.world() == 1) return;
     mesh = std::make_unique<DeviceMesh>(
-        MeshLayout(runtime.world(), MeshShape{config.parallel.fsdp, config.parallel.ep}, spec.config.moe.num_experts,
-                   config.source_path));
+        MeshLayout(runtime.world(), MeshShape{config.parallel.fsdp, config.parallel.ep, config.parallel.cp},
+                   spec.config.moe.num_experts, config.source_path));
     auto communicator = [&](MPI_Comm comm) -> Communicator* {
 #if MOETRAIN_HAVE_CUDA
       if (backend.device() == Device::kCUDA) {
@@ -227,11 +228,21 @@ struct RankMesh {
     groups.ep = communicator(mesh->ep_comm());
     groups.expert_replica = communicator(mesh->expert_replica_comm());
     groups.fsdp = communicator(mesh->fsdp_comm());
-    log::info(fmt::format("{} ranks: data parallel over all, expert parallel ep={} ({} experts per rank), fsdp={}{}",
-                          runtime.world(), config.parallel.ep, groups.local_experts(), config.parallel.fsdp,
+    groups.cp = communicator(mesh->cp_comm());
+    log::info(fmt::format("{} ranks: data parallel over {}, expert parallel ep={} ({} experts per rank), fsdp={}{}{}",
+                          runtime.world(), config.parallel.cp > 1 ? fmt::format("{} groups", mesh->layout().data_groups())
+                                                                  : std::string("all"),
+                          config.parallel.ep, groups.local_experts(), config.parallel.fsdp,
                           config.parallel.fsdp > 1 ? " (frozen non-expert weights sharded per layer, all-gathered "
                                                      "before use and freed after; each rank loads only its shards)"
-                                                   : ""));
+                                                   : "",
+                          config.parallel.cp > 1
+                              ? fmt::format(", context parallel cp={} (each micro-batch's {} tokens cut into {} "
+                                            "shards of {})",
+                                            config.parallel.cp, config.data.seq_len * config.data.micro_batch,
+                                            config.parallel.cp,
+                                            config.data.seq_len * config.data.micro_batch / config.parallel.cp)
+                              : ""));
   }
 };
 
@@ -269,6 +280,47 @@ void load_weights(Model& model, const ModelSpec& spec, const Config& config, con
                         spec.config.moe.top_k, model.parameters().size(), trainable));
 }
 
+// Where a rank reads its data: the ranks of one context-parallel group (parallel.cp) read the
+// same micro-batches, each keeping its shard of their tokens; without cp, group = rank.
+struct DataRank {
+  int group = 0;   // which of the data groups this rank belongs to
+  int groups = 1;  // world / cp
+  int cp = 1;
+  int shard = 0;   // this rank's shard within its group
+
+  Batch shard_of(Batch batch) const { return cp > 1 ? context_shard(batch, cp, shard) : batch; }
+};
+
+DataRank data_rank(const Config& config, const Runtime& runtime) {
+  const int cp = static_cast<int>(config.parallel.cp);
+  return DataRank{runtime.rank() / cp, runtime.world() / cp, cp, runtime.rank() % cp};
+}
+
+// Context parallelism exchanges what crosses the cut in the KDA and MLA layers; what else reads a
+// whole sequence is refused here, before any weight is loaded.
+void check_context_parallel(const Config& config, const ModelSpec& spec, const kernels::Backend& backend) {
+  if (config.parallel.cp <= 1) return;
+  const ModelConfig& m = spec.config;
+  auto refuse = [&](const std::string& what) {
+    throw Error(ExitCode::kBadConfig, fmt::format("{}: parallel.cp = {}: {}", config.source_path, config.parallel.cp,
+                                                  what));
+  };
+  if (std::find(m.layers.begin(), m.layers.end(), "dsa") != m.layers.end()) {
+    refuse("the model has DSA layers (model.layers), whose indexer's top-k over a split sequence is not built "
+           "yet: set parallel.cp: 1");
+  }
+  if (m.moe.aux_loss_coef > 0) {
+    refuse(fmt::format("model.moe.aux_loss_coef = {} needs each sequence's expert loads on one rank: set "
+                       "model.moe.aux_loss_coef: 0 (the selection bias still balances the experts) or "
+                       "parallel.cp: 1",
+                       m.moe.aux_loss_coef));
+  }
+  if (backend.device() != Device::kCPU) {
+    refuse("context parallelism runs on the CPU backend only for now (the CUDA KDA takes no entering state and "
+           "the CUDA attention no key segments yet): set parallel.cp: 1 or train.device: cpu");
+  }
+}
+
 // What the trainer needs beyond the config: the data's loss floor, the FLOP count for MFU on a
 // GPU, and the eval set (data.eval: each rank a slice of it, core/data/eval_data.h).
 TrainerOptions make_trainer_options(const Config& config, const ModelSpec& spec, kernels::Backend& backend,
@@ -288,9 +340,10 @@ TrainerOptions make_trainer_options(const Config& config, const ModelSpec& spec,
     log::info(fmt::format("eval: {}; every {}", eval->describe(),
                           config.train.eval_every > 0 ? fmt::format("{} steps and after the last", config.train.eval_every)
                                                       : std::string("run after the last step")));
-    options.eval_micro_batches = eval->micro_batches(config.data.micro_batch, runtime.world());
-    options.eval_batch = [eval, &config, &runtime](int64_t i) {
-      return eval->micro_batch(i, config.data.micro_batch, runtime.rank(), runtime.world());
+    const DataRank place = data_rank(config, runtime);
+    options.eval_micro_batches = eval->micro_batches(config.data.micro_batch, place.groups);
+    options.eval_batch = [eval, &config, place](int64_t i) {
+      return place.shard_of(eval->micro_batch(i, config.data.micro_batch, place.group, place.groups));
     };
   }
   return options;
@@ -351,6 +404,7 @@ int run_training(Runtime& runtime, const Config& config) {
   // The model on this rank: backend, mesh, the memory check, the weights.
   ModelSpec spec = resolve_model_spec(config);
   std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
+  check_context_parallel(config, spec, *backend);
   RankMesh mesh(runtime, config, spec, *backend);
   const ModelOptions options = run_model_options(config, *backend, runtime, mesh);
   check_model_fits(config, spec, *backend, runtime);
@@ -358,8 +412,8 @@ int run_training(Runtime& runtime, const Config& config) {
   load_weights(model, spec, config, runtime);
 
   // data.source: synthetic, a dataset prefix or a mixture (core/data/data_source.h, docs/DATA.md).
-  std::unique_ptr<DataSource> data = make_data_source(config.data, spec.config.vocab_size, runtime.rank(),
-                                                      runtime.world());
+  const DataRank place = data_rank(config, runtime);
+  std::unique_ptr<DataSource> data = make_data_source(config.data, spec.config.vocab_size, place.group, place.groups);
   log::info("data: " + data->describe());
   // One writer of the run directory's logs: rank 0 (every rank computes the same global metrics).
   std::unique_ptr<MetricsWriter> metrics;
@@ -369,7 +423,7 @@ int run_training(Runtime& runtime, const Config& config) {
   }
   std::unique_ptr<EvalData> eval = make_eval_data(config.data, spec.config.vocab_size);
   Trainer trainer(make_trainer_options(config, spec, *backend, *data, eval.get(), runtime), model,
-                  [&data] { return data->next(); }, metrics.get());
+                  [&data, place] { return place.shard_of(data->next()); }, metrics.get());
 
   // Resume, then train: checkpoints and signals are handled after every step.
   DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); },

@@ -5,6 +5,10 @@
 #   reshard                save at world 4 (fsdp 4, ep 2) at step 5, resume at world 2 (ep 1) and
 #                          world 1: step 6's loss equals world 4's within relative 1e-5, and no
 #                          "config differs" warning (the global batch is what a reshard keeps)
+#   context_parallel_w4    a KDA + MLA model at world 4 with parallel.cp 2 (two groups of two ranks
+#                          sharing micro-batches; fsdp 2, ep 2) trains as world 1 does (every step
+#                          within relative 1e-5), and its step-3 checkpoint resumes at world 1 (cp
+#                          1) to the same losses; a DSA model and the aux loss are refused (exit 2)
 #   signal_w2              SIGTERM to rank 1 of a world-2 run: every rank saves, exit 75, and the
 #                          resumed run's losses equal an uninterrupted run's exactly
 #   signal_all_w2          the same with SIGTERM to both ranks
@@ -154,6 +158,38 @@ $(grep -h "config differs" "$work/w2.log" "$work/w1.log")"
     a=$(losses w4 | awk '$1 == 5 { print $2 }')
     b=$(losses w4 | awk '$1 == 6 { print $2 }')
     [ "$a" != "$b" ] || fail "steps 5 and 6 have the same loss: the data or the update does not move"
+    ;;
+
+  context_parallel_w4)
+    hybrid=(--set "model.layers=[kda,mla]" --set model.kda.num_heads=2 --set model.kda.head_dim=8
+            --set train.steps=6 --set checkpoint.every=3)
+    train w1 1 1 1 4 "${hybrid[@]}" --set checkpoint.dir="$work/ckpt_w1"
+    expect_exit w1 0
+    # micro_batch 2 x world 4 / cp 2: the same global batch of 4 windows per step.
+    train cp2 4 2 2 2 "${hybrid[@]}" --set parallel.cp=2 --set logging.level=info --set checkpoint.dir="$work/ckpt"
+    expect_exit cp2 0
+    expect_ranks_agree cp2 4
+    grep -q "context parallel cp=2" "$work/cp2.log" || fail "the cp run did not report its layout:
+$(tail -n 30 "$work/cp2.log")"
+    for step in 1 2 3 4 5 6; do expect_step_close cp2 w1 $step; done
+    expect_checkpoint "$work/ckpt/step_3" 4
+    train resumed 1 1 1 4 "${hybrid[@]}" --set checkpoint.every=0 --set checkpoint.resume="$work/ckpt/step_3" \
+      --set checkpoint.dir="$work/ckpt_resumed"
+    expect_exit resumed 0
+    ! grep -q "config differs" "$work/resumed.log" || fail "resuming at another cp warned of a changed config:
+$(grep -h "config differs" "$work/resumed.log")"
+    for step in 4 5 6; do expect_step_close resumed w1 $step; done
+    # Refused before any work: what context parallelism does not split yet.
+    train dsa 2 1 1 4 --set "model.layers=[mla,dsa]" --set model.mla.q_lora_rank=8 --set "lora.targets=[q_b_proj,o_proj]" \
+      --set parallel.cp=2
+    expect_exit dsa 2
+    grep -q "parallel.cp = 2: the model has DSA layers" "$work/dsa.log" || fail "no DSA refusal:
+$(tail -n 20 "$work/dsa.log")"
+    train aux 2 1 1 4 "${hybrid[@]}" --set model.moe.aux_loss_coef=0.01 --set parallel.cp=2
+    expect_exit aux 2
+    grep -q "model.moe.aux_loss_coef = 0.01 needs each sequence" "$work/aux.log" || fail "no aux-loss refusal:
+$(tail -n 20 "$work/aux.log")"
+    echo "cp 2 at world 4 trained as world 1; resumed at world 1; DSA and the aux loss refused"
     ;;
 
   signal_w2 | signal_all_w2)

@@ -13,10 +13,14 @@
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
 //       [--recompute] [--recompute-layers N] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
+//       [--cp N]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
 // --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config);
 // --mxfp4: the same with the routed experts packed in MXFP4.
+// --cp N: context parallelism, every micro-batch (two windows of 16) cut into N shards of
+// contiguous tokens, each cp group of ranks reading one; checked to 1e-10 (one reference, only
+// the order of the sums differs).
 // (EXPERTS and TOP_K default to 8 and 2; docs/SCALE.md runs 896 experts top-16 on 64 ranks.)
 #include <fmt/format.h>
 
@@ -29,6 +33,7 @@
 #include "core/base/log.h"
 #include "core/model/model.h"
 #include "core/train/optimizer.h"
+#include "core/data/context_shards.h"
 #include "core/data/synthetic_data.h"
 #include "kernels/ops.h"
 #include "mpi_parallel_groups.h"
@@ -41,13 +46,16 @@ namespace {
 
 constexpr int kSteps = 3;
 constexpr double kTolerance = 1e-5;
+constexpr double kContextParallelTolerance = 1e-10;
 
 // k3: Kimi K3's parts on the same model: SiTU, latent MoE (experts at width 6 of 16, latent norm),
 // the per-channel attention gate and Block Attention Residuals in blocks of 2 (layer 2's attention
 // input mixes the summaries of layers 0 and 2... across FSDP-sharded mix weights).
 // mxfp4 (with k3): the routed experts held packed in MXFP4, at a latent width and expert width of
 // 32 (whole scale groups), so expert parallelism slices packed codes and scales.
-Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3, bool mxfp4) {
+// cp > 1: KDA and MLA mixers (DSA and the sequence-wise aux loss are refused under context
+// parallelism), in windows of 16 so that documents span shards and shards hold document starts.
+Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3, bool mxfp4, int cp) {
   Config config = testing::tiny_model_config(/*q_lora=*/true);
   if (k3) {
     ModelConfig& m = config.model;
@@ -66,6 +74,11 @@ Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3,
   config.model.moe.aux_loss_coef = 0.01;
   config.data.seq_len = 8;
   config.data.micro_batch = micro_batch;
+  if (cp > 1) {
+    config.model.layers = {"kda", "mla", "kda"};
+    config.model.moe.aux_loss_coef = 0.0;
+    config.data.seq_len = 16;
+  }
   return config;
 }
 
@@ -80,6 +93,7 @@ struct ScheduleFlags {
   bool shared_a = false;
   bool k3 = false;
   bool mxfp4 = false;  // with k3
+  int cp = 1;          // context parallelism: each micro-batch cut into cp shards
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -100,6 +114,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.k3 = true;
     } else if (arg == "--mxfp4") {
       flags.k3 = flags.mxfp4 = true;
+    } else if (arg == "--cp" && i + 1 < argc) {
+      flags.cp = std::stoi(argv[++i]);
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -167,13 +183,13 @@ struct Run {
 };
 
 // The trainer's step, written out so the gradients can be read before the update.
-Run train(Model& model, SyntheticData& data) {
+Run train(Model& model, SyntheticData& data, int cp = 1, int shard = 0) {
   Run run;
   AdamWOptions adamw;
   adamw.weight_decay = 0.1;  // decoupled decay too, applied shard by shard
   AdamW optimizer(model.parameter_groups(), adamw, model.backend());
   for (int step = 0; step < kSteps; ++step) {
-    Batch batch = data.next();
+    Batch batch = cp > 1 ? context_shard(data.next(), cp, shard) : data.next();
     double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
     StepResult result = model.forward_backward(batch, 1.0 / targets);
     optimizer.reduce_gradients();
@@ -212,39 +228,42 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
                  "[--recompute-layers N] "
-                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]");
+                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   MeshShape parallel;
   parallel.fsdp = std::stoi(argv[1]);
   parallel.ep = std::stoi(argv[2]);
+  parallel.cp = flags.cp;
   const std::string routing = argv[3];
   const int world = runtime.world();
 
   // The distributed run: one window per rank per step.
-  Config config = test_config(1, experts, top_k, flags.k3, flags.mxfp4);
+  const int cp = flags.cp, micro_batch = cp > 1 ? 2 : 1;
+  Config config = test_config(micro_batch, experts, top_k, flags.k3, flags.mxfp4, cp);
   ModelSpec spec = resolve_model_spec(config);
   testing::MpiParallelGroups mpi{MeshLayout(world, parallel, spec.config.moe.num_experts)};
   ParallelGroups& groups = mpi.groups;
   auto backend = kernels::make_cpu_backend();
   Model model(spec, *backend, model_options(&groups, world, flags));
   prepare(model, routing);
-  SyntheticData data(config.data, spec.config.vocab_size, runtime.rank(), world);
-  Run distributed = train(model, data);
+  SyntheticData data(config.data, spec.config.vocab_size, runtime.rank() / cp, world / cp);
+  Run distributed = train(model, data, cp, runtime.rank() % cp);
   // Between steps no layer is active: the frozen non-expert weights are this rank's shards only.
   const FrozenWeightBytes frozen = model.frozen_non_expert_bytes();
 
   // The reference: one process, every rank's windows in one batch.
-  Config reference_config = test_config(world, experts, top_k, flags.k3, flags.mxfp4);
+  Config reference_config = test_config(micro_batch * world / cp, experts, top_k, flags.k3, flags.mxfp4, cp);
   Model reference(spec, *backend, model_options(nullptr, 1, flags));
   prepare(reference, routing);
   SyntheticData reference_data(reference_config.data, spec.config.vocab_size, 0, 1);
   Run single = train(reference, reference_data);
 
+  const double tolerance = cp > 1 ? kContextParallelTolerance : kTolerance;
   int failures = 0;
   for (int s = 0; s < kSteps; ++s) {
     double err = relative_error(distributed.losses[s], single.losses[s]);
-    if (err > kTolerance) {
+    if (err > tolerance) {
       ++failures;
       log::error(fmt::format("step {} loss {:.12g} vs single-rank {:.12g} (relative error {:.2e})", s + 1,
                              distributed.losses[s], single.losses[s], err));
@@ -259,7 +278,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
     for (int64_t j = 0; j < full.numel(); ++j) scale = std::max(scale, std::fabs(full.ptr<double>()[j]));
     for (int64_t j = 0; j < ours.numel(); ++j)
       worst = std::max(worst, std::fabs(ours.ptr<double>()[j] - full.ptr<double>()[offset + j]));
-    if (!(worst <= kTolerance * scale) || scale == 0.0) {
+    if (!(worst <= tolerance * scale) || scale == 0.0) {
       ++failures;
       log::error(fmt::format("gradient of {} differs: max |diff| {:.3e} vs scale {:.3e}", name, worst, scale));
     }
@@ -303,10 +322,10 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   }
   const int total_failures = static_cast<int>(model.sum_over_data_ranks(failures));
   if (runtime.is_root()) {
-    std::printf("distributed_equivalence world %d fsdp %lld ep %lld %s: %d parameters, %d steps: %s (losses %.10f %.10f %.10f); "
+    std::printf("distributed_equivalence world %d fsdp %lld ep %lld cp %d %s: %d parameters, %d steps: %s (losses %.10f %.10f %.10f); "
                 "frozen non-expert bytes per rank %zu of %zu (%.3f), at most %lld buckets gathered at once; "
                 "Adam moments per rank %lld of %lld elements\n",
-                world, static_cast<long long>(parallel.fsdp), static_cast<long long>(parallel.ep), routing.c_str(),
+                world, static_cast<long long>(parallel.fsdp), static_cast<long long>(parallel.ep), cp, routing.c_str(),
                 static_cast<int>(distributed.first_grads.size()), kSteps, total_failures == 0 ? "EQUAL" : "DIFFERENT",
                 distributed.losses[0], distributed.losses[1], distributed.losses[2], frozen.resident, frozen.full,
                 resident_fraction, static_cast<long long>(model.fsdp_peak_gathered_buckets()),

@@ -11,7 +11,7 @@ namespace moetrain::testing {
 
 struct MpiParallelGroups {
   DeviceMesh mesh;
-  MpiCommunicator data, ep, expert_replica, fsdp;
+  MpiCommunicator data, ep, expert_replica, fsdp, cp;
   ParallelGroups groups;
 
   explicit MpiParallelGroups(const MeshLayout& layout)
@@ -19,12 +19,14 @@ struct MpiParallelGroups {
         data(mesh.world_comm()),
         ep(mesh.ep_comm()),
         expert_replica(mesh.expert_replica_comm()),
-        fsdp(mesh.fsdp_comm()) {
+        fsdp(mesh.fsdp_comm()),
+        cp(mesh.cp_comm()) {
     groups.coordinates = mesh.coordinates();
     groups.data = &data;
     groups.ep = &ep;
     groups.expert_replica = &expert_replica;
     groups.fsdp = &fsdp;
+    groups.cp = &cp;
   }
   MpiParallelGroups(const MpiParallelGroups&) = delete;  // `groups` points at the members
   MpiParallelGroups& operator=(const MpiParallelGroups&) = delete;

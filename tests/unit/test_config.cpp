@@ -158,7 +158,7 @@ TEST_CASE("unknown keys name the full path, the line and the closest key", "[con
     std::string message = parse_error(lines);
     INFO(message);
     CHECK(has(message, "test.yaml:13:3: unknown key `parallel.tensor_parallel`"));
-    CHECK(has(message, "valid keys in `parallel`: `fsdp`, `ep`, `prefetch`, `recompute`"));
+    CHECK(has(message, "valid keys in `parallel`: `fsdp`, `ep`, `cp`, `prefetch`, `recompute`"));
   }
   SECTION("all problems are reported at once, in line order") {
     std::vector<std::string> lines = kTinyLines;
@@ -329,6 +329,10 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
       {{"lora.targets=[q_proj,q_proj]"}, {"`lora.targets[1]` = `q_proj` is listed twice"}},
       {{"parallel.ep=8"}, {"`parallel.ep` = 8 must be <= `model.moe.num_experts` = 4"}},
       {{"parallel.fsdp=0"}, {"`parallel.fsdp` = 0 must be > 0"}},
+      {{"parallel.cp=0"}, {"`parallel.cp` = 0 must be > 0"}},
+      {{"parallel.cp=3"},
+       {"`parallel.cp` = 3 must divide a micro-batch's tokens, `data.seq_len` x `data.micro_batch` =",
+        "make data.seq_len a multiple of 3"}},
       {{"parallel.recompute=false", "parallel.recompute_layers=1"},
        {"`parallel.recompute_layers` = 1 needs `parallel.recompute: true`"}},
       {{"parallel.recompute_layers=3"},
@@ -499,6 +503,12 @@ TEST_CASE("validate_for_world names the keys, the world size and the fix", "[con
   CHECK(has(message, "tiny.yaml with world size 6"));
   CHECK(has(message, "`parallel.fsdp` = 4 does not divide the world size 6"));
   CHECK(has(message, "set parallel.fsdp to one of 1, 2, 3, 6"));
+
+  config = parse_tiny({"parallel.cp=2"});
+  validate_for_world(config, 4);
+  message = bad_config_message([&] { validate_for_world(config, 3); });
+  CHECK(has(message, "`parallel.cp` = 2 does not divide the world size 3"));
+  CHECK(has(message, "set parallel.cp to one of 1, 3"));
 
   config = parse_tiny({"parallel.ep=3"});
   message = bad_config_message([&] { validate_for_world(config, 4); });

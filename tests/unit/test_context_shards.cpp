@@ -1,10 +1,11 @@
-// ContextShards (core/model/context_shards.h): where each rank's shard of a packed window sits
+// ContextShards (core/data/context_shards.h): where each rank's shard of a packed window sits
 // among its documents, worked out by hand for one window.
 #include <vector>
 
 #include "catch.h"
 #include "core/base/error.h"
-#include "core/model/context_shards.h"
+#include "core/data/batch.h"
+#include "core/data/context_shards.h"
 
 using namespace moetrain;
 
@@ -57,4 +58,33 @@ TEST_CASE("context shards: a document starting at a shard's start, and an empty 
 TEST_CASE("context shards: cuts that do not cover the window are refused", "[context_parallel]") {
   CHECK_THROWS_AS(ContextShards({0, 100}, {0, 60, 90}), Error);
   CHECK_THROWS_AS(ContextShards({0, 100}, {0, 70, 50, 100}), Error);
+}
+
+TEST_CASE("context_shard: a micro-batch of two windows cut into three shards of its token stream", "[context_parallel]") {
+  // Two windows of 6: documents [0, 4) [4, 6) | [6, 12); shards [0, 4) [4, 8) [8, 12).
+  Batch batch = Batch::of_windows(2, 6);
+  for (int32_t t = 0; t < 12; ++t) {
+    batch.input_ids[t] = 100 + t;
+    batch.labels[t] = t == 3 || t == 5 || t == 11 ? -1 : 101 + t;
+    batch.positions[t] = t < 4 ? t : t < 6 ? t - 4 : t - 6;
+  }
+  batch.set_segments({4, 2, 6});
+
+  const Batch middle = context_shard(batch, 3, 1);
+  CHECK(middle.input_ids == std::vector<int32_t>{104, 105, 106, 107});
+  // Labels and positions as the whole micro-batch has them: the shard's last label is token 8's id.
+  CHECK(middle.labels == std::vector<int32_t>{105, -1, 107, 108});
+  CHECK(middle.positions == std::vector<int32_t>{0, 1, 0, 1});
+  CHECK(middle.cu_seqlens == std::vector<int32_t>{0, 2, 4});
+  CHECK(middle.num_tokens() == 4);
+  CHECK(middle.num_targets() == 3);
+  REQUIRE(middle.context.has_value());
+  CHECK(middle.context_rank == 1);
+  CHECK(middle.context->ranks() == 3);
+  CHECK(middle.context->continues_document(2));  // shard 2 continues the document [6, 12)
+
+  int64_t targets = 0;
+  for (int r = 0; r < 3; ++r) targets += context_shard(batch, 3, r).num_targets();
+  CHECK(targets == batch.num_targets());
+  CHECK_THROWS_AS(context_shard(middle, 3, 0), Error);  // a shard is not cut again
 }

@@ -104,4 +104,26 @@ TEST_CASE("mesh rules: bad sizes are config errors naming the keys and the world
   CHECK(has(config_error([] { MeshLayout(8, parallel(8, 4), 6); }), "one of 1, 2"));
   CHECK(has(config_error([] { MeshLayout(4, parallel(0, 1), 4); }), "`parallel.fsdp` = 0 must be >= 1"));
   CHECK(config_error([] { MeshLayout(4, parallel(2, 2), 4); }).empty());
+  MeshShape cp3 = parallel(2, 2);
+  cp3.cp = 3;
+  std::string cp = config_error([&] { MeshLayout(4, cp3, 4); });
+  CHECK(has(cp, "`parallel.cp` = 3 does not divide the world size"));
+  CHECK(has(cp, "one of 1, 2, 4"));
+}
+
+TEST_CASE("mesh layout with context parallelism: cp groups are contiguous blocks beside fsdp and ep") {
+  MeshShape shape = parallel(4, 8);
+  shape.cp = 2;
+  MeshLayout layout(8, shape, 16);
+  CHECK(layout.cp() == 2);
+  CHECK(layout.data_groups() == 4);
+  MeshCoordinates c = layout.coordinates(5);
+  CHECK(c.cp.ranks == std::vector<int>{4, 5});
+  CHECK(c.cp.index == 1);
+  CHECK(c.cp.color == 2);
+  // FSDP and EP are as without cp: the experts of one EP group span the cp ranks.
+  CHECK(c.fsdp.ranks == std::vector<int>{4, 5, 6, 7});
+  CHECK(c.ep.ranks.size() == 8);
+  CHECK(c.first_expert == 10);
+  CHECK(MeshLayout(8, parallel(4, 8), 16).coordinates(5).cp.ranks == std::vector<int>{5});
 }

@@ -274,6 +274,32 @@ TEST_CASE("memory plan numbers by hand on a small config") {
   CHECK(plan.peak_bytes(true) == plan.fixed_bytes() + 16 * plan.per_token_bytes(true));
 }
 
+TEST_CASE("context parallelism: each rank plans its shard of the tokens and the gathered MLA keys") {
+  Config config = testing::tiny_model_config(false);  // MLA, KDA, MLA
+  config.data.micro_batch = 2;
+  config.data.seq_len = 8;
+  PlanOptions options;
+  options.world = 4;
+  const MemoryPlan whole = make_memory_plan(config, options);
+  config.parallel.cp = 4;
+  const MemoryPlan shard = make_memory_plan(config, options);
+  CHECK(whole.tokens_per_micro_batch == 16);
+  CHECK(shard.cp == 4);
+  CHECK(shard.tokens_per_micro_batch == 4);
+  auto item = [](const MemoryPlan& plan, const std::string& name) {
+    for (const PlanItem& i : plan.per_token_recompute)
+      if (i.name == name) return i.bytes;
+    FAIL("no item " << name);
+    return 0.0;
+  };
+  // 3 x cp 4 x heads 2 x (qk 6 + 4, v 5) x 2 B per token of the shard; none without cp.
+  CHECK(item(shard, "context-parallel keys and values (MLA)") == 3.0 * 4 * 2 * 15 * 2);
+  CHECK(item(whole, "context-parallel keys and values (MLA)") == 0.0);
+  CHECK(shard.per_token_bytes(true) - whole.per_token_bytes(true) == 3.0 * 4 * 2 * 15 * 2);
+  config.parallel.cp = 3;  // does not divide the world
+  CHECK_THROWS_AS(make_memory_plan(config, options), Error);
+}
+
 TEST_CASE("on one rank the plan's Adam state is what AdamW allocates: the two moments") {
   // Unsharded parameter groups keep no reduced gradient and no all-gather input (8 B per
   // parameter, not the 16 B of a sharded group). The padding that aligns each parameter in its

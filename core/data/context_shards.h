@@ -8,6 +8,8 @@
 
 namespace moetrain {
 
+struct Batch;
+
 class ContextShards {
  public:
   // window_cu: the window's segment offsets [segments + 1], from 0 to the window's tokens;
@@ -38,5 +40,11 @@ class ContextShards {
   std::vector<int32_t> window_cu_;
   std::vector<int64_t> cuts_;
 };
+
+// Shard `rank` of `micro_batch` cut evenly into `ranks` contiguous pieces over its whole token
+// stream (every window, end to end): its tokens, labels and positions (labels and positions as
+// the whole micro-batch has them, so no shard needs its neighbour's tokens), its own segment
+// offsets, and the cut in Batch::context.
+Batch context_shard(const Batch& micro_batch, int ranks, int rank);
 
 }  // namespace moetrain

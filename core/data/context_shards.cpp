@@ -1,10 +1,11 @@
 // ContextShards (see context_shards.h).
-#include "core/model/context_shards.h"
+#include "core/data/context_shards.h"
 
 #include <algorithm>
 #include <string>
 
 #include "core/base/error.h"
+#include "core/data/batch.h"
 
 namespace moetrain {
 
@@ -57,6 +58,23 @@ std::vector<int32_t> ContextShards::key_cu(int r) const {
     if (offset > begin(r) && offset < end(r)) cu.push_back(static_cast<int32_t>(offset - start));
   cu.push_back(static_cast<int32_t>(end(r) - start));
   return cu;
+}
+
+Batch context_shard(const Batch& micro_batch, int ranks, int rank) {
+  MOETRAIN_CHECK(!micro_batch.context && ranks >= 1 && rank >= 0 && rank < ranks, ExitCode::kInternal,
+                 "context_shard: a whole micro-batch and a rank of the group");
+  ContextShards shards = ContextShards::even(micro_batch.cu_seqlens, ranks);
+  Batch shard;
+  shard.batch_size = micro_batch.batch_size;
+  shard.seq_len = micro_batch.seq_len;
+  const auto first = static_cast<std::ptrdiff_t>(shards.begin(rank)), last = static_cast<std::ptrdiff_t>(shards.end(rank));
+  shard.input_ids.assign(micro_batch.input_ids.begin() + first, micro_batch.input_ids.begin() + last);
+  shard.labels.assign(micro_batch.labels.begin() + first, micro_batch.labels.begin() + last);
+  shard.positions.assign(micro_batch.positions.begin() + first, micro_batch.positions.begin() + last);
+  shard.cu_seqlens = shards.local_cu(rank);
+  shard.context = std::move(shards);
+  shard.context_rank = rank;
+  return shard;
 }
 
 }  // namespace moetrain
