@@ -345,20 +345,22 @@ inline void expect_layernorm_shapes(const char* op, const LayerNormArgs& args) {
 inline void expect_dsa_indexer_shapes(const char* op, const DsaIndexerArgs& args) {
   expect_ndim(op, "q", args.q, 3);
   const int64_t tokens = args.q.size(0), heads = args.q.size(1), dim = args.q.size(2);
-  expect_shape(op, "k", args.k, Shape{tokens, dim});
+  const int64_t key_tokens = args.cu_seqlens_k.data != nullptr ? args.k.size(0) : tokens;
+  expect_shape(op, "k", args.k, Shape{key_tokens, dim});
   expect_shape(op, "weights", args.weights, Shape{tokens, heads});
   expect(args.top_k >= 1, op, "top_k " + std::to_string(args.top_k) + " must be >= 1");
   expect_shape(op, "topk_index", args.topk_index, Shape{tokens, args.top_k});
 }
 
-// q [tokens, heads, qk_dim], kv [tokens, qk_dim], `out_name` [tokens, heads, v_dim <= qk_dim],
-// lse [tokens, heads], topk_index [tokens, top_k].
+// q [tokens, heads, qk_dim], kv [key_offset + tokens, qk_dim], `out_name` [tokens, heads,
+// v_dim <= qk_dim], lse [tokens, heads], topk_index [tokens, top_k].
 inline void expect_sparse_attention_shapes(const char* op, const TensorView& q, const TensorView& kv,
                                            const char* out_name, const TensorView& out, const TensorView& lse,
-                                           const TensorView& topk_index) {
+                                           const TensorView& topk_index, int64_t key_offset) {
   expect_ndim(op, "q", q, 3);
   const int64_t tokens = q.size(0), heads = q.size(1), qk_dim = q.size(2);
-  expect_shape(op, "kv", kv, Shape{tokens, qk_dim});
+  expect(key_offset >= 0, op, "key_offset " + std::to_string(key_offset) + " must be >= 0");
+  expect_shape(op, "kv", kv, Shape{key_offset + tokens, qk_dim});
   expect_ndim(op, out_name, out, 3);
   expect(out.size(0) == tokens && out.size(1) == heads && out.size(2) >= 1 && out.size(2) <= qk_dim, op,
          describe(out_name, out) + " should be [tokens, heads, v_dim <= qk_dim] for " + describe("q", q));

@@ -619,6 +619,7 @@ void check_dsa_indexer_topk(OperandRules& rules, const DsaIndexerArgs& args) {
   rules.fixed_dtype(op, "topk_index", args.topk_index, DType::kI32);
   expect_dsa_indexer_shapes(op, args);
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
+  expect_key_segments(rules, op, args.cu_seqlens, args.cu_seqlens_k, args.k);
 }
 
 void check_sparse_attention_forward(OperandRules& rules, const SparseAttentionArgs& args) {
@@ -627,8 +628,8 @@ void check_sparse_attention_forward(OperandRules& rules, const SparseAttentionAr
   rules.accumulation(op, "lse", args.lse);
   activations(rules, op, {{"q", &args.q}, {"kv", &args.kv}});
   rules.fixed_dtype(op, "topk_index", args.topk_index, DType::kI32);
-  expect_sparse_attention_shapes(op, args.q, args.kv, "out", args.out, args.lse, args.topk_index);
-  rules.selection(op, args.topk_index);
+  expect_sparse_attention_shapes(op, args.q, args.kv, "out", args.out, args.lse, args.topk_index, args.key_offset);
+  rules.selection(op, args.topk_index, args.key_offset);
 }
 
 void check_sparse_attention_backward(OperandRules& rules, const SparseAttentionBackwardArgs& args) {
@@ -638,7 +639,7 @@ void check_sparse_attention_backward(OperandRules& rules, const SparseAttentionB
                {"out", &args.out}});
   rules.accumulation(op, "lse", args.lse);
   rules.fixed_dtype(op, "topk_index", args.topk_index, DType::kI32);
-  expect_sparse_attention_shapes(op, args.q, args.kv, "out", args.out, args.lse, args.topk_index);
+  expect_sparse_attention_shapes(op, args.q, args.kv, "out", args.out, args.lse, args.topk_index, args.key_offset);
   expect_shape(op, "dout", args.dout, args.out.shape);
   expect_shape(op, "dq", args.dq, args.q.shape);
   expect_shape(op, "dkv", args.dkv, args.kv.shape);
@@ -648,7 +649,7 @@ void check_sparse_attention_backward(OperandRules& rules, const SparseAttentionB
     for (const TensorView* read : {&args.dout, &args.q, &args.kv, &args.out, &args.lse})
       expect(written->data == nullptr || written->data != read->data, op,
              "dq and dkv must not share memory with dout, q, kv, out or lse");
-  rules.selection(op, args.topk_index);
+  rules.selection(op, args.topk_index, args.key_offset);
 }
 
 void check_attention_gate_forward(OperandRules& rules, const AttentionGateArgs& args) {

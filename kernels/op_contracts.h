@@ -33,9 +33,9 @@ class OperandRules {
                        const char* count_name) = 0;
   // Every entry of the int32 `t` in [0, bound), on a backend that reads index tensors.
   virtual void indices_below(const char* op, const char* name, const TensorView& t, int64_t bound) = 0;
-  // A sparse attention's topk_index rows are causal selections (ops.h), on a backend that reads
-  // index tensors.
-  virtual void selection(const char* op, const TensorView& topk_index) = 0;
+  // A sparse attention's topk_index rows are causal selections (ops.h: query t's keys are rows
+  // <= t + key_offset), on a backend that reads index tensors.
+  virtual void selection(const char* op, const TensorView& topk_index, int64_t key_offset) = 0;
   // The caller's host copy `host` of the offsets `device` (checked by offsets() already): equal to
   // the device values on a backend that reads them, prefix sums over `total` rows on one that
   // does not.

@@ -498,6 +498,10 @@ struct LayerNormArgs {
 // to t) it lists all of them, then -1. No T x T score matrix needs to exist.
 // q: [tokens, heads, dim]; k: [tokens, dim]; weights: [tokens, heads] accum; topk_index: int32
 // [tokens, top_k] out. Scores are computed in the accumulation dtype.
+// cu_seqlens_k, optional: the keys have tokens of their own (k: [k_tokens, dim]) in segments
+// paired with the queries' as AttentionArgs::cu_seqlens_k pairs them: query i of a segment of
+// q_len rows scores keys s <= i + k_len - q_len of its key segment, and topk_index lists rows of
+// k. (The CPU backend has it; the CUDA backend refuses it.)
 struct DsaIndexerArgs {
   TensorView topk_index;
   TensorView q;
@@ -506,6 +510,7 @@ struct DsaIndexerArgs {
   TensorView cu_seqlens;
   int64_t top_k = 1;
   double scale = 1.0;
+  TensorView cu_seqlens_k{};  // optional (see above)
 };
 
 // Sparse attention in MQA form over selected keys. Per query t and head h, with S(t) the
@@ -515,9 +520,11 @@ struct DsaIndexerArgs {
 // q: [tokens, heads, qk_dim]; kv: [tokens, qk_dim], one row per token shared by every head, its
 // first v_dim (<= qk_dim) columns the value; out: [tokens, heads, v_dim]; lse: [tokens, heads]
 // accum; topk_index: int32 [tokens, top_k] as dsa_indexer_topk writes it (valid rows first, in
-// strictly ascending order, each <= t; then -1). S(t) empty: out 0, lse -inf. With S(t) every
-// key s <= t of t's segment this is `attention_forward` on k = kv and v = kv[:, :v_dim]
+// strictly ascending order, each <= t + key_offset; then -1). S(t) empty: out 0, lse -inf. With
+// S(t) every key s <= t of t's segment this is `attention_forward` on k = kv and v = kv[:, :v_dim]
 // broadcast over heads. Softmax in fp32 (or f64).
+// key_offset: query t's own key is row t + key_offset of kv (0 but for a context-parallel shard,
+// whose kv also holds the keys before it; kv: [k_tokens, qk_dim]). (The CUDA backend takes 0 only.)
 struct SparseAttentionArgs {
   TensorView out;
   TensorView lse;
@@ -525,6 +532,7 @@ struct SparseAttentionArgs {
   TensorView kv;
   TensorView topk_index;
   double scale = 1.0;
+  int64_t key_offset = 0;  // see above
 };
 // dq and dkv overwritten. dkv[s] gathers every (query, head) that selected s, both as a key
 // (all qk_dim columns) and as a value (the first v_dim): with P recomputed from q, kv and lse,
@@ -540,6 +548,7 @@ struct SparseAttentionBackwardArgs {
   TensorView lse;
   TensorView topk_index;
   double scale = 1.0;
+  int64_t key_offset = 0;  // as SparseAttentionArgs::key_offset
 };
 
 // The attention output gate ("gated attention": Qwen3-Next, Kimi K3's gated MLA, the seed's

@@ -43,65 +43,70 @@ AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicat
                  "takes no key segments yet");
 }
 
-AttentionAcrossRanks::VisibleKeys AttentionAcrossRanks::gather_keys(const TensorView& k, const TensorView& v) {
-  const int me = cp_.rank();
-  const int64_t longest = shards_.longest_shard(), from = shards_.document_start(me), to = shards_.end(me);
-  VisibleKeys keys{Tensor(with_rows(k, to - from), k.dtype), Tensor(with_rows(v, to - from), v.dtype),
-                   Tensor({static_cast<int64_t>(shards_.key_cu(me).size())}, DType::kI32)};
-  for (const auto& [own, visible] : {std::make_pair(&k, &keys.k), std::make_pair(&v, &keys.v)}) {
-    Tensor padded(with_rows(*own, longest), own->dtype);
-    std::memset(padded.view().data, 0, padded.view().nbytes());
-    std::memcpy(padded.view().data, own->data, own->nbytes());
-    Tensor every(with_rows(*own, longest * cp_.size()), own->dtype);
-    cp_.all_gather(every.view(), padded.view());
-    const size_t row = row_bytes(*own);
-    for_each_part(shards_, from, to, [&](int j, int64_t first, int64_t count) {
-      std::memcpy(static_cast<char*>(visible->view().data) + (first - from) * row,
-                  static_cast<const char*>(every.view().data) + (j * longest + first - shards_.begin(j)) * row,
-                  count * row);
-    });
-  }
-  const std::vector<int32_t> cu = shards_.key_cu(me);
-  std::copy(cu.begin(), cu.end(), keys.cu.ptr<int32_t>());
-  return keys;
+Tensor gather_visible_rows(Communicator& cp, const ContextShards& shards, const TensorView& own) {
+  const int me = cp.rank();
+  const int64_t longest = shards.longest_shard(), from = shards.document_start(me), to = shards.end(me);
+  Tensor visible(with_rows(own, to - from), own.dtype);
+  Tensor padded(with_rows(own, longest), own.dtype);
+  std::memset(padded.view().data, 0, padded.view().nbytes());
+  std::memcpy(padded.view().data, own.data, own.nbytes());
+  Tensor every(with_rows(own, longest * cp.size()), own.dtype);
+  cp.all_gather(every.view(), padded.view());
+  const size_t row = row_bytes(own);
+  for_each_part(shards, from, to, [&](int j, int64_t first, int64_t count) {
+    std::memcpy(static_cast<char*>(visible.view().data) + (first - from) * row,
+                static_cast<const char*>(every.view().data) + (j * longest + first - shards.begin(j)) * row,
+                count * row);
+  });
+  return visible;
 }
 
-void AttentionAcrossRanks::return_gradient(const TensorView& visible, const TensorView& own) {
-  const int me = cp_.rank();
-  const int64_t longest = shards_.longest_shard(), from = shards_.document_start(me);
+void return_visible_gradient(Communicator& cp, const ContextShards& shards, const TensorView& visible,
+                             const TensorView& own) {
+  const int me = cp.rank();
+  const int64_t longest = shards.longest_shard(), from = shards.document_start(me);
   const size_t row = row_bytes(visible);
-  Tensor every(with_rows(own, longest * cp_.size()), own.dtype);
+  Tensor every(with_rows(own, longest * cp.size()), own.dtype);
   std::memset(every.view().data, 0, every.view().nbytes());
-  for_each_part(shards_, from, shards_.end(me), [&](int j, int64_t first, int64_t count) {
-    std::memcpy(static_cast<char*>(every.view().data) + (j * longest + first - shards_.begin(j)) * row,
+  for_each_part(shards, from, shards.end(me), [&](int j, int64_t first, int64_t count) {
+    std::memcpy(static_cast<char*>(every.view().data) + (j * longest + first - shards.begin(j)) * row,
                 static_cast<const char*>(visible.data) + (first - from) * row, count * row);
   });
   Tensor mine(with_rows(own, longest), own.dtype);
-  cp_.reduce_scatter(mine.view(), every.view());
+  cp.reduce_scatter(mine.view(), every.view());
   std::memcpy(own.data, mine.view().data, own.nbytes());
 }
 
+Tensor visible_key_segments(const ContextShards& shards, int rank) {
+  const std::vector<int32_t> cu = shards.key_cu(rank);
+  Tensor t({static_cast<int64_t>(cu.size())}, DType::kI32);
+  std::copy(cu.begin(), cu.end(), t.ptr<int32_t>());
+  return t;
+}
+
 void AttentionAcrossRanks::forward(const AttentionArgs& args) {
-  const VisibleKeys keys = gather_keys(args.k, args.v);
+  const Tensor k = gather_visible_rows(cp_, shards_, args.k), v = gather_visible_rows(cp_, shards_, args.v);
+  const Tensor cu = visible_key_segments(shards_, cp_.rank());
   AttentionArgs run = args;
-  run.k = keys.k;
-  run.v = keys.v;
-  run.cu_seqlens_k = keys.cu;
+  run.k = k;
+  run.v = v;
+  run.cu_seqlens_k = cu;
   backend_.attention_forward(run);
 }
 
 void AttentionAcrossRanks::backward(const AttentionBackwardArgs& args) {
-  const VisibleKeys keys = gather_keys(args.k, args.v);
-  Tensor dk(keys.k.shape(), args.dk.dtype), dv(keys.v.shape(), args.dv.dtype);
+  const Tensor k = gather_visible_rows(cp_, shards_, args.k), v = gather_visible_rows(cp_, shards_, args.v);
+  const Tensor cu = visible_key_segments(shards_, cp_.rank());
+  Tensor dk(k.shape(), args.dk.dtype), dv(v.shape(), args.dv.dtype);
   AttentionBackwardArgs run = args;
-  run.k = keys.k;
-  run.v = keys.v;
+  run.k = k;
+  run.v = v;
   run.dk = dk;
   run.dv = dv;
-  run.cu_seqlens_k = keys.cu;
+  run.cu_seqlens_k = cu;
   backend_.attention_backward(run);
-  return_gradient(dk.view(), args.dk);
-  return_gradient(dv.view(), args.dv);
+  return_visible_gradient(cp_, shards_, dk.view(), args.dk);
+  return_visible_gradient(cp_, shards_, dv.view(), args.dv);
 }
 
 }  // namespace moetrain

@@ -4,6 +4,7 @@
 // their documents up to its shard's end (ops.h AttentionArgs::cu_seqlens_k), and the gradients
 // of the keys and values are reduce-scattered back to the ranks that own them. Memory per rank
 // grows with the whole window's keys; a ring that overlaps the exchange with compute would not.
+// DSA layers exchange their latent rows and indexer keys the same way (gather_visible_rows).
 // The gathers run on the host: the CPU backend only for now (the CUDA attention takes no key
 // segments yet).
 #pragma once
@@ -14,6 +15,16 @@
 #include "parallel/comm.h"
 
 namespace moetrain {
+
+// The rows of a [tokens, ...] tensor that the queries of shard cp.rank() see: window tokens
+// [document_start, end) of that shard, every shard's rows all-gathered (padded to the longest).
+Tensor gather_visible_rows(Communicator& cp, const ContextShards& shards, const TensorView& own);
+// `visible`, this rank's gradient of those rows, summed over every rank that saw them into this
+// rank's own rows `own` (overwritten): one reduce-scatter.
+void return_visible_gradient(Communicator& cp, const ContextShards& shards, const TensorView& visible,
+                             const TensorView& own);
+// The visible rows' segments, paired with the shard's own (ContextShards::key_cu), as int32.
+Tensor visible_key_segments(const ContextShards& shards, int rank);
 
 class AttentionAcrossRanks {
  public:
@@ -26,15 +37,6 @@ class AttentionAcrossRanks {
   void backward(const kernels::AttentionBackwardArgs& args);
 
  private:
-  // The keys and values that this rank's queries see: tokens [document_start, end) of the window.
-  struct VisibleKeys {
-    Tensor k, v, cu;
-  };
-  VisibleKeys gather_keys(const TensorView& k, const TensorView& v);
-  // The gradient `visible` of the visible keys, summed over every rank that saw them, into this
-  // rank's own rows `own`.
-  void return_gradient(const TensorView& visible, const TensorView& own);
-
   kernels::Backend& backend_;
   Communicator& cp_;
   const ContextShards& shards_;

@@ -1,5 +1,7 @@
 #include "core/model/dsa.h"
 
+#include "core/model/attention_context_parallel.h"
+
 namespace moetrain {
 
 using kernels::CopyColumnsArgs;
@@ -157,7 +159,14 @@ void DsaAttention::forward(const LayerContext& ctx, const TensorView& out, const
 
   s.o = ctx.alloc({n, heads, r});
   s.lse = ctx.alloc_accum({n, heads});
-  be.sparse_attention_forward(SparseAttentionArgs{s.o, s.lse, s.q_abs, s.kv, s.selected, proj.softmax_scale()});
+  if (ctx.context_parallel()) {
+    // The selection names rows of the latent rows up to this shard's end, gathered from every rank.
+    const Tensor visible = gather_visible_rows(*ctx.context_group, *ctx.batch.context, s.kv);
+    be.sparse_attention_forward(SparseAttentionArgs{s.o, s.lse, s.q_abs, visible, s.selected, proj.softmax_scale(),
+                                                    visible.size(0) - n});
+  } else {
+    be.sparse_attention_forward(SparseAttentionArgs{s.o, s.lse, s.q_abs, s.kv, s.selected, proj.softmax_scale()});
+  }
   Tensor attn = ctx.alloc({n, heads, proj.v_dim()});
   expand_values(ctx, attn, s.o);
   proj.output(ctx, out, std::move(attn), x, s.stages);
@@ -181,8 +190,17 @@ void DsaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
 
   Tensor dq_abs = ctx.alloc({n, heads, abs_dim});
   Tensor dkv = ctx.alloc({n, abs_dim});
-  be.sparse_attention_backward(SparseAttentionBackwardArgs{dq_abs, dkv, d_o, s.q_abs, s.kv, s.o, s.lse, s.selected,
-                                                           proj.softmax_scale()});
+  if (ctx.context_parallel()) {
+    // The latent rows as the forward gathered them; their gradient goes back to their owners.
+    const Tensor visible = gather_visible_rows(*ctx.context_group, *ctx.batch.context, s.kv);
+    Tensor dvisible = ctx.alloc(visible.shape());
+    be.sparse_attention_backward(SparseAttentionBackwardArgs{dq_abs, dvisible, d_o, s.q_abs, visible, s.o, s.lse,
+                                                             s.selected, proj.softmax_scale(), visible.size(0) - n});
+    return_visible_gradient(*ctx.context_group, *ctx.batch.context, dvisible, dkv);
+  } else {
+    be.sparse_attention_backward(SparseAttentionBackwardArgs{dq_abs, dkv, d_o, s.q_abs, s.kv, s.o, s.lse, s.selected,
+                                                             proj.softmax_scale()});
+  }
 
   Tensor dq = ctx.alloc({n, heads, qk});
   absorb_queries_backward(ctx, dq, dq_abs, s.stages.q, dweight);

@@ -1,5 +1,7 @@
 #include "core/model/dsa_indexer.h"
 
+#include "core/model/attention_context_parallel.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -64,7 +66,15 @@ Tensor DsaIndexer::select(const LayerContext& ctx, const TensorView& x, const Te
   const int64_t top_k = ctx.batch.seq_len > 0 ? std::min(top_k_, ctx.batch.seq_len) : top_k_;
   Tensor selected = ctx.alloc({n, top_k}, DType::kI32);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_) * static_cast<double>(heads_));
-  be.dsa_indexer_topk(DsaIndexerArgs{selected, q, k, weights, ctx.batch.cu_seqlens, top_k, scale});
+  if (!ctx.context_parallel()) {
+    be.dsa_indexer_topk(DsaIndexerArgs{selected, q, k, weights, ctx.batch.cu_seqlens, top_k, scale});
+    return selected;
+  }
+  // Context parallelism: the keys of the documents up to this shard's end, from every rank; the
+  // selection lists rows of those (DsaAttention gathers its latent rows alike).
+  const Tensor keys = gather_visible_rows(*ctx.context_group, *ctx.batch.context, k);
+  const Tensor key_segments = visible_key_segments(*ctx.batch.context, ctx.context_group->rank());
+  be.dsa_indexer_topk(DsaIndexerArgs{selected, q, keys, weights, ctx.batch.cu_seqlens, top_k, scale, key_segments});
   return selected;
 }
 

@@ -296,8 +296,8 @@ DataRank data_rank(const Config& config, const Runtime& runtime) {
   return DataRank{runtime.rank() / cp, runtime.world() / cp, cp, runtime.rank() % cp};
 }
 
-// Context parallelism exchanges what crosses the cut in the KDA and MLA layers; what else reads a
-// whole sequence is refused here, before any weight is loaded.
+// Context parallelism exchanges what crosses the cut in the mixers; what else reads a whole
+// sequence is refused here, before any weight is loaded.
 void check_context_parallel(const Config& config, const ModelSpec& spec, const kernels::Backend& backend) {
   if (config.parallel.cp <= 1) return;
   const ModelConfig& m = spec.config;
@@ -305,10 +305,6 @@ void check_context_parallel(const Config& config, const ModelSpec& spec, const k
     throw Error(ExitCode::kBadConfig, fmt::format("{}: parallel.cp = {}: {}", config.source_path, config.parallel.cp,
                                                   what));
   };
-  if (std::find(m.layers.begin(), m.layers.end(), "dsa") != m.layers.end()) {
-    refuse("the model has DSA layers (model.layers), whose indexer's top-k over a split sequence is not built "
-           "yet: set parallel.cp: 1");
-  }
   if (m.moe.aux_loss_coef > 0) {
     refuse(fmt::format("model.moe.aux_loss_coef = {} needs each sequence's expert loads on one rank: set "
                        "model.moe.aux_loss_coef: 0 (the selection bias still balances the experts) or "

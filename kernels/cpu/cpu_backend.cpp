@@ -62,17 +62,17 @@ class HostRules final : public OperandRules {
     }
   }
 
-  // Each row t: keys in [0, t], strictly ascending, then only -1s.
-  void selection(const char* op, const TensorView& topk_index) override {
+  // Each row t: keys in [0, t + key_offset], strictly ascending, then only -1s.
+  void selection(const char* op, const TensorView& topk_index, int64_t key_offset) override {
     const int64_t top_k = topk_index.size(1);
     const int32_t* p = topk_index.ptr<int32_t>();
     for (int64_t t = 0; t < topk_index.size(0); ++t) {
       const int32_t* row = p + t * top_k;
       int64_t i = 0;
       for (; i < top_k && row[i] >= 0; ++i) {
-        expect(row[i] <= t && (i == 0 || row[i] > row[i - 1]), op,
+        expect(row[i] <= t + key_offset && (i == 0 || row[i] > row[i - 1]), op,
                "topk_index[" + std::to_string(t) + ", " + std::to_string(i) + "] = " + std::to_string(row[i]) +
-                   ": a query's keys must be rows <= the query's own (" + std::to_string(t) +
+                   ": a query's keys must be rows <= the query's own (" + std::to_string(t + key_offset) +
                    "), in strictly ascending order");
       }
       for (; i < top_k; ++i) {

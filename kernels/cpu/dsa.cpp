@@ -83,6 +83,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args) {
   const T* w = args.weights.ptr<T>();
   int32_t* out = args.topk_index.ptr<int32_t>();
   const int32_t* cu = args.cu_seqlens.ptr<int32_t>();
+  const int32_t* cu_k = args.cu_seqlens_k.data != nullptr ? args.cu_seqlens_k.ptr<int32_t>() : cu;
   const int64_t segments = args.cu_seqlens.numel() - 1;
 
   // (score, key) with the better first: higher score, then lower key. A NaN score ranks last.
@@ -92,9 +93,11 @@ void dsa_indexer_topk(const DsaIndexerArgs& args) {
   std::vector<std::pair<double, int64_t>> scored;
   for (int64_t seg = 0; seg < segments; ++seg) {
     const int64_t begin = cu[seg], end = cu[seg + 1];
+    // Query t sees the keys of its key segment up to its own: the segment's last query the last key.
+    const int64_t key_begin = cu_k[seg], shift = cu_k[seg + 1] - end;
     for (int64_t t = begin; t < end; ++t) {
       scored.clear();
-      for (int64_t s = begin; s <= t; ++s) {
+      for (int64_t s = key_begin; s <= t + shift; ++s) {
         double score = 0.0;
         for (int64_t j = 0; j < heads; ++j) {
           const double logit = dot_double(q + (t * heads + j) * dim, k + s * dim, dim);
@@ -113,8 +116,8 @@ void dsa_indexer_topk(const DsaIndexerArgs& args) {
   }
 }
 
-// The caller has checked that every row of topk_index is valid keys <= t (strictly ascending)
-// followed by -1s.
+// The caller has checked that every row of topk_index is valid keys <= t + key_offset (strictly
+// ascending) followed by -1s.
 template <typename T>
 void sparse_attention_forward(const SparseAttentionArgs& args) {
   const SparseDims d = sparse_dims(args.q, args.out);
@@ -165,7 +168,8 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
 
   // dkv is a sum over every (query, head) that selected the row: accumulated in double over
   // queries, heads and selected keys in ascending order.
-  std::vector<double> dkv_acc(static_cast<size_t>(tokens * qk_dim), 0.0);
+  const int64_t keys = args.kv.size(0);  // tokens + key_offset
+  std::vector<double> dkv_acc(static_cast<size_t>(keys * qk_dim), 0.0);
   std::vector<double> dq_acc(static_cast<size_t>(qk_dim));
   for_each_query(args.topk_index, tokens, [&](int64_t t, const int32_t* selected, int64_t count) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -192,7 +196,7 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args) {
       for (int64_t c = 0; c < qk_dim; ++c) dqt[c] = static_cast<T>(dq_acc[c]);
     }
   });
-  for (int64_t i = 0; i < tokens * qk_dim; ++i) dkv[i] = static_cast<T>(dkv_acc[i]);
+  for (int64_t i = 0; i < keys * qk_dim; ++i) dkv[i] = static_cast<T>(dkv_acc[i]);
 }
 
 MOETRAIN_CPU_INSTANTIATE(layernorm_forward, const LayerNormArgs&)

@@ -87,7 +87,7 @@ class DeviceRules final : public OperandRules {
            describe(name, t) + " should be [" + std::string(count_name) + " + 1]");
   }
   void indices_below(const char*, const char*, const TensorView&, int64_t) override {}
-  void selection(const char*, const TensorView&) override {}
+  void selection(const char*, const TensorView&, int64_t) override {}
   // The kernel reads the offsets on the device (no read-back, no wait): the caller's host copy is
   // checked on its own.
   void host_offsets(const char* op, const char* name, const int32_t* host, const TensorView& device,
@@ -533,6 +533,8 @@ class CudaBackend final : public Backend {
   void dsa_indexer_topk(const DsaIndexerArgs& args) override {
     const char* op = "dsa_indexer_topk";
     check_dsa_indexer_topk(rules_, args);
+    expect(args.cu_seqlens_k.data == nullptr, op,
+           "the CUDA backend's indexer takes no cu_seqlens_k (keys of their own)");
     expect(args.q.size(2) <= cuda_ops::kDsaMaxIndexerDim, op,
            describe("q", args.q) + ": the CUDA indexer takes head dims up to " +
                std::to_string(cuda_ops::kDsaMaxIndexerDim));
@@ -542,14 +544,14 @@ class CudaBackend final : public Backend {
 
   void sparse_attention_forward(const SparseAttentionArgs& args) override {
     check_sparse_attention_forward(rules_, args);
-    check_sparse_attention_limits("sparse_attention_forward", args.q, args.out);
+    check_sparse_attention_limits("sparse_attention_forward", args.q, args.out, args.key_offset);
     cuda_ops::sparse_attention_forward(args, stream_);
   }
 
   void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override {
     const char* op = "sparse_attention_backward";
     check_sparse_attention_backward(rules_, args);
-    check_sparse_attention_limits(op, args.q, args.out);
+    check_sparse_attention_limits(op, args.q, args.out, args.key_offset);
     expect(args.q.size(0) * args.topk_index.size(1) <= kMaxInt32, op,
            describe("topk_index", args.topk_index) + ": more entries than the int32 inverse index holds");
     cuda_ops::sparse_attention_backward(args, scratch_, stream_);
@@ -568,8 +570,11 @@ class CudaBackend final : public Backend {
   // Token indices and inverse-index positions are int32.
   static constexpr int64_t kMaxInt32 = 2147483647;
 
-  // Head dims within what the sparse attention kernels hold; tokens that int32 indices can name.
-  static void check_sparse_attention_limits(const char* op, const TensorView& q, const TensorView& out) {
+  // Head dims within what the sparse attention kernels hold; tokens that int32 indices can name;
+  // a query's own key at its own row (no key_offset: the kernels index kv by the query's tokens).
+  static void check_sparse_attention_limits(const char* op, const TensorView& q, const TensorView& out,
+                                            int64_t key_offset) {
+    expect(key_offset == 0, op, "the CUDA sparse attention takes no key_offset (keys before the queries' own)");
     expect(q.size(2) <= cuda_ops::kSparseMaxQkDim && out.size(2) <= cuda_ops::kSparseMaxVDim, op,
            describe("q", q) + ", " + describe("out", out) + ": the CUDA sparse attention takes qk_dim up to " +
                std::to_string(cuda_ops::kSparseMaxQkDim) + " and v_dim up to " +

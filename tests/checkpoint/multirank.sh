@@ -8,7 +8,7 @@
 #   context_parallel_w4    a KDA + MLA model at world 4 with parallel.cp 2 (two groups of two ranks
 #                          sharing micro-batches; fsdp 2, ep 2) trains as world 1 does (every step
 #                          within relative 1e-5), and its step-3 checkpoint resumes at world 1 (cp
-#                          1) to the same losses; a DSA model and the aux loss are refused (exit 2)
+#                          1) to the same losses; the aux loss is refused (exit 2)
 #   signal_w2              SIGTERM to rank 1 of a world-2 run: every rank saves, exit 75, and the
 #                          resumed run's losses equal an uninterrupted run's exactly
 #   signal_all_w2          the same with SIGTERM to both ranks
@@ -179,17 +179,12 @@ $(tail -n 30 "$work/cp2.log")"
     ! grep -q "config differs" "$work/resumed.log" || fail "resuming at another cp warned of a changed config:
 $(grep -h "config differs" "$work/resumed.log")"
     for step in 4 5 6; do expect_step_close resumed w1 $step; done
-    # Refused before any work: what context parallelism does not split yet.
-    train dsa 2 1 1 4 --set "model.layers=[mla,dsa]" --set model.mla.q_lora_rank=8 --set "lora.targets=[q_b_proj,o_proj]" \
-      --set parallel.cp=2
-    expect_exit dsa 2
-    grep -q "parallel.cp = 2: the model has DSA layers" "$work/dsa.log" || fail "no DSA refusal:
-$(tail -n 20 "$work/dsa.log")"
+    # Refused before any work: what context parallelism does not split.
     train aux 2 1 1 4 "${hybrid[@]}" --set model.moe.aux_loss_coef=0.01 --set parallel.cp=2
     expect_exit aux 2
     grep -q "model.moe.aux_loss_coef = 0.01 needs each sequence" "$work/aux.log" || fail "no aux-loss refusal:
 $(tail -n 20 "$work/aux.log")"
-    echo "cp 2 at world 4 trained as world 1; resumed at world 1; DSA and the aux loss refused"
+    echo "cp 2 at world 4 trained as world 1; resumed at world 1; the aux loss refused"
     ;;
 
   signal_w2 | signal_all_w2)

@@ -53,8 +53,8 @@ constexpr double kContextParallelTolerance = 1e-10;
 // input mixes the summaries of layers 0 and 2... across FSDP-sharded mix weights).
 // mxfp4 (with k3): the routed experts held packed in MXFP4, at a latent width and expert width of
 // 32 (whole scale groups), so expert parallelism slices packed codes and scales.
-// cp > 1: KDA and MLA mixers (DSA and the sequence-wise aux loss are refused under context
-// parallelism), in windows of 16 so that documents span shards and shards hold document starts.
+// cp > 1: no aux loss (its per-sequence loads are refused under context parallelism), windows of
+// 16 so that documents span shards and shards hold document starts.
 Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3, bool mxfp4, int cp) {
   Config config = testing::tiny_model_config(/*q_lora=*/true);
   if (k3) {
@@ -75,7 +75,6 @@ Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3,
   config.data.seq_len = 8;
   config.data.micro_batch = micro_batch;
   if (cp > 1) {
-    config.model.layers = {"kda", "mla", "kda"};
     config.model.moe.aux_loss_coef = 0.0;
     config.data.seq_len = 16;
   }

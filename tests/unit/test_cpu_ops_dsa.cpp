@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "catch.h"
+#include "core/base/error.h"
 #include "kernels/ops.h"
 #include "tests/support/gradcheck.h"
 #include "tests/support/op_test_helpers.h"
@@ -109,9 +110,10 @@ struct SparseOut {
   Tensor out, lse;
 };
 
-SparseOut sparse_forward(Backend& be, const Tensor& q, const Tensor& kv, const Tensor& index, int64_t v, double scale) {
+SparseOut sparse_forward(Backend& be, const Tensor& q, const Tensor& kv, const Tensor& index, int64_t v, double scale,
+                         int64_t key_offset = 0) {
   SparseOut r{Tensor({q.size(0), q.size(1), v}, q.dtype()), Tensor({q.size(0), q.size(1)}, q.dtype())};
-  be.sparse_attention_forward(SparseAttentionArgs{r.out, r.lse, q, kv, index, scale});
+  be.sparse_attention_forward(SparseAttentionArgs{r.out, r.lse, q, kv, index, scale, key_offset});
   return r;
 }
 
@@ -120,11 +122,11 @@ struct SparseGrads {
 };
 
 SparseGrads sparse_backward(Backend& be, const Tensor& dout, const Tensor& q, const Tensor& kv, const SparseOut& fwd,
-                            const Tensor& index, double scale) {
+                            const Tensor& index, double scale, int64_t key_offset = 0) {
   // Overwritten: start from garbage.
   SparseGrads g{random_tensor(q.shape(), q.dtype(), 91, 5.0, 9.0), random_tensor(kv.shape(), kv.dtype(), 92, 5.0, 9.0)};
   be.sparse_attention_backward(
-      SparseAttentionBackwardArgs{g.dq, g.dkv, dout, q, kv, fwd.out, fwd.lse, index, scale});
+      SparseAttentionBackwardArgs{g.dq, g.dkv, dout, q, kv, fwd.out, fwd.lse, index, scale, key_offset});
   return g;
 }
 
@@ -389,6 +391,52 @@ TEST_CASE("sparse attention on packed documents equals each document alone", "[c
     CHECK(bitwise_equal(apart_g.dq, copy_as(together_g.dq.view().slice_rows(begin, begin + n), DType::kF64)));
     CHECK(bitwise_equal(apart_g.dkv, copy_as(together_g.dkv.view().slice_rows(begin, begin + n), DType::kF64)));
   }
+}
+
+TEST_CASE("indexer and sparse attention with keys of their own equal the whole sequence's rows",
+          "[cpu_ops][dsa][context_parallel]") {
+  // Documents [0, 2) [2, 7) [7, 13); a context-parallel shard holds queries [4, 11) and sees keys
+  // [2, 11): its documents from their starts (cu_seqlens_k), its own key at row t + 2.
+  auto be = make_cpu_backend();
+  const std::vector<int32_t> whole_cu = {0, 2, 7, 13};
+  const int64_t first = 4, last = 11, key_first = 2, top_k = 3;
+  const IndexerInputs whole = make_indexer_inputs(whole_cu, 2, 3, 90);
+  const Tensor whole_index = run_indexer(*be, whole, top_k, 0.7);
+
+  auto rows = [](const Tensor& t, int64_t begin, int64_t end) { return copy_as(t.view().slice_rows(begin, end), t.dtype()); };
+  const Tensor q = rows(whole.q, first, last), weights = rows(whole.weights, first, last);
+  const Tensor keys = rows(whole.k, key_first, last);
+  const Tensor cu = make_i32({0, 3, 7}), cu_k = make_i32({0, 5, 9});
+  Tensor index({last - first, top_k}, DType::kI32);
+  be->dsa_indexer_topk(DsaIndexerArgs{index, q, keys, weights, cu, top_k, 0.7, cu_k});
+  for (int64_t t = first; t < last; ++t) {
+    std::vector<int32_t> want = i32_row(whole_index, t);
+    for (int32_t& s : want) s = s < 0 ? -1 : s - static_cast<int32_t>(key_first);
+    CHECK(i32_row(index, t - first) == want);
+  }
+
+  const SparseInputs in = make_sparse_inputs(13, 2, 5, 4, 91);
+  const SparseOut whole_out = sparse_forward(*be, in.q, in.kv, whole_index, in.v, in.scale);
+  // The whole sequence's backward with the gradient arriving at the shard's queries only: its dkv
+  // is what the shard's queries send to every key.
+  Tensor shard_dout = copy_as(in.dout, DType::kF64);
+  for (int64_t i = 0; i < shard_dout.numel(); ++i) {
+    const int64_t t = i / (in.heads * in.v);
+    if (t < first || t >= last) shard_dout.ptr<double>()[i] = 0.0;
+  }
+  const SparseGrads whole_g = sparse_backward(*be, shard_dout, in.q, in.kv, whole_out, whole_index, in.scale);
+
+  const Tensor sq = rows(in.q, first, last), skv = rows(in.kv, key_first, last), sdout = rows(in.dout, first, last);
+  const SparseOut out = sparse_forward(*be, sq, skv, index, in.v, in.scale, first - key_first);
+  const SparseGrads g = sparse_backward(*be, sdout, sq, skv, out, index, in.scale, first - key_first);
+  CHECK(bitwise_equal(out.out, rows(whole_out.out, first, last)));
+  CHECK(bitwise_equal(out.lse, rows(whole_out.lse, first, last)));
+  CHECK(bitwise_equal(g.dq, rows(whole_g.dq, first, last)));
+  CHECK(bitwise_equal(g.dkv, rows(whole_g.dkv, key_first, last)));
+  // A key row past the query's own is refused.
+  Tensor late = copy_as(index, DType::kI32);
+  late.ptr<int32_t>()[0] = static_cast<int32_t>(first - key_first + 1);
+  CHECK_THROWS_AS(sparse_forward(*be, sq, skv, late, in.v, in.scale, first - key_first), Error);
 }
 
 // ---------------------------------------------------------------------------------------------
