@@ -134,8 +134,18 @@ class Communicator {
   AllToAllLayout uniform_layout(int64_t count_per_rank) const;
 };
 
+// The type-erased core above, as each implementation (MPI below, NCCL, host-staged) declares it:
+// one list, so that a new collective reaches every communicator at once.
+#define MOETRAIN_COMMUNICATOR_TRANSPORT_OVERRIDES                                                          \
+  void all_gather_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) override;       \
+  void reduce_scatter_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) override;   \
+  void all_reduce_elements(void* data, int64_t count, DType dtype, ReduceOp op) override;                  \
+  void all_to_all_v_elements(void* out, const void* in, const AllToAllLayout& layout, DType dtype) override; \
+  void broadcast_elements(void* data, int64_t count, DType dtype, int root) override;
+
 // Collectives over an MPI communicator on host memory. `comm` is not owned and must outlive
 // this object (e.g. one of DeviceMesh's communicators).
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(MPI_Comm comm);
@@ -148,11 +158,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm() const { return comm_; }
 
  protected:
-  void all_gather_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) override;
-  void reduce_scatter_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) override;
-  void all_reduce_elements(void* data, int64_t count, DType dtype, ReduceOp op) override;
-  void all_to_all_v_elements(void* out, const void* in, const AllToAllLayout& layout, DType dtype) override;
-  void broadcast_elements(void* data, int64_t count, DType dtype, int root) override;
+  MOETRAIN_COMMUNICATOR_TRANSPORT_OVERRIDES
 
  private:
   MPI_Comm comm_;

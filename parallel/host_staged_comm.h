@@ -30,11 +30,7 @@ class HostStagedCommunicator final : public Communicator {
   void synchronize() override {}
 
  protected:
-  void all_gather_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) override;
-  void reduce_scatter_elements(void* out, const void* in, int64_t count_per_rank, DType dtype) override;
-  void all_reduce_elements(void* data, int64_t count, DType dtype, ReduceOp op) override;
-  void all_to_all_v_elements(void* out, const void* in, const AllToAllLayout& layout, DType dtype) override;
-  void broadcast_elements(void* data, int64_t count, DType dtype, int root) override;
+  MOETRAIN_COMMUNICATOR_TRANSPORT_OVERRIDES
 
  private:
   MpiCommunicator host_;

@@ -7,16 +7,22 @@
 
 namespace moetrain {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
+// A float's IEEE bits and back (std::bit_cast in C++20).
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float float_from_bits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
 
+inline float bf16_to_float(uint16_t bits) { return float_from_bits(static_cast<uint32_t>(bits) << 16); }
+
 inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
+  const uint32_t u = float_bits(f);
   if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0) {
     return static_cast<uint16_t>((u >> 16) | 0x0040u);  // keep NaN a NaN after truncation
   }
@@ -46,14 +52,11 @@ inline float f16_to_float(uint16_t h) {
   } else {
     u = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
   }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  return float_from_bits(u);
 }
 
 inline uint16_t float_to_f16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
+  const uint32_t u = float_bits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t abs = u & 0x7fffffffu;
   if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0));

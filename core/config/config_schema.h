@@ -131,20 +131,25 @@ void visit_fields(V& v, ParallelConfig& c) {
 struct DataSourceField {
   std::string& selector;
   std::vector<DataSourceSpec>& mixture;
+
+  // The `source` key of `data` and of `data.eval`.
+  template <class V, class C>
+  static void visit(V& v, C& c) {
+    DataSourceField source{c.source, c.mixture};
+    v.field("source", source);
+  }
 };
 
 template <class V>
 void visit_fields(V& v, EvalDataConfig& c) {
-  DataSourceField source{c.source, c.mixture};
-  v.field("source", source);
+  DataSourceField::visit(v, c);
   v.field("holdout", c.holdout);
   v.field("windows", c.windows);
 }
 
 template <class V>
 void visit_fields(V& v, DataConfig& c) {
-  DataSourceField source{c.source, c.mixture};
-  v.field("source", source);
+  DataSourceField::visit(v, c);
   v.field("seq_len", c.seq_len);
   v.field("micro_batch", c.micro_batch);
   v.field("grad_accum", c.grad_accum);
