@@ -152,6 +152,11 @@ struct ParallelConfig {
   // their activations; -1: every layer), to spend spare memory on speed.
   bool recompute = true;
   int64_t recompute_layers = -1;
+  // The feed-forward half of every layer (norm, router, experts, dense MLP) runs over token
+  // chunks of at most this many tokens, so that only one chunk's internals are alive: the mixer
+  // still sees the whole sequence. 0: the whole micro-batch at once. Results equal the unchunked
+  // run up to the order of the adapter-gradient sums (docs/PARALLEL.md, "Long sequences").
+  int64_t ffn_chunk_tokens = 0;
   // FSDP: free a layer's gathered base weights after its forward and gather them again for its
   // backward (true), or keep them from forward to backward (false: more memory, less traffic).
   bool reshard_after_forward = true;

@@ -427,6 +427,13 @@ void check_parallel(const Config& c, Rules& r) {
                "contiguous shard): make data.seq_len a multiple of " + show(p.cp));
   }
   r.at_least<int64_t>("parallel.prefetch", p.prefetch, 0);
+  r.at_least<int64_t>("parallel.ffn_chunk_tokens", p.ffn_chunk_tokens, 0);
+  if (p.ffn_chunk_tokens > 0 && c.model.moe.aux_loss_coef > 0.0) {
+    r.fail({"parallel.ffn_chunk_tokens", "model.moe.aux_loss_coef"},
+           "`parallel.ffn_chunk_tokens` = " + show(p.ffn_chunk_tokens) + " cannot run with `model.moe.aux_loss_coef` = " +
+               show(c.model.moe.aux_loss_coef) + ": the aux loss needs every token's routing of the micro-batch at " +
+               "once; set one of them to 0");
+  }
   r.at_least<double>("parallel.timeout_s", p.timeout_s, 0.0);
   if (p.recompute_layers != -1) {
     if (!p.recompute) {

@@ -136,6 +136,7 @@ ModelOptions model_options_for(const Config& config) {
   ModelOptions options;
   options.recompute = config.parallel.recompute;
   options.recompute_layers = config.parallel.recompute_layers;
+  options.ffn_chunk_tokens = config.parallel.ffn_chunk_tokens;
   options.fsdp_prefetch = config.parallel.prefetch;
   options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
   options.seed = static_cast<uint64_t>(config.train.seed);
@@ -336,16 +337,13 @@ std::vector<MoeFfn*> Model::moe_layers() {
 
 // The residual stream of one layer; with Block Attention Residuals (attn_res.h) the mixer's and
 // the feed-forward's inputs are depth mixes, and a block start restarts the running sum.
-void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x,
-                          const std::vector<TensorView>& summaries) {
+void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorView* out, const TensorView& x,
+                          const std::vector<TensorView>& summaries, int64_t ffn_chunks) {
   kernels::Backend& be = backend_;
   DecoderLayer& layer = layers_[index];
   LayerSaved& s = saved_[index];
   const int64_t n = x.size(0), d = x.size(1);
   const double eps = spec_.config.rms_norm_eps;
-  if (auto* moe = routed_moe(layer.ffn.get())) {
-    moe->set_noise_seed(options_.seed ^ (forward_count_ * 1000003ull + index));
-  }
   TensorView mixer_in = x;
   const std::vector<TensorView> before = attn_res_.filed_before(summaries, index);
   if (!before.empty()) mixer_in = attn_res_.mix_forward(ctx, layer.attention_mix, with(before, x), s.mixer_mix);
@@ -366,21 +364,66 @@ void Model::layer_forward(const LayerContext& ctx, size_t index, const TensorVie
   s.normed_mid = ctx.alloc({n, d});
   s.rstd_mid = ctx.alloc_accum({n});
   be.rmsnorm_forward(RmsNormArgs{s.normed_mid, s.rstd_mid, ffn_in, layer.post_attention_norm, eps});
-  Tensor ffn_out = ctx.alloc({n, d});
-  layer.ffn->forward(ctx, ffn_out, s.normed_mid);
-  be.copy(out, s.hidden);
-  be.axpby(out, ffn_out, 1.0, 1.0);
+  if (out != nullptr) ffn_forward(ctx, index, *out, ffn_chunks);
+}
+
+int64_t Model::ffn_chunks(const LayerContext& ctx) const {
+  const int64_t most = options_.ffn_chunk_tokens;
+  const int64_t tokens = ctx.batch.context ? ctx.batch.context->longest_shard() : ctx.batch.num_tokens;
+  return most > 0 && tokens > most ? (tokens + most - 1) / most : 1;
+}
+
+void Model::start_ffn_rows(size_t index, int64_t first_row) {
+  if (auto* moe = routed_moe(layers_[index].ffn.get())) {
+    moe->start_rows(options_.seed ^ (forward_count_ * 1000003ull + index), first_row);
+  }
+}
+
+void Model::ffn_forward(const LayerContext& ctx, size_t index, const TensorView& out, int64_t chunks) {
+  FeedForward& ffn = *layers_[index].ffn;
+  const LayerSaved& s = saved_[index];
+  const int64_t n = out.size(0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * n / chunks, end = (c + 1) * n / chunks;
+    start_ffn_rows(index, begin);
+    const TensorView rows = out.slice_rows(begin, end);
+    ffn.forward(ctx, rows, s.normed_mid.view().slice_rows(begin, end));
+    backend_.axpby(rows, s.hidden.view().slice_rows(begin, end), 1.0, 1.0);
+    if (chunks > 1) ffn.release_saved();
+  }
+}
+
+void Model::ffn_backward(const LayerContext& ctx, size_t index, const TensorView& dnormed_mid, const TensorView& dout,
+                         int64_t chunks) {
+  FeedForward& ffn = *layers_[index].ffn;
+  const LayerSaved& s = saved_[index];
+  if (chunks == 1) {
+    ffn.backward(ctx, dnormed_mid, dout, s.normed_mid);
+    return;
+  }
+  const int64_t n = dout.size(0), d = dout.size(1);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * n / chunks, end = (c + 1) * n / chunks;
+    const TensorView x = s.normed_mid.view().slice_rows(begin, end);
+    start_ffn_rows(index, begin);
+    {
+      Tensor unused = ctx.alloc({end - begin, d});
+      ffn.forward(ctx, unused, x);
+    }
+    ffn.backward(ctx, dnormed_mid.slice_rows(begin, end), dout.slice_rows(begin, end), x);
+    ffn.release_saved();
+  }
 }
 
 void Model::layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
                            const TensorView& x, const std::vector<TensorView>& summaries,
-                           const std::vector<TensorView>& dsummaries) {
+                           const std::vector<TensorView>& dsummaries, int64_t ffn_chunks) {
   kernels::Backend& be = backend_;
   DecoderLayer& layer = layers_[index];
   LayerSaved& s = saved_[index];
   const int64_t n = x.size(0), d = x.size(1);
   Tensor dnormed_mid = ctx.alloc({n, d});
-  layer.ffn->backward(ctx, dnormed_mid, dout, s.normed_mid);
+  ffn_backward(ctx, index, dnormed_mid, dout, ffn_chunks);
   // dhidden: the gradient of the sum the feed-forward's output was added to.
   Tensor dhidden = ctx.alloc({n, d});
   be.copy(dhidden, dout);
@@ -493,11 +536,13 @@ Model::Forward Model::forward(const LayerContext& ctx, ForwardMode mode, std::st
   fsdp_.gather_outer();
   be.embedding_forward_checked_ids(inputs[0], embed_, ctx.batch.input_ids);  // checked in upload()
   fsdp_.release_outer();
+  const int64_t chunks = ffn_chunks(ctx);
   for (size_t i = 0; i < num_layers; ++i) {
     where = layer_pass(spec_, i, "forward");
     fsdp_.gather_for_forward(i);
     inputs[i + 1] = ctx.alloc({n, d});
-    layer_forward(ctx, i, inputs[i + 1], inputs[i], attn_res_.summaries_for(inputs, i));
+    const TensorView out = inputs[i + 1];
+    layer_forward(ctx, i, &out, inputs[i], attn_res_.summaries_for(inputs, i), chunks);
     if (!backward_follows || recomputes(i)) release_layer(i);
     fsdp_.forward_done(i, num_layers, backward_follows);
     // Without a backward, only the block summaries (Block Attention Residuals) are read again.
@@ -535,16 +580,20 @@ void Model::backward(const LayerContext& ctx, Forward& fwd, const TensorView& df
     dsummaries = attn_res_.final_backward(ctx, dx, dmix, inputs);
   }
   fsdp_.release_outer();
+  const int64_t chunks = ffn_chunks(ctx);
   for (size_t i = layers_.size(); i-- > 0;) {
     where = layer_pass(spec_, i, recomputes(i) ? "backward (and its recomputed forward)" : "backward");
     fsdp_.gather_for_backward(i);
     const std::vector<TensorView> summaries = attn_res_.summaries_for(inputs, i);
     if (recomputes(i)) {
-      Tensor recomputed = ctx.alloc({n, d});
-      layer_forward(ctx, i, recomputed, inputs[i], summaries);
+      // A chunked feed-forward re-runs chunk by chunk in layer_backward: only the mixer half here.
+      Tensor recomputed = chunks == 1 ? ctx.alloc({n, d}) : Tensor();
+      const TensorView out = recomputed;
+      layer_forward(ctx, i, chunks == 1 ? &out : nullptr, inputs[i], summaries, chunks);
     }
     Tensor dprev = ctx.alloc({n, d});
-    layer_backward(ctx, i, dprev, dx, inputs[i], summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()));
+    layer_backward(ctx, i, dprev, dx, inputs[i], summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()),
+                   chunks);
     if (attn_res_.starts_block(i)) {  // inputs[i] is the last summary: its gradient is complete
       be.axpby(dprev, dsummaries.back(), 1.0, 1.0);
       dsummaries.pop_back();

@@ -48,6 +48,9 @@ struct ModelOptions {
   // 1 / (grad_accum x data-parallel ranks).
   double aux_loss_weight = 1.0;
   int64_t loss_chunk_rows = 1024;    // rows of logits alive at once in the loss
+  // parallel.ffn_chunk_tokens: every layer's feed-forward half runs over token chunks of at most
+  // this many tokens (Model::ffn_forward); 0: the whole micro-batch at once.
+  int64_t ffn_chunk_tokens = 0;
   const ParallelGroups* parallel = nullptr;  // null: this rank is the whole job
   // FSDP (parallel->fsdp of size > 1): the frozen non-expert weights are sharded per layer.
   // fsdp_prefetch: layers gathered ahead of the one being computed (0: just in time).
@@ -164,12 +167,27 @@ class Model final : public TrainableModel {
   // `summaries`: with Block Attention Residuals, the block summaries filed up to and including
   // this layer (AttnResiduals::summaries_for); empty otherwise. The backward adds the summaries'
   // gradients into `dsummaries` (accum dtype) and writes x's own (without its summary's share)
-  // into dx.
-  void layer_forward(const LayerContext& ctx, size_t index, const TensorView& out, const TensorView& x,
-                     const std::vector<TensorView>& summaries);
+  // into dx. `ffn_chunks`: the token chunks the feed-forward half runs in (ffn_chunks()). A null
+  // `out` runs the mixer half alone, up to the feed-forward's normed input: what a backward needs
+  // that re-runs a chunked feed-forward chunk by chunk itself.
+  void layer_forward(const LayerContext& ctx, size_t index, const TensorView* out, const TensorView& x,
+                     const std::vector<TensorView>& summaries, int64_t ffn_chunks);
   void layer_backward(const LayerContext& ctx, size_t index, const TensorView& dx, const TensorView& dout,
                       const TensorView& x, const std::vector<TensorView>& summaries,
-                      const std::vector<TensorView>& dsummaries);
+                      const std::vector<TensorView>& dsummaries, int64_t ffn_chunks);
+  // The feed-forward half is position-wise, so it can run over token chunks and keep only one
+  // chunk's internals alive (the MoE's dispatched rows are most of a layer's memory per token).
+  // The count comes from the micro-batch's shape, which every rank shares, so the expert-parallel
+  // exchanges of each chunk pair up across ranks; 1 without ModelOptions::ffn_chunk_tokens.
+  int64_t ffn_chunks(const LayerContext& ctx) const;
+  // out = hidden + ffn(normed_mid), chunk by chunk. Chunked, each chunk's internals are dropped
+  // after it, and ffn_backward re-runs the chunk's forward before its backward; whole, the
+  // backward reads the forward's.
+  void ffn_forward(const LayerContext& ctx, size_t index, const TensorView& out, int64_t chunks);
+  void ffn_backward(const LayerContext& ctx, size_t index, const TensorView& dnormed_mid, const TensorView& dout,
+                    int64_t chunks);
+  // Router noise and statistics for the MoE rows starting at first_row (MoeFfn::start_rows).
+  void start_ffn_rows(size_t index, int64_t first_row);
   void release_layer(size_t index);
   // Layer `index` drops what its backward reads after its forward and re-runs that forward in the
   // backward (ModelOptions::recompute, recompute_layers: the first layers re-run).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "core/base/host_convert.h"
 
@@ -22,16 +23,19 @@ RouterScoring scoring_of(const MoeConfig& moe) {
   return moe.scoring == "softmax" ? RouterScoring::kSoftmax : RouterScoring::kSigmoid;
 }
 
-// Standard normal samples from a 64-bit generator, by Box-Muller on its top 53 bits, so the
-// noise does not depend on the standard library's distributions.
-void fill_gaussian(double* out, int64_t n, double stddev, uint64_t seed) {
+// Samples [first, first + n) of a stream of standard normal samples from a 64-bit generator, by
+// Box-Muller on its top 53 bits (two generator draws per pair of samples), so the noise does not
+// depend on the standard library's distributions and any stretch of it can be drawn alone.
+void fill_gaussian(double* out, int64_t first, int64_t n, double stddev, uint64_t seed) {
   std::mt19937_64 rng(seed);
+  const int64_t first_pair = first / 2;
+  rng.discard(static_cast<unsigned long long>(2 * first_pair));
   auto unit = [&] { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
-  for (int64_t i = 0; i < n; i += 2) {
-    double radius = std::sqrt(-2.0 * std::log(unit()));
-    double angle = 2.0 * 3.14159265358979323846 * unit();
-    out[i] = stddev * radius * std::cos(angle);
-    if (i + 1 < n) out[i + 1] = stddev * radius * std::sin(angle);
+  for (int64_t i = 2 * first_pair; i < first + n; i += 2) {
+    const double radius = std::sqrt(-2.0 * std::log(unit()));
+    const double angle = 2.0 * 3.14159265358979323846 * unit();
+    if (i >= first) out[i - first] = stddev * radius * std::cos(angle);
+    if (i + 1 >= first && i + 1 < first + n) out[i + 1 - first] = stddev * radius * std::sin(angle);
   }
 }
 
@@ -120,7 +124,7 @@ Tensor MoeFfn::router_noise(const LayerContext& ctx, int64_t n) const {
   if (moe_.router_noise <= 0.0 || !noise_enabled_) return Tensor();
   const int64_t e = moe_.num_experts;
   Tensor host({n, e}, DType::kF64);
-  fill_gaussian(host.ptr<double>(), host.numel(), moe_.router_noise, noise_seed_);
+  fill_gaussian(host.ptr<double>(), first_row_ * e, host.numel(), moe_.router_noise, noise_seed_);
   Tensor staged({n, e}, ctx.accum());
   convert_host(staged, host);
   Tensor noise = ctx.alloc_accum({n, e});
@@ -203,11 +207,17 @@ void MoeFfn::record_statistics(const LayerContext& ctx, int64_t n) {
   kernels::Backend& be = ctx.backend;
   const int64_t e = moe_.num_experts;
   Saved& s = saved_;
-  stats_offsets_ = ctx.alloc({e + 1}, DType::kI32);
-  be.copy(stats_offsets_, s.expert_offsets);
+  if (first_row_ == 0) stats_offsets_.clear();
+  stats_offsets_.push_back(ctx.alloc({e + 1}, DType::kI32));
+  be.copy(stats_offsets_.back(), s.expert_offsets);
   stats_aux_loss_.reset();
   s.aux_dscores.reset();
   if (moe_.aux_loss_coef > 0.0) {
+    // Its statistics are the whole micro-batch's: token chunks cannot compute it (the config
+    // rules refuse the pair; this is the model's own guard).
+    MOETRAIN_CHECK(first_row_ == 0 && n == ctx.batch.num_tokens, ExitCode::kBadConfig,
+                   "the MoE aux loss (model.moe.aux_loss_coef > 0) needs the whole micro-batch at once: "
+                   "set parallel.ffn_chunk_tokens to 0 or the aux loss coefficient to 0");
     stats_aux_loss_ = ctx.alloc_accum({1});
     s.aux_dscores = ctx.alloc_accum({n, e});
     AuxLossArgs aux;
@@ -223,15 +233,16 @@ void MoeFfn::record_statistics(const LayerContext& ctx, int64_t n) {
   }
 }
 
-FeedForwardStats MoeFfn::expert_loads(const int32_t* o, int64_t e) {
+FeedForwardStats MoeFfn::expert_loads(const std::vector<int64_t>& counts) {
   FeedForwardStats stats;
   // Max and min over experts of (tokens routed / mean tokens per expert).
-  int64_t max_count = 0, min_count = o[e];
-  for (int64_t i = 0; i < e; ++i) {
-    max_count = std::max<int64_t>(max_count, o[i + 1] - o[i]);
-    min_count = std::min<int64_t>(min_count, o[i + 1] - o[i]);
+  const int64_t e = static_cast<int64_t>(counts.size());
+  int64_t pairs = 0, max_count = 0, min_count = INT64_MAX;
+  for (int64_t count : counts) {
+    pairs += count;
+    max_count = std::max(max_count, count);
+    min_count = std::min(min_count, count);
   }
-  const int64_t pairs = o[e];
   stats.max_expert_load = pairs > 0 ? static_cast<double>(max_count) * e / static_cast<double>(pairs) : 0.0;
   stats.min_expert_load = pairs > 0 ? static_cast<double>(min_count) * e / static_cast<double>(pairs) : 0.0;
   return stats;

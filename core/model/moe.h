@@ -40,13 +40,14 @@ class MoeFfn final : public FeedForward {
   void collect_parameters(std::vector<Parameter*>& out) override;
   void collect_weights(std::vector<WeightSlot>& out) override;
 
-  // The last forward's statistics, left on the device (undefined before the first forward): the
-  // expert offsets (int32 [E + 1]) and the weighted aux loss ([1] accum; undefined without one).
-  // The model reads every layer's back in one copy per micro-batch, after its backward is queued.
-  const Tensor& stats_offsets() const { return stats_offsets_; }
+  // The last micro-batch's statistics, left on the device (empty before the first forward): the
+  // expert offsets (int32 [E + 1]) of each of its token chunks (one without chunking: see
+  // start_rows) and the weighted aux loss ([1] accum; undefined without one). The model reads
+  // every layer's back in one copy per micro-batch, after its backward is queued.
+  const std::vector<Tensor>& stats_offsets() const { return stats_offsets_; }
   const Tensor& stats_aux_loss() const { return stats_aux_loss_; }
-  // The expert loads of a host copy of stats_offsets() (FeedForwardStats::aux_loss left 0).
-  static FeedForwardStats expert_loads(const int32_t* offsets, int64_t experts);
+  // The expert loads from per-expert token counts (FeedForwardStats::aux_loss left 0).
+  static FeedForwardStats expert_loads(const std::vector<int64_t>& counts);
 
   // The shared experts' part (no-op without them): out += shared(x); dx = their backward (0
   // without them).
@@ -60,9 +61,15 @@ class MoeFfn final : public FeedForward {
   void backward_routed(const LayerContext& ctx, const TensorView& dx, const TensorView& drows, const TensorView& dout,
                        bool accumulate_rows);
 
-  // Router noise for the next forward; re-seeding with the same value makes a recomputed
-  // forward route exactly as the first one did.
-  void set_noise_seed(uint64_t seed) { noise_seed_ = seed; }
+  // The next forward runs rows [first_row, first_row + its rows) of the micro-batch: the whole of
+  // it (first_row 0) or one token chunk (Model::ffn_forward). Router noise is drawn from
+  // noise_seed for the micro-batch's rows, so chunks route as the whole would, and re-seeding with
+  // the same value makes a recomputed forward route exactly as the first one did. first_row 0
+  // starts the micro-batch's statistics afresh; later chunks add theirs.
+  void start_rows(uint64_t noise_seed, int64_t first_row) {
+    noise_seed_ = noise_seed;
+    first_row_ = first_row;
+  }
   // Router noise on (training) or off (an evaluation measures the model as it will serve).
   void set_noise_enabled(bool enabled) { noise_enabled_ = enabled; }
   // Weight of this micro-batch's aux loss in the step's objective (1 / micro-batches).
@@ -104,9 +111,11 @@ class MoeFfn final : public FeedForward {
   int64_t row_width_;  // the routed experts' input and output width
   std::string prefix_;
   uint64_t noise_seed_ = 0;
+  int64_t first_row_ = 0;  // start_rows()
   bool noise_enabled_ = true;
   double aux_loss_weight_ = 1.0;
-  Tensor stats_offsets_, stats_aux_loss_;  // stats_offsets(), stats_aux_loss()
+  std::vector<Tensor> stats_offsets_;  // stats_offsets()
+  Tensor stats_aux_loss_;              // stats_aux_loss()
   std::unique_ptr<ExpertDispatch> dispatch_;  // null without expert parallelism
 
   struct Saved {

@@ -76,8 +76,8 @@ BatchTensors BatchStaging::upload(const Batch& batch) {
 PendingStep ResultReadback::queue(const LayerContext& ctx, const Tensor& losses, const std::vector<MoeFfn*>& moe_layers,
                                   int64_t targets) {
   kernels::Backend& be = backend_;
-  // One buffer: the losses, then per MoE layer its offsets and (when it has one) its aux loss,
-  // each part 8-byte aligned, so that the host's reads of it are aligned.
+  // One buffer: the losses, then per MoE layer its offsets (one set per token chunk) and (when it
+  // has one) its aux loss, each part 8-byte aligned, so that the host's reads of it are aligned.
   struct Part {
     TensorView device;
     size_t offset;
@@ -90,14 +90,16 @@ PendingStep ResultReadback::queue(const LayerContext& ctx, const Tensor& losses,
   };
   add(losses);
   struct Routed {
-    size_t offsets, aux;  // parts' indices (aux: 0 when the layer has no aux loss)
+    size_t offsets, chunks, aux;  // parts' indices: the first chunk's offsets, its count (aux: 0
+                                  // when the layer has no aux loss)
     int64_t experts;
   };
   std::vector<Routed> routed;
   for (MoeFfn* moe : moe_layers) {
-    MOETRAIN_ASSERT(moe->stats_offsets().defined(), "an MoE layer without statistics after its forward");
-    Routed r{parts.size(), 0, moe->stats_offsets().numel() - 1};
-    add(moe->stats_offsets());
+    const std::vector<Tensor>& offsets = moe->stats_offsets();
+    MOETRAIN_ASSERT(!offsets.empty(), "an MoE layer without statistics after its forward");
+    Routed r{parts.size(), offsets.size(), 0, offsets.front().numel() - 1};
+    for (const Tensor& chunk : offsets) add(chunk);
     if (moe->stats_aux_loss().defined()) {
       r.aux = parts.size();
       add(moe->stats_aux_loss());
@@ -135,7 +137,12 @@ PendingStep ResultReadback::queue(const LayerContext& ctx, const Tensor& losses,
     result.targets = targets;
     for (int64_t i = 0; i < values.numel(); ++i) result.loss_sum += values.ptr<double>()[i];
     for (const Routed& r : routed) {
-      FeedForwardStats stats = MoeFfn::expert_loads(part(r.offsets).ptr<int32_t>(), r.experts);
+      std::vector<int64_t> counts(static_cast<size_t>(r.experts), 0);
+      for (size_t c = 0; c < r.chunks; ++c) {
+        const int32_t* o = part(r.offsets + c).ptr<int32_t>();
+        for (int64_t i = 0; i < r.experts; ++i) counts[static_cast<size_t>(i)] += o[i + 1] - o[i];
+      }
+      FeedForwardStats stats = MoeFfn::expert_loads(counts);
       if (r.aux != 0) {
         Tensor aux({1}, DType::kF64);
         convert_host(aux, part(r.aux));

@@ -13,7 +13,7 @@
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
 //       [--recompute] [--recompute-layers N] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
-//       [--cp N]
+//       [--cp N] [--ffn-chunks N]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
 // --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config);
@@ -21,6 +21,9 @@
 // --cp N: context parallelism, every micro-batch (two windows of 16) cut into N shards of
 // contiguous tokens, each cp group of ranks reading one; checked to 1e-10 (one reference, only
 // the order of the sums differs).
+// --ffn-chunks N: the distributed model runs its feed-forward halves in token chunks of at most N
+// tokens (parallel.ffn_chunk_tokens; the reference runs them whole), so each chunk's expert
+// exchange must pair up across the EP ranks.
 // (EXPERTS and TOP_K default to 8 and 2; docs/SCALE.md runs 896 experts top-16 on 64 ranks.)
 #include <fmt/format.h>
 
@@ -54,8 +57,9 @@ constexpr double kContextParallelTolerance = 1e-10;
 // mxfp4 (with k3): the routed experts held packed in MXFP4, at a latent width and expert width of
 // 32 (whole scale groups), so expert parallelism slices packed codes and scales.
 // cp > 1: no aux loss (its per-sequence loads are refused under context parallelism), windows of
-// 16 so that documents span shards and shards hold document starts.
-Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3, bool mxfp4, int cp) {
+// 16 so that documents span shards and shards hold document starts. no_aux: no aux loss either
+// (feed-forward token chunks refuse it).
+Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3, bool mxfp4, int cp, bool no_aux) {
   Config config = testing::tiny_model_config(/*q_lora=*/true);
   if (k3) {
     ModelConfig& m = config.model;
@@ -71,7 +75,7 @@ Config test_config(int64_t micro_batch, int64_t experts, int64_t top_k, bool k3,
   config.model.moe.num_experts = experts;  // 8 by default: divisible by every ep of the test matrix
   config.model.moe.top_k = top_k;
   config.model.moe.num_groups = 2;
-  config.model.moe.aux_loss_coef = 0.01;
+  config.model.moe.aux_loss_coef = no_aux ? 0.0 : 0.01;
   config.data.seq_len = 8;
   config.data.micro_batch = micro_batch;
   if (cp > 1) {
@@ -93,6 +97,7 @@ struct ScheduleFlags {
   bool k3 = false;
   bool mxfp4 = false;  // with k3
   int cp = 1;          // context parallelism: each micro-batch cut into cp shards
+  int64_t ffn_chunk_tokens = 0;  // the distributed model's ModelOptions::ffn_chunk_tokens
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -115,6 +120,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.k3 = flags.mxfp4 = true;
     } else if (arg == "--cp" && i + 1 < argc) {
       flags.cp = std::stoi(argv[++i]);
+    } else if (arg == "--ffn-chunks" && i + 1 < argc) {
+      flags.ffn_chunk_tokens = std::stoll(argv[++i]);
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -227,7 +234,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
                  "[--recompute-layers N] "
-                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N]");
+                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N] [--ffn-chunks N]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   MeshShape parallel;
@@ -239,12 +246,15 @@ int run_test(Runtime& runtime, int argc, char** argv) {
 
   // The distributed run: one window per rank per step.
   const int cp = flags.cp, micro_batch = cp > 1 ? 2 : 1;
-  Config config = test_config(micro_batch, experts, top_k, flags.k3, flags.mxfp4, cp);
+  const bool no_aux = flags.ffn_chunk_tokens > 0;
+  Config config = test_config(micro_batch, experts, top_k, flags.k3, flags.mxfp4, cp, no_aux);
   ModelSpec spec = resolve_model_spec(config);
   testing::MpiParallelGroups mpi{MeshLayout(world, parallel, spec.config.moe.num_experts)};
   ParallelGroups& groups = mpi.groups;
   auto backend = kernels::make_cpu_backend();
-  Model model(spec, *backend, model_options(&groups, world, flags));
+  ModelOptions options = model_options(&groups, world, flags);
+  options.ffn_chunk_tokens = flags.ffn_chunk_tokens;
+  Model model(spec, *backend, options);
   prepare(model, routing);
   SyntheticData data(config.data, spec.config.vocab_size, runtime.rank() / cp, world / cp);
   Run distributed = train(model, data, cp, runtime.rank() % cp);
@@ -252,7 +262,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const FrozenWeightBytes frozen = model.frozen_non_expert_bytes();
 
   // The reference: one process, every rank's windows in one batch.
-  Config reference_config = test_config(micro_batch * world / cp, experts, top_k, flags.k3, flags.mxfp4, cp);
+  Config reference_config = test_config(micro_batch * world / cp, experts, top_k, flags.k3, flags.mxfp4, cp, no_aux);
   Model reference(spec, *backend, model_options(nullptr, 1, flags));
   prepare(reference, routing);
   SyntheticData reference_data(reference_config.data, spec.config.vocab_size, 0, 1);
