@@ -15,6 +15,7 @@
 #include "core/config/config.h"
 #include "core/data/synthetic_data.h"
 #include "core/model/model.h"
+#include "core/plan/memory_plan.h"
 #include "core/plan/model_flops.h"
 #include "kernels/timing_backend.h"
 
@@ -52,6 +53,13 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   Backend* backend = bench.op_times ? static_cast<Backend*>(&timing) : cuda_backend.get();
   ModelOptions options = model_options_for(config);
   options.dtype = DType::kBF16;
+  // The feed-forward token chunk as the trainer chooses it for this GPU (run_training.cpp).
+  PlanOptions plan_options;
+  plan_options.gpu_bytes = static_cast<double>(cuda_backend->stats().device_total_bytes);
+  options.ffn_chunk_tokens = make_memory_plan(config, plan_options).ffn_chunk_tokens;
+  log::info(options.ffn_chunk_tokens > 0
+                ? fmt::format("feed-forwards in token chunks of {}", options.ffn_chunk_tokens)
+                : std::string("feed-forwards over the whole micro-batch"));
   auto build_start = std::chrono::steady_clock::now();
   Model model(spec, *backend, options);
   model.init_random_weights();

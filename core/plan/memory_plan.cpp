@@ -20,8 +20,12 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Bytes per token a layer's forward saves for its backward, from what the model code keeps
 // (Model::LayerSaved, MlaProjections::Saved, MlaAttention::Saved, DsaAttention::Saved,
 // KdaAttention::Saved, MoeFfn::Saved, SwigluExperts); `a` is the activation dtype size,
-// statistics (rstd, lse) are F32, indices I32.
-double layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity, const Config& config) {
+// statistics (rstd, lse) are F32, indices I32. Split into the mixer half with the layer's own
+// tensors, and the feed-forward's internals, which token chunks bound (Model::ffn_forward).
+struct LayerSaved {
+  double mixer = 0, ffn = 0;
+};
+LayerSaved layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity, const Config& config) {
   const ModelConfig& m = spec.config;
   const MlaConfig& mla = m.mla;
   const double d = static_cast<double>(m.hidden_size);
@@ -66,24 +70,26 @@ double layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double c
       if (kv_b_lora) bytes += h * qk * a;
     }
   }
+  LayerSaved saved{bytes, 0.0};
+  double& ffn = saved.ffn;
   if (spec.ffns[i] == FfnKind::kDense) {
-    bytes += 3 * static_cast<double>(m.intermediate_size) * a;  // gate_up pre-activations, SwiGLU output
+    ffn += 3 * static_cast<double>(m.intermediate_size) * a;  // gate_up pre-activations, SwiGLU output
   } else {
     const MoeConfig& moe = m.moe;
     const double e = static_cast<double>(moe.num_experts);
     const double k = static_cast<double>(moe.top_k);
     const double f = static_cast<double>(moe.expert_intermediate_size);
-    bytes += e * a + k * a + k * kI32 * 3;  // scores, topk weight, topk index, sorted_pair, pair_row
-    if (moe.aux_loss_coef > 0) bytes += e * a;
+    ffn += e * a + k * a + k * kI32 * 3;  // scores, topk weight, topk index, sorted_pair, pair_row
+    if (moe.aux_loss_coef > 0) ffn += e * a;
     // Routed rows (received from the EP group): routed_x, routed_out, gate_up, SwiGLU output, at
     // the latent width L for a latent MoE, which also keeps its projection z, the weighted sum y
     // and its norm [L] (LatentMoeFfn::Saved).
     const double rows = moe.latent_size > 0 ? static_cast<double>(moe.latent_size) : d;
-    bytes += capacity * k * (2 * rows + 3 * f) * a;
-    if (moe.latent_size > 0) bytes += 3 * rows * a + kF32;
-    bytes += 3 * f * static_cast<double>(moe.num_shared_experts) * a;
+    ffn += capacity * k * (2 * rows + 3 * f) * a;
+    if (moe.latent_size > 0) ffn += 3 * rows * a + kF32;
+    ffn += 3 * f * static_cast<double>(moe.num_shared_experts) * a;
   }
-  return bytes;
+  return saved;
 }
 
 void add(std::vector<PlanItem>& items, std::string name, double bytes, std::string formula) {
@@ -294,9 +300,22 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
   const ModelSpec& spec = in.spec;
   const double a = in.a;
   const double checkpoint = (static_cast<double>(m.num_layers) + 1) * static_cast<double>(m.hidden_size) * a;
+  // With feed-forward token chunks a layer keeps its mixer's half per token, and one chunk's
+  // feed-forward internals and their backward's temporaries exist at a time (fixed bytes).
+  const bool chunked = plan.ffn_chunk_tokens > 0;
+  double ffn_max = 0;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
-    plan.layer_saved.push_back(layer_saved_per_token(spec, i, a, in.options.capacity_factor, in.config));
+    const LayerSaved saved = layer_saved_per_token(spec, i, a, in.options.capacity_factor, in.config);
+    plan.layer_saved.push_back(saved.mixer + (chunked ? 0.0 : saved.ffn));
+    ffn_max = std::max(ffn_max, saved.ffn);
   }
+  plan.ffn_saved_max_per_token = ffn_max;
+  add(plan.fixed, "feed-forward chunk (saved + backward temporaries)",
+      chunked ? 2 * static_cast<double>(plan.ffn_chunk_tokens) * ffn_max : 0.0,
+      chunked ? fmt::format("2 x {} tokens (parallel.ffn_chunk_tokens{}) x {:.1f} KB (the largest feed-forward's "
+                            "per token)", plan.ffn_chunk_tokens, plan.ffn_chunk_auto ? ", the plan's choice" : "",
+                            ffn_max / 1e3)
+              : std::string("0: the feed-forwards run the whole micro-batch at once"));
   const double saved_max = saved_at_peak(plan.layer_saved, plan.num_layers);
   // KDA's chunked kernels hold the state entering every 64-token chunk (F32 d x d per head) while
   // one layer's forward or backward runs; the layer does not keep them (the backward recomputes).
@@ -391,6 +410,25 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
                   passes));
 }
 
+MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, bool chosen) {
+  MemoryPlan plan = plan_layout(inputs);
+  plan.ffn_chunk_tokens = ffn_chunk_tokens < plan.tokens_per_micro_batch ? ffn_chunk_tokens : 0;
+  plan.ffn_chunk_auto = chosen && plan.ffn_chunk_tokens > 0;
+  add_frozen_weights(plan, inputs);
+  add_adapters_and_optimizer(plan, inputs);
+  add_workspace(plan, inputs);
+  add_activations(plan, inputs);
+  add_communication(plan, inputs);
+  return plan;
+}
+
+// The smallest chunk worth running: ~128 rows per local expert for the grouped GEMM, counting the
+// rows every EP rank's chunk sends it.
+int64_t smallest_ffn_chunk(const ModelConfig& m, int64_t ep) {
+  if (m.moe.num_experts == 0 || m.moe.top_k == 0) return 1024;
+  return std::max<int64_t>(1024, ceil_div(128 * m.moe.num_experts, m.moe.top_k * ep));
+}
+
 }  // namespace
 
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
@@ -399,13 +437,19 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep, config.parallel.cp}, spec.config.moe.num_experts,
                         config.source_path.empty() ? "config" : config.source_path);
   const PlanInputs inputs{config, options, spec, mesh, static_cast<double>(options.activation_bytes)};
-  MemoryPlan plan = plan_layout(inputs);
-  add_frozen_weights(plan, inputs);
-  add_adapters_and_optimizer(plan, inputs);
-  add_workspace(plan, inputs);
-  add_activations(plan, inputs);
-  add_communication(plan, inputs);
-  return plan;
+  if (config.parallel.ffn_chunk_tokens > 0) return plan_with_chunks(inputs, config.parallel.ffn_chunk_tokens, false);
+  // parallel.ffn_chunk_tokens 0: the whole micro-batch when it fits, else the largest chunk that
+  // fits (at least the smallest worth running). The aux loss needs the whole micro-batch.
+  MemoryPlan whole = plan_with_chunks(inputs, 0, true);
+  if (whole.fits() || spec.config.moe.aux_loss_coef > 0.0) return whole;
+  const int64_t smallest = smallest_ffn_chunk(spec.config, whole.ep);
+  MemoryPlan plan = plan_with_chunks(inputs, smallest, true);
+  const double per_chunk_token = 2 * plan.ffn_saved_max_per_token;
+  if (plan.ffn_chunk_tokens == 0 || !(per_chunk_token > 0)) return plan;
+  const double room = plan.usable_bytes - plan.peak_bytes(plan.recompute) + per_chunk_token * static_cast<double>(smallest);
+  // Multiples of 1024 tokens, so that the choice does not move with every byte of the inputs.
+  const int64_t fitting = static_cast<int64_t>(std::floor(room / per_chunk_token)) / 1024 * 1024;
+  return fitting > smallest ? plan_with_chunks(inputs, fitting, true) : plan;
 }
 
 }  // namespace moetrain

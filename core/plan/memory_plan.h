@@ -39,6 +39,12 @@ struct MemoryPlan {
   int64_t recompute_layers = 0;
   int64_t num_layers = 0;
   int64_t tokens_per_micro_batch = 0;  // this rank's: data.micro_batch x data.seq_len / parallel.cp
+  // The feed-forwards' token chunk (parallel.ffn_chunk_tokens; 0: the whole micro-batch at once).
+  // The config's, or with the key at 0 the plan's choice (ffn_chunk_auto): the whole micro-batch
+  // when it fits, else the largest chunk that does (at least ~128 rows per local expert).
+  int64_t ffn_chunk_tokens = 0;
+  bool ffn_chunk_auto = false;
+  double ffn_saved_max_per_token = 0;  // the largest feed-forward's internals, bytes per token
   int64_t micro_batches = 1;           // data.grad_accum
   int64_t local_experts = 0;
   ModelParameterCount params;

@@ -89,6 +89,12 @@ std::string format_plan(const MemoryPlan& plan) {
                        "re-run costs a layer's forward)\n",
                        fewest, plan.num_layers, fewest);
   }
+  if (plan.ffn_chunk_tokens > 0) {
+    out += fmt::format("  feed-forwards in token chunks of {} ({})\n", plan.ffn_chunk_tokens,
+                       plan.ffn_chunk_auto ? "chosen: the whole micro-batch does not fit; parallel.ffn_chunk_tokens "
+                                             "sets it"
+                                           : "parallel.ffn_chunk_tokens");
+  }
   out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? on : "off",
                      plan.fits() ? "fits" : "does not fit");
   return out;
@@ -128,6 +134,8 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["communication"] = {{"items", items_json(plan.communication)}, {"total_bytes", plan.communication_bytes()}};
   j["gpu_bytes"] = plan.gpu_bytes;
   j["usable_bytes"] = plan.usable_bytes;
+  j["ffn_chunk_tokens"] = plan.ffn_chunk_tokens;  // 0: the whole micro-batch
+  j["ffn_chunk_auto"] = plan.ffn_chunk_auto;
   j["fits"] = plan.fits();
   return j.dump(2);
 }

@@ -98,7 +98,9 @@ void log_per_rank(const Runtime& runtime, const std::vector<double>& mine,
 // (not an out-of-memory deep inside the build): what it needs by `moetrain plan`'s count, what
 // there is, and where to look for a split that fits. The plan counts BF16 weights and
 // activations; the CPU backend holds F32, so on the CPU the check is a lower bound.
-void check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend, const Runtime& runtime) {
+// Returns the feed-forward token chunk the plan chose for this memory (parallel.ffn_chunk_tokens
+// 0: the whole micro-batch when it fits; 0 returned then).
+int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend, const Runtime& runtime) {
   // The sizes' upper limits are config rules (core/config/config_rules.cpp), which
   // resolve_model_spec checked, so the plan's integer counts below cannot overflow.
   const bool on_cpu = backend.device() == Device::kCPU;
@@ -108,7 +110,7 @@ void check_model_fits(const Config& config, const ModelSpec& spec, kernels::Back
   } else {
     available = static_cast<double>(backend.stats().device_total_bytes);
   }
-  if (!(available > 0)) return;
+  if (!(available > 0)) return config.parallel.ffn_chunk_tokens;
   PlanOptions plan_options;
   plan_options.world = runtime.world();
   plan_options.gpu_bytes = available;
@@ -123,6 +125,12 @@ void check_model_fits(const Config& config, const ModelSpec& spec, kernels::Back
                              runtime.rank(), needed / 1e9, plan.fixed_bytes() / 1e9, (needed - plan.fixed_bytes()) / 1e9,
                              plan.tokens_per_micro_batch, on_cpu ? "host" : "GPU", available / 1e9,
                              plan.usable_bytes / 1e9, config.source_path.empty() ? "FILE" : config.source_path));
+  if (plan.ffn_chunk_auto && runtime.is_root()) {
+    log::info(fmt::format("the feed-forwards run in token chunks of {} (parallel.ffn_chunk_tokens: the whole "
+                          "micro-batch of {} tokens would not fit)",
+                          plan.ffn_chunk_tokens, plan.tokens_per_micro_batch));
+  }
+  return plan.ffn_chunk_tokens;
 }
 
 // RunDirectory on rank 0 (core/checkpoint/run_directory.h); its verdict reaches every rank, so
@@ -402,8 +410,10 @@ int run_training(Runtime& runtime, const Config& config) {
   std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
   check_context_parallel(config, spec, *backend);
   RankMesh mesh(runtime, config, spec, *backend);
-  const ModelOptions options = run_model_options(config, *backend, runtime, mesh);
-  check_model_fits(config, spec, *backend, runtime);
+  ModelOptions options = run_model_options(config, *backend, runtime, mesh);
+  // Rank 0's chunk for every rank: each chunk's expert exchange pairs up only if all run as many.
+  const int64_t ffn_chunk_tokens = check_model_fits(config, spec, *backend, runtime);
+  options.ffn_chunk_tokens = std::stoll(group->broadcast_from_root(std::to_string(ffn_chunk_tokens)));
   Model model(spec, *backend, options);
   load_weights(model, spec, config, runtime);
 

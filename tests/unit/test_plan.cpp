@@ -444,3 +444,53 @@ TEST_CASE("the plan refuses a world the mesh does not fit") {
     CHECK(std::string(e.what()).find("`parallel.fsdp` = 3 does not divide the world size") != std::string::npos);
   }
 }
+
+TEST_CASE("feed-forward token chunks: the plan keeps a chunk of the feed-forward, or chooses one that fits") {
+  Config config = testing::tiny_model_config(true);
+  config.model.max_position_embeddings = 1 << 20;
+  config.data.seq_len = 1 << 16;
+  PlanOptions roomy;
+  roomy.gpu_bytes = 1e15;
+  const MemoryPlan whole = make_memory_plan(config, roomy);
+  CHECK(whole.ffn_chunk_tokens == 0);  // it fits whole: no chunks
+  CHECK_FALSE(whole.ffn_chunk_auto);
+
+  // A chunk from the config: each layer keeps its mixer half per token; one chunk's
+  // feed-forward internals, saved and the backward's temporaries, are fixed bytes.
+  config.parallel.ffn_chunk_tokens = 2048;
+  const MemoryPlan chunked = make_memory_plan(config, roomy);
+  CHECK(chunked.ffn_chunk_tokens == 2048);
+  CHECK_FALSE(chunked.ffn_chunk_auto);
+  REQUIRE(chunked.layer_saved.size() == whole.layer_saved.size());
+  double largest_ffn = 0;
+  for (size_t i = 0; i < whole.layer_saved.size(); ++i) {
+    const double ffn = whole.layer_saved[i] - chunked.layer_saved[i];
+    CHECK(ffn > 0);  // every layer has a feed-forward
+    largest_ffn = std::max(largest_ffn, ffn);
+  }
+  CHECK(chunked.ffn_saved_max_per_token == Approx(largest_ffn));
+  CHECK(chunked.fixed_bytes() - whole.fixed_bytes() == Approx(2 * 2048 * largest_ffn));
+  CHECK(chunked.peak_bytes(true) < whole.peak_bytes(true));
+  config.parallel.ffn_chunk_tokens = whole.tokens_per_micro_batch;  // a chunk of the whole is no chunk
+  CHECK(make_memory_plan(config, roomy).ffn_chunk_tokens == 0);
+
+  // Key 0 and too little memory for the whole micro-batch: the largest multiple of 1024 tokens
+  // that fits.
+  config.parallel.ffn_chunk_tokens = 0;
+  PlanOptions tight;
+  tight.reserve_fraction = 0.0;
+  tight.gpu_bytes = 0.5 * (whole.peak_bytes(true) + chunked.peak_bytes(true));
+  const MemoryPlan chosen = make_memory_plan(config, tight);
+  INFO("chosen chunk " << chosen.ffn_chunk_tokens);
+  CHECK(chosen.ffn_chunk_auto);
+  CHECK(chosen.ffn_chunk_tokens >= 2048);
+  CHECK(chosen.ffn_chunk_tokens % 1024 == 0);
+  CHECK(chosen.fits());
+  config.parallel.ffn_chunk_tokens = chosen.ffn_chunk_tokens + 1024;
+  CHECK_FALSE(make_memory_plan(config, tight).fits());
+
+  // The aux loss needs the whole micro-batch: no chunk is chosen.
+  config.parallel.ffn_chunk_tokens = 0;
+  config.model.moe.aux_loss_coef = 0.01;
+  CHECK(make_memory_plan(config, tight).ffn_chunk_tokens == 0);
+}
