@@ -16,6 +16,8 @@
 #             adapter; scripts/check_merged_export.py loads each in transformers and compares
 #     step    moetrain-bench step on configs/h200-kimi-dims-mla.yaml: recompute on (op times),
 #             recompute off, and the direct (uncached) allocator; and the KDA slice
+#     long    long sequences: moetrain-bench step on the KDA slice at 131,072 tokens whole and in
+#             feed-forward chunks, and at 262,144 (the plan's chunk), each beside the plan's peak
 #     train   the training run (MOETRAIN_TRAIN_STEPS, default 100) on configs/h200-kimi-dims-mla.yaml
 # A command of the GPU machine may run 10 minutes: `build tests ops golden` fit one, and
 # `build step train` another (the build is kept while the machine stays warm).
@@ -110,18 +112,19 @@ if want merge; then
   cat "$log_dir/merge.log" >>"$log"
 fi
 
+step_run() {  # name, then moetrain-bench step arguments
+  local name="$1"
+  shift
+  echo "== moetrain-bench step: $name"
+  if "$bench" step "$@" >"$log_dir/step_$name.log" 2>&1; then
+    summary+=("$(grep -E '^(step|memory):' "$log_dir/step_$name.log" | sed "s/^/[$name] /" || true)")
+  else
+    summary+=("[$name] moetrain-bench step FAILED: $(tail -n 2 "$log_dir/step_$name.log")")
+  fi
+  cat "$log_dir/step_$name.log" >>"$log"
+}
+
 if want step; then
-  step_run() {  # name, then moetrain-bench step arguments
-    local name="$1"
-    shift
-    echo "== moetrain-bench step: $name"
-    if "$bench" step "$@" >"$log_dir/step_$name.log" 2>&1; then
-      summary+=("$(grep -E '^(step|memory):' "$log_dir/step_$name.log" | sed "s/^/[$name] /" || true)")
-    else
-      summary+=("[$name] moetrain-bench step FAILED: $(tail -n 2 "$log_dir/step_$name.log")")
-    fi
-    cat "$log_dir/step_$name.log" >>"$log"
-  }
   mla="$repo/configs/h200-kimi-dims-mla.yaml"
   step_run recompute_on --config "$mla" --op-times
   step_run recompute_off --config "$mla" --set parallel.recompute=false --op-times
@@ -129,6 +132,24 @@ if want step; then
   if [[ -f "$repo/configs/h200-kimi-linear-slice.yaml" ]]; then
     step_run kda_slice --config "$repo/configs/h200-kimi-linear-slice.yaml" --op-times
   fi
+fi
+
+if want long; then
+  slice="$repo/configs/h200-kimi-linear-slice.yaml"
+  long_run() {  # name, then --set overrides for both the plan and the step
+    local name="$1"
+    shift
+    local peak
+    # The plan's exit code says whether it fits (5: not); its JSON is printed either way.
+    peak="$({ "$build_dir/apps/moetrain" plan --config "$slice" --world 1 --json "$@" 2>/dev/null || true; } |
+      python3 -c 'import json,sys; p=json.load(sys.stdin); print("plan peak %.2f GB, chunk %d" % (p["memory"]["peak_bytes_recompute"]/1e9, p["ffn_chunk_tokens"]))' ||
+      echo "plan FAILED")"
+    summary+=("[$name] $peak")
+    step_run "$name" --config "$slice" --steps 3 "$@"
+  }
+  long_run slice_T131072 --set data.seq_len=131072
+  long_run slice_T131072_chunks16384 --set data.seq_len=131072 --set parallel.ffn_chunk_tokens=16384
+  long_run slice_T262144 --set data.seq_len=262144
 fi
 
 if want train; then
