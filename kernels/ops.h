@@ -403,7 +403,6 @@ struct KdaGateBackwardArgs {
 //   initial_state [heads, k_dim, v_dim] accum, optional: the first segment's starting S (else 0);
 //   final_state   [heads, k_dim, v_dim] accum, optional output: the last segment's S after its
 //                 last token.
-// (The CPU backend has them; the CUDA backend refuses them.)
 struct KdaArgs {
   TensorView out;
   TensorView q;

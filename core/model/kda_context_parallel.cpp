@@ -28,6 +28,13 @@ Tensor zeros(Shape shape, DType dtype) {
   return t;
 }
 
+// Zeros in the backend's memory.
+Tensor backend_zeros(kernels::Backend& backend, Shape shape, DType dtype) {
+  Tensor t(shape, dtype, backend.allocator());
+  backend.fill(t, 0.0);
+  return t;
+}
+
 // I [k_dim, k_dim] per head.
 template <typename T>
 Tensor identities(const StateDims& d, DType dtype) {
@@ -37,14 +44,41 @@ Tensor identities(const StateDims& d, DType dtype) {
   return t;
 }
 
-// Every rank's M followed by one state (S_local forward, D_local backward): [ranks, M + S].
-Tensor gather(Communicator& cp, const TensorView& transition, const TensorView& state) {
-  const int64_t per_rank = transition.numel() + state.numel();
+// A host copy of a tensor the backend holds (host or device; the copy waits for the backend).
+Tensor to_host(kernels::Backend& backend, const TensorView& t) {
+  Tensor host(t.shape, t.dtype);
+  backend.copy(host, t);
+  return host;
+}
+
+// A tensor of the backend's holding the host tensor's values.
+Tensor to_backend(kernels::Backend& backend, const Tensor& host) {
+  Tensor t(host.shape(), host.dtype(), backend.allocator());
+  backend.copy(t, host);
+  return t;
+}
+
+// Every rank's M followed by one state (S_local forward, D_local backward), gathered to the host:
+// [ranks, M + S]. The tensors are the backend's; the exchange runs where the communicator's
+// buffers live, through device copies of the host buffers for a device communicator (the
+// backend's allocator), so the folds always read host memory.
+Tensor gather(kernels::Backend& backend, Communicator& cp, const TensorView& transition, const TensorView& state) {
+  const Tensor m = to_host(backend, transition), s = to_host(backend, state);
+  const int64_t per_rank = m.numel() + s.numel();
   Tensor mine({per_rank}, state.dtype);
-  std::memcpy(mine.view().data, transition.data, transition.nbytes());
-  std::memcpy(static_cast<char*>(mine.view().data) + transition.nbytes(), state.data, state.nbytes());
+  std::memcpy(mine.view().data, m.view().data, m.view().nbytes());
+  std::memcpy(static_cast<char*>(mine.view().data) + m.view().nbytes(), s.view().data, s.view().nbytes());
   Tensor all({cp.size(), per_rank}, state.dtype);
-  cp.all_gather(all.view(), mine.view());
+  if (cp.device() == Device::kCPU) {
+    cp.all_gather(all.view(), mine.view());
+    return all;
+  }
+  const Tensor mine_device = to_backend(backend, mine);
+  Tensor all_device(all.shape(), all.dtype(), backend.allocator());
+  backend.synchronize();  // the buffer is on the device before the communicator's stream reads it
+  cp.all_gather(all_device.view(), mine_device.view());
+  cp.synchronize();
+  backend.copy(all, all_device);
   return all;
 }
 
@@ -107,12 +141,6 @@ void with_accum_type(DType dtype, Body&& body) {
 
 StateDims state_dims(const TensorView& q, const TensorView& v) { return {q.size(1), q.size(2), v.size(2)}; }
 
-void expect_cpu(const kernels::Backend& backend) {
-  MOETRAIN_CHECK(backend.device() == Device::kCPU, ExitCode::kBadConfig,
-                 "context parallelism over KDA layers runs on the CPU backend only: the CUDA KDA takes no "
-                 "states yet");
-}
-
 }  // namespace
 
 KdaAcrossRanks::KdaAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards)
@@ -121,37 +149,38 @@ KdaAcrossRanks::KdaAcrossRanks(kernels::Backend& backend, Communicator& cp, cons
 }
 
 void KdaAcrossRanks::forward(const KdaArgs& args, KdaShardState* saved) {
-  expect_cpu(backend_);
   const StateDims d = state_dims(args.q, args.v);
   const DType accum = args.g.dtype;
   const int64_t tokens = args.q.size(0);
 
   // S_local: the shard from a zero state (its outputs are overwritten by the last pass).
-  Tensor local_final({d.heads, d.kd, d.vd}, accum);
+  Tensor local_final({d.heads, d.kd, d.vd}, accum, backend_.allocator());
   KdaArgs from_zero = args;
   from_zero.final_state = local_final;
   backend_.kda_forward(from_zero);
 
   // M: the shard applied to the identity, with zero values (zero when a document starts inside).
-  Tensor transition = zeros({d.heads, d.kd, d.kd}, accum);
+  Tensor transition = backend_zeros(backend_, {d.heads, d.kd, d.kd}, accum);
   if (shards_.within_one_document(cp_.rank())) {
-    Tensor no_values = zeros({tokens, d.heads, d.kd}, args.v.dtype), scratch({tokens, d.heads, d.kd}, args.out.dtype);
+    Tensor no_values = backend_zeros(backend_, {tokens, d.heads, d.kd}, args.v.dtype);
+    Tensor scratch({tokens, d.heads, d.kd}, args.out.dtype, backend_.allocator());
     KdaArgs through = args;
     through.v = no_values;
     through.out = scratch;
     Tensor identity;
-    with_accum_type(accum, [&](auto t) { identity = identities<decltype(t)>(d, accum); });
+    with_accum_type(accum, [&](auto t) { identity = to_backend(backend_, identities<decltype(t)>(d, accum)); });
     through.initial_state = identity;
     through.final_state = transition;
     backend_.kda_forward(through);
   }
 
-  const Tensor all = gather(cp_, transition.view(), local_final.view());
-  saved->entering = Tensor({d.heads, d.kd, d.vd}, accum);
+  const Tensor all = gather(backend_, cp_, transition.view(), local_final.view());
+  Tensor entering({d.heads, d.kd, d.vd}, accum);
   with_accum_type(accum, [&](auto t) {
     using T = decltype(t);
-    fold_entering<T>(all, shards_, cp_.rank(), d, saved->entering.ptr<T>());
+    fold_entering<T>(all, shards_, cp_.rank(), d, entering.ptr<T>());
   });
+  saved->entering = to_backend(backend_, entering);
   saved->transition = std::move(transition);
 
   KdaArgs run = args;
@@ -160,28 +189,28 @@ void KdaAcrossRanks::forward(const KdaArgs& args, KdaShardState* saved) {
 }
 
 void KdaAcrossRanks::backward(const KdaBackwardArgs& args, const KdaShardState& saved) {
-  expect_cpu(backend_);
   const StateDims d = state_dims(args.q, args.v);
   const DType accum = args.g.dtype;
 
   // D_local: this shard's own outputs' pull on its entering state, nothing arriving at its end
   // (its input gradients are overwritten by the last pass).
-  Tensor local_pull({d.heads, d.kd, d.vd}, accum);
+  Tensor local_pull({d.heads, d.kd, d.vd}, accum, backend_.allocator());
   KdaBackwardArgs pull = args;
   pull.initial_state = saved.entering;
   pull.dinitial_state = local_pull;
   backend_.kda_backward(pull);
 
-  const Tensor all = gather(cp_, saved.transition.view(), local_pull.view());
+  const Tensor all = gather(backend_, cp_, saved.transition.view(), local_pull.view());
   Tensor leaving({d.heads, d.kd, d.vd}, accum);
   with_accum_type(accum, [&](auto t) {
     using T = decltype(t);
     fold_leaving<T>(all, shards_, cp_.rank(), d, leaving.ptr<T>());
   });
+  const Tensor leaving_backend = to_backend(backend_, leaving);
 
   KdaBackwardArgs run = args;
   run.initial_state = saved.entering;
-  run.dfinal_state = leaving;
+  run.dfinal_state = leaving_backend;
   backend_.kda_backward(run);
 }
 

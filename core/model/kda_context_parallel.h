@@ -15,8 +15,10 @@
 // each rank folds in the shards after it, and runs its backward with dS_out(r) = dS_in(r + 1).
 //
 // Cost: three KDA forward passes per shard (S_local, M, the outputs) and two backward passes, plus
-// the folds (cp products of [k_dim, k_dim] x [k_dim, v_dim] per head). The folds run on the host:
-// the CPU backend only for now (the CUDA KDA takes no states yet).
+// the folds (cp products of [k_dim, k_dim] x [k_dim, v_dim] per head). The folds run on the host
+// whatever the backend: M and the states (heads x k_dim x (k_dim + v_dim) values a rank) are
+// staged there from the backend's memory and back, and exchanged where the communicator's buffers
+// live.
 #pragma once
 
 #include "core/base/tensor.h"

@@ -492,14 +492,12 @@ class CudaBackend final : public Backend {
   void kda_forward(const KdaArgs& args) override {
     check_kda_forward(rules_, args);
     check_kda_head_dims("kda_forward", args.q, args.v);
-    refuse_kda_states("kda_forward", {&args.initial_state, &args.final_state});
     cuda_ops::kda_forward(args, stream_);
   }
 
   void kda_backward(const KdaBackwardArgs& args) override {
     check_kda_backward(rules_, args);
     check_kda_head_dims("kda_backward", args.q, args.v);
-    refuse_kda_states("kda_backward", {&args.initial_state, &args.dfinal_state, &args.dinitial_state});
     cuda_ops::kda_backward(args, stream_);
   }
 
@@ -598,12 +596,6 @@ class CudaBackend final : public Backend {
     expect(weight.size(1) <= cuda_ops::kShortConvMaxWidth, op,
            describe("weight", weight) + ": the CUDA short convolution takes widths up to " +
                std::to_string(cuda_ops::kShortConvMaxWidth));
-  }
-
-  // The CUDA KDA runs every segment from a zero state (ops.h: the states are CPU only).
-  static void refuse_kda_states(const char* op, std::initializer_list<const TensorView*> states) {
-    for (const TensorView* state : states)
-      expect(state->data == nullptr, op, "the CUDA backend's KDA takes no initial or final state");
   }
 
   static void check_kda_head_dims(const char* op, const TensorView& q, const TensorView& v) {

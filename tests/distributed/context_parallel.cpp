@@ -45,18 +45,6 @@ struct Outputs {
   }
 };
 
-// The worst relative difference of this shard's rows against the whole window's.
-double worst_difference(const Tensor& shard, const Tensor& whole, int64_t begin) {
-  double worst = 0, scale = 0;
-  for (int64_t i = 0; i < whole.numel(); ++i) scale = std::max(scale, std::fabs(testing::get_element(whole, i)));
-  const int64_t row = whole.numel() / std::max<int64_t>(whole.shape()[0], 1);
-  for (int64_t i = 0; i < shard.numel(); ++i) {
-    const double d = testing::get_element(shard, i) - testing::get_element(whole, begin * row + i);
-    worst = std::max(worst, std::fabs(d));
-  }
-  return scale > 0 ? worst / scale : worst;
-}
-
 // The checks of one case on this rank: each named tensor of the shard against its rows of the whole.
 struct Checked {
   const char* name;
@@ -68,7 +56,7 @@ int compare(const std::string& label, const std::vector<Checked>& checks, int64_
             double tolerance) {
   int failures = 0;
   for (const Checked& c : checks) {
-    const double worst = worst_difference(*c.shard, *c.whole, begin);
+    const double worst = testing::worst_shard_difference(*c.shard, *c.whole, begin);
     if (!(worst <= tolerance)) {
       ++failures;
       log::error(fmt::format("{}, rank {} tokens [{}, {}): {} differs from the whole window's by {:.3e} (relative "

@@ -4,6 +4,7 @@
 // seed, so every rank of a test builds the same window.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -75,6 +76,19 @@ inline KdaInputs rows_of(const KdaInputs& in, int64_t start, int64_t end, const 
   part.dout = rows(in.dout);
   part.cu_seqlens = make_i32(cu);
   return part;
+}
+
+// The worst difference of a shard's rows (host, any float dtype) against rows [begin, ...) of the
+// whole window's tensor, relative to the whole's largest value (the context-parallel tests).
+inline double worst_shard_difference(const Tensor& shard, const Tensor& whole, int64_t begin) {
+  double worst = 0, scale = 0;
+  for (int64_t i = 0; i < whole.numel(); ++i) scale = std::max(scale, std::fabs(get_element(whole, i)));
+  const int64_t row = whole.numel() / std::max<int64_t>(whole.shape()[0], 1);
+  for (int64_t i = 0; i < shard.numel(); ++i) {
+    const double d = get_element(shard, i) - get_element(whole, begin * row + i);
+    worst = std::max(worst, std::fabs(d));
+  }
+  return scale > 0 ? worst / scale : worst;
 }
 
 }  // namespace moetrain::testing

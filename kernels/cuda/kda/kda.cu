@@ -195,6 +195,26 @@ Tensor call_scratch(size_t bytes) {
   return Tensor(Shape{static_cast<int64_t>(bytes)}, DType::kU8, cuda::device_allocator());
 }
 
+// The optional states (F32, checked by the backend) at the caller's head dims.
+void fill_states(KdaParams& p, const TensorView& q, const TensorView& v, const TensorView& initial_state) {
+  p.state_dk = static_cast<int>(q.size(2));
+  p.state_dv = static_cast<int>(v.size(2));
+  p.initial_state = static_cast<const float*>(initial_state.data);
+}
+
+// A state output of a call without tokens or segments, which the kernels never reach: every
+// segment is empty, so the output is its input when there is one segment (first and last at once)
+// and the input is given, else zero (ops.h overwrites a given output whole).
+void pass_state_through(const TensorView& out, const TensorView& in, int segments, cudaStream_t stream) {
+  if (out.data == nullptr) return;
+  const size_t bytes = static_cast<size_t>(out.numel()) * sizeof(float);
+  if (segments == 1 && in.data != nullptr) {
+    CUDA_CHECK(cudaMemcpyAsync(out.data, in.data, bytes, cudaMemcpyDeviceToDevice, stream));
+  } else {
+    CUDA_CHECK(cudaMemsetAsync(out.data, 0, bytes, stream));
+  }
+}
+
 void build_chunk_table(const KdaParams& p, cudaStream_t stream) {
   kda_chunk_table_kernel<<<1, kTableThreads, 0, stream>>>(const_cast<int32_t*>(p.chunk_offsets), p.cu_seqlens,
                                                           p.segments, p.tokens, p.capacity);
@@ -209,9 +229,14 @@ bool kda_head_dims_supported(int64_t k_dim, int64_t v_dim) {
 
 void kda_forward(const KdaArgs& args, cudaStream_t stream) {
   const Dims d = dims_of(args.q, args.v, args.cu_seqlens);
-  if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) return;
+  if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) {
+    pass_state_through(args.final_state, args.initial_state, d.segments, stream);
+    return;
+  }
   KdaParams p;
   fill_common(p, d, args.scale, args.beta, args.cu_seqlens);
+  fill_states(p, args.q, args.v, args.initial_state);
+  p.final_state = static_cast<float*>(args.final_state.data);
   const int64_t rows = static_cast<int64_t>(d.tokens) * d.heads;
 
   // Two passes over the same carving: sizes, then pointers into one allocation.
@@ -235,9 +260,15 @@ void kda_forward(const KdaArgs& args, cudaStream_t stream) {
 
 void kda_backward(const KdaBackwardArgs& args, cudaStream_t stream) {
   const Dims d = dims_of(args.q, args.v, args.cu_seqlens);
-  if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) return;
+  if (d.tokens == 0 || d.heads == 0 || d.segments <= 0) {
+    pass_state_through(args.dinitial_state, args.dfinal_state, d.segments, stream);
+    return;
+  }
   KdaParams p;
   fill_common(p, d, args.scale, args.beta, args.cu_seqlens);
+  fill_states(p, args.q, args.v, args.initial_state);
+  p.dfinal_state = static_cast<const float*>(args.dfinal_state.data);
+  p.dinitial_state = static_cast<float*>(args.dinitial_state.data);
   p.dbeta = static_cast<float*>(args.dbeta.data);
   const int64_t rows = static_cast<int64_t>(d.tokens) * d.heads;
   const int64_t states = static_cast<int64_t>(d.capacity) * d.heads * d.dk * d.dv;

@@ -7,6 +7,8 @@
 // Inputs q, k, v, dout BF16 or F32 (F32 is rounded to BF16 first, as autocast would); g, beta and
 // their gradients F32; outputs in their own dtype. Head dims up to 128: the kernels take 64 or 128,
 // smaller dims run zero-padded to those (through staged copies; kda_head_dims_supported).
+// The optional states of KdaArgs / KdaBackwardArgs (F32) enter and leave the state sweeps, whose
+// registers hold them in F32 (kda_state.cu).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -80,6 +80,15 @@ struct KdaParams {
   bf16* vnew = nullptr;    // [T, H, Dv]  u - w S (the delta-rule corrections)
   bf16* dstate = nullptr;  // [chunks, H, Dk, Dv]  gradient of the state leaving each chunk
   bf16* dvnew = nullptr;   // [T, H, Dv]
+  // The caller's optional states (KdaArgs), F32 [H, state_dk, state_dv] at the unpadded head
+  // dims: the first segment starts from initial_state, the last one's final state (forward) or
+  // its gradient (backward) goes to / comes from the others.
+  int state_dk = 0;
+  int state_dv = 0;
+  const float* initial_state = nullptr;
+  float* final_state = nullptr;
+  const float* dfinal_state = nullptr;
+  float* dinitial_state = nullptr;
 
   // Backward outputs and the intermediates between its chunk-parallel kernels (kda_backward.cu).
   MutOperand dq, dk, dv;

@@ -4,12 +4,16 @@
 // one chunk ahead (double-buffered); the state is rounded to BF16 into shared memory once per
 // chunk as the tensor-core operand.
 //
-// Forward, per chunk (S the state entering it):
+// Forward, per chunk (S the state entering it; 0 at a segment start, the caller's initial_state at
+// the first segment's):
 //   v_new = u - w S,  out = qg S + Aqk v_new,  S <- diag(decay) S + kt^T v_new
 // (with `save`, for the backward: S entering each chunk and v_new are written instead of out).
-// Backward, chunks in reverse, dS the gradient of the state leaving the chunk (0 after the last):
+// The last segment's S after its last chunk goes to final_state when given.
+// Backward, chunks in reverse, dS the gradient of the state leaving the chunk (0 after the last
+// chunk of a segment; dfinal_state after the last segment's when given):
 //   dv_new = Aqk^T dout + kt dS,  dS <- diag(decay) dS + qg^T dout - w^T dv_new
-// writing dS (as it leaves each chunk) and dv_new for kda_backward.cu.
+// writing dS (as it leaves each chunk) and dv_new for kda_backward.cu; the first segment's dS
+// entering its first chunk goes to dinitial_state when given.
 //
 // Warp w owns rows [16 w, 16 w + 16) of the chunk for the token-major products and state rows
 // [w Dk / 4, (w + 1) Dk / 4) for the state update.
@@ -149,6 +153,43 @@ __device__ __forceinline__ void store_state(bf16* st, const StateRegs<kDk>& s, i
       }
 }
 
+// The registers' elements: row r, column col of the CTA's slice (col0 + col in the head's state).
+template <int kDk, typename Body>
+__device__ __forceinline__ void for_each_state_element(int warp, int lane, Body&& body) {
+#pragma unroll
+  for (int mt = 0; mt < StateRegs<kDk>::kMTiles; ++mt)
+#pragma unroll
+    for (int j = 0; j < kSliceTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        body(mt, j, e, state_row0<kDk>(warp, mt) + (lane >> 2) + 8 * (e >> 1), 8 * j + 2 * (lane & 3) + (e & 1));
+}
+
+// The registers from a caller's state ([H, state_dk, state_dv] F32, see KdaParams), zero where
+// `src` is null and in the padded rows and columns.
+template <int kDk>
+__device__ __forceinline__ void load_caller_state(StateRegs<kDk>& s, const float* src, const KdaParams& p, int head,
+                                                  int col0, int warp, int lane) {
+  for_each_state_element<kDk>(warp, lane, [&](int mt, int j, int e, int r, int col) {
+    const int cc = col0 + col;
+    s.acc[mt][j][e] = src != nullptr && r < p.state_dk && cc < p.state_dv
+                          ? src[(static_cast<int64_t>(head) * p.state_dk + r) * p.state_dv + cc]
+                          : 0.0f;
+  });
+}
+
+// The registers into a caller's state (nothing when `dst` is null; the padding is dropped).
+template <int kDk>
+__device__ __forceinline__ void store_caller_state(float* dst, const StateRegs<kDk>& s, const KdaParams& p, int head,
+                                                   int col0, int warp, int lane) {
+  if (dst == nullptr) return;
+  for_each_state_element<kDk>(warp, lane, [&](int mt, int j, int e, int r, int col) {
+    const int cc = col0 + col;
+    if (r < p.state_dk && cc < p.state_dv)
+      dst[(static_cast<int64_t>(head) * p.state_dk + r) * p.state_dv + cc] = s.acc[mt][j][e];
+  });
+}
+
 // The shared [Dk][kSliceStride] tile into rows of a [chunks, H, Dk, Dv] buffer at columns col0...
 template <int kDk, int kDv>
 __device__ __forceinline__ void write_state_tile(bf16* dst, const bf16* st, int chunk_id, int heads, int head,
@@ -175,8 +216,15 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm80_bf16_
   const Span span = segment_span(p.cu_seqlens, seg, p.tokens);
   const int first = p.chunk_offsets[seg];
   const int chunks = p.chunk_offsets[seg + 1] - first;
-  if (chunks <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const bool last_segment = seg == p.segments - 1;
+
+  StateRegs<kDk> s;
+  load_caller_state<kDk>(s, seg == 0 ? p.initial_state : nullptr, p, head, col0, warp, lane);
+  if (chunks <= 0) {  // an empty last segment ends with the state it starts from
+    if (last_segment) store_caller_state<kDk>(p.final_state, s, p, head, col0, warp, lane);
+    return;
+  }
 
   auto chunk_at = [&](int j) {
     StepChunk ch;
@@ -189,10 +237,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm80_bf16_
     issue_stage<kDk, kOut>(p, StagePointers<kDk, kOut>(smem, j & 1), chunk_at(j), j < chunks, head, p.u, kDv, col0);
   };
 
-  StateRegs<kDk> s;
-#pragma unroll
-  for (int mt = 0; mt < StateRegs<kDk>::kMTiles; ++mt) zero_tiles(s.acc[mt]);
-  for (int i = threadIdx.x; i < kDk * kSliceStride; i += kStateThreads) s_st[i] = __float2bfloat16_rn(0.0f);
+  store_state<kDk>(s_st, s, warp, lane);
   issue(0);
   issue(1);
 
@@ -253,6 +298,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_forward_sm80_bf16_
     store_state<kDk>(s_st, s, warp, lane);
     issue(j + 2);
   }
+  if (last_segment) store_caller_state<kDk>(p.final_state, s, p, head, col0, warp, lane);
   cp_async_wait<0>();  // nothing may still land in shared memory when the CTA exits
 }
 
@@ -268,8 +314,15 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_backward_sm80_bf16
   const Span span = segment_span(p.cu_seqlens, seg, p.tokens);
   const int first = p.chunk_offsets[seg];
   const int chunks = p.chunk_offsets[seg + 1] - first;
-  if (chunks <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const bool first_segment = seg == 0;
+
+  StateRegs<kDk> ds;
+  load_caller_state<kDk>(ds, seg == p.segments - 1 ? p.dfinal_state : nullptr, p, head, col0, warp, lane);
+  if (chunks <= 0) {  // an empty first segment passes its final state's gradient on unchanged
+    if (first_segment) store_caller_state<kDk>(p.dinitial_state, ds, p, head, col0, warp, lane);
+    return;
+  }
 
   // Step i works on chunk chunks - 1 - i.
   auto chunk_at = [&](int i) {
@@ -285,10 +338,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_backward_sm80_bf16
                            col0);
   };
 
-  StateRegs<kDk> ds;
-#pragma unroll
-  for (int mt = 0; mt < StateRegs<kDk>::kMTiles; ++mt) zero_tiles(ds.acc[mt]);
-  for (int i = threadIdx.x; i < kDk * kSliceStride; i += kStateThreads) ds_st[i] = __float2bfloat16_rn(0.0f);
+  store_state<kDk>(ds_st, ds, warp, lane);
   issue(0);
   issue(1);
 
@@ -335,6 +385,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_state_backward_sm80_bf16
     store_state<kDk>(ds_st, ds, warp, lane);
     issue(i + 2);
   }
+  if (first_segment) store_caller_state<kDk>(p.dinitial_state, ds, p, head, col0, warp, lane);
   cp_async_wait<0>();
 }
 

@@ -1,0 +1,151 @@
+// KDA across a context-parallel group on the CUDA backend (core/model/kda_context_parallel.h):
+// the ranks share one GPU through the host-staged communicator (device buffers, exchanged through
+// host memory), each runs its shard of a packed window on the CUDA KDA with the states passed
+// between shards, and every shard's outputs and input gradients are held against the CPU
+// backend's KDA over the whole window in F64 from the same F32 values: documents across every
+// shard, inside one and across two, one starting at a shard's start, an uneven split; head dims the
+// kernels pad (4/3) and 128. The CUDA KDA runs on BF16 tensor cores, so the limit is a BF16-operand
+// one (the largest error relative to the largest value, as tests/cuda/test_cuda_kda.cpp allows).
+// Prints "EQUAL" on rank 0 when every case of every rank agrees; exits 77 (skipped) without a GPU.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/base/log.h"
+#include "core/model/kda_context_parallel.h"
+#include "kda_inputs.h"
+#include "kernels/ops.h"
+#include "parallel/host_staged_comm.h"
+#include "parallel/runtime.h"
+
+namespace moetrain {
+namespace {
+
+using testing::KdaInputs;
+
+struct Case {
+  std::string name;
+  std::vector<int32_t> cu;  // the window's documents, split evenly over the ranks
+};
+
+// Every result of one KDA call (forward and backward), in `allocator`'s memory.
+struct Results {
+  Tensor out, dq, dk, dv, dg, dbeta;
+  Results(const KdaInputs& in, DType dtype, Allocator& allocator)
+      : out({in.tokens, in.heads, in.vd}, dtype, allocator), dq({in.tokens, in.heads, in.kd}, dtype, allocator),
+        dk({in.tokens, in.heads, in.kd}, dtype, allocator), dv({in.tokens, in.heads, in.vd}, dtype, allocator),
+        dg({in.tokens, in.heads, in.kd}, dtype, allocator), dbeta({in.tokens, in.heads}, dtype, allocator) {}
+  kernels::KdaArgs forward(const KdaInputs& in) const {
+    return {out, in.q, in.k, in.v, in.g, in.beta, in.cu_seqlens, in.scale};
+  }
+  kernels::KdaBackwardArgs backward(const KdaInputs& in) const {
+    return {dq, dk, dv, dg, dbeta, in.dout, in.q, in.k, in.v, in.g, in.beta, in.cu_seqlens, in.scale};
+  }
+  std::vector<std::pair<const char*, const Tensor*>> named() const {
+    return {{"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dg", &dg}, {"dbeta", &dbeta}};
+  }
+};
+
+// The inputs with every tensor copied (through `backend`) into `backend`'s memory in `dtype`
+// (cu_seqlens stays I32).
+KdaInputs moved(const KdaInputs& in, kernels::Backend& backend, DType dtype) {
+  auto to = [&](const Tensor& t, DType want) {
+    const Tensor host = testing::copy_as(t.view(), want);
+    Tensor placed(host.shape(), want, backend.allocator());
+    backend.copy(placed, host);
+    return placed;
+  };
+  KdaInputs out;
+  out.tokens = in.tokens;
+  out.heads = in.heads;
+  out.kd = in.kd;
+  out.vd = in.vd;
+  out.scale = in.scale;
+  out.q = to(in.q, dtype);
+  out.k = to(in.k, dtype);
+  out.v = to(in.v, dtype);
+  out.g = to(in.g, dtype);
+  out.beta = to(in.beta, dtype);
+  out.dout = to(in.dout, dtype);
+  out.cu_seqlens = to(in.cu_seqlens, DType::kI32);
+  return out;
+}
+
+int run_case(const Case& c, int64_t kd, int64_t vd, double tolerance, kernels::Backend& gpu, kernels::Backend& cpu,
+             Communicator& cp) {
+  const int me = cp.rank();
+  const ContextShards shards = ContextShards::even(c.cu, cp.size());
+  // F32 values, the reference computing on exactly those in F64.
+  const KdaInputs values = testing::make_kda_inputs(c.cu, 2, kd, vd, 3000 + c.cu.size() + kd, DType::kF32);
+  const KdaInputs whole = moved(values, cpu, DType::kF64);
+  const Results want(whole, DType::kF64, cpu.allocator());
+  cpu.kda_forward(want.forward(whole));
+  cpu.kda_backward(want.backward(whole));
+
+  const int64_t begin = shards.begin(me), end = shards.end(me);
+  const KdaInputs shard = moved(testing::rows_of(values, begin, end, shards.local_cu(me)), gpu, DType::kF32);
+  const Results got(shard, DType::kF32, gpu.allocator());
+  KdaAcrossRanks kda(gpu, cp, shards);
+  KdaShardState saved;
+  kda.forward(got.forward(shard), &saved);
+  kda.backward(got.backward(shard), saved);
+
+  int failures = 0;
+  const auto wanted = want.named();
+  const auto gotten = got.named();
+  for (size_t i = 0; i < gotten.size(); ++i) {
+    Tensor host(gotten[i].second->shape(), DType::kF32);
+    gpu.copy(host, *gotten[i].second);
+    const double worst = testing::worst_shard_difference(host, *wanted[i].second, begin);
+    if (!(worst <= tolerance)) {
+      ++failures;
+      log::error(fmt::format("kda on CUDA: {} (head dims {}/{}), rank {} tokens [{}, {}): {} differs from the CPU's "
+                             "whole window by {:.3e} (relative to its largest value; at most {:.0e})",
+                             c.name, kd, vd, me, begin, end, gotten[i].first, worst, tolerance));
+    }
+  }
+  return failures;
+}
+
+int run_test(Runtime& runtime, int, char**) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  int usable = gpus >= 1 ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &usable, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!usable) {
+    if (runtime.is_root()) std::printf("SKIPPED: no CUDA device\n");
+    return 77;
+  }
+  HostStagedCommunicator cp(MPI_COMM_WORLD);
+  std::unique_ptr<kernels::Backend> gpu = kernels::make_cuda_backend(), cpu = kernels::make_cpu_backend();
+  const int ranks = cp.size();
+  const std::vector<Case> cases = {
+      {"one document over every shard, uneven split", {0, 301}},
+      {"documents inside one shard and across two", {0, 40, 100, 130, 150}},
+      {"a document starting at a shard's start", {0, 200 / ranks, 200}},
+  };
+  // BF16 operands put the largest error near 1e-2 of the largest value in one call; a missing or
+  // wrong state passed between shards moves outputs by their own size.
+  const double tolerance = 5e-2;
+  int failures = 0;
+  for (const Case& c : cases)
+    for (const auto& [kd, vd] : {std::make_pair(int64_t{4}, int64_t{3}), std::make_pair(int64_t{128}, int64_t{128})})
+      failures += run_case(c, kd, vd, tolerance, *gpu, *cpu, cp);
+  cp.barrier();
+  MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  if (runtime.is_root())
+    std::printf("context_parallel_cuda cp %d, kda, %zu cases at 2 head dims: %s\n", ranks, cases.size(),
+                failures == 0 ? "EQUAL" : "DIFFERENT");
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace moetrain
+
+int main(int argc, char** argv) { return moetrain::run_main(argc, argv, moetrain::run_test); }
