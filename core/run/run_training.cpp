@@ -312,8 +312,8 @@ void check_context_parallel(const Config& config, const ModelSpec& spec, const k
                        m.moe.aux_loss_coef));
   }
   if (backend.device() != Device::kCPU) {
-    refuse("context parallelism runs on the CPU backend only for now (the CUDA KDA takes no entering state and "
-           "the CUDA attention no key segments yet): set parallel.cp: 1 or train.device: cpu");
+    refuse("context parallelism runs on the CPU backend only for now (the CUDA KDA takes no entering state "
+           "yet): set parallel.cp: 1 or train.device: cpu");
   }
 }
 
