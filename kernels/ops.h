@@ -149,7 +149,7 @@ struct RopeArgs {
 // many segments as the queries, and each query segment is the last rows of its key segment
 // (queries of a context-parallel shard against every key up to the shard's end): query i of a
 // segment of q_len rows attends keys s <= i + k_len - q_len of its key segment (q_len <= k_len).
-// (The CPU backend has it; the CUDA backend refuses it.)
+// (The CUDA backend runs such calls on its SIMT kernels, kernels/cuda/attention/attention.cu.)
 struct AttentionArgs {
   TensorView out;
   TensorView lse;
@@ -500,7 +500,7 @@ struct LayerNormArgs {
 // cu_seqlens_k, optional: the keys have tokens of their own (k: [k_tokens, dim]) in segments
 // paired with the queries' as AttentionArgs::cu_seqlens_k pairs them: query i of a segment of
 // q_len rows scores keys s <= i + k_len - q_len of its key segment, and topk_index lists rows of
-// k. (The CPU backend has it; the CUDA backend refuses it.)
+// k.
 struct DsaIndexerArgs {
   TensorView topk_index;
   TensorView q;
@@ -523,7 +523,7 @@ struct DsaIndexerArgs {
 // S(t) every key s <= t of t's segment this is `attention_forward` on k = kv and v = kv[:, :v_dim]
 // broadcast over heads. Softmax in fp32 (or f64).
 // key_offset: query t's own key is row t + key_offset of kv (0 but for a context-parallel shard,
-// whose kv also holds the keys before it; kv: [k_tokens, qk_dim]). (The CUDA backend takes 0 only.)
+// whose kv also holds the keys before it; kv: [key_offset + tokens, qk_dim]).
 struct SparseAttentionArgs {
   TensorView out;
   TensorView lse;

@@ -2,7 +2,6 @@
 #include "core/model/attention_context_parallel.h"
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "core/base/error.h"
@@ -13,9 +12,6 @@ using kernels::AttentionArgs;
 using kernels::AttentionBackwardArgs;
 
 namespace {
-
-// The bytes of one token's row of a [tokens, ...] tensor.
-size_t row_bytes(const TensorView& t) { return t.size(0) == 0 ? 0 : t.nbytes() / static_cast<size_t>(t.size(0)); }
 
 Shape with_rows(const TensorView& t, int64_t rows) {
   Shape shape = t.shape;
@@ -38,55 +34,55 @@ void for_each_part(const ContextShards& shards, int64_t from, int64_t to, Body&&
 AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards)
     : backend_(backend), cp_(cp), shards_(shards) {
   MOETRAIN_CHECK(shards.ranks() == cp.size(), ExitCode::kInternal, "attention across ranks: a shard per rank");
-  MOETRAIN_CHECK(backend.device() == Device::kCPU, ExitCode::kBadConfig,
-                 "context parallelism over attention layers runs on the CPU backend only: the CUDA attention "
-                 "takes no key segments yet");
 }
 
-Tensor gather_visible_rows(Communicator& cp, const ContextShards& shards, const TensorView& own) {
+Tensor gather_visible_rows(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                           const TensorView& own) {
   const int me = cp.rank();
   const int64_t longest = shards.longest_shard(), from = shards.document_start(me), to = shards.end(me);
-  Tensor visible(with_rows(own, to - from), own.dtype);
-  Tensor padded(with_rows(own, longest), own.dtype);
-  std::memset(padded.view().data, 0, padded.view().nbytes());
-  std::memcpy(padded.view().data, own.data, own.nbytes());
-  Tensor every(with_rows(own, longest * cp.size()), own.dtype);
+  Tensor visible(with_rows(own, to - from), own.dtype, backend.allocator());
+  Tensor padded(with_rows(own, longest), own.dtype, backend.allocator());
+  backend.fill(padded, 0.0);
+  if (own.size(0) > 0) backend.copy(padded.view().slice_rows(0, own.size(0)), own);
+  Tensor every(with_rows(own, longest * cp.size()), own.dtype, backend.allocator());
   cp.all_gather(every.view(), padded.view());
-  const size_t row = row_bytes(own);
   for_each_part(shards, from, to, [&](int j, int64_t first, int64_t count) {
-    std::memcpy(static_cast<char*>(visible.view().data) + (first - from) * row,
-                static_cast<const char*>(every.view().data) + (j * longest + first - shards.begin(j)) * row,
-                count * row);
+    const int64_t at = j * longest + first - shards.begin(j);
+    backend.copy(visible.view().slice_rows(first - from, first - from + count),
+                 every.view().slice_rows(at, at + count));
   });
   return visible;
 }
 
-void return_visible_gradient(Communicator& cp, const ContextShards& shards, const TensorView& visible,
-                             const TensorView& own) {
+void return_visible_gradient(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                             const TensorView& visible, const TensorView& own) {
   const int me = cp.rank();
   const int64_t longest = shards.longest_shard(), from = shards.document_start(me);
-  const size_t row = row_bytes(visible);
-  Tensor every(with_rows(own, longest * cp.size()), own.dtype);
-  std::memset(every.view().data, 0, every.view().nbytes());
+  Tensor every(with_rows(own, longest * cp.size()), own.dtype, backend.allocator());
+  backend.fill(every, 0.0);
   for_each_part(shards, from, shards.end(me), [&](int j, int64_t first, int64_t count) {
-    std::memcpy(static_cast<char*>(every.view().data) + (j * longest + first - shards.begin(j)) * row,
-                static_cast<const char*>(visible.data) + (first - from) * row, count * row);
+    const int64_t at = j * longest + first - shards.begin(j);
+    backend.copy(every.view().slice_rows(at, at + count), visible.slice_rows(first - from, first - from + count));
   });
-  Tensor mine(with_rows(own, longest), own.dtype);
+  Tensor mine(with_rows(own, longest), own.dtype, backend.allocator());
   cp.reduce_scatter(mine.view(), every.view());
-  std::memcpy(own.data, mine.view().data, own.nbytes());
+  if (own.size(0) > 0) backend.copy(own, mine.view().slice_rows(0, own.size(0)));
 }
 
-Tensor visible_key_segments(const ContextShards& shards, int rank) {
+Tensor visible_key_segments(kernels::Backend& backend, const ContextShards& shards, int rank) {
   const std::vector<int32_t> cu = shards.key_cu(rank);
-  Tensor t({static_cast<int64_t>(cu.size())}, DType::kI32);
-  std::copy(cu.begin(), cu.end(), t.ptr<int32_t>());
+  Tensor host({static_cast<int64_t>(cu.size())}, DType::kI32);
+  std::copy(cu.begin(), cu.end(), host.ptr<int32_t>());
+  if (backend.device() == Device::kCPU) return host;
+  Tensor t(host.shape(), DType::kI32, backend.allocator());
+  backend.copy(t, host);
   return t;
 }
 
 void AttentionAcrossRanks::forward(const AttentionArgs& args) {
-  const Tensor k = gather_visible_rows(cp_, shards_, args.k), v = gather_visible_rows(cp_, shards_, args.v);
-  const Tensor cu = visible_key_segments(shards_, cp_.rank());
+  const Tensor k = gather_visible_rows(backend_, cp_, shards_, args.k);
+  const Tensor v = gather_visible_rows(backend_, cp_, shards_, args.v);
+  const Tensor cu = visible_key_segments(backend_, shards_, cp_.rank());
   AttentionArgs run = args;
   run.k = k;
   run.v = v;
@@ -95,9 +91,10 @@ void AttentionAcrossRanks::forward(const AttentionArgs& args) {
 }
 
 void AttentionAcrossRanks::backward(const AttentionBackwardArgs& args) {
-  const Tensor k = gather_visible_rows(cp_, shards_, args.k), v = gather_visible_rows(cp_, shards_, args.v);
-  const Tensor cu = visible_key_segments(shards_, cp_.rank());
-  Tensor dk(k.shape(), args.dk.dtype), dv(v.shape(), args.dv.dtype);
+  const Tensor k = gather_visible_rows(backend_, cp_, shards_, args.k);
+  const Tensor v = gather_visible_rows(backend_, cp_, shards_, args.v);
+  const Tensor cu = visible_key_segments(backend_, shards_, cp_.rank());
+  Tensor dk(k.shape(), args.dk.dtype, backend_.allocator()), dv(v.shape(), args.dv.dtype, backend_.allocator());
   AttentionBackwardArgs run = args;
   run.k = k;
   run.v = v;
@@ -105,8 +102,8 @@ void AttentionAcrossRanks::backward(const AttentionBackwardArgs& args) {
   run.dv = dv;
   run.cu_seqlens_k = cu;
   backend_.attention_backward(run);
-  return_visible_gradient(cp_, shards_, dk.view(), args.dk);
-  return_visible_gradient(cp_, shards_, dv.view(), args.dv);
+  return_visible_gradient(backend_, cp_, shards_, dk.view(), args.dk);
+  return_visible_gradient(backend_, cp_, shards_, dv.view(), args.dv);
 }
 
 }  // namespace moetrain

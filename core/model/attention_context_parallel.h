@@ -5,8 +5,9 @@
 // of the keys and values are reduce-scattered back to the ranks that own them. Memory per rank
 // grows with the whole window's keys; a ring that overlaps the exchange with compute would not.
 // DSA layers exchange their latent rows and indexer keys the same way (gather_visible_rows).
-// The gathers run on the host: the CPU backend only for now (the CUDA attention takes no key
-// segments yet).
+// The gathers and scatters are the backend's copies and the communicator's collectives, so they
+// run where the tensors live (on CUDA, on the backend's stream; the attention with key segments
+// then runs on the SIMT kernels, kernels/cuda/attention/attention.cu).
 #pragma once
 
 #include "core/base/tensor.h"
@@ -18,13 +19,16 @@ namespace moetrain {
 
 // The rows of a [tokens, ...] tensor that the queries of shard cp.rank() see: window tokens
 // [document_start, end) of that shard, every shard's rows all-gathered (padded to the longest).
-Tensor gather_visible_rows(Communicator& cp, const ContextShards& shards, const TensorView& own);
+// Allocated from and copied by `backend`.
+Tensor gather_visible_rows(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                           const TensorView& own);
 // `visible`, this rank's gradient of those rows, summed over every rank that saw them into this
 // rank's own rows `own` (overwritten): one reduce-scatter.
-void return_visible_gradient(Communicator& cp, const ContextShards& shards, const TensorView& visible,
-                             const TensorView& own);
-// The visible rows' segments, paired with the shard's own (ContextShards::key_cu), as int32.
-Tensor visible_key_segments(const ContextShards& shards, int rank);
+void return_visible_gradient(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                             const TensorView& visible, const TensorView& own);
+// The visible rows' segments, paired with the shard's own (ContextShards::key_cu), as int32 on
+// the backend's device.
+Tensor visible_key_segments(kernels::Backend& backend, const ContextShards& shards, int rank);
 
 class AttentionAcrossRanks {
  public:

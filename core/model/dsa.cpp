@@ -161,7 +161,7 @@ void DsaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   s.lse = ctx.alloc_accum({n, heads});
   if (ctx.context_parallel()) {
     // The selection names rows of the latent rows up to this shard's end, gathered from every rank.
-    const Tensor visible = gather_visible_rows(*ctx.context_group, *ctx.batch.context, s.kv);
+    const Tensor visible = gather_visible_rows(be, *ctx.context_group, *ctx.batch.context, s.kv);
     be.sparse_attention_forward(SparseAttentionArgs{s.o, s.lse, s.q_abs, visible, s.selected, proj.softmax_scale(),
                                                     visible.size(0) - n});
   } else {
@@ -192,11 +192,11 @@ void DsaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
   Tensor dkv = ctx.alloc({n, abs_dim});
   if (ctx.context_parallel()) {
     // The latent rows as the forward gathered them; their gradient goes back to their owners.
-    const Tensor visible = gather_visible_rows(*ctx.context_group, *ctx.batch.context, s.kv);
+    const Tensor visible = gather_visible_rows(be, *ctx.context_group, *ctx.batch.context, s.kv);
     Tensor dvisible = ctx.alloc(visible.shape());
     be.sparse_attention_backward(SparseAttentionBackwardArgs{dq_abs, dvisible, d_o, s.q_abs, visible, s.o, s.lse,
                                                              s.selected, proj.softmax_scale(), visible.size(0) - n});
-    return_visible_gradient(*ctx.context_group, *ctx.batch.context, dvisible, dkv);
+    return_visible_gradient(be, *ctx.context_group, *ctx.batch.context, dvisible, dkv);
   } else {
     be.sparse_attention_backward(SparseAttentionBackwardArgs{dq_abs, dkv, d_o, s.q_abs, s.kv, s.o, s.lse, s.selected,
                                                              proj.softmax_scale()});

@@ -72,8 +72,8 @@ Tensor DsaIndexer::select(const LayerContext& ctx, const TensorView& x, const Te
   }
   // Context parallelism: the keys of the documents up to this shard's end, from every rank; the
   // selection lists rows of those (DsaAttention gathers its latent rows alike).
-  const Tensor keys = gather_visible_rows(*ctx.context_group, *ctx.batch.context, k);
-  const Tensor key_segments = visible_key_segments(*ctx.batch.context, ctx.context_group->rank());
+  const Tensor keys = gather_visible_rows(be, *ctx.context_group, *ctx.batch.context, k);
+  const Tensor key_segments = visible_key_segments(be, *ctx.batch.context, ctx.context_group->rank());
   be.dsa_indexer_topk(DsaIndexerArgs{selected, q, keys, weights, ctx.batch.cu_seqlens, top_k, scale, key_segments});
   return selected;
 }

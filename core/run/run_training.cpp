@@ -320,8 +320,9 @@ void check_context_parallel(const Config& config, const ModelSpec& spec, const k
                        m.moe.aux_loss_coef));
   }
   if (backend.device() != Device::kCPU) {
-    refuse("context parallelism runs on the CPU backend only for now (the CUDA attention takes no key segments "
-           "yet): set parallel.cp: 1 or train.device: cpu");
+    refuse("context parallelism runs on the CPU backend only for now (its CUDA ops exist, the short convolution's "
+           "halo exchange does not yet order its NCCL collectives against the compute stream): set parallel.cp: 1 "
+           "or train.device: cpu");
   }
 }
 

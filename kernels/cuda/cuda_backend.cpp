@@ -362,15 +362,11 @@ class CudaBackend final : public Backend {
 
   void attention_forward(const AttentionArgs& args) override {
     check_attention_forward(rules_, args);
-    expect(args.cu_seqlens_k.data == nullptr, "attention_forward",
-           "the CUDA backend's attention takes no cu_seqlens_k (keys of their own)");
     cuda_ops::attention_forward(args, stream_);
   }
 
   void attention_backward(const AttentionBackwardArgs& args) override {
     check_attention_backward(rules_, args);
-    expect(args.cu_seqlens_k.data == nullptr, "attention_backward",
-           "the CUDA backend's attention takes no cu_seqlens_k (keys of their own)");
     cuda_ops::attention_backward(args, stream_);
   }
 
@@ -531,25 +527,24 @@ class CudaBackend final : public Backend {
   void dsa_indexer_topk(const DsaIndexerArgs& args) override {
     const char* op = "dsa_indexer_topk";
     check_dsa_indexer_topk(rules_, args);
-    expect(args.cu_seqlens_k.data == nullptr, op,
-           "the CUDA backend's indexer takes no cu_seqlens_k (keys of their own)");
     expect(args.q.size(2) <= cuda_ops::kDsaMaxIndexerDim, op,
            describe("q", args.q) + ": the CUDA indexer takes head dims up to " +
                std::to_string(cuda_ops::kDsaMaxIndexerDim));
-    expect(args.q.size(0) <= kMaxInt32, op, describe("q", args.q) + ": more tokens than int32 topk_index can name");
+    expect(args.q.size(0) <= kMaxInt32 && args.k.size(0) <= kMaxInt32, op,
+           describe("q", args.q) + ", " + describe("k", args.k) + ": more tokens than int32 topk_index can name");
     cuda_ops::dsa_indexer_topk(args, scratch_, stream_);
   }
 
   void sparse_attention_forward(const SparseAttentionArgs& args) override {
     check_sparse_attention_forward(rules_, args);
-    check_sparse_attention_limits("sparse_attention_forward", args.q, args.out, args.key_offset);
+    check_sparse_attention_limits("sparse_attention_forward", args.q, args.kv, args.out);
     cuda_ops::sparse_attention_forward(args, stream_);
   }
 
   void sparse_attention_backward(const SparseAttentionBackwardArgs& args) override {
     const char* op = "sparse_attention_backward";
     check_sparse_attention_backward(rules_, args);
-    check_sparse_attention_limits(op, args.q, args.out, args.key_offset);
+    check_sparse_attention_limits(op, args.q, args.kv, args.out);
     expect(args.q.size(0) * args.topk_index.size(1) <= kMaxInt32, op,
            describe("topk_index", args.topk_index) + ": more entries than the int32 inverse index holds");
     cuda_ops::sparse_attention_backward(args, scratch_, stream_);
@@ -568,16 +563,15 @@ class CudaBackend final : public Backend {
   // Token indices and inverse-index positions are int32.
   static constexpr int64_t kMaxInt32 = 2147483647;
 
-  // Head dims within what the sparse attention kernels hold; tokens that int32 indices can name;
-  // a query's own key at its own row (no key_offset: the kernels index kv by the query's tokens).
-  static void check_sparse_attention_limits(const char* op, const TensorView& q, const TensorView& out,
-                                            int64_t key_offset) {
-    expect(key_offset == 0, op, "the CUDA sparse attention takes no key_offset (keys before the queries' own)");
+  // Head dims within what the sparse attention kernels hold; kv rows (key_offset + tokens) that
+  // int32 indices can name.
+  static void check_sparse_attention_limits(const char* op, const TensorView& q, const TensorView& kv,
+                                            const TensorView& out) {
     expect(q.size(2) <= cuda_ops::kSparseMaxQkDim && out.size(2) <= cuda_ops::kSparseMaxVDim, op,
            describe("q", q) + ", " + describe("out", out) + ": the CUDA sparse attention takes qk_dim up to " +
                std::to_string(cuda_ops::kSparseMaxQkDim) + " and v_dim up to " +
                std::to_string(cuda_ops::kSparseMaxVDim));
-    expect(q.size(0) <= kMaxInt32, op, describe("q", q) + ": more tokens than int32 topk_index can name");
+    expect(kv.size(0) <= kMaxInt32, op, describe("kv", kv) + ": more rows than int32 topk_index can name");
   }
   // ---- DSA end
 

@@ -16,15 +16,20 @@
 //     accumulates dq += dS k.
 // Each pass owns its output rows outright, so every element is written once, in a fixed order.
 //
-// Segments: a query row's segment start comes from a binary search of cu_seqlens; a tile may
-// straddle segments, so masking is per (query, key): start(t) <= s <= t.
+// Segments: a query row's visible keys come from a binary search of cu_seqlens; a tile may
+// straddle segments, so masking is per (query, key): first(t) <= s <= last(t). Keys with segments
+// of their own (cu_seqlens_k, a context-parallel shard's queries against every earlier key) only
+// move those bounds: last(t) = t + k_end - q_end (attention_segments.cuh); without them the
+// kernels take cu_seqlens_k = cu_seqlens, so first(t) = segment start, last(t) = t.
 //
 // Three paths, picked in attention_forward / attention_backward below (the one place):
 //   1. Hopper flash attention (flash_attention_sm90_*.cu: wgmma + TMA, warp-specialised) for BF16
 //      operands with head dims 64/64, 128/128 or MLA's 192/128 on an sm_90 device;
 //   2. mma.sync tensor cores (attention_sm80.cu) for other BF16 head dims that are
 //      multiples of 16 (up to 256), and for everything BF16 when MOETRAIN_ATTENTION=mma;
-//   3. everything else, and everything when MOETRAIN_ATTENTION=simt, runs the SIMT kernels below: F32 FMAs from shared memory, a 16 x 16 thread grid holding a 4 x 2
+//   3. everything else, everything when MOETRAIN_ATTENTION=simt, and every call with cu_seqlens_k
+// (the tensor-core paths assume keys at the queries' rows) runs the SIMT kernels below: F32 FMAs
+// from shared memory, a 16 x 16 thread grid holding a 4 x 2
 // (forward scores) or 2 x 2 (backward) micro-tile of scores and 16-column-strided slices of the
 // accumulators, so value/key columns are read conflict-free (rows padded by one float). They are
 // ~16x slower than the tensor-core path (docs/PERF.md) and serve as its reference on the GPU.
@@ -83,6 +88,7 @@ __device__ __forceinline__ void store_element(const OutOperand& x, int64_t i, fl
 
 struct AttentionShape {
   int tokens = 0;  // cu_seqlens is int32, so token indices fit in int
+  int key_tokens = 0;  // k, v rows: tokens unless cu_seqlens_k is given
   int heads = 0;
   int qk_dim = 0;
   int v_dim = 0;
@@ -121,13 +127,14 @@ struct ForwardParams {
   float* lse = nullptr;
   InOperand q, k, v;
   const int32_t* cu_seqlens = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;  // cu_seqlens when the keys have no segments of their own
   AttentionShape shape;
 };
 
 __host__ __device__ constexpr size_t forward_smem_floats(int qk_dim, int v_dim) {
   return static_cast<size_t>(kForwardRows) * (qk_dim + 1) + static_cast<size_t>(kForwardKeys) * (qk_dim + 1) +
          static_cast<size_t>(kForwardKeys) * (v_dim + 1) + static_cast<size_t>(kForwardRows) * (kForwardKeys + 1) +
-         kForwardRows;  // + the int row starts
+         2 * kForwardRows;  // + the int first and last visible keys
 }
 
 // kCols: value columns per thread (v_dim <= 16 * kCols).
@@ -143,6 +150,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_simt_f32acc_kernel
   float* v_tile = k_tile + kForwardKeys * qk_stride;   // [kForwardKeys][v_stride]
   float* p_tile = v_tile + kForwardKeys * v_stride;    // [kForwardRows][p_stride]
   int* row_start = reinterpret_cast<int*>(p_tile + kForwardRows * p_stride);  // [kForwardRows]
+  int* row_last = row_start + kForwardRows;                                   // [kForwardRows]
 
   const int ty = threadIdx.x / kGridSide, tx = threadIdx.x % kGridSide;
   const int head = blockIdx.y;
@@ -152,7 +160,10 @@ __global__ void __launch_bounds__(kThreads) attention_forward_simt_f32acc_kernel
   load_tile(q_tile, p.q, m0, kForwardRows, s.tokens, head, s.heads, s.qk_dim);
   for (int r = threadIdx.x; r < kForwardRows; r += kThreads) {
     const int t = m0 + r;
-    row_start[r] = t < s.tokens ? segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
+    const KeyRange keys = t < s.tokens ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, t, s.key_tokens)
+                                       : KeyRange{INT_MAX, -1};
+    row_start[r] = keys.first;
+    row_last[r] = keys.last;
   }
   __syncthreads();
 
@@ -166,11 +177,13 @@ __global__ void __launch_bounds__(kThreads) attention_forward_simt_f32acc_kernel
     for (int c = 0; c < kCols; ++c) acc[i][c] = 0.0f;
   }
 
-  // The first row's segment starts no later than any other row's (starts are monotone in t).
+  // The first row's keys start no later than any other row's, the last row's end no earlier
+  // (both bounds are monotone in t).
   const int kv_begin = row_start[0];
-  for (int n0 = kv_begin; n0 < row_end; n0 += kForwardKeys) {
-    load_tile(k_tile, p.k, n0, kForwardKeys, row_end, head, s.heads, s.qk_dim);
-    load_tile(v_tile, p.v, n0, kForwardKeys, row_end, head, s.heads, s.v_dim);
+  const int kv_end = row_last[row_end - 1 - m0] + 1;
+  for (int n0 = kv_begin; n0 < kv_end; n0 += kForwardKeys) {
+    load_tile(k_tile, p.k, n0, kForwardKeys, kv_end, head, s.heads, s.qk_dim);
+    load_tile(v_tile, p.v, n0, kForwardKeys, kv_end, head, s.heads, s.v_dim);
     __syncthreads();
 
     float score[kRowsPerThread][kKeysPerThread];
@@ -197,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_simt_f32acc_kernel
 #pragma unroll
       for (int j = 0; j < kKeysPerThread; ++j) {
         const int key = n0 + tx + kGridSide * j;
-        const bool visible = t < s.tokens && key <= t && key >= row_start[r];
+        const bool visible = t < s.tokens && key <= row_last[r] && key >= row_start[r];
         score[i][j] = visible ? score[i][j] * s.scale : -INFINITY;
         tile_max = fmaxf(tile_max, score[i][j]);
       }
@@ -242,7 +255,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_simt_f32acc_kernel
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int t = m0 + ty + kGridSide * i;
     if (t >= s.tokens) continue;
-    // Every row sees at least its own key, so row_sum >= 1 (the max term is exp(0)).
+    // Every row sees at least one key (its own, or with cu_seqlens_k its segment's k_len - q_len
+    // earlier ones), so row_sum >= 1 (the max term is exp(0)).
     const float inv_sum = 1.0f / row_sum[i];
     const int64_t out_row = (static_cast<int64_t>(t) * s.heads + head) * s.v_dim;
 #pragma unroll
@@ -263,6 +277,7 @@ struct BackwardParams {
   const float* lse = nullptr;
   const float* delta = nullptr;  // [tokens, heads] = dout . out
   const int32_t* cu_seqlens = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;  // as ForwardParams
   AttentionShape shape;
 };
 
@@ -278,7 +293,7 @@ __global__ void attention_backward_delta_kernel(float* delta, InOperand dout, In
 }
 
 // Shared layout common to both backward passes: the query-side tiles (q, dout, lse, delta, row
-// starts) for kBackwardRows queries and the key-side tiles (k, v) for kBackwardKeys keys, plus
+// first and last visible keys) for kBackwardRows queries and the key-side tiles (k, v) for kBackwardKeys keys, plus
 // the P and dS tiles.
 struct BackwardTiles {
   float* q;      // [kBackwardRows][qk_dim + 1]
@@ -290,12 +305,13 @@ struct BackwardTiles {
   float* lse;    // [kBackwardRows]
   float* delta;  // [kBackwardRows]
   int* row_start;  // [kBackwardRows]
+  int* row_last;   // [kBackwardRows]
 };
 
 __host__ __device__ constexpr size_t backward_smem_floats(int qk_dim, int v_dim) {
   return static_cast<size_t>(kBackwardRows) * (qk_dim + 1) + static_cast<size_t>(kBackwardRows) * (v_dim + 1) +
          static_cast<size_t>(kBackwardKeys) * (qk_dim + 1) + static_cast<size_t>(kBackwardKeys) * (v_dim + 1) +
-         2 * static_cast<size_t>(kBackwardRows) * (kBackwardKeys + 1) + 3 * static_cast<size_t>(kBackwardRows);
+         2 * static_cast<size_t>(kBackwardRows) * (kBackwardKeys + 1) + 4 * static_cast<size_t>(kBackwardRows);
 }
 
 __device__ BackwardTiles carve_backward_tiles(float* smem, int qk_dim, int v_dim) {
@@ -309,11 +325,12 @@ __device__ BackwardTiles carve_backward_tiles(float* smem, int qk_dim, int v_dim
   tiles.lse = tiles.dscore + kBackwardRows * (kBackwardKeys + 1);
   tiles.delta = tiles.lse + kBackwardRows;
   tiles.row_start = reinterpret_cast<int*>(tiles.delta + kBackwardRows);
+  tiles.row_last = tiles.row_start + kBackwardRows;
   return tiles;
 }
 
 // Loads the query-side tiles for queries [m0, m0 + kBackwardRows); rows at or past query_limit
-// are zeros with row_start = INT_MAX (masked).
+// are zeros with an empty key range (masked).
 __device__ void load_query_side(const BackwardTiles& tiles, const BackwardParams& p, int m0, int query_limit, int head) {
   const AttentionShape& s = p.shape;
   load_tile(tiles.q, p.q, m0, kBackwardRows, query_limit, head, s.heads, s.qk_dim);
@@ -324,7 +341,10 @@ __device__ void load_query_side(const BackwardTiles& tiles, const BackwardParams
     const int64_t row = static_cast<int64_t>(t) * s.heads + head;
     tiles.lse[r] = valid ? p.lse[row] : 0.0f;
     tiles.delta[r] = valid ? p.delta[row] : 0.0f;
-    tiles.row_start[r] = valid ? segment_start(p.cu_seqlens, s.num_segments, t) : INT_MAX;
+    const KeyRange keys = valid ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, t, s.key_tokens)
+                                : KeyRange{INT_MAX, -1};
+    tiles.row_start[r] = keys.first;
+    tiles.row_last[r] = keys.last;
   }
 }
 
@@ -358,7 +378,7 @@ __device__ void compute_prob_and_dscore(const BackwardTiles& tiles, const Attent
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const int c = tx + kGridSide * b, key = n0 + c;
-      const bool visible = t < query_limit && key <= t && key >= tiles.row_start[r];
+      const bool visible = t < query_limit && key <= tiles.row_last[r] && key >= tiles.row_start[r];
       const float prob = visible ? expf(score[a][b] * s.scale - tiles.lse[r]) : 0.0f;
       tiles.prob[r * p_stride + c] = prob;
       tiles.dscore[r * p_stride + c] = visible ? prob * (dprob[a][b] - tiles.delta[r]) * s.scale : 0.0f;
@@ -376,10 +396,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_simt_f32acc_
   const int qk_stride = s.qk_dim + 1, v_stride = s.v_dim + 1, p_stride = kBackwardKeys + 1;
   const int head = blockIdx.y;
   const int n0 = blockIdx.x * kBackwardKeys;
-  const int last_key = min(n0 + kBackwardKeys, s.tokens) - 1;
+  const int last_key = min(n0 + kBackwardKeys, s.key_tokens) - 1;
 
-  load_tile(tiles.k, p.k, n0, kBackwardKeys, s.tokens, head, s.heads, s.qk_dim);
-  load_tile(tiles.v, p.v, n0, kBackwardKeys, s.tokens, head, s.heads, s.v_dim);
+  load_tile(tiles.k, p.k, n0, kBackwardKeys, s.key_tokens, head, s.heads, s.qk_dim);
+  load_tile(tiles.v, p.v, n0, kBackwardKeys, s.key_tokens, head, s.heads, s.v_dim);
 
   float dk[2][kCols], dv[2][kCols];
 #pragma unroll
@@ -387,9 +407,11 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_simt_f32acc_
 #pragma unroll
     for (int c = 0; c < kCols; ++c) dk[i][c] = dv[i][c] = 0.0f;
 
-  // Queries that see these keys: from the first key to the end of the last key's segment.
-  const int query_end = segment_end(p.cu_seqlens, s.num_segments, last_key, s.tokens);
-  for (int m0 = n0; m0 < query_end; m0 += kBackwardRows) {
+  // Queries that see these keys: from the one whose last key is the first key (the first key's
+  // own query without cu_seqlens_k) to the end of the last key's segment.
+  const int query_begin = first_query_seeing(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, n0);
+  const int query_end = query_end_seeing(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, last_key, s.tokens);
+  for (int m0 = query_begin; m0 < query_end; m0 += kBackwardRows) {
     __syncthreads();  // the previous step's readers are done (and the k/v loads are ordered)
     load_query_side(tiles, p, m0, query_end, head);
     __syncthreads();
@@ -418,7 +440,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_simt_f32acc_
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int key = n0 + ty + kGridSide * i;
-    if (key >= s.tokens) continue;
+    if (key >= s.key_tokens) continue;
     const int64_t row = static_cast<int64_t>(key) * s.heads + head;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
@@ -444,6 +466,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_simt_f32acc_ke
   load_query_side(tiles, p, m0, s.tokens, head);
   __syncthreads();
   const int kv_begin = tiles.row_start[0];
+  const int kv_end = tiles.row_last[row_end - 1 - m0] + 1;
 
   float dq[2][kCols];
 #pragma unroll
@@ -451,9 +474,9 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_simt_f32acc_ke
 #pragma unroll
     for (int c = 0; c < kCols; ++c) dq[i][c] = 0.0f;
 
-  for (int n0 = kv_begin; n0 < row_end; n0 += kBackwardKeys) {
-    load_tile(tiles.k, p.k, n0, kBackwardKeys, row_end, head, s.heads, s.qk_dim);
-    load_tile(tiles.v, p.v, n0, kBackwardKeys, row_end, head, s.heads, s.v_dim);
+  for (int n0 = kv_begin; n0 < kv_end; n0 += kBackwardKeys) {
+    load_tile(tiles.k, p.k, n0, kBackwardKeys, kv_end, head, s.heads, s.qk_dim);
+    load_tile(tiles.v, p.v, n0, kBackwardKeys, kv_end, head, s.heads, s.v_dim);
     __syncthreads();
     compute_prob_and_dscore(tiles, s, m0, n0, s.tokens);
     __syncthreads();
@@ -504,15 +527,18 @@ void expect_f32(const char* op, const char* name, const TensorView& t) {
   expect_dtype_is(op, name, t, DType::kF32);
 }
 
-// Shapes of q, k, v, out, lse, cu_seqlens, checked; the scale too.
+// Shapes of q, k, v, out, lse, cu_seqlens (and cu_seqlens_k, if given), checked; the scale too.
 AttentionShape check_attention(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& out, const TensorView& lse, const TensorView& cu_seqlens,
-                               double scale) {
-  expect(q.ndim() == 3 && v.ndim() == 3, op, "q " + q.shape.str() + " and v " + v.shape.str() +
-                                                 " must be [tokens, heads, dim]");
+                               const TensorView& cu_seqlens_k, double scale) {
+  expect(q.ndim() == 3 && v.ndim() == 3 && k.ndim() == 3, op, "q " + q.shape.str() + ", k " + k.shape.str() +
+                                                                  " and v " + v.shape.str() +
+                                                                  " must be [tokens, heads, dim]");
   const int64_t tokens = q.size(0), heads = q.size(1), qk_dim = q.size(2), v_dim = v.size(2);
-  expect_shape(op, "k", k, q.shape);
-  expect_shape(op, "v", v, Shape{tokens, heads, v_dim});
+  const bool own_keys = cu_seqlens_k.data != nullptr;
+  const int64_t key_tokens = own_keys ? k.size(0) : tokens;
+  expect_shape(op, "k", k, Shape{key_tokens, heads, qk_dim});
+  expect_shape(op, "v", v, Shape{key_tokens, heads, v_dim});
   expect_shape(op, "out", out, Shape{tokens, heads, v_dim});
   expect(lse.numel() == tokens * heads, op, "lse is " + lse.shape.str() + ", expected [" + std::to_string(tokens) +
                                                 ", " + std::to_string(heads) + "]");
@@ -521,14 +547,23 @@ AttentionShape check_attention(const char* op, const TensorView& q, const Tensor
          "qk_dim " + std::to_string(qk_dim) + " and v_dim " + std::to_string(v_dim) + " must be in [1, " +
              std::to_string(kMaxHeadDim) + "]");
   expect(heads >= 1 && heads <= 65535, op, std::to_string(heads) + " heads (grid y holds at most 65535)");
-  expect(tokens <= INT_MAX, op, std::to_string(tokens) + " tokens do not fit int32 cu_seqlens");
+  expect(tokens <= INT_MAX && key_tokens <= INT_MAX, op,
+         std::to_string(tokens) + " tokens, " + std::to_string(key_tokens) + " key tokens do not fit int32 cu_seqlens");
   expect_device(op, "cu_seqlens", cu_seqlens);
   expect(cu_seqlens.dtype == DType::kI32 && cu_seqlens.ndim() == 1 && cu_seqlens.numel() >= 2, op,
          "cu_seqlens is " + cu_seqlens.shape.str() + " " + dtype_name(cu_seqlens.dtype) +
              ", expected int32 [num_seqs + 1] with num_seqs >= 1");
+  if (own_keys) {
+    expect_device(op, "cu_seqlens_k", cu_seqlens_k);
+    expect(cu_seqlens_k.dtype == DType::kI32 && cu_seqlens_k.ndim() == 1 &&
+               cu_seqlens_k.numel() == cu_seqlens.numel(),
+           op, "cu_seqlens_k is " + cu_seqlens_k.shape.str() + " " + dtype_name(cu_seqlens_k.dtype) +
+                   ", expected int32 [" + std::to_string(cu_seqlens.numel()) + "] (as many segments as cu_seqlens)");
+  }
   expect(std::isfinite(scale), op, "scale is not finite");
   AttentionShape s;
   s.tokens = static_cast<int>(tokens);
+  s.key_tokens = static_cast<int>(key_tokens);
   s.heads = static_cast<int>(heads);
   s.qk_dim = static_cast<int>(qk_dim);
   s.v_dim = static_cast<int>(v_dim);
@@ -577,20 +612,23 @@ unsigned blocks_for(int tokens, int rows_per_block) {
 void attention_forward(const AttentionArgs& args, cudaStream_t stream) {
   const char* op = "attention_forward";
   ForwardParams p;
-  p.shape = check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens, args.scale);
+  p.shape = check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens, args.cu_seqlens_k,
+                            args.scale);
   p.out = activation_out(op, "out", args.out);
   p.lse = static_cast<float*>(args.lse.data);
   p.q = activation_in(op, "q", args.q);
   p.k = activation_in(op, "k", args.k);
   p.v = activation_in(op, "v", args.v);
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
+  const bool own_keys = args.cu_seqlens_k.data != nullptr;
+  p.cu_seqlens_k = own_keys ? static_cast<const int32_t*>(args.cu_seqlens_k.data) : p.cu_seqlens;
   if (p.shape.tokens == 0) return;
   // The paths in order (the header comment says which shapes each takes).
-  if (flash_attention_forward_sm90_supported(args)) {
+  if (!own_keys && flash_attention_forward_sm90_supported(args)) {
     flash_attention_forward_sm90(args, stream);
     return;
   }
-  if (attention_forward_sm80_supported(args)) {
+  if (!own_keys && attention_forward_sm80_supported(args)) {
     attention_forward_sm80(args, stream);
     return;
   }
@@ -605,7 +643,8 @@ void attention_forward(const AttentionArgs& args, cudaStream_t stream) {
 void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) {
   const char* op = "attention_backward";
   BackwardParams p;
-  p.shape = check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens, args.scale);
+  p.shape = check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens, args.cu_seqlens_k,
+                            args.scale);
   expect_shape(op, "dq", args.dq, args.q.shape);
   expect_shape(op, "dk", args.dk, args.k.shape);
   expect_shape(op, "dv", args.dv, args.v.shape);
@@ -620,9 +659,18 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
   const InOperand out = activation_in(op, "out", args.out);
   p.lse = static_cast<const float*>(args.lse.data);
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
+  const bool own_keys = args.cu_seqlens_k.data != nullptr;
+  p.cu_seqlens_k = own_keys ? static_cast<const int32_t*>(args.cu_seqlens_k.data) : p.cu_seqlens;
   const AttentionShape& s = p.shape;
-  if (s.tokens == 0) return;
-  if (flash_attention_backward_sm90_supported(args)) {  // computes its own delta
+  if (s.tokens == 0) {
+    // Keys no query sees get zero gradients.
+    if (own_keys && s.key_tokens > 0) {
+      CUDA_CHECK(cudaMemsetAsync(args.dk.data, 0, args.dk.nbytes(), stream));
+      CUDA_CHECK(cudaMemsetAsync(args.dv.data, 0, args.dv.nbytes(), stream));
+    }
+    return;
+  }
+  if (!own_keys && flash_attention_backward_sm90_supported(args)) {  // computes its own delta
     flash_attention_backward_sm90(args, stream);
     return;
   }
@@ -637,14 +685,14 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
   attention_backward_delta_kernel<<<delta_blocks, kDeltaThreads, 0, stream>>>(delta, p.dout, out, rows, s.v_dim);
   CUDA_CHECK_LAUNCH();
 
-  if (attention_backward_sm80_supported(args)) {
+  if (!own_keys && attention_backward_sm80_supported(args)) {
     attention_backward_sm80(args, delta, stream);
   } else {
     const size_t smem = backward_smem_floats(s.qk_dim, s.v_dim) * sizeof(float);
     const unsigned heads = static_cast<unsigned>(s.heads);
     dispatch_columns(s.qk_dim > s.v_dim ? s.qk_dim : s.v_dim, [&](auto cols) {
       launch_with_smem(op, attention_backward_dkdv_simt_f32acc_kernel<decltype(cols)::value>,
-                       dim3(blocks_for(s.tokens, kBackwardKeys), heads), smem, stream, p);
+                       dim3(blocks_for(s.key_tokens, kBackwardKeys), heads), smem, stream, p);
     });
     dispatch_columns(s.qk_dim, [&](auto cols) {
       launch_with_smem(op, attention_backward_dq_simt_f32acc_kernel<decltype(cols)::value>,

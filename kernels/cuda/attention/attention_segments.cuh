@@ -1,5 +1,7 @@
 // Packed segments (cu_seqlens) on the device, shared by the attention kernels (attention.cu,
-// attention_sm80.cu): which segment holds token t, and where that segment starts and ends.
+// attention_sm80.cu): which segment holds token t, and where that segment starts and ends; with
+// key segments of their own (AttentionArgs::cu_seqlens_k), which keys a query sees and which
+// queries see a key.
 // Bounds are clamped so a malformed cu_seqlens gives wrong numbers, never an out-of-bounds access.
 #pragma once
 
@@ -32,6 +34,39 @@ __device__ __forceinline__ int segment_start(const int32_t* cu_seqlens, int num_
 __device__ __forceinline__ int segment_end(const int32_t* cu_seqlens, int num_segments, int t, int tokens) {
   const int end = cu_seqlens[segment_index(cu_seqlens, num_segments, t) + 1];
   return min(max(end, t + 1), tokens);
+}
+
+// Keys query t sees: [first, last] of its segment's keys, the query segment being the last rows of
+// the key segment (ops.h AttentionArgs::cu_seqlens_k): last = t + k_end - q_end. cu_seqlens_k ==
+// cu_seqlens gives [segment_start(t), t]. last is clamped below key_tokens.
+struct KeyRange {
+  int first;
+  int last;
+};
+__device__ __forceinline__ KeyRange visible_keys(const int32_t* cu_seqlens, const int32_t* cu_seqlens_k,
+                                                 int num_segments, int t, int key_tokens) {
+  const int i = segment_index(cu_seqlens, num_segments, t);
+  const int shift = cu_seqlens_k[i + 1] - cu_seqlens[i + 1];
+  KeyRange range;
+  range.first = max(cu_seqlens_k[i], 0);
+  range.last = min(t + shift, key_tokens - 1);
+  return range;
+}
+
+// Queries that see key `key` or a later key of its segment start at or after this one (the query
+// whose last visible key is `key`, or the segment's first query).
+__device__ __forceinline__ int first_query_seeing(const int32_t* cu_seqlens, const int32_t* cu_seqlens_k,
+                                                  int num_segments, int key) {
+  const int j = segment_index(cu_seqlens_k, num_segments, key);
+  const int shift = cu_seqlens_k[j + 1] - cu_seqlens[j + 1];
+  return max(max(cu_seqlens[j], key - shift), 0);
+}
+
+// One past the last query that sees key `key`: the end of its segment's queries, below tokens.
+__device__ __forceinline__ int query_end_seeing(const int32_t* cu_seqlens, const int32_t* cu_seqlens_k,
+                                                int num_segments, int key, int tokens) {
+  const int j = segment_index(cu_seqlens_k, num_segments, key);
+  return min(max(cu_seqlens[j + 1], 0), tokens);
 }
 
 }  // namespace moetrain::kernels::cuda_ops

@@ -1,9 +1,10 @@
 // The lightning indexer's causal top-k (kernels/ops.h DsaIndexerArgs; kernels/cpu/dsa.cpp is the
-// spec): I[t, s] = scale * sum_j w[t, j] relu(q[t, j] . k[s]) for s in [segment start(t), t], the
+// spec): I[t, s] = scale * sum_j w[t, j] relu(q[t, j] . k[s]) for s in [segment start(t), t] (with
+// cu_seqlens_k: [key segment start, t + k_end - q_end], attention_segments.cuh visible_keys), the
 // top_k largest per query, ties to the lower s, written in ascending s, -1 padded.
 //
 // Queries go in chunks (dsa_indexer.h); per chunk two kernels:
-//   scores  F32 scores of each query's keys into scratch [chunk_rows, tokens] as uint32 keys whose
+//   scores  F32 scores of each query's keys into scratch [chunk_rows, key_tokens] as uint32 keys whose
 //           unsigned order is the scores' order (NaN ranks as -inf and -0 as +0, as the reference
 //           ranks them). Only a query's own causal range is written and later read.
 //           BF16 q and k: tensor cores (mma.sync m16n8k16, F32 accumulators). A CTA of 4 warps holds
@@ -53,15 +54,16 @@ constexpr int kSelectCacheKeys = 16384;  // a row of up to this many keys is sel
 
 struct ScoreParams {
   const void* q = nullptr;  // [tokens, heads, dim]
-  const void* k = nullptr;  // [tokens, dim]
+  const void* k = nullptr;  // [key_tokens, dim]
   bool q_bf16 = false, k_bf16 = false;
   const float* w = nullptr;  // [tokens, heads]
   const int32_t* cu_seqlens = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;  // cu_seqlens when the keys have no segments of their own
   int segments = 1;
-  int tokens = 0, heads = 0, dim = 0;
+  int tokens = 0, key_tokens = 0, heads = 0, dim = 0;
   float scale = 1.0f;
   int chunk_begin = 0, chunk_rows = 0;  // queries [chunk_begin, chunk_begin + chunk_rows)
-  uint32_t* keys = nullptr;             // [chunk_rows, tokens]
+  uint32_t* keys = nullptr;             // [chunk_rows, key_tokens]
 };
 
 // What the reference's std::max(logit, 0.0) gives: NaN stays NaN, -0 stays -0.
@@ -141,18 +143,22 @@ __global__ void __launch_bounds__(kMmaThreads)
 
   const int t = t_first + warp;
   const bool active = warp < rows_here;
-  const int start = active ? segment_start(p.cu_seqlens, p.segments, t) : 0;
-  uint32_t* out = p.keys + static_cast<int64_t>(row0 + warp) * p.tokens;
+  const KeyRange range = active ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t, p.key_tokens)
+                                : KeyRange{0, -1};
+  uint32_t* out = p.keys + static_cast<int64_t>(row0 + warp) * p.key_tokens;
   const int g = lane / 4, c = lane % 4;
-  // The segment starts are non-decreasing in t, so the first query's start bounds them all.
-  const int first_key = segment_start(p.cu_seqlens, p.segments, t_first) / kKeyTile * kKeyTile;
-  for (int key0 = first_key; key0 <= t_last; key0 += kKeyTile) {
+  // Both key bounds are non-decreasing in t: the first query's start and the last query's end
+  // bound them all.
+  const int first_key =
+      visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_first, p.key_tokens).first / kKeyTile * kKeyTile;
+  const int key_last = visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_last, p.key_tokens).last;
+  for (int key0 = first_key; key0 <= key_last; key0 += kKeyTile) {
     __syncthreads();  // the previous key tile (and, the first time, q and w) fully written / read
     load_bf16_tile(k_st, stride, kKeyTile, padded_dim, p.dim, vector, [&](int i) -> const bf16* {
-      return key0 + i <= t_last ? k + static_cast<int64_t>(key0 + i) * p.dim : nullptr;
+      return key0 + i <= key_last ? k + static_cast<int64_t>(key0 + i) * p.dim : nullptr;
     });
     __syncthreads();
-    if (!active || key0 > t || key0 + kKeyTile <= start) continue;  // warp-uniform
+    if (!active || key0 > range.last || key0 + kKeyTile <= range.first) continue;  // warp-uniform
 
     // part[n][e]: this lane's rows' (heads g, g + 8 of every head block) weighted relu logits for
     // keys key0 + 8n + 2c + e; summed over the lanes of equal c afterwards.
@@ -198,7 +204,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int s = key0 + 8 * g + 2 * c + e;
-      if (s >= start && s <= t) out[s] = score_key(mine[e] * p.scale);
+      if (s >= range.first && s <= range.last) out[s] = score_key(mine[e] * p.scale);
     }
   }
 }
@@ -215,19 +221,22 @@ __global__ void __launch_bounds__(kSimtThreads) indexer_scores_simt_kernel(Score
   const int t_first = p.chunk_begin + row0, t_last = t_first + rows_here - 1;
   const int t = t_first + warp;
   const bool active = warp < rows_here;
-  const int start = active ? segment_start(p.cu_seqlens, p.segments, t) : 0;
-  uint32_t* out = p.keys + static_cast<int64_t>(row0 + warp) * p.tokens;
-  const int first_key = segment_start(p.cu_seqlens, p.segments, t_first) / kSimtKeys * kSimtKeys;
-  for (int key0 = first_key; key0 <= t_last; key0 += kSimtKeys) {
+  const KeyRange range = active ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t, p.key_tokens)
+                                : KeyRange{0, -1};
+  uint32_t* out = p.keys + static_cast<int64_t>(row0 + warp) * p.key_tokens;
+  const int first_key =
+      visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_first, p.key_tokens).first / kSimtKeys * kSimtKeys;
+  const int key_last = visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_last, p.key_tokens).last;
+  for (int key0 = first_key; key0 <= key_last; key0 += kSimtKeys) {
     __syncthreads();
     for (int e = threadIdx.x; e < kSimtKeys * p.dim; e += blockDim.x) {
       const int i = e / p.dim, d = e % p.dim;
-      k_tile[i * stride + d] = key0 + i <= t_last ? load_value(p.k, p.k_bf16, static_cast<int64_t>(key0 + i) * p.dim + d)
+      k_tile[i * stride + d] = key0 + i <= key_last ? load_value(p.k, p.k_bf16, static_cast<int64_t>(key0 + i) * p.dim + d)
                                                   : 0.0f;
     }
     __syncthreads();
     const int s = key0 + lane;
-    if (!active || key0 > t || key0 + kSimtKeys <= start) continue;  // warp-uniform
+    if (!active || key0 > range.last || key0 + kSimtKeys <= range.first) continue;  // warp-uniform
     float score = 0.0f;
     for (int j = 0; j < p.heads; ++j) {
       const int64_t q_row = (static_cast<int64_t>(t) * p.heads + j) * p.dim;
@@ -235,7 +244,7 @@ __global__ void __launch_bounds__(kSimtThreads) indexer_scores_simt_kernel(Score
       for (int d = 0; d < p.dim; ++d) dot += load_value(p.q, p.q_bf16, q_row + d) * k_tile[lane * stride + d];
       score += p.w[static_cast<int64_t>(t) * p.heads + j] * relu_like_reference(dot);
     }
-    if (s >= start && s <= t) out[s] = score_key(score * p.scale);
+    if (s >= range.first && s <= range.last) out[s] = score_key(score * p.scale);
   }
 }
 
@@ -245,23 +254,24 @@ __global__ void __launch_bounds__(kSimtThreads) indexer_scores_simt_kernel(Score
 using SelectScan = cub::BlockScan<unsigned long long, kSelectThreads>;
 
 __global__ void __launch_bounds__(kSelectThreads)
-    indexer_select_kernel(const uint32_t* __restrict__ keys, int chunk_begin, int tokens,
-                          const int32_t* __restrict__ cu_seqlens, int segments, int top_k, int cache_keys,
-                          int32_t* __restrict__ topk_index) {
+    indexer_select_kernel(const uint32_t* __restrict__ keys, int chunk_begin, int key_tokens,
+                          const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ cu_seqlens_k,
+                          int segments, int top_k, int cache_keys, int32_t* __restrict__ topk_index) {
   extern __shared__ uint32_t cached[];  // cache_keys entries
   __shared__ int histogram[256];
   __shared__ int chosen_bin, count_above;
   __shared__ typename SelectScan::TempStorage scan_storage;
 
   const int t = chunk_begin + blockIdx.x;
-  const int start = segment_start(cu_seqlens, segments, t);
-  const int n = t - start + 1;
+  const KeyRange range = visible_keys(cu_seqlens, cu_seqlens_k, segments, t, key_tokens);
+  const int start = range.first;
+  const int n = max(range.last - start + 1, 0);
   int32_t* out = topk_index + static_cast<int64_t>(t) * top_k;
   if (n <= top_k) {  // every key of the range, then padding
     for (int i = threadIdx.x; i < top_k; i += blockDim.x) out[i] = i < n ? start + i : -1;
     return;
   }
-  const uint32_t* row = keys + static_cast<int64_t>(blockIdx.x) * tokens + start;
+  const uint32_t* row = keys + static_cast<int64_t>(blockIdx.x) * key_tokens + start;
   if (n <= cache_keys) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) cached[i] = row[i];
     __syncthreads();
@@ -341,19 +351,22 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
   p.k_bf16 = args.k.dtype == DType::kBF16;
   p.w = static_cast<const float*>(args.weights.data);
   p.cu_seqlens = static_cast<const int32_t*>(args.cu_seqlens.data);
+  p.cu_seqlens_k = args.cu_seqlens_k.data != nullptr ? static_cast<const int32_t*>(args.cu_seqlens_k.data) : p.cu_seqlens;
   p.segments = static_cast<int>(std::max<int64_t>(1, args.cu_seqlens.numel() - 1));
   p.tokens = static_cast<int>(tokens);
+  const int64_t key_tokens = args.k.size(0);  // tokens unless cu_seqlens_k is given
+  p.key_tokens = static_cast<int>(key_tokens);
   p.heads = static_cast<int>(heads);
   p.dim = static_cast<int>(dim);
   p.scale = static_cast<float>(args.scale);
   int32_t* out = static_cast<int32_t*>(args.topk_index.data);
 
-  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, kScoreBudgetBytes / (tokens * int64_t{4}));
+  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, kScoreBudgetBytes / (std::max<int64_t>(key_tokens, 1) * 4));
   chunk_rows = std::min(chunk_rows, tokens);
-  // No query has more than `tokens` keys: with top_k >= tokens every query takes its whole range
-  // and no score is needed.
-  const bool need_scores = top_k < tokens;
-  if (need_scores) p.keys = static_cast<uint32_t*>(scratch.reserve(static_cast<size_t>(chunk_rows * tokens) * 4));
+  // No query has more than `key_tokens` keys: with top_k >= key_tokens every query takes its whole
+  // range and no score is needed.
+  const bool need_scores = top_k < key_tokens;
+  if (need_scores) p.keys = static_cast<uint32_t*>(scratch.reserve(static_cast<size_t>(chunk_rows * key_tokens) * 4));
 
   int device = 0, smem_optin = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -373,7 +386,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
                                       static_cast<int>(simt_smem)));
     }
   }
-  const int cache_keys = static_cast<int>(std::min<int64_t>(tokens, kSelectCacheKeys));
+  const int cache_keys = static_cast<int>(std::min<int64_t>(key_tokens, kSelectCacheKeys));
   const size_t select_smem = static_cast<size_t>(cache_keys) * sizeof(uint32_t);
   CUDA_CHECK(cudaFuncSetAttribute(indexer_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(select_smem)));
@@ -391,9 +404,9 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
       }
       CUDA_CHECK_LAUNCH();
     }
-    indexer_select_kernel<<<rows, kSelectThreads, select_smem, stream>>>(p.keys, p.chunk_begin, p.tokens, p.cu_seqlens,
-                                                                         p.segments, static_cast<int>(top_k), cache_keys,
-                                                                         out);
+    indexer_select_kernel<<<rows, kSelectThreads, select_smem, stream>>>(p.keys, p.chunk_begin, p.key_tokens,
+                                                                         p.cu_seqlens, p.cu_seqlens_k, p.segments,
+                                                                         static_cast<int>(top_k), cache_keys, out);
     CUDA_CHECK_LAUNCH();
   }
 }

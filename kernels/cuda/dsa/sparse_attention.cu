@@ -22,8 +22,9 @@
 // Queries go in chunks whose contributions fit in scratch (sparse_attention.h); chunks run in order and each
 // adds to an F32 dkv accumulator, so the order of every sum is fixed.
 //
-// topk_index stays on the device: an entry outside [0, t] is skipped (the CPU backend rejects
-// such indices; valid ones are rows <= t, ascending, then -1s).
+// topk_index stays on the device: an entry outside [0, t + key_offset] is skipped (the CPU backend
+// rejects such indices; valid ones are rows <= t + key_offset, ascending, then -1s). kv has
+// key_offset + tokens rows (a context-parallel shard's queries read the earlier shards' rows too).
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 
@@ -137,12 +138,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // The next block of query t's entries into `slots` (kBlockEntries, -1 where invalid); true when
 // any is valid. Every thread calls it (it synchronises the block).
-__device__ __forceinline__ bool load_entries(int* slots, const int32_t* index, int top_k, int t, int block0) {
+__device__ __forceinline__ bool load_entries(int* slots, const int32_t* index, int top_k, int t, int key_offset,
+                                             int block0) {
   bool valid = false;
   if (threadIdx.x < kBlockEntries) {
     const int e = block0 + threadIdx.x;
     const int s = e < top_k ? index[static_cast<int64_t>(t) * top_k + e] : -1;
-    valid = s >= 0 && s <= t;
+    valid = s >= 0 && s <= t + key_offset;
     slots[threadIdx.x] = valid ? s : -1;
   }
   return __syncthreads_or(valid) != 0;
@@ -153,13 +155,14 @@ __device__ __forceinline__ bool load_entries(int* slots, const int32_t* index, i
 
 struct ForwardParams {
   const void* q = nullptr;   // [tokens, heads, qk]
-  const void* kv = nullptr;  // [tokens, qk]
+  const void* kv = nullptr;  // [key_offset + tokens, qk]
   bool q_bf16 = false, kv_bf16 = false;
   const int32_t* index = nullptr;  // [tokens, top_k]
   void* out = nullptr;             // [tokens, heads, v]
   bool out_bf16 = false;
   float* lse = nullptr;  // [tokens, heads]
   int tokens = 0, heads = 0, qk = 0, v = 0, top_k = 0;
+  int key_offset = 0;  // query t's own key is kv row t + key_offset
   int group_heads = 1;
   float scale = 1.0f;
 };
@@ -201,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attention_forward_kernel(Forw
 
   for (int block0 = 0; block0 < p.top_k; block0 += kBlockEntries) {
     __syncthreads();  // the previous block's rows and probabilities are consumed
-    if (!load_entries(slots, p.index, p.top_k, t, block0)) continue;
+    if (!load_entries(slots, p.index, p.top_k, t, p.key_offset, block0)) continue;
     load_rows<S>(kv_st, kBlockEntries, p.qk, p.kv, p.kv_bf16, [&](int r) {
       return slots[r] >= 0 ? static_cast<int64_t>(slots[r]) * p.qk : int64_t{-1};
     });
@@ -271,6 +274,7 @@ struct BackwardParams {
   bool dq_bf16 = false;
   float* contrib = nullptr;  // [chunk rows, top_k, qk]
   int tokens = 0, heads = 0, qk = 0, v = 0, top_k = 0;
+  int key_offset = 0;  // as ForwardParams
   int group_heads = 1;
   int chunk_begin = 0;
   float scale = 1.0f;
@@ -326,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attention_backward_query_kern
 
     for (int block0 = 0; block0 < p.top_k; block0 += kBlockEntries) {
       __syncthreads();
-      if (!load_entries(slots, p.index, p.top_k, t, block0)) continue;
+      if (!load_entries(slots, p.index, p.top_k, t, p.key_offset, block0)) continue;
       load_rows<S>(kv_st, kBlockEntries, p.qk, p.kv, p.kv_bf16, [&](int r) {
         return slots[r] >= 0 ? static_cast<int64_t>(slots[r]) * p.qk : int64_t{-1};
       });
@@ -381,20 +385,22 @@ __global__ void __launch_bounds__(kThreads) sparse_attention_backward_query_kern
 // ---------------------------------------------------------------------------------------------
 // Backward, step 2: the inverse index and the per-key sums
 
-// Sort input: each flat position's key (entries outside [0, t]: `tokens`, sorted last and unused).
-__global__ void inverse_index_input_kernel(const int32_t* __restrict__ index, int64_t entries, int top_k, int tokens,
-                                           uint32_t* __restrict__ keys, int32_t* __restrict__ positions) {
+// Sort input: each flat position's key (entries outside [0, t + key_offset]: `keys_total`, the kv
+// rows, sorted last and unused).
+__global__ void inverse_index_input_kernel(const int32_t* __restrict__ index, int64_t entries, int top_k,
+                                           int key_offset, int keys_total, uint32_t* __restrict__ keys,
+                                           int32_t* __restrict__ positions) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < entries;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int t = static_cast<int>(e / top_k);
     const int s = index[e];
-    keys[e] = static_cast<uint32_t>(s >= 0 && s <= t ? s : tokens);
+    keys[e] = static_cast<uint32_t>(s >= 0 && s <= t + key_offset ? s : keys_total);
     positions[e] = static_cast<int32_t>(e);
   }
 }
 
-// offsets[s] = the first sorted entry with key >= s, for s in [0, tokens] (offsets[tokens]: the
-// end of the valid entries). Entry j fills the keys after its predecessor's up to its own.
+// offsets[s] = the first sorted entry with key >= s, for s in [0, tokens] (tokens: the kv rows;
+// offsets[tokens]: the end of the valid entries). Entry j fills the keys after its predecessor's up to its own.
 __global__ void inverse_index_offsets_kernel(const uint32_t* __restrict__ sorted_keys, int64_t entries, int tokens,
                                              int32_t* __restrict__ offsets) {
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j <= entries;
@@ -502,6 +508,7 @@ void sparse_attention_forward(const SparseAttentionArgs& args, cudaStream_t stre
   p.qk = static_cast<int>(args.q.size(2));
   p.v = static_cast<int>(args.out.size(2));
   p.top_k = static_cast<int>(args.topk_index.size(1));
+  p.key_offset = static_cast<int>(args.key_offset);
   if (p.tokens == 0 || p.heads == 0) return;
   p.q = args.q.data;
   p.kv = args.kv.data;
@@ -549,8 +556,13 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
   p.qk = static_cast<int>(args.q.size(2));
   p.v = static_cast<int>(args.out.size(2));
   p.top_k = static_cast<int>(args.topk_index.size(1));
-  if (p.tokens == 0) return;
+  p.key_offset = static_cast<int>(args.key_offset);
   const int64_t tokens = p.tokens, top_k = p.top_k, qk = p.qk;
+  const int64_t keys = args.kv.size(0);  // key_offset + tokens
+  if (tokens == 0) {
+    if (keys > 0) CUDA_CHECK(cudaMemsetAsync(args.dkv.data, 0, args.dkv.nbytes(), stream));  // no query reads kv
+    return;
+  }
   const int64_t entries = tokens * top_k;
   p.q = args.q.data;
   p.kv = args.kv.data;
@@ -580,15 +592,15 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
 
   // The stable radix sort's temporary storage, then everything carved from one scratch block.
   int end_bit = 1;
-  while ((int64_t{1} << end_bit) <= tokens) ++end_bit;
+  while ((int64_t{1} << end_bit) <= keys) ++end_bit;
   size_t sort_bytes = 0;
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr),
                                              static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
                                              static_cast<int32_t*>(nullptr), static_cast<int>(entries), 0, end_bit,
                                              stream));
   const size_t index_bytes = DeviceScratch::round_up(static_cast<size_t>(entries) * sizeof(int32_t));
-  const size_t offsets_bytes = DeviceScratch::round_up(static_cast<size_t>(tokens + 1) * sizeof(int32_t));
-  const size_t acc_bytes = dkv_f32 ? 0 : DeviceScratch::round_up(static_cast<size_t>(tokens * qk) * sizeof(float));
+  const size_t offsets_bytes = DeviceScratch::round_up(static_cast<size_t>(keys + 1) * sizeof(int32_t));
+  const size_t acc_bytes = dkv_f32 ? 0 : DeviceScratch::round_up(static_cast<size_t>(keys * qk) * sizeof(float));
   const size_t contrib_bytes = DeviceScratch::round_up(static_cast<size_t>(chunk_rows * top_k * qk) * sizeof(float));
   sort_bytes = DeviceScratch::round_up(std::max<size_t>(sort_bytes, 1));
   char* base = static_cast<char*>(scratch.reserve(4 * index_bytes + offsets_bytes + acc_bytes + contrib_bytes + sort_bytes));
@@ -602,15 +614,15 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
   p.contrib = reinterpret_cast<float*>(base + 4 * index_bytes + offsets_bytes + acc_bytes);
   void* sort_storage = base + 4 * index_bytes + offsets_bytes + acc_bytes + contrib_bytes;
 
-  inverse_index_input_kernel<<<grid_blocks(entries), kThreads, 0, stream>>>(p.index, entries, p.top_k, p.tokens,
-                                                                            keys_in, positions_in);
+  inverse_index_input_kernel<<<grid_blocks(entries), kThreads, 0, stream>>>(
+      p.index, entries, p.top_k, p.key_offset, static_cast<int>(keys), keys_in, positions_in);
   CUDA_CHECK_LAUNCH();
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_storage, sort_bytes, keys_in, keys_out, positions_in, positions_out,
                                              static_cast<int>(entries), 0, end_bit, stream));
-  inverse_index_offsets_kernel<<<grid_blocks(entries + 1), kThreads, 0, stream>>>(keys_out, entries, p.tokens,
-                                                                                  offsets);
+  inverse_index_offsets_kernel<<<grid_blocks(entries + 1), kThreads, 0, stream>>>(keys_out, entries,
+                                                                                  static_cast<int>(keys), offsets);
   CUDA_CHECK_LAUNCH();
-  CUDA_CHECK(cudaMemsetAsync(dkv_acc, 0, static_cast<size_t>(tokens * qk) * sizeof(float), stream));
+  CUDA_CHECK(cudaMemsetAsync(dkv_acc, 0, static_cast<size_t>(keys * qk) * sizeof(float), stream));
 
   const bool bf16_rows = p.q_bf16 && p.kv_bf16 && p.dout_bf16;
   p.group_heads = p.heads == 0 || tensor_cores ? 1
@@ -629,14 +641,14 @@ void sparse_attention_backward(const SparseAttentionBackwardArgs& args, DeviceSc
     } else {
       launch_backward_queries_cols<float>(p, static_cast<int>(end - begin), stream);
     }
-    // Only keys < end can have been selected by this chunk's queries.
-    sparse_attention_backward_key_kernel<<<static_cast<unsigned int>(end), kThreads, 0, stream>>>(
+    // Only keys < end + key_offset can have been selected by this chunk's queries.
+    sparse_attention_backward_key_kernel<<<static_cast<unsigned int>(end + p.key_offset), kThreads, 0, stream>>>(
         positions_out, offsets, p.contrib, begin * top_k, end * top_k, p.qk, dkv_acc);
     CUDA_CHECK_LAUNCH();
   }
   if (!dkv_f32) {
-    f32_to_bf16_kernel<<<grid_blocks(tokens * qk), kThreads, 0, stream>>>(static_cast<bf16*>(args.dkv.data), dkv_acc,
-                                                                          tokens * qk);
+    f32_to_bf16_kernel<<<grid_blocks(keys * qk), kThreads, 0, stream>>>(static_cast<bf16*>(args.dkv.data), dkv_acc,
+                                                                         keys * qk);
     CUDA_CHECK_LAUNCH();
   }
 }

@@ -46,7 +46,7 @@ static_assert(kSmemBytes <= fs::kMaxSmemBytes, "Q, dO, a kv stage, P and dS must
 
 struct BackwardParams {
   const bf16* q = nullptr;      // [tokens, heads, 576]
-  const bf16* kv = nullptr;     // [tokens, 576]
+  const bf16* kv = nullptr;     // [key_offset + tokens, 576]
   const bf16* dout = nullptr;   // [tokens, heads, 512]
   const bf16* out = nullptr;    // [tokens, heads, 512]
   const float* lse = nullptr;   // [tokens, heads]
@@ -54,6 +54,7 @@ struct BackwardParams {
   bf16* dq = nullptr;           // [tokens, heads, 576]
   float* contrib = nullptr;     // [chunk rows, top_k, 576]
   int heads = 0, top_k = 0, chunk_begin = 0;
+  int key_offset = 0;  // query t's own key is kv row t + key_offset
   float scale = 0.0f, scale_log2 = 0.0f;
 };
 
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_backward_sm90_bf
       {
         const int e = b * kBlockKeys + load_row;
         const int s = e < p.top_k ? index_row[e] : -1;
-        valid_row = s >= 0 && s <= t;
+        valid_row = s >= 0 && s <= t + p.key_offset;
         if (load_part == 0) slots[load_row] = valid_row ? s : -1;
         copy_row<kQk>(kv_base, kBlockKeys, load_row, load_part, valid_row ? p.kv + static_cast<int64_t>(s) * kQk : p.kv,
                       valid_row);
@@ -285,6 +286,7 @@ void sparse_attention_backward_sm90_queries(const SparseAttentionBackwardArgs& a
   p.heads = static_cast<int>(args.q.size(1));
   p.top_k = static_cast<int>(args.topk_index.size(1));
   p.chunk_begin = static_cast<int>(chunk_begin);
+  p.key_offset = static_cast<int>(args.key_offset);
   p.scale = static_cast<float>(args.scale);
   p.scale_log2 = p.scale * fs::kLog2e;
   CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_backward_sm90_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -42,11 +42,12 @@ static_assert(kSmemBytes <= fs::kMaxSmemBytes, "Q, two kv stages and P must fit 
 
 struct Params {
   const bf16* q = nullptr;         // [tokens, heads, 576]
-  const bf16* kv = nullptr;        // [tokens, 576]
+  const bf16* kv = nullptr;        // [key_offset + tokens, 576]
   const int32_t* index = nullptr;  // [tokens, top_k]
   bf16* out = nullptr;             // [tokens, heads, 512]
   float* lse = nullptr;            // [tokens, heads]
   int tokens = 0, heads = 0, top_k = 0;
+  int key_offset = 0;  // query t's own key is kv row t + key_offset
   float scale_log2 = 0.0f;  // scale * log2(e), > 0
 };
 
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_forward_sm90_bf1
   auto issue_block = [&](int b, int stage) {
     const int e = b * kBlockKeys + load_row;
     const int s = e < p.top_k ? index_row[e] : -1;
-    const bool valid = s >= 0 && s <= t;
+    const bool valid = s >= 0 && s <= t + p.key_offset;
     if (load_part == 0) slots[stage * kBlockKeys + load_row] = valid ? s : -1;
     copy_row<kQk>(kv_base + stage * KvTile::kBytes, kBlockKeys, load_row, load_part,
              valid ? p.kv + static_cast<int64_t>(s) * kQk : p.kv, valid);
@@ -224,6 +225,7 @@ void sparse_attention_forward_sm90(const SparseAttentionArgs& args, cudaStream_t
   p.tokens = static_cast<int>(args.q.size(0));
   p.heads = static_cast<int>(args.q.size(1));
   p.top_k = static_cast<int>(args.topk_index.size(1));
+  p.key_offset = static_cast<int>(args.key_offset);
   if (p.tokens == 0 || p.heads == 0) return;
   p.q = static_cast<const bf16*>(args.q.data);
   p.kv = static_cast<const bf16*>(args.kv.data);
