@@ -152,6 +152,9 @@ struct ParallelConfig {
   // their activations; -1: every layer), to spend spare memory on speed.
   bool recompute = true;
   int64_t recompute_layers = -1;
+  // Move the layer inputs (one [tokens, hidden] per layer) to page-locked host memory between
+  // forward and backward, copied on a side stream behind the compute (docs/CONFIG.md).
+  bool offload = false;
   // FSDP: free a layer's gathered base weights after its forward and gather them again for its
   // backward (true), or keep them from forward to backward (false: more memory, less traffic).
   bool reshard_after_forward = true;

@@ -121,6 +121,7 @@ void visit_fields(V& v, ParallelConfig& c) {
   v.field("prefetch", c.prefetch);
   v.field("recompute", c.recompute);
   v.field("recompute_layers", c.recompute_layers);
+  v.field("offload", c.offload);
   v.field("reshard_after_forward", c.reshard_after_forward);
   v.field("timeout_s", c.timeout_s);
 }

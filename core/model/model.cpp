@@ -80,7 +80,8 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
       fsdp_(options.parallel ? options.parallel->fsdp : nullptr, backend,
             FsdpScheduleOptions{options.fsdp_prefetch, options.fsdp_reshard_after_forward}),
       batches_(backend),
-      results_(backend) {
+      results_(backend),
+      checkpoints_(backend, options.offload) {
   const ModelConfig& m = spec_.config;
   LayerContext ctx = context(no_batch());
   const int64_t d = m.hidden_size;
@@ -136,6 +137,7 @@ ModelOptions model_options_for(const Config& config) {
   ModelOptions options;
   options.recompute = config.parallel.recompute;
   options.recompute_layers = config.parallel.recompute_layers;
+  options.offload = config.parallel.offload;
   options.fsdp_prefetch = config.parallel.prefetch;
   options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
   options.seed = static_cast<uint64_t>(config.train.seed);
@@ -488,6 +490,7 @@ Model::Forward Model::forward(const LayerContext& ctx, ForwardMode mode, std::st
   Forward fwd;
   std::vector<Tensor>& inputs = fwd.inputs;
   inputs.resize(num_layers + 1);
+  if (backward_follows) checkpoints_.begin(num_layers);
   where = "the embedding forward";
   inputs[0] = ctx.alloc({n, d});
   fsdp_.gather_outer();
@@ -500,8 +503,11 @@ Model::Forward Model::forward(const LayerContext& ctx, ForwardMode mode, std::st
     layer_forward(ctx, i, inputs[i + 1], inputs[i], attn_res_.summaries_for(inputs, i));
     if (!backward_follows || recomputes(i)) release_layer(i);
     fsdp_.forward_done(i, num_layers, backward_follows);
-    // Without a backward, only the block summaries (Block Attention Residuals) are read again.
-    if (!backward_follows && !attn_res_.starts_block(i)) inputs[i].reset();
+    // Only the block summaries (Block Attention Residuals) are read again before the backward.
+    if (!attn_res_.starts_block(i)) {
+      if (backward_follows) checkpoints_.keep(i, std::move(inputs[i]));
+      else inputs[i].reset();
+    }
   }
   where = backward_follows ? "the final norm and the loss" : "the final norm";
   fsdp_.gather_outer();
@@ -539,12 +545,15 @@ void Model::backward(const LayerContext& ctx, Forward& fwd, const TensorView& df
     where = layer_pass(spec_, i, recomputes(i) ? "backward (and its recomputed forward)" : "backward");
     fsdp_.gather_for_backward(i);
     const std::vector<TensorView> summaries = attn_res_.summaries_for(inputs, i);
+    const Tensor input = attn_res_.starts_block(i) ? Tensor() : checkpoints_.take(ctx, i);
+    const TensorView& x = attn_res_.starts_block(i) ? inputs[i].view() : input.view();
+    if (i > 0) checkpoints_.prefetch(ctx, i - 1);  // its copy overlaps this layer
     if (recomputes(i)) {
       Tensor recomputed = ctx.alloc({n, d});
-      layer_forward(ctx, i, recomputed, inputs[i], summaries);
+      layer_forward(ctx, i, recomputed, x, summaries);
     }
     Tensor dprev = ctx.alloc({n, d});
-    layer_backward(ctx, i, dprev, dx, inputs[i], summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()));
+    layer_backward(ctx, i, dprev, dx, x, summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()));
     if (attn_res_.starts_block(i)) {  // inputs[i] is the last summary: its gradient is complete
       be.axpby(dprev, dsummaries.back(), 1.0, 1.0);
       dsummaries.pop_back();
