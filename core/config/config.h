@@ -153,7 +153,8 @@ struct ParallelConfig {
   bool recompute = true;
   int64_t recompute_layers = -1;
   // Move the layer inputs (one [tokens, hidden] per layer) to page-locked host memory between
-  // forward and backward, copied on a side stream behind the compute (docs/CONFIG.md).
+  // forward and backward, copied on a side stream behind the compute (docs/PARALLEL.md). Works
+  // with recompute on or off; with Block Attention Residuals the block summaries stay on the device.
   bool offload = false;
   // FSDP: free a layer's gathered base weights after its forward and gather them again for its
   // backward (true), or keep them from forward to backward (false: more memory, less traffic).

@@ -3,6 +3,7 @@
 // CUDA (LayerCheckpoints), so training must be bit for bit what it is without offload, with
 // recompute on, off or partial, and with Block Attention Residuals (whose block summaries stay).
 #include <memory>
+#include <string>
 
 #include "catch.h"
 #include "core/config/config.h"
@@ -74,4 +75,15 @@ TEST_CASE("LayerCheckpoints: inputs come back intact, host copies only with offl
       for (int64_t k = 0; k < 6; ++k) CHECK(input.ptr<float>()[k] == static_cast<float>(i) + 0.5f);
     }
   }
+}
+
+TEST_CASE("parallel.offload: off by default, read from the config into the model's options", "[model][config]") {
+  const std::string yaml =
+      "model:\n  vocab_size: 64\n  hidden_size: 32\n  num_layers: 2\n  mla:\n    num_heads: 2\n"
+      "  moe:\n    num_experts: 4\n    top_k: 2\ndata:\n  seq_len: 16\n";
+  CHECK_FALSE(parse_config(yaml, "tiny.yaml").parallel.offload);
+  CHECK_FALSE(model_options_for(parse_config(yaml, "tiny.yaml")).offload);
+  const Config on = parse_config(yaml, "tiny.yaml", {"parallel.offload=true", "parallel.recompute=false"});
+  CHECK(on.parallel.offload);
+  CHECK(model_options_for(on).offload);
 }
