@@ -662,6 +662,18 @@ class Backend {
   virtual void copy_async(const TensorView& dst, const TensorView& src) { copy(dst, src); }
   // An event after the work queued so far.
   virtual std::unique_ptr<QueueEvent> record_event() { return std::make_unique<DoneEvent>(); }
+  // A second queue beside the ops' own, for copies that overlap the ops (the layer checkpoints'
+  // offload to host, core/model/layer_checkpoints.h). side_copy_async is copy_async queued there
+  // (the same rules on host memory); side_wait makes that queue wait for an event of the ops'
+  // queue (record_event), record_side_event is an event after the side queue's copies, and
+  // ops_wait makes the ops' queue wait for such an event. None of them waits on the host. Memory
+  // the side queue touches is the caller's to keep alive until its event is waited for: the
+  // allocators order reuse against the ops' queue only. On the CPU the copy is done on return
+  // and the waits have nothing to wait for.
+  virtual void side_copy_async(const TensorView& dst, const TensorView& src) { copy_async(dst, src); }
+  virtual void side_wait(QueueEvent& ops_event) { ops_event.wait(); }
+  virtual std::unique_ptr<QueueEvent> record_side_event() { return std::make_unique<DoneEvent>(); }
+  virtual void ops_wait(QueueEvent& side_event) { side_event.wait(); }
   virtual void convert(const TensorView& dst, const TensorView& src) = 0;
   virtual void fill(const TensorView& dst, double value) = 0;
   // Random frozen MXFP4 weights, made where they live (RandomMxfp4Args).

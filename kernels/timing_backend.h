@@ -69,6 +69,11 @@ class TimingBackend : public Backend {
   Allocator& pinned_allocator() override { return inner_.pinned_allocator(); }
   void copy_async(const TensorView& dst, const TensorView& src) override;
   std::unique_ptr<QueueEvent> record_event() override { return inner_.record_event(); }
+  // The side queue's copies overlap the ops: forwarded untimed.
+  void side_copy_async(const TensorView& dst, const TensorView& src) override { inner_.side_copy_async(dst, src); }
+  void side_wait(QueueEvent& ops_event) override { inner_.side_wait(ops_event); }
+  std::unique_ptr<QueueEvent> record_side_event() override { return inner_.record_side_event(); }
+  void ops_wait(QueueEvent& side_event) override { inner_.ops_wait(side_event); }
   void embedding_forward_checked_ids(const TensorView& out, const TensorView& table, const TensorView& ids) override {
     timed("embedding_forward", [&] { inner_.embedding_forward_checked_ids(out, table, ids); });
   }

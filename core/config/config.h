@@ -157,6 +157,10 @@ struct ParallelConfig {
   // still sees the whole sequence. 0: the whole micro-batch at once. Results equal the unchunked
   // run up to the order of the adapter-gradient sums (docs/PARALLEL.md, "Long sequences").
   int64_t ffn_chunk_tokens = 0;
+  // Move the layer inputs (one [tokens, hidden] per layer) to page-locked host memory between
+  // forward and backward, copied on a side stream behind the compute (docs/PARALLEL.md). Works
+  // with recompute on or off; with Block Attention Residuals the block summaries stay on the device.
+  bool offload = false;
   // FSDP: free a layer's gathered base weights after its forward and gather them again for its
   // backward (true), or keep them from forward to backward (false: more memory, less traffic).
   bool reshard_after_forward = true;

@@ -80,7 +80,8 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
       fsdp_(options.parallel ? options.parallel->fsdp : nullptr, backend,
             FsdpScheduleOptions{options.fsdp_prefetch, options.fsdp_reshard_after_forward}),
       batches_(backend),
-      results_(backend) {
+      results_(backend),
+      checkpoints_(backend, options.offload) {
   const ModelConfig& m = spec_.config;
   LayerContext ctx = context(no_batch());
   const int64_t d = m.hidden_size;
@@ -137,6 +138,7 @@ ModelOptions model_options_for(const Config& config) {
   options.recompute = config.parallel.recompute;
   options.recompute_layers = config.parallel.recompute_layers;
   options.ffn_chunk_tokens = config.parallel.ffn_chunk_tokens;
+  options.offload = config.parallel.offload;
   options.fsdp_prefetch = config.parallel.prefetch;
   options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
   options.seed = static_cast<uint64_t>(config.train.seed);
@@ -531,6 +533,7 @@ Model::Forward Model::forward(const LayerContext& ctx, ForwardMode mode, std::st
   Forward fwd;
   std::vector<Tensor>& inputs = fwd.inputs;
   inputs.resize(num_layers + 1);
+  if (backward_follows) checkpoints_.begin(num_layers);
   where = "the embedding forward";
   inputs[0] = ctx.alloc({n, d});
   fsdp_.gather_outer();
@@ -545,8 +548,11 @@ Model::Forward Model::forward(const LayerContext& ctx, ForwardMode mode, std::st
     layer_forward(ctx, i, &out, inputs[i], attn_res_.summaries_for(inputs, i), chunks);
     if (!backward_follows || recomputes(i)) release_layer(i);
     fsdp_.forward_done(i, num_layers, backward_follows);
-    // Without a backward, only the block summaries (Block Attention Residuals) are read again.
-    if (!backward_follows && !attn_res_.starts_block(i)) inputs[i].reset();
+    // Only the block summaries (Block Attention Residuals) are read again before the backward.
+    if (!attn_res_.starts_block(i)) {
+      if (backward_follows) checkpoints_.keep(i, std::move(inputs[i]));
+      else inputs[i].reset();
+    }
   }
   where = backward_follows ? "the final norm and the loss" : "the final norm";
   fsdp_.gather_outer();
@@ -585,14 +591,17 @@ void Model::backward(const LayerContext& ctx, Forward& fwd, const TensorView& df
     where = layer_pass(spec_, i, recomputes(i) ? "backward (and its recomputed forward)" : "backward");
     fsdp_.gather_for_backward(i);
     const std::vector<TensorView> summaries = attn_res_.summaries_for(inputs, i);
+    const Tensor input = attn_res_.starts_block(i) ? Tensor() : checkpoints_.take(ctx, i);
+    const TensorView& x = attn_res_.starts_block(i) ? inputs[i].view() : input.view();
+    if (i > 0) checkpoints_.prefetch(ctx, i - 1);  // its copy overlaps this layer
     if (recomputes(i)) {
       // A chunked feed-forward re-runs chunk by chunk in layer_backward: only the mixer half here.
       Tensor recomputed = chunks == 1 ? ctx.alloc({n, d}) : Tensor();
       const TensorView out = recomputed;
-      layer_forward(ctx, i, chunks == 1 ? &out : nullptr, inputs[i], summaries, chunks);
+      layer_forward(ctx, i, chunks == 1 ? &out : nullptr, x, summaries, chunks);
     }
     Tensor dprev = ctx.alloc({n, d});
-    layer_backward(ctx, i, dprev, dx, inputs[i], summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()),
+    layer_backward(ctx, i, dprev, dx, x, summaries, std::vector<TensorView>(dsummaries.begin(), dsummaries.end()),
                    chunks);
     if (attn_res_.starts_block(i)) {  // inputs[i] is the last summary: its gradient is complete
       be.axpby(dprev, dsummaries.back(), 1.0, 1.0);

@@ -13,6 +13,7 @@
 #include "core/model/attn_res.h"
 #include "core/model/fsdp_schedule.h"
 #include "core/model/layer.h"
+#include "core/model/layer_checkpoints.h"
 #include "core/model/lora_linear.h"
 #include "core/model/mla.h"
 #include "core/model/model_spec.h"
@@ -32,6 +33,9 @@ struct ModelOptions {
   // (-1: every layer; parallel.recompute, parallel.recompute_layers).
   bool recompute = false;
   int64_t recompute_layers = -1;
+  // The layer inputs wait for the backward in page-locked host memory (parallel.offload;
+  // LayerCheckpoints), except those Block Attention Residuals read as block summaries.
+  bool offload = false;
   uint64_t seed = 1234;              // LoRA init and random base weights
   LoraSettings lora;
   std::vector<std::string> lora_targets;
@@ -138,8 +142,9 @@ class Model final : public TrainableModel {
  private:
   // What a forward leaves for the loss and the backward.
   struct Forward {
-    // The layer inputs and the last layer's output (the activation checkpoints); a forward-only
-    // pass keeps the last output and the block summaries alone.
+    // The layer inputs that start a Block Attention Residuals block and the last layer's output
+    // (the other layer inputs wait in Model::checkpoints_); a forward-only pass keeps the last
+    // output and the block summaries alone.
     std::vector<Tensor> inputs;
     TensorView final_in;       // the final norm's input (undefined after a forward-only pass)
     Tensor final_hidden;       // [tokens, D] the final norm's output
@@ -234,6 +239,7 @@ class Model final : public TrainableModel {
   std::vector<Parameter*> parameters_;
   BatchStaging batches_;
   ResultReadback results_;
+  LayerCheckpoints checkpoints_;  // the layer inputs from forward to backward
 };
 
 }  // namespace moetrain

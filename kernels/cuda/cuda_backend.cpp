@@ -141,6 +141,8 @@ class StreamEvent final : public QueueEvent {
   ~StreamEvent() override { cudaEventDestroy(event_); }  // fine while pending: freed once it completes
   StreamEvent(const StreamEvent&) = delete;
   StreamEvent& operator=(const StreamEvent&) = delete;
+  // Makes `stream` wait for the event on the device (no host wait).
+  void queue_wait(cudaStream_t stream) { CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0)); }
   void wait() override {
     const cudaError_t status = cudaEventQuery(event_);
     if (status == cudaSuccess) return;  // done: no wait
@@ -188,6 +190,10 @@ class CudaBackend final : public Backend {
     if (blas_.blas) cublasDestroy(blas_.blas);
     if (blas_.lt) cublasLtDestroy(blas_.lt);
     cudaStreamDestroy(stream_);
+    if (side_stream_) {
+      cudaStreamSynchronize(side_stream_);
+      cudaStreamDestroy(side_stream_);
+    }
   }
 
   CudaBackend(const CudaBackend&) = delete;
@@ -248,7 +254,11 @@ class CudaBackend final : public Backend {
   void copy_async(const TensorView& dst, const TensorView& src) override {
     const char* op = "copy_async";
     if (!check_copy(op, dst, src)) return;
-    // From or to pageable memory the driver would stage the copy and wait: refuse it.
+    check_pinned(op, dst, src);
+    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), copy_kind(dst, src), stream_));
+  }
+  // From or to pageable memory the driver would stage an async copy and wait: refuse it.
+  static void check_pinned(const char* op, const TensorView& dst, const TensorView& src) {
     for (const TensorView* host : {src.device == Device::kCPU ? &src : nullptr,
                                    dst.device == Device::kCPU ? &dst : nullptr}) {
       if (host == nullptr) continue;
@@ -257,10 +267,29 @@ class CudaBackend final : public Backend {
       expect(attributes.type == cudaMemoryTypeHost, op,
              describe(host == &src ? "src" : "dst", *host) + " is host memory not from pinned_allocator()");
     }
-    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), copy_kind(dst, src), stream_));
+  }
+  // The copies' queue, made on first use (most runs never offload).
+  cudaStream_t side_stream() {
+    if (side_stream_ == nullptr) CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+    return side_stream_;
+  }
+  static StreamEvent& stream_event(QueueEvent& event, const char* op) {
+    auto* stream_event = dynamic_cast<StreamEvent*>(&event);
+    expect(stream_event != nullptr, op, "the event is not one of the CUDA backend's (record_event, record_side_event)");
+    return *stream_event;
   }
 
   std::unique_ptr<QueueEvent> record_event() override { return std::make_unique<StreamEvent>(stream_); }
+
+  void side_copy_async(const TensorView& dst, const TensorView& src) override {
+    const char* op = "side_copy_async";
+    if (!check_copy(op, dst, src)) return;
+    check_pinned(op, dst, src);
+    CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, dst.nbytes(), copy_kind(dst, src), side_stream()));
+  }
+  void side_wait(QueueEvent& ops_event) override { stream_event(ops_event, "side_wait").queue_wait(side_stream()); }
+  std::unique_ptr<QueueEvent> record_side_event() override { return std::make_unique<StreamEvent>(side_stream()); }
+  void ops_wait(QueueEvent& side_event) override { stream_event(side_event, "ops_wait").queue_wait(stream_); }
 
   void convert(const TensorView& dst, const TensorView& src) override {
     check_convert(rules_, dst, src);
@@ -599,6 +628,7 @@ class CudaBackend final : public Backend {
 
   DeviceRules rules_;  // stateless: one for every call
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;  // side_copy_async and its events
   cuda_ops::BlasContext blas_;
   cuda_ops::DeviceScratch gemm_scratch_;  // BF16 copies of F32 GEMM operands
   cuda_ops::GemmPlanCache gemm_plans_;    // cuBLASLt descriptors and algorithms per GEMM shape
