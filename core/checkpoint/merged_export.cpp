@@ -89,6 +89,10 @@ std::map<std::string, OutputTensor> output_tensors(const HfCheckpoint& base, boo
   std::map<std::string, OutputTensor> out;
   for (const std::string& name : base.names()) {
     const SafetensorsTensorInfo& info = base.info(name);
+    MOETRAIN_CHECK(info.fp8 == Fp8Format::kNone, ExitCode::kBadCheckpoint,
+                   fmt::format("{}: \"{}\" is {}: merging adapters into an FP8 block-scaled base is not supported "
+                               "(training reads it dequantized); merge into a BF16 copy of the base instead",
+                               base.dir(), name, fp8_dtype_name(info.fp8)));
     if (ends_with(name, kScaleSuffix) && base.has(name.substr(0, name.size() - std::strlen(kScaleSuffix)) + kPackedSuffix))
       continue;  // decoded with its packed codes
     OutputTensor t{name, info.dtype, info.shape, ""};

@@ -27,7 +27,7 @@ const std::vector<std::string> kExpertA = {"per_expert", "shared"};
 const std::vector<std::string> kExpertFormats = {"bf16", "mxfp4"};
 // The model types moetrain builds (core/model/hf_config.cpp reads their config.json); without
 // model.hf_dir the type still chooses the exported adapter's names (Kimi K3's language_model.).
-const std::vector<std::string> kModelTypes = {"deepseek_v3", "deepseek_v32", "kimi_linear", "kimi_k3"};
+const std::vector<std::string> kModelTypes = {"deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_linear", "kimi_k3"};
 // Beyond these no model exists, and products of them overflow the plan's and the model's integer
 // counts: a width, head count or expert count above kMaxModelDim, a vocabulary above
 // kMaxVocabSize, more than kMaxModelLayers layers is a typo, refused before anything is sized.

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/base/host_convert.h"
 #include "core/io/output_file.h"
 #include "core/io/safetensors_writer.h"
 
@@ -62,6 +63,7 @@ HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
     fail("model directory '" + dir + "' has neither " + kIndexFileName + " nor " + kSingleFileName +
          " (expected Hugging Face safetensors weights there)");
   }
+  read_fp8_quantization();
   for (const auto& entry : shard_of_) names_.push_back(entry.first);
   const std::string text_prefix = "language_model.";
   for (const std::string& name : names_) {
@@ -69,6 +71,18 @@ HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
       unprefixed_.emplace(name.substr(text_prefix.size()), name);
     }
   }
+}
+
+// config.json beside the weights; one that cannot be read or parsed is left to the config
+// reader (core/model/hf_config.cpp), which names the problem.
+void HfCheckpoint::read_fp8_quantization() {
+  const std::string path = join(dir_, "config.json");
+  if (!is_regular_file(path)) return;
+  std::ifstream in(path, std::ios::binary);
+  const Json config = Json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) return;
+  auto quantization = config.find("quantization_config");
+  if (quantization != config.end()) fp8_ = fp8_quantization_from_json(*quantization, path);
 }
 
 void HfCheckpoint::read_index(const std::string& index_path) {
@@ -151,13 +165,80 @@ uint64_t row_bytes(const SafetensorsTensorInfo& info, int64_t row_begin, int64_t
 
 }  // namespace
 
+void HfCheckpoint::check_unscaled(const std::string& name) const {
+  const std::string scale = fp8_scale_name(name);
+  if (!has(scale)) return;
+  fail("tensor '" + name + "' in '" + file_of(name) + "' is " + dtype_name(info(name).dtype) + " but has FP8 block "
+       "scales '" + scale + "' beside it: an FP8 weight is stored F8_E4M3 or F8_E5M2 (the checkpoint is damaged or "
+       "half converted; download or convert it again)");
+}
+
+Tensor HfCheckpoint::read_fp8_rows(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
+  constexpr int64_t kBlock = Fp8BlockQuantization::kBlock;
+  const SafetensorsTensorInfo& codes = info(name);
+  const std::string where = "tensor '" + name + "' in '" + file_of(name) + "' (" + fp8_dtype_name(codes.fp8) + ")";
+  const std::string config = "'" + join(dir_, "config.json") + "'";
+  if (!fp8_.declared()) {
+    fail(where + ": " + config + " has no quantization_config with quant_method \"fp8\", so FP8 weights are not "
+         "expected (add the checkpoint's own config.json)");
+  }
+  if (codes.fp8 != fp8_.format) {
+    fail(where + ": " + config + " quantization_config.fmt is \"" + fp8_fmt_name(fp8_.format) + "\", which stores " +
+         fp8_dtype_name(fp8_.format));
+  }
+  const std::string module = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0
+                                 ? name.substr(0, name.size() - 7) : name;
+  if (!fp8_.converts(module)) {
+    fail(where + ": " + config + " quantization_config.modules_to_not_convert lists module '" + module +
+         "', so it must not be FP8");
+  }
+  if (codes.shape.ndim() != 2) fail(where + " has shape " + codes.shape.str() + "; FP8 weights are 2-D [out, in]");
+  const std::string scale = fp8_scale_name(name);
+  if (!has(scale)) fail(where + " has no block scales '" + scale + "' (F32, one per 128 x 128 block) beside it");
+  const SafetensorsTensorInfo& scales = info(scale);
+  const int64_t rows = codes.shape[0], cols = codes.shape[1];
+  if (row_begin < 0 || row_begin > row_end || row_end > rows) {
+    fail("cannot read rows [" + std::to_string(row_begin) + ", " + std::to_string(row_end) + ") of " + where +
+         " with shape " + codes.shape.str());
+  }
+  const Shape expected{(rows + kBlock - 1) / kBlock, (cols + kBlock - 1) / kBlock};
+  if (scales.dtype != DType::kF32 || scales.fp8 != Fp8Format::kNone || scales.shape != expected) {
+    fail("block scales '" + scale + "' of " + where + " are " +
+         (scales.fp8 != Fp8Format::kNone ? fp8_dtype_name(scales.fp8) : dtype_name(scales.dtype)) + " " +
+         scales.shape.str() + "; a " + codes.shape.str() + " weight in 128 x 128 blocks needs F32 " + expected.str());
+  }
+  Tensor code_rows({row_end - row_begin, cols}, DType::kU8);
+  file_for(name).read_rows(code_rows.data(), stored(name), row_begin, row_end);
+  const int64_t first_block = row_begin / kBlock;
+  const int64_t end_block = row_end > row_begin ? (row_end - 1) / kBlock + 1 : first_block;
+  const Tensor scale_rows = file_for(scale).read_rows_as(stored(scale), first_block, end_block, DType::kF32);
+  bytes_read_ += code_rows.nbytes() + scale_rows.nbytes();
+  Tensor values({row_end - row_begin, cols}, DType::kF64);
+  fp8_block_dequantize(values.ptr<double>(), static_cast<const uint8_t*>(code_rows.data()), scale_rows.ptr<float>(),
+                       codes.fp8, row_end - row_begin, cols, row_begin);
+  if (dst_dtype == DType::kF64) return values;
+  MOETRAIN_CHECK(is_floating(dst_dtype), ExitCode::kBadCheckpoint,
+                 where + " cannot be read as " + dtype_name(dst_dtype) + " (only floating types convert)");
+  Tensor out(values.shape(), dst_dtype);
+  convert_host(out.view(), values.view());
+  return out;
+}
+
 Tensor HfCheckpoint::read_as(const std::string& name, DType dst_dtype) const {
+  const SafetensorsTensorInfo& tensor = info(name);
+  if (tensor.fp8 != Fp8Format::kNone) return read_fp8_rows(name, 0, tensor.shape.ndim() > 0 ? tensor.shape[0] : 0, dst_dtype);
+  check_unscaled(name);
   Tensor t = file_for(name).read_as(stored(name), dst_dtype);
   bytes_read_ += info(name).nbytes;
   return t;
 }
 
 Tensor HfCheckpoint::read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
+  const SafetensorsTensorInfo& tensor = info(name);
+  if (tensor.fp8 != Fp8Format::kNone) {
+    return read_fp8_rows(name, row_begin, row_end, dst_dtype);
+  }
+  check_unscaled(name);
   Tensor t = file_for(name).read_rows_as(stored(name), row_begin, row_end, dst_dtype);
   bytes_read_ += row_bytes(info(name), row_begin, row_end);
   return t;

@@ -3,6 +3,10 @@
 //   {"metadata": {"total_size": 123, ...}, "weight_map": {"<tensor name>": "model-00001-of-00002.safetensors", ...}}
 // Shards are opened (mmapped and validated) lazily, each at most once, so a rank that needs a
 // few tensors opens only the shards holding them; a lone model.safetensors is opened at once.
+//
+// FP8 block-scaled weights (core/io/fp8_block.h) read as their dequantized values: read_as and
+// read_rows_as of an F8_E4M3 / F8_E5M2 `X.weight` multiply its codes by `X.weight_scale_inv`,
+// and a slice reads only its rows' codes and the scale rows of the blocks they fall in.
 #pragma once
 
 #include <atomic>
@@ -23,7 +27,8 @@ class HfCheckpoint {
   static constexpr const char* kIndexFileName = "model.safetensors.index.json";
   static constexpr const char* kSingleFileName = "model.safetensors";
 
-  // Reads the index (or finds the single file) and checks that every shard it names exists.
+  // Reads the index (or finds the single file) and checks that every shard it names exists, and
+  // config.json's FP8 quantization_config when there is one (fp8_block.h says what is accepted).
   // Throws Error(kBadCheckpoint) naming the directory, the index, the shard or the tensor.
   explicit HfCheckpoint(const std::string& dir);
 
@@ -39,8 +44,15 @@ class HfCheckpoint {
   // Path of the file that holds `name`.
   std::string file_of(const std::string& name) const;
 
+  // config.json's FP8 quantization (declared() false without one).
+  const Fp8BlockQuantization& fp8_quantization() const { return fp8_; }
+
   // These open the tensor's shard on first use. An absent tensor, or a shard that lacks a tensor
-  // the index promised, is an Error naming the tensor and the file.
+  // the index promised, is an Error naming the tensor and the file. An FP8 tensor is read
+  // dequantized (read_rows copies its codes as they are); one that config.json does not declare,
+  // that modules_to_not_convert excludes, that lacks its block scales or whose scales have
+  // another shape than [ceil(rows / 128), ceil(cols / 128)] is an Error naming it, as is a
+  // non-FP8 weight with a weight_scale_inv beside it.
   const SafetensorsTensorInfo& info(const std::string& name) const;
   Tensor read_as(const std::string& name, DType dst_dtype) const;
   Tensor read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const;
@@ -53,6 +65,11 @@ class HfCheckpoint {
 
  private:
   void read_index(const std::string& index_path);
+  void read_fp8_quantization();
+  // Rows [row_begin, row_end) of an FP8 weight, dequantized, as dst_dtype.
+  Tensor read_fp8_rows(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const;
+  // Refuses a non-FP8 weight that has block scales beside it.
+  void check_unscaled(const std::string& name) const;
   const std::string& stored(const std::string& name) const {
     auto it = unprefixed_.find(name);
     return it == unprefixed_.end() ? name : it->second;
@@ -64,6 +81,7 @@ class HfCheckpoint {
   std::vector<std::string> names_;
   std::map<std::string, std::string> unprefixed_;  // text tensor name without language_model. -> stored name
   std::map<std::string, std::string> index_metadata_;
+  Fp8BlockQuantization fp8_;
   mutable std::mutex open_mutex_;  // loaders may read tensors from several threads
   mutable std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files_;
   mutable std::atomic<uint64_t> bytes_read_{0};

@@ -20,7 +20,7 @@ constexpr const char* kMetadataKey = "__metadata__";
 constexpr int kMaxJsonDepth = 8;
 
 // dtypes that safetensors defines but moetrain does not read: a clearer message than "unknown".
-constexpr const char* kUnsupportedDtypes[] = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4",
+constexpr const char* kUnsupportedDtypes[] = {"F8_E8M0", "F6_E2M3", "F6_E3M2", "F4",
                                               "I8", "I16", "U16", "U32", "U64", "C64"};
 
 struct JsonTooDeep {};
@@ -42,8 +42,21 @@ bool can_convert(DType dst_dtype, DType src_dtype) {
   return dst_dtype == src_dtype || (is_floating(dst_dtype) && is_floating(src_dtype));
 }
 
+// FP8 codes (U8 storage) decoded into a new tensor of a floating dst_dtype; exact in F32 and F64.
+Tensor decode_fp8(const TensorView& codes, Fp8Format format, DType dst_dtype) {
+  Tensor values(codes.shape, DType::kF64);
+  const auto* code = static_cast<const uint8_t*>(codes.data);
+  double* v = values.ptr<double>();
+  for (int64_t i = 0, n = codes.numel(); i < n; ++i) v[i] = fp8_to_float(format, code[i]);
+  if (dst_dtype == DType::kF64) return values;
+  Tensor out(codes.shape, dst_dtype);
+  convert_host(out.view(), values.view());
+  return out;
+}
+
 // Converts src (which may point anywhere in the mapping) into a new tensor of dst_dtype.
-Tensor convert_copy(const TensorView& src, DType dst_dtype) {
+Tensor convert_copy(const TensorView& src, Fp8Format fp8, DType dst_dtype) {
+  if (fp8 != Fp8Format::kNone) return decode_fp8(src, fp8, dst_dtype);
   Tensor out(src.shape, dst_dtype);
   if (reinterpret_cast<uintptr_t>(src.data) % dtype_size(src.dtype) == 0) {
     convert_host(out.view(), src);
@@ -82,7 +95,7 @@ class HeaderParser {
     if (!entry.is_object()) fail(path_, where + "header entry is " + std::string(entry.type_name()) + ", expected an object");
     ParsedEntry parsed;
     parsed.name = name;
-    parsed.info.dtype = parse_entry_dtype(where, entry);
+    parsed.info.dtype = parse_entry_dtype(where, entry, &parsed.info.fp8);
     uint64_t numel = parse_shape(where, entry, &parsed.info.shape);
     parse_offsets(where, entry, &parsed.begin, &parsed.end);
     uint64_t expected_bytes = 0;
@@ -105,16 +118,22 @@ class HeaderParser {
     return *it;
   }
 
-  DType parse_entry_dtype(const std::string& where, const Json& entry) const {
+  DType parse_entry_dtype(const std::string& where, const Json& entry, Fp8Format* fp8) const {
     const Json& j = field(where, entry, "dtype");
     if (!j.is_string()) fail(path_, where + "\"dtype\" is " + std::string(j.type_name()) + ", expected a string");
     const std::string& name = j.get_ref<const std::string&>();
     DType dtype;
     if (parse_dtype(name, &dtype)) return dtype;
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      if (name == fp8_dtype_name(format)) {
+        *fp8 = format;
+        return DType::kU8;
+      }
+    }
     for (const char* unsupported : kUnsupportedDtypes) {
       if (name == unsupported) {
         fail(path_, where + "unsupported dtype \"" + name + "\"",
-             "moetrain reads F32 F64 BF16 F16 I32 I64 U8 BOOL; convert the model to BF16 first");
+             "moetrain reads F32 F64 BF16 F16 F8_E4M3 F8_E5M2 I32 I64 U8 BOOL; convert the model to BF16 first");
       }
     }
     fail(path_, where + "unknown dtype \"" + name + "\"");
@@ -265,9 +284,11 @@ void SafetensorsFile::check_row_range(const std::string& name, const Shape& shap
   }
 }
 
-void SafetensorsFile::check_convertible(const std::string& name, DType dst_dtype, DType src_dtype) const {
-  if (!can_convert(dst_dtype, src_dtype)) {
-    throw Error(ExitCode::kBadCheckpoint, "tensor '" + name + "' in '" + path() + "' is " + dtype_name(src_dtype) +
+void SafetensorsFile::check_convertible(const std::string& name, DType dst_dtype, const SafetensorsTensorInfo& src) const {
+  const bool fp8 = src.fp8 != Fp8Format::kNone;
+  if (fp8 ? !is_floating(dst_dtype) : !can_convert(dst_dtype, src.dtype)) {
+    throw Error(ExitCode::kBadCheckpoint, "tensor '" + name + "' in '" + path() + "' is " +
+                                              (fp8 ? fp8_dtype_name(src.fp8) : dtype_name(src.dtype)) +
                                               "; it cannot be read as " + dtype_name(dst_dtype) +
                                               " (only floating types convert)");
   }
@@ -284,15 +305,17 @@ void SafetensorsFile::read_rows(void* dst, const std::string& name, int64_t row_
 
 Tensor SafetensorsFile::read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
   TensorView whole = view(name);
-  check_convertible(name, dst_dtype, whole.dtype);
+  const SafetensorsTensorInfo& tensor = info(name);
+  check_convertible(name, dst_dtype, tensor);
   check_row_range(name, whole.shape, row_begin, row_end);
-  return convert_copy(whole.slice_rows(row_begin, row_end), dst_dtype);
+  return convert_copy(whole.slice_rows(row_begin, row_end), tensor.fp8, dst_dtype);
 }
 
 Tensor SafetensorsFile::read_as(const std::string& name, DType dst_dtype) const {
   TensorView whole = view(name);
-  check_convertible(name, dst_dtype, whole.dtype);
-  return convert_copy(whole, dst_dtype);
+  const SafetensorsTensorInfo& tensor = info(name);
+  check_convertible(name, dst_dtype, tensor);
+  return convert_copy(whole, tensor.fp8, dst_dtype);
 }
 
 }  // namespace moetrain

@@ -17,12 +17,15 @@
 #include <vector>
 
 #include "core/base/tensor.h"
+#include "core/io/fp8_block.h"
 #include "core/io/mapped_file.h"
 
 namespace moetrain {
 
 struct SafetensorsTensorInfo {
+  // The element storage. F8_E4M3 / F8_E5M2 tensors are U8 codes with `fp8` saying how to decode them.
   DType dtype = DType::kF32;
+  Fp8Format fp8 = Fp8Format::kNone;
   Shape shape;
   uint64_t file_offset = 0;  // absolute byte offset of the tensor's first byte in the file
   uint64_t nbytes = 0;
@@ -53,7 +56,8 @@ class SafetensorsFile {
   // Copies rows [row_begin, row_end) of dimension 0 into dst, touching only those bytes of the
   // file. A 0-d tensor has no rows. Bad bounds are an Error naming the tensor.
   void read_rows(void* dst, const std::string& name, int64_t row_begin, int64_t row_end) const;
-  // The whole tensor converted to dst_dtype: floating types convert among F32/F64/BF16/F16;
+  // The whole tensor converted to dst_dtype: floating types convert among F32/F64/BF16/F16, FP8
+  // codes decode (unscaled: HfCheckpoint applies block scales) into those;
   // other dtypes only to themselves (anything else is an Error naming both dtypes).
   Tensor read_as(const std::string& name, DType dst_dtype) const;
   // Rows [row_begin, row_end) of dimension 0, converted like read_as.
@@ -62,7 +66,7 @@ class SafetensorsFile {
  private:
   void parse_header();
   void check_row_range(const std::string& name, const Shape& shape, int64_t row_begin, int64_t row_end) const;
-  void check_convertible(const std::string& name, DType dst_dtype, DType src_dtype) const;
+  void check_convertible(const std::string& name, DType dst_dtype, const SafetensorsTensorInfo& src) const;
   const uint8_t* tensor_bytes(const SafetensorsTensorInfo& info) const { return file_.data() + info.file_offset; }
 
   MappedFile file_;

@@ -1,5 +1,5 @@
 // Hugging Face config.json -> the model section, for model_type deepseek_v3, deepseek_v32,
-// kimi_linear and kimi_k3.
+// kimi_k2 (DeepSeek-V3's architecture and keys), kimi_linear and kimi_k3.
 // docs/HF_SEMANTICS.md says what each key means. Kimi-Linear's config.json comes in two
 // spellings: the released checkpoint's (Moonshot's remote code: linear_attn_config, num_experts,
 // moe_renormalize, model_max_length, ...) and what transformers 5 writes when it saves one
@@ -19,6 +19,7 @@
 
 #include "core/base/error.h"
 #include "core/base/log.h"
+#include "core/io/fp8_block.h"
 #include "core/io/json_integer.h"
 #include "core/model/model_spec.h"
 
@@ -143,9 +144,23 @@ ModelConfig sizes_from_hf(const HfJson& hf, const std::string& model_type) {
   return m;
 }
 
-ModelConfig deepseek_v3_from_hf(const Json& json, const HfJson& hf) {
+// DeepSeek-V3 / V3.1 / V3.2 and Kimi K2 ship FP8 block-scaled weights (core/io/fp8_block.h);
+// the loader dequantizes them. Another quantization_config is a checkpoint moetrain cannot read.
+void check_deepseek_quantization(const Json& json, const std::string& source, const std::string& model_type) {
+  auto it = json.find("quantization_config");
+  if (it == json.end() || it->is_null()) return;
+  const Json method = it->is_object() ? it->value("quant_method", Json()) : Json();
+  MOETRAIN_CHECK(method == "fp8", ExitCode::kBadCheckpoint,
+                 fmt::format("{}: quantization_config.quant_method is {}; a {} checkpoint is read in BF16 or in the "
+                             "FP8 block-scaled layout it ships in (quant_method \"fp8\")",
+                             source, method.is_null() ? "missing" : method.dump(), model_type));
+  fp8_quantization_from_json(*it, source);
+}
+
+ModelConfig deepseek_v3_from_hf(const Json& json, const HfJson& hf, const std::string& model_type = "deepseek_v3") {
   const std::string& source_name = hf.source();
-  ModelConfig m = sizes_from_hf(hf, "deepseek_v3");
+  check_deepseek_quantization(json, source_name, model_type);
+  ModelConfig m = sizes_from_hf(hf, model_type);
   m.first_k_dense = hf.get_or<int64_t>("first_k_dense_replace", 0);
   m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-6);
   m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);
@@ -395,8 +410,7 @@ ModelConfig kimi_k3_from_hf(const Json& json, const HfJson& top) {
 // layer. Its MLA always has the q latent (the indexer reads it); mlp_layer_types, when written,
 // says which layers are dense.
 ModelConfig deepseek_v32_from_hf(const Json& json, const HfJson& hf) {
-  ModelConfig m = deepseek_v3_from_hf(json, hf);
-  m.model_type = "deepseek_v32";
+  ModelConfig m = deepseek_v3_from_hf(json, hf, "deepseek_v32");
   m.layers.assign(static_cast<size_t>(m.num_layers), "dsa");
   m.first_k_dense = first_k_dense_from_hf(hf, m.num_layers, 3);  // 3: DeepseekV32Config's default
   MOETRAIN_CHECK(m.mla.q_lora_rank.has_value(), ExitCode::kBadConfig,
@@ -499,10 +513,13 @@ ModelConfig model_config_from_hf_json(const std::string& json_text, const std::s
   HfJson hf(json, source_name, model_type);
   if (model_type == "deepseek_v3") return deepseek_v3_from_hf(json, hf);
   if (model_type == "deepseek_v32") return deepseek_v32_from_hf(json, hf);
+  // Kimi K2 (moonshotai/Kimi-K2-*): DeepseekV3ForCausalLM under Moonshot's model_type, with
+  // DeepSeek-V3's config keys (384 experts, one expert group, YaRN rope_scaling).
+  if (model_type == "kimi_k2") return deepseek_v3_from_hf(json, hf, "kimi_k2");
   if (model_type == "kimi_linear") return kimi_linear_from_hf(json, hf);
   if (model_type == "kimi_k3") return kimi_k3_from_hf(json, hf);
   throw Error(ExitCode::kBadConfig, fmt::format("{}: model_type \"{}\" is not supported yet (supported: deepseek_v3, "
-                                                "deepseek_v32, kimi_linear, kimi_k3)",
+                                                "deepseek_v32, kimi_k2, kimi_linear, kimi_k3)",
                                                 source_name, model_type));
 }
 

@@ -26,8 +26,8 @@ struct ModelSpec {
 };
 
 // Reads `<hf_dir>/config.json` when config.model.hf_dir is set (model_type deepseek_v3,
-// deepseek_v32 or kimi_linear; anything else is Error(kBadConfig) naming the type and the
-// supported ones), overlays the YAML's explicit model keys, and derives the per-layer kinds.
+// deepseek_v32, kimi_k2, kimi_linear or kimi_k3; anything else is Error(kBadConfig) naming the
+// type and the supported ones), overlays the YAML's explicit model keys, and derives the per-layer kinds.
 ModelSpec resolve_model_spec(const Config& config);
 
 // The model section a Hugging Face config.json describes (core/model/hf_config.cpp; what each

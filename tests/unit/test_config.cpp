@@ -583,7 +583,7 @@ TEST_CASE("a config.json value that breaks a rule names config.json and its key"
 
 TEST_CASE("model_type, vocab_size and the sizes' limits are config rules", "[config]") {
   CHECK(has(override_error({"model.model_type=llama"}),
-            "`model.model_type` = `llama` is not allowed: use one of deepseek_v3 | deepseek_v32 | kimi_linear | kimi_k3"));
+            "`model.model_type` = `llama` is not allowed: use one of deepseek_v3 | deepseek_v32 | kimi_k2 | kimi_linear | kimi_k3"));
   CHECK(has(override_error({"model.vocab_size=1"}), "`model.vocab_size` = 1 must be >= 2"));
   CHECK(has(override_error({"model.vocab_size=16777217"}), "`model.vocab_size` = 16777217 must be <= 16777216"));
   CHECK(has(override_error({"model.num_layers=5000", "model.layers=[]"}), "`model.num_layers` = 5000 must be <= 4096"));

@@ -315,7 +315,7 @@ TEST_CASE("Kimi-Linear config.json errors name the key and the problem", "[impor
                  "moe_layer_freq 2 is not supported"));
   CHECK(contains(import_error(with(kReleasedConfig, R"("num_experts": 6,)", "")), "missing key \"num_experts\""));
   CHECK(contains(import_error(with(kReleasedConfig, "kimi_linear", "kimi_k9")),
-                 "supported: deepseek_v3, deepseek_v32, kimi_linear, kimi_k3"));
+                 "supported: deepseek_v3, deepseek_v32, kimi_k2, kimi_linear, kimi_k3"));
 }
 
 TEST_CASE("Kimi-Linear weights in the released and in transformers 5's layout load alike", "[import][kimi]") {

@@ -429,7 +429,7 @@ TEST_CASE("bad files are Errors naming the file, the tensor and the offset", "[s
   }
   SECTION("unknown and unsupported dtypes") {
     require_bad_file(dir, raw_file(good("F7", "[1]", "[0,4]"), 4), {"tensor 't'", "unknown dtype \"F7\""});
-    require_bad_file(dir, raw_file(good("F8_E4M3", "[4]", "[0,4]"), 4), {"tensor 't'", "unsupported dtype \"F8_E4M3\""});
+    require_bad_file(dir, raw_file(good("F8_E8M0", "[4]", "[0,4]"), 4), {"tensor 't'", "unsupported dtype \"F8_E8M0\""});
     require_bad_file(dir, raw_file(R"({"t":{"dtype":3,"shape":[1],"data_offsets":[0,4]}})", 4), {"tensor 't'", "dtype"});
   }
   SECTION("shape that does not match the byte count") {
