@@ -299,14 +299,14 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
   const ModelConfig& m = in.spec.config;
   const ModelSpec& spec = in.spec;
   const double a = in.a;
-  // parallel.offload (LayerCheckpoints): at most three layer inputs on the device at a time (the
-  // one in flight to the host, the layer's own and its output), plus the block summaries of Block
-  // Attention Residuals, which stay.
+  // parallel.offload (LayerCheckpoints): at most four layer-input-sized tensors on the device at
+  // the backward's peak (the layer's input, the prefetched one below, its output and gradient;
+  // measured on the H200), plus the block summaries of Block Attention Residuals, which stay.
   const double layers_kept = static_cast<double>(m.num_layers) + 1;
   const double summaries_kept =
       m.attn_res_block_size > 0 ? static_cast<double>(ceil_div(m.num_layers, m.attn_res_block_size)) : 0.0;
   const bool offload = in.config.parallel.offload;
-  const double checkpoint = (offload ? std::min(layers_kept, 3 + summaries_kept) : layers_kept) *
+  const double checkpoint = (offload ? std::min(layers_kept, 4 + summaries_kept) : layers_kept) *
                             static_cast<double>(m.hidden_size) * a;
   // With feed-forward token chunks a layer keeps its mixer's half per token, and one chunk's
   // feed-forward internals and their backward's temporaries exist at a time (fixed bytes).
@@ -358,7 +358,7 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
   for (bool recompute : {true, false}) {
     std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
     add(items, "layer inputs (checkpoints)", checkpoint,
-        offload ? "min(layers + 1, 3 + block summaries) x D x a (parallel.offload: the rest in pinned host memory)"
+        offload ? "min(layers + 1, 4 + block summaries) x D x a (parallel.offload: the rest in pinned host memory)"
                 : "(layers + 1) x D x a");
     if (recompute && plan.recompute_layers == plan.num_layers) {
       add(items, "one layer's saved tensors (re-run)", saved_max, "max over layers of the saved set");

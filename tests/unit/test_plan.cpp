@@ -495,13 +495,15 @@ TEST_CASE("feed-forward token chunks: the plan keeps a chunk of the feed-forward
   CHECK(make_memory_plan(config, tight).ffn_chunk_tokens == 0);
 }
 
-TEST_CASE("parallel.offload: the plan keeps three layer inputs on the device") {
-  Config config = testing::tiny_model_config(true);  // 3 layers: 4 inputs without offload
+TEST_CASE("parallel.offload: the plan keeps four layer inputs on the device") {
+  Config config = testing::tiny_model_config(true);
+  config.model.num_layers = 6;  // 7 inputs without offload
+  config.model.layers = {"mla", "kda", "dsa", "kda", "mla", "kda"};
   const MemoryPlan kept = make_memory_plan(config, PlanOptions{});
   config.parallel.offload = true;
   const MemoryPlan offloaded = make_memory_plan(config, PlanOptions{});
   const double row = static_cast<double>(config.model.hidden_size) * 2;  // BF16
-  CHECK(kept.per_token_recompute[0].bytes == 4 * row);
-  CHECK(offloaded.per_token_recompute[0].bytes == 3 * row);
-  CHECK(offloaded.per_token_full[0].bytes == 3 * row);
+  CHECK(kept.per_token_recompute[0].bytes == 7 * row);
+  CHECK(offloaded.per_token_recompute[0].bytes == 4 * row);
+  CHECK(offloaded.per_token_full[0].bytes == 4 * row);
 }
