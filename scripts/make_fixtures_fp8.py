@@ -37,6 +37,7 @@ the GPU machine:
 See docs/FIXTURES.md for the contents and docs/HF_SEMANTICS.md for the semantics.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -148,7 +149,12 @@ def write_fp8_dir(plain_dir, fp8_dir, deq_dir, model_type):
 def check_transformers_dequantization(fp8_dir, deq_dir, cfg, device):
     """transformers' FP8 loading (dequantized) must give exactly this script's fp32 values."""
     qcfg = FineGrainedFP8Config(dequantize=True, weight_block_size=(BLOCK, BLOCK), modules_to_not_convert=NOT_CONVERT)
-    loaded = DeepseekV3ForCausalLM.from_pretrained(fp8_dir, config=cfg, quantization_config=qcfg,
+    # The config must carry the checkpoint's quantization_config: without it transformers takes the
+    # weights for unquantized ones and quantizes them itself, ignoring the shipped scales.
+    quantized_cfg = copy.deepcopy(cfg)
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        quantized_cfg.quantization_config = json.load(f)["quantization_config"]
+    loaded = DeepseekV3ForCausalLM.from_pretrained(fp8_dir, config=quantized_cfg, quantization_config=qcfg,
                                                    attn_implementation="eager", experts_implementation="eager",
                                                    dtype=torch.float32)
     plain = DeepseekV3ForCausalLM.from_pretrained(deq_dir, attn_implementation="eager",
