@@ -262,6 +262,13 @@ TEST_CASE("cuda golden: both fixtures again with recompute", "[cuda][golden]") {
   check_against_golden("noqlora", /*recompute=*/true);
 }
 
+// The FP8 checkpoints as shipped (DeepSeek-V3 and Kimi K2 layouts, scripts/make_fixtures_fp8.py):
+// imported through the block dequantization, then the same bf16 run as qlora / noqlora.
+TEST_CASE("cuda golden: DeepSeek-V3 and Kimi K2 FP8 checkpoints in bf16", "[cuda][golden][fp8]") {
+  check_against_golden("deepseek_v3_fp8", /*recompute=*/false);
+  check_against_golden("kimi_k2_fp8", /*recompute=*/true);
+}
+
 // kimi_linear_bf16 is kimi_linear made for this check (scripts/make_fixtures_kimi_linear.py): every
 // expert is chosen, so routing has no top-k boundary a bf16 rounding could flip, and the frozen
 // weights are bf16 values, so the GPU rounds only its activations. It must land inside the bf16
