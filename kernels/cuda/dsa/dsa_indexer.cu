@@ -42,8 +42,8 @@ using namespace sm80;
 
 // Scores of one chunk in scratch: at most this many bytes unless one row alone is larger. Large
 // enough that a long sequence's chunk still holds thousands of queries (2048 at 128K keys), so the
-// select kernel's one CTA per query fills the GPU; the backend's scratch is grow-only and the
-// DSA backward's own chunk (sparse_attention.cu) is larger, so this adds no peak memory there.
+// select kernel's one CTA per query fills the GPU. The backend's scratch is grow-only and the
+// DSA backward's chunk is larger in training (core/plan/memory_plan.cpp add_workspace).
 constexpr int64_t kScoreBudgetBytes = int64_t{1} << 30;
 
 // Keys per CTA of the score kernels (blockIdx.y picks the span): a chunk's few query blocks
