@@ -12,7 +12,8 @@
 //           BF16 q and k: tensor cores (mma.sync m16n8k16, F32 accumulators). A CTA of 4 warps holds
 //           4 queries' q (heads padded to 16 and dim to 16 with zeros, zero head weights for the
 //           padding) in shared memory and walks its span's 64-key tiles of k; warp w computes its
-//           query's [16 heads x 64 keys] logits per head block, applies relu and the head weights in
+//           query's [16 heads x 64 keys] logits for up to 4 head blocks at once (each k fragment
+//           read from shared memory feeds all of them), applies relu and the head weights in
 //           registers and sums the heads by shuffles. Other dtypes: a SIMT kernel (a warp per query,
 //           a lane per key, q read through L1), the reference on the GPU for F32 operands.
 //   select  one CTA per query: a 4 x 8-bit radix select on the keys finds the top_k-th largest key
@@ -54,6 +55,7 @@ constexpr int kMaxGridY = 65535;
 constexpr int kMmaWarps = 4;  // queries per CTA of the tensor-core score kernel (one per warp)
 constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kKeyTile = 64;  // keys per step: 8 mma n-tiles
+constexpr int kGroupBlocks = 4;  // 16-head blocks whose logits a warp accumulates at once (64 heads)
 constexpr int kRowPad = 8;    // bf16 per shared row beyond the padded dim: 16 bytes, conflict-free ldmatrix
 
 constexpr int kSimtWarps = 8;  // SIMT score kernel: a warp per query, a lane per key
@@ -193,26 +195,42 @@ __global__ void __launch_bounds__(kMmaThreads)
     float part[kKeyTile / 8][2];
 #pragma unroll
     for (int n = 0; n < kKeyTile / 8; ++n) part[n][0] = part[n][1] = 0.0f;
-    for (int h0 = 0; h0 < padded_heads; h0 += 16) {
-      float acc[kKeyTile / 8][4];
+    // Head blocks go kGroupBlocks at a time, so that each k fragment loaded from shared memory
+    // feeds every head block of the group (shared-memory reads bound this loop). Per head block
+    // the sums run over k0 ascending, then the blocks add to `part` in head order.
+    for (int hg = 0; hg < padded_heads; hg += 16 * kGroupBlocks) {
+      float acc[kGroupBlocks][kKeyTile / 8][4];
 #pragma unroll
-      for (int n = 0; n < kKeyTile / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      for (int hb = 0; hb < kGroupBlocks; ++hb) {
+#pragma unroll
+        for (int n = 0; n < kKeyTile / 8; ++n) acc[hb][n][0] = acc[hb][n][1] = acc[hb][n][2] = acc[hb][n][3] = 0.0f;
+      }
       for (int k0 = 0; k0 < padded_dim; k0 += 16) {
-        uint32_t a[4];
-        load_a<ALayout::kMK>(a, q_st, stride, warp * padded_heads + h0, k0, lane);
+        uint32_t b[kKeyTile / 16][4];
 #pragma unroll
-        for (int j = 0; j < kKeyTile / 16; ++j) {
-          uint32_t b[4];
-          load_b_x2<BLayout::kNK>(b, k_st, stride, j * 16, k0, lane);
-          mma_m16n8k16_bf16(acc[2 * j], a, b[0], b[1]);
-          mma_m16n8k16_bf16(acc[2 * j + 1], a, b[2], b[3]);
+        for (int j = 0; j < kKeyTile / 16; ++j) load_b_x2<BLayout::kNK>(b[j], k_st, stride, j * 16, k0, lane);
+#pragma unroll
+        for (int hb = 0; hb < kGroupBlocks; ++hb) {
+          if (hg + 16 * hb >= padded_heads) break;  // warp-uniform
+          uint32_t a[4];
+          load_a<ALayout::kMK>(a, q_st, stride, warp * padded_heads + hg + 16 * hb, k0, lane);
+#pragma unroll
+          for (int j = 0; j < kKeyTile / 16; ++j) {
+            mma_m16n8k16_bf16(acc[hb][2 * j], a, b[j][0], b[j][1]);
+            mma_m16n8k16_bf16(acc[hb][2 * j + 1], a, b[j][2], b[j][3]);
+          }
         }
       }
-      const float w_lo = w_st[warp * padded_heads + h0 + g], w_hi = w_st[warp * padded_heads + h0 + g + 8];
 #pragma unroll
-      for (int n = 0; n < kKeyTile / 8; ++n) {
-        part[n][0] += w_lo * relu_like_reference(acc[n][0]) + w_hi * relu_like_reference(acc[n][2]);
-        part[n][1] += w_lo * relu_like_reference(acc[n][1]) + w_hi * relu_like_reference(acc[n][3]);
+      for (int hb = 0; hb < kGroupBlocks; ++hb) {
+        const int h0 = hg + 16 * hb;
+        if (h0 >= padded_heads) break;
+        const float w_lo = w_st[warp * padded_heads + h0 + g], w_hi = w_st[warp * padded_heads + h0 + g + 8];
+#pragma unroll
+        for (int n = 0; n < kKeyTile / 8; ++n) {
+          part[n][0] += w_lo * relu_like_reference(acc[hb][n][0]) + w_hi * relu_like_reference(acc[hb][n][2]);
+          part[n][1] += w_lo * relu_like_reference(acc[hb][n][1]) + w_hi * relu_like_reference(acc[hb][n][3]);
+        }
       }
     }
     // Sum over g (lane bits 2-4): every lane then holds the full scores of its columns; lane
