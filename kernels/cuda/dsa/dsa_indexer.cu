@@ -11,10 +11,10 @@
 //           so a chunk of few queries with long key ranges still fills the GPU.
 //           BF16 q and k: tensor cores (mma.sync m16n8k16, F32 accumulators). A CTA of 4 warps holds
 //           4 queries' q (heads padded to 16 and dim to 16 with zeros, zero head weights for the
-//           padding) in shared memory and walks its span's 64-key tiles of k; warp w computes its
-//           query's [16 heads x 64 keys] logits for up to 4 head blocks at once (each k fragment
-//           read from shared memory feeds all of them), applies relu and the head weights in
-//           registers and sums the heads by shuffles. Other dtypes: a SIMT kernel (a warp per query,
+//           padding) in shared memory and walks its span's 64-key tiles of k (double-buffered,
+//           cp.async); warp w computes its query's [16 heads x 64 keys] logits for up to 4 head
+//           blocks at once (each k fragment read from shared memory feeds all of them), applies
+//           relu and the head weights in registers and sums the heads by shuffles. Other dtypes: a SIMT kernel (a warp per query,
 //           a lane per key, q read through L1), the reference on the GPU for F32 operands.
 //   select  one CTA per query: a 4 x 8-bit radix select on the keys finds the top_k-th largest key
 //           (integer histograms, so the result is exact; a warp adds each distinct digit once, as
@@ -143,10 +143,10 @@ __device__ __forceinline__ void load_bf16_tile(bf16* tile, int stride, int rows,
 }
 
 // Shared memory of the tensor-core kernel: q [kMmaWarps * padded_heads][stride],
-// k [kKeyTile][stride] (bf16), head weights [kMmaWarps][padded_heads] (F32).
+// k [2][kKeyTile][stride] (bf16, double-buffered), head weights [kMmaWarps][padded_heads] (F32).
 size_t mma_scores_smem_bytes(int padded_heads, int padded_dim) {
   const size_t stride = static_cast<size_t>(padded_dim + kRowPad);
-  return (static_cast<size_t>(kMmaWarps) * padded_heads + kKeyTile) * stride * sizeof(bf16) +
+  return (static_cast<size_t>(kMmaWarps) * padded_heads + 2 * kKeyTile) * stride * sizeof(bf16) +
          static_cast<size_t>(kMmaWarps) * padded_heads * sizeof(float);
 }
 
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int stride = padded_dim + kRowPad;
   bf16* q_st = reinterpret_cast<bf16*>(smem);
   bf16* k_st = q_st + kMmaWarps * padded_heads * stride;
-  float* w_st = reinterpret_cast<float*>(k_st + kKeyTile * stride);
+  float* w_st = reinterpret_cast<float*>(k_st + 2 * kKeyTile * stride);
   const bf16* q = static_cast<const bf16*>(p.q);
   const bf16* k = static_cast<const bf16*>(p.k);
 
@@ -182,12 +182,31 @@ __global__ void __launch_bounds__(kMmaThreads)
                                 : KeyRange{0, -1};
   uint32_t* out = p.keys + static_cast<int64_t>(row0 + warp) * p.key_tokens;
   const int g = lane / 4, c = lane % 4;
-  for (int key0 = span.first; key0 <= span.last; key0 += kKeyTile) {
-    __syncthreads();  // the previous key tile (and, the first time, q and w) fully written / read
-    load_bf16_tile(k_st, stride, kKeyTile, padded_dim, p.dim, vector, [&](int i) -> const bf16* {
-      return key0 + i <= span.last ? k + static_cast<int64_t>(key0 + i) * p.dim : nullptr;
-    });
-    __syncthreads();
+  // Key tiles are double-buffered: the next one copies (cp.async when rows allow 16-byte copies)
+  // while this one computes. One commit group per tile, empty past the span.
+  auto stage = [&](int key0, bf16* dst) {
+    if (key0 <= span.last && vector) {
+      const int chunks = padded_dim / 8;
+      for (int e = threadIdx.x; e < kKeyTile * chunks; e += blockDim.x) {
+        const int i = e / chunks, col = (e % chunks) * 8;
+        const bool copy = key0 + i <= span.last && col < p.dim;
+        cp_async_16(dst + i * stride + col, copy ? k + static_cast<int64_t>(key0 + i) * p.dim + col : k, copy);
+      }
+    } else if (key0 <= span.last) {
+      load_bf16_tile(dst, stride, kKeyTile, padded_dim, p.dim, false, [&](int i) -> const bf16* {
+        return key0 + i <= span.last ? k + static_cast<int64_t>(key0 + i) * p.dim : nullptr;
+      });
+    }
+    cp_async_commit();
+  };
+  stage(span.first, k_st);
+  int buffer = 0;
+  for (int key0 = span.first; key0 <= span.last; key0 += kKeyTile, buffer ^= 1) {
+    __syncthreads();  // every warp is done with the other buffer (the previous tile)
+    stage(key0 + kKeyTile, k_st + (buffer ^ 1) * kKeyTile * stride);
+    cp_async_wait<1>();
+    __syncthreads();  // this tile (and, the first time, q and w) written for every warp
+    const bf16* k_tile = k_st + buffer * kKeyTile * stride;
     if (!active || key0 > range.last || key0 + kKeyTile <= range.first) continue;  // warp-uniform
 
     // part[n][e]: this lane's rows' (heads g, g + 8 of every head block) weighted relu logits for
@@ -208,7 +227,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int k0 = 0; k0 < padded_dim; k0 += 16) {
         uint32_t b[kKeyTile / 16][4];
 #pragma unroll
-        for (int j = 0; j < kKeyTile / 16; ++j) load_b_x2<BLayout::kNK>(b[j], k_st, stride, j * 16, k0, lane);
+        for (int j = 0; j < kKeyTile / 16; ++j) load_b_x2<BLayout::kNK>(b[j], k_tile, stride, j * 16, k0, lane);
 #pragma unroll
         for (int hb = 0; hb < kGroupBlocks; ++hb) {
           if (hg + 16 * hb >= padded_heads) break;  // warp-uniform
