@@ -14,8 +14,9 @@
 //           padding) in shared memory and walks its span's 64-key tiles of k (double-buffered,
 //           cp.async); warp w computes its query's [16 heads x 64 keys] logits for up to 4 head
 //           blocks at once (each k fragment read from shared memory feeds all of them), applies
-//           relu and the head weights in registers and sums the heads by shuffles. Other dtypes: a SIMT kernel (a warp per query,
-//           a lane per key, q read through L1), the reference on the GPU for F32 operands.
+//           relu and the head weights in registers and sums the heads by shuffles. Other dtypes: a
+//           SIMT kernel (a warp per query, a lane per key, q read through L1), the reference on the
+//           GPU for F32 operands.
 //   select  one CTA per query: a 4 x 8-bit radix select on the keys finds the top_k-th largest key
 //           (integer histograms, so the result is exact; a warp adds each distinct digit once, as
 //           the keys of one row mostly share their high digits), then one pass in key order writes
