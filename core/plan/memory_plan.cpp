@@ -281,7 +281,9 @@ void add_workspace(MemoryPlan& plan, const PlanInputs& in) {
   const ModelConfig& m = in.spec.config;
   // The CUDA DSA backward's scratch (kernels/cuda/dsa/sparse_attention.cu, the backend's grow-only
   // DeviceScratch, so it stays for the run): the dkv contributions of one chunk of queries, F32
-  // [top_k, r + rope] per query, at most 2 GiB per chunk (kTensorCoreContribBudgetBytes).
+  // [top_k, r + rope] per query, at most 2 GiB per chunk (kTensorCoreContribBudgetBytes). The
+  // forward indexer's score chunk (dsa_indexer.cu: queries x keys x 4 B, at most 1 GiB) reuses it
+  // and is no larger while keys < top_k x (r + rope), i.e. at any sequence length up to ~1M.
   const DsaSizes dsa = dsa_sizes(in);
   const double dsa_query_bytes = dsa.top_k * dsa.row * kF32;
   const double dsa_chunk = std::min(static_cast<double>(plan.tokens_per_micro_batch),

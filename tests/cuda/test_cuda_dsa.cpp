@@ -188,6 +188,8 @@ TEST_CASE("cuda dsa_indexer_topk equals the CPU reference on exact scores, ties 
       {{0, 130}, 64, 128, 50},             // DeepSeek-V3.2's indexer heads and dim
       {{0, 30, 61}, 16, 32, 100},          // top_k above every query's keys (no scores at all)
       {{0, 1, 200, 300}, 3, 24, 64},       // a length-1 segment, 3 heads
+      {{0, 3, 4397}, 4, 16, 40},           // the score CTAs' 4096-key span ends inside a segment
+      {{0, 70}, 80, 16, 20},               // 5 head blocks: a full group of 4, then a group of 1
   };
   for (DType dtype : {DType::kBF16, DType::kF32}) {
     for (size_t i = 0; i < cases.size(); ++i) {

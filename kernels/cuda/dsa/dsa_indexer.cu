@@ -6,17 +6,22 @@
 // Queries go in chunks (dsa_indexer.h); per chunk two kernels:
 //   scores  F32 scores of each query's keys into scratch [chunk_rows, key_tokens] as uint32 keys whose
 //           unsigned order is the scores' order (NaN ranks as -inf and -0 as +0, as the reference
-//           ranks them). Only a query's own causal range is written and later read.
+//           ranks them). Only a query's own causal range is written and later read. The grid is
+//           query blocks x key spans: a CTA scores its queries' keys in one span of 4096 (blockIdx.y),
+//           so a chunk of few queries with long key ranges still fills the GPU.
 //           BF16 q and k: tensor cores (mma.sync m16n8k16, F32 accumulators). A CTA of 4 warps holds
 //           4 queries' q (heads padded to 16 and dim to 16 with zeros, zero head weights for the
-//           padding) in shared memory and walks 64-key tiles of k; warp w computes its query's
-//           [16 heads x 64 keys] logits per head block, applies relu and the head weights in
-//           registers and sums the heads by shuffles. Other dtypes: a SIMT kernel (a warp per query,
-//           a lane per key, q read through L1), the reference on the GPU for F32 operands.
+//           padding) in shared memory and walks its span's 64-key tiles of k (double-buffered,
+//           cp.async); warp w computes its query's [16 heads x 64 keys] logits for up to 4 head
+//           blocks at once (each k fragment read from shared memory feeds all of them), applies
+//           relu and the head weights in registers and sums the heads by shuffles. Other dtypes: a
+//           SIMT kernel (a warp per query, a lane per key, q read through L1), the reference on the
+//           GPU for F32 operands.
 //   select  one CTA per query: a 4 x 8-bit radix select on the keys finds the top_k-th largest key
-//           (integer histograms, so the result is exact), then one pass in key order writes every
-//           key above it and the first (lowest s) keys equal to it, in ascending s, through a block
-//           scan. The row sits in shared memory when it fits.
+//           (integer histograms, so the result is exact; a warp adds each distinct digit once, as
+//           the keys of one row mostly share their high digits), then one pass in key order writes
+//           every key above it and the first (lowest s) keys equal to it, in ascending s, through a
+//           block scan. The row sits in shared memory when it fits.
 // Nothing depends on timing: histogram counts are integer sums, the scan is in index order.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
@@ -37,12 +42,21 @@ namespace {
 using bf16 = __nv_bfloat16;
 using namespace sm80;
 
-// Scores of one chunk in scratch: at most this many bytes unless one row alone is larger.
-constexpr int64_t kScoreBudgetBytes = int64_t{128} << 20;
+// Scores of one chunk in scratch: at most this many bytes unless one row alone is larger. Large
+// enough that a long sequence's chunk still holds thousands of queries (2048 at 128K keys), so the
+// select kernel's one CTA per query fills the GPU. The backend's scratch is grow-only and the
+// DSA backward's chunk is larger in training (core/plan/memory_plan.cpp add_workspace).
+constexpr int64_t kScoreBudgetBytes = int64_t{1} << 30;
+
+// Keys per CTA of the score kernels (blockIdx.y picks the span): a chunk's few query blocks
+// still fill the GPU when each query has a long key range. A multiple of both key tiles.
+constexpr int kKeySpan = 4096;
+constexpr int kMaxGridY = 65535;
 
 constexpr int kMmaWarps = 4;  // queries per CTA of the tensor-core score kernel (one per warp)
 constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kKeyTile = 64;  // keys per step: 8 mma n-tiles
+constexpr int kGroupBlocks = 4;  // 16-head blocks whose logits a warp accumulates at once (64 heads)
 constexpr int kRowPad = 8;    // bf16 per shared row beyond the padded dim: 16 bytes, conflict-free ldmatrix
 
 constexpr int kSimtWarps = 8;  // SIMT score kernel: a warp per query, a lane per key
@@ -63,6 +77,7 @@ struct ScoreParams {
   int tokens = 0, key_tokens = 0, heads = 0, dim = 0;
   float scale = 1.0f;
   int chunk_begin = 0, chunk_rows = 0;  // queries [chunk_begin, chunk_begin + chunk_rows)
+  int key_span = kKeySpan;              // keys per score CTA (block_key_span), a multiple of kKeyTile
   uint32_t* keys = nullptr;             // [chunk_rows, key_tokens]
 };
 
@@ -80,6 +95,25 @@ __device__ __forceinline__ uint32_t score_key(float score) {
 
 __device__ __forceinline__ float load_value(const void* p, bool is_bf16, int64_t i) {
   return is_bf16 ? __bfloat162float(static_cast<const bf16*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// The keys CTA (blockIdx.x, blockIdx.y) scores for queries [t_first, t_last]: span blockIdx.y of
+// p.key_span keys from the first query's first key rounded down to a tile. Both key bounds are
+// non-decreasing in t, so the first query's start and the last query's end bound every query's
+// range; each span writes its own columns of the scratch rows, so the spans need no reduction.
+// Empty (first > last) past the block's last key.
+struct KeySpan {
+  int first;
+  int last;
+};
+__device__ __forceinline__ KeySpan block_key_span(const ScoreParams& p, int t_first, int t_last, int tile) {
+  const int64_t block_first =
+      visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_first, p.key_tokens).first / tile * tile;
+  const int block_last = visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_last, p.key_tokens).last;
+  const int64_t first = block_first + static_cast<int64_t>(blockIdx.y) * p.key_span;
+  if (first > block_last) return KeySpan{0, -1};
+  const int64_t last = first + p.key_span - 1;
+  return KeySpan{static_cast<int>(first), static_cast<int>(last < block_last ? last : block_last)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -110,10 +144,10 @@ __device__ __forceinline__ void load_bf16_tile(bf16* tile, int stride, int rows,
 }
 
 // Shared memory of the tensor-core kernel: q [kMmaWarps * padded_heads][stride],
-// k [kKeyTile][stride] (bf16), head weights [kMmaWarps][padded_heads] (F32).
+// k [2][kKeyTile][stride] (bf16, double-buffered), head weights [kMmaWarps][padded_heads] (F32).
 size_t mma_scores_smem_bytes(int padded_heads, int padded_dim) {
   const size_t stride = static_cast<size_t>(padded_dim + kRowPad);
-  return (static_cast<size_t>(kMmaWarps) * padded_heads + kKeyTile) * stride * sizeof(bf16) +
+  return (static_cast<size_t>(kMmaWarps) * padded_heads + 2 * kKeyTile) * stride * sizeof(bf16) +
          static_cast<size_t>(kMmaWarps) * padded_heads * sizeof(float);
 }
 
@@ -123,7 +157,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int stride = padded_dim + kRowPad;
   bf16* q_st = reinterpret_cast<bf16*>(smem);
   bf16* k_st = q_st + kMmaWarps * padded_heads * stride;
-  float* w_st = reinterpret_cast<float*>(k_st + kKeyTile * stride);
+  float* w_st = reinterpret_cast<float*>(k_st + 2 * kKeyTile * stride);
   const bf16* q = static_cast<const bf16*>(p.q);
   const bf16* k = static_cast<const bf16*>(p.k);
 
@@ -131,6 +165,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int row0 = blockIdx.x * kMmaWarps;  // chunk row of warp 0
   const int rows_here = min(kMmaWarps, p.chunk_rows - row0);
   const int t_first = p.chunk_begin + row0, t_last = t_first + rows_here - 1;
+  const KeySpan span = block_key_span(p, t_first, t_last, kKeyTile);
+  if (span.first > span.last) return;  // the whole CTA: no key of its queries in this span
 
   load_bf16_tile(q_st, stride, kMmaWarps * padded_heads, padded_dim, p.dim, vector, [&](int i) -> const bf16* {
     const int r = i / padded_heads, h = i % padded_heads;
@@ -147,17 +183,31 @@ __global__ void __launch_bounds__(kMmaThreads)
                                 : KeyRange{0, -1};
   uint32_t* out = p.keys + static_cast<int64_t>(row0 + warp) * p.key_tokens;
   const int g = lane / 4, c = lane % 4;
-  // Both key bounds are non-decreasing in t: the first query's start and the last query's end
-  // bound them all.
-  const int first_key =
-      visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_first, p.key_tokens).first / kKeyTile * kKeyTile;
-  const int key_last = visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_last, p.key_tokens).last;
-  for (int key0 = first_key; key0 <= key_last; key0 += kKeyTile) {
-    __syncthreads();  // the previous key tile (and, the first time, q and w) fully written / read
-    load_bf16_tile(k_st, stride, kKeyTile, padded_dim, p.dim, vector, [&](int i) -> const bf16* {
-      return key0 + i <= key_last ? k + static_cast<int64_t>(key0 + i) * p.dim : nullptr;
-    });
-    __syncthreads();
+  // Key tiles are double-buffered: the next one copies (cp.async when rows allow 16-byte copies)
+  // while this one computes. One commit group per tile, empty past the span.
+  auto stage = [&](int key0, bf16* dst) {
+    if (key0 <= span.last && vector) {
+      const int chunks = padded_dim / 8;
+      for (int e = threadIdx.x; e < kKeyTile * chunks; e += blockDim.x) {
+        const int i = e / chunks, col = (e % chunks) * 8;
+        const bool copy = key0 + i <= span.last && col < p.dim;
+        cp_async_16(dst + i * stride + col, copy ? k + static_cast<int64_t>(key0 + i) * p.dim + col : k, copy);
+      }
+    } else if (key0 <= span.last) {
+      load_bf16_tile(dst, stride, kKeyTile, padded_dim, p.dim, false, [&](int i) -> const bf16* {
+        return key0 + i <= span.last ? k + static_cast<int64_t>(key0 + i) * p.dim : nullptr;
+      });
+    }
+    cp_async_commit();
+  };
+  stage(span.first, k_st);
+  int buffer = 0;
+  for (int key0 = span.first; key0 <= span.last; key0 += kKeyTile, buffer ^= 1) {
+    __syncthreads();  // every warp is done with the other buffer (the previous tile)
+    stage(key0 + kKeyTile, k_st + (buffer ^ 1) * kKeyTile * stride);
+    cp_async_wait<1>();
+    __syncthreads();  // this tile (and, the first time, q and w) written for every warp
+    const bf16* k_tile = k_st + buffer * kKeyTile * stride;
     if (!active || key0 > range.last || key0 + kKeyTile <= range.first) continue;  // warp-uniform
 
     // part[n][e]: this lane's rows' (heads g, g + 8 of every head block) weighted relu logits for
@@ -165,26 +215,42 @@ __global__ void __launch_bounds__(kMmaThreads)
     float part[kKeyTile / 8][2];
 #pragma unroll
     for (int n = 0; n < kKeyTile / 8; ++n) part[n][0] = part[n][1] = 0.0f;
-    for (int h0 = 0; h0 < padded_heads; h0 += 16) {
-      float acc[kKeyTile / 8][4];
+    // Head blocks go kGroupBlocks at a time, so that each k fragment loaded from shared memory
+    // feeds every head block of the group (shared-memory reads bound this loop). Per head block
+    // the sums run over k0 ascending, then the blocks add to `part` in head order.
+    for (int hg = 0; hg < padded_heads; hg += 16 * kGroupBlocks) {
+      float acc[kGroupBlocks][kKeyTile / 8][4];
 #pragma unroll
-      for (int n = 0; n < kKeyTile / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      for (int hb = 0; hb < kGroupBlocks; ++hb) {
+#pragma unroll
+        for (int n = 0; n < kKeyTile / 8; ++n) acc[hb][n][0] = acc[hb][n][1] = acc[hb][n][2] = acc[hb][n][3] = 0.0f;
+      }
       for (int k0 = 0; k0 < padded_dim; k0 += 16) {
-        uint32_t a[4];
-        load_a<ALayout::kMK>(a, q_st, stride, warp * padded_heads + h0, k0, lane);
+        uint32_t b[kKeyTile / 16][4];
 #pragma unroll
-        for (int j = 0; j < kKeyTile / 16; ++j) {
-          uint32_t b[4];
-          load_b_x2<BLayout::kNK>(b, k_st, stride, j * 16, k0, lane);
-          mma_m16n8k16_bf16(acc[2 * j], a, b[0], b[1]);
-          mma_m16n8k16_bf16(acc[2 * j + 1], a, b[2], b[3]);
+        for (int j = 0; j < kKeyTile / 16; ++j) load_b_x2<BLayout::kNK>(b[j], k_tile, stride, j * 16, k0, lane);
+#pragma unroll
+        for (int hb = 0; hb < kGroupBlocks; ++hb) {
+          if (hg + 16 * hb >= padded_heads) break;  // warp-uniform
+          uint32_t a[4];
+          load_a<ALayout::kMK>(a, q_st, stride, warp * padded_heads + hg + 16 * hb, k0, lane);
+#pragma unroll
+          for (int j = 0; j < kKeyTile / 16; ++j) {
+            mma_m16n8k16_bf16(acc[hb][2 * j], a, b[j][0], b[j][1]);
+            mma_m16n8k16_bf16(acc[hb][2 * j + 1], a, b[j][2], b[j][3]);
+          }
         }
       }
-      const float w_lo = w_st[warp * padded_heads + h0 + g], w_hi = w_st[warp * padded_heads + h0 + g + 8];
 #pragma unroll
-      for (int n = 0; n < kKeyTile / 8; ++n) {
-        part[n][0] += w_lo * relu_like_reference(acc[n][0]) + w_hi * relu_like_reference(acc[n][2]);
-        part[n][1] += w_lo * relu_like_reference(acc[n][1]) + w_hi * relu_like_reference(acc[n][3]);
+      for (int hb = 0; hb < kGroupBlocks; ++hb) {
+        const int h0 = hg + 16 * hb;
+        if (h0 >= padded_heads) break;
+        const float w_lo = w_st[warp * padded_heads + h0 + g], w_hi = w_st[warp * padded_heads + h0 + g + 8];
+#pragma unroll
+        for (int n = 0; n < kKeyTile / 8; ++n) {
+          part[n][0] += w_lo * relu_like_reference(acc[hb][n][0]) + w_hi * relu_like_reference(acc[hb][n][2]);
+          part[n][1] += w_lo * relu_like_reference(acc[hb][n][1]) + w_hi * relu_like_reference(acc[hb][n][3]);
+        }
       }
     }
     // Sum over g (lane bits 2-4): every lane then holds the full scores of its columns; lane
@@ -224,15 +290,13 @@ __global__ void __launch_bounds__(kSimtThreads) indexer_scores_simt_kernel(Score
   const KeyRange range = active ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t, p.key_tokens)
                                 : KeyRange{0, -1};
   uint32_t* out = p.keys + static_cast<int64_t>(row0 + warp) * p.key_tokens;
-  const int first_key =
-      visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_first, p.key_tokens).first / kSimtKeys * kSimtKeys;
-  const int key_last = visible_keys(p.cu_seqlens, p.cu_seqlens_k, p.segments, t_last, p.key_tokens).last;
-  for (int key0 = first_key; key0 <= key_last; key0 += kSimtKeys) {
+  const KeySpan span = block_key_span(p, t_first, t_last, kSimtKeys);
+  for (int key0 = span.first; key0 <= span.last; key0 += kSimtKeys) {
     __syncthreads();
     for (int e = threadIdx.x; e < kSimtKeys * p.dim; e += blockDim.x) {
       const int i = e / p.dim, d = e % p.dim;
-      k_tile[i * stride + d] = key0 + i <= key_last ? load_value(p.k, p.k_bf16, static_cast<int64_t>(key0 + i) * p.dim + d)
-                                                  : 0.0f;
+      k_tile[i * stride + d] =
+          key0 + i <= span.last ? load_value(p.k, p.k_bf16, static_cast<int64_t>(key0 + i) * p.dim + d) : 0.0f;
     }
     __syncthreads();
     const int s = key0 + lane;
@@ -285,9 +349,16 @@ __global__ void __launch_bounds__(kSelectThreads)
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) histogram[i] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint32_t key = row[i];
-      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
+    // Whole warps run every iteration (the bound is uniform): lanes of equal digit count once.
+    for (int base = 0; base < n; base += blockDim.x) {
+      const int i = base + threadIdx.x;
+      const uint32_t key = i < n ? row[i] : 0u;
+      const bool counts = i < n && (key & mask) == prefix;
+      if (__any_sync(0xffffffffu, counts)) {
+        const uint32_t digit = counts ? (key >> shift) & 255u : 256u;
+        const unsigned peers = __match_any_sync(0xffffffffu, digit);
+        if (counts && threadIdx.x % 32 == __ffs(peers) - 1) atomicAdd(&histogram[digit], __popc(peers));
+      }
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -360,6 +431,10 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
   p.dim = static_cast<int>(dim);
   p.scale = static_cast<float>(args.scale);
   int32_t* out = static_cast<int32_t*>(args.topk_index.data);
+  // kKeySpan keys per score CTA, more where the grid's y limit would not cover every key.
+  const int64_t min_span = ((key_tokens + kMaxGridY - 1) / kMaxGridY + kKeyTile - 1) / kKeyTile * kKeyTile;
+  p.key_span = static_cast<int>(std::max<int64_t>(kKeySpan, min_span));
+  const unsigned key_spans = static_cast<unsigned>(std::max<int64_t>(1, (key_tokens + p.key_span - 1) / p.key_span));
 
   if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, kScoreBudgetBytes / (std::max<int64_t>(key_tokens, 1) * 4));
   chunk_rows = std::min(chunk_rows, tokens);
@@ -397,10 +472,11 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaSt
     p.chunk_rows = rows;
     if (need_scores) {
       if (use_mma) {
-        indexer_scores_sm80_bf16_kernel<<<(rows + kMmaWarps - 1) / kMmaWarps, kMmaThreads, mma_smem, stream>>>(
-            p, padded_heads, padded_dim, vector);
+        const dim3 grid((rows + kMmaWarps - 1) / kMmaWarps, key_spans);
+        indexer_scores_sm80_bf16_kernel<<<grid, kMmaThreads, mma_smem, stream>>>(p, padded_heads, padded_dim, vector);
       } else {
-        indexer_scores_simt_kernel<<<(rows + kSimtWarps - 1) / kSimtWarps, kSimtThreads, simt_smem, stream>>>(p);
+        const dim3 grid((rows + kSimtWarps - 1) / kSimtWarps, key_spans);
+        indexer_scores_simt_kernel<<<grid, kSimtThreads, simt_smem, stream>>>(p);
       }
       CUDA_CHECK_LAUNCH();
     }

@@ -20,7 +20,7 @@ namespace moetrain::kernels::cuda_ops {
 // Largest indexer head dim the kernels take (the backend checks it).
 constexpr int64_t kDsaMaxIndexerDim = 1024;
 
-// chunk_rows: queries per chunk; 0 picks it from a 128 MiB score budget (tests pass small values
+// chunk_rows: queries per chunk; 0 picks it from a 1 GiB score budget (tests pass small values
 // to exercise the chunk loop).
 void dsa_indexer_topk(const DsaIndexerArgs& args, DeviceScratch& scratch, cudaStream_t stream,
                       int64_t chunk_rows = 0);
