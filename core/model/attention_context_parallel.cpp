@@ -45,7 +45,11 @@ Tensor gather_visible_rows(kernels::Backend& backend, Communicator& cp, const Co
   backend.fill(padded, 0.0);
   if (own.size(0) > 0) backend.copy(padded.view().slice_rows(0, own.size(0)), own);
   Tensor every(with_rows(own, longest * cp.size()), own.dtype, backend.allocator());
+  // Ordered against the backend's stream both ways, as a device communicator queues on its own
+  // (NCCL): after the copies into `padded`, before the copies out of `every`.
+  cp.wait_for(backend.stream());
   cp.all_gather(every.view(), padded.view());
+  cp.release_to(backend.stream());
   for_each_part(shards, from, to, [&](int j, int64_t first, int64_t count) {
     const int64_t at = j * longest + first - shards.begin(j);
     backend.copy(visible.view().slice_rows(first - from, first - from + count),
@@ -65,7 +69,9 @@ void return_visible_gradient(kernels::Backend& backend, Communicator& cp, const 
     backend.copy(every.view().slice_rows(at, at + count), visible.slice_rows(first - from, first - from + count));
   });
   Tensor mine(with_rows(own, longest), own.dtype, backend.allocator());
+  cp.wait_for(backend.stream());
   cp.reduce_scatter(mine.view(), every.view());
+  cp.release_to(backend.stream());
   if (own.size(0) > 0) backend.copy(own, mine.view().slice_rows(0, own.size(0)));
 }
 

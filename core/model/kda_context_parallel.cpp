@@ -227,7 +227,11 @@ int64_t ShortConvAcrossRanks::halo_begin(int r) const {
 
 Tensor ShortConvAcrossRanks::gather_rows(const TensorView& mine) {
   Tensor all({cp_.size() * reach_, mine.size(1)}, mine.dtype, backend_.allocator());
+  // A device communicator queues on its own stream (NCCL): the gather starts after the compute
+  // that wrote `mine`, and the compute that reads `all` (or reuses either's memory) after it.
+  cp_.wait_for(backend_.stream());
   cp_.all_gather(all.view(), mine);
+  cp_.release_to(backend_.stream());
   return all;
 }
 

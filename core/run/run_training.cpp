@@ -306,7 +306,7 @@ DataRank data_rank(const Config& config, const Runtime& runtime) {
 
 // Context parallelism exchanges what crosses the cut in the mixers; what else reads a whole
 // sequence is refused here, before any weight is loaded.
-void check_context_parallel(const Config& config, const ModelSpec& spec, const kernels::Backend& backend) {
+void check_context_parallel(const Config& config, const ModelSpec& spec) {
   if (config.parallel.cp <= 1) return;
   const ModelConfig& m = spec.config;
   auto refuse = [&](const std::string& what) {
@@ -318,11 +318,6 @@ void check_context_parallel(const Config& config, const ModelSpec& spec, const k
                        "model.moe.aux_loss_coef: 0 (the selection bias still balances the experts) or "
                        "parallel.cp: 1",
                        m.moe.aux_loss_coef));
-  }
-  if (backend.device() != Device::kCPU) {
-    refuse("context parallelism runs on the CPU backend only for now (its CUDA ops exist, the short convolution's "
-           "halo exchange does not yet order its NCCL collectives against the compute stream): set parallel.cp: 1 "
-           "or train.device: cpu");
   }
 }
 
@@ -409,7 +404,7 @@ int run_training(Runtime& runtime, const Config& config) {
   // The model on this rank: backend, mesh, the memory check, the weights.
   ModelSpec spec = resolve_model_spec(config);
   std::unique_ptr<kernels::Backend> backend = make_backend(config, runtime);
-  check_context_parallel(config, spec, *backend);
+  check_context_parallel(config, spec);
   RankMesh mesh(runtime, config, spec, *backend);
   ModelOptions options = run_model_options(config, *backend, runtime, mesh);
   // Rank 0's chunk for every rank: each chunk's expert exchange pairs up only if all run as many.

@@ -6,6 +6,9 @@
 // shard, inside one and across two, one starting at a shard's start, an uneven split; head dims the
 // kernels pad (4/3) and 128. The CUDA KDA runs on BF16 tensor cores, so the limit is a BF16-operand
 // one (the largest error relative to the largest value, as tests/cuda/test_cuda_kda.cpp allows).
+// The short convolutions before KDA (ShortConvAcrossRanks: their halos and the halos' gradients)
+// run in F32 against the CPU's in F64, on the same windows and one of shards shorter than their
+// reach.
 // Prints "EQUAL" on rank 0 when every case of every rank agrees; exits 77 (skipped) without a GPU.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -113,6 +116,59 @@ int run_case(const Case& c, int64_t kd, int64_t vd, double tolerance, kernels::B
   return failures;
 }
 
+// ShortConvAcrossRanks (the convolutions before KDA) on CUDA in F32 against the CPU's convolution
+// over the whole window in F64 from the same F32 values: y, dx (the later shards' halo gradients
+// included) and dweight summed over the group.
+int run_short_conv_case(const Case& c, double tolerance, kernels::Backend& gpu, kernels::Backend& cpu,
+                        Communicator& cp) {
+  constexpr int64_t kChannels = 6, kWidth = 4;
+  const int me = cp.rank();
+  const ContextShards shards = ContextShards::even(c.cu, cp.size());
+  const int64_t tokens = c.cu.back(), begin = shards.begin(me), end = shards.end(me);
+  const uint64_t seed = 5000 + c.cu.size();
+  const Tensor x = testing::random_tensor({tokens, kChannels}, DType::kF32, seed + 1);
+  const Tensor weight = testing::random_tensor({kChannels, kWidth}, DType::kF32, seed + 2);
+  const Tensor dy = testing::random_tensor({tokens, kChannels}, DType::kF32, seed + 3);
+
+  const Tensor x64 = testing::copy_as(x.view(), DType::kF64), w64 = testing::copy_as(weight.view(), DType::kF64),
+               dy64 = testing::copy_as(dy.view(), DType::kF64), cu = testing::make_i32(c.cu);
+  Tensor want_y({tokens, kChannels}, DType::kF64), want_dx({tokens, kChannels}, DType::kF64),
+      want_dw({kChannels, kWidth}, DType::kF64);
+  cpu.short_conv_forward({want_y, x64, w64, cu, true});
+  cpu.short_conv_backward({want_dx, want_dw, dy64, x64, w64, cu, true});
+
+  auto on_gpu = [&](const TensorView& host) {
+    Tensor t(host.shape, host.dtype, gpu.allocator());
+    gpu.copy(t, host);
+    return t;
+  };
+  const Tensor sx = on_gpu(x.view().slice_rows(begin, end)), sdy = on_gpu(dy.view().slice_rows(begin, end)),
+               sw = on_gpu(weight.view()), scu = on_gpu(testing::make_i32(shards.local_cu(me)).view());
+  Tensor y({end - begin, kChannels}, DType::kF32, gpu.allocator()), dx(y.shape(), DType::kF32, gpu.allocator()),
+      dw({kChannels, kWidth}, DType::kF32, gpu.allocator());
+  ShortConvAcrossRanks conv(gpu, cp, shards, kWidth);
+  conv.forward({y, sx, sw, scu, true});
+  conv.backward({dx, dw, sdy, sx, sw, scu, true});
+  cp.all_reduce(dw.view());
+
+  int failures = 0;
+  const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> results[] = {
+      {"y", {&y, &want_y}}, {"dx", {&dx, &want_dx}}, {"dweight", {&dw, &want_dw}}};
+  for (const auto& [name, pair] : results) {
+    Tensor host(pair.first->shape(), DType::kF32);
+    gpu.copy(host, *pair.first);
+    const bool rows = std::string(name) != "dweight";
+    const double worst = testing::worst_shard_difference(host, *pair.second, rows ? begin : 0);
+    if (!(worst <= tolerance)) {
+      ++failures;
+      log::error(fmt::format("short conv on CUDA: {}, rank {} tokens [{}, {}): {} differs from the CPU's whole "
+                             "window by {:.3e} (relative to its largest value; at most {:.0e})",
+                             c.name, me, begin, end, name, worst, tolerance));
+    }
+  }
+  return failures;
+}
+
 int run_test(Runtime& runtime, int, char**) {
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
@@ -137,11 +193,18 @@ int run_test(Runtime& runtime, int, char**) {
   for (const Case& c : cases)
     for (const auto& [kd, vd] : {std::make_pair(int64_t{4}, int64_t{3}), std::make_pair(int64_t{128}, int64_t{128})})
       failures += run_case(c, kd, vd, tolerance, *gpu, *cpu, cp);
+  // The short convolutions in F32: F32 rounding against F64 (2e-5 of the largest value, the F32
+  // limit of tests/cuda); a missing or misplaced halo row moves outputs by their own size. One more
+  // window has shards shorter than the convolution's reach, so that at cp 3 a halo comes from two
+  // ranks back.
+  std::vector<Case> conv_cases = cases;
+  conv_cases.push_back({"shards shorter than the convolution's reach", {0, 2 * ranks - 1}});
+  for (const Case& c : conv_cases) failures += run_short_conv_case(c, 2e-5, *gpu, *cpu, cp);
   cp.barrier();
   MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (runtime.is_root())
-    std::printf("context_parallel_cuda cp %d, kda, %zu cases at 2 head dims: %s\n", ranks, cases.size(),
-                failures == 0 ? "EQUAL" : "DIFFERENT");
+    std::printf("context_parallel_cuda cp %d, kda, %zu cases at 2 head dims, short conv, %zu cases: %s\n", ranks,
+                cases.size(), conv_cases.size(), failures == 0 ? "EQUAL" : "DIFFERENT");
   return failures == 0 ? 0 : 1;
 }
 
