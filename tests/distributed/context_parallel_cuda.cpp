@@ -10,7 +10,6 @@
 // run in F32 against the CPU's in F64, on the same windows and one of shards shorter than their
 // reach.
 // Prints "EQUAL" on rank 0 when every case of every rank agrees; exits 77 (skipped) without a GPU.
-#include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <mpi.h>
 
@@ -24,6 +23,7 @@
 #include "core/model/kda_context_parallel.h"
 #include "kda_inputs.h"
 #include "kernels/ops.h"
+#include "mpi_cuda_ranks.h"
 #include "parallel/host_staged_comm.h"
 #include "parallel/runtime.h"
 
@@ -170,11 +170,7 @@ int run_short_conv_case(const Case& c, double tolerance, kernels::Backend& gpu, 
 }
 
 int run_test(Runtime& runtime, int, char**) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-  int usable = gpus >= 1 ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &usable, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (!usable) {
+  if (!testing::every_rank_sees_a_gpu()) {
     if (runtime.is_root()) std::printf("SKIPPED: no CUDA device\n");
     return 77;
   }

@@ -9,7 +9,6 @@
 // runs on the SIMT kernels, KDA's state passes through F32 folds), so the limits are BF16 ones; a
 // missing halo or state moves the first rows of a shard by their own size.
 // Prints "EQUAL" on rank 0 when every rank agrees; exits 77 (skipped) without a GPU.
-#include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <mpi.h>
 
@@ -31,6 +30,8 @@
 #include "parallel/host_staged_comm.h"
 #include "parallel/mesh.h"
 #include "parallel/runtime.h"
+#include "mpi_cuda_ranks.h"
+#include "mpi_parallel_groups.h"
 #include "tiny_model.h"
 
 namespace moetrain {
@@ -47,29 +48,6 @@ Config test_config() {
   config.data.micro_batch = 1;
   return config;
 }
-
-// The parallel groups of a cp-only mesh, each a host-staged communicator.
-struct StagedGroups {
-  DeviceMesh mesh;
-  HostStagedCommunicator data, ep, expert_replica, fsdp, cp;
-  ParallelGroups groups;
-  explicit StagedGroups(const MeshLayout& layout)
-      : mesh(layout),
-        data(mesh.world_comm()),
-        ep(mesh.ep_comm()),
-        expert_replica(mesh.expert_replica_comm()),
-        fsdp(mesh.fsdp_comm()),
-        cp(mesh.cp_comm()) {
-    groups.coordinates = mesh.coordinates();
-    groups.data = &data;
-    groups.ep = &ep;
-    groups.expert_replica = &expert_replica;
-    groups.fsdp = &fsdp;
-    groups.cp = &cp;
-  }
-  StagedGroups(const StagedGroups&) = delete;  // `groups` points at the members
-  StagedGroups& operator=(const StagedGroups&) = delete;
-};
 
 ModelOptions model_options(const ParallelGroups* parallel) {
   ModelOptions options;
@@ -123,11 +101,7 @@ Step one_step(Model& model, SyntheticData& data, int cp, int shard) {
 }
 
 int run_test(Runtime& runtime, int, char**) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-  int usable = gpus >= 1 ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &usable, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (!usable) {
+  if (!testing::every_rank_sees_a_gpu()) {
     if (runtime.is_root()) std::printf("SKIPPED: no CUDA device\n");
     return 77;
   }
@@ -136,7 +110,7 @@ int run_test(Runtime& runtime, int, char**) {
   const ModelSpec spec = resolve_model_spec(config);
   MeshShape shape;
   shape.cp = cp;
-  StagedGroups staged{MeshLayout(runtime.world(), shape, spec.config.moe.num_experts)};
+  testing::MeshParallelGroups<HostStagedCommunicator> staged{MeshLayout(runtime.world(), shape, spec.config.moe.num_experts)};
   std::unique_ptr<kernels::Backend> gpu = kernels::make_cuda_backend();
 
   Model model(spec, *gpu, model_options(&staged.groups));

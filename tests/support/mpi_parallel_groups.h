@@ -1,6 +1,7 @@
-// The parallel groups a distributed test's model takes: a DeviceMesh of `layout` and an
-// MpiCommunicator on each of its groups, wired into ParallelGroups (the CPU backend's collectives).
-// Construction is collective over MPI_COMM_WORLD.
+// The parallel groups a distributed test's model takes: a DeviceMesh of `layout` and a `Comm` on
+// each of its groups, wired into ParallelGroups: MpiCommunicator for the CPU backend's collectives,
+// HostStagedCommunicator for CUDA ranks sharing one GPU. Construction is collective over
+// MPI_COMM_WORLD.
 #pragma once
 
 #include "core/model/parallel_groups.h"
@@ -9,12 +10,13 @@
 
 namespace moetrain::testing {
 
-struct MpiParallelGroups {
+template <typename Comm>
+struct MeshParallelGroups {
   DeviceMesh mesh;
-  MpiCommunicator data, ep, expert_replica, fsdp, cp;
+  Comm data, ep, expert_replica, fsdp, cp;
   ParallelGroups groups;
 
-  explicit MpiParallelGroups(const MeshLayout& layout)
+  explicit MeshParallelGroups(const MeshLayout& layout)
       : mesh(layout),
         data(mesh.world_comm()),
         ep(mesh.ep_comm()),
@@ -28,8 +30,10 @@ struct MpiParallelGroups {
     groups.fsdp = &fsdp;
     groups.cp = &cp;
   }
-  MpiParallelGroups(const MpiParallelGroups&) = delete;  // `groups` points at the members
-  MpiParallelGroups& operator=(const MpiParallelGroups&) = delete;
+  MeshParallelGroups(const MeshParallelGroups&) = delete;  // `groups` points at the members
+  MeshParallelGroups& operator=(const MeshParallelGroups&) = delete;
 };
+
+using MpiParallelGroups = MeshParallelGroups<MpiCommunicator>;
 
 }  // namespace moetrain::testing
