@@ -422,6 +422,49 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
                   passes));
 }
 
+// Context parallelism per rank per optimizer step: every exchange is an all-gather of one piece
+// per rank (padded to the longest shard) or the reduce-scatter of such pieces, so a rank sends
+// (cp - 1) pieces. Per layer and micro-batch, a forward that re-runs in the backward counts twice:
+//   MLA  forward: K and V; backward: K and V again, then their gradients        -> 3 (+1 re-run)
+//   DSA  forward: the latent and the indexer keys; backward: the latent, its gradient
+//   KDA  forward: (M, S_local) in F32 and the short convolution's last width - 1 rows; backward:
+//        (M, D_local), the rows again and the halo's gradient
+void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) {
+  if (plan.cp <= 1) return;
+  const ModelConfig& m = in.spec.config;
+  const double a = in.a, shards = static_cast<double>(plan.cp - 1), micro = static_cast<double>(plan.micro_batches);
+  const double rows = static_cast<double>(plan.tokens_per_micro_batch);
+  double mla = 0, dsa = 0, kda_states = 0, kda_halo = 0;
+  for (size_t i = 0; i < in.spec.mixers.size(); ++i) {
+    const double rerun = plan.recompute && static_cast<int64_t>(i) < plan.recompute_layers ? 1.0 : 0.0;
+    switch (in.spec.mixers[i]) {
+      case MixerKind::kMla:
+        mla += (3 + rerun) * rows * static_cast<double>(m.mla.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim +
+                                                                        m.mla.v_head_dim)) * a;
+        break;
+      case MixerKind::kDsa: {
+        const double latent = static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim);
+        dsa += ((1 + rerun) * (latent + static_cast<double>(m.dsa.index_head_dim)) + 2 * latent) * rows * a;
+        break;
+      }
+      case MixerKind::kKda: {
+        const double h = static_cast<double>(m.kda.num_heads), d = static_cast<double>(m.kda.head_dim);
+        kda_states += (2 + rerun) * h * d * (d + d) * kF32;
+        kda_halo += (3 + rerun) * static_cast<double>(m.kda.conv_width - 1) * 3 * h * d * a;
+        break;
+      }
+    }
+  }
+  add(plan.communication, "CP MLA keys and values", micro * shards * mla,
+      "grad_accum x (cp-1) x per MLA layer (3 + 1 if re-run) x T x H (d_n + d_r + d_v) x a");
+  add(plan.communication, "CP DSA latent and indexer keys", micro * shards * dsa,
+      "grad_accum x (cp-1) x per DSA layer ((1 + re-run) (kv_r + d_r + index_head_dim) + 2 (kv_r + d_r)) x T x a");
+  add(plan.communication, "CP KDA state transitions", micro * shards * kda_states,
+      "grad_accum x (cp-1) x per KDA layer (2 + 1 if re-run) x H d (d + d) x 4 B (M and a state)");
+  add(plan.communication, "CP KDA convolution halo", micro * shards * kda_halo,
+      "grad_accum x (cp-1) x per KDA layer (3 + 1 if re-run) x (conv_width - 1) x 3 H d x a");
+}
+
 MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, bool chosen) {
   MemoryPlan plan = plan_layout(inputs);
   plan.ffn_chunk_tokens = ffn_chunk_tokens < plan.tokens_per_micro_batch ? ffn_chunk_tokens : 0;
@@ -431,6 +474,7 @@ MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, 
   add_workspace(plan, inputs);
   add_activations(plan, inputs);
   add_communication(plan, inputs);
+  add_context_parallel_communication(plan, inputs);
   return plan;
 }
 

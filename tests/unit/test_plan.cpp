@@ -300,6 +300,38 @@ TEST_CASE("context parallelism: each rank plans its shard of the tokens and the 
   CHECK_THROWS_AS(make_memory_plan(config, options), Error);
 }
 
+TEST_CASE("context parallelism: the plan counts each mixer's exchanges per step") {
+  Config config = testing::tiny_model_config(true);  // MLA, KDA, DSA
+  config.data.micro_batch = 2;
+  config.data.seq_len = 8;
+  config.data.grad_accum = 2;
+  config.parallel.recompute = true;
+  PlanOptions options;
+  options.world = 4;
+  auto item = [](const MemoryPlan& plan, const std::string& name) {
+    for (const PlanItem& i : plan.communication)
+      if (i.name == name) return i.bytes;
+    return -1.0;
+  };
+  CHECK(item(make_memory_plan(config, options), "CP MLA keys and values") == -1.0);  // none at cp 1
+  config.parallel.cp = 4;
+  // 4 tokens a rank, 3 other ranks, 2 micro-batches, every layer re-run, 2 B activations.
+  const MemoryPlan plan = make_memory_plan(config, options);
+  REQUIRE(plan.tokens_per_micro_batch == 4);
+  // MLA: K and V (2 heads x (6 + 4 + 5)) gathered forward, re-run, backward, and their gradients.
+  CHECK(item(plan, "CP MLA keys and values") == 2.0 * 3 * 4 * 4 * 2 * 15 * 2);
+  // DSA: latent (8 + 4) and indexer keys (6) forward and re-run, the latent and its gradient.
+  CHECK(item(plan, "CP DSA latent and indexer keys") == 2.0 * 3 * (2 * 18 + 2 * 12) * 4 * 2);
+  // KDA: M [2, 4, 4] and a state [2, 4, 4] in F32 forward, re-run and backward; the 3 last rows of
+  // q, k and v (3 x 2 heads x 4) forward, re-run, and twice in the backward.
+  CHECK(item(plan, "CP KDA state transitions") == 2.0 * 3 * 3 * (32 + 32) * 4);
+  CHECK(item(plan, "CP KDA convolution halo") == 2.0 * 3 * 4 * 3 * 24 * 2);
+  config.parallel.recompute = false;
+  const MemoryPlan kept = make_memory_plan(config, options);
+  CHECK(item(kept, "CP MLA keys and values") == 2.0 * 3 * 3 * 4 * 2 * 15 * 2);
+  CHECK(item(kept, "CP KDA state transitions") == 2.0 * 3 * 2 * (32 + 32) * 4);
+}
+
 TEST_CASE("on one rank the plan's Adam state is what AdamW allocates: the two moments") {
   // Unsharded parameter groups keep no reduced gradient and no all-gather input (8 B per
   // parameter, not the 16 B of a sharded group). The padding that aligns each parameter in its
