@@ -1,13 +1,18 @@
-// The whole model under context parallelism on the CUDA backend: the tiny MLA + KDA + DSA + MoE
-// model (tests/support/tiny_model.h) trains one step with each micro-batch (one window of 32) cut
-// into one shard per rank, the ranks sharing one GPU through the host-staged communicator,
-// and its loss and every adapter gradient (after the cross-rank reduction) are held against the
-// same model on one rank of the same GPU over the whole micro-batch. Documents span shards and
-// shards hold document starts, so KDA's short convolutions read halos from earlier ranks, its
-// states pass between shards, and MLA's and DSA's keys are gathered. The model runs in BF16 (the
-// CUDA model's dtype) and the two sides take different kernels (the attention with key segments
-// runs on the SIMT kernels, KDA's state passes through F32 folds), so the limits are BF16 ones; a
-// missing halo or state moves the first rows of a shard by their own size.
+// The whole model under context parallelism on the CUDA backend, the ranks sharing one GPU through
+// the host-staged communicator, against the same model on one rank of the same GPU over the whole
+// micro-batch: the loss and every adapter gradient (after the cross-rank reduction).
+//   no argument: the tiny MLA + KDA + DSA + MoE model (tests/support/tiny_model.h) with random
+//     weights, one synthetic window of 32 per micro-batch;
+//   a config of the repository (configs/quickstart.yaml): its model and LoRA, random weights, one
+//     synthetic window per micro-batch;
+//   a golden fixture's name (tests/fixtures/golden/<name>): that Hugging Face checkpoint and PEFT
+//     adapter on its batch, the loss also held against the reference's (transformers + PEFT).
+// The micro-batch is cut into one shard per rank; documents span shards and shards hold document
+// starts, so KDA's short convolutions read halos from earlier ranks, its states pass between
+// shards, and MLA's and DSA's keys are gathered. The model runs in BF16 (the CUDA model's dtype)
+// and the two sides take different kernels (the attention with key segments runs on the SIMT
+// kernels, KDA's state passes through F32 folds), so the limits are BF16 ones; a missing halo or
+// state moves the first rows of a shard by their own size.
 // Prints "EQUAL" on rank 0 when every rank agrees; exits 77 (skipped) without a GPU.
 #include <fmt/format.h>
 #include <mpi.h>
@@ -22,14 +27,19 @@
 
 #include "core/base/error.h"
 #include "core/base/log.h"
+#include "core/config/config.h"
 #include "core/data/context_shards.h"
 #include "core/data/synthetic_data.h"
+#include "core/io/hf_index.h"
+#include "core/io/safetensors.h"
 #include "core/model/model.h"
+#include "core/model/peft_adapter.h"
 #include "core/train/optimizer.h"
 #include "kernels/ops.h"
 #include "parallel/host_staged_comm.h"
 #include "parallel/mesh.h"
 #include "parallel/runtime.h"
+#include "golden_files.h"
 #include "mpi_cuda_ranks.h"
 #include "mpi_parallel_groups.h"
 #include "tiny_model.h"
@@ -49,17 +59,65 @@ Config test_config() {
   return config;
 }
 
-ModelOptions model_options(const ParallelGroups* parallel) {
+// What both sides are built from: the tiny model, a config file of the repository (random
+// weights, synthetic windows), or a golden fixture (its checkpoint, adapter and batch).
+struct Subject {
+  std::string name;      // empty: the tiny model
+  std::string fixture_dir;  // a golden fixture's; empty otherwise
+  Config config;         // the tiny model's or the file's (the model, LoRA and data keys)
+  ModelSpec spec;
+  Batch batch;             // the fixture's
+  double golden_loss = 0;  // the fixture's
+};
+
+Subject subject(const std::string& name) {
+  Subject s;
+  s.name = name;
+  if (name.empty()) {
+    s.config = test_config();
+  } else if (name.size() > 5 && name.substr(name.size() - 5) == ".yaml") {
+    // One window per micro-batch, so that the cut at cp 2 falls inside it; no aux loss.
+    s.config = load_config(std::string(MOETRAIN_SOURCE_DIR) + "/" + name);
+    s.config.model.moe.aux_loss_coef = 0.0;
+    s.config.data.micro_batch = 1;
+  } else {
+    s.fixture_dir = testing::golden_dir(name);
+    const SafetensorsFile golden(s.fixture_dir + "/golden.safetensors");
+    s.batch = testing::golden_batch(golden);
+    s.golden_loss = golden.read_as("loss", DType::kF64).ptr<double>()[0];
+    s.config.model.hf_dir = s.fixture_dir;
+    s.config.data.seq_len = s.batch.seq_len;
+  }
+  s.spec = resolve_model_spec(s.config);
+  return s;
+}
+
+ModelOptions model_options(const Subject& s, const ParallelGroups* parallel) {
   ModelOptions options;
+  if (!s.fixture_dir.empty()) {
+    options = testing::golden_model_options(s.fixture_dir, s.spec);
+    // Kimi-Linear's adapters also sit on KDA's projections, some under transformers' names.
+    if (std::count(s.spec.mixers.begin(), s.spec.mixers.end(), MixerKind::kKda) > 0)
+      options.lora_targets = testing::kimi_adapter_targets(s.fixture_dir + "/adapter");
+  } else if (!s.name.empty()) {
+    options = model_options_for(s.config);
+  } else {
+    options.lora = LoraSettings{4, 8.0, false};
+    options.lora_targets = testing::all_lora_targets(true);
+  }
   options.dtype = DType::kBF16;
-  options.lora = LoraSettings{4, 8.0, false};
-  options.lora_targets = testing::all_lora_targets(true);
   options.parallel = parallel;
   return options;
 }
 
-// Non-zero adapters everywhere (B = 0 would hide most gradient paths), the same on every rank.
-void prepare(Model& model) {
+// The fixture's weights and adapter; or random weights and non-zero adapters everywhere (B = 0
+// would hide most gradient paths), the same on every rank.
+void prepare(Model& model, const Subject& s) {
+  if (!s.fixture_dir.empty()) {
+    model.load_weights(HfCheckpoint(s.fixture_dir));
+    load_peft_adapter(model, s.fixture_dir + "/adapter");
+    return;
+  }
   model.init_random_weights();
   for (Parameter* p : model.parameters()) {
     MOETRAIN_CHECK(p->value.dtype() == DType::kF32, ExitCode::kInternal, "adapter " + p->name + " is not F32");
@@ -82,9 +140,9 @@ struct Step {
 };
 
 // One training step's loss and gradients (the trainer's step up to the update).
-Step one_step(Model& model, SyntheticData& data, int cp, int shard) {
+Step one_step(Model& model, const Batch& micro_batch, int cp, int shard) {
   AdamW optimizer(model.parameter_groups(), AdamWOptions{}, model.backend());
-  const Batch batch = cp > 1 ? context_shard(data.next(), cp, shard) : data.next();
+  const Batch batch = cp > 1 ? context_shard(micro_batch, cp, shard) : micro_batch;
   const double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
   const StepResult result = model.forward_backward(batch, 1.0 / targets);
   optimizer.reduce_gradients();
@@ -100,28 +158,29 @@ Step one_step(Model& model, SyntheticData& data, int cp, int shard) {
   return step;
 }
 
-int run_test(Runtime& runtime, int, char**) {
+int run_test(Runtime& runtime, int argc, char** argv) {
   if (!testing::every_rank_sees_a_gpu()) {
     if (runtime.is_root()) std::printf("SKIPPED: no CUDA device\n");
     return 77;
   }
   const int cp = runtime.world();
-  const Config config = test_config();
-  const ModelSpec spec = resolve_model_spec(config);
+  const Subject s = subject(argc > 1 ? argv[1] : "");
+  const ModelSpec& spec = s.spec;
   MeshShape shape;
   shape.cp = cp;
   testing::MeshParallelGroups<HostStagedCommunicator> staged{MeshLayout(runtime.world(), shape, spec.config.moe.num_experts)};
   std::unique_ptr<kernels::Backend> gpu = kernels::make_cuda_backend();
 
-  Model model(spec, *gpu, model_options(&staged.groups));
-  prepare(model);
-  SyntheticData data(config.data, spec.config.vocab_size, 0, 1);  // one data group: every rank the same windows
-  const Step shards = one_step(model, data, cp, runtime.rank());
+  // One data group: every rank draws the same synthetic window.
+  const Batch micro_batch =
+      s.fixture_dir.empty() ? SyntheticData(s.config.data, spec.config.vocab_size, 0, 1).next() : s.batch;
+  Model model(spec, *gpu, model_options(s, &staged.groups));
+  prepare(model, s);
+  const Step shards = one_step(model, micro_batch, cp, runtime.rank());
 
-  Model reference(spec, *gpu, model_options(nullptr));
-  prepare(reference);
-  SyntheticData reference_data(config.data, spec.config.vocab_size, 0, 1);
-  const Step whole = one_step(reference, reference_data, 1, 0);
+  Model reference(spec, *gpu, model_options(s, nullptr));
+  prepare(reference, s);
+  const Step whole = one_step(reference, micro_batch, 1, 0);
 
   // BF16 activations through three layers: the loss to 1e-2, a gradient to 0.15 of its largest value,
   // the golden bf16 bound (tests/cuda/test_cuda_golden_model.cpp). The cut moves the roundings: on the
@@ -147,6 +206,14 @@ int run_test(Runtime& runtime, int, char**) {
                              runtime.rank(), name, cp, worst, scale, grad_tolerance));
     }
   }
+  // The reference's loss (fp32) is held to the golden CUDA test's bf16 bound (test_cuda_golden_model.cpp).
+  const double golden_tolerance = 5e-3;
+  const double golden_error = std::fabs(shards.loss - s.golden_loss) / std::max(std::fabs(s.golden_loss), 1e-12);
+  if (!s.fixture_dir.empty() && !(golden_error <= golden_tolerance)) {
+    ++failures;
+    log::error(fmt::format("rank {}: loss {:.8g} at cp {} vs the reference's {:.8g} (relative {:.2e}, at most {:.0e})",
+                           runtime.rank(), shards.loss, cp, s.golden_loss, golden_error, golden_tolerance));
+  }
   if (!shards.spans_ranks) {
     ++failures;
     log::error(fmt::format("no document of the batch spans two of the {} shards: the halos and states go untested", cp));
@@ -158,8 +225,10 @@ int run_test(Runtime& runtime, int, char**) {
   }
   MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (runtime.is_root())
-    std::printf("context_parallel_model_cuda cp %d, MLA + KDA + DSA, loss %.6f (one rank %.6f), %zu gradients: %s\n",
-                cp, shards.loss, whole.loss, shards.grads.size(), failures == 0 ? "EQUAL" : "DIFFERENT");
+    std::printf("context_parallel_model_cuda cp %d, %s, loss %.6f (one rank %.6f%s), %zu gradients: %s\n", cp,
+                s.name.empty() ? "tiny MLA + KDA + DSA" : s.name.c_str(), shards.loss, whole.loss,
+                s.fixture_dir.empty() ? "" : fmt::format(", reference {:.6f}", s.golden_loss).c_str(),
+                shards.grads.size(), failures == 0 ? "EQUAL" : "DIFFERENT");
   return failures == 0 ? 0 : 1;
 }
 
