@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/plan/model_flops.h"
 #include "parallel/mesh.h"
 
 namespace moetrain {
@@ -465,6 +466,25 @@ void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) 
       "grad_accum x (cp-1) x per KDA layer (3 + 1 if re-run) x (conv_width - 1) x 3 H d x a");
 }
 
+// The busiest context-parallel rank's model FLOPs over the mean's. ModelFlops counts per query
+// (its projections, and its keys within its document), so a shard [b, e) of the micro-batch costs
+// the first e tokens' FLOPs less the first b's.
+double busiest_shard_over_mean(const PlanInputs& in, int cp) {
+  if (cp <= 1) return 1.0;
+  const ModelFlops flops(in.spec, in.config.lora);
+  const int64_t window = in.config.data.seq_len, tokens = in.config.data.micro_batch * window;
+  auto first = [&](int64_t n) {
+    std::vector<int32_t> cu = {0};
+    for (int64_t w = window; w < n; w += window) cu.push_back(static_cast<int32_t>(w));
+    cu.push_back(static_cast<int32_t>(n));
+    return n > 0 ? flops.step(n, cu).total() : 0.0;
+  };
+  double busiest = 0;
+  for (int r = 0; r < cp; ++r) busiest = std::max(busiest, first(tokens * (r + 1) / cp) - first(tokens * r / cp));
+  const double mean = first(tokens) / cp;
+  return mean > 0 ? busiest / mean : 1.0;
+}
+
 MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, bool chosen) {
   MemoryPlan plan = plan_layout(inputs);
   plan.ffn_chunk_tokens = ffn_chunk_tokens < plan.tokens_per_micro_batch ? ffn_chunk_tokens : 0;
@@ -475,6 +495,7 @@ MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, 
   add_activations(plan, inputs);
   add_communication(plan, inputs);
   add_context_parallel_communication(plan, inputs);
+  plan.cp_busiest_over_mean = busiest_shard_over_mean(inputs, plan.cp);
   return plan;
 }
 

@@ -56,6 +56,10 @@ struct MemoryPlan {
   std::vector<double> layer_saved;            // per layer: bytes per token its forward saves
   std::vector<PlanItem> communication;        // bytes sent per rank per optimizer step
   double ep_receive_worst_case_per_token = 0; // if every peer routed its tokens to this rank
+  // Context parallelism's balance: the busiest rank's model FLOPs over the mean rank's, with every
+  // window of the micro-batch one document cut into contiguous shards (causal attention gives
+  // later shards more keys per query; 1 without cp or attention).
+  double cp_busiest_over_mean = 1.0;
 
   double gpu_bytes = 0, usable_bytes = 0;
 

@@ -68,7 +68,13 @@ std::string format_plan(const MemoryPlan& plan) {
   }
   out += "\ncommunication per rank per optimizer step (bytes sent)\n";
   rows(out, plan.communication, 1.0);
-  out += fmt::format("  {:<42}{}\n\n", "total", gb(plan.communication_bytes()));
+  out += fmt::format("  {:<42}{}\n", "total", gb(plan.communication_bytes()));
+  if (plan.cp > 1) {
+    out += fmt::format("  context parallelism: the busiest of the cp {} ranks does {:.2f}x the mean's FLOPs (each "
+                       "window one document in contiguous shards: causal attention gives later shards more keys)\n",
+                       plan.cp, plan.cp_busiest_over_mean);
+  }
+  out += "\n";
 
   out += fmt::format("GPU {:.0f} GB, usable {:.1f} GB after the reserve\n", plan.gpu_bytes / 1e9,
                      plan.usable_bytes / 1e9);
@@ -136,6 +142,7 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["usable_bytes"] = plan.usable_bytes;
   j["ffn_chunk_tokens"] = plan.ffn_chunk_tokens;  // 0: the whole micro-batch
   j["ffn_chunk_auto"] = plan.ffn_chunk_auto;
+  j["cp_busiest_over_mean"] = plan.cp_busiest_over_mean;
   j["fits"] = plan.fits();
   return j.dump(2);
 }

@@ -8,6 +8,7 @@
 #include "core/base/error.h"
 #include "core/model/model.h"
 #include "core/plan/memory_plan.h"
+#include "core/plan/model_flops.h"
 #include "core/plan/param_count.h"
 #include "core/train/optimizer.h"
 #include "kernels/ops.h"
@@ -330,6 +331,39 @@ TEST_CASE("context parallelism: the plan counts each mixer's exchanges per step"
   const MemoryPlan kept = make_memory_plan(config, options);
   CHECK(item(kept, "CP MLA keys and values") == 2.0 * 3 * 3 * 4 * 2 * 15 * 2);
   CHECK(item(kept, "CP KDA state transitions") == 2.0 * 3 * 2 * (32 + 32) * 4);
+}
+
+TEST_CASE("context parallelism: the plan says how much more work the busiest contiguous shard does") {
+  Config config = testing::tiny_model_config(false);  // MLA, KDA, MLA
+  config.data.micro_batch = 1;
+  config.data.seq_len = 8;
+  PlanOptions options;
+  options.world = 2;
+  CHECK(make_memory_plan(config, options).cp_busiest_over_mean == 1.0);
+  config.parallel.cp = 2;
+  // One window of 8: shard 0's queries see 1 + 2 + 3 + 4 = 10 keys, shard 1's 5 + ... + 8 = 26. With
+  // c FLOPs per token and A per causal pair, the first 4 tokens cost 4c + 10A and all 8 cost
+  // 8c + 36A; shard 1 costs 4c + 26A against a mean of 4c + 18A.
+  const ModelFlops flops(plan_model_spec(config.model), config.lora);
+  const double four = flops.step(4, {0, 4}).total(), eight = flops.step(8, {0, 8}).total();
+  const double per_pair = (eight - 2 * four) / 16, per_token = (four - 10 * per_pair) / 4;
+  REQUIRE(per_pair > 0);
+  CHECK(make_memory_plan(config, options).cp_busiest_over_mean ==
+        Approx((4 * per_token + 26 * per_pair) / (4 * per_token + 18 * per_pair)).epsilon(1e-12));
+  // Longer windows: attention's share and the imbalance grow, bounded by (2 cp - 1) / cp.
+  config.data.seq_len = 32;
+  options.world = 4;
+  config.parallel.cp = 4;
+  const double at_32 = make_memory_plan(config, options).cp_busiest_over_mean;
+  config.model.max_position_embeddings = 4096;
+  config.data.seq_len = 4096;
+  const double at_4096 = make_memory_plan(config, options).cp_busiest_over_mean;
+  CHECK(at_32 > 1.0);
+  CHECK(at_4096 > at_32);
+  CHECK(at_4096 < 7.0 / 4.0);
+  // KDA's cost is per token: its shards balance exactly.
+  config.model.layers = {"kda", "kda", "kda"};
+  CHECK(make_memory_plan(config, options).cp_busiest_over_mean == Approx(1.0).epsilon(1e-12));
 }
 
 TEST_CASE("on one rank the plan's Adam state is what AdamW allocates: the two moments") {
