@@ -83,7 +83,8 @@ TEST_CASE("cuda embedding forward and backward past 2^31 output elements") {
         sum += static_cast<double>(count[static_cast<size_t>(v * period + j)]) * dout_block.ptr<double>()[j * dim + d];
       expected.ptr<double>()[v * dim + d] = sum;
     }
-  CUDA_TEST_EXPECT_CLOSE(dtable, expected.view(), (Tolerance{1e-5, 1e-4, 1e-5}), "embedding dtable");
+  // Each element sums about 530 values in F32.
+  CUDA_TEST_EXPECT_CLOSE(dtable, expected.view(), (Tolerance{1e-4, 1e-3, 1e-4}), "embedding dtable");
 }
 
 // RMSNorm over rows x 4096 of a 3-row block; y in `y_dtype` (F32 takes the two-pass kernels).
