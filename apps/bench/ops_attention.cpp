@@ -94,8 +94,9 @@ namespace {
 
 // KDA at a million tokens: T 1,048,576 in one segment, Kimi K3's 96 heads of 128. The 96-head
 // tensors alone (q, k, v, dout, out and the gradients in BF16, g and dg in F32) take 300 GB, past
-// one H200, so the row runs the heads as 6 calls of 16 (heads are independent: the same six calls
-// a layer would make over head slices), each over the whole sequence, and times the six in a row.
+// one H200, so the row runs the heads as 6 calls of 16, each over the whole sequence, and times the
+// six in a row (heads are independent and the kernels' grids are per head: six calls of 16 heads
+// do the work of one of 96).
 // Peak: the tensor memory of one call (its inputs, outputs and the kernels' scratch: chunk-local
 // intermediates per token and the state entering each 64-token chunk). Inputs repeat a random
 // block of 1,024 tokens (drawing 2e9 values on the host would take minutes).
