@@ -5,8 +5,8 @@
 // costs 6 MiB of memory and 17 MB of page tables. The period is not a power of two: an index
 // wrapped at 2^32 elements reads another block element than the right one (and a negative one
 // leaves the mapping), so the results, computed here from the block, differ. Each case reads
-// every element once, a few seconds; the tag [large] lets a run leave them out visibly
-// ("~[large]").
+// every element once, a few seconds; the CTest label `large` (`ctest -LE large`) or the Catch
+// tag ("~[large]") leaves them out.
 #include <sys/mman.h>
 #include <unistd.h>
 
