@@ -102,6 +102,70 @@ void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
                                        8 * one_doc.both, docs.fwd, 8 * one_doc.fwd).c_str())});
 }
 
+namespace {
+
+// KDA at a million tokens: T 1,048,576 in one segment, Kimi K3's 96 heads of 128. The 96-head
+// tensors alone (q, k, v, dout, out and the gradients in BF16, g and dg in F32) take 300 GB, past
+// one H200, so the row runs the heads as 6 calls of 16, each over the whole sequence, and times the
+// six in a row (heads are independent and the kernels' grids are per head: six calls of 16 heads
+// do the work of one of 96).
+// Peak: the tensor memory of one call (its inputs, outputs and the kernels' scratch: chunk-local
+// intermediates per token and the state entering each 64-token chunk). Inputs repeat a random
+// block of 1,024 tokens (drawing 2e9 values on the host would take minutes).
+void bench_kda_million(Backend& be, std::vector<Row>& rows) {
+  const int64_t t = 1048576, heads = 16, groups = 6, dim = 128;
+  const Shape shape{t, heads, dim};
+  const std::string name = fmt::format("kda fwd+bwd T{} H96 D128 (6 x 16 heads)", t);
+  if (be.stats().device_total_bytes < size_t{135} * 1000000000) {
+    rows.push_back({name, 0, 0, 0, "(skipped: one 16-head call needs about 125 GB)"});
+    return;
+  }
+  auto unit_rows = [&](uint64_t seed) {
+    Tensor raw = tiled_device(be, t, heads, dim, 1024, seed);
+    Tensor inv({t * heads}, DType::kF32, be.allocator());
+    be.l2norm_forward({raw, inv, raw, 1e-6});
+    return raw;
+  };
+  Tensor q = unit_rows(50), k = unit_rows(51), v = tiled_device(be, t, heads, dim, 1024, 52);
+  Tensor g(shape, DType::kF32, be.allocator()), beta({t, heads}, DType::kF32, be.allocator());
+  {
+    Tensor f = tiled_device(be, t, heads, dim, 1024, 53);
+    Tensor a_log = random_device(be, {heads}, DType::kF32, 54), dt_bias = random_device(be, {heads * dim}, DType::kF32, 55);
+    be.kda_gate_forward({g, f.view().reshaped({t, heads * dim}), a_log, dt_bias, 0.0});
+    Tensor b = random_device(be, {t, heads}, DType::kF32, 56);
+    be.sigmoid_forward(beta, b);
+  }
+  Tensor cu = int_device(be, {0, static_cast<int32_t>(t)});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  Tensor out(shape, DType::kBF16, be.allocator()), dout = tiled_device(be, t, heads, dim, 1024, 57);
+  Tensor dq(shape, DType::kBF16, be.allocator()), dk(shape, DType::kBF16, be.allocator()),
+      dv(shape, DType::kBF16, be.allocator()), dg(shape, DType::kF32, be.allocator()),
+      dbeta({t, heads}, DType::kF32, be.allocator());
+  auto forward = [&] { be.kda_forward({out, q, k, v, g, beta, cu, scale}); };
+  auto backward = [&] { be.kda_backward({dq, dk, dv, dg, dbeta, dout, q, k, v, g, beta, cu, scale}); };
+  be.synchronize();
+  be.reset_peak_memory();
+  const double before_gb = static_cast<double>(be.stats().allocated_bytes) / 1e9;
+  forward();
+  backward();
+  be.synchronize();
+  const double peak_gb = static_cast<double>(be.stats().peak_bytes) / 1e9;
+  const double fwd = median_ms(be, [&] { for (int64_t i = 0; i < groups; ++i) forward(); }, 1, /*warmup=*/1);
+  rows.push_back({fmt::format("kda fwd T{} H96 D128 (6 x 16 heads)", t), fwd, 0, 0, "(no baseline)"});
+  const double both = median_ms(be, [&] {
+    for (int64_t i = 0; i < groups; ++i) {
+      forward();
+      backward();
+    }
+  }, 1, /*warmup=*/1);
+  rows.push_back({name, both, 0, 0,
+                  fmt::format("peak {:.1f} GB in tensors per 16-head call ({:.1f} GB inputs and outputs, {:.1f} GB "
+                              "scratch)",
+                              peak_gb, before_gb, peak_gb - before_gb)});
+}
+
+}  // namespace
+
 // KDA: B1, one segment, 32 heads of 128, BF16, against fla's chunk_kda on one H200 (the peer
 // baseline of docs/PERF.md): fwd 1.44 / 4.29 ms and fwd+bwd 6.05 / 21.6 ms at T 8192 / 32768; T 131072
 // forward has no baseline. Inputs as the layer makes them: q, k through l2norm, g through the
@@ -150,6 +214,7 @@ void bench_kda(Backend& be, int reps, std::vector<Row>& rows) {
     rows.push_back({fmt::format("kda fwd+bwd T{} H32 D128", t), both, 0, 0,
                     ratio(c.fla_both_ms, both, fmt::format("the speed of fla chunk_kda ({} ms; target >= 1)", c.fla_both_ms).c_str())});
   }
+  bench_kda_million(be, rows);
 }
 // DSA at DeepSeek-V3.2's shape: T 4096 (one document), 64 heads, q/k dim 576, v dim
 // 512 (the latent), top-2048 as the lightning indexer (64 heads of 128) picks them from random

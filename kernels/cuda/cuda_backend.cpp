@@ -575,7 +575,9 @@ class CudaBackend final : public Backend {
     check_sparse_attention_backward(rules_, args);
     check_sparse_attention_limits(op, args.q, args.kv, args.out);
     expect(args.q.size(0) * args.topk_index.size(1) <= kMaxInt32, op,
-           describe("topk_index", args.topk_index) + ": more entries than the int32 inverse index holds");
+           describe("topk_index", args.topk_index) +
+               ": tokens x top_k is past the int32 inverse index (2^31 - 1 entries); shard the "
+               "sequence over more context-parallel ranks (parallel.cp) or lower model.dsa.index_topk");
     cuda_ops::sparse_attention_backward(args, scratch_, stream_);
   }
 

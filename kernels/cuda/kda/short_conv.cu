@@ -15,6 +15,7 @@
 // tiles' partials in order (deterministic).
 #include "kernels/cuda/kda/short_conv.h"
 
+#include <algorithm>
 #include <initializer_list>
 
 #include "kernels/cuda/attention/attention_segments.cuh"
@@ -36,7 +37,12 @@ struct ConvShape {
   int width;
   int segments;
   bool silu;
+  int64_t first_tile = 0;  // the tile of blockIdx.y 0: launches cover at most kMaxTileRows tiles each
 };
+
+// gridDim.y's limit: longer inputs take several launches of up to this many tiles (4,194,240
+// tokens) each.
+constexpr int64_t kMaxTileRows = 65535;
 
 __device__ __forceinline__ float sigmoidf(float z) { return 1.0f / (1.0f + __expf(-z)); }
 
@@ -109,7 +115,7 @@ __global__ void __launch_bounds__(kConvThreads) short_conv_forward_kernel(MutOpe
                                                                           const int32_t* cu_seqlens, ConvShape s) {
   constexpr int kHalo = kWindow - 1;
   __shared__ int seg_of[kTileTokens + kHalo];
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
+  const int64_t t0 = (s.first_tile + blockIdx.y) * kTileTokens;
   const int64_t t1 = min(t0 + kTileTokens, s.tokens);
   const int64_t first = t0 - kHalo;  // seg_of[i] is token first + i
   load_segments(seg_of, cu_seqlens, s, first, static_cast<int>(t1 - first));
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(kConvThreads) short_conv_backward_kernel(MutOp
                                                                            const int32_t* cu_seqlens, ConvShape s) {
   constexpr int kHalo = kWindow - 1;
   __shared__ int seg_of[kTileTokens + 2 * kHalo];
-  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileTokens;
+  const int64_t t0 = (s.first_tile + blockIdx.y) * kTileTokens;
   const int64_t t1 = min(t0 + kTileTokens, s.tokens);
   // dz is needed from t0 to kHalo past the tile; x from kHalo before t0 (the window of t0's
   // pre-activation).
@@ -224,7 +230,7 @@ __global__ void __launch_bounds__(kConvThreads) short_conv_backward_kernel(MutOp
   if (partial != nullptr) {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
-      float* out = partial + (static_cast<int64_t>(blockIdx.y) * s.channels + c0 + e) * kShortConvMaxWidth;
+      float* out = partial + ((s.first_tile + blockIdx.y) * s.channels + c0 + e) * kShortConvMaxWidth;
 #pragma unroll
       for (int j = 0; j < kWindow; ++j) out[j] = dw[j][e];
     }
@@ -263,10 +269,20 @@ Variant variant_of(const ConvShape& s, std::initializer_list<const void*> pointe
   return {window, window == 4 && aligned ? 8 : 1};
 }
 
-dim3 grid_of(const ConvShape& s, int chunk) {
+int64_t tiles_of(const ConvShape& s) { return (s.tokens + kTileTokens - 1) / kTileTokens; }
+
+// Launches body(grid, shape) over the tiles, kMaxTileRows at a time (the shape's first_tile set).
+template <typename Body>
+void for_tile_launches(const ConvShape& s, int chunk, Body&& body) {
   const int64_t threads = (s.channels + chunk - 1) / chunk;
-  return dim3(static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads),
-              static_cast<unsigned>((s.tokens + kTileTokens - 1) / kTileTokens));
+  const auto column_blocks = static_cast<unsigned>((threads + kConvThreads - 1) / kConvThreads);
+  const int64_t tiles = tiles_of(s);
+  for (int64_t first = 0; first < tiles; first += kMaxTileRows) {
+    ConvShape part = s;
+    part.first_tile = first;
+    body(dim3(column_blocks, static_cast<unsigned>(std::min(kMaxTileRows, tiles - first))), part);
+    CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace
@@ -278,15 +294,15 @@ void short_conv_forward(const ShortConvArgs& args, cudaStream_t stream) {
   const MutOperand y{args.y.data, kind_of(args.y.dtype)};
   const ConstOperand x{args.x.data, kind_of(args.x.dtype)}, weight{args.weight.data, kind_of(args.weight.dtype)};
   const auto* cu = static_cast<const int32_t*>(args.cu_seqlens.data);
-  const dim3 grid = grid_of(s, v.chunk);
-  if (v.window == 4 && v.chunk == 8) {
-    short_conv_forward_kernel<4, 8><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, s);
-  } else if (v.window == 4) {
-    short_conv_forward_kernel<4, 1><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, s);
-  } else {
-    short_conv_forward_kernel<kShortConvMaxWidth, 1><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, s);
-  }
-  CUDA_CHECK_LAUNCH();
+  for_tile_launches(s, v.chunk, [&](dim3 grid, const ConvShape& part) {
+    if (v.window == 4 && v.chunk == 8) {
+      short_conv_forward_kernel<4, 8><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, part);
+    } else if (v.window == 4) {
+      short_conv_forward_kernel<4, 1><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, part);
+    } else {
+      short_conv_forward_kernel<kShortConvMaxWidth, 1><<<grid, kConvThreads, 0, stream>>>(y, x, weight, cu, part);
+    }
+  });
 }
 
 void short_conv_backward(const ShortConvBackwardArgs& args, cudaStream_t stream) {
@@ -298,31 +314,31 @@ void short_conv_backward(const ShortConvBackwardArgs& args, cudaStream_t stream)
     return;
   }
   const Variant v = variant_of(s, {args.x.data, args.dx.data, args.dy.data});
-  const dim3 grid = grid_of(s, v.chunk);
+  const int64_t tiles = tiles_of(s);
   // Per-tile partial sums: a temporary like any other (the backend's one stream orders its use).
   Tensor partials;
   if (want_dweight) {
-    partials = Tensor(Shape{static_cast<int64_t>(grid.y) * s.channels * kShortConvMaxWidth}, DType::kF32,
-                      cuda::device_allocator());
+    partials = Tensor(Shape{tiles * s.channels * kShortConvMaxWidth}, DType::kF32, cuda::device_allocator());
   }
   float* partial = want_dweight ? partials.ptr<float>() : nullptr;
   const MutOperand dx{args.dx.data, kind_of(args.dx.dtype)};
   const ConstOperand dy{args.dy.data, kind_of(args.dy.dtype)}, x{args.x.data, kind_of(args.x.dtype)},
       weight{args.weight.data, kind_of(args.weight.dtype)};
   const auto* cu = static_cast<const int32_t*>(args.cu_seqlens.data);
-  if (v.window == 4 && v.chunk == 8) {
-    short_conv_backward_kernel<4, 8><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight, cu, s);
-  } else if (v.window == 4) {
-    short_conv_backward_kernel<4, 1><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight, cu, s);
-  } else {
-    short_conv_backward_kernel<kShortConvMaxWidth, 1><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight,
-                                                                                        cu, s);
-  }
-  CUDA_CHECK_LAUNCH();
+  for_tile_launches(s, v.chunk, [&](dim3 grid, const ConvShape& part) {
+    if (v.window == 4 && v.chunk == 8) {
+      short_conv_backward_kernel<4, 8><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight, cu, part);
+    } else if (v.window == 4) {
+      short_conv_backward_kernel<4, 1><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight, cu, part);
+    } else {
+      short_conv_backward_kernel<kShortConvMaxWidth, 1><<<grid, kConvThreads, 0, stream>>>(dx, partial, dy, x, weight,
+                                                                                          cu, part);
+    }
+  });
   if (want_dweight) {
     const int64_t n = s.channels * s.width;
     short_conv_dweight_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-        static_cast<float*>(args.dweight.data), partial, grid.y, s);
+        static_cast<float*>(args.dweight.data), partial, tiles, s);
     CUDA_CHECK_LAUNCH();
   }
 }
