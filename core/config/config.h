@@ -93,8 +93,9 @@ struct DsaConfig {
 };
 
 // Kimi K3's MoonViT vision tower, its patch merger and projector (docs/HF_SEMANTICS.md §11;
-// a kimi_k3 config.json's vision_config). Images become text-side tokens at the placeholder
-// token's positions; the tower is frozen, the projector trains as `projector_train` says.
+// a kimi_k3 config.json's vision_config gives the shape, `enabled` stays the YAML's). Images
+// become text-side tokens at the placeholder token's positions; the tower is frozen, the
+// projector trains as `projector_train` says (lora: at lora.rank and lora.alpha).
 struct VisionConfig {
   bool enabled = false;
   int64_t patch_size = 14;

@@ -374,8 +374,9 @@ VisionConfig kimi_k3_vision_from_hf(const Json& json, int64_t text_hidden, const
                    fmt::format("{}: {} is true; moetrain's vision tower has no biases (Kimi K3's has none)",
                                vision_source, key));
   }
+  // The tower is built when the YAML says model.vision.enabled: true (a text-only run of the
+  // checkpoint leaves vision_tower.* and mm_projector.* unread, as before).
   VisionConfig v;
-  v.enabled = true;
   v.patch_size = hf.get_or<int64_t>("patch_size", 14);
   v.pos_emb_height = hf.get_or<int64_t>("init_pos_emb_height", 64);
   v.pos_emb_width = hf.get_or<int64_t>("init_pos_emb_width", 64);
@@ -451,6 +452,9 @@ ModelConfig kimi_k3_from_hf(const Json& json, const HfJson& top) {
   }
   if (json.contains("vision_config") && json.at("vision_config").is_object()) {
     m.vision = kimi_k3_vision_from_hf(json, m.hidden_size, source);
+    log::info(fmt::format("{}: kimi_k3 vision tower ({} layers, hidden {}, patch {}) in vision_config; it is built "
+                          "with model.vision.enabled: true (else the language model trains on text)",
+                          source, m.vision.num_layers, m.vision.hidden_size, m.vision.patch_size));
   }
   return m;
 }

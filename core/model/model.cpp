@@ -407,7 +407,7 @@ bool Model::vision_trains() const {
 }
 
 void Model::merge_images(const LayerContext& ctx, const TensorView& out, bool keep, std::string& where) {
-  if (ctx.batch.image_rows.numel() == 0) return;
+  if (!vision_ || ctx.batch.image_grids.empty()) return;
   where = "the vision tower and projector forward";
   const std::vector<ImageGrid> grids = image_grids_of(ctx.batch.image_grids, vision_->config());
   Tensor tokens = vision_->forward(ctx, ctx.batch.image_patches, grids, keep);
@@ -420,7 +420,7 @@ void Model::merge_images(const LayerContext& ctx, const TensorView& out, bool ke
 }
 
 void Model::merge_images_backward(const LayerContext& ctx, const TensorView& dembedded, std::string& where) {
-  if (ctx.batch.image_rows.numel() == 0 || !vision_trains()) return;
+  if (!vision_ || ctx.batch.image_grids.empty() || !vision_trains()) return;
   where = "the projector backward";
   Tensor dtokens = ctx.alloc({ctx.batch.image_rows.numel(), dembedded.size(1)});
   backend_.moe_permute(dtokens, dembedded, ctx.batch.image_rows, 1);

@@ -7,6 +7,7 @@
 
 #include "catch.h"
 #include "core/model/model.h"
+#include "core/plan/param_count.h"
 #include "gradcheck.h"
 #include "model_gradcheck.h"
 #include "tiny_model.h"
@@ -135,4 +136,28 @@ TEST_CASE("vision model: placeholders and images must agree", "[model][vision]")
   odd.image_grids = {1, 3, 4, 2, 4, 2};
   CHECK(error_message([&] { f.model->forward_backward(odd, f.grad_scale); }).find("multiple of 2") !=
         std::string::npos);
+}
+
+TEST_CASE("vision model: the plan counts the tower's weights and the projector's parameters exactly",
+          "[model][vision][plan]") {
+  for (const char* mode : {"full", "lora", "frozen"}) {
+    INFO("projector_train " << mode);
+    VisionFixture f(mode);
+    const Config config = vision_config(mode);
+    const ModelSpec spec = resolve_model_spec(config);
+    const ModelParameterCount count = count_model_parameters(spec);
+    int64_t vision_weights = 0;
+    for (const WeightSlot& slot : f.model->weight_slots()) {
+      const bool vision = slot.name.rfind("vision_tower.", 0) == 0 || slot.name.rfind("mm_projector.", 0) == 0;
+      if (vision) vision_weights += slot.tensor->numel();
+    }
+    CHECK(vision_weights == count.vision());
+    LoraConfig lora;
+    lora.rank = 2;
+    lora.targets = {"o_proj"};
+    int64_t projector_params = 0;
+    for (Parameter* p : f.model->parameters())
+      if (is_projector(p->name)) projector_params += p->value.numel();
+    CHECK(projector_params == count_lora_parameters(spec, lora).vision_projector);
+  }
 }
