@@ -254,6 +254,7 @@ void check_attention_forward(OperandRules& rules, const AttentionArgs& args) {
   expect_attention_shapes(op, args.q, args.k, args.v, args.out, args.lse, given(args.cu_seqlens_k));
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
   expect_key_segments(rules, op, args.cu_seqlens, args.cu_seqlens_k, args.k);
+  expect(args.causal || !given(args.cu_seqlens_k), op, "a non-causal call takes no cu_seqlens_k");
 }
 
 void check_attention_backward(OperandRules& rules, const AttentionBackwardArgs& args) {
@@ -269,6 +270,7 @@ void check_attention_backward(OperandRules& rules, const AttentionBackwardArgs& 
   expect_shape(op, "dk", args.dk, args.k.shape);
   expect_shape(op, "dv", args.dv, args.v.shape);
   expect_shape(op, "dout", args.dout, args.out.shape);
+  expect(args.causal || !given(args.cu_seqlens_k), op, "a non-causal call takes no cu_seqlens_k");
 }
 
 void check_swiglu_forward(OperandRules& rules, const TensorView& h, const TensorView& gate_up) {

@@ -50,7 +50,11 @@
   X(attention_gate_forward, AttentionGateArgs) \
   X(attention_gate_backward, AttentionGateBackwardArgs) \
   X(attn_res_forward, AttnResArgs) \
-  X(attn_res_backward, AttnResBackwardArgs)
+  X(attn_res_backward, AttnResBackwardArgs) \
+  X(gelu_forward, GeluArgs) \
+  X(gelu_backward, GeluBackwardArgs) \
+  X(vision_pos_embed, VisionPosEmbedArgs) \
+  X(patch_merge, PatchMergeArgs)
 
 // X(Return, op, (parameters), (arguments)) for every op with plain parameters:
 // Return op parameters, called as op arguments.

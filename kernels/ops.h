@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "core/base/tensor.h"
+#include "kernels/vision_ops.h"
 
 namespace moetrain::kernels {
 
@@ -124,9 +125,11 @@ struct RmsNormBackwardArgs {
 // cos/sin: [max_position, rope_dim / 2] tables (YaRN scaling already folded in by the host).
 // Layout kInterleaved is DeepSeek's: the input pairs (x[2i], x[2i+1]) are rotated by angle i
 // and written de-interleaved, out[i] and out[i + rope_dim/2] (as transformers does).
+// kAdjacent rotates the same pairs and writes them back in place (torch.view_as_complex: the
+// vision tower's 2-D RoPE, whose table has a row per token). kHalfSplit pairs x[i], x[i + half].
 // `inverse` rotates by the negative angle and undoes the layout: that is the backward.
 // In place when out and x are the same tensor.
-enum class RopeLayout { kInterleaved, kHalfSplit };
+enum class RopeLayout { kInterleaved, kHalfSplit, kAdjacent };
 struct RopeArgs {
   TensorView out;
   TensorView x;
@@ -142,6 +145,7 @@ struct RopeArgs {
 
 // Causal softmax attention within each segment of cu_seqlens. Per head h and query t:
 // out[t, h] = sum_s softmax_s(scale * q[t, h] . k[s, h]) v[s, h], s <= t in t's segment.
+// causal false: every s of t's segment (the vision tower's attention within each image).
 // q, k: [tokens, heads, qk_dim]; v, out: [tokens, heads, v_dim]; lse: [tokens, heads],
 // lse[t, h] = log sum_s exp(scale * q[t, h] . k[s, h]) (natural log, scale included).
 // Softmax in fp32 (or f64) whatever the storage dtype.
@@ -159,6 +163,7 @@ struct AttentionArgs {
   TensorView cu_seqlens;
   double scale = 1.0;
   TensorView cu_seqlens_k{};  // optional (see above)
+  bool causal = true;         // false: not with cu_seqlens_k
 };
 // dk, dv are shaped like k, v (with cu_seqlens_k, the keys' tokens).
 struct AttentionBackwardArgs {
@@ -174,6 +179,7 @@ struct AttentionBackwardArgs {
   TensorView cu_seqlens;
   double scale = 1.0;
   TensorView cu_seqlens_k{};  // optional (see AttentionArgs)
+  bool causal = true;         // as AttentionArgs::causal
 };
 
 // SwiGLU: h = silu(gate) * up; gate_up is [rows, 2 * width] with gate in the first half.
@@ -510,6 +516,7 @@ struct DsaIndexerArgs {
   int64_t top_k = 1;
   double scale = 1.0;
   TensorView cu_seqlens_k{};  // optional (see above)
+  bool causal = true;         // false: not with cu_seqlens_k
 };
 
 // Sparse attention in MQA form over selected keys. Per query t and head h, with S(t) the
@@ -760,6 +767,12 @@ class Backend {
   // Block Attention Residuals' depth mix (AttnResArgs above).
   virtual void attn_res_forward(const AttnResArgs& args) = 0;
   virtual void attn_res_backward(const AttnResBackwardArgs& args) = 0;
+
+  // The vision tower and projector (kernels/vision_ops.h says what each computes).
+  virtual void gelu_forward(const GeluArgs& args) = 0;
+  virtual void gelu_backward(const GeluBackwardArgs& args) = 0;
+  virtual void vision_pos_embed(const VisionPosEmbedArgs& args) = 0;
+  virtual void patch_merge(const PatchMergeArgs& args) = 0;
 };
 
 // The CPU reference backend (always built).

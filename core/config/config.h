@@ -92,6 +92,28 @@ struct DsaConfig {
   bool indexer_rope_interleave = false;
 };
 
+// Kimi K3's MoonViT vision tower, its patch merger and projector (docs/HF_SEMANTICS.md §11;
+// a kimi_k3 config.json's vision_config gives the shape, `enabled` stays the YAML's). Images
+// become text-side tokens at the placeholder token's positions; the tower is frozen, the
+// projector trains as `projector_train` says (lora: at lora.rank and lora.alpha).
+struct VisionConfig {
+  bool enabled = false;
+  int64_t patch_size = 14;
+  int64_t pos_emb_height = 64;        // the learned position table, resized to each image's grid
+  int64_t pos_emb_width = 64;
+  int64_t pos_emb_time = 4;           // the most frames an image (video) may have
+  int64_t num_layers = 27;
+  int64_t hidden_size = 1024;
+  int64_t num_heads = 12;
+  int64_t qkv_hidden_size = 1536;     // heads x head_dim; head_dim a multiple of 4 (2-D RoPE)
+  int64_t intermediate_size = 4096;
+  int64_t merge_size = 2;             // merge_kernel_size: merge_size x merge_size patches per token
+  double norm_eps = 1.1920928955078125e-07;  // the tower's RMSNorms: torch's default, 2^-23
+  double projector_eps = 1e-5;        // projector_ln_eps
+  int64_t placeholder_token_id = 163605;     // media_placeholder_token_id
+  std::string projector_train = "full";      // full | lora | frozen
+};
+
 struct ModelConfig {
   std::optional<std::string> hf_dir;     // a Hugging Face model directory; fields below override it
   std::string model_type = "deepseek_v3";
@@ -120,6 +142,7 @@ struct ModelConfig {
   KdaConfig kda;
   DsaConfig dsa;
   MoeConfig moe;
+  VisionConfig vision;
 };
 
 struct LoraConfig {

@@ -315,6 +315,43 @@ void check_model_limits(const ModelConfig& m, Rules& r) {
   }
 }
 
+// The vision tower's shape: what its ops need (a head_dim for the 2-D RoPE's four-way split,
+// grids the merger can pair up) and a placeholder token inside the vocabulary.
+void check_vision(const ModelConfig& m, Rules& r) {
+  const VisionConfig& v = m.vision;
+  if (!v.enabled) return;
+  for (const auto& [key, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"model.vision.patch_size", v.patch_size},
+           {"model.vision.pos_emb_height", v.pos_emb_height},
+           {"model.vision.pos_emb_width", v.pos_emb_width},
+           {"model.vision.pos_emb_time", v.pos_emb_time},
+           {"model.vision.num_layers", v.num_layers},
+           {"model.vision.hidden_size", v.hidden_size},
+           {"model.vision.num_heads", v.num_heads},
+           {"model.vision.qkv_hidden_size", v.qkv_hidden_size},
+           {"model.vision.intermediate_size", v.intermediate_size},
+           {"model.vision.merge_size", v.merge_size}}) {
+    r.positive(key, value);
+  }
+  r.positive("model.vision.norm_eps", v.norm_eps);
+  r.positive("model.vision.projector_eps", v.projector_eps);
+  r.one_of("model.vision.projector_train", v.projector_train, {"full", "lora", "frozen"});
+  if (r.known({"model.vision.qkv_hidden_size", "model.vision.num_heads"}) && v.num_heads > 0 &&
+      (v.qkv_hidden_size % v.num_heads != 0 || (v.qkv_hidden_size / v.num_heads) % 4 != 0)) {
+    r.fail({"model.vision.qkv_hidden_size", "model.vision.num_heads"},
+           "`model.vision.qkv_hidden_size` = " + show(v.qkv_hidden_size) + " over `model.vision.num_heads` = " +
+               show(v.num_heads) + " must give a whole head_dim that is a multiple of 4 (the 2-D RoPE rotates "
+               "column and row pairs in turn; Kimi K3: 1536 / 12 = 128)");
+  }
+  if (r.known({"model.vision.placeholder_token_id", "model.vocab_size"}) &&
+      (v.placeholder_token_id < 0 || v.placeholder_token_id >= m.vocab_size)) {
+    r.fail({"model.vision.placeholder_token_id", "model.vocab_size"},
+           "`model.vision.placeholder_token_id` = " + show(v.placeholder_token_id) +
+               " must be a token id below `model.vocab_size` = " + show(m.vocab_size) +
+               " (Kimi K3: media_placeholder_token_id 163605)");
+  }
+}
+
 void check_model(const ModelConfig& m, Rules& r) {
   if (m.hf_dir) r.not_empty("model.hf_dir", *m.hf_dir);
   r.one_of("model.model_type", m.model_type, kModelTypes);
@@ -359,6 +396,7 @@ void check_model(const ModelConfig& m, Rules& r) {
   check_dsa(m, r);
   check_moe(m.moe, r);
   check_expert_format(m, r);
+  check_vision(m, r);
 }
 
 void check_lora(const LoraConfig& l, Rules& r) {

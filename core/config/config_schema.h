@@ -78,6 +78,25 @@ void visit_fields(V& v, MoeConfig& c) {
 }
 
 template <class V>
+void visit_fields(V& v, VisionConfig& c) {
+  v.field("enabled", c.enabled);
+  v.field("patch_size", c.patch_size);
+  v.field("pos_emb_height", c.pos_emb_height);
+  v.field("pos_emb_width", c.pos_emb_width);
+  v.field("pos_emb_time", c.pos_emb_time);
+  v.field("num_layers", c.num_layers);
+  v.field("hidden_size", c.hidden_size);
+  v.field("num_heads", c.num_heads);
+  v.field("qkv_hidden_size", c.qkv_hidden_size);
+  v.field("intermediate_size", c.intermediate_size);
+  v.field("merge_size", c.merge_size);
+  v.field("norm_eps", c.norm_eps);
+  v.field("projector_eps", c.projector_eps);
+  v.field("placeholder_token_id", c.placeholder_token_id);
+  v.field("projector_train", c.projector_train);
+}
+
+template <class V>
 void visit_fields(V& v, ModelConfig& c) {
   v.field("hf_dir", c.hf_dir);
   v.field("model_type", c.model_type);
@@ -99,6 +118,7 @@ void visit_fields(V& v, ModelConfig& c) {
   v.section("kda", c.kda);
   v.section("dsa", c.dsa);
   v.section("moe", c.moe);
+  v.section("vision", c.vision);
 }
 
 template <class V>

@@ -20,6 +20,12 @@ struct Batch {
   std::vector<int32_t> labels;      // [batch_size * seq_len], -1: not a target
   std::vector<int32_t> positions;   // [batch_size * seq_len], position within its segment
   std::vector<int32_t> cu_seqlens;  // [num_segments + 1], prefix sums over the packed tokens
+  // Images (model.vision): every image's patches end to end, each image in raster order over
+  // (frame, row, column) and each patch channel-major ([c][y][x], 3 p^2 values), normalised; and
+  // each image's grid (frames, rows, columns of patches). The images' tokens sit, in order, at the
+  // input_ids equal to model.vision.placeholder_token_id (one per token: the pre-expanded form).
+  std::vector<float> image_patches;
+  std::vector<int32_t> image_grids;  // [images * 3]
 
   // `batch_size` windows of `seq_len` tokens: input_ids, labels and positions sized for a data
   // source to fill, cu_seqlens left to set_segments.

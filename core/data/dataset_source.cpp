@@ -167,7 +167,8 @@ Batch DatasetSource::next() {
   const uint64_t first = first_sample_of_rank(cursor_, micro_batch_, rank_);
   for (int64_t b = 0; b < micro_batch_; ++b) {
     const size_t offset = static_cast<size_t>(b * seq_len_);
-    WindowOut out{batch.input_ids.data() + offset, batch.labels.data() + offset, batch.positions.data() + offset};
+    WindowOut out{batch.input_ids.data() + offset, batch.labels.data() + offset, batch.positions.data() + offset,
+                  &batch.image_patches, &batch.image_grids};
     pack_sample(out, segments, first + static_cast<uint64_t>(b));
   }
   cursor_ += static_cast<uint64_t>(world_) * static_cast<uint64_t>(micro_batch_);
@@ -178,7 +179,9 @@ Batch DatasetSource::next() {
 Batch DatasetSource::sample(uint64_t global_sample) {
   Batch batch = Batch::of_windows(1, seq_len_);
   std::vector<int32_t> segments;
-  pack_sample(WindowOut{batch.input_ids.data(), batch.labels.data(), batch.positions.data()}, segments, global_sample);
+  pack_sample(WindowOut{batch.input_ids.data(), batch.labels.data(), batch.positions.data(), &batch.image_patches,
+                        &batch.image_grids},
+              segments, global_sample);
   batch.set_segments(segments);
   return batch;
 }

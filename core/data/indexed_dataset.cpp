@@ -64,6 +64,7 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
                            std::min<uint64_t>(mask_.size(), tokens_in_bin)));
     }
   }
+  if (ImageIndex::present(prefix_)) images_ = std::make_unique<ImageIndex>(prefix_, num_documents(), document_lengths_);
 }
 
 void IndexedDataset::check_header() {

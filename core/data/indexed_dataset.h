@@ -15,6 +15,7 @@
 //                  with it (token at .bin byte offset p has its mask at p / token_bytes), 1 = the
 //                  token is a training target, 0 = it is context only (a prompt, a user turn).
 //                  Without the file every token is a target.
+//   <prefix>.images, <prefix>.patches  optional (ours): the documents' images (image_index.h).
 //
 // Every header field, size and offset is checked when the dataset is opened (a truncated file,
 // a sequence pointing past the end of .bin, a mask of the wrong length): each problem is
@@ -23,9 +24,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/data/image_index.h"
 #include "core/io/mapped_file.h"
 
 namespace moetrain {
@@ -53,6 +56,8 @@ class IndexedDataset {
   int token_bytes() const { return token_bytes_; }
   int dtype_code() const { return dtype_code_; }
   bool has_loss_mask() const { return has_mask_; }
+  // The images beside the tokens (<prefix>.images and .patches, image_index.h), or null.
+  const ImageIndex* images() const { return images_.get(); }
 
   // Tokens [start, start + count) of document `doc` (its sequences concatenated) into `tokens`
   // and, when `mask` is not null, their loss-mask bytes (all 1 without a mask file).
@@ -91,6 +96,7 @@ class IndexedDataset {
   int64_t num_tokens_ = 0;
   std::vector<int64_t> document_lengths_;
   std::vector<int64_t> document_first_sequence_;  // [documents + 1]
+  std::unique_ptr<ImageIndex> images_;
 };
 
 }  // namespace moetrain

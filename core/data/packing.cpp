@@ -5,6 +5,29 @@
 #include "core/base/error.h"
 
 namespace moetrain {
+namespace {
+
+// The images of document `doc` that tokens [offset, offset + n) of it (window rows from `row`)
+// touch: whole ones to `out`'s image vectors, cut ones blanked (packing.h).
+void take_images(const WindowOut& out, const ImageIndex& images, int64_t doc, int64_t offset, int64_t n, int64_t row) {
+  for (int64_t i = images.first_image(doc); i < images.first_image(doc + 1); ++i) {
+    const int64_t begin = images.token_offset(i), end = begin + images.tokens(i);
+    if (end <= offset || begin >= offset + n) continue;
+    if (begin >= offset && end <= offset + n && out.image_patches != nullptr) {
+      const std::array<int32_t, 3> grid = images.grid(i);
+      const int64_t values = int64_t{grid[0]} * grid[1] * grid[2] * images.patch_values();
+      out.image_patches->insert(out.image_patches->end(), images.patches(i), images.patches(i) + values);
+      out.image_grids->insert(out.image_grids->end(), grid.begin(), grid.end());
+      continue;
+    }
+    for (int64_t t = std::max(begin, offset); t < std::min(end, offset + n); ++t) {
+      out.input_ids[row + t - offset] = kPadToken;
+      out.labels[row + t - offset] = -1;
+    }
+  }
+}
+
+}  // namespace
 
 void pack_window(const WindowOut& out, std::vector<int32_t>& segments, const IndexedDataset& dataset,
                  const EpochPlan& plan, int64_t window, int64_t seq_len, int64_t vocab_size) {
@@ -34,6 +57,7 @@ void pack_window(const WindowOut& out, std::vector<int32_t>& segments, const Ind
       out.positions[filled + t] = static_cast<int32_t>(t);
       out.labels[filled + t] = t + 1 < with_next && mask[t + 1] != 0 ? tokens[t + 1] : -1;
     }
+    if (const ImageIndex* images = dataset.images()) take_images(out, *images, doc, offset, n, filled);
     segments.push_back(static_cast<int32_t>(n));
     filled += n;
     at += n;

@@ -18,6 +18,11 @@
 //
 // The last window of an epoch is padded to seq_len with token kPadToken as one extra segment whose
 // labels are all -1.
+//
+// Images (a dataset with <prefix>.images): an image whose placeholder tokens all land in the
+// window comes with it (WindowOut's image vectors, in token order); one the window cuts, or any
+// when the caller takes no images, leaves its placeholders in the window as kPadToken, not targets
+// (the model needs every placeholder to have its image token).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +40,8 @@ struct WindowOut {
   int32_t* input_ids;
   int32_t* labels;
   int32_t* positions;
+  std::vector<float>* image_patches = nullptr;  // appended: Batch::image_patches
+  std::vector<int32_t>* image_grids = nullptr;  // appended: Batch::image_grids
 };
 
 // Writes window `window` of `plan` into `out` and appends its segment lengths to `segments`.

@@ -350,6 +350,60 @@ double k3_optional(const Json& text, const HfJson& hf, const char* key, double f
   return text.at(key).is_null() ? none : hf.get<double>(key);
 }
 
+// Kimi K3's vision_config (NeMo AutoModel's KimiK3VisionConfig; docs/HF_SEMANTICS.md §11): absent
+// keys take its defaults. The variants moetrain does not build (LayerNorm blocks, biases, bicubic
+// position resizing, other projectors or mergers) are refused by name rather than run differently.
+VisionConfig kimi_k3_vision_from_hf(const Json& json, int64_t text_hidden, const std::string& source) {
+  const Json& vision = json.at("vision_config");
+  const std::string vision_source = source + " (vision_config)";
+  HfJson hf(vision, vision_source, "kimi_k3");
+  auto expect_value = [&](const char* key, const std::string& fallback, const std::string& supported) {
+    const std::string value = hf.get_or<std::string>(key, fallback);
+    MOETRAIN_CHECK(value == supported, ExitCode::kBadConfig,
+                   fmt::format("{}: {} \"{}\" is not supported (moetrain builds Kimi K3's \"{}\")", vision_source, key,
+                               value, supported));
+  };
+  expect_value("norm_type", "rmsnorm", "rmsnorm");
+  expect_value("mm_projector_type", "patchmergerv2", "patchmergerv2");
+  expect_value("merge_type", "sd2_tpool", "sd2_tpool");
+  expect_value("pos_emb_type", "divided_fixed", "divided_fixed");
+  expect_value("pos_emb_interpolation_mode", "bilinear", "bilinear");
+  expect_value("mlp_type", "mlp2", "mlp2");
+  for (const char* key : {"attn_bias", "linear_bias", "patch_embed_proj_bias"}) {
+    MOETRAIN_CHECK(!hf.get_or<bool>(key, false), ExitCode::kBadConfig,
+                   fmt::format("{}: {} is true; moetrain's vision tower has no biases (Kimi K3's has none)",
+                               vision_source, key));
+  }
+  // The tower is built when the YAML says model.vision.enabled: true (a text-only run of the
+  // checkpoint leaves vision_tower.* and mm_projector.* unread, as before).
+  VisionConfig v;
+  v.patch_size = hf.get_or<int64_t>("patch_size", 14);
+  v.pos_emb_height = hf.get_or<int64_t>("init_pos_emb_height", 64);
+  v.pos_emb_width = hf.get_or<int64_t>("init_pos_emb_width", 64);
+  v.pos_emb_time = hf.get_or<int64_t>("init_pos_emb_time", 4);
+  v.num_layers = hf.get_or<int64_t>("vt_num_hidden_layers", 27);
+  v.hidden_size = hf.get_or<int64_t>("vt_hidden_size", 1024);
+  v.num_heads = hf.get_or<int64_t>("vt_num_attention_heads", 12);
+  v.qkv_hidden_size = hf.get_or<int64_t>("qkv_hidden_size", 1536);
+  v.intermediate_size = hf.get_or<int64_t>("vt_intermediate_size", 4096);
+  const std::vector<int64_t> merge = hf.get_or<std::vector<int64_t>>("merge_kernel_size", {2, 2});
+  MOETRAIN_CHECK(merge.size() == 2 && merge[0] == merge[1], ExitCode::kBadConfig,
+                 fmt::format("{}: merge_kernel_size must be two equal sides (Kimi K3: [2, 2])", vision_source));
+  v.merge_size = merge[0];
+  MOETRAIN_CHECK(hf.get_or<int64_t>("mm_hidden_size", v.hidden_size) == v.hidden_size, ExitCode::kBadConfig,
+                 fmt::format("{}: mm_hidden_size differs from vt_hidden_size; the projector reads the tower's output",
+                             vision_source));
+  MOETRAIN_CHECK(hf.get_or<int64_t>("text_hidden_size", text_hidden) == text_hidden, ExitCode::kBadConfig,
+                 fmt::format("{}: text_hidden_size {} differs from text_config's hidden_size {}", vision_source,
+                             hf.get_or<int64_t>("text_hidden_size", text_hidden), text_hidden));
+  v.projector_eps = hf.get_or<double>("projector_ln_eps", 1e-5);
+  // The top-level key is the one NeMo's merge reads; the vision_config's copy is its fallback.
+  v.placeholder_token_id = HfJson(json, source, "kimi_k3")
+                               .get_or<int64_t>("media_placeholder_token_id",
+                                                hf.get_or<int64_t>("media_placeholder_token_id", 163605));
+  return v;
+}
+
 // Kimi K3 (model_type kimi_k3; NeMo AutoModel's KimiK3Config, sglang's kimi_k3): a vision-language
 // checkpoint whose text_config is a Kimi-Linear config with K3's additions. Absent keys take
 // KimiK3TextConfig's defaults, which differ from Kimi-Linear's in places (SiTU, latent MoE,
@@ -397,11 +451,10 @@ ModelConfig kimi_k3_from_hf(const Json& json, const HfJson& top) {
     moe.expert_format = "mxfp4";
   }
   if (json.contains("vision_config") && json.at("vision_config").is_object()) {
-    const Json& vision = json.at("vision_config");
-    log::info(fmt::format("{}: kimi_k3 vision tower ({} layers, hidden {}, patch {}) is not loaded: moetrain trains "
-                          "the language model (language_model.*) on text",
-                          source, vision.value("vt_num_hidden_layers", 0), vision.value("vt_hidden_size", 0),
-                          vision.value("patch_size", 0)));
+    m.vision = kimi_k3_vision_from_hf(json, m.hidden_size, source);
+    log::info(fmt::format("{}: kimi_k3 vision tower ({} layers, hidden {}, patch {}) in vision_config; it is built "
+                          "with model.vision.enabled: true (else the language model trains on text)",
+                          source, m.vision.num_layers, m.vision.hidden_size, m.vision.patch_size));
   }
   return m;
 }

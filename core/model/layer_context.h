@@ -20,6 +20,13 @@ struct BatchTensors {
   Tensor cu_seqlens;  // [segments + 1]
   int64_t num_tokens = 0;
   int64_t seq_len = 0;  // window length (segments never span windows)
+  // Images (Batch::image_patches, model.vision): the patches in the compute dtype, the grids on
+  // the host, and two int32 row maps: image_rows [image tokens], the rows of the placeholders in
+  // order; merge_index [tokens], each row's source in [text embeddings | image tokens].
+  Tensor image_patches;
+  std::vector<int32_t> image_grids;
+  Tensor image_rows;
+  Tensor merge_index;
   // Context parallelism (Batch::context): this rank holds shard context_group->rank() of the
   // micro-batch cut as `context`; cu_seqlens are its own segments, positions the micro-batch's.
   std::optional<ContextShards> context;

@@ -21,6 +21,7 @@
 #include "core/model/parameter_group.h"
 #include "core/model/step_io.h"
 #include "core/model/trainable_model.h"
+#include "core/model/vision_tower.h"
 
 namespace moetrain {
 
@@ -136,6 +137,8 @@ class Model final : public TrainableModel {
   // The most FSDP buckets gathered at once so far (layers and the embed/norm/head bucket): with
   // re-gathering for backward, max(prefetch + 1, 2) -- the weights are freed after use.
   int64_t fsdp_peak_gathered_buckets() const { return fsdp_.peak_gathered(); }
+  // The vision tower and projector (model.vision.enabled), else null.
+  VisionTower* vision() { return vision_.get(); }
   // Every LoRA-capable projection, by HF module name (tests and adapter import/export).
   std::vector<std::pair<std::string, LoraLinear*>> linear_modules();
 
@@ -156,6 +159,14 @@ class Model final : public TrainableModel {
 
   // The batch checked on the host, then on the device.
   BatchTensors upload(const Batch& batch);
+  // The images' tensors of `bt` (model.vision): checked against the placeholders of the batch.
+  void upload_images(const Batch& batch, BatchTensors& bt);
+  // inputs[0] rows of the placeholders <- the image tokens (model.vision), with `embedded` the
+  // text embeddings; with keep the projector keeps what its backward reads.
+  void merge_images(const LayerContext& ctx, const TensorView& out, bool keep, std::string& where);
+  // The projector's gradients from dembedded, the merged embeddings' gradient.
+  void merge_images_backward(const LayerContext& ctx, const TensorView& dembedded, std::string& where);
+  bool vision_trains() const;
   LayerContext context(const BatchTensors& batch);
   DType parameter_dtype() const { return options_.dtype == DType::kF64 ? DType::kF64 : DType::kF32; }
   const Tensor& head() const { return spec_.config.tie_word_embeddings ? embed_ : lm_head_; }
@@ -240,6 +251,7 @@ class Model final : public TrainableModel {
   BatchStaging batches_;
   ResultReadback results_;
   LayerCheckpoints checkpoints_;  // the layer inputs from forward to backward
+  std::unique_ptr<VisionTower> vision_;
 };
 
 }  // namespace moetrain

@@ -23,7 +23,11 @@
 namespace moetrain {
 namespace {
 
-bool is_norm_weight(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
+// Norms, the vision tower's norm0 / norm1 among them (names that do not end in "norm").
+bool is_norm_weight(const std::string& name) {
+  return name.find("norm.weight") != std::string::npos || name.find(".norm0.weight") != std::string::npos ||
+         name.find(".norm1.weight") != std::string::npos;
+}
 bool is_bias(const std::string& name) { return name.find("e_score_correction_bias") != std::string::npos; }
 // Zero at random initialisation: the router's score bias and LayerNorm biases (DSA's k_norm).
 bool is_zero_init(const std::string& name) { return is_bias(name) || name.find("norm.bias") != std::string::npos; }

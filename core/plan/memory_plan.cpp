@@ -236,6 +236,13 @@ void add_frozen_weights(MemoryPlan& plan, const PlanInputs& in) {
   add(plan.fixed, "gathered weights (bf16)", fsdp > 1 ? gathered * kBf16 : 0.0,
       fmt::format("max((prefetch {} + 1) x largest layer {:.3g}, embedding/head {:.3g}) x 2 B; 0 when fsdp = 1",
                   plan.prefetch, static_cast<double>(largest_layer), static_cast<double>(largest_edge)));
+  // The vision tower and projector (model.vision) are whole on every rank; a full-trained
+  // projector's weights are counted with the adapters instead.
+  const int64_t vision_frozen = p.vision_tower + (m.vision.projector_train == "full" ? 0 : p.projector);
+  if (m.vision.enabled) {
+    add(plan.fixed, "vision tower + projector (bf16, whole)", static_cast<double>(vision_frozen) * kBf16,
+        fmt::format("{:.3g} frozen weights x 2 B", static_cast<double>(vision_frozen)));
+  }
   const int64_t expert_elements = p.routed_expert_per_layer() / std::max<int64_t>(1, m.moe.num_experts);
   // MXFP4 experts stay packed on the device: half a byte per weight and one E8M0 byte per 32.
   const bool mxfp4 = m.moe.expert_format == "mxfp4";

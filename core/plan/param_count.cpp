@@ -93,7 +93,7 @@ int64_t ModelParameterCount::routed_expert_per_layer() const {
 }
 
 int64_t LoraParameterCount::non_expert() const {
-  int64_t n = 0;
+  int64_t n = vision_projector;
   for (int64_t l : layer_non_expert) n += l;
   return n;
 }
@@ -157,6 +157,14 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec) {
           moe.num_experts * swiglu_weights(latent > 0 ? latent : d, moe.expert_intermediate_size);
     }
     count.layers.push_back(layer);
+  }
+  if (m.vision.enabled) {
+    const VisionConfig& v = m.vision;
+    const int64_t h = v.hidden_size, merged = v.merge_size * v.merge_size * h;
+    const int64_t block = 2 * h + h * 3 * v.qkv_hidden_size + v.qkv_hidden_size * h + 2 * h * v.intermediate_size;
+    count.vision_tower = h * 3 * v.patch_size * v.patch_size + v.pos_emb_height * v.pos_emb_width * h +
+                         v.num_layers * block + h;
+    count.projector = merged * merged + d * merged + d;
   }
   return count;
 }
@@ -349,7 +357,14 @@ LoraParameterCount count_lora(const ModelSpec& spec, const LoraConfig& lora, Lor
 LoraParameterCount count_lora_parameters(const ModelSpec& spec, const LoraConfig& lora) {
   LoraRanks ranks(lora);
   LoraModules modules;
-  return count_lora(spec, lora, ranks, modules);
+  LoraParameterCount count = count_lora(spec, lora, ranks, modules);
+  const VisionConfig& v = spec.config.vision;
+  if (v.enabled) {
+    const int64_t merged = v.merge_size * v.merge_size * v.hidden_size, d = spec.config.hidden_size;
+    if (v.projector_train == "full") count.vision_projector = merged * merged + d * merged + d;
+    if (v.projector_train == "lora") count.vision_projector = lora.rank * (merged + merged) + lora.rank * (merged + d);
+  }
+  return count;
 }
 
 void check_lora_modules(const ModelSpec& spec, const LoraConfig& lora) {

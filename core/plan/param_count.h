@@ -29,10 +29,15 @@ struct ModelParameterCount {
   int64_t lm_head = 0;  // 0 when tied to the embedding
   int64_t final_norm = 0;
   std::vector<LayerParameterCount> layers;
+  // model.vision: the tower and the projector, whole on every rank (VisionTower::weight_slots;
+  // with projector_train: full the projector's weights are its trainable parameters).
+  int64_t vision_tower = 0;
+  int64_t projector = 0;
 
   int64_t non_expert() const;      // FSDP-sharded frozen weights
   int64_t routed_experts() const;  // EP-sharded frozen weights
-  int64_t total() const { return non_expert() + routed_experts(); }
+  int64_t vision() const { return vision_tower + projector; }
+  int64_t total() const { return non_expert() + routed_experts() + vision(); }
   int64_t routed_expert_per_layer() const;  // of one MoE layer (0 without MoE layers)
 };
 
@@ -44,6 +49,9 @@ struct LoraParameterCount {
   std::vector<int64_t> layer_routed_expert;  // per layer: the per-expert factors of all its experts
   int64_t shared_expert_a = 0;  // the part of non_expert() that is shared expert A's (every routed row)
   int64_t num_moe_layers = 0;
+  // The projector's trainable parameters (model.vision.projector_train: its weights, or LoRA on its
+  // two Linears at lora.rank), replicated like the non-expert adapters and counted in non_expert().
+  int64_t vision_projector = 0;
   // Elements of the adapters as the SwiGLU networks pack them for their GEMMs (SwigluExperts::
   // PackedLora: gate and up's A's stacked along the rank, their B's block-diagonal over the 2F
   // outputs, so each B is stored twice its size): the dense and shared MLPs' with the routed

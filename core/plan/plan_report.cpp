@@ -40,8 +40,11 @@ std::string format_plan(const MemoryPlan& plan) {
   std::string out;
   out += fmt::format("world {} = fsdp {} x replicate {}; ep {} ({} experts per rank, {} replicas of each)\n",
                      plan.world, plan.fsdp, plan.replicate, plan.ep, plan.local_experts, plan.world / plan.ep);
-  out += fmt::format("parameters: total {} = non-expert {} + routed experts {}\n", count(p.total()),
-                     count(p.non_expert()), count(p.routed_experts()));
+  out += fmt::format("parameters: total {} = non-expert {} + routed experts {}{}\n", count(p.total()),
+                     count(p.non_expert()), count(p.routed_experts()),
+                     p.vision() > 0 ? fmt::format(" + vision tower {} + projector {}", count(p.vision_tower),
+                                                  count(p.projector))
+                                    : std::string());
   out += fmt::format("LoRA: {} = non-expert {} + routed experts {}\n", count(plan.lora.total()),
                      count(plan.lora.non_expert()), count(plan.lora.routed_experts()));
   out += fmt::format("micro-batch: {} tokens per rank{}, {} micro-batches per step, recompute {}\n\n",
@@ -123,7 +126,9 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["fewest_recompute_layers"] = plan.fewest_recompute_layers();  // -1: none fits
   j["parameters"] = {{"total", p.total()},
                      {"non_expert", p.non_expert()},
-                     {"routed_experts", p.routed_experts()}};
+                     {"routed_experts", p.routed_experts()},
+                     {"vision_tower", p.vision_tower},
+                     {"projector", p.projector}};
   j["lora_parameters"] = {{"total", plan.lora.total()},
                           {"non_expert", plan.lora.non_expert()},
                           {"routed_experts", plan.lora.routed_experts()}};

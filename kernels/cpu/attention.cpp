@@ -1,5 +1,5 @@
-// Causal softmax attention within cu_seqlens segments, forward and backward (see AttentionArgs
-// in kernels/ops.h), CPU reference: the one every other attention kernel is tested against.
+// Softmax attention within cu_seqlens segments, causal or not, forward and backward (see
+// AttentionArgs in kernels/ops.h), CPU reference: the one every other attention kernel is tested against.
 // Loops run query row by query row inside each (segment, head), never a [T, T] matrix; sums are
 // taken in double in a fixed order, so results do not depend on anything but the inputs.
 #include "kernels/cpu/reference.h"
@@ -61,21 +61,24 @@ std::vector<int64_t> segment_bounds(const TensorView& cu_seqlens, int64_t tokens
 
 // Each query segment and the keys it sees: query t of [q_begin, q_end) attends keys
 // [k_begin, last_key(t)] (ops.h AttentionArgs: without key segments of their own, the keys are
-// the queries' own tokens and last_key(t) = t).
+// the queries' own tokens and last_key(t) = t; not causal, the segment's last key).
 struct SegmentPair {
   int64_t q_begin = 0, q_end = 0, k_begin = 0, k_end = 0;
-  int64_t last_key(int64_t t) const { return t + (k_end - k_begin) - (q_end - q_begin) - q_begin + k_begin; }
+  bool causal = true;
+  int64_t last_key(int64_t t) const {
+    return causal ? t + (k_end - k_begin) - (q_end - q_begin) - q_begin + k_begin : k_end - 1;
+  }
 };
 
 std::vector<SegmentPair> segment_pairs(const TensorView& cu_seqlens, const TensorView& cu_seqlens_k,
-                                       const AttentionDims& d) {
+                                       const AttentionDims& d, bool causal) {
   const std::vector<int64_t> q = segment_bounds(cu_seqlens, d.tokens);
   const std::vector<int64_t> k = cu_seqlens_k.data == nullptr ? q : segment_bounds(cu_seqlens_k, d.key_tokens);
   MOETRAIN_ASSERT(k.size() == q.size(), "attention: cu_seqlens_k has " + std::to_string(k.size() - 1) +
                                             " segments, cu_seqlens " + std::to_string(q.size() - 1));
   std::vector<SegmentPair> pairs;
   for (size_t s = 0; s + 1 < q.size(); ++s) {
-    pairs.push_back({q[s], q[s + 1], k[s], k[s + 1]});
+    pairs.push_back({q[s], q[s + 1], k[s], k[s + 1], causal});
     MOETRAIN_ASSERT(q[s + 1] - q[s] <= k[s + 1] - k[s], "attention: segment " + std::to_string(s) +
                                                              " has more queries than keys");
   }
@@ -91,7 +94,7 @@ void attention_forward(const AttentionArgs& args) {
   const AttentionDims d = attention_dims(args.q, args.k, args.v);
   expect_shape(args.out, Shape({d.tokens, d.heads, d.v_dim}), "out");
   expect_lse(args.lse, d);
-  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d);
+  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d, args.causal);
   const T* q = args.q.ptr<T>();
   const T* k = args.k.ptr<T>();
   const T* v = args.v.ptr<T>();
@@ -107,7 +110,7 @@ void attention_forward(const AttentionArgs& args) {
       const int64_t last = seg.last_key(t);
       for (int64_t h = 0; h < d.heads; ++h) {
         const T* qt = q + t * q_row + h * d.qk_dim;
-        // Keys begin..last inclusive: causal within the segment.
+        // Keys begin..last inclusive: causal within the segment, or the whole segment.
         logits.resize(static_cast<size_t>(last - begin + 1));
         double max_logit = -std::numeric_limits<double>::infinity();
         for (int64_t s = begin; s <= last; ++s) {
@@ -142,7 +145,7 @@ void attention_backward(const AttentionBackwardArgs& args) {
   expect_shape(args.dq, args.q.shape, "dq");
   expect_shape(args.dk, args.k.shape, "dk");
   expect_shape(args.dv, args.v.shape, "dv");
-  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d);
+  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d, args.causal);
   const T* q = args.q.ptr<T>();
   const T* k = args.k.ptr<T>();
   const T* v = args.v.ptr<T>();

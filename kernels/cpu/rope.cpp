@@ -5,6 +5,7 @@
 // kInterleaved (DeepSeek): a = x[2i], b = x[2i + 1], written to out[i], out[i + rope_dim / 2]
 //   (transformers' apply_rotary_pos_emb_interleave: de-interleave, then rotate_half).
 // kHalfSplit (Llama):      a = x[i], b = x[i + rope_dim / 2], written back to the same places.
+// kAdjacent (MoonViT):     a = x[2i], b = x[2i + 1], written back to the same places.
 // `inverse` is the transpose (= inverse) of that map: it reads the half-split positions,
 // rotates by -angle, and writes the input layout. That is both the backward and the undo.
 // Columns outside the rope range are copied from x when out is another tensor.
@@ -29,6 +30,7 @@ void rope(const RopeArgs& args) {
   T* out = args.out.ptr<T>();
   const bool in_place = args.out.data == args.x.data;
   const bool interleaved = args.layout == RopeLayout::kInterleaved;
+  const bool adjacent = args.layout == RopeLayout::kAdjacent;
 
   if (!in_place) std::copy(x, x + rows * width, out);  // the columns rope leaves alone
   std::vector<T> a(static_cast<size_t>(half)), b(static_cast<size_t>(half));
@@ -42,7 +44,14 @@ void rope(const RopeArgs& args) {
     const T* s = sin_table + position * half;
     const T* xr = x + r * width + args.col_offset;
     T* outr = out + r * width + args.col_offset;
-    if (!args.inverse) {
+    if (adjacent) {
+      const T sign = args.inverse ? T(-1) : T(1);
+      for (int64_t i = 0; i < half; ++i) {
+        const T xa = xr[2 * i], xb = xr[2 * i + 1];
+        outr[2 * i] = xa * c[i] - sign * xb * s[i];
+        outr[2 * i + 1] = xb * c[i] + sign * xa * s[i];
+      }
+    } else if (!args.inverse) {
       for (int64_t i = 0; i < half; ++i) {
         a[i] = interleaved ? xr[2 * i] : xr[i];
         b[i] = interleaved ? xr[2 * i + 1] : xr[i + half];

@@ -386,18 +386,28 @@ class CudaBackend final : public Backend {
 
   void rope(const RopeArgs& args) override {
     check_rope(rules_, args, cuda_ops::kMaxRopeDim);
+    expect(args.layout != RopeLayout::kAdjacent, "rope", "the kAdjacent layout has no CUDA kernel yet");
     cuda_ops::rope(args, stream_);
   }
 
   void attention_forward(const AttentionArgs& args) override {
     check_attention_forward(rules_, args);
+    expect(args.causal, "attention_forward", "non-causal attention has no CUDA kernel yet");
     cuda_ops::attention_forward(args, stream_);
   }
 
   void attention_backward(const AttentionBackwardArgs& args) override {
     check_attention_backward(rules_, args);
+    expect(args.causal, "attention_backward", "non-causal attention has no CUDA kernel yet");
     cuda_ops::attention_backward(args, stream_);
   }
+
+  // The vision tower's ops have no CUDA kernels yet: the model refuses a vision config on CUDA
+  // before it gets here (core/model/vision_tower.cpp), so these only catch a direct call.
+  void gelu_forward(const GeluArgs&) override { fail("gelu_forward", "no CUDA kernel yet"); }
+  void gelu_backward(const GeluBackwardArgs&) override { fail("gelu_backward", "no CUDA kernel yet"); }
+  void vision_pos_embed(const VisionPosEmbedArgs&) override { fail("vision_pos_embed", "no CUDA kernel yet"); }
+  void patch_merge(const PatchMergeArgs&) override { fail("patch_merge", "no CUDA kernel yet"); }
 
   void swiglu_forward(const TensorView& h, const TensorView& gate_up) override {
     check_swiglu_forward(rules_, h, gate_up);
