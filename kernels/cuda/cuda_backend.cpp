@@ -399,6 +399,11 @@ class CudaBackend final : public Backend {
     cuda_ops::attention_backward(args, stream_);
   }
 
+  void attention_merge(const AttentionMergeArgs& args) override {
+    check_attention_merge(rules_, args);
+    cuda_ops::attention_merge(args, stream_);
+  }
+
   void swiglu_forward(const TensorView& h, const TensorView& gate_up) override {
     check_swiglu_forward(rules_, h, gate_up);
     cuda_ops::swiglu_forward(h, gate_up, stream_);
