@@ -19,8 +19,10 @@
 // Segments: a query row's visible keys come from a binary search of cu_seqlens; a tile may
 // straddle segments, so masking is per (query, key): first(t) <= s <= last(t). Keys with segments
 // of their own (cu_seqlens_k, a context-parallel shard's queries against every earlier key) only
-// move those bounds: last(t) = t + k_end - q_end (attention_segments.cuh); without them the
-// kernels take cu_seqlens_k = cu_seqlens, so first(t) = segment start, last(t) = t.
+// move those bounds: last(t) = t + k_end - q_end, or t + key_shift for one chunk of a shard's
+// keys, where a query may see none (out 0, lse -inf; attention_merge below folds the chunks)
+// (attention_segments.cuh); without them the kernels take cu_seqlens_k = cu_seqlens, so
+// first(t) = segment start, last(t) = t.
 //
 // Three paths, picked in attention_forward / attention_backward below (the one place):
 //   1. Hopper flash attention (flash_attention_sm90_*.cu: wgmma + TMA, warp-specialised) for BF16
