@@ -41,8 +41,9 @@ Tensor upload_offsets(kernels::Backend& backend, const std::vector<int32_t>& cu)
 
 }  // namespace
 
-AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards)
-    : backend_(backend), cp_(cp), shards_(shards) {
+AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                                           int64_t key_chunk)
+    : backend_(backend), cp_(cp), shards_(shards), key_chunk_(key_chunk) {
   MOETRAIN_CHECK(shards.ranks() == cp.size(), ExitCode::kInternal, "attention across ranks: a shard per rank");
 }
 
@@ -167,7 +168,7 @@ KeyChunks::Chunk rows_of(kernels::Backend& backend, const Tensor& k, const Tenso
 void AttentionAcrossRanks::forward(const AttentionArgs& args) {
   const Tensor k = gather_visible_rows(backend_, cp_, shards_, args.k);
   const Tensor v = gather_visible_rows(backend_, cp_, shards_, args.v);
-  KeyChunks(backend_, shards_, cp_.rank(), 0).forward(args, [&](int64_t from, int64_t to) {
+  KeyChunks(backend_, shards_, cp_.rank(), key_chunk_).forward(args, [&](int64_t from, int64_t to) {
     return rows_of(backend_, k, v, from, to);
   });
 }
@@ -176,7 +177,7 @@ void AttentionAcrossRanks::backward(const AttentionBackwardArgs& args) {
   const Tensor k = gather_visible_rows(backend_, cp_, shards_, args.k);
   const Tensor v = gather_visible_rows(backend_, cp_, shards_, args.v);
   Tensor dk(k.shape(), args.dk.dtype, backend_.allocator()), dv(v.shape(), args.dv.dtype, backend_.allocator());
-  KeyChunks(backend_, shards_, cp_.rank(), 0)
+  KeyChunks(backend_, shards_, cp_.rank(), key_chunk_)
       .backward(
           args, [&](int64_t from, int64_t to) { return rows_of(backend_, k, v, from, to); },
           [&](int64_t from, int64_t to, const TensorView& chunk_dk, const TensorView& chunk_dv) {

@@ -71,11 +71,13 @@ class KeyChunks {
 };
 
 // Attention whose keys and values travel as they are: all-gathered (padded to the longest shard)
-// and attended in chunks of a shard's length; their gradients reduce-scattered to their owners.
+// and attended in chunks (KeyChunks); their gradients reduce-scattered to their owners.
 class AttentionAcrossRanks {
  public:
   // `cp`: the context-parallel group, its rank r holding shard r of `shards`. Neither is owned.
-  AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards);
+  // key_chunk: rows of keys attended at a time (0: the longest shard).
+  AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                       int64_t key_chunk = 0);
 
   // args: this shard's rows (q, k, v, out, lse; dq, dk, dv for its own keys), cu_seqlens its
   // shards.local_cu(), no cu_seqlens_k (this class sets it).
@@ -86,6 +88,7 @@ class AttentionAcrossRanks {
   kernels::Backend& backend_;
   Communicator& cp_;
   const ContextShards& shards_;
+  int64_t key_chunk_ = 0;
 };
 
 }  // namespace moetrain
