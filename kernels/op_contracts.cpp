@@ -246,6 +246,12 @@ void expect_key_segments(OperandRules& rules, const char* op, const TensorView& 
 
 }  // namespace
 
+// key_shift moves the keys a query sees within its key segment, so it needs key segments.
+void expect_key_shift(const char* op, const TensorView& cu_seqlens_k, int64_t key_shift) {
+  expect(key_shift == kShiftFromSegments || given(cu_seqlens_k), op,
+         "key_shift " + std::to_string(key_shift) + " is given without cu_seqlens_k (the keys' own segments)");
+}
+
 void check_attention_forward(OperandRules& rules, const AttentionArgs& args) {
   const char* op = "attention_forward";
   rules.activation(op, "out", args.out);
@@ -255,6 +261,7 @@ void check_attention_forward(OperandRules& rules, const AttentionArgs& args) {
   rules.offsets(op, "cu_seqlens", args.cu_seqlens, args.q.size(0), "sequences");
   expect_key_segments(rules, op, args.cu_seqlens, args.cu_seqlens_k, args.k);
   expect(args.causal || !given(args.cu_seqlens_k), op, "a non-causal call takes no cu_seqlens_k");
+  expect_key_shift(op, args.cu_seqlens_k, args.key_shift);
 }
 
 void check_attention_backward(OperandRules& rules, const AttentionBackwardArgs& args) {
@@ -271,6 +278,17 @@ void check_attention_backward(OperandRules& rules, const AttentionBackwardArgs& 
   expect_shape(op, "dv", args.dv, args.v.shape);
   expect_shape(op, "dout", args.dout, args.out.shape);
   expect(args.causal || !given(args.cu_seqlens_k), op, "a non-causal call takes no cu_seqlens_k");
+  expect_key_shift(op, args.cu_seqlens_k, args.key_shift);
+}
+
+void check_attention_merge(OperandRules& rules, const AttentionMergeArgs& args) {
+  const char* op = "attention_merge";
+  activations(rules, op, {{"out", &args.out}, {"chunk_out", &args.chunk_out}});
+  accumulations(rules, op, {{"lse", &args.lse}, {"chunk_lse", &args.chunk_lse}});
+  expect(args.out.ndim() == 3, op, describe("out", args.out) + " should be [tokens, heads, v_dim]");
+  expect_shape(op, "chunk_out", args.chunk_out, args.out.shape);
+  expect_shape(op, "lse", args.lse, Shape({args.out.size(0), args.out.size(1)}));
+  expect_shape(op, "chunk_lse", args.chunk_lse, args.lse.shape);
 }
 
 void check_swiglu_forward(OperandRules& rules, const TensorView& h, const TensorView& gate_up) {

@@ -22,6 +22,7 @@
   X(rope, RopeArgs) \
   X(attention_forward, AttentionArgs) \
   X(attention_backward, AttentionBackwardArgs) \
+  X(attention_merge, AttentionMergeArgs) \
   X(swiglu_backward, SwigluBackwardArgs) \
   X(situ_forward, SituArgs) \
   X(situ_backward, SituBackwardArgs) \

@@ -153,7 +153,11 @@ struct RopeArgs {
 // many segments as the queries, and each query segment is the last rows of its key segment
 // (queries of a context-parallel shard against every key up to the shard's end): query i of a
 // segment of q_len rows attends keys s <= i + k_len - q_len of its key segment (q_len <= k_len).
+// key_shift, with cu_seqlens_k only: query row t attends the key rows s <= t + key_shift of its
+// key segment instead (rows of this call; any q_len, k_len): one chunk of a shard's keys, a query
+// seeing none of them getting out 0 and lse -inf; attention_merge folds the chunks together.
 // (The CUDA backend runs such calls on its SIMT kernels, kernels/cuda/attention/attention.cu.)
+constexpr int64_t kShiftFromSegments = INT64_MIN;
 struct AttentionArgs {
   TensorView out;
   TensorView lse;
@@ -164,8 +168,11 @@ struct AttentionArgs {
   double scale = 1.0;
   TensorView cu_seqlens_k{};  // optional (see above)
   bool causal = true;         // false: not with cu_seqlens_k
+  int64_t key_shift = kShiftFromSegments;  // see above
 };
-// dk, dv are shaped like k, v (with cu_seqlens_k, the keys' tokens).
+// dk, dv are shaped like k, v (with cu_seqlens_k, the keys' tokens). Over a chunk of the keys
+// (key_shift) with the lse and out of all of them, P and D are the whole softmax's: dk, dv of the
+// chunk's keys are exact, dq is the chunk's share (the chunks' dq sum to the whole).
 struct AttentionBackwardArgs {
   TensorView dq;
   TensorView dk;
@@ -180,6 +187,17 @@ struct AttentionBackwardArgs {
   double scale = 1.0;
   TensorView cu_seqlens_k{};  // optional (see AttentionArgs)
   bool causal = true;         // as AttentionArgs::causal
+  int64_t key_shift = kShiftFromSegments;  // as AttentionArgs::key_shift
+};
+// Folds attention over more keys (chunk_out, chunk_lse) into (out, lse), by the log-sum-exp rule:
+// lse' = log(exp(lse) + exp(chunk_lse)), out' = exp(lse - lse') out + exp(chunk_lse - lse') chunk_out;
+// an lse of -inf (no keys yet) gives the other side whole. out, chunk_out: [tokens, heads, v_dim];
+// lse, chunk_lse: [tokens, heads] accum.
+struct AttentionMergeArgs {
+  TensorView out;
+  TensorView lse;
+  TensorView chunk_out;
+  TensorView chunk_lse;
 };
 
 // SwiGLU: h = silu(gate) * up; gate_up is [rows, 2 * width] with gate in the first half.
@@ -716,6 +734,7 @@ class Backend {
 
   virtual void attention_forward(const AttentionArgs& args) = 0;
   virtual void attention_backward(const AttentionBackwardArgs& args) = 0;
+  virtual void attention_merge(const AttentionMergeArgs& args) = 0;
 
   // h [rows, width] = silu(gate_up[:, :width]) * gate_up[:, width:]
   virtual void swiglu_forward(const TensorView& h, const TensorView& gate_up) = 0;

@@ -180,6 +180,10 @@ struct ParallelConfig {
   // still sees the whole sequence. 0: the whole micro-batch at once. Results equal the unchunked
   // run up to the order of the adapter-gradient sums (docs/PARALLEL.md, "Long sequences").
   int64_t ffn_chunk_tokens = 0;
+  // Context parallelism: the MLA layers expand and attend the keys of the earlier shards in chunks
+  // of at most this many rows, so that the expanded keys and values of one chunk only are alive
+  // (docs/PARALLEL.md). 0: the longest shard.
+  int64_t cp_key_chunk = 0;
   // Move the layer inputs (one [tokens, hidden] per layer) to page-locked host memory between
   // forward and backward, copied on a side stream behind the compute (docs/PARALLEL.md). Works
   // with recompute on or off; with Block Attention Residuals the block summaries stay on the device.

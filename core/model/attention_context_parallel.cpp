@@ -1,4 +1,4 @@
-// AttentionAcrossRanks (see attention_context_parallel.h).
+// KeyChunks and AttentionAcrossRanks (see attention_context_parallel.h).
 #include "core/model/attention_context_parallel.h"
 
 #include <algorithm>
@@ -29,10 +29,21 @@ void for_each_part(const ContextShards& shards, int64_t from, int64_t to, Body&&
   }
 }
 
+// The int32 offsets `cu` on the backend's device.
+Tensor upload_offsets(kernels::Backend& backend, const std::vector<int32_t>& cu) {
+  Tensor host({static_cast<int64_t>(cu.size())}, DType::kI32);
+  std::copy(cu.begin(), cu.end(), host.ptr<int32_t>());
+  if (backend.device() == Device::kCPU) return host;
+  Tensor t(host.shape(), DType::kI32, backend.allocator());
+  backend.copy(t, host);
+  return t;
+}
+
 }  // namespace
 
-AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards)
-    : backend_(backend), cp_(cp), shards_(shards) {
+AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
+                                           int64_t key_chunk)
+    : backend_(backend), cp_(cp), shards_(shards), key_chunk_(key_chunk) {
   MOETRAIN_CHECK(shards.ranks() == cp.size(), ExitCode::kInternal, "attention across ranks: a shard per rank");
 }
 
@@ -76,38 +87,103 @@ void return_visible_gradient(kernels::Backend& backend, Communicator& cp, const 
 }
 
 Tensor visible_key_segments(kernels::Backend& backend, const ContextShards& shards, int rank) {
-  const std::vector<int32_t> cu = shards.key_cu(rank);
-  Tensor host({static_cast<int64_t>(cu.size())}, DType::kI32);
-  std::copy(cu.begin(), cu.end(), host.ptr<int32_t>());
-  if (backend.device() == Device::kCPU) return host;
-  Tensor t(host.shape(), DType::kI32, backend.allocator());
-  backend.copy(t, host);
-  return t;
+  return upload_offsets(backend, shards.key_cu(rank));
 }
+
+KeyChunks::KeyChunks(kernels::Backend& backend, const ContextShards& shards, int rank, int64_t chunk_rows)
+    : backend_(backend),
+      key_cu_(shards.key_cu(rank)),
+      visible_rows_(shards.end(rank) - shards.document_start(rank)),
+      own_rows_(shards.tokens(rank)),
+      chunk_rows_(chunk_rows > 0 ? chunk_rows : std::max<int64_t>(shards.longest_shard(), 1)) {}
+
+template <typename Body>
+void KeyChunks::for_each_chunk(Body&& body) const {
+  for (int64_t from = 0; from < visible_rows_; from += chunk_rows_) body(from, std::min(from + chunk_rows_, visible_rows_));
+}
+
+Tensor KeyChunks::segments(int64_t from, int64_t to) const {
+  std::vector<int32_t> cu = key_cu_;
+  for (int32_t& c : cu) c = static_cast<int32_t>(std::clamp<int64_t>(c, from, to) - from);
+  return upload_offsets(backend_, cu);
+}
+
+void KeyChunks::forward(const AttentionArgs& args, const Keys& keys) const {
+  for_each_chunk([&](int64_t from, int64_t to) {
+    const Chunk chunk = keys(from, to);
+    const Tensor cu = segments(from, to);
+    AttentionArgs run = args;
+    run.k = chunk.k;
+    run.v = chunk.v;
+    run.cu_seqlens_k = cu;
+    run.key_shift = shift(from);
+    // The first chunk writes out and lse; each later one is folded in.
+    if (from == 0) {
+      backend_.attention_forward(run);
+      return;
+    }
+    Tensor out(args.out.shape, args.out.dtype, backend_.allocator());
+    Tensor lse(args.lse.shape, args.lse.dtype, backend_.allocator());
+    run.out = out;
+    run.lse = lse;
+    backend_.attention_forward(run);
+    backend_.attention_merge(kernels::AttentionMergeArgs{args.out, args.lse, out, lse});
+  });
+}
+
+void KeyChunks::backward(const AttentionBackwardArgs& args, const Keys& keys, const KeyGradients& key_gradients) const {
+  for_each_chunk([&](int64_t from, int64_t to) {
+    const Chunk chunk = keys(from, to);
+    const Tensor cu = segments(from, to);
+    Tensor dk(chunk.k.shape(), args.dq.dtype, backend_.allocator());
+    Tensor dv(chunk.v.shape(), args.dq.dtype, backend_.allocator());
+    Tensor dq = from == 0 ? Tensor() : Tensor(args.dq.shape, args.dq.dtype, backend_.allocator());
+    AttentionBackwardArgs run = args;
+    if (from > 0) run.dq = dq;
+    run.k = chunk.k;
+    run.v = chunk.v;
+    run.dk = dk;
+    run.dv = dv;
+    run.cu_seqlens_k = cu;
+    run.key_shift = shift(from);
+    backend_.attention_backward(run);
+    if (from > 0) backend_.axpby(args.dq, dq, 1.0, 1.0);
+    key_gradients(from, to, dk, dv);
+  });
+}
+
+namespace {
+
+// Rows [from, to) of the gathered keys and values, copied.
+KeyChunks::Chunk rows_of(kernels::Backend& backend, const Tensor& k, const Tensor& v, int64_t from, int64_t to) {
+  KeyChunks::Chunk chunk{Tensor(with_rows(k, to - from), k.dtype(), backend.allocator()),
+                         Tensor(with_rows(v, to - from), v.dtype(), backend.allocator())};
+  backend.copy(chunk.k, k.view().slice_rows(from, to));
+  backend.copy(chunk.v, v.view().slice_rows(from, to));
+  return chunk;
+}
+
+}  // namespace
 
 void AttentionAcrossRanks::forward(const AttentionArgs& args) {
   const Tensor k = gather_visible_rows(backend_, cp_, shards_, args.k);
   const Tensor v = gather_visible_rows(backend_, cp_, shards_, args.v);
-  const Tensor cu = visible_key_segments(backend_, shards_, cp_.rank());
-  AttentionArgs run = args;
-  run.k = k;
-  run.v = v;
-  run.cu_seqlens_k = cu;
-  backend_.attention_forward(run);
+  KeyChunks(backend_, shards_, cp_.rank(), key_chunk_).forward(args, [&](int64_t from, int64_t to) {
+    return rows_of(backend_, k, v, from, to);
+  });
 }
 
 void AttentionAcrossRanks::backward(const AttentionBackwardArgs& args) {
   const Tensor k = gather_visible_rows(backend_, cp_, shards_, args.k);
   const Tensor v = gather_visible_rows(backend_, cp_, shards_, args.v);
-  const Tensor cu = visible_key_segments(backend_, shards_, cp_.rank());
   Tensor dk(k.shape(), args.dk.dtype, backend_.allocator()), dv(v.shape(), args.dv.dtype, backend_.allocator());
-  AttentionBackwardArgs run = args;
-  run.k = k;
-  run.v = v;
-  run.dk = dk;
-  run.dv = dv;
-  run.cu_seqlens_k = cu;
-  backend_.attention_backward(run);
+  KeyChunks(backend_, shards_, cp_.rank(), key_chunk_)
+      .backward(
+          args, [&](int64_t from, int64_t to) { return rows_of(backend_, k, v, from, to); },
+          [&](int64_t from, int64_t to, const TensorView& chunk_dk, const TensorView& chunk_dv) {
+            backend_.copy(dk.view().slice_rows(from, to), chunk_dk);
+            backend_.copy(dv.view().slice_rows(from, to), chunk_dv);
+          });
   return_visible_gradient(backend_, cp_, shards_, dk.view(), args.dk);
   return_visible_gradient(backend_, cp_, shards_, dv.view(), args.dv);
 }

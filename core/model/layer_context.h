@@ -39,6 +39,9 @@ struct LayerContext {
   // The context-parallel group (parallel.cp > 1), when batch.context is set: the mixers exchange
   // what crosses the cut (core/model/*_context_parallel.h); everything position-wise runs as is.
   Communicator* context_group = nullptr;
+  // parallel.cp_key_chunk: the MLA layers attend the keys other ranks hold in chunks of at most
+  // this many rows (core/model/mla_context_parallel.h); 0: the longest shard.
+  int64_t context_key_chunk = 0;
 
   bool context_parallel() const { return batch.context.has_value(); }
 

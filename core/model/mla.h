@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/model/layer.h"
+#include "core/model/mla_context_parallel.h"
 #include "core/model/mla_projections.h"
 #include "core/model/model_spec.h"
 
@@ -35,6 +36,8 @@ class MlaAttention final : public Mixer {
     MlaProjections::Saved stages;
     Tensor kv_normed;  // kv_b_proj's input
     Tensor k, v, lse;  // the attention's operands (q is stages.q, its output stages.attn)
+    // Under context parallelism, in place of k and v: the latent rows the queries see.
+    MlaAcrossRanks::Latent visible;
   } saved_;
 };
 

@@ -136,6 +136,36 @@ void MlaProjections::output_backward(const LayerContext& ctx, const TensorView& 
   ctx.backend.attention_gate_backward(AttentionGateBackwardArgs{dattn, s.dgate, dattn, s.attn, s.gate, headwise});
 }
 
+void MlaProjections::keys_values(const LayerContext& ctx, const TensorView& k, const TensorView& v,
+                                 const TensorView& kv_normed, const TensorView& k_pe) const {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = kv_normed.size(0);
+  Tensor kv = ctx.alloc({n * heads_, nope_ + v_dim_});
+  kv_b_proj.forward(ctx, kv.view().reshaped({n, heads_ * (nope_ + v_dim_)}), kv_normed);
+  const TensorView k_rows = k.reshaped({n * heads_, qk_dim()});
+  be.copy_columns(CopyColumnsArgs{k_rows, kv, 0, 0, nope_, 1, false});
+  if (rope_dim_ > 0) be.copy_columns(CopyColumnsArgs{k_rows, k_pe, nope_, 0, rope_dim_, heads_, false});
+  be.copy_columns(CopyColumnsArgs{v.reshaped({n * heads_, v_dim_}), kv, 0, nope_, v_dim_, 1, false});
+}
+
+void MlaProjections::keys_values_backward(const LayerContext& ctx, const TensorView& dkv_normed,
+                                          const TensorView& dk_pe, const TensorView& dk, const TensorView& dv,
+                                          const TensorView& kv_normed) const {
+  kernels::Backend& be = ctx.backend;
+  const int64_t n = kv_normed.size(0);
+  const TensorView dk_rows = dk.reshaped({n * heads_, qk_dim()});
+  Tensor dkv = ctx.alloc({n * heads_, nope_ + v_dim_});
+  be.copy_columns(CopyColumnsArgs{dkv, dk_rows, 0, 0, nope_, 1, false});
+  be.copy_columns(CopyColumnsArgs{dkv, dv.reshaped({n * heads_, v_dim_}), nope_, 0, v_dim_, 1, false});
+  if (rope_dim_ > 0) {
+    Tensor dk_pe_heads = ctx.alloc({n, heads_, rope_dim_});
+    be.copy_columns(CopyColumnsArgs{dk_pe_heads.view().reshaped({n * heads_, rope_dim_}), dk_rows, 0, nope_, rope_dim_,
+                                    1, false});
+    be.sum_over_heads(dk_pe, dk_pe_heads);
+  }
+  kv_b_proj.backward(ctx, dkv_normed, dkv.view().reshaped({n, heads_ * (nope_ + v_dim_)}), kv_normed, false);
+}
+
 void MlaProjections::latent_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dkv_normed,
                                      const TensorView& dk_pe, const TensorView& x, const Saved& s) const {
   kernels::Backend& be = ctx.backend;

@@ -70,11 +70,20 @@ class MlaProjections {
   // kv_normed [tokens, kv_rank] and the rotated k_pe [tokens, rope]; saved.kv_latent, kv_rstd.
   void latent(const LayerContext& ctx, const TensorView& x, const TensorView& kv_normed, const TensorView& k_pe,
               Saved& saved) const;
+  // The keys and values of latent rows (any rows: a context-parallel rank expands other ranks'):
+  // kv_b_proj(kv_normed) per head [k_nope | v], k = [k_nope | k_pe broadcast over heads].
+  // k [rows, heads, qk] and v [rows, heads, v] overwritten.
+  void keys_values(const LayerContext& ctx, const TensorView& k, const TensorView& v, const TensorView& kv_normed,
+                   const TensorView& k_pe) const;
   // out = o_proj(gate(attn)); saved.attn takes `attn` [tokens, heads, v].
   void output(const LayerContext& ctx, const TensorView& out, Tensor attn, const TensorView& x, Saved& saved) const;
 
   // Backward stages, in reverse order of the forward. dattn [tokens, heads, v] overwritten.
   void output_backward(const LayerContext& ctx, const TensorView& dattn, const TensorView& dout, Saved& saved) const;
+  // keys_values' backward: dkv_normed [rows, kv_rank] and dk_pe [rows, rope] overwritten from dk
+  // and dv, kv_b_proj's adapter gradients += (from these rows' kv_normed).
+  void keys_values_backward(const LayerContext& ctx, const TensorView& dkv_normed, const TensorView& dk_pe,
+                            const TensorView& dk, const TensorView& dv, const TensorView& kv_normed) const;
   // dx overwritten: the latent stage's input gradient, from d kv_normed and d k_pe (the latter
   // rotated back in place).
   void latent_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dkv_normed,

@@ -148,6 +148,7 @@ ModelOptions model_options_for(const Config& config) {
   options.recompute = config.parallel.recompute;
   options.recompute_layers = config.parallel.recompute_layers;
   options.ffn_chunk_tokens = config.parallel.ffn_chunk_tokens;
+  options.cp_key_chunk = config.parallel.cp_key_chunk;
   options.offload = config.parallel.offload;
   options.fsdp_prefetch = config.parallel.prefetch;
   options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;
@@ -327,6 +328,7 @@ std::vector<WeightSlot> Model::weight_slots() {
 LayerContext Model::context(const BatchTensors& batch) {
   LayerContext ctx{backend_, options_.dtype, batch};
   if (batch.context) ctx.context_group = options_.parallel->cp;  // checked in upload()
+  ctx.context_key_chunk = options_.cp_key_chunk;
   return ctx;
 }
 

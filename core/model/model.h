@@ -56,6 +56,9 @@ struct ModelOptions {
   // parallel.ffn_chunk_tokens: every layer's feed-forward half runs over token chunks of at most
   // this many tokens (Model::ffn_forward); 0: the whole micro-batch at once.
   int64_t ffn_chunk_tokens = 0;
+  // parallel.cp_key_chunk: rows of the other shards' keys an MLA layer expands at once
+  // (LayerContext::context_key_chunk); 0: the longest shard.
+  int64_t cp_key_chunk = 0;
   const ParallelGroups* parallel = nullptr;  // null: this rank is the whole job
   // FSDP (parallel->fsdp of size > 1): the frozen non-expert weights are sharded per layer.
   // fsdp_prefetch: layers gathered ahead of the one being computed (0: just in time).

@@ -60,7 +60,11 @@ LayerSaved layer_saved_per_token(const ModelSpec& spec, size_t i, double a, doub
     bytes += kv_rank * a + kF32 + h * v * a;
     if (m.attention_gate != "none") bytes += (m.attention_gate == "headwise" ? h : h * v) * a;
     if (spec.mixers[i] == MixerKind::kMla) {
-      bytes += kv_rank * a + 2 * h * qk * a + h * v * a + h * kF32;  // kv_normed, q, k, v, lse
+      bytes += kv_rank * a + h * qk * a + h * kF32;  // kv_normed, q, lse
+      // k and v; under context parallelism the latent rows the queries see instead, up to cp
+      // shards of [r + rope] (MlaAcrossRanks::Latent).
+      const double cp = static_cast<double>(config.parallel.cp);
+      bytes += config.parallel.cp > 1 ? cp * (kv_rank + rope) * a : h * (qk + v) * a;
     } else {
       // DSA: the selected keys (at most a window's tokens), the absorbed queries and the shared
       // latent rows [r + rope], the latent output [H r], lse; q itself only for kv_b_proj's adapter.
@@ -358,13 +362,22 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
   plan.ep_receive_worst_case_per_token =
       plan.ep > 1 ? static_cast<double>(plan.ep) * std::min<double>(k, static_cast<double>(plan.local_experts)) * d * a
                   : 0.0;
-  // Context parallelism: an MLA layer's forward and backward gather every shard's keys and values
-  // (padded to the longest shard), copy out the visible ones and, in the backward, their
-  // gradients: up to cp x this rank's tokens x H (qk + v) each, for the layer being run.
+  // Context parallelism (MlaAcrossRanks), for the MLA layer being run: the all-gather's buffer of
+  // every shard's latent rows [r + rope] (padded to the longest shard) and, in the backward, the
+  // visible rows' gradient, up to cp x this rank's tokens each; and one key chunk expanded at a
+  // time: its keys, values, their gradients and kv_b_proj's output gradient (3 x chunk rows x
+  // H (qk + v)), with the chunk's share of out (forward) or dq (backward) for this rank's tokens.
+  // The chunk is parallel.cp_key_chunk rows, or the shard's tokens.
   const bool has_mla = std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kMla) > 0;
   const double mla_head_row = static_cast<double>(m.mla.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim +
                                                                       m.mla.v_head_dim));
-  const double cp_keys = plan.cp > 1 && has_mla ? 3.0 * static_cast<double>(plan.cp) * mla_head_row * a : 0.0;
+  const double mla_latent_row = static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim);
+  const double cp = static_cast<double>(plan.cp), shard = static_cast<double>(plan.tokens_per_micro_batch);
+  const int64_t chunk_setting = in.config.parallel.cp_key_chunk;
+  const double key_chunk = chunk_setting > 0 ? std::min(static_cast<double>(chunk_setting), cp * shard) : shard;
+  const double cp_keys = plan.cp > 1 && has_mla && shard > 0
+                             ? 2 * cp * mla_latent_row * a + (3 * key_chunk / shard + 1) * mla_head_row * a
+                             : 0.0;
   for (bool recompute : {true, false}) {
     std::vector<PlanItem>& items = recompute ? plan.per_token_recompute : plan.per_token_full;
     add(items, "layer inputs (checkpoints)", checkpoint,
@@ -387,8 +400,9 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
     add(items, "attention-residual summary gradients", attn_res_part,
         fmt::format("D x (a + {:.0f} summaries x 4 B)", summaries));
     add(items, "EP dispatch buffers", ep_buffers, "top_k x D x a x (send 1 + receive capacity)");
-    add(items, "context-parallel keys and values (MLA)", cp_keys,
-        "3 (gathered, visible, their gradient) x cp x H (qk + v) x a; 0 at cp 1");
+    add(items, "context-parallel latent and key chunk (MLA)", cp_keys,
+        fmt::format("2 (gathered, their gradient) x cp x (r + rope) x a + (3 x {:.0f} chunk rows / T + 1) x "
+                    "H (qk + v) x a; 0 at cp 1", key_chunk));
   }
 }
 
@@ -433,7 +447,8 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
 // Context parallelism per rank per optimizer step: every exchange is an all-gather of one piece
 // per rank (padded to the longest shard) or the reduce-scatter of such pieces, so a rank sends
 // (cp - 1) pieces. Per layer and micro-batch, a forward that re-runs in the backward counts twice:
-//   MLA  forward: K and V; backward: K and V again, then their gradients        -> 3 (+1 re-run)
+//   MLA  forward: the latent [r + rope] (each rank expands it); backward: its gradient (the
+//        forward's gathered rows are kept)                                      -> 2 (+1 re-run)
 //   DSA  forward: the latent and the indexer keys; backward: the latent, its gradient
 //   KDA  forward: (M, S_local) in F32 and the short convolution's last width - 1 rows; backward:
 //        (M, D_local), the rows again and the halo's gradient
@@ -447,8 +462,7 @@ void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) 
     const double rerun = plan.recompute && static_cast<int64_t>(i) < plan.recompute_layers ? 1.0 : 0.0;
     switch (in.spec.mixers[i]) {
       case MixerKind::kMla:
-        mla += (3 + rerun) * rows * static_cast<double>(m.mla.num_heads * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim +
-                                                                        m.mla.v_head_dim)) * a;
+        mla += (2 + rerun) * rows * static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * a;
         break;
       case MixerKind::kDsa: {
         const double latent = static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim);
@@ -463,8 +477,8 @@ void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) 
       }
     }
   }
-  add(plan.communication, "CP MLA keys and values", micro * shards * mla,
-      "grad_accum x (cp-1) x per MLA layer (3 + 1 if re-run) x T x H (d_n + d_r + d_v) x a");
+  add(plan.communication, "CP MLA latent", micro * shards * mla,
+      "grad_accum x (cp-1) x per MLA layer (2 + 1 if re-run) x T x (kv_r + d_r) x a");
   add(plan.communication, "CP DSA latent and indexer keys", micro * shards * dsa,
       "grad_accum x (cp-1) x per DSA layer ((1 + re-run) (kv_r + d_r + index_head_dim) + 2 (kv_r + d_r)) x T x a");
   add(plan.communication, "CP KDA state transitions", micro * shards * kda_states,

@@ -61,26 +61,28 @@ std::vector<int64_t> segment_bounds(const TensorView& cu_seqlens, int64_t tokens
 
 // Each query segment and the keys it sees: query t of [q_begin, q_end) attends keys
 // [k_begin, last_key(t)] (ops.h AttentionArgs: without key segments of their own, the keys are
-// the queries' own tokens and last_key(t) = t; not causal, the segment's last key).
+// the queries' own tokens and last_key(t) = t; with key_shift, t + key_shift; not causal, the
+// segment's last key). last_key(t) may fall before k_begin (the query sees none of these keys),
+// never past k_end - 1.
 struct SegmentPair {
-  int64_t q_begin = 0, q_end = 0, k_begin = 0, k_end = 0;
+  int64_t q_begin = 0, q_end = 0, k_begin = 0, k_end = 0, shift = 0;
   bool causal = true;
-  int64_t last_key(int64_t t) const {
-    return causal ? t + (k_end - k_begin) - (q_end - q_begin) - q_begin + k_begin : k_end - 1;
-  }
+  int64_t last_key(int64_t t) const { return causal ? std::min(t + shift, k_end - 1) : k_end - 1; }
 };
 
 std::vector<SegmentPair> segment_pairs(const TensorView& cu_seqlens, const TensorView& cu_seqlens_k,
-                                       const AttentionDims& d, bool causal) {
+                                       int64_t key_shift, const AttentionDims& d, bool causal) {
   const std::vector<int64_t> q = segment_bounds(cu_seqlens, d.tokens);
   const std::vector<int64_t> k = cu_seqlens_k.data == nullptr ? q : segment_bounds(cu_seqlens_k, d.key_tokens);
   MOETRAIN_ASSERT(k.size() == q.size(), "attention: cu_seqlens_k has " + std::to_string(k.size() - 1) +
                                             " segments, cu_seqlens " + std::to_string(q.size() - 1));
+  const bool shifted = key_shift != kShiftFromSegments;
+  MOETRAIN_ASSERT(!shifted || cu_seqlens_k.data != nullptr, "attention: key_shift needs cu_seqlens_k");
   std::vector<SegmentPair> pairs;
   for (size_t s = 0; s + 1 < q.size(); ++s) {
-    pairs.push_back({q[s], q[s + 1], k[s], k[s + 1], causal});
-    MOETRAIN_ASSERT(q[s + 1] - q[s] <= k[s + 1] - k[s], "attention: segment " + std::to_string(s) +
-                                                             " has more queries than keys");
+    pairs.push_back({q[s], q[s + 1], k[s], k[s + 1], shifted ? key_shift : k[s + 1] - q[s + 1], causal});
+    MOETRAIN_ASSERT(shifted || q[s + 1] - q[s] <= k[s + 1] - k[s], "attention: segment " + std::to_string(s) +
+                                                                        " has more queries than keys");
   }
   return pairs;
 }
@@ -94,7 +96,8 @@ void attention_forward(const AttentionArgs& args) {
   const AttentionDims d = attention_dims(args.q, args.k, args.v);
   expect_shape(args.out, Shape({d.tokens, d.heads, d.v_dim}), "out");
   expect_lse(args.lse, d);
-  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d, args.causal);
+  const std::vector<SegmentPair> segments =
+      segment_pairs(args.cu_seqlens, args.cu_seqlens_k, args.key_shift, d, args.causal);
   const T* q = args.q.ptr<T>();
   const T* k = args.k.ptr<T>();
   const T* v = args.v.ptr<T>();
@@ -111,7 +114,7 @@ void attention_forward(const AttentionArgs& args) {
       for (int64_t h = 0; h < d.heads; ++h) {
         const T* qt = q + t * q_row + h * d.qk_dim;
         // Keys begin..last inclusive: causal within the segment, or the whole segment.
-        logits.resize(static_cast<size_t>(last - begin + 1));
+        logits.resize(static_cast<size_t>(std::max<int64_t>(last - begin + 1, 0)));
         double max_logit = -std::numeric_limits<double>::infinity();
         for (int64_t s = begin; s <= last; ++s) {
           const double l = args.scale * dot_double(qt, k + s * q_row + h * d.qk_dim, d.qk_dim);
@@ -126,9 +129,10 @@ void attention_forward(const AttentionArgs& args) {
           const T* vs = v + s * v_row + h * d.v_dim;
           for (int64_t c = 0; c < d.v_dim; ++c) acc[c] += p * static_cast<double>(vs[c]);
         }
+        // No key (denom 0): out 0, lse -inf.
         T* ot = out + t * v_row + h * d.v_dim;
-        for (int64_t c = 0; c < d.v_dim; ++c) ot[c] = static_cast<T>(acc[c] / denom);
-        lse[t * d.heads + h] = static_cast<T>(max_logit + std::log(denom));
+        for (int64_t c = 0; c < d.v_dim; ++c) ot[c] = static_cast<T>(denom > 0.0 ? acc[c] / denom : 0.0);
+        lse[t * d.heads + h] = static_cast<T>(denom > 0.0 ? max_logit + std::log(denom) : max_logit);
       }
     }
   }
@@ -145,7 +149,8 @@ void attention_backward(const AttentionBackwardArgs& args) {
   expect_shape(args.dq, args.q.shape, "dq");
   expect_shape(args.dk, args.k.shape, "dk");
   expect_shape(args.dv, args.v.shape, "dv");
-  const std::vector<SegmentPair> segments = segment_pairs(args.cu_seqlens, args.cu_seqlens_k, d, args.causal);
+  const std::vector<SegmentPair> segments =
+      segment_pairs(args.cu_seqlens, args.cu_seqlens_k, args.key_shift, d, args.causal);
   const T* q = args.q.ptr<T>();
   const T* k = args.k.ptr<T>();
   const T* v = args.v.ptr<T>();
@@ -198,7 +203,30 @@ void attention_backward(const AttentionBackwardArgs& args) {
   }
 }
 
+// Per (t, h), in double: the larger lse is the base, so no exponent overflows; both -inf keep
+// out and lse as they are (0 and -inf).
+template <typename T>
+void attention_merge(const AttentionMergeArgs& args) {
+  const int64_t rows = args.lse.numel(), v_dim = args.out.size(2);
+  T* out = args.out.ptr<T>();
+  T* lse = args.lse.ptr<T>();
+  const T* chunk_out = args.chunk_out.ptr<T>();
+  const T* chunk_lse = args.chunk_lse.ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const double a = static_cast<double>(lse[r]), b = static_cast<double>(chunk_lse[r]);
+    const double base = std::max(a, b);
+    if (base == -std::numeric_limits<double>::infinity()) continue;
+    const double wa = std::exp(a - base), wb = std::exp(b - base), sum = wa + wb;
+    for (int64_t c = 0; c < v_dim; ++c) {
+      T& o = out[r * v_dim + c];
+      o = static_cast<T>((wa * static_cast<double>(o) + wb * static_cast<double>(chunk_out[r * v_dim + c])) / sum);
+    }
+    lse[r] = static_cast<T>(base + std::log(sum));
+  }
+}
+
 MOETRAIN_CPU_INSTANTIATE(attention_forward, const AttentionArgs&)
 MOETRAIN_CPU_INSTANTIATE(attention_backward, const AttentionBackwardArgs&)
+MOETRAIN_CPU_INSTANTIATE(attention_merge, const AttentionMergeArgs&)
 
 }  // namespace moetrain::kernels::cpu

@@ -408,6 +408,10 @@ class CudaBackend final : public Backend {
   void gelu_backward(const GeluBackwardArgs&) override { fail("gelu_backward", "no CUDA kernel yet"); }
   void vision_pos_embed(const VisionPosEmbedArgs&) override { fail("vision_pos_embed", "no CUDA kernel yet"); }
   void patch_merge(const PatchMergeArgs&) override { fail("patch_merge", "no CUDA kernel yet"); }
+  void attention_merge(const AttentionMergeArgs& args) override {
+    check_attention_merge(rules_, args);
+    cuda_ops::attention_merge(args, stream_);
+  }
 
   void swiglu_forward(const TensorView& h, const TensorView& gate_up) override {
     check_swiglu_forward(rules_, h, gate_up);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -215,6 +216,71 @@ TEST_CASE("cuda attention over query shards equals the full causal run", "[cuda]
   INFO(dk.message + "\n" + dv.message);
   CHECK(dk.ok);
   CHECK(dv.ok);
+}
+
+// A shard's queries against its visible keys in chunks (AttentionArgs::key_shift), folded by
+// attention_merge, as a context-parallel MLA layer runs them (core/model/mla_context_parallel.h):
+// each chunk's forward, the merged out and lse, and each chunk's backward from the merged ones,
+// on the GPU against the CPU. 101 queries (keys 129..229) of documents [0, 90), [90, 200), [200,
+// 230) of the keys: the first document has no query, and chunks of 48 and 77 keys (no tile
+// multiple) leave some queries with no key of a chunk (out 0, lse -inf, which the merge skips).
+TEST_CASE("cuda attention over key chunks with attention_merge matches the CPU reference",
+          "[cuda][context_parallel]") {
+  const std::vector<int32_t> cu_k = {0, 90, 200, 230}, cu_q = {0, 0, 71, 101};
+  const int64_t keys = 230, tokens = 101, heads = 2, qk_dim = 192, v_dim = 128;
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const Operand q = random_operand({tokens, heads, qk_dim}, dtype, 901, 0.05, 2.0);
+    const Operand k = random_operand({keys, heads, qk_dim}, dtype, 902, 0.05, 2.0);
+    const Operand v = random_operand({keys, heads, v_dim}, dtype, 903, 0.05, 1.0);
+    const Operand dout = random_operand({tokens, heads, v_dim}, dtype, 904, 0.05, 1.0);
+    const Operand cu = cu_seqlens_operand(cu_q);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(qk_dim));
+    for (const int64_t chunk : {48, 77}) {
+      INFO(std::string(dtype_name(dtype)) + ", chunks of " + std::to_string(chunk) + " keys");
+      Tensor lse_start({tokens, heads}, DType::kF64);
+      std::fill(lse_start.ptr<double>(), lse_start.ptr<double>() + lse_start.numel(), -inf);
+      Operand out = operand_from_host(Tensor::zeros({tokens, heads, v_dim}, DType::kF64), dtype);
+      Operand lse = operand_from_host(std::move(lse_start), DType::kF32);
+      auto for_each_chunk = [&](auto&& body) {
+        for (int64_t from = 0; from < keys; from += chunk) {
+          const int64_t to = std::min(from + chunk, keys);
+          std::vector<int32_t> segments = cu_k;
+          for (int32_t& c : segments) c = static_cast<int32_t>(std::clamp<int64_t>(c, from, to) - from);
+          body(rows_of(k, from, to, dtype), rows_of(v, from, to, dtype), cu_seqlens_operand(segments),
+               keys - tokens - from);
+        }
+      };
+      for_each_chunk([&](const Operand& ck, const Operand& cv, const Operand& ccu, int64_t shift) {
+        Operand chunk_out = output_operand({tokens, heads, v_dim}, dtype);
+        Operand chunk_lse = output_operand({tokens, heads}, DType::kF32);
+        for (BackendSide on : {kGpu, kCpu}) {
+          (on.device ? gpu() : cpu())
+              .attention_forward({on(chunk_out), on(chunk_lse), on(q), on(ck), on(cv), on(cu), scale, on(ccu), shift});
+        }
+        CUDA_TEST_EXPECT_CLOSE(chunk_out.dev, chunk_out.host.view(), tolerance_for(dtype), "chunk out");
+        for (BackendSide on : {kGpu, kCpu}) {
+          (on.device ? gpu() : cpu()).attention_merge({on(out), on(lse), on(chunk_out), on(chunk_lse)});
+        }
+      });
+      CUDA_TEST_EXPECT_CLOSE(out.dev, out.host.view(), tolerance_for(dtype), "merged out");
+      CUDA_TEST_EXPECT_CLOSE(lse.dev, lse.host.view(), tolerance_for(DType::kF32), "merged lse");
+      round_and_upload(out, dtype);
+      round_and_upload(lse, DType::kF32);
+      for_each_chunk([&](const Operand& ck, const Operand& cv, const Operand& ccu, int64_t shift) {
+        Operand dq = output_operand(q.host.shape(), dtype), dk = output_operand(ck.host.shape(), dtype);
+        Operand dv = output_operand(cv.host.shape(), dtype);
+        for (BackendSide on : {kGpu, kCpu}) {
+          (on.device ? gpu() : cpu())
+              .attention_backward({on(dq), on(dk), on(dv), on(dout), on(q), on(ck), on(cv), on(out), on(lse), on(cu),
+                                   scale, on(ccu), shift});
+        }
+        CUDA_TEST_EXPECT_CLOSE(dq.dev, dq.host.view(), tolerance_for(dtype), "chunk dq");
+        CUDA_TEST_EXPECT_CLOSE(dk.dev, dk.host.view(), tolerance_for(dtype), "chunk dk");
+        CUDA_TEST_EXPECT_CLOSE(dv.dev, dv.host.view(), tolerance_for(dtype), "chunk dv");
+      });
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

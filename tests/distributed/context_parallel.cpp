@@ -2,7 +2,8 @@
 // attention_context_parallel.h) equal the same mixer over the whole window on one rank, forward
 // and every input gradient, on the CPU backend under mpirun: documents inside one shard, across
 // two and across all, a document starting exactly at a shard's start, a window that does not
-// split evenly, and (3 ranks or more) an empty shard; in F64 and F32.
+// split evenly, and (3 ranks or more) an empty shard; in F64 and F32. Attention also with its
+// keys in chunks of 1 and 7 rows (shorter than a shard, not dividing it), merged by log-sum-exp.
 // Prints "EQUAL" on rank 0 when every case of every rank agrees.
 #include <fmt/format.h>
 
@@ -99,7 +100,8 @@ struct AttentionRun {
   AttentionBackwardArgs backward(double scale) const { return {dq, dk, dv, dout, q, k, v, out, lse, cu, scale}; }
 };
 
-int run_attention_case(const Case& c, const ContextShards& shards, DType dtype, double tolerance,
+// key_chunk: AttentionAcrossRanks' key chunk (0: a shard's length).
+int run_attention_case(const Case& c, const ContextShards& shards, DType dtype, double tolerance, int64_t key_chunk,
                        kernels::Backend& backend, Communicator& cp) {
   const int me = cp.rank();
   const int64_t tokens = c.cu.back(), heads = 2, qk = 5, vd = 3;
@@ -115,10 +117,10 @@ int run_attention_case(const Case& c, const ContextShards& shards, DType dtype, 
   const int64_t begin = shards.begin(me), end = shards.end(me);
   auto rows = [&](const Tensor& t) { return testing::copy_as(t.view().slice_rows(begin, end), t.dtype()); };
   AttentionRun shard(rows(whole.q), rows(whole.k), rows(whole.v), rows(whole.dout), shards.local_cu(me));
-  AttentionAcrossRanks attention(backend, cp, shards);
+  AttentionAcrossRanks attention(backend, cp, shards, key_chunk);
   attention.forward(shard.forward(scale));
   attention.backward(shard.backward(scale));
-  return compare("attention: " + c.name + " (" + dtype_name(dtype) + ")",
+  return compare("attention: " + c.name + " (" + dtype_name(dtype) + ", key chunks of " + std::to_string(key_chunk) + ")",
                  {{"out", &shard.out, &whole.out}, {"lse", &shard.lse, &whole.lse}, {"dq", &shard.dq, &whole.dq},
                   {"dk", &shard.dk, &whole.dk}, {"dv", &shard.dv, &whole.dv}},
                  begin, end, me, tolerance);
@@ -145,7 +147,9 @@ int run_test(Runtime& runtime, int, char**) {
     const ContextShards shards = c.cuts.empty() ? ContextShards::even(c.cu, ranks) : ContextShards(c.cu, c.cuts);
     for (const auto& [dtype, tolerance] : {std::make_pair(DType::kF64, 1e-10), std::make_pair(DType::kF32, 2e-5)}) {
       failures += run_kda_case(c, shards, dtype, tolerance, *backend, cp);
-      failures += run_attention_case(c, shards, dtype, tolerance, *backend, cp);
+      for (const int64_t key_chunk : {0, 1, 7}) {
+        failures += run_attention_case(c, shards, dtype, tolerance, key_chunk, *backend, cp);
+      }
     }
   }
   cp.all_reduce(&failures, 1);

@@ -13,14 +13,15 @@
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
 //       [--recompute] [--recompute-layers N] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
-//       [--cp N] [--ffn-chunks N]
+//       [--cp N] [--cp-key-chunk N] [--ffn-chunks N]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
 // --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config);
 // --mxfp4: the same with the routed experts packed in MXFP4.
 // --cp N: context parallelism, every micro-batch (two windows of 16) cut into N shards of
 // contiguous tokens, each cp group of ranks reading one; checked to 1e-10 (one reference, only
-// the order of the sums differs).
+// the order of the sums differs). --cp-key-chunk N: the MLA layers attend the visible keys in chunks
+// of N rows (parallel.cp_key_chunk; by default a shard's length), merged by their log-sum-exp.
 // --ffn-chunks N: the distributed model runs its feed-forward halves in token chunks of at most N
 // tokens (parallel.ffn_chunk_tokens; the reference runs them whole), so each chunk's expert
 // exchange must pair up across the EP ranks.
@@ -98,6 +99,7 @@ struct ScheduleFlags {
   bool mxfp4 = false;  // with k3
   int cp = 1;          // context parallelism: each micro-batch cut into cp shards
   int64_t ffn_chunk_tokens = 0;  // the distributed model's ModelOptions::ffn_chunk_tokens
+  int64_t cp_key_chunk = 0;      // the distributed model's ModelOptions::cp_key_chunk
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -120,6 +122,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.k3 = flags.mxfp4 = true;
     } else if (arg == "--cp" && i + 1 < argc) {
       flags.cp = std::stoi(argv[++i]);
+    } else if (arg == "--cp-key-chunk" && i + 1 < argc) {
+      flags.cp_key_chunk = std::stoll(argv[++i]);
     } else if (arg == "--ffn-chunks" && i + 1 < argc) {
       flags.ffn_chunk_tokens = std::stoll(argv[++i]);
     } else if (arg == "--prefetch" && i + 1 < argc) {
@@ -234,7 +238,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
                  "[--recompute-layers N] "
-                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N] [--ffn-chunks N]");
+                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N] [--cp-key-chunk N] [--ffn-chunks N]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   MeshShape parallel;
@@ -254,6 +258,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   auto backend = kernels::make_cpu_backend();
   ModelOptions options = model_options(&groups, world, flags);
   options.ffn_chunk_tokens = flags.ffn_chunk_tokens;
+  options.cp_key_chunk = flags.cp_key_chunk;
   Model model(spec, *backend, options);
   prepare(model, routing);
   SyntheticData data(config.data, spec.config.vocab_size, runtime.rank() / cp, world / cp);

@@ -61,6 +61,7 @@ class Bf16Noise : public kernels::TimingBackend {
   void grouped_gemm(const kernels::GroupedGemmArgs& a) override { TimingBackend::grouped_gemm(a); round(a.c); }
   void rmsnorm_forward(const kernels::RmsNormArgs& a) override { TimingBackend::rmsnorm_forward(a); round(a.y); }
   void attention_forward(const kernels::AttentionArgs& a) override { TimingBackend::attention_forward(a); round(a.out); }
+  void attention_merge(const kernels::AttentionMergeArgs& a) override { TimingBackend::attention_merge(a); round(a.out); }
   void attention_gate_forward(const kernels::AttentionGateArgs& a) override {
     TimingBackend::attention_gate_forward(a);
     round(a.y);

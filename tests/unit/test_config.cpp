@@ -339,6 +339,7 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
        {"`parallel.recompute_layers` = 3 must be -1 (every layer) or 0 .. `model.num_layers` = 2"}},
       {{"parallel.recompute_layers=-2"}, {"`parallel.recompute_layers` = -2 must be -1 (every layer)"}},
       {{"parallel.ffn_chunk_tokens=-1"}, {"`parallel.ffn_chunk_tokens` = -1 must be >= 0"}},
+      {{"parallel.cp_key_chunk=-3"}, {"`parallel.cp_key_chunk` = -3 must be >= 0"}},
       {{"parallel.ffn_chunk_tokens=4096", "model.moe.aux_loss_coef=0.01"},
        {"`parallel.ffn_chunk_tokens` = 4096 cannot run with `model.moe.aux_loss_coef` = 0.01", "set one of them to 0"}},
       {{"train.beta2=1.0"}, {"`train.beta2` = 1.0 must be in [0.0, 1.0)"}},

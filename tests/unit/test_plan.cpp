@@ -1,5 +1,6 @@
 // core/plan: the parameter counts agree exactly with the tensors Model allocates, and the
 // memory plan's numbers follow their formulas on a small config worked out by hand.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -275,7 +276,7 @@ TEST_CASE("memory plan numbers by hand on a small config") {
   CHECK(plan.peak_bytes(true) == plan.fixed_bytes() + 16 * plan.per_token_bytes(true));
 }
 
-TEST_CASE("context parallelism: each rank plans its shard of the tokens and the gathered MLA keys") {
+TEST_CASE("context parallelism: each rank plans its shard of the tokens and the gathered MLA latent") {
   Config config = testing::tiny_model_config(false);  // MLA, KDA, MLA
   config.data.micro_batch = 2;
   config.data.seq_len = 8;
@@ -293,10 +294,28 @@ TEST_CASE("context parallelism: each rank plans its shard of the tokens and the 
     FAIL("no item " << name);
     return 0.0;
   };
-  // 3 x cp 4 x heads 2 x (qk 6 + 4, v 5) x 2 B per token of the shard; none without cp.
-  CHECK(item(shard, "context-parallel keys and values (MLA)") == 3.0 * 4 * 2 * 15 * 2);
-  CHECK(item(whole, "context-parallel keys and values (MLA)") == 0.0);
-  CHECK(shard.per_token_bytes(true) - whole.per_token_bytes(true) == 3.0 * 4 * 2 * 15 * 2);
+  // Per token of the shard: 2 x cp 4 x the latent (r 8 + rope 4) x 2 B, the gathered rows and
+  // their gradient; a chunk of 4 keys (the shard) x 3 and the shard's out or dq (1), each heads 2
+  // x (qk 6 + 4, v 5) x 2 B; none without cp.
+  const char* name = "context-parallel latent and key chunk (MLA)";
+  CHECK(item(shard, name) == 2.0 * 4 * 12 * 2 + (3.0 + 1) * 2 * 15 * 2);
+  CHECK(item(whole, name) == 0.0);
+  // An MLA layer keeps, for its k and v (2 x 15 x 2 B), the latent rows its queries see: cp 4 x 12
+  // x 2 B. Layers 0 and 2 are MLA, layer 1 KDA.
+  REQUIRE(shard.layer_saved.size() == 3);
+  CHECK(shard.layer_saved[0] - whole.layer_saved[0] == 4.0 * 12 * 2 - 2 * 15 * 2);
+  CHECK(shard.layer_saved[1] == whole.layer_saved[1]);
+  const auto largest = [](const MemoryPlan& p) { return *std::max_element(p.layer_saved.begin(), p.layer_saved.end()); };
+  // Re-run and backward temporaries both count the largest saved set.
+  CHECK(shard.per_token_bytes(true) - whole.per_token_bytes(true) ==
+        Approx(item(shard, name) + 2 * (largest(shard) - largest(whole))));
+  // Key chunks of 3 rows: 3 x 3 / 4 of a token's expanded row; past the visible rows (cp x 4),
+  // the visible rows.
+  config.parallel.cp_key_chunk = 3;
+  CHECK(item(make_memory_plan(config, options), name) == Approx(2.0 * 4 * 12 * 2 + (9.0 / 4 + 1) * 2 * 15 * 2));
+  config.parallel.cp_key_chunk = 1000;
+  CHECK(item(make_memory_plan(config, options), name) == Approx(2.0 * 4 * 12 * 2 + (3.0 * 16 / 4 + 1) * 2 * 15 * 2));
+  config.parallel.cp_key_chunk = 0;
   config.parallel.cp = 3;  // does not divide the world
   CHECK_THROWS_AS(make_memory_plan(config, options), Error);
 }
@@ -314,13 +333,14 @@ TEST_CASE("context parallelism: the plan counts each mixer's exchanges per step"
       if (i.name == name) return i.bytes;
     return -1.0;
   };
-  CHECK(item(make_memory_plan(config, options), "CP MLA keys and values") == -1.0);  // none at cp 1
+  CHECK(item(make_memory_plan(config, options), "CP MLA latent") == -1.0);  // none at cp 1
   config.parallel.cp = 4;
   // 4 tokens a rank, 3 other ranks, 2 micro-batches, every layer re-run, 2 B activations.
   const MemoryPlan plan = make_memory_plan(config, options);
   REQUIRE(plan.tokens_per_micro_batch == 4);
-  // MLA: K and V (2 heads x (6 + 4 + 5)) gathered forward, re-run, backward, and their gradients.
-  CHECK(item(plan, "CP MLA keys and values") == 2.0 * 3 * 4 * 4 * 2 * 15 * 2);
+  // MLA: the latent (8 + 4) gathered forward and re-run (the backward keeps the re-run's), and
+  // its gradient.
+  CHECK(item(plan, "CP MLA latent") == 2.0 * 3 * 3 * 4 * 12 * 2);
   // DSA: latent (8 + 4) and indexer keys (6) forward and re-run, the latent and its gradient.
   CHECK(item(plan, "CP DSA latent and indexer keys") == 2.0 * 3 * (2 * 18 + 2 * 12) * 4 * 2);
   // KDA: M [2, 4, 4] and a state [2, 4, 4] in F32 forward, re-run and backward; the 3 last rows of
@@ -329,7 +349,7 @@ TEST_CASE("context parallelism: the plan counts each mixer's exchanges per step"
   CHECK(item(plan, "CP KDA convolution halo") == 2.0 * 3 * 4 * 3 * 24 * 2);
   config.parallel.recompute = false;
   const MemoryPlan kept = make_memory_plan(config, options);
-  CHECK(item(kept, "CP MLA keys and values") == 2.0 * 3 * 3 * 4 * 2 * 15 * 2);
+  CHECK(item(kept, "CP MLA latent") == 2.0 * 3 * 2 * 4 * 12 * 2);
   CHECK(item(kept, "CP KDA state transitions") == 2.0 * 3 * 2 * (32 + 32) * 4);
 }
 

@@ -19,8 +19,10 @@
 // Segments: a query row's visible keys come from a binary search of cu_seqlens; a tile may
 // straddle segments, so masking is per (query, key): first(t) <= s <= last(t). Keys with segments
 // of their own (cu_seqlens_k, a context-parallel shard's queries against every earlier key) only
-// move those bounds: last(t) = t + k_end - q_end (attention_segments.cuh); without them the
-// kernels take cu_seqlens_k = cu_seqlens, so first(t) = segment start, last(t) = t.
+// move those bounds: last(t) = t + k_end - q_end, or t + key_shift for one chunk of a shard's
+// keys, where a query may see none (out 0, lse -inf; attention_merge below folds the chunks)
+// (attention_segments.cuh); without them the kernels take cu_seqlens_k = cu_seqlens, so
+// first(t) = segment start, last(t) = t.
 //
 // Three paths, picked in attention_forward / attention_backward below (the one place):
 //   1. Hopper flash attention (flash_attention_sm90_*.cu: wgmma + TMA, warp-specialised) for BF16
@@ -94,6 +96,7 @@ struct AttentionShape {
   int v_dim = 0;
   int num_segments = 0;
   float scale = 1.0f;
+  int key_shift = kSegmentShift;  // AttentionArgs::key_shift (attention_segments.cuh)
 };
 
 
@@ -160,7 +163,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_simt_f32acc_kernel
   load_tile(q_tile, p.q, m0, kForwardRows, s.tokens, head, s.heads, s.qk_dim);
   for (int r = threadIdx.x; r < kForwardRows; r += kThreads) {
     const int t = m0 + r;
-    const KeyRange keys = t < s.tokens ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, t, s.key_tokens)
+    const KeyRange keys = t < s.tokens ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, t, s.key_tokens, s.key_shift)
                                        : KeyRange{INT_MAX, -1};
     row_start[r] = keys.first;
     row_last[r] = keys.last;
@@ -255,16 +258,16 @@ __global__ void __launch_bounds__(kThreads) attention_forward_simt_f32acc_kernel
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int t = m0 + ty + kGridSide * i;
     if (t >= s.tokens) continue;
-    // Every row sees at least one key (its own, or with cu_seqlens_k its segment's k_len - q_len
-    // earlier ones), so row_sum >= 1 (the max term is exp(0)).
-    const float inv_sum = 1.0f / row_sum[i];
+    // A row that sees a key has row_sum >= 1 (the max term is exp(0)); one that sees none (a
+    // chunk of the keys, AttentionArgs::key_shift) gets out 0 and lse -inf.
+    const float inv_sum = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;
     const int64_t out_row = (static_cast<int64_t>(t) * s.heads + head) * s.v_dim;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int col = tx + kGridSide * c;
       if (col < s.v_dim) store_element(p.out, out_row + col, acc[i][c] * inv_sum);
     }
-    if (tx == 0) p.lse[static_cast<int64_t>(t) * s.heads + head] = row_max[i] + logf(row_sum[i]);
+    if (tx == 0) p.lse[static_cast<int64_t>(t) * s.heads + head] = row_sum[i] > 0.0f ? row_max[i] + logf(row_sum[i]) : -INFINITY;
   }
 }
 
@@ -341,7 +344,7 @@ __device__ void load_query_side(const BackwardTiles& tiles, const BackwardParams
     const int64_t row = static_cast<int64_t>(t) * s.heads + head;
     tiles.lse[r] = valid ? p.lse[row] : 0.0f;
     tiles.delta[r] = valid ? p.delta[row] : 0.0f;
-    const KeyRange keys = valid ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, t, s.key_tokens)
+    const KeyRange keys = valid ? visible_keys(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, t, s.key_tokens, s.key_shift)
                                 : KeyRange{INT_MAX, -1};
     tiles.row_start[r] = keys.first;
     tiles.row_last[r] = keys.last;
@@ -409,7 +412,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_simt_f32acc_
 
   // Queries that see these keys: from the one whose last key is the first key (the first key's
   // own query without cu_seqlens_k) to the end of the last key's segment.
-  const int query_begin = first_query_seeing(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, n0);
+  const int query_begin = first_query_seeing(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, n0, s.key_shift);
   const int query_end = query_end_seeing(p.cu_seqlens, p.cu_seqlens_k, s.num_segments, last_key, s.tokens);
   for (int m0 = query_begin; m0 < query_end; m0 += kBackwardRows) {
     __syncthreads();  // the previous step's readers are done (and the k/v loads are ordered)
@@ -527,10 +530,11 @@ void expect_f32(const char* op, const char* name, const TensorView& t) {
   expect_dtype_is(op, name, t, DType::kF32);
 }
 
-// Shapes of q, k, v, out, lse, cu_seqlens (and cu_seqlens_k, if given), checked; the scale too.
+// Shapes of q, k, v, out, lse, cu_seqlens (and cu_seqlens_k, if given), checked; the scale and
+// the key shift too.
 AttentionShape check_attention(const char* op, const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& out, const TensorView& lse, const TensorView& cu_seqlens,
-                               const TensorView& cu_seqlens_k, double scale) {
+                               const TensorView& cu_seqlens_k, double scale, int64_t key_shift) {
   expect(q.ndim() == 3 && v.ndim() == 3 && k.ndim() == 3, op, "q " + q.shape.str() + ", k " + k.shape.str() +
                                                                   " and v " + v.shape.str() +
                                                                   " must be [tokens, heads, dim]");
@@ -561,7 +565,11 @@ AttentionShape check_attention(const char* op, const TensorView& q, const Tensor
                    ", expected int32 [" + std::to_string(cu_seqlens.numel()) + "] (as many segments as cu_seqlens)");
   }
   expect(std::isfinite(scale), op, "scale is not finite");
+  const bool shifted = key_shift != kShiftFromSegments;
+  expect(!shifted || (own_keys && key_shift > INT_MIN && key_shift <= INT_MAX), op,
+         "key_shift " + std::to_string(key_shift) + " needs cu_seqlens_k and must fit int32");
   AttentionShape s;
+  s.key_shift = shifted ? static_cast<int>(key_shift) : kSegmentShift;
   s.tokens = static_cast<int>(tokens);
   s.key_tokens = static_cast<int>(key_tokens);
   s.heads = static_cast<int>(heads);
@@ -613,7 +621,7 @@ void attention_forward(const AttentionArgs& args, cudaStream_t stream) {
   const char* op = "attention_forward";
   ForwardParams p;
   p.shape = check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens, args.cu_seqlens_k,
-                            args.scale);
+                            args.scale, args.key_shift);
   p.out = activation_out(op, "out", args.out);
   p.lse = static_cast<float*>(args.lse.data);
   p.q = activation_in(op, "q", args.q);
@@ -644,7 +652,7 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
   const char* op = "attention_backward";
   BackwardParams p;
   p.shape = check_attention(op, args.q, args.k, args.v, args.out, args.lse, args.cu_seqlens, args.cu_seqlens_k,
-                            args.scale);
+                            args.scale, args.key_shift);
   expect_shape(op, "dq", args.dq, args.q.shape);
   expect_shape(op, "dk", args.dk, args.k.shape);
   expect_shape(op, "dv", args.dv, args.v.shape);
@@ -700,6 +708,52 @@ void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream) 
     });
   }
   CUDA_CHECK(cudaFreeAsync(delta, stream));
+}
+
+namespace {
+
+// One thread per (row, column) of out; every thread of a row reads the row's two lse.
+__global__ void attention_merge_kernel(OutOperand out, float* lse, InOperand chunk_out, const float* chunk_lse,
+                                       int64_t rows, int v_dim) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * v_dim) return;
+  const int64_t r = i / v_dim;
+  const float a = lse[r], b = chunk_lse[r];
+  const float base = fmaxf(a, b);
+  if (base == -INFINITY) return;
+  const float wa = expf(a - base), wb = expf(b - base), sum = wa + wb;
+  const float merged = wa * load_element(InOperand{out.data, out.bf16}, i) + wb * load_element(chunk_out, i);
+  store_element(out, i, merged / sum);
+}
+
+// lse is written after every column of its row has read it: a second pass.
+__global__ void attention_merge_lse_kernel(float* lse, const float* chunk_lse, int64_t rows) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const float a = lse[r], b = chunk_lse[r];
+  const float base = fmaxf(a, b);
+  if (base != -INFINITY) lse[r] = base + logf(expf(a - base) + expf(b - base));
+}
+
+}  // namespace
+
+void attention_merge(const AttentionMergeArgs& args, cudaStream_t stream) {
+  const char* op = "attention_merge";
+  const OutOperand out = activation_out(op, "out", args.out);
+  const InOperand chunk_out = activation_in(op, "chunk_out", args.chunk_out);
+  expect_f32(op, "lse", args.lse);
+  expect_f32(op, "chunk_lse", args.chunk_lse);
+  const int64_t rows = args.lse.numel(), v_dim = args.out.size(2);
+  if (rows == 0 || v_dim == 0) return;
+  constexpr int kMergeThreads = 256;
+  attention_merge_kernel<<<static_cast<unsigned>((rows * v_dim + kMergeThreads - 1) / kMergeThreads), kMergeThreads, 0,
+                           stream>>>(out, static_cast<float*>(args.lse.data), chunk_out,
+                                     static_cast<const float*>(args.chunk_lse.data), rows, static_cast<int>(v_dim));
+  CUDA_CHECK_LAUNCH();
+  attention_merge_lse_kernel<<<static_cast<unsigned>((rows + kMergeThreads - 1) / kMergeThreads), kMergeThreads, 0,
+                               stream>>>(static_cast<float*>(args.lse.data), static_cast<const float*>(args.chunk_lse.data),
+                                         rows);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace moetrain::kernels::cuda_ops

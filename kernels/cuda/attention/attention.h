@@ -14,5 +14,7 @@ namespace moetrain::kernels::cuda_ops {
 
 void attention_forward(const AttentionArgs& args, cudaStream_t stream);
 void attention_backward(const AttentionBackwardArgs& args, cudaStream_t stream);
+// AttentionMergeArgs: out BF16 or F32, chunk_out either, both lse F32.
+void attention_merge(const AttentionMergeArgs& args, cudaStream_t stream);
 
 }  // namespace moetrain::kernels::cuda_ops

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 namespace moetrain::kernels::cuda_ops {
@@ -36,30 +37,41 @@ __device__ __forceinline__ int segment_end(const int32_t* cu_seqlens, int num_se
   return min(max(end, t + 1), tokens);
 }
 
+// A key shift that is not given (ops.h kShiftFromSegments): each segment pair's own k_end - q_end.
+constexpr int kSegmentShift = INT_MIN;
+
+// The shift of segment pair i: `key_shift` when given (ops.h AttentionArgs::key_shift), else
+// k_end - q_end.
+__device__ __forceinline__ int pair_shift(const int32_t* cu_seqlens, const int32_t* cu_seqlens_k, int i,
+                                          int key_shift) {
+  return key_shift != kSegmentShift ? key_shift : cu_seqlens_k[i + 1] - cu_seqlens[i + 1];
+}
+
 // Keys query t sees: [first, last] of its segment's keys, the query segment being the last rows of
-// the key segment (ops.h AttentionArgs::cu_seqlens_k): last = t + k_end - q_end. cu_seqlens_k ==
-// cu_seqlens gives [segment_start(t), t]. last is clamped below key_tokens.
+// the key segment (ops.h AttentionArgs::cu_seqlens_k): last = t + k_end - q_end, or t + key_shift.
+// cu_seqlens_k == cu_seqlens gives [segment_start(t), t]. last is clamped below the segment's and
+// the keys' end; last < first: the query sees no key.
 struct KeyRange {
   int first;
   int last;
 };
 __device__ __forceinline__ KeyRange visible_keys(const int32_t* cu_seqlens, const int32_t* cu_seqlens_k,
-                                                 int num_segments, int t, int key_tokens) {
+                                                 int num_segments, int t, int key_tokens,
+                                                 int key_shift = kSegmentShift) {
   const int i = segment_index(cu_seqlens, num_segments, t);
-  const int shift = cu_seqlens_k[i + 1] - cu_seqlens[i + 1];
   KeyRange range;
   range.first = max(cu_seqlens_k[i], 0);
-  range.last = min(t + shift, key_tokens - 1);
+  range.last = min(min(t + pair_shift(cu_seqlens, cu_seqlens_k, i, key_shift), cu_seqlens_k[i + 1] - 1),
+                   key_tokens - 1);
   return range;
 }
 
 // Queries that see key `key` or a later key of its segment start at or after this one (the query
 // whose last visible key is `key`, or the segment's first query).
 __device__ __forceinline__ int first_query_seeing(const int32_t* cu_seqlens, const int32_t* cu_seqlens_k,
-                                                  int num_segments, int key) {
+                                                  int num_segments, int key, int key_shift = kSegmentShift) {
   const int j = segment_index(cu_seqlens_k, num_segments, key);
-  const int shift = cu_seqlens_k[j + 1] - cu_seqlens[j + 1];
-  return max(max(cu_seqlens[j], key - shift), 0);
+  return max(max(cu_seqlens[j], key - pair_shift(cu_seqlens, cu_seqlens_k, j, key_shift)), 0);
 }
 
 // One past the last query that sees key `key`: the end of its segment's queries, below tokens.
