@@ -98,6 +98,7 @@ struct ScheduleFlags {
   bool mxfp4 = false;  // with k3
   int cp = 1;          // context parallelism: each micro-batch cut into cp shards
   int64_t ffn_chunk_tokens = 0;  // the distributed model's ModelOptions::ffn_chunk_tokens
+  int64_t mixer_segment_tokens = 0;  // its ModelOptions::mixer_segment_tokens (KDA time segments)
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -122,6 +123,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.cp = std::stoi(argv[++i]);
     } else if (arg == "--ffn-chunks" && i + 1 < argc) {
       flags.ffn_chunk_tokens = std::stoll(argv[++i]);
+    } else if (arg == "--mixer-segments" && i + 1 < argc) {
+      flags.mixer_segment_tokens = std::stoll(argv[++i]);
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -254,6 +257,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   auto backend = kernels::make_cpu_backend();
   ModelOptions options = model_options(&groups, world, flags);
   options.ffn_chunk_tokens = flags.ffn_chunk_tokens;
+  options.mixer_segment_tokens = flags.mixer_segment_tokens;
   Model model(spec, *backend, options);
   prepare(model, routing);
   SyntheticData data(config.data, spec.config.vocab_size, runtime.rank() / cp, world / cp);
