@@ -110,36 +110,56 @@ KdaAttention::Span KdaAttention::whole_span(const LayerContext& ctx, int64_t tok
 
 namespace {
 
-// The batch's segment offsets cut to rows [first, last), from 0, on the backend.
-Tensor cut_segments(const LayerContext& ctx, const std::vector<int32_t>& cu, int64_t first, int64_t last) {
-  std::vector<int32_t> local{0};
+// The batch's segment offsets cut to rows [first, last), from 0, appended to `out`.
+void cut_segments(const std::vector<int32_t>& cu, int64_t first, int64_t last, std::vector<int32_t>& out) {
+  out.push_back(0);
   for (int32_t c : cu) {
-    if (c > first && c < last && c - first > local.back()) local.push_back(static_cast<int32_t>(c - first));
+    if (c > first && c < last && c - first > out.back()) out.push_back(static_cast<int32_t>(c - first));
   }
-  local.push_back(static_cast<int32_t>(last - first));
-  Tensor host({static_cast<int64_t>(local.size())}, DType::kI32);
-  std::copy(local.begin(), local.end(), host.ptr<int32_t>());
-  Tensor device = ctx.alloc(host.shape(), DType::kI32);
-  ctx.backend.copy(device, host);
-  return device;
+  out.push_back(static_cast<int32_t>(last - first));
 }
 
 }  // namespace
 
-KdaAttention::Span KdaAttention::time_segment(const LayerContext& ctx, int64_t begin, int64_t end) const {
+// Every segment's offsets go to the backend in one copy: a copy from the host waits for the
+// device's queue to drain, once per layer pass rather than once per segment.
+KdaAttention::TimeSegments KdaAttention::time_segments(const LayerContext& ctx, int64_t tokens) const {
   const std::vector<int32_t>& cu = ctx.batch.host_cu_seqlens;
-  MOETRAIN_CHECK(!cu.empty() && cu.back() == ctx.batch.num_tokens, ExitCode::kInternal,
+  MOETRAIN_CHECK(!cu.empty() && cu.back() == tokens, ExitCode::kInternal,
                  "KDA time segments need the batch's cu_seqlens on the host (BatchTensors::host_cu_seqlens)");
-  Span span;
-  span.begin = begin;
-  span.end = end;
-  span.halo = std::min(width_ - 1, begin);
-  span.conv_cu_owned = cut_segments(ctx, cu, begin - span.halo, end);
-  span.kda_cu_owned = cut_segments(ctx, cu, begin, end);
-  span.conv_cu = span.conv_cu_owned;
-  span.kda_cu = span.kda_cu_owned;
-  span.continues = begin > 0 && std::find(cu.begin(), cu.end(), static_cast<int32_t>(begin)) == cu.end();
-  return span;
+  TimeSegments segments;
+  std::vector<int32_t> offsets;
+  struct Cut {
+    size_t conv, kda, end;  // where the span's conv offsets, KDA offsets and the next span's start
+  };
+  std::vector<Cut> cuts;
+  for (int64_t begin = 0; begin < tokens; begin += segment_tokens_) {
+    Span span;
+    span.begin = begin;
+    span.end = std::min(tokens, begin + segment_tokens_);
+    span.halo = std::min(width_ - 1, begin);
+    span.continues = begin > 0 && std::find(cu.begin(), cu.end(), static_cast<int32_t>(begin)) == cu.end();
+    Cut cut;
+    cut.conv = offsets.size();
+    cut_segments(cu, begin - span.halo, span.end, offsets);
+    cut.kda = offsets.size();
+    cut_segments(cu, begin, span.end, offsets);
+    cut.end = offsets.size();
+    segments.spans.push_back(span);
+    cuts.push_back(cut);
+  }
+  Tensor host({static_cast<int64_t>(offsets.size())}, DType::kI32);
+  std::copy(offsets.begin(), offsets.end(), host.ptr<int32_t>());
+  segments.offsets = ctx.alloc(host.shape(), DType::kI32);
+  ctx.backend.copy(segments.offsets, host);
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    const auto at = [&](size_t first, size_t last) {
+      return segments.offsets.view().slice_rows(static_cast<int64_t>(first), static_cast<int64_t>(last));
+    };
+    segments.spans[i].conv_cu = at(cuts[i].conv, cuts[i].kda);
+    segments.spans[i].kda_cu = at(cuts[i].kda, cuts[i].end);
+  }
+  return segments;
 }
 
 bool KdaAttention::segmented(const LayerContext& ctx, int64_t tokens) const {
@@ -206,8 +226,8 @@ void KdaAttention::segmented_forward(const LayerContext& ctx, const TensorView& 
   const int64_t n = x.size(0);
   entering_.clear();
   Tensor leaving;  // the state after the last segment run
-  for (int64_t begin = 0; begin < n; begin += segment_tokens_) {
-    const Span span = time_segment(ctx, begin, std::min(n, begin + segment_tokens_));
+  const TimeSegments segments = time_segments(ctx, n);
+  for (const Span& span : segments.spans) {
     Tensor entering = span.continues ? std::move(leaving) : Tensor();
     leaving = ctx.alloc_accum({heads_, dim_, dim_});
     const TensorView rows = out.slice_rows(span.begin, span.end);
@@ -219,16 +239,14 @@ void KdaAttention::segmented_forward(const LayerContext& ctx, const TensorView& 
 
 void KdaAttention::segmented_backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout,
                                       const TensorView& x) {
-  const int64_t n = x.size(0);
-  const int64_t segments = (n + segment_tokens_ - 1) / segment_tokens_;
-  MOETRAIN_CHECK(static_cast<int64_t>(entering_.size()) == segments, ExitCode::kInternal,
+  const TimeSegments segments = time_segments(ctx, x.size(0));
+  MOETRAIN_CHECK(entering_.size() == segments.spans.size(), ExitCode::kInternal,
                  prefix_ + ": a segmented KDA backward without its forward's entering states");
   halo_pending_.clear();
   halo_pending_.resize(fused_qkv_ ? 1 : 3);
   Tensor dleaving;  // the gradient of the state leaving the segment run next (undefined: none)
-  for (int64_t i = segments; i-- > 0;) {
-    const int64_t begin = i * segment_tokens_;
-    const Span span = time_segment(ctx, begin, std::min(n, begin + segment_tokens_));
+  for (size_t i = segments.spans.size(); i-- > 0;) {
+    const Span& span = segments.spans[i];
     span_forward(ctx, span, nullptr, x, States{entering_[i], {}, {}, {}});
     Tensor dentering = span.continues ? ctx.alloc_accum({heads_, dim_, dim_}) : Tensor();
     span_backward(ctx, span, dx, dout, x, States{entering_[i], {}, dleaving, dentering});

@@ -74,12 +74,16 @@ class KdaAttention final : public Mixer {
   struct Span {
     int64_t begin = 0, end = 0, halo = 0;
     TensorView conv_cu, kda_cu;  // the segments of rows [begin - halo, end) and of [begin, end)
-    Tensor conv_cu_owned, kda_cu_owned;
     bool continues = false;  // `begin` is inside a document: the recurrence starts from a carried state
     int64_t rows() const { return end - begin; }
   };
   Span whole_span(const LayerContext& ctx, int64_t tokens) const;
-  Span time_segment(const LayerContext& ctx, int64_t begin, int64_t end) const;
+  // The micro-batch's time segments in order, their offsets in `offsets` on the backend.
+  struct TimeSegments {
+    std::vector<Span> spans;
+    Tensor offsets;
+  };
+  TimeSegments time_segments(const LayerContext& ctx, int64_t tokens) const;
   bool segmented(const LayerContext& ctx, int64_t tokens) const;
   // The recurrence's states at a span's edges, as KdaArgs / KdaBackwardArgs take them (empty: none).
   struct States {
