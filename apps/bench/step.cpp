@@ -56,10 +56,13 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   // The feed-forward token chunk as the trainer chooses it for this GPU (run_training.cpp).
   PlanOptions plan_options;
   plan_options.gpu_bytes = static_cast<double>(cuda_backend->stats().device_total_bytes);
-  options.ffn_chunk_tokens = make_memory_plan(config, plan_options).ffn_chunk_tokens;
+  const MemoryPlan plan = make_memory_plan(config, plan_options);
+  options.ffn_chunk_tokens = plan.ffn_chunk_tokens;
+  options.mixer_segment_tokens = plan.mixer_segment_tokens;
   log::info(options.ffn_chunk_tokens > 0
                 ? fmt::format("feed-forwards in token chunks of {}", options.ffn_chunk_tokens)
                 : std::string("feed-forwards over the whole micro-batch"));
+  if (options.mixer_segment_tokens > 0) log::info(fmt::format("KDA in time segments of {}", options.mixer_segment_tokens));
   auto build_start = std::chrono::steady_clock::now();
   Model model(spec, *backend, options);
   model.init_random_weights();

@@ -184,6 +184,12 @@ struct ParallelConfig {
   // of at most this many rows, so that the expanded keys and values of one chunk only are alive
   // (docs/PARALLEL.md). 0: the longest shard.
   int64_t cp_key_chunk = 0;
+  // The KDA mixers run over time segments of this many tokens (a multiple of KDA's chunk, 64),
+  // carrying the recurrent state and the short convolutions' history from one segment to the
+  // next, so that a KDA layer's internals exist for one segment at a time. 0: the plan's choice
+  // (the whole sequence when it fits). Equal to the whole-sequence run up to rounding
+  // (docs/PARALLEL.md, "Long sequences").
+  int64_t mixer_segment_tokens = 0;
   // Move the layer inputs (one [tokens, hidden] per layer) to page-locked host memory between
   // forward and backward, copied on a side stream behind the compute (docs/PARALLEL.md). Works
   // with recompute on or off; with Block Attention Residuals the block summaries stay on the device.

@@ -473,6 +473,18 @@ void check_parallel(const Config& c, Rules& r) {
                show(c.model.moe.aux_loss_coef) + ": the aux loss needs every token's routing of the micro-batch at " +
                "once; set one of them to 0");
   }
+  r.at_least<int64_t>("parallel.mixer_segment_tokens", p.mixer_segment_tokens, 0);
+  if (p.mixer_segment_tokens > 0 && p.mixer_segment_tokens % 64 != 0) {
+    r.fail({"parallel.mixer_segment_tokens"},
+           "`parallel.mixer_segment_tokens` = " + show(p.mixer_segment_tokens) + " must be a multiple of 64 (KDA's " +
+               "chunk, so that segments cut where the chunks do): try " + show((p.mixer_segment_tokens / 64 + 1) * 64));
+  }
+  if (p.mixer_segment_tokens > 0 && p.cp > 1) {
+    r.fail({"parallel.mixer_segment_tokens", "parallel.cp"},
+           "`parallel.mixer_segment_tokens` = " + show(p.mixer_segment_tokens) + " cannot run with `parallel.cp` = " +
+               show(p.cp) + ": a context-parallel shard's KDA takes its state from the other ranks; set one of " +
+               "them to 0 / 1");
+  }
   r.at_least<double>("parallel.timeout_s", p.timeout_s, 0.0);
   if (p.recompute_layers != -1) {
     if (!p.recompute) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "core/base/tensor.h"
 #include "core/data/context_shards.h"
@@ -18,6 +19,7 @@ struct BatchTensors {
   Tensor labels;      // [tokens], -1: not a target
   Tensor positions;   // [tokens], position within the token's segment
   Tensor cu_seqlens;  // [segments + 1]
+  std::vector<int32_t> host_cu_seqlens;  // the same offsets on the host (KDA's time segments cut them)
   int64_t num_tokens = 0;
   int64_t seq_len = 0;  // window length (segments never span windows)
   // Images (Batch::image_patches, model.vision): the patches in the compute dtype, the grids on

@@ -108,7 +108,8 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     layer.attention_mix = attn_res_.make_mix(ctx);
     layer.mlp_mix = attn_res_.make_mix(ctx);
     const RopeDeviceTables* rope = m.mla.use_rope ? &rope_ : nullptr;
-    if (spec_.mixers[i] == MixerKind::kKda) layer.mixer = std::make_unique<KdaAttention>(spec_, i, ctx);
+    if (spec_.mixers[i] == MixerKind::kKda)
+      layer.mixer = std::make_unique<KdaAttention>(spec_, i, ctx, options_.mixer_segment_tokens);
     else if (spec_.mixers[i] == MixerKind::kDsa) layer.mixer = std::make_unique<DsaAttention>(spec_, i, ctx, rope);
     else layer.mixer = std::make_unique<MlaAttention>(spec_, i, ctx, rope);
     if (spec_.ffns[i] == FfnKind::kDense) {
@@ -149,6 +150,7 @@ ModelOptions model_options_for(const Config& config) {
   options.recompute_layers = config.parallel.recompute_layers;
   options.ffn_chunk_tokens = config.parallel.ffn_chunk_tokens;
   options.cp_key_chunk = config.parallel.cp_key_chunk;
+  options.mixer_segment_tokens = config.parallel.mixer_segment_tokens;
   options.offload = config.parallel.offload;
   options.fsdp_prefetch = config.parallel.prefetch;
   options.fsdp_reshard_after_forward = config.parallel.reshard_after_forward;

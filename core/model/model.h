@@ -59,6 +59,9 @@ struct ModelOptions {
   // parallel.cp_key_chunk: rows of the other shards' keys an MLA layer expands at once
   // (LayerContext::context_key_chunk); 0: the longest shard.
   int64_t cp_key_chunk = 0;
+  // parallel.mixer_segment_tokens: every KDA mixer runs over time segments of at most this many
+  // tokens (KdaAttention, "time segments"); 0: the whole micro-batch at once.
+  int64_t mixer_segment_tokens = 0;
   const ParallelGroups* parallel = nullptr;  // null: this rank is the whole job
   // FSDP (parallel->fsdp of size > 1): the frozen non-expert weights are sharded per layer.
   // fsdp_prefetch: layers gathered ahead of the one being computed (0: just in time).

@@ -66,6 +66,7 @@ BatchTensors BatchStaging::upload(const Batch& batch) {
   bt.labels = upload_values(batch.labels);
   bt.positions = upload_values(batch.positions);
   bt.cu_seqlens = upload_values(batch.cu_seqlens);
+  bt.host_cu_seqlens = batch.cu_seqlens;
   buffer.copied = backend_.record_event();
   bt.num_tokens = n;
   bt.seq_len = batch.seq_len;

@@ -26,7 +26,37 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 struct LayerSaved {
   double mixer = 0, ffn = 0;
 };
-LayerSaved layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity, const Config& config) {
+// KDA's state [H, d, d] F32: what a layer in time segments keeps per segment.
+double kda_state_bytes(const KdaConfig& kda) {
+  return static_cast<double>(kda.num_heads * kda.head_dim * kda.head_dim) * kF32;
+}
+
+// A KDA layer's bytes per token: what its forward saves, and the backward's temporaries alive
+// with them (KdaAttention::span_backward, at the convolutions' backward).
+struct KdaBytes {
+  double saved = 0, temporaries = 0;
+};
+KdaBytes kda_bytes_per_token(const KdaConfig& kda, double a) {
+  const double kd = static_cast<double>(kda.head_dim);
+  const double kh = static_cast<double>(kda.num_heads);
+  const double c = kh * kd;
+  KdaBytes bytes;
+  // KdaAttention::Saved, c = H d: q/k/v before the conv (3c), after it (3c), q and k
+  // normalised (2c), the forget gate's f (c) and f_a output (d), the KDA output (c), the output
+  // gate (c, plus its g_a output d when low rank), o_proj's input (c); F32: the decay g (c),
+  // beta (H), the q/k inverse norms and the output norm's rstd (3H).
+  bytes.saved = (12 * c + kd + (kda.full_rank_output_gate ? 0 : kd)) * a + (c + 4 * kh) * kF32;
+  // The gradients of o_proj's input, the KDA output and the gate, of q, k, v, f and the convs'
+  // outputs of q and k (9c), f_a's output (d) and beta's logits (H); F32: dg (c) and dbeta (H);
+  // then per convolution its padded output gradient and input gradient (2c, or 3 x 3c fused:
+  // with the gathered dconv).
+  bytes.temporaries = (9 * c + (kda.fused_qkv ? 9 * c : 2 * c) + kd + kh) * a + (c + kh) * kF32;
+  return bytes;
+}
+
+// `segment_tokens`: the KDA layers' time segment (0: whole).
+LayerSaved layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity, const Config& config,
+                                 int64_t segment_tokens) {
   const ModelConfig& m = spec.config;
   const MlaConfig& mla = m.mla;
   const double d = static_cast<double>(m.hidden_size);
@@ -41,15 +71,10 @@ LayerSaved layer_saved_per_token(const ModelSpec& spec, size_t i, double a, doub
     bytes += 2 * d * a + 2 * values * kF32;
   }
   if (spec.mixers[i] == MixerKind::kKda) {
-    // KdaAttention::Saved, c = H d: q/k/v before the conv (3c), after it (3c), q and k
-    // normalised (2c), the forget gate's f (c) and f_a output (d), the KDA output (c), the output
-    // gate (c, plus its g_a output d when low rank), o_proj's input (c); F32: the decay g (c),
-    // beta (H), the q/k inverse norms and the output norm's rstd (3H).
+    // Whole, the layer keeps its internals; in time segments of S tokens, the state entering each.
     const KdaConfig& kda = m.kda;
-    const double kd = static_cast<double>(kda.head_dim);
-    const double kh = static_cast<double>(kda.num_heads);
-    const double c = kh * kd;
-    bytes += (12 * c + kd + (kda.full_rank_output_gate ? 0 : kd)) * a + (c + 4 * kh) * kF32;
+    bytes += segment_tokens > 0 ? kda_state_bytes(kda) / static_cast<double>(segment_tokens)
+                                : kda_bytes_per_token(kda, a).saved;
   } else {
     // The stages MLA and DSA share: the q LoRA path (q_a, the q latent, rstd), the kv latent
     // and its rstd, the attention output before the gate, the gate's pre-activation.
@@ -327,7 +352,8 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
   const bool chunked = plan.ffn_chunk_tokens > 0;
   double ffn_max = 0;
   for (size_t i = 0; i < spec.mixers.size(); ++i) {
-    const LayerSaved saved = layer_saved_per_token(spec, i, a, in.options.capacity_factor, in.config);
+    const LayerSaved saved =
+        layer_saved_per_token(spec, i, a, in.options.capacity_factor, in.config, plan.mixer_segment_tokens);
     plan.layer_saved.push_back(saved.mixer + (chunked ? 0.0 : saved.ffn));
     ffn_max = std::max(ffn_max, saved.ffn);
   }
@@ -341,10 +367,19 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
   const double saved_max = saved_at_peak(plan.layer_saved, plan.num_layers);
   // KDA's chunked kernels hold the state entering every 64-token chunk (F32 d x d per head) while
   // one layer's forward or backward runs; the layer does not keep them (the backward recomputes).
-  const double kda_chunk_states =
-      std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0
-          ? static_cast<double>(m.kda.num_heads * m.kda.head_dim * m.kda.head_dim) * kF32 / 64.0
-          : 0.0;
+  // In time segments of S tokens they, the segment's internals and its backward's temporaries
+  // exist for one segment of one layer at a time.
+  const bool has_kda = std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0;
+  const bool segmented = has_kda && plan.mixer_segment_tokens > 0;
+  const double kda_chunk_state = has_kda ? kda_state_bytes(m.kda) / 64.0 : 0.0;
+  const KdaBytes kda = kda_bytes_per_token(m.kda, a);
+  const double kda_chunk_states = segmented ? 0.0 : kda_chunk_state;
+  add(plan.fixed, "KDA time segment (internals, backward temporaries, chunk states)",
+      segmented ? static_cast<double>(plan.mixer_segment_tokens) * (kda.saved + kda.temporaries + kda_chunk_state) : 0.0,
+      segmented ? fmt::format("{} tokens (parallel.mixer_segment_tokens{}) x ({:.1f} + {:.1f} + {:.1f}) KB per token",
+                              plan.mixer_segment_tokens, plan.mixer_segment_auto ? ", the plan's choice" : "",
+                              kda.saved / 1e3, kda.temporaries / 1e3, kda_chunk_state / 1e3)
+                : std::string("0: the KDA layers run the whole micro-batch at once"));
   // The DSA backward inverts the selection (which queries chose each key) by a radix sort of
   // the (key, query) pairs and sums dkv in F32 [r + rope]: scratch for the one layer being run.
   const DsaSizes dsa = dsa_sizes(in);
@@ -506,10 +541,14 @@ double busiest_shard_over_mean(const PlanInputs& in, int cp) {
   return mean > 0 ? busiest / mean : 1.0;
 }
 
-MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, bool chosen) {
+MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, bool chosen, int64_t segment_tokens,
+                            bool segment_chosen) {
   MemoryPlan plan = plan_layout(inputs);
   plan.ffn_chunk_tokens = ffn_chunk_tokens < plan.tokens_per_micro_batch ? ffn_chunk_tokens : 0;
   plan.ffn_chunk_auto = chosen && plan.ffn_chunk_tokens > 0;
+  const bool has_kda = std::count(inputs.spec.mixers.begin(), inputs.spec.mixers.end(), MixerKind::kKda) > 0;
+  plan.mixer_segment_tokens = has_kda && segment_tokens < plan.tokens_per_micro_batch ? segment_tokens : 0;
+  plan.mixer_segment_auto = segment_chosen && plan.mixer_segment_tokens > 0;
   add_frozen_weights(plan, inputs);
   add_adapters_and_optimizer(plan, inputs);
   add_workspace(plan, inputs);
@@ -527,6 +566,73 @@ int64_t smallest_ffn_chunk(const ModelConfig& m, int64_t ep) {
   return std::max<int64_t>(1024, ceil_div(128 * m.moe.num_experts, m.moe.top_k * ep));
 }
 
+// The feed-forward chunk for a given KDA segment: the config's, or with the key at 0 the whole
+// micro-batch when it fits, else the largest chunk that fits (at least the smallest worth
+// running). The aux loss needs the whole micro-batch.
+MemoryPlan choose_ffn_chunk(const PlanInputs& inputs, int64_t segment_tokens, bool segment_chosen) {
+  const Config& config = inputs.config;
+  if (config.parallel.ffn_chunk_tokens > 0) {
+    return plan_with_chunks(inputs, config.parallel.ffn_chunk_tokens, false, segment_tokens, segment_chosen);
+  }
+  MemoryPlan whole = plan_with_chunks(inputs, 0, true, segment_tokens, segment_chosen);
+  if (whole.fits() || inputs.spec.config.moe.aux_loss_coef > 0.0) return whole;
+  const int64_t smallest = smallest_ffn_chunk(inputs.spec.config, whole.ep);
+  MemoryPlan plan = plan_with_chunks(inputs, smallest, true, segment_tokens, segment_chosen);
+  const double per_chunk_token = 2 * plan.ffn_saved_max_per_token;
+  if (plan.ffn_chunk_tokens == 0 || !(per_chunk_token > 0)) return plan;
+  const double room = plan.usable_bytes - plan.peak_bytes(plan.recompute) + per_chunk_token * static_cast<double>(smallest);
+  // Multiples of 1024 tokens, so that the choice does not move with every byte of the inputs.
+  const int64_t fitting = static_cast<int64_t>(std::floor(room / per_chunk_token)) / 1024 * 1024;
+  return fitting > smallest ? plan_with_chunks(inputs, fitting, true, segment_tokens, segment_chosen) : plan;
+}
+
+// The KDA segments the plan tries when the whole-sequence mixer does not fit, longest first: past
+// 16K tokens a segment's kernels are as efficient as the whole sequence's, below 1K the per-segment
+// launches start to count.
+constexpr int64_t kSegmentChoices[] = {16384, 8192, 4096, 2048, 1024};
+
+// KDA layers that time segments can run: on one rank of the sequence (a context-parallel shard's
+// KDA takes its state from the other ranks).
+bool can_segment(const PlanInputs& inputs) {
+  return inputs.config.parallel.cp == 1 &&
+         std::count(inputs.spec.mixers.begin(), inputs.spec.mixers.end(), MixerKind::kKda) > 0;
+}
+
+// The segment and chunk choice for the inputs (see make_memory_plan).
+MemoryPlan choose_plan(const PlanInputs& inputs) {
+  const int64_t configured = inputs.config.parallel.mixer_segment_tokens;
+  if (configured > 0) return choose_ffn_chunk(inputs, configured, false);
+  MemoryPlan plan = choose_ffn_chunk(inputs, 0, false);
+  if (plan.fits() || !can_segment(inputs)) return plan;
+  for (int64_t segment : kSegmentChoices) {
+    plan = choose_ffn_chunk(inputs, segment, true);
+    if (plan.fits()) break;
+  }
+  return plan;
+}
+
+// The longest micro-batch that fits with every saving the plan can choose on (the chosen feed-forward
+// chunk and KDA segment, else the smallest chunk and the shortest segment the plan tries), with
+// parallel.offload as given.
+int64_t longest_fitting(const PlanInputs& in, const MemoryPlan& chosen, bool offload) {
+  Config config = in.config;
+  config.parallel.offload = offload;
+  if (config.parallel.ffn_chunk_tokens == 0 && in.spec.config.moe.aux_loss_coef == 0.0) {
+    config.parallel.ffn_chunk_tokens =
+        chosen.ffn_chunk_tokens > 0 ? chosen.ffn_chunk_tokens : smallest_ffn_chunk(in.spec.config, chosen.ep);
+  }
+  if (config.parallel.mixer_segment_tokens == 0 && can_segment(in)) {
+    config.parallel.mixer_segment_tokens =
+        chosen.mixer_segment_tokens > 0 ? chosen.mixer_segment_tokens : std::end(kSegmentChoices)[-1];
+  }
+  // Planned at a length past the chunk and segment, so that neither is dropped as the whole.
+  config.data.seq_len = std::max<int64_t>(config.data.seq_len, 2 * std::max(config.parallel.ffn_chunk_tokens,
+                                                                            config.parallel.mixer_segment_tokens));
+  const PlanInputs inputs{config, in.options, in.spec, in.mesh, in.a};
+  return plan_with_chunks(inputs, config.parallel.ffn_chunk_tokens, false, config.parallel.mixer_segment_tokens, false)
+      .max_tokens(chosen.recompute);
+}
+
 }  // namespace
 
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
@@ -535,19 +641,10 @@ MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
   const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep, config.parallel.cp}, spec.config.moe.num_experts,
                         config.source_path.empty() ? "config" : config.source_path);
   const PlanInputs inputs{config, options, spec, mesh, static_cast<double>(options.activation_bytes)};
-  if (config.parallel.ffn_chunk_tokens > 0) return plan_with_chunks(inputs, config.parallel.ffn_chunk_tokens, false);
-  // parallel.ffn_chunk_tokens 0: the whole micro-batch when it fits, else the largest chunk that
-  // fits (at least the smallest worth running). The aux loss needs the whole micro-batch.
-  MemoryPlan whole = plan_with_chunks(inputs, 0, true);
-  if (whole.fits() || spec.config.moe.aux_loss_coef > 0.0) return whole;
-  const int64_t smallest = smallest_ffn_chunk(spec.config, whole.ep);
-  MemoryPlan plan = plan_with_chunks(inputs, smallest, true);
-  const double per_chunk_token = 2 * plan.ffn_saved_max_per_token;
-  if (plan.ffn_chunk_tokens == 0 || !(per_chunk_token > 0)) return plan;
-  const double room = plan.usable_bytes - plan.peak_bytes(plan.recompute) + per_chunk_token * static_cast<double>(smallest);
-  // Multiples of 1024 tokens, so that the choice does not move with every byte of the inputs.
-  const int64_t fitting = static_cast<int64_t>(std::floor(room / per_chunk_token)) / 1024 * 1024;
-  return fitting > smallest ? plan_with_chunks(inputs, fitting, true) : plan;
+  MemoryPlan plan = choose_plan(inputs);
+  plan.longest_without_offload = longest_fitting(inputs, plan, false);
+  plan.longest_with_offload = longest_fitting(inputs, plan, true);
+  return plan;
 }
 
 }  // namespace moetrain

@@ -45,6 +45,16 @@ struct MemoryPlan {
   int64_t ffn_chunk_tokens = 0;
   bool ffn_chunk_auto = false;
   double ffn_saved_max_per_token = 0;  // the largest feed-forward's internals, bytes per token
+  // The KDA layers' time segment (parallel.mixer_segment_tokens; 0: the whole micro-batch). The
+  // config's, or with the key at 0 the plan's choice (mixer_segment_auto): none when the plan fits
+  // without, else the longest of 16K, 8K, 4K, 2K, 1K tokens that fits.
+  int64_t mixer_segment_tokens = 0;
+  bool mixer_segment_auto = false;
+  // The longest micro-batch per rank that fits (recompute as configured) with feed-forward chunks
+  // and KDA segments on (the chosen ones, else the smallest the plan would choose), without and
+  // with parallel.offload.
+  int64_t longest_without_offload = 0;
+  int64_t longest_with_offload = 0;
   int64_t micro_batches = 1;           // data.grad_accum
   int64_t local_experts = 0;
   ModelParameterCount params;

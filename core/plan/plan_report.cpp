@@ -104,6 +104,15 @@ std::string format_plan(const MemoryPlan& plan) {
                                              "sets it"
                                            : "parallel.ffn_chunk_tokens");
   }
+  if (plan.mixer_segment_tokens > 0) {
+    out += fmt::format("  KDA layers in time segments of {} ({})\n", plan.mixer_segment_tokens,
+                       plan.mixer_segment_auto ? "chosen: the whole-sequence mixer does not fit; "
+                                                 "parallel.mixer_segment_tokens sets it"
+                                               : "parallel.mixer_segment_tokens");
+  }
+  out += fmt::format("  longest micro-batch per rank that fits (recompute {}, feed-forward chunks and KDA segments "
+                     "on): {} tokens without offload, {} with parallel.offload\n",
+                     plan.recompute ? on : "off", plan.longest_without_offload, plan.longest_with_offload);
   out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? on : "off",
                      plan.fits() ? "fits" : "does not fit");
   return out;
@@ -148,6 +157,10 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["ffn_chunk_tokens"] = plan.ffn_chunk_tokens;  // 0: the whole micro-batch
   j["ffn_chunk_auto"] = plan.ffn_chunk_auto;
   j["cp_busiest_over_mean"] = plan.cp_busiest_over_mean;
+  j["mixer_segment_tokens"] = plan.mixer_segment_tokens;  // 0: the whole micro-batch
+  j["mixer_segment_auto"] = plan.mixer_segment_auto;
+  j["longest_tokens_without_offload"] = plan.longest_without_offload;
+  j["longest_tokens_with_offload"] = plan.longest_with_offload;
   j["fits"] = plan.fits();
   return j.dump(2);
 }

@@ -98,9 +98,10 @@ void log_per_rank(const Runtime& runtime, const std::vector<double>& mine,
 // (not an out-of-memory deep inside the build): what it needs by `moetrain plan`'s count, what
 // there is, and where to look for a split that fits. The plan counts BF16 weights and
 // activations; the CPU backend holds F32, so on the CPU the check is a lower bound.
-// Returns the feed-forward token chunk the plan chose for this memory (parallel.ffn_chunk_tokens
-// 0: the whole micro-batch when it fits; 0 returned then).
-int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend, const Runtime& runtime) {
+// Returns the plan for this memory, with its feed-forward token chunk and KDA time segment
+// (parallel.ffn_chunk_tokens / mixer_segment_tokens 0: the whole micro-batch when it fits, 0 then).
+MemoryPlan check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend,
+                            const Runtime& runtime) {
   // The sizes' upper limits are config rules (core/config/config_rules.cpp), which
   // resolve_model_spec checked, so the plan's integer counts below cannot overflow.
   const bool on_cpu = backend.device() == Device::kCPU;
@@ -110,7 +111,12 @@ int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::B
   } else {
     available = static_cast<double>(backend.stats().device_total_bytes);
   }
-  if (!(available > 0)) return config.parallel.ffn_chunk_tokens;
+  if (!(available > 0)) {
+    MemoryPlan configured;
+    configured.ffn_chunk_tokens = config.parallel.ffn_chunk_tokens;
+    configured.mixer_segment_tokens = config.parallel.mixer_segment_tokens;
+    return configured;
+  }
   PlanOptions plan_options;
   plan_options.world = runtime.world();
   plan_options.gpu_bytes = available;
@@ -130,7 +136,12 @@ int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::B
                           "micro-batch of {} tokens would not fit)",
                           plan.ffn_chunk_tokens, plan.tokens_per_micro_batch));
   }
-  return plan.ffn_chunk_tokens;
+  if (plan.mixer_segment_auto && runtime.is_root()) {
+    log::info(fmt::format("the KDA layers run in time segments of {} (parallel.mixer_segment_tokens: the whole "
+                          "micro-batch of {} tokens would not fit)",
+                          plan.mixer_segment_tokens, plan.tokens_per_micro_batch));
+  }
+  return plan;
 }
 
 // RunDirectory on rank 0 (core/checkpoint/run_directory.h); its verdict reaches every rank, so
@@ -407,9 +418,11 @@ int run_training(Runtime& runtime, const Config& config) {
   check_context_parallel(config, spec);
   RankMesh mesh(runtime, config, spec, *backend);
   ModelOptions options = run_model_options(config, *backend, runtime, mesh);
-  // Rank 0's chunk for every rank: each chunk's expert exchange pairs up only if all run as many.
-  const int64_t ffn_chunk_tokens = check_model_fits(config, spec, *backend, runtime);
-  options.ffn_chunk_tokens = std::stoll(group->broadcast_from_root(std::to_string(ffn_chunk_tokens)));
+  // Rank 0's chunk for every rank: each chunk's expert exchange pairs up only if all run as many
+  // (and its KDA segment, which every rank runs alike).
+  const MemoryPlan plan = check_model_fits(config, spec, *backend, runtime);
+  options.ffn_chunk_tokens = std::stoll(group->broadcast_from_root(std::to_string(plan.ffn_chunk_tokens)));
+  options.mixer_segment_tokens = std::stoll(group->broadcast_from_root(std::to_string(plan.mixer_segment_tokens)));
   Model model(spec, *backend, options);
   load_weights(model, spec, config, runtime);
 

@@ -100,6 +100,7 @@ struct ScheduleFlags {
   int cp = 1;          // context parallelism: each micro-batch cut into cp shards
   int64_t ffn_chunk_tokens = 0;  // the distributed model's ModelOptions::ffn_chunk_tokens
   int64_t cp_key_chunk = 0;      // the distributed model's ModelOptions::cp_key_chunk
+  int64_t mixer_segment_tokens = 0;  // its ModelOptions::mixer_segment_tokens (KDA time segments)
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -126,6 +127,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.cp_key_chunk = std::stoll(argv[++i]);
     } else if (arg == "--ffn-chunks" && i + 1 < argc) {
       flags.ffn_chunk_tokens = std::stoll(argv[++i]);
+    } else if (arg == "--mixer-segments" && i + 1 < argc) {
+      flags.mixer_segment_tokens = std::stoll(argv[++i]);
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -259,6 +262,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   ModelOptions options = model_options(&groups, world, flags);
   options.ffn_chunk_tokens = flags.ffn_chunk_tokens;
   options.cp_key_chunk = flags.cp_key_chunk;
+  options.mixer_segment_tokens = flags.mixer_segment_tokens;
   Model model(spec, *backend, options);
   prepare(model, routing);
   SyntheticData data(config.data, spec.config.vocab_size, runtime.rank() / cp, world / cp);

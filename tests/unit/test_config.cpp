@@ -342,6 +342,11 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
       {{"parallel.cp_key_chunk=-3"}, {"`parallel.cp_key_chunk` = -3 must be >= 0"}},
       {{"parallel.ffn_chunk_tokens=4096", "model.moe.aux_loss_coef=0.01"},
        {"`parallel.ffn_chunk_tokens` = 4096 cannot run with `model.moe.aux_loss_coef` = 0.01", "set one of them to 0"}},
+      {{"parallel.mixer_segment_tokens=-64"}, {"`parallel.mixer_segment_tokens` = -64 must be >= 0"}},
+      {{"parallel.mixer_segment_tokens=100"},
+       {"`parallel.mixer_segment_tokens` = 100 must be a multiple of 64", "try 128"}},
+      {{"parallel.mixer_segment_tokens=4096", "parallel.cp=2"},
+       {"`parallel.mixer_segment_tokens` = 4096 cannot run with `parallel.cp` = 2"}},
       {{"train.beta2=1.0"}, {"`train.beta2` = 1.0 must be in [0.0, 1.0)"}},
   };
   for (const Case& c : cases) {

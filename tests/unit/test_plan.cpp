@@ -535,6 +535,8 @@ TEST_CASE("feed-forward token chunks: the plan keeps a chunk of the feed-forward
   Config config = testing::tiny_model_config(true);
   config.model.max_position_embeddings = 1 << 20;
   config.data.seq_len = 1 << 16;
+  // A segment of the whole micro-batch: the KDA layer runs whole.
+  config.parallel.mixer_segment_tokens = config.data.seq_len * config.data.micro_batch;
   PlanOptions roomy;
   roomy.gpu_bytes = 1e15;
   const MemoryPlan whole = make_memory_plan(config, roomy);
@@ -579,6 +581,63 @@ TEST_CASE("feed-forward token chunks: the plan keeps a chunk of the feed-forward
   config.parallel.ffn_chunk_tokens = 0;
   config.model.moe.aux_loss_coef = 0.01;
   CHECK(make_memory_plan(config, tight).ffn_chunk_tokens == 0);
+}
+
+// tiny_model_config's KDA layer (layer 1): H 2 heads of d 4 (c = 8 channels), BF16 activations.
+// Its forward saves (12c + 2d) x 2 B + (c + 4H) x 4 B = 272 B per token, its backward's
+// temporaries (11c + d + H) x 2 B + (c + H) x 4 B = 228 B, the chunk states H d^2 x 4 B / 64 = 2 B,
+// and a segment's entering state H d^2 x 4 B = 128 B.
+TEST_CASE("KDA time segments: the plan counts one segment's internals, and chooses a segment that fits") {
+  Config config = testing::tiny_model_config(true);
+  config.model.max_position_embeddings = 1 << 20;
+  config.data.seq_len = 1 << 16;
+  config.parallel.ffn_chunk_tokens = 2048;
+  config.parallel.mixer_segment_tokens = config.data.seq_len * config.data.micro_batch;  // the whole: no segments
+  PlanOptions roomy;
+  roomy.gpu_bytes = 1e15;
+  const MemoryPlan whole = make_memory_plan(config, roomy);
+  CHECK(whole.mixer_segment_tokens == 0);
+  config.parallel.mixer_segment_tokens = 1024;
+  const MemoryPlan segmented = make_memory_plan(config, roomy);
+  CHECK(segmented.mixer_segment_tokens == 1024);
+  CHECK_FALSE(segmented.mixer_segment_auto);
+  REQUIRE(segmented.layer_saved.size() == 3);
+  CHECK(whole.layer_saved[0] == segmented.layer_saved[0]);  // MLA and DSA: unchanged
+  CHECK(whole.layer_saved[2] == segmented.layer_saved[2]);
+  CHECK(whole.layer_saved[1] - segmented.layer_saved[1] == Approx(272.0 - 128.0 / 1024));
+  CHECK(segmented.fixed_bytes() - whole.fixed_bytes() == Approx(1024.0 * (272 + 228 + 2)));
+  auto item = [](const std::vector<PlanItem>& items, const std::string& name) {
+    for (const PlanItem& i : items) {
+      if (i.name == name) return i.bytes;
+    }
+    FAIL("no plan item " << name);
+    return 0.0;
+  };
+  CHECK(item(whole.per_token_recompute, "KDA chunk states (inside the op)") == Approx(2.0));
+  CHECK(item(segmented.per_token_recompute, "KDA chunk states (inside the op)") == 0.0);
+
+  // Key 0 and too little memory for the whole-sequence KDA layer: the longest segment of the
+  // plan's list that fits (its saved set per token is below the whole one, its fixed part above).
+  config.parallel.mixer_segment_tokens = 0;
+  PlanOptions tight;
+  tight.reserve_fraction = 0.0;
+  tight.gpu_bytes = whole.peak_bytes(true) - 1.0;
+  const MemoryPlan chosen = make_memory_plan(config, tight);
+  INFO("chosen segment " << chosen.mixer_segment_tokens);
+  CHECK(chosen.mixer_segment_auto);
+  CHECK(chosen.mixer_segment_tokens == 16384);
+  CHECK(chosen.fits());
+  CHECK(chosen.longest_without_offload == chosen.max_tokens(true));
+  config.parallel.offload = true;
+  CHECK(make_memory_plan(config, tight).longest_with_offload == chosen.longest_with_offload);
+  CHECK(chosen.longest_with_offload >= chosen.longest_without_offload);
+
+  // Under context parallelism the KDA layers run whole (segments take no state from other ranks).
+  config.parallel.offload = false;
+  config.parallel.cp = 2;
+  PlanOptions two = tight;
+  two.world = 2;
+  CHECK(make_memory_plan(config, two).mixer_segment_tokens == 0);
 }
 
 TEST_CASE("parallel.offload: the plan keeps four layer inputs on the device") {
