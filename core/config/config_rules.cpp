@@ -25,6 +25,7 @@ const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert", 
 const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
 const std::vector<std::string> kExpertA = {"per_expert", "shared"};
 const std::vector<std::string> kExpertFormats = {"bf16", "mxfp4"};
+const std::vector<std::string> kWeightFormats = {"bf16", "fp8"};
 // The model types moetrain builds (core/model/hf_config.cpp reads their config.json); without
 // model.hf_dir the type still chooses the exported adapter's names (Kimi K3's language_model.).
 const std::vector<std::string> kModelTypes = {"deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_linear", "kimi_k3"};
@@ -288,6 +289,28 @@ void check_expert_format(const ModelConfig& m, Rules& r) {
   whole_groups("model.moe.expert_intermediate_size", m.moe.expert_intermediate_size);
 }
 
+// FP8 storage decodes 128 x 128 blocks; gate_proj and up_proj stack into one weight, whose block
+// rows must not straddle the two (expert widths are multiples of 128 in every FP8 release).
+void check_weight_format(const ModelConfig& m, Rules& r) {
+  r.one_of("model.weight_format", m.weight_format, kWeightFormats);
+  if (m.weight_format != "fp8") return;
+  if (r.known({"model.weight_format", "model.moe.expert_format"}) && m.moe.expert_format == "mxfp4") {
+    r.fail({"model.weight_format", "model.moe.expert_format"},
+           "`model.weight_format` = `fp8` and `model.moe.expert_format` = `mxfp4` both set the routed experts' format: "
+           "FP8 checkpoints (DeepSeek-V3, Kimi K2) take weight_format fp8 alone, Kimi K3 expert_format mxfp4 alone");
+  }
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"model.intermediate_size", m.intermediate_size},
+                                   {"model.moe.expert_intermediate_size", m.moe.expert_intermediate_size}}) {
+    const bool dense_unused = std::strcmp(key, "model.intermediate_size") == 0 && m.first_k_dense == 0;
+    if (!dense_unused && r.known({key, "model.weight_format"}) && value % 128 != 0) {
+      r.fail({key, "model.weight_format"},
+             "`model.weight_format` = `fp8` stacks gate_proj over up_proj in 128 x 128 blocks, but `" + std::string(key) +
+                 "` = " + show(value) + " is not a multiple of 128: use weight_format `bf16` (FP8 checkpoints are "
+                 "then dequantized at load)");
+    }
+  }
+}
+
 // Upper bounds of every size (see kMaxModelDim).
 void check_model_limits(const ModelConfig& m, Rules& r) {
   const std::string beyond = ": beyond what any GPU or host holds; check the config";
@@ -359,6 +382,7 @@ void check_model(const ModelConfig& m, Rules& r) {
   check_dsa(m, r);
   check_moe(m.moe, r);
   check_expert_format(m, r);
+  check_weight_format(m, r);
 }
 
 void check_lora(const LoraConfig& l, Rules& r) {

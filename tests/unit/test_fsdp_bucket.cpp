@@ -45,7 +45,7 @@ TEST_CASE("an FSDP gather is queued after the compute so far and awaited only fr
   RecordingComm comm;
   Tensor a({3, 2}, DType::kF32), b({5}, DType::kF32);
   FsdpBucket bucket("layer", {&a, &b}, comm, *backend);
-  CHECK(bucket.shard_elements() == 6);  // 11 elements, padded to 12, over 2 ranks
+  CHECK(bucket.shard_bytes() == 32);  // 24 bytes, 20 more at offset 32: 52, over 2 ranks in 16s
   CHECK(a.data() == nullptr);           // placeholders until gathered
 
   bucket.gather();
@@ -74,4 +74,30 @@ TEST_CASE("a prefetched bucket released unused is still ordered before its buffe
   bucket.release();
   CHECK(comm.calls == std::vector<std::string>({"wait_for", "all_gather", "release_to"}));
   CHECK_THROWS(bucket.ready());  // ready() needs a gathered bucket
+}
+
+TEST_CASE("an FSDP bucket holds members of different dtypes, each shard part whole elements") {
+  auto backend = kernels::make_cpu_backend();
+  // Codes 40 B at 0, scales 12 B at 48, the norm 40 B at 64: 104 B, rank 0 of 2 owns [0, 64).
+  RecordingComm comm;
+  Tensor codes({5, 8}, DType::kU8), scales({3}, DType::kF32), norm({10}, DType::kF32);
+  FsdpBucket bucket("layer", {&codes, &scales, &norm}, comm, *backend);
+  CHECK(bucket.full_bytes() == 64 + 40);
+  CHECK(bucket.shard_bytes() == 64);
+  const FsdpBucket::OwnedPart* code_part = bucket.owned_part(&codes);
+  const FsdpBucket::OwnedPart* scale_part = bucket.owned_part(&scales);
+  const FsdpBucket::OwnedPart* norm_part = bucket.owned_part(&norm);
+  REQUIRE((code_part && scale_part && norm_part));
+  CHECK((code_part->begin == 0 && code_part->end == 40 && code_part->dst.dtype == DType::kU8));
+  CHECK((scale_part->begin == 0 && scale_part->end == 3 && scale_part->dst.dtype == DType::kF32));
+  CHECK((norm_part->begin == 0 && norm_part->end == 0));  // its 40 bytes start at 64: rank 1's
+  for (int i = 0; i < 40; ++i) static_cast<uint8_t*>(code_part->dst.data)[i] = static_cast<uint8_t>(i);
+  for (int i = 0; i < 3; ++i) scale_part->dst.ptr<float>()[i] = 0.5f * i;
+  bucket.gather();
+  REQUIRE(codes.data() != nullptr);
+  CHECK(codes.dtype() == DType::kU8);
+  CHECK(scales.dtype() == DType::kF32);
+  CHECK(static_cast<const uint8_t*>(codes.data())[39] == 39);
+  CHECK(scales.ptr<float>()[2] == 1.0f);
+  CHECK(static_cast<const char*>(scales.data()) - static_cast<const char*>(codes.data()) == 48);
 }
