@@ -289,8 +289,7 @@ void check_expert_format(const ModelConfig& m, Rules& r) {
   whole_groups("model.moe.expert_intermediate_size", m.moe.expert_intermediate_size);
 }
 
-// FP8 storage decodes 128 x 128 blocks; gate_proj and up_proj stack into one weight, whose block
-// rows must not straddle the two (expert widths are multiples of 128 in every FP8 release).
+// FP8 storage is the routed experts' format too: one of weight_format fp8 and expert_format mxfp4.
 void check_weight_format(const ModelConfig& m, Rules& r) {
   r.one_of("model.weight_format", m.weight_format, kWeightFormats);
   if (m.weight_format != "fp8") return;
@@ -298,16 +297,6 @@ void check_weight_format(const ModelConfig& m, Rules& r) {
     r.fail({"model.weight_format", "model.moe.expert_format"},
            "`model.weight_format` = `fp8` and `model.moe.expert_format` = `mxfp4` both set the routed experts' format: "
            "FP8 checkpoints (DeepSeek-V3, Kimi K2) take weight_format fp8 alone, Kimi K3 expert_format mxfp4 alone");
-  }
-  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"model.intermediate_size", m.intermediate_size},
-                                   {"model.moe.expert_intermediate_size", m.moe.expert_intermediate_size}}) {
-    const bool dense_unused = std::strcmp(key, "model.intermediate_size") == 0 && m.first_k_dense == 0;
-    if (!dense_unused && r.known({key, "model.weight_format"}) && value % 128 != 0) {
-      r.fail({key, "model.weight_format"},
-             "`model.weight_format` = `fp8` stacks gate_proj over up_proj in 128 x 128 blocks, but `" + std::string(key) +
-                 "` = " + show(value) + " is not a multiple of 128: use weight_format `bf16` (FP8 checkpoints are "
-                 "then dequantized at load)");
-    }
   }
 }
 

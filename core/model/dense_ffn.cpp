@@ -20,7 +20,7 @@ Tensor single_group_offsets(const LayerContext& ctx, int64_t rows) {
 DenseFfn::DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx,
                    const ModelConfig& config)
     : mlp(std::move(prefix), 1, hidden, width) {
-  const bool fp8 = keeps_fp8(config, mlp.prefix() + ".gate_proj");
+  const bool fp8 = keeps_fp8(config, mlp.prefix() + ".gate_proj") && fp8_stacks(width);
   alloc_frozen_weight(ctx, {1, 2 * width, hidden}, fp8, mlp.gate_up, mlp.gate_up_scale);
   alloc_frozen_weight(ctx, {1, hidden, width}, fp8, mlp.down, mlp.down_scale);
 }

@@ -65,7 +65,7 @@ MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, co
     experts.down = ctx.alloc({local, row_width_, f / 2}, DType::kU8);
     experts.down_scale = ctx.alloc({local, row_width_, f / 32}, DType::kU8);
   } else {
-    const bool fp8 = keeps_fp8(spec.config, experts.prefix() + ".gate_proj");
+    const bool fp8 = keeps_fp8(spec.config, experts.prefix() + ".gate_proj") && fp8_stacks(f);
     alloc_frozen_weight(ctx, {local, 2 * f, row_width_}, fp8, experts.gate_up, experts.gate_up_scale);
     alloc_frozen_weight(ctx, {local, row_width_, f}, fp8, experts.down, experts.down_scale);
   }
