@@ -219,6 +219,14 @@ double layer_weight_bytes(const LayerParameterCount& l, bool fp8) {
          static_cast<double>(l.fp8_non_expert_blocks) * kF32;
 }
 
+// Bytes of every non-expert frozen weight (the FSDP buckets' contents, unpadded).
+double non_expert_weight_bytes(const MemoryPlan& plan, bool fp8) {
+  const ModelParameterCount& p = plan.params;
+  double bytes = static_cast<double>(p.embedding + p.lm_head + p.final_norm) * kBf16;
+  for (const LayerParameterCount& l : p.layers) bytes += layer_weight_bytes(l, fp8);
+  return bytes;
+}
+
 // The local routed experts: BF16, MXFP4 (half a byte a weight and one E8M0 byte per 32) or FP8
 // (one byte a weight and 4 B a 128 x 128 block), all kept on the device as stored.
 void add_routed_expert_weights(MemoryPlan& plan, const PlanInputs& in) {
@@ -289,6 +297,19 @@ void add_frozen_weights(MemoryPlan& plan, const PlanInputs& in) {
       fmt::format("max((prefetch {} + 1) x largest layer {:.3g} GB, embedding/head {:.3g} GB); 0 when fsdp = 1",
                   plan.prefetch, largest_layer / 1e9, largest_edge / 1e9));
   add_routed_expert_weights(plan, in);
+  // The CUDA GEMMs on FP8 weights decode each weight to BF16 in the backend's grow-only scratch
+  // first (kernels/cuda/gemm/fp8_decode.h): the largest one stays allocated for the run.
+  const MlaConfig& a = m.mla;
+  const double d = static_cast<double>(m.hidden_size);
+  const double f = static_cast<double>(m.moe.expert_intermediate_size);
+  const double largest_decoded = std::max(
+      {2.0 * static_cast<double>(m.intermediate_size) * d, static_cast<double>(plan.local_experts) * 2 * f * d,
+       2.0 * f * static_cast<double>(m.moe.num_shared_experts) * d, d * static_cast<double>(a.num_heads * a.v_head_dim),
+       static_cast<double>(a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) * a.q_lora_rank.value_or(0))});
+  if (fp8) {
+    add(plan.fixed, "FP8 decode scratch (bf16)", largest_decoded * kBf16,
+        fmt::format("the largest FP8 weight (or a rank's experts' gate_up) decoded: {:.3g} x 2 B", largest_decoded));
+  }
 }
 
 // Adapters (core/train/optimizer.h): FP32 value and gradient whole on every rank that uses them;
@@ -444,9 +465,11 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
   }
   const double fsdp_frac = static_cast<double>(fsdp - 1) / static_cast<double>(fsdp);
   const double micro = static_cast<double>(plan.micro_batches);
-  add(plan.communication, "FSDP all-gather of frozen weights",
-      micro * 2 * static_cast<double>(plan.params.non_expert()) * kBf16 * fsdp_frac,
-      "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
+  const bool fp8 = m.weight_format == "fp8";
+  add(plan.communication, "FSDP all-gather of frozen weights", micro * 2 * non_expert_weight_bytes(plan, fp8) * fsdp_frac,
+      fp8 ? "grad_accum x (forward + backward re-gather) x non-expert bytes (FP8 1 B + 4 B a block, the rest 2 B) x "
+            "(fsdp-1)/fsdp"
+          : "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
   const double world_frac = (world - 1) / world;
   add(plan.communication, "reduce-scatter of LoRA grads", non_expert_lora * kF32 * world_frac,
       "non-expert LoRA x 4 B x (world-1)/world, once per step");
