@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "core/base/log.h"
@@ -22,15 +25,29 @@ struct Fp8Matrix {
   std::vector<uint8_t> codes;
   std::vector<float> scales;
   Fp8Matrix(int64_t r, int64_t c) : rows(r), cols(c), codes(r * c), scales(fp8_blocks(r) * fp8_blocks(c)) {}
+  // Block rows are independent: split over the host's cores (a routed expert is 44M weights at
+  // DeepSeek-V3's width, a random slice of a layer's experts 11G).
   void quantize(const double* values) {
-    kernels::fp8_block_quantize(codes.data(), scales.data(), values, rows, cols);
+    const int64_t block_rows = fp8_blocks(rows);
+    const int64_t threads = std::clamp<int64_t>(rows * cols / (1 << 20), 1,
+                                                std::min<int64_t>(block_rows, std::max(1u, std::thread::hardware_concurrency())));
+    std::vector<std::thread> workers;
+    for (int64_t t = 0; t < threads; ++t) {
+      const int64_t r0 = block_rows * t / threads * kFp8BlockSize;
+      const int64_t r1 = std::min(rows, block_rows * (t + 1) / threads * kFp8BlockSize);
+      workers.emplace_back([=] {
+        kernels::fp8_block_quantize(codes.data() + r0 * cols, scales.data() + r0 / kFp8BlockSize * fp8_blocks(cols),
+                                    values + r0 * cols, r1 - r0, cols);
+      });
+    }
+    for (std::thread& w : workers) w.join();
   }
 };
 
+// Once per process: a BF16 checkpoint has thousands of weights to quantize.
 void log_quantizing_once(const HfCheckpoint& checkpoint, const std::string& name) {
-  static bool logged = false;
-  if (logged) return;
-  logged = true;
+  static std::atomic<bool> logged{false};
+  if (logged.exchange(true)) return;
   log::info(fmt::format("{}: \"{}\" and other weights are not FP8 in the checkpoint; quantizing them to FP8 "
                         "(E4M3, a scale per 128 x 128 block) for model.weight_format: fp8",
                         checkpoint.dir(), name));
@@ -154,8 +171,8 @@ void load_fp8_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot, ke
   }
 }
 
-void init_fp8_slot(const WeightSlot& slot, bool routed, const Fp8Values& fill, const Fp8Destination& dst,
-                   kernels::Backend& backend) {
+void quantize_fp8_slot(const WeightSlot& slot, bool routed, const Fp8Values& fill, const Fp8Destination& dst,
+                       kernels::Backend& backend) {
   const int64_t rows = rows_of(slot), cols = cols_of(slot);
   const int64_t matrices = slot.tensor->numel() / (rows * cols);
   std::vector<uint8_t> codes;

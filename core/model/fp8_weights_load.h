@@ -30,9 +30,10 @@ void load_fp8_slot(const HfCheckpoint& checkpoint, const WeightSlot& slot, const
 void load_fp8_experts(const HfCheckpoint& checkpoint, const WeightSlot& slot, kernels::Backend& backend);
 
 // The quantization of the values `fill(values, first_element, count)` writes for the slot's
-// elements (one expert's at a time for routed experts).
+// elements, one matrix (one expert for routed experts) at a time: a random initialisation, or a
+// checkpoint's plain fused experts (transformers 5's gate_up_proj / down_proj).
 using Fp8Values = std::function<void(double* values, int64_t first_element, int64_t count)>;
-void init_fp8_slot(const WeightSlot& slot, bool routed, const Fp8Values& fill, const Fp8Destination& dst,
-                   kernels::Backend& backend);
+void quantize_fp8_slot(const WeightSlot& slot, bool routed, const Fp8Values& fill, const Fp8Destination& dst,
+                       kernels::Backend& backend);
 
 }  // namespace moetrain

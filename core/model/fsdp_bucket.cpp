@@ -48,7 +48,7 @@ FsdpBucket::FsdpBucket(std::string name, const std::vector<Tensor*>& members, Co
     const int64_t end = std::clamp(hi, begin, end_of_member);
     m.part.begin = (begin - m.offset) / size;
     m.part.end = (end - m.offset) / size;
-    TensorView dst = flat(shard_).slice_rows(begin - lo, end - lo);
+    TensorView dst = begin < end ? flat(shard_).slice_rows(begin - lo, end - lo) : flat(shard_).slice_rows(0, 0);
     dst.dtype = m.dtype;
     dst.shape = Shape{m.part.end - m.part.begin};
     m.part.dst = dst;

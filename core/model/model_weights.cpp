@@ -343,7 +343,17 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
   for (const WeightSlot& slot : weight_slots()) {
     watchdog_progress("loading base weights: " + slot.name);
     if (slot.fp8()) {
-      if (is_routed_experts(slot)) {
+      const std::string fused = slot.name + (slot.layout == WeightLayout::kSwigluGateUp ? ".gate_up_proj" : ".down_proj");
+      if (is_routed_experts(slot) && checkpoint.has(fused)) {
+        // transformers 5's fused experts are never FP8: each expert's values, quantized.
+        const int64_t per_expert = slot.tensor->numel() / slot.tensor->size(0);
+        auto expert = [&](double* dst, int64_t first_element, int64_t) {
+          WeightSlot one = slot;
+          one.first_group = slot.first_group + first_element / per_expert;
+          read_routed_experts(checkpoint, one, Shape{1, slot.tensor->size(1), slot.tensor->size(2)}, dst);
+        };
+        quantize_fp8_slot(slot, true, expert, {}, backend_);
+      } else if (is_routed_experts(slot)) {
         load_fp8_experts(checkpoint, slot, backend_);
       } else {
         const Fp8Destination dst{fsdp_.owned_part(slot.tensor), fsdp_.owned_part(slot.scale)};
@@ -402,7 +412,7 @@ void Model::init_random_weights() {
         fill.first_element = first + static_cast<uint64_t>(first_element);
         fill_random(Tensor::borrowed(view), fill);
       };
-      init_fp8_slot(slot, routed, values, {fsdp_.owned_part(slot.tensor), fsdp_.owned_part(slot.scale)}, backend_);
+      quantize_fp8_slot(slot, routed, values, {fsdp_.owned_part(slot.tensor), fsdp_.owned_part(slot.scale)}, backend_);
       continue;
     }
     if (slot.mxfp4()) {

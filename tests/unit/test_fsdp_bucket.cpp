@@ -14,11 +14,12 @@ using namespace moetrain;
 
 namespace {
 
-// Rank 0 of 2; the other rank's shard is taken to equal this one's.
+// Rank `r` of 2 (0 by default); the other rank's shard is taken to equal this one's.
 class RecordingComm final : public Communicator {
  public:
+  explicit RecordingComm(int r = 0) : rank_(r) {}
   std::vector<std::string> calls;
-  int rank() const override { return 0; }
+  int rank() const override { return rank_; }
   int size() const override { return 2; }
   Device device() const override { return Device::kCPU; }
   void barrier() override { calls.push_back("barrier"); }
@@ -36,6 +37,9 @@ class RecordingComm final : public Communicator {
   void all_reduce_elements(void*, int64_t, DType, ReduceOp) override { FAIL("unexpected"); }
   void all_to_all_v_elements(void*, const void*, const AllToAllLayout&, DType) override { FAIL("unexpected"); }
   void broadcast_elements(void*, int64_t, DType, int) override { FAIL("unexpected"); }
+
+ private:
+  int rank_;
 };
 
 }  // namespace
@@ -100,4 +104,17 @@ TEST_CASE("an FSDP bucket holds members of different dtypes, each shard part who
   CHECK(static_cast<const uint8_t*>(codes.data())[39] == 39);
   CHECK(scales.ptr<float>()[2] == 1.0f);
   CHECK(static_cast<const char*>(scales.data()) - static_cast<const char*>(codes.data()) == 48);
+}
+
+TEST_CASE("an FSDP member wholly on another rank owns an empty part") {
+  auto backend = kernels::make_cpu_backend();
+  RecordingComm comm(1);  // rank 1 owns bytes [64, 128): the norm only
+  Tensor codes({5, 8}, DType::kU8), scales({3}, DType::kF32), norm({10}, DType::kF32);
+  FsdpBucket bucket("layer", {&codes, &scales, &norm}, comm, *backend);
+  const FsdpBucket::OwnedPart* code_part = bucket.owned_part(&codes);
+  const FsdpBucket::OwnedPart* norm_part = bucket.owned_part(&norm);
+  REQUIRE((code_part && norm_part));
+  CHECK(code_part->end == code_part->begin);
+  CHECK(code_part->dst.numel() == 0);
+  CHECK((norm_part->begin == 0 && norm_part->end == 10 && norm_part->dst.dtype == DType::kF32));
 }
