@@ -25,14 +25,17 @@ FsdpBucket::FsdpBucket(std::string name, const std::vector<Tensor*>& members, Co
                        kernels::Backend& backend)
     : name_(std::move(name)), comm_(comm), backend_(backend) {
   MOETRAIN_ASSERT(!members.empty(), "FSDP bucket " + name_ + " has no members");
-  auto aligned = [](int64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; };
+  auto aligned = [](int64_t bytes, int64_t unit) { return (bytes + unit - 1) / unit * unit; };
+  int64_t unit = 1;  // the widest element: every shard boundary falls between elements of every member
   for (Tensor* t : members) {
-    full_bytes_ = aligned(full_bytes_);
+    const int64_t size = dtype_size(t->dtype());
+    unit = std::max(unit, size);
+    full_bytes_ = aligned(full_bytes_, size);
     members_.push_back(Member{t, t->shape(), t->dtype(), full_bytes_, {}});
     full_bytes_ += static_cast<int64_t>(t->nbytes());
   }
   const int64_t ranks = comm_.size();
-  shard_bytes_ = aligned((full_bytes_ + ranks - 1) / ranks);
+  shard_bytes_ = aligned((full_bytes_ + ranks - 1) / ranks, unit);
   const int64_t lo = shard_bytes_ * comm_.rank();
   const int64_t hi = lo + shard_bytes_;
 

@@ -1,6 +1,6 @@
 // One FSDP2-style flat bucket of frozen weights (docs/ARCHITECTURE.md §5): the member tensors' bytes,
-// laid end to end (each member 16-byte aligned), padded to a multiple of the FSDP group size and
-// split evenly; each rank keeps only its shard. Members may differ in dtype: FP8 weights
+// laid end to end (each aligned to its element size), padded to a multiple of the FSDP group size
+// and split evenly; each rank keeps only its shard. Members may differ in dtype: FP8 weights
 // (model.weight_format: fp8) travel as their U8 codes and F32 block scales beside BF16 norms, so a
 // gather moves about half the bytes of the same layer in BF16. gather() all-gathers the bucket into one buffer and points every member at its offset
 // there; release() frees that buffer and leaves the members as shape-only placeholders (no
@@ -26,8 +26,8 @@ namespace moetrain {
 class FsdpBucket {
  public:
   // `members`: the bucket's tensors (shape and dtype; any memory they own is freed), identical
-  // in order on every rank of `comm`. A rank's shard boundaries fall on 16-byte multiples, so a
-  // member's owned part is whole elements. This rank's shard starts zeroed: write it through
+  // in order on every rank of `comm`. A shard's size is a multiple of the widest member element,
+  // so a member's owned part is whole elements (a single-dtype bucket pads as an element array). This rank's shard starts zeroed: write it through
   // owned_part() (weights are loaded shard by shard, never whole). The members become
   // shape-only placeholders until gather().
   FsdpBucket(std::string name, const std::vector<Tensor*>& members, Communicator& comm, kernels::Backend& backend);
@@ -53,8 +53,6 @@ class FsdpBucket {
   int64_t full_bytes() const { return full_bytes_; }    // members' bytes and alignment, no padding
   int64_t shard_bytes() const { return shard_bytes_; }  // per rank, padding included
   size_t resident_bytes() const { return shard_.nbytes() + gathered_.nbytes(); }
-
-  static constexpr int64_t kAlignment = 16;  // bytes; every member's offset, every shard's size
 
  private:
   struct Member {

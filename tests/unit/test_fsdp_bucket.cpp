@@ -49,7 +49,7 @@ TEST_CASE("an FSDP gather is queued after the compute so far and awaited only fr
   RecordingComm comm;
   Tensor a({3, 2}, DType::kF32), b({5}, DType::kF32);
   FsdpBucket bucket("layer", {&a, &b}, comm, *backend);
-  CHECK(bucket.shard_bytes() == 32);  // 24 bytes, 20 more at offset 32: 52, over 2 ranks in 16s
+  CHECK(bucket.shard_bytes() == 24);  // 11 F32 elements, padded to 12, over 2 ranks
   CHECK(a.data() == nullptr);           // placeholders until gathered
 
   bucket.gather();
@@ -82,33 +82,34 @@ TEST_CASE("a prefetched bucket released unused is still ordered before its buffe
 
 TEST_CASE("an FSDP bucket holds members of different dtypes, each shard part whole elements") {
   auto backend = kernels::make_cpu_backend();
-  // Codes 40 B at 0, scales 12 B at 48, the norm 40 B at 64: 104 B, rank 0 of 2 owns [0, 64).
+  // Codes 40 B at 0, scales 12 B at 40, the norm 40 B at 52: 92 B, in 4-byte units 48 B a rank;
+  // rank 0 of 2 owns [0, 48): the codes and two of the three scales.
   RecordingComm comm;
   Tensor codes({5, 8}, DType::kU8), scales({3}, DType::kF32), norm({10}, DType::kF32);
   FsdpBucket bucket("layer", {&codes, &scales, &norm}, comm, *backend);
-  CHECK(bucket.full_bytes() == 64 + 40);
-  CHECK(bucket.shard_bytes() == 64);
+  CHECK(bucket.full_bytes() == 92);
+  CHECK(bucket.shard_bytes() == 48);
   const FsdpBucket::OwnedPart* code_part = bucket.owned_part(&codes);
   const FsdpBucket::OwnedPart* scale_part = bucket.owned_part(&scales);
   const FsdpBucket::OwnedPart* norm_part = bucket.owned_part(&norm);
   REQUIRE((code_part && scale_part && norm_part));
   CHECK((code_part->begin == 0 && code_part->end == 40 && code_part->dst.dtype == DType::kU8));
-  CHECK((scale_part->begin == 0 && scale_part->end == 3 && scale_part->dst.dtype == DType::kF32));
-  CHECK((norm_part->begin == 0 && norm_part->end == 0));  // its 40 bytes start at 64: rank 1's
+  CHECK((scale_part->begin == 0 && scale_part->end == 2 && scale_part->dst.dtype == DType::kF32));
+  CHECK((norm_part->begin == 0 && norm_part->end == 0));  // its 40 bytes start at 52: rank 1's
   for (int i = 0; i < 40; ++i) static_cast<uint8_t*>(code_part->dst.data)[i] = static_cast<uint8_t>(i);
-  for (int i = 0; i < 3; ++i) scale_part->dst.ptr<float>()[i] = 0.5f * i;
+  for (int i = 0; i < 2; ++i) scale_part->dst.ptr<float>()[i] = 0.5f * (i + 1);
   bucket.gather();
   REQUIRE(codes.data() != nullptr);
   CHECK(codes.dtype() == DType::kU8);
   CHECK(scales.dtype() == DType::kF32);
   CHECK(static_cast<const uint8_t*>(codes.data())[39] == 39);
-  CHECK(scales.ptr<float>()[2] == 1.0f);
-  CHECK(static_cast<const char*>(scales.data()) - static_cast<const char*>(codes.data()) == 48);
+  CHECK(scales.ptr<float>()[1] == 1.0f);
+  CHECK(static_cast<const char*>(scales.data()) - static_cast<const char*>(codes.data()) == 40);
 }
 
 TEST_CASE("an FSDP member wholly on another rank owns an empty part") {
   auto backend = kernels::make_cpu_backend();
-  RecordingComm comm(1);  // rank 1 owns bytes [64, 128): the norm only
+  RecordingComm comm(1);  // rank 1 owns bytes [48, 96): the last scale and the norm
   Tensor codes({5, 8}, DType::kU8), scales({3}, DType::kF32), norm({10}, DType::kF32);
   FsdpBucket bucket("layer", {&codes, &scales, &norm}, comm, *backend);
   const FsdpBucket::OwnedPart* code_part = bucket.owned_part(&codes);
@@ -117,4 +118,6 @@ TEST_CASE("an FSDP member wholly on another rank owns an empty part") {
   CHECK(code_part->end == code_part->begin);
   CHECK(code_part->dst.numel() == 0);
   CHECK((norm_part->begin == 0 && norm_part->end == 10 && norm_part->dst.dtype == DType::kF32));
+  const FsdpBucket::OwnedPart* scale_part = bucket.owned_part(&scales);
+  CHECK((scale_part->begin == 2 && scale_part->end == 3));
 }
