@@ -12,7 +12,8 @@
 //   marks the segments that attention, convolutions and recurrent state must not cross.
 // - Compute dtype: F32 or F64 on the CPU (every operand of one call has the same dtype, except
 //   integer indices). On CUDA, two classes of operand:
-//     activations and frozen weights: BF16 (F32 also accepted, for tests and sensitive spots);
+//     activations and frozen weights: BF16 (F32 also accepted, for tests and sensitive spots;
+//     frozen weights also as MXFP4 or FP8 codes with their scales where an op says so);
 //     "accumulation" operands: F32 always: LoRA parameters and all gradients of parameters,
 //     Adam moments, saved statistics (rstd, lse), router logits/scores/top-k weights and their
 //     gradients, aux and cross-entropy losses, cos/sin tables.
