@@ -179,14 +179,30 @@ inline void expect_grouped_gemm_mxfp4_shapes(const char* op, const GroupedGemmAr
   expect_shape(op, "b_scale", args.b_scale, Shape{groups, outer, packed / 32});
 }
 
+// FP8 b (GemmFp8Args, GroupedGemmArgs::b_scale F32): the codes have b's plain shape (checked
+// with the op's other shapes), the scales one per 128 x 128 block of each matrix.
+inline void expect_fp8_scale_shape(const char* op, const TensorView& b, const TensorView& b_scale) {
+  Shape blocks = b.shape;
+  const int64_t ndim = b.ndim();
+  expect(ndim >= 2, op, describe("b", b) + ": an FP8 weight is a matrix (or one per group)");
+  blocks[ndim - 2] = (b.shape[ndim - 2] + 127) / 128;
+  blocks[ndim - 1] = (b.shape[ndim - 1] + 127) / 128;
+  expect_shape(op, "b_scale", b_scale, blocks);
+}
+
 // a [rows, k]; M-grouped: b [groups, k, n] (or [groups, n, k] transposed), c [rows, n];
 // K-grouped: b [rows, n], c [groups, k, n].
 inline void expect_grouped_gemm_shapes(const char* op, const GroupedGemmArgs& args, int64_t groups) {
   expect(args.kind == GroupedGemmKind::kMGrouped || (!given(args.a2) && !given(args.b2)), op,
          "a second product (a2, b2) is for m-grouped GEMMs only");
+  const bool fp8 = given(args.b_scale) && args.b_scale.dtype == DType::kF32;
   if (given(args.b_scale)) {
-    expect(!given(args.a2) && !given(args.b2), op, "a second product (a2, b2) next to an MXFP4 b");
-    return expect_grouped_gemm_mxfp4_shapes(op, args, groups);
+    expect(!given(args.a2) && !given(args.b2), op,
+           std::string("a second product (a2, b2) next to an ") + (fp8 ? "FP8" : "MXFP4") + " b");
+    if (!fp8) return expect_grouped_gemm_mxfp4_shapes(op, args, groups);
+    expect(args.kind == GroupedGemmKind::kMGrouped, op, "an FP8 b (b_scale F32) is M-grouped only");
+    expect_ndim(op, "b", args.b, 3);
+    expect_fp8_scale_shape(op, args.b, args.b_scale);
   }
   expect_ndim(op, "a", args.a, 2);
   const int64_t rows = args.a.size(0);

@@ -148,12 +148,22 @@ void check_gemm(OperandRules& rules, const GemmArgs& args) {
   expect_gemm_shapes(op, args);
 }
 
+void check_gemm_fp8(OperandRules& rules, const GemmFp8Args& args) {
+  const char* op = "gemm_fp8";
+  const GemmArgs& p = args.product;
+  activations(rules, op, {{"c", &p.c}, {"a", &p.a}});
+  rules.fixed_dtype(op, "b", p.b, DType::kU8);
+  rules.fixed_dtype(op, "b_scale", args.b_scale, DType::kF32);
+  expect_gemm_shapes(op, p);
+  expect_fp8_scale_shape(op, p.b, args.b_scale);
+}
+
 void check_grouped_gemm(OperandRules& rules, const GroupedGemmArgs& args) {
   const char* op = "grouped_gemm";
   activations(rules, op, {{"c", &args.c}, {"a", &args.a}});
-  if (given(args.b_scale)) {  // an MXFP4 b (ops.h)
+  if (given(args.b_scale)) {  // an MXFP4 b (b_scale U8) or an FP8 one (F32; ops.h)
     rules.fixed_dtype(op, "b", args.b, DType::kU8);
-    rules.fixed_dtype(op, "b_scale", args.b_scale, DType::kU8);
+    rules.fixed_dtype(op, "b_scale", args.b_scale, args.b_scale.dtype == DType::kF32 ? DType::kF32 : DType::kU8);
   } else {
     rules.activation(op, "b", args.b);
   }

@@ -16,6 +16,7 @@
   X(copy_columns, CopyColumnsArgs) \
   X(copy_block, CopyBlockArgs) \
   X(gemm, GemmArgs) \
+  X(gemm_fp8, GemmFp8Args) \
   X(grouped_gemm, GroupedGemmArgs) \
   X(rmsnorm_forward, RmsNormArgs) \
   X(rmsnorm_backward, RmsNormBackwardArgs) \

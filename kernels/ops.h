@@ -12,7 +12,8 @@
 //   marks the segments that attention, convolutions and recurrent state must not cross.
 // - Compute dtype: F32 or F64 on the CPU (every operand of one call has the same dtype, except
 //   integer indices). On CUDA, two classes of operand:
-//     activations and frozen weights: BF16 (F32 also accepted, for tests and sensitive spots);
+//     activations and frozen weights: BF16 (F32 also accepted, for tests and sensitive spots;
+//     frozen weights also as MXFP4 or FP8 codes with their scales where an op says so);
 //     "accumulation" operands: F32 always: LoRA parameters and all gradients of parameters,
 //     Adam moments, saved statistics (rstd, lse), router logits/scores/top-k weights and their
 //     gradients, aux and cross-entropy losses, cos/sin tables.
@@ -52,6 +53,17 @@ struct GemmArgs {
   double beta = 0.0;
 };
 
+// gemm with b in FP8 with 128 x 128 block scales (frozen DeepSeek-V3 / Kimi K2 weights as shipped;
+// kernels/fp8_format.h has the format): product.b is U8 E4M3 codes in its stored shape
+// [rows_b, cols_b] (HF's [out, in] weight: transpose_b for x W^T, not for the input gradient dy W)
+// and b_scale F32 [ceil(rows_b / 128), ceil(cols_b / 128)]. The result is the gemm of the
+// dequantized b, each value code x scale rounded once to the compute dtype (BF16 on CUDA), with
+// F32 accumulation. The weight is frozen: there is no weight gradient.
+struct GemmFp8Args {
+  GemmArgs product;
+  TensorView b_scale;
+};
+
 // A grouped GEMM over row groups, the MoE expert layout (tokens sorted by expert).
 // group_offsets: int32 [G + 1] prefix sums of rows per group, on the backend's device.
 //  kMGrouped: for each g, c[rows_g, :] = alpha * a[rows_g, :] . op(b[g]) + beta * c[rows_g, :]
@@ -79,8 +91,11 @@ struct GroupedGemmArgs {
   //   transpose_b:  b [G, n, k / 2], b_scale [G, n, k / 32]  (k % 32 == 0; HF's [out, in] weight)
   //   otherwise:    b [G, k, n / 2], b_scale [G, k, n / 32]  (n % 32 == 0; the same weight in dy W)
   // The product is that of the dequantized b (exact in BF16 short of overflow or subnormals).
+  // An F32 b_scale instead says b is FP8 with 128 x 128 block scales (GemmFp8Args, per
+  // group): b U8 E4M3 codes [G, n, k] (transpose_b) or [G, k, n], b_scale F32
+  // [G, ceil(n / 128), ceil(k / 128)] or [G, ceil(k / 128), ceil(n / 128)].
   TensorView b_scale;
-  // Optional (kMGrouped, b not MXFP4): a second product summed into the same output,
+  // Optional (kMGrouped, b not MXFP4 or FP8): a second product summed into the same output,
   //   c[rows_g, :] = alpha * (a[rows_g, :] . op(b[g]) + a2[rows_g, :] . op(b2[g])) + beta * c[rows_g, :]
   // with a2 [rows, k2] and b2 [G, n, k2] (transpose_b) or [G, k2, n]: a LoRA term (x A^T) B^T
   // folded into the base weight's GEMM as k2 more inner terms, instead of a pass of its own over c.
@@ -714,6 +729,7 @@ class Backend {
   virtual void sum_over_heads(const TensorView& dst, const TensorView& src) = 0;
 
   virtual void gemm(const GemmArgs& args) = 0;
+  virtual void gemm_fp8(const GemmFp8Args& args) = 0;
   virtual void grouped_gemm(const GroupedGemmArgs& args) = 0;
 
   // out[t, :] = table[ids[t], :]; ids int32 [tokens], checked against the table's rows.

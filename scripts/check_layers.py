@@ -19,7 +19,7 @@ ALLOWED = {
     "core/data": FLOOR + ["core/config", "core/io"],
     # Above the kernels, code sees the backend interface and format headers, never a backend.
     "core/model": FLOOR + ["core/config", "core/io", "core/data", "parallel", "kernels/ops.h",
-                           "kernels/mxfp4_format.h"],
+                           "kernels/mxfp4_format.h", "kernels/fp8_format.h"],
     "core/plan": FLOOR + ["core/config", "core/io", "core/data", "core/model", "parallel", "kernels/ops.h"],
     "core/train": FLOOR + ["core/config", "core/io", "core/data", "core/model", "core/plan", "parallel",
                            "kernels/ops.h"],

@@ -37,5 +37,6 @@ void bench_attention(Backend& be, int reps, std::vector<Row>& rows);
 void bench_kda(Backend& be, int reps, std::vector<Row>& rows);
 void bench_dsa(Backend& be, int reps, std::vector<Row>& rows);
 void bench_memory(Backend& be, int reps, std::vector<Row>& rows);
+void bench_fp8(Backend& be, int reps, std::vector<Row>& rows);
 
 }  // namespace moetrain::bench

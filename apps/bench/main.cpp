@@ -1,13 +1,14 @@
 // moetrain-bench: times the CUDA backend's ops and whole training steps on one GPU and states
 // each result against the H200 ceilings and peer baselines of docs/PERF.md:
-//   ops      GEMM, the MoE expert block (grouped GEMM), attention, KDA, DSA, memory-bound kernels
+//   ops      GEMM, the MoE expert block (grouped GEMM), attention, KDA, DSA, memory-bound kernels,
+//            the GEMMs on FP8 weights against BF16 at DeepSeek-V3's shapes
 //   step     forward + backward of a model config (tokens/s, MFU); --op-times: per-op breakdown
 //   ep       expert-parallel dispatch + combine across GPUs against NCCL's all-to-all (mpirun)
 // Each op timing is the median of `--reps` runs after warm-up, each run timed by CUDA events on
 // the backend's stream (as the PyTorch baselines are); steps are timed on the host.
 // Inputs are random (never zeros: zeros make matrix units run faster than real data).
 //
-//   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,kda,dsa,memory]
+//   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,kda,dsa,memory,fp8]
 //   moetrain-bench step --config FILE [--set k=v]... [--steps N] [--op-times]
 //   mpirun -np 2 moetrain-bench ep [--mib 256] [--reps N]
 //
@@ -36,7 +37,7 @@ int run(Runtime& runtime, int argc, char** argv) {
       "reps", "timed repetitions per op", cxxopts::value<int>()->default_value("10"))(
       "heat-up-ms", "`ops`: run each op this long before timing it (the GPU settles at its power-capped clock)",
       cxxopts::value<double>()->default_value("500"))(
-      "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, kda, dsa, memory)",
+      "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, kda, dsa, memory, fp8)",
       cxxopts::value<std::string>()->default_value(""))(
       "op-times", "`step`: after the timed steps, time one more step op by op")("h,help", "print this usage");
   options.parse_positional({"mode"});

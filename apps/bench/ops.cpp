@@ -23,6 +23,7 @@ int bench_ops(const OpsBenchOptions& options) {
   if (wanted("kda")) bench_kda(*backend, reps, rows);
   if (wanted("dsa")) bench_dsa(*backend, reps, rows);
   if (wanted("memory")) bench_memory(*backend, reps, rows);
+  if (wanted("fp8")) bench_fp8(*backend, reps, rows);
   print_rows(rows);
   return 0;
 }

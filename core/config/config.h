@@ -138,6 +138,14 @@ struct ModelConfig {
   // stream files a summary, and each layer's attention and MLP inputs, and the final norm's, are
   // softmax mixes over the summaries so far and the block's running sum (kernels/ops.h AttnResArgs).
   int64_t attn_res_block_size = 0;       // 0: the plain residual stream
+  // The frozen weights' storage: bf16 (the working dtype), or fp8 as DeepSeek-V3 / V3.2 and Kimi
+  // K2 ship them (E4M3 codes and an F32 scale per 128 x 128 block, kernels/fp8_format.h), kept so
+  // on the device and in the FSDP buckets and decoded inside the GEMMs (docs/CONFIG.md says which
+  // weights it covers and what a checkpoint of the other format becomes).
+  std::string weight_format = "bf16";    // bf16 | fp8
+  // config.json's quantization_config.modules_to_not_convert: the modules an FP8 checkpoint keeps
+  // in BF16 (not a YAML key; filled from model.hf_dir).
+  std::vector<std::string> fp8_modules_to_not_convert;
   MlaConfig mla;
   KdaConfig kda;
   DsaConfig dsa;

@@ -25,6 +25,7 @@ const std::vector<std::string> kExportLayouts = {"transformers5", "per_expert", 
 const std::vector<std::string> kExpertGateUp = {"separate", "fused"};
 const std::vector<std::string> kExpertA = {"per_expert", "shared"};
 const std::vector<std::string> kExpertFormats = {"bf16", "mxfp4"};
+const std::vector<std::string> kWeightFormats = {"bf16", "fp8"};
 // The model types moetrain builds (core/model/hf_config.cpp reads their config.json); without
 // model.hf_dir the type still chooses the exported adapter's names (Kimi K3's language_model.).
 const std::vector<std::string> kModelTypes = {"deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_linear", "kimi_k3"};
@@ -288,6 +289,17 @@ void check_expert_format(const ModelConfig& m, Rules& r) {
   whole_groups("model.moe.expert_intermediate_size", m.moe.expert_intermediate_size);
 }
 
+// FP8 storage is the routed experts' format too: one of weight_format fp8 and expert_format mxfp4.
+void check_weight_format(const ModelConfig& m, Rules& r) {
+  r.one_of("model.weight_format", m.weight_format, kWeightFormats);
+  if (m.weight_format != "fp8") return;
+  if (r.known({"model.weight_format", "model.moe.expert_format"}) && m.moe.expert_format == "mxfp4") {
+    r.fail({"model.weight_format", "model.moe.expert_format"},
+           "`model.weight_format` = `fp8` and `model.moe.expert_format` = `mxfp4` both set the routed experts' format: "
+           "FP8 checkpoints (DeepSeek-V3, Kimi K2) take weight_format fp8 alone, Kimi K3 expert_format mxfp4 alone");
+  }
+}
+
 // Upper bounds of every size (see kMaxModelDim).
 void check_model_limits(const ModelConfig& m, Rules& r) {
   const std::string beyond = ": beyond what any GPU or host holds; check the config";
@@ -397,6 +409,7 @@ void check_model(const ModelConfig& m, Rules& r) {
   check_moe(m.moe, r);
   check_expert_format(m, r);
   check_vision(m, r);
+  check_weight_format(m, r);
 }
 
 void check_lora(const LoraConfig& l, Rules& r) {

@@ -114,6 +114,7 @@ void visit_fields(V& v, ModelConfig& c) {
   v.field("situ_beta", c.situ_beta);
   v.field("situ_linear_beta", c.situ_linear_beta);
   v.field("attn_res_block_size", c.attn_res_block_size);
+  v.field("weight_format", c.weight_format);
   v.section("mla", c.mla);
   v.section("kda", c.kda);
   v.section("dsa", c.dsa);

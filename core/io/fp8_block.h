@@ -5,8 +5,8 @@
 // and each quantized linear's `X.weight` [out, in] is stored F8_E4M3 (or F8_E5M2) beside
 // `X.weight_scale_inv` F32 [ceil(out / 128), ceil(in / 128)]: weight[r, c] = fp8[r, c] *
 // scale_inv[r / 128, c / 128], edge blocks partial. Embeddings, norms, the router gate and
-// lm_head stay BF16. moetrain dequantizes at import (core/io/hf_index.h); FP8 storage and FP8
-// GEMMs are not implemented.
+// lm_head stay BF16. moetrain dequantizes at import (core/io/hf_index.h), or keeps the codes and
+// scales (model.weight_format: fp8; core/model/fp8_storage.h, kernels/fp8_format.h).
 #pragma once
 
 #include <cstdint>

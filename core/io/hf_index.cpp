@@ -173,7 +173,8 @@ void HfCheckpoint::check_unscaled(const std::string& name) const {
        "half converted; download or convert it again)");
 }
 
-Tensor HfCheckpoint::read_fp8_rows(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
+HfCheckpoint::Fp8Weight HfCheckpoint::read_fp8_blocks(const std::string& name, int64_t row_begin,
+                                                      int64_t row_end) const {
   constexpr int64_t kBlock = Fp8BlockQuantization::kBlock;
   const SafetensorsTensorInfo& codes = info(name);
   const std::string where = "tensor '" + name + "' in '" + file_of(name) + "' (" + fp8_dtype_name(codes.fp8) + ")";
@@ -207,16 +208,31 @@ Tensor HfCheckpoint::read_fp8_rows(const std::string& name, int64_t row_begin, i
          (scales.fp8 != Fp8Format::kNone ? fp8_dtype_name(scales.fp8) : dtype_name(scales.dtype)) + " " +
          scales.shape.str() + "; a " + codes.shape.str() + " weight in 128 x 128 blocks needs F32 " + expected.str());
   }
-  Tensor code_rows({row_end - row_begin, cols}, DType::kU8);
-  file_for(name).read_rows(code_rows.data(), stored(name), row_begin, row_end);
+  Fp8Weight out;
+  out.format = codes.fp8;
+  out.codes = Tensor({row_end - row_begin, cols}, DType::kU8);
+  file_for(name).read_rows(out.codes.data(), stored(name), row_begin, row_end);
   const int64_t first_block = row_begin / kBlock;
   const int64_t end_block = row_end > row_begin ? (row_end - 1) / kBlock + 1 : first_block;
-  const Tensor scale_rows = file_for(scale).read_rows_as(stored(scale), first_block, end_block, DType::kF32);
-  bytes_read_ += code_rows.nbytes() + scale_rows.nbytes();
+  out.scales = file_for(scale).read_rows_as(stored(scale), first_block, end_block, DType::kF32);
+  bytes_read_ += out.codes.nbytes() + out.scales.nbytes();
+  return out;
+}
+
+HfCheckpoint::Fp8Weight HfCheckpoint::read_fp8(const std::string& name) const {
+  const SafetensorsTensorInfo& tensor = info(name);
+  MOETRAIN_ASSERT(tensor.fp8 != Fp8Format::kNone, "read_fp8 of the non-FP8 tensor " + name);
+  return read_fp8_blocks(name, 0, tensor.shape.ndim() > 0 ? tensor.shape[0] : 0);
+}
+
+Tensor HfCheckpoint::read_fp8_rows(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const {
+  const Fp8Weight blocks = read_fp8_blocks(name, row_begin, row_end);
+  const int64_t cols = blocks.codes.size(1);
   Tensor values({row_end - row_begin, cols}, DType::kF64);
-  fp8_block_dequantize(values.ptr<double>(), static_cast<const uint8_t*>(code_rows.data()), scale_rows.ptr<float>(),
-                       codes.fp8, row_end - row_begin, cols, row_begin);
+  fp8_block_dequantize(values.ptr<double>(), static_cast<const uint8_t*>(blocks.codes.data()),
+                       blocks.scales.ptr<float>(), blocks.format, row_end - row_begin, cols, row_begin);
   if (dst_dtype == DType::kF64) return values;
+  const std::string where = "tensor '" + name + "' in '" + file_of(name) + "' (" + fp8_dtype_name(blocks.format) + ")";
   MOETRAIN_CHECK(is_floating(dst_dtype), ExitCode::kBadCheckpoint,
                  where + " cannot be read as " + dtype_name(dst_dtype) + " (only floating types convert)");
   Tensor out(values.shape(), dst_dtype);

@@ -55,6 +55,14 @@ class HfCheckpoint {
   // non-FP8 weight with a weight_scale_inv beside it.
   const SafetensorsTensorInfo& info(const std::string& name) const;
   Tensor read_as(const std::string& name, DType dst_dtype) const;
+  // An FP8 weight as stored, for model.weight_format: fp8: its codes [rows, cols] U8 and block
+  // scales [ceil(rows / 128), ceil(cols / 128)] F32, checked as read_as checks them.
+  struct Fp8Weight {
+    Fp8Format format = Fp8Format::kNone;
+    Tensor codes;
+    Tensor scales;
+  };
+  Fp8Weight read_fp8(const std::string& name) const;
   Tensor read_rows_as(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const;
   void read_rows(void* dst, const std::string& name, int64_t row_begin, int64_t row_end) const;
   // The open shard holding `name` (for zero-copy views); valid as long as this object.
@@ -68,6 +76,9 @@ class HfCheckpoint {
   void read_fp8_quantization();
   // Rows [row_begin, row_end) of an FP8 weight, dequantized, as dst_dtype.
   Tensor read_fp8_rows(const std::string& name, int64_t row_begin, int64_t row_end, DType dst_dtype) const;
+  // Rows [row_begin, row_end) of an FP8 weight's codes and the scale rows of the blocks they fall
+  // in, after checking the weight against config.json and its scales' shape.
+  Fp8Weight read_fp8_blocks(const std::string& name, int64_t row_begin, int64_t row_end) const;
   // Refuses a non-FP8 weight that has block scales beside it.
   void check_unscaled(const std::string& name) const;
   const std::string& stored(const std::string& name) const {

@@ -1,5 +1,7 @@
 #include "core/model/dense_ffn.h"
 
+#include "core/model/fp8_storage.h"
+
 namespace moetrain {
 namespace {
 
@@ -15,10 +17,12 @@ Tensor single_group_offsets(const LayerContext& ctx, int64_t rows) {
 
 }  // namespace
 
-DenseFfn::DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx)
+DenseFfn::DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx,
+                   const ModelConfig& config)
     : mlp(std::move(prefix), 1, hidden, width) {
-  mlp.gate_up = ctx.alloc({1, 2 * width, hidden});
-  mlp.down = ctx.alloc({1, hidden, width});
+  const bool fp8 = keeps_fp8(config, mlp.prefix() + ".gate_proj") && fp8_stacks(width);
+  alloc_frozen_weight(ctx, {1, 2 * width, hidden}, fp8, mlp.gate_up, mlp.gate_up_scale);
+  alloc_frozen_weight(ctx, {1, hidden, width}, fp8, mlp.down, mlp.down_scale);
 }
 
 GroupOffsets DenseFfn::offsets(const LayerContext& ctx, int64_t rows) {
@@ -38,8 +42,9 @@ void DenseFfn::backward(const LayerContext& ctx, const TensorView& dx, const Ten
 }
 
 void DenseFfn::collect_weights(std::vector<WeightSlot>& out) {
-  out.push_back({mlp.prefix(), &mlp.gate_up, WeightLayout::kSwigluGateUp});
-  out.push_back({mlp.prefix(), &mlp.down, WeightLayout::kSwigluDown});
+  const bool fp8 = mlp.gate_up.dtype() == DType::kU8;
+  out.push_back({mlp.prefix(), &mlp.gate_up, WeightLayout::kSwigluGateUp, 0, fp8 ? &mlp.gate_up_scale : nullptr});
+  out.push_back({mlp.prefix(), &mlp.down, WeightLayout::kSwigluDown, 0, fp8 ? &mlp.down_scale : nullptr});
 }
 
 }  // namespace moetrain

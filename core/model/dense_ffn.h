@@ -9,8 +9,9 @@ namespace moetrain {
 
 class DenseFfn final : public FeedForward {
  public:
-  // `prefix` is the module path, e.g. model.layers.0.mlp (or ...mlp.shared_experts).
-  DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx);
+  // `prefix` is the module path, e.g. model.layers.0.mlp (or ...mlp.shared_experts); the frozen
+  // weights are FP8 when the config keeps that module so (core/model/fp8_storage.h).
+  DenseFfn(std::string prefix, int64_t hidden, int64_t width, const LayerContext& ctx, const ModelConfig& config);
 
   void forward(const LayerContext& ctx, const TensorView& out, const TensorView& x) override;
   void backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dout, const TensorView& x) override;

@@ -1,6 +1,7 @@
 #include "core/model/dsa.h"
 
 #include "core/model/attention_context_parallel.h"
+#include "core/model/fp8_storage.h"
 
 namespace moetrain {
 
@@ -26,11 +27,36 @@ void matmul(kernels::Backend& be, const TensorView& c, const TensorView& a, bool
   be.gemm(GemmArgs{c, a, b, transpose_a, transpose_b, alpha, accumulate ? 1.0 : 0.0});
 }
 
+// c = a . op(rows of the frozen kv_b_proj), in the weight's format.
+void frozen_matmul(kernels::Backend& be, const TensorView& c, const TensorView& a, const FrozenRows& b,
+                   bool transpose_b) {
+  frozen_gemm(be, GemmArgs{c, a, b.weight, false, transpose_b, 1.0, 0.0}, b.scale);
+}
+
+// Head h's key or value rows of kv_b_proj's frozen weight (FP8 rows start whole 128-row blocks:
+// DsaAttention keeps the weight in FP8 only when they do).
+FrozenRows frozen_key_rows(const LoraLinear& kv_b, int64_t h, int64_t nope, int64_t v) {
+  return frozen_rows(kv_b.weight, kv_b.weight_scale, h * (nope + v), h * (nope + v) + nope);
+}
+FrozenRows frozen_value_rows(const LoraLinear& kv_b, int64_t h, int64_t nope, int64_t v) {
+  return frozen_rows(kv_b.weight, kv_b.weight_scale, h * (nope + v) + nope, (h + 1) * (nope + v));
+}
+
 }  // namespace
 
 DsaAttention::DsaAttention(const ModelSpec& spec, int64_t layer, const LayerContext& ctx,
                            const RopeDeviceTables* rope)
-    : proj(spec, layer, ctx, rope), indexer(spec, layer, ctx, rope) {}
+    : proj(spec, layer, ctx, rope), indexer(spec, layer, ctx, rope) {
+  // The absorbed products take kv_b_proj one head's key or value rows at a time: FP8 only when
+  // those start whole 128-row blocks (DeepSeek-V3.2: 128 + 128 per head), else the working dtype
+  // (an FP8 checkpoint's kv_b_proj is then dequantized at load).
+  const MlaConfig& mla = spec.config.mla;
+  const bool block_aligned = mla.qk_nope_head_dim % 128 == 0 && mla.v_head_dim % 128 == 0;
+  if (proj.kv_b_proj.weight.dtype() == DType::kU8 && !block_aligned) {
+    proj.kv_b_proj.weight = ctx.alloc(proj.kv_b_proj.weight.shape());
+    proj.kv_b_proj.weight_scale = Tensor();
+  }
+}
 
 void DsaAttention::collect_weights(std::vector<WeightSlot>& out) {
   proj.collect_weights(out);
@@ -48,7 +74,7 @@ void DsaAttention::absorb_queries(const LayerContext& ctx, const TensorView& q_a
   Tensor q_latent = ctx.alloc({n, r});
   for (int64_t h = 0; h < heads; ++h) {
     be.copy_columns(CopyColumnsArgs{q_nope, q_rows, 0, h * qk, nope, 1, false});
-    matmul(be, q_latent, q_nope, false, key_rows(proj.kv_b_proj.weight, h, nope, v), false);
+    frozen_matmul(be, q_latent, q_nope, frozen_key_rows(proj.kv_b_proj, h, nope, v), false);
     if (lora) {  // + s (q_nope B_K_h) A: the adapter's part of W_K_h, kept apart from the frozen weight
       Tensor u = ctx.alloc({n, lora->a.value.size(0)});
       matmul(be, u, q_nope, false, key_rows(lora->b.value, h, nope, v), false);
@@ -68,7 +94,7 @@ void DsaAttention::expand_values(const LayerContext& ctx, const TensorView& attn
   Tensor value = ctx.alloc({n, v});
   for (int64_t h = 0; h < heads; ++h) {
     be.copy_columns(CopyColumnsArgs{o_head, o_rows, 0, h * r, r, 1, false});
-    matmul(be, value, o_head, false, value_rows(proj.kv_b_proj.weight, h, nope, v), true);
+    frozen_matmul(be, value, o_head, frozen_value_rows(proj.kv_b_proj, h, nope, v), true);
     if (lora) {  // + s (o A^T) B_V_h^T
       Tensor u = ctx.alloc({n, lora->a.value.size(0)});
       matmul(be, u, o_head, false, lora->a.value, true);
@@ -91,7 +117,7 @@ void DsaAttention::absorb_queries_backward(const LayerContext& ctx, const Tensor
   Tensor q_nope = ctx.alloc({n, nope});
   for (int64_t h = 0; h < heads; ++h) {
     be.copy_columns(CopyColumnsArgs{dq_latent, abs_rows, 0, h * abs_dim, r, 1, false});
-    matmul(be, dq_nope, dq_latent, false, key_rows(proj.kv_b_proj.weight, h, nope, v), true);
+    frozen_matmul(be, dq_nope, dq_latent, frozen_key_rows(proj.kv_b_proj, h, nope, v), true);
     if (lora) {
       Tensor u = ctx.alloc({n, lora->a.value.size(0)});
       matmul(be, u, dq_latent, false, lora->a.value, true);
@@ -117,7 +143,7 @@ void DsaAttention::expand_values_backward(const LayerContext& ctx, const TensorV
   Tensor o_head = ctx.alloc({n, r});
   for (int64_t h = 0; h < heads; ++h) {
     be.copy_columns(CopyColumnsArgs{dvalue, dattn_rows, 0, h * v, v, 1, false});
-    matmul(be, do_head, dvalue, false, value_rows(proj.kv_b_proj.weight, h, nope, v), false);
+    frozen_matmul(be, do_head, dvalue, frozen_value_rows(proj.kv_b_proj, h, nope, v), false);
     if (lora) {
       Tensor u = ctx.alloc({n, lora->a.value.size(0)});
       matmul(be, u, dvalue, false, value_rows(lora->b.value, h, nope, v), false);

@@ -1,6 +1,7 @@
 #include "core/model/dsa_indexer.h"
 
 #include "core/model/attention_context_parallel.h"
+#include "core/model/fp8_storage.h"
 
 #include <algorithm>
 #include <cmath>
@@ -30,16 +31,17 @@ DsaIndexer::DsaIndexer(const ModelSpec& spec, int64_t layer, const LayerContext&
   rope_layout_ = dsa.indexer_rope_interleave ? kernels::RopeLayout::kInterleaved : kernels::RopeLayout::kHalfSplit;
   prefix_ = "model.layers." + std::to_string(layer) + ".self_attn.indexer.";
   MOETRAIN_ASSERT(m.mla.q_lora_rank.has_value(), "a dsa layer needs MLA's q latent (config rules check this)");
-  wq_b = ctx.alloc({heads_ * head_dim_, *m.mla.q_lora_rank});
-  wk = ctx.alloc({head_dim_, m.hidden_size});
+  alloc_frozen_weight(ctx, {heads_ * head_dim_, *m.mla.q_lora_rank}, keeps_fp8(m, prefix_ + "wq_b"), wq_b, wq_b_scale);
+  alloc_frozen_weight(ctx, {head_dim_, m.hidden_size}, keeps_fp8(m, prefix_ + "wk"), wk, wk_scale);
   k_norm_weight = ctx.alloc({head_dim_});
   k_norm_bias = ctx.alloc({head_dim_});
   weights_proj = ctx.alloc({heads_, m.hidden_size});
 }
 
 void DsaIndexer::collect_weights(std::vector<WeightSlot>& out) {
-  out.push_back({prefix_ + "wq_b.weight", &wq_b});
-  out.push_back({prefix_ + "wk.weight", &wk});
+  auto scale_of = [](Tensor& weight, Tensor& scale) { return weight.dtype() == DType::kU8 ? &scale : nullptr; };
+  out.push_back({prefix_ + "wq_b.weight", &wq_b, WeightLayout::kPlain, 0, scale_of(wq_b, wq_b_scale)});
+  out.push_back({prefix_ + "wk.weight", &wk, WeightLayout::kPlain, 0, scale_of(wk, wk_scale)});
   out.push_back({prefix_ + "k_norm.weight", &k_norm_weight});
   out.push_back({prefix_ + "k_norm.bias", &k_norm_bias});
   out.push_back({prefix_ + "weights_proj.weight", &weights_proj});
@@ -49,9 +51,10 @@ Tensor DsaIndexer::select(const LayerContext& ctx, const TensorView& x, const Te
   kernels::Backend& be = ctx.backend;
   const int64_t n = x.size(0);
   Tensor q = ctx.alloc({n, heads_, head_dim_});
-  be.gemm(GemmArgs{q.view().reshaped({n, heads_ * head_dim_}), q_latent, wq_b, false, true, 1.0, 0.0});
+  frozen_gemm(be, GemmArgs{q.view().reshaped({n, heads_ * head_dim_}), q_latent, wq_b, false, true, 1.0, 0.0},
+              wq_b_scale);
   Tensor k = ctx.alloc({n, head_dim_});
-  be.gemm(GemmArgs{k, x, wk, false, true, 1.0, 0.0});
+  frozen_gemm(be, GemmArgs{k, x, wk, false, true, 1.0, 0.0}, wk_scale);
   be.layernorm_forward(LayerNormArgs{k, k, k_norm_weight, k_norm_bias, kKeyNormEps});
   if (rope_dim_ > 0) {
     TensorView q_rows = q.view().reshaped({n * heads_, head_dim_});

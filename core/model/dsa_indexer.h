@@ -33,8 +33,10 @@ class DsaIndexer {
 
   int64_t top_k() const { return top_k_; }
 
-  Tensor wq_b;          // [Hi di, q_lora_rank]
-  Tensor wk;            // [di, D]
+  Tensor wq_b;          // [Hi di, q_lora_rank]; FP8 codes (U8) with wq_b_scale under weight_format fp8
+  Tensor wk;            // [di, D]; likewise
+  Tensor wq_b_scale;    // FP8 only: F32 block scales (core/model/fp8_storage.h)
+  Tensor wk_scale;
   Tensor k_norm_weight; // [di]
   Tensor k_norm_bias;   // [di]
   Tensor weights_proj;  // [Hi, D]

@@ -1,6 +1,8 @@
-// One FSDP2-style flat bucket of frozen weights (docs/ARCHITECTURE.md §5): the member tensors, laid end to
-// end, padded to a multiple of the FSDP group size and split evenly; each rank keeps only its
-// shard. gather() all-gathers the bucket into one buffer and points every member at its offset
+// One FSDP2-style flat bucket of frozen weights (docs/ARCHITECTURE.md §5): the member tensors' bytes,
+// laid end to end (each aligned to its element size), padded to a multiple of the FSDP group size
+// and split evenly; each rank keeps only its shard. Members may differ in dtype: FP8 weights
+// (model.weight_format: fp8) travel as their U8 codes and F32 block scales beside BF16 norms, so a
+// gather moves about half the bytes of the same layer in BF16. gather() all-gathers the bucket into one buffer and points every member at its offset
 // there; release() frees that buffer and leaves the members as shape-only placeholders (no
 // data), so a use of a released weight fails loudly instead of reading stale memory.
 //
@@ -24,7 +26,8 @@ namespace moetrain {
 class FsdpBucket {
  public:
   // `members`: the bucket's tensors (shape and dtype; any memory they own is freed), identical
-  // in order on every rank of `comm`. This rank's shard starts zeroed: write it through
+  // in order on every rank of `comm`. A shard's size is a multiple of the widest member element,
+  // so a member's owned part is whole elements (a single-dtype bucket pads as an element array). This rank's shard starts zeroed: write it through
   // owned_part() (weights are loaded shard by shard, never whole). The members become
   // shape-only placeholders until gather().
   FsdpBucket(std::string name, const std::vector<Tensor*>& members, Communicator& comm, kernels::Backend& backend);
@@ -47,15 +50,16 @@ class FsdpBucket {
 
   bool gathered() const { return gathered_.defined(); }
   const std::string& name() const { return name_; }
-  int64_t full_elements() const { return full_elements_; }    // members' elements, no padding
-  int64_t shard_elements() const { return shard_elements_; }  // per rank, padding included
+  int64_t full_bytes() const { return full_bytes_; }    // members' bytes and alignment, no padding
+  int64_t shard_bytes() const { return shard_bytes_; }  // per rank, padding included
   size_t resident_bytes() const { return shard_.nbytes() + gathered_.nbytes(); }
 
  private:
   struct Member {
     Tensor* tensor;
     Shape shape;
-    int64_t offset;  // elements into the gathered buffer
+    DType dtype;
+    int64_t offset;  // bytes into the gathered buffer
     OwnedPart part;
   };
   void point_members(void* base);
@@ -63,12 +67,11 @@ class FsdpBucket {
   std::string name_;
   Communicator& comm_;
   kernels::Backend& backend_;
-  DType dtype_ = DType::kF32;
   std::vector<Member> members_;
-  int64_t full_elements_ = 0;
-  int64_t shard_elements_ = 0;
-  Tensor shard_;     // [shard_elements], this rank's part
-  Tensor gathered_;  // [shard_elements * group size] while gathered
+  int64_t full_bytes_ = 0;
+  int64_t shard_bytes_ = 0;
+  Tensor shard_;     // U8 [shard_bytes], this rank's part
+  Tensor gathered_;  // U8 [shard_bytes * group size] while gathered
   bool awaiting_ready_ = false;  // gathered, but compute has not been ordered after it yet
 };
 

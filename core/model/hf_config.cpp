@@ -144,23 +144,26 @@ ModelConfig sizes_from_hf(const HfJson& hf, const std::string& model_type) {
   return m;
 }
 
-// DeepSeek-V3 / V3.1 / V3.2 and Kimi K2 ship FP8 block-scaled weights (core/io/fp8_block.h);
-// the loader dequantizes them. Another quantization_config is a checkpoint moetrain cannot read.
-void check_deepseek_quantization(const Json& json, const std::string& source, const std::string& model_type) {
+// DeepSeek-V3 / V3.1 / V3.2 and Kimi K2 ship FP8 block-scaled weights (core/io/fp8_block.h),
+// kept in FP8 (model.weight_format: fp8) or dequantized at load. Another quantization_config is a
+// checkpoint moetrain cannot read.
+Fp8BlockQuantization check_deepseek_quantization(const Json& json, const std::string& source,
+                                                 const std::string& model_type) {
   auto it = json.find("quantization_config");
-  if (it == json.end() || it->is_null()) return;
+  if (it == json.end() || it->is_null()) return {};
   const Json method = it->is_object() ? it->value("quant_method", Json()) : Json();
   MOETRAIN_CHECK(method == "fp8", ExitCode::kBadCheckpoint,
                  fmt::format("{}: quantization_config.quant_method is {}; a {} checkpoint is read in BF16 or in the "
                              "FP8 block-scaled layout it ships in (quant_method \"fp8\")",
                              source, method.is_null() ? "missing" : method.dump(), model_type));
-  fp8_quantization_from_json(*it, source);
+  return fp8_quantization_from_json(*it, source);
 }
 
 ModelConfig deepseek_v3_from_hf(const Json& json, const HfJson& hf, const std::string& model_type = "deepseek_v3") {
   const std::string& source_name = hf.source();
-  check_deepseek_quantization(json, source_name, model_type);
+  const Fp8BlockQuantization fp8 = check_deepseek_quantization(json, source_name, model_type);
   ModelConfig m = sizes_from_hf(hf, model_type);
+  m.fp8_modules_to_not_convert = fp8.modules_to_not_convert;
   m.first_k_dense = hf.get_or<int64_t>("first_k_dense_replace", 0);
   m.rms_norm_eps = hf.get_or<double>("rms_norm_eps", 1e-6);
   m.tie_word_embeddings = hf.get_or<bool>("tie_word_embeddings", false);

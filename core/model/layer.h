@@ -30,8 +30,12 @@ struct WeightSlot {
   WeightLayout layout = WeightLayout::kPlain;
   int64_t first_group = 0;  // routed experts: the global id of the tensor's first expert
   // MXFP4 routed experts (model.moe.expert_format: mxfp4): `tensor` holds the packed codes
-  // [G, out, in / 2] U8 and this the E8M0 scales [G, out, in / 32] U8; null for plain weights.
+  // [G, out, in / 2] U8 and this the E8M0 scales [G, out, in / 32] U8. FP8 weights
+  // (model.weight_format: fp8): `tensor` holds the E4M3 codes of the weight's own shape (U8) and
+  // this the F32 block scales [..., ceil(out / 128), ceil(in / 128)]. Null for plain weights.
   Tensor* scale = nullptr;
+  bool fp8() const { return scale != nullptr && scale->dtype() == DType::kF32; }
+  bool mxfp4() const { return scale != nullptr && scale->dtype() == DType::kU8; }
 };
 
 class LoraLinear;

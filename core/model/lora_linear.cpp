@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/base/host_convert.h"
+#include "core/model/fp8_storage.h"
 
 namespace moetrain {
 
@@ -42,9 +43,17 @@ std::unique_ptr<LoraAdapter> make_lora_adapter(const std::string& prefix, int64_
   return adapter;
 }
 
+void LoraLinear::alloc_weight(const LayerContext& ctx, const ModelConfig& config) {
+  alloc_frozen_weight(ctx, {out_, in_}, keeps_fp8(config, name_), weight, weight_scale);
+}
+
+WeightSlot LoraLinear::weight_slot() {
+  return {name_ + ".weight", &weight, WeightLayout::kPlain, 0, weight.dtype() == DType::kU8 ? &weight_scale : nullptr};
+}
+
 void LoraLinear::forward(const LayerContext& ctx, const TensorView& y, const TensorView& x) const {
   int64_t rows = x.size(0);
-  ctx.backend.gemm(GemmArgs{y, x, weight, false, true, 1.0, 0.0});
+  frozen_gemm(ctx.backend, GemmArgs{y, x, weight, false, true, 1.0, 0.0}, weight_scale);
   if (!lora) return;
   Tensor xa = ctx.alloc({rows, lora->a.value.size(0)});
   ctx.backend.gemm(GemmArgs{xa, x, lora->a.value, false, true, 1.0, 0.0});
@@ -53,7 +62,7 @@ void LoraLinear::forward(const LayerContext& ctx, const TensorView& y, const Ten
 
 void LoraLinear::backward(const LayerContext& ctx, const TensorView& dx, const TensorView& dy, const TensorView& x,
                           bool accumulate_dx) const {
-  if (dx.data) ctx.backend.gemm(GemmArgs{dx, dy, weight, false, false, 1.0, accumulate_dx ? 1.0 : 0.0});
+  if (dx.data) frozen_gemm(ctx.backend, GemmArgs{dx, dy, weight, false, false, 1.0, accumulate_dx ? 1.0 : 0.0}, weight_scale);
   if (!lora) return;
   int64_t rows = x.size(0);
   int64_t rank = lora->a.value.size(0);

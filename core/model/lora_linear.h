@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "core/config/config.h"
+#include "core/model/layer.h"
 #include "core/model/layer_context.h"
 #include "core/model/parameter.h"
 
@@ -45,8 +47,16 @@ class LoraLinear {
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
 
-  Tensor weight;                        // [out, in], frozen
+  // [out, in], frozen: the working dtype, or FP8 codes (U8) with weight_scale beside them
+  // (model.weight_format: fp8, core/model/fp8_storage.h).
+  Tensor weight;
+  Tensor weight_scale;                  // FP8 only: F32 [ceil(out / 128), ceil(in / 128)]
   std::unique_ptr<LoraAdapter> lora;    // null: no adapter on this module
+
+  // Allocates the frozen weight, in FP8 when the config keeps this module so.
+  void alloc_weight(const LayerContext& ctx, const ModelConfig& config);
+  // The weight's slot for loading and sharding (its scale travels with it).
+  WeightSlot weight_slot();
 
   // y = x W^T (+ LoRA); y [rows, out], x [rows, in].
   void forward(const LayerContext& ctx, const TensorView& y, const TensorView& x) const;

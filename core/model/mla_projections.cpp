@@ -33,7 +33,7 @@ MlaProjections::MlaProjections(const ModelSpec& spec, int64_t layer, const Layer
   const int64_t hidden = m.hidden_size;
   auto make = [&](LoraLinear& linear, const char* name, int64_t in, int64_t out) {
     linear = LoraLinear(prefix_ + name, in, out);
-    linear.weight = ctx.alloc({out, in});
+    linear.alloc_weight(ctx, m);
   };
   if (q_lora_rank_ > 0) {
     make(q_a_proj, "q_a_proj", hidden, q_lora_rank_);
@@ -63,7 +63,7 @@ std::vector<LoraLinear*> MlaProjections::projections() {
 }
 
 void MlaProjections::collect_weights(std::vector<WeightSlot>& out) {
-  for (LoraLinear* p : projections()) out.push_back({p->name() + ".weight", &p->weight});
+  for (LoraLinear* p : projections()) out.push_back(p->weight_slot());
   if (q_lora_rank_ > 0) out.push_back({prefix_ + "q_a_layernorm.weight", &q_a_norm});
   out.push_back({prefix_ + "kv_a_layernorm.weight", &kv_a_norm});
 }

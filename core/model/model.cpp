@@ -113,7 +113,8 @@ Model::Model(const ModelSpec& spec, kernels::Backend& backend, const ModelOption
     else if (spec_.mixers[i] == MixerKind::kDsa) layer.mixer = std::make_unique<DsaAttention>(spec_, i, ctx, rope);
     else layer.mixer = std::make_unique<MlaAttention>(spec_, i, ctx, rope);
     if (spec_.ffns[i] == FfnKind::kDense) {
-      auto dense = std::make_unique<DenseFfn>("model.layers." + std::to_string(i) + ".mlp", d, m.intermediate_size, ctx);
+      auto dense =
+          std::make_unique<DenseFfn>("model.layers." + std::to_string(i) + ".mlp", d, m.intermediate_size, ctx, m);
       dense->mlp.activation = gated_activation_of(m);
       layer.ffn = std::move(dense);
     } else if (m.moe.latent_size > 0) {

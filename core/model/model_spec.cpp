@@ -111,6 +111,7 @@ const std::map<std::string, FieldCopier>& model_field_copiers() {
       MOETRAIN_FIELD("moe.latent_size", moe.latent_size),
       MOETRAIN_FIELD("moe.use_latent_norm", moe.use_latent_norm),
       MOETRAIN_FIELD("moe.expert_format", moe.expert_format),
+      MOETRAIN_FIELD("weight_format", weight_format),
   };
 #undef MOETRAIN_FIELD
   return copiers;

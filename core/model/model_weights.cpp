@@ -14,6 +14,7 @@
 #include "core/base/host_convert.h"
 #include "core/base/log.h"
 #include "core/io/hf_index.h"
+#include "core/model/fp8_weights_load.h"
 #include "core/model/fsdp_bucket.h"
 #include "kernels/mxfp4_format.h"
 #include "core/model/hf_names.h"
@@ -345,6 +346,25 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
   fsdp_.release_all();  // the shards change: no gathered copy may outlive them
   for (const WeightSlot& slot : weight_slots()) {
     watchdog_progress("loading base weights: " + slot.name);
+    if (slot.fp8()) {
+      const std::string fused = slot.name + (slot.layout == WeightLayout::kSwigluGateUp ? ".gate_up_proj" : ".down_proj");
+      if (is_routed_experts(slot) && checkpoint.has(fused)) {
+        // transformers 5's fused experts are never FP8: each expert's values, quantized.
+        const int64_t per_expert = slot.tensor->numel() / slot.tensor->size(0);
+        auto expert = [&](double* dst, int64_t first_element, int64_t) {
+          WeightSlot one = slot;
+          one.first_group = slot.first_group + first_element / per_expert;
+          read_routed_experts(checkpoint, one, Shape{1, slot.tensor->size(1), slot.tensor->size(2)}, dst);
+        };
+        quantize_fp8_slot(slot, true, expert, {}, backend_);
+      } else if (is_routed_experts(slot)) {
+        load_fp8_experts(checkpoint, slot, backend_);
+      } else {
+        const Fp8Destination dst{fsdp_.owned_part(slot.tensor), fsdp_.owned_part(slot.scale)};
+        load_fp8_slot(checkpoint, slot, find_layout(checkpoint, slot), dst, backend_);
+      }
+      continue;
+    }
     if (const FsdpBucket::OwnedPart* part = fsdp_.owned_part(slot.tensor)) {
       // FSDP: this rank's range of the weight only.
       Tensor host({part->end - part->begin}, DType::kF64);
@@ -354,7 +374,7 @@ void Model::load_weights(const HfCheckpoint& checkpoint) {
       backend_.copy(part->dst, staged);
       continue;
     }
-    if (slot.scale != nullptr) {
+    if (slot.mxfp4()) {
       if (!load_packed_experts(checkpoint, slot, backend_)) {
         log::info(fmt::format("{} ({}): no MXFP4 tensors (weight_packed / weight_scale) in the checkpoint; quantizing "
                               "its weights to MXFP4 (model.moe.expert_format: mxfp4)",
@@ -379,7 +399,27 @@ void Model::init_random_weights() {
   fsdp_.release_all();  // the shards change: no gathered copy may outlive them
   for (const WeightSlot& slot : weight_slots()) {
     watchdog_progress("initialising base weights: " + slot.name);
-    if (slot.scale != nullptr) {
+    if (slot.fp8()) {
+      // The values the BF16 weights would get (the same generator over the same elements),
+      // quantized per block on the host.
+      const Shape& shape = slot.tensor->shape();
+      const bool routed = is_routed_experts(slot);
+      RandomFill fill;
+      fill.stddev = 1.0 / std::sqrt(static_cast<double>(shape[shape.ndim() - 1]));
+      fill.seed = options_.seed ^ name_hash(slot.name) ^ static_cast<uint64_t>(slot.layout);
+      const uint64_t first = static_cast<uint64_t>(slot.first_group * (shape.numel() / shape[0]));
+      auto values = [&](double* dst, int64_t first_element, int64_t count) {
+        TensorView view;
+        view.data = dst;
+        view.dtype = DType::kF64;
+        view.shape = Shape{count};
+        fill.first_element = first + static_cast<uint64_t>(first_element);
+        fill_random(Tensor::borrowed(view), fill);
+      };
+      quantize_fp8_slot(slot, routed, values, {fsdp_.owned_part(slot.tensor), fsdp_.owned_part(slot.scale)}, backend_);
+      continue;
+    }
+    if (slot.mxfp4()) {
       // MXFP4 experts: the values the BF16 experts would get (the same generator over the same
       // logical elements), quantized; made by the backend where they live.
       const int64_t out = slot.tensor->size(1), in = 2 * slot.tensor->size(2);
@@ -423,22 +463,26 @@ void Model::init_random_weights() {
 
 // FSDP buckets (docs/ARCHITECTURE.md §5). Per decoder layer: its norms, attention projections and latent
 // norms, router weight, dense MLP or shared experts -- every frozen weight in the compute dtype
-// except the routed experts (expert parallelism slices those) and the F32 router score bias
+// (or FP8 codes with their scales) except the routed experts (expert parallelism slices those) and the F32 router score bias
 // (E floats, kept whole). One more bucket holds embed_tokens, the final norm and lm_head: the
 // embedding is the largest non-expert tensor, and it is needed only at the two ends of a step.
 // Buckets are made as the layers are constructed, so the full weights of at most one layer
 // exist at a time (allocated, never filled), and loading writes each rank's shard directly.
 namespace {
+// FP8 weights join with their block scales (the bucket holds members of any dtype).
 bool shardable(const WeightSlot& slot, DType weight_dtype) {
-  return !is_routed_experts(slot) && !is_bias(slot.name) && slot.tensor->dtype() == weight_dtype;
+  return !is_routed_experts(slot) && !is_bias(slot.name) && (slot.tensor->dtype() == weight_dtype || slot.fp8());
 }
 }  // namespace
 
 void Model::shard_layer_weights(size_t index) {
   if (!fsdp_.sharded()) return;
   std::vector<Tensor*> members;
-  for (const WeightSlot& slot : layer_weight_slots(index))
-    if (shardable(slot, options_.dtype)) members.push_back(slot.tensor);
+  for (const WeightSlot& slot : layer_weight_slots(index)) {
+    if (!shardable(slot, options_.dtype)) continue;
+    members.push_back(slot.tensor);
+    if (slot.fp8()) members.push_back(slot.scale);
+  }
   fsdp_.add_layer(index, members);
 }
 
@@ -460,8 +504,11 @@ FrozenWeightBytes Model::frozen_non_expert_bytes() {
   FrozenWeightBytes bytes;
   for (const WeightSlot& slot : weight_slots()) {
     if (is_routed_experts(slot)) continue;
-    bytes.full += slot.tensor->nbytes();
-    if (slot.tensor->owns_memory()) bytes.kept_whole += slot.tensor->nbytes();
+    for (const Tensor* t : {slot.tensor, slot.fp8() ? slot.scale : nullptr}) {
+      if (t == nullptr) continue;
+      bytes.full += t->nbytes();
+      if (t->owns_memory()) bytes.kept_whole += t->nbytes();
+    }
   }
   bytes.resident = bytes.kept_whole + fsdp_.resident_bytes();
   return bytes;

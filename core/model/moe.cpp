@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/base/host_convert.h"
+#include "core/model/fp8_storage.h"
 
 namespace moetrain {
 
@@ -64,15 +65,17 @@ MoeFfn::MoeFfn(const ModelSpec& spec, int64_t layer, const LayerContext& ctx, co
     experts.down = ctx.alloc({local, row_width_, f / 2}, DType::kU8);
     experts.down_scale = ctx.alloc({local, row_width_, f / 32}, DType::kU8);
   } else {
-    experts.gate_up = ctx.alloc({local, 2 * f, row_width_});
-    experts.down = ctx.alloc({local, row_width_, f});
+    const bool fp8 = keeps_fp8(spec.config, experts.prefix() + ".gate_proj") && fp8_stacks(f);
+    alloc_frozen_weight(ctx, {local, 2 * f, row_width_}, fp8, experts.gate_up, experts.gate_up_scale);
+    alloc_frozen_weight(ctx, {local, row_width_, f}, fp8, experts.down, experts.down_scale);
   }
   experts.activation = gated_activation_of(spec.config);
   if (parallel && parallel->expert_parallel()) {
     dispatch_ = std::make_unique<ExpertDispatch>(*parallel->ep, e, local);
   }
   if (moe_.num_shared_experts > 0) {
-    shared = std::make_unique<DenseFfn>(prefix_ + ".shared_experts", hidden_, f * moe_.num_shared_experts, ctx);
+    shared = std::make_unique<DenseFfn>(prefix_ + ".shared_experts", hidden_, f * moe_.num_shared_experts, ctx,
+                                        spec.config);
     shared->mlp.activation = gated_activation_of(spec.config);
   }
 }
@@ -85,7 +88,7 @@ void MoeFfn::collect_parameters(std::vector<Parameter*>& out) {
 void MoeFfn::collect_weights(std::vector<WeightSlot>& out) {
   out.push_back({prefix_ + ".gate.weight", &router_weight});
   if (moe_.score_correction_bias) out.push_back({prefix_ + ".gate.e_score_correction_bias", &score_bias});
-  const bool packed = experts.gate_up_scale.defined();  // MXFP4: the scales travel with the codes
+  const bool packed = experts.gate_up_scale.defined();  // MXFP4 or FP8: the scales travel with the codes
   out.push_back({experts.prefix(), &experts.gate_up, WeightLayout::kSwigluGateUp, experts.first_group(),
                  packed ? &experts.gate_up_scale : nullptr});
   out.push_back({experts.prefix(), &experts.down, WeightLayout::kSwigluDown, experts.first_group(),

@@ -33,7 +33,7 @@ GroupedGemmArgs grouped(TensorView c, TensorView a, TensorView b, const GroupOff
   return grouped_gemm(GroupedGemmKind::kMGrouped, c, a, b, offsets, transpose_b, alpha, beta);
 }
 
-// The grouped GEMM on a base weight, with its MXFP4 scales when it is held packed.
+// The grouped GEMM on a base weight, with its MXFP4 or FP8 scales when it is held packed.
 GroupedGemmArgs with_scale(GroupedGemmArgs args, const Tensor& scale) {
   if (scale.defined()) args.b_scale = scale;
   return args;

@@ -73,7 +73,9 @@ class SwigluExperts {
   Tensor down;     // [G, D, F], frozen
   // Routed experts with model.moe.expert_format mxfp4: gate_up and down hold MXFP4 codes (U8
   // [G, 2F, D / 2] and [G, D, F / 2]) and these their E8M0 scales (U8 [G, 2F, D / 32], [G, D, F / 32];
-  // kernels/ops.h GroupedGemmArgs::b_scale); undefined for BF16 weights.
+  // kernels/ops.h GroupedGemmArgs::b_scale). With model.weight_format fp8 they hold E4M3 codes of
+  // their own shapes (U8) and these the F32 block scales [G, ceil(rows / 128), ceil(cols / 128)]
+  // (core/model/fp8_storage.h). Undefined for BF16 weights.
   Tensor gate_up_scale;
   Tensor down_scale;
   std::array<std::unique_ptr<LoraAdapter>, 3> lora;  // per projection; null: none

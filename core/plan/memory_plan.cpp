@@ -241,30 +241,91 @@ MemoryPlan plan_layout(const PlanInputs& in) {
   return plan;
 }
 
+// Bytes of a layer's non-expert weights: BF16, or with model.weight_format fp8 its FP8 part at one
+// byte a weight and 4 B a 128 x 128 block (core/model/fsdp_bucket.h: the buckets hold both).
+double layer_weight_bytes(const LayerParameterCount& l, bool fp8) {
+  if (!fp8) return static_cast<double>(l.non_expert()) * kBf16;
+  return static_cast<double>(l.non_expert() - l.fp8_non_expert) * kBf16 + static_cast<double>(l.fp8_non_expert) +
+         static_cast<double>(l.fp8_non_expert_blocks) * kF32;
+}
+
+// Bytes of every non-expert frozen weight (the FSDP buckets' contents, unpadded).
+double non_expert_weight_bytes(const MemoryPlan& plan, bool fp8) {
+  const ModelParameterCount& p = plan.params;
+  double bytes = static_cast<double>(p.embedding + p.lm_head + p.final_norm) * kBf16;
+  for (const LayerParameterCount& l : p.layers) bytes += layer_weight_bytes(l, fp8);
+  return bytes;
+}
+
+// The local routed experts: BF16, MXFP4 (half a byte a weight and one E8M0 byte per 32) or FP8
+// (one byte a weight and 4 B a 128 x 128 block), all kept on the device as stored.
+void add_routed_expert_weights(MemoryPlan& plan, const PlanInputs& in) {
+  const ModelConfig& m = in.spec.config;
+  const ModelParameterCount& p = plan.params;
+  const int64_t experts = std::max<int64_t>(1, m.moe.num_experts);
+  const double elements = static_cast<double>(plan.local_experts * plan.lora.num_moe_layers) *
+                          static_cast<double>(p.routed_expert_per_layer() / experts);
+  double blocks = 0;
+  for (const LayerParameterCount& l : p.layers) {
+    if (l.routed_experts > 0) {
+      blocks = static_cast<double>(plan.local_experts * plan.lora.num_moe_layers) *
+               static_cast<double>(l.fp8_routed_expert_blocks / experts);
+      break;
+    }
+  }
+  const double bf16 = elements * kBf16;
+  if (m.moe.expert_format == "mxfp4") {
+    add(plan.fixed, "routed experts (mxfp4)", elements * (0.5 + 1.0 / 32),
+        fmt::format("{} local experts x {} MoE layers: {:.3g} weights x (0.5 + 1/32) B (BF16 would be {:.1f} GB)",
+                    plan.local_experts, plan.lora.num_moe_layers, elements, bf16 / 1e9));
+  } else if (m.weight_format == "fp8") {
+    add(plan.fixed, "routed experts (fp8)", elements + blocks * kF32,
+        fmt::format("{} local experts x {} MoE layers: {:.3g} weights x 1 B + {:.3g} blocks x 4 B (BF16 would be "
+                    "{:.1f} GB)",
+                    plan.local_experts, plan.lora.num_moe_layers, elements, blocks, bf16 / 1e9));
+  } else {
+    add(plan.fixed, "routed experts (bf16)", bf16,
+        fmt::format("{} local experts x {} MoE layers: {:.3g} weights x 2 B (FP8 would be {:.1f} GB)",
+                    plan.local_experts, plan.lora.num_moe_layers, elements, (elements + blocks * kF32) / 1e9));
+  }
+}
+
 // The frozen base weights: this rank's FSDP shards, the layers gathered ahead of use, its experts.
 void add_frozen_weights(MemoryPlan& plan, const PlanInputs& in) {
   const ModelConfig& m = in.spec.config;
   const ModelParameterCount& p = plan.params;
   const int64_t fsdp = plan.fsdp;
-  const int64_t moe_layers = plan.lora.num_moe_layers;
+  const bool fp8 = m.weight_format == "fp8";
+  const char* format = fp8 ? "fp8 + bf16" : "bf16";
   // FSDP buckets: one per layer (its non-expert weights), plus the embedding, the head and the
   // final norm; each padded to a multiple of fsdp.
-  std::vector<int64_t> buckets = {p.embedding, p.lm_head + p.final_norm};
-  int64_t largest_layer = 0;
+  std::vector<double> buckets = {static_cast<double>(p.embedding) * kBf16,
+                                 static_cast<double>(p.lm_head + p.final_norm) * kBf16};
+  double largest_layer = 0, fp8_weights = 0, fp8_blocks = 0;
   for (const LayerParameterCount& l : p.layers) {
-    buckets.push_back(l.non_expert());
-    largest_layer = std::max(largest_layer, l.non_expert());
+    buckets.push_back(layer_weight_bytes(l, fp8));
+    largest_layer = std::max(largest_layer, buckets.back());
+    fp8_weights += static_cast<double>(l.fp8_non_expert);
+    fp8_blocks += static_cast<double>(l.fp8_non_expert_blocks);
   }
-  int64_t shard_elements = 0;
-  for (int64_t b : buckets) shard_elements += ceil_div(b, fsdp);
-  add(plan.fixed, "frozen weight shards (bf16)", shard_elements * kBf16,
-      fmt::format("sum over {} buckets of ceil(bucket / fsdp {}) x 2 B; non-expert weights {:.3g}", buckets.size(),
-                  fsdp, static_cast<double>(p.non_expert())));
-  const int64_t largest_edge = std::max(p.embedding, p.lm_head);
-  const int64_t gathered = std::max((plan.prefetch + 1) * largest_layer, largest_edge);
-  add(plan.fixed, "gathered weights (bf16)", fsdp > 1 ? gathered * kBf16 : 0.0,
-      fmt::format("max((prefetch {} + 1) x largest layer {:.3g}, embedding/head {:.3g}) x 2 B; 0 when fsdp = 1",
-                  plan.prefetch, static_cast<double>(largest_layer), static_cast<double>(largest_edge)));
+  double shard_bytes = 0, full_bytes = 0;
+  for (double b : buckets) {
+    shard_bytes += std::ceil(b / kBf16 / static_cast<double>(fsdp)) * kBf16;  // whole 2-byte units
+    full_bytes += b;
+  }
+  const double non_expert = static_cast<double>(p.non_expert());
+  add(plan.fixed, fmt::format("frozen weight shards ({})", format), shard_bytes,
+      fp8 ? fmt::format("sum over {} buckets of ceil(bucket / fsdp {}): {:.3g} FP8 weights x 1 B + {:.3g} blocks x "
+                        "4 B, the other {:.3g} x 2 B ({:.1f} GB in all; BF16 would be {:.1f} GB)",
+                        buckets.size(), fsdp, fp8_weights, fp8_blocks, non_expert - fp8_weights, full_bytes / 1e9,
+                        non_expert * kBf16 / 1e9)
+          : fmt::format("sum over {} buckets of ceil(bucket / fsdp {}) x 2 B; non-expert weights {:.3g}", buckets.size(),
+                        fsdp, non_expert));
+  const double largest_edge = static_cast<double>(std::max(p.embedding, p.lm_head)) * kBf16;
+  const double gathered = std::max((plan.prefetch + 1) * largest_layer, largest_edge);
+  add(plan.fixed, fmt::format("gathered weights ({})", format), fsdp > 1 ? gathered : 0.0,
+      fmt::format("max((prefetch {} + 1) x largest layer {:.3g} GB, embedding/head {:.3g} GB); 0 when fsdp = 1",
+                  plan.prefetch, largest_layer / 1e9, largest_edge / 1e9));
   // The vision tower and projector (model.vision) are whole on every rank; a full-trained
   // projector's weights are counted with the adapters instead.
   const int64_t vision_frozen = p.vision_tower + (m.vision.projector_train == "full" ? 0 : p.projector);
@@ -272,18 +333,20 @@ void add_frozen_weights(MemoryPlan& plan, const PlanInputs& in) {
     add(plan.fixed, "vision tower + projector (bf16, whole)", static_cast<double>(vision_frozen) * kBf16,
         fmt::format("{:.3g} frozen weights x 2 B", static_cast<double>(vision_frozen)));
   }
-  const int64_t expert_elements = p.routed_expert_per_layer() / std::max<int64_t>(1, m.moe.num_experts);
-  // MXFP4 experts stay packed on the device: half a byte per weight and one E8M0 byte per 32.
-  const bool mxfp4 = m.moe.expert_format == "mxfp4";
-  const double expert_bytes_per = mxfp4 ? 0.5 + 1.0 / 32 : kBf16;
-  const double expert_bytes = static_cast<double>(plan.local_experts * moe_layers * expert_elements) * expert_bytes_per;
-  add(plan.fixed, mxfp4 ? "routed experts (mxfp4)" : "routed experts (bf16)", expert_bytes,
-      mxfp4 ? fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x (0.5 + 1/32) B (BF16 would be {:.1f} GB)",
-                          plan.local_experts, moe_layers, static_cast<double>(expert_elements),
-                          expert_bytes / expert_bytes_per * kBf16 / 1e9)
-            : fmt::format("{} local experts x {} MoE layers x 3 D F = {:.3g} x 2 B (MXFP4 would be {:.1f} GB)",
-                          plan.local_experts, moe_layers, static_cast<double>(expert_elements),
-                          expert_bytes / kBf16 * (0.5 + 1.0 / 32) / 1e9));
+  add_routed_expert_weights(plan, in);
+  // The CUDA GEMMs on FP8 weights decode each weight to BF16 in the backend's grow-only scratch
+  // first (kernels/cuda/gemm/fp8_decode.h): the largest one stays allocated for the run.
+  const MlaConfig& a = m.mla;
+  const double d = static_cast<double>(m.hidden_size);
+  const double f = static_cast<double>(m.moe.expert_intermediate_size);
+  const double largest_decoded = std::max(
+      {2.0 * static_cast<double>(m.intermediate_size) * d, static_cast<double>(plan.local_experts) * 2 * f * d,
+       2.0 * f * static_cast<double>(m.moe.num_shared_experts) * d, d * static_cast<double>(a.num_heads * a.v_head_dim),
+       static_cast<double>(a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim) * a.q_lora_rank.value_or(0))});
+  if (fp8) {
+    add(plan.fixed, "FP8 decode scratch (bf16)", largest_decoded * kBf16,
+        fmt::format("the largest FP8 weight (or a rank's experts' gate_up) decoded: {:.3g} x 2 B", largest_decoded));
+  }
 }
 
 // Adapters (core/train/optimizer.h): FP32 value and gradient whole on every rank that uses them;
@@ -459,9 +522,11 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
   }
   const double fsdp_frac = static_cast<double>(fsdp - 1) / static_cast<double>(fsdp);
   const double micro = static_cast<double>(plan.micro_batches);
-  add(plan.communication, "FSDP all-gather of frozen weights",
-      micro * 2 * static_cast<double>(plan.params.non_expert()) * kBf16 * fsdp_frac,
-      "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
+  const bool fp8 = m.weight_format == "fp8";
+  add(plan.communication, "FSDP all-gather of frozen weights", micro * 2 * non_expert_weight_bytes(plan, fp8) * fsdp_frac,
+      fp8 ? "grad_accum x (forward + backward re-gather) x non-expert bytes (FP8 1 B + 4 B a block, the rest 2 B) x "
+            "(fsdp-1)/fsdp"
+          : "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
   const double world_frac = (world - 1) / world;
   add(plan.communication, "reduce-scatter of LoRA grads", non_expert_lora * kF32 * world_frac,
       "non-expert LoRA x 4 B x (world-1)/world, once per step");

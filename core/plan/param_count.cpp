@@ -13,6 +13,13 @@
 namespace moetrain {
 namespace {
 
+// The sigmoid output gate's g_proj on MLA and DSA layers: D -> its outputs.
+int64_t attention_gate_outputs(const ModelConfig& m) {
+  if (m.attention_gate == "headwise") return m.mla.num_heads;
+  if (m.attention_gate == "elementwise") return m.mla.num_heads * m.mla.v_head_dim;
+  return 0;
+}
+
 // MLA as core/model/mla_projections.cpp builds it: q (direct, or q_a -> norm -> q_b), kv_a_proj_with_mqa,
 // kv_a norm, kv_b_proj, o_proj.
 int64_t mla_weights(const ModelConfig& m) {
@@ -31,12 +38,6 @@ int64_t mla_weights(const ModelConfig& m) {
   return n;
 }
 
-// The sigmoid output gate's g_proj on MLA and DSA layers: D -> its outputs.
-int64_t attention_gate_outputs(const ModelConfig& m) {
-  if (m.attention_gate == "headwise") return m.mla.num_heads;
-  if (m.attention_gate == "elementwise") return m.mla.num_heads * m.mla.v_head_dim;
-  return 0;
-}
 
 // KDA as core/model/kda.cpp builds it, with H heads of d (c = H d): q/k/v projections (or one
 // qkv_proj) and their depthwise convs [c, W], the forget gate f_a [d, D] f_b [c, d], A_log [H],
@@ -61,6 +62,49 @@ int64_t dsa_indexer_weights(const ModelConfig& m) {
 }
 
 int64_t swiglu_weights(int64_t hidden, int64_t width) { return 3 * hidden * width; }
+
+int64_t blocks_of(int64_t extent) { return (extent + 127) / 128; }
+
+// FP8 matrices of a layer (core/model/fp8_storage.h): elements and 128 x 128 blocks.
+struct Fp8Matrices {
+  int64_t elements = 0, blocks = 0;
+  void add(int64_t rows, int64_t cols, int64_t count = 1) {
+    elements += count * rows * cols;
+    blocks += count * blocks_of(rows) * blocks_of(cols);
+  }
+  // A SwiGLU network [2F, D] + [D, F]; FP8 only when gate over up stacks in whole blocks (as
+  // core/model/fp8_storage.h fp8_stacks decides).
+  void add_swiglu(int64_t hidden, int64_t width, int64_t count = 1) {
+    if (width % 128 != 0) return;
+    add(2 * width, hidden, count);
+    add(hidden, width, count);
+  }
+};
+
+// The MLA / DSA projections weight_format fp8 keeps in FP8 (DSA's kv_b_proj only when its heads'
+// key and value rows start whole blocks, as DsaAttention decides).
+Fp8Matrices fp8_attention(const ModelConfig& m, bool dsa) {
+  const MlaConfig& a = m.mla;
+  const int64_t d = m.hidden_size, qk = a.qk_nope_head_dim + a.qk_rope_head_dim;
+  Fp8Matrices f;
+  if (a.q_lora_rank) {
+    f.add(*a.q_lora_rank, d);
+    f.add(a.num_heads * qk, *a.q_lora_rank);
+  } else {
+    f.add(a.num_heads * qk, d);
+  }
+  f.add(a.kv_lora_rank + a.qk_rope_head_dim, d);
+  if (!dsa || (a.qk_nope_head_dim % 128 == 0 && a.v_head_dim % 128 == 0)) {
+    f.add(a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank);
+  }
+  f.add(d, a.num_heads * a.v_head_dim);
+  if (attention_gate_outputs(m) > 0) f.add(attention_gate_outputs(m), d);
+  if (dsa) {
+    f.add(m.dsa.index_n_heads * m.dsa.index_head_dim, a.q_lora_rank.value_or(0));
+    f.add(m.dsa.index_head_dim, d);
+  }
+  return f;
+}
 
 int64_t lora_pair(int64_t rank, int64_t in, int64_t out) { return rank * (in + out); }
 
@@ -138,14 +182,17 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec) {
     layer.mixer_kind = spec.mixers[i];
     layer.ffn_kind = spec.ffns[i];
     layer.norms = 2 * d + 2 * mix;
+    Fp8Matrices fp8;
     if (layer.mixer_kind == MixerKind::kKda) {
       layer.mixer = kda_weights(m);
     } else {
       layer.mixer = mla_weights(m) + attention_gate_outputs(m) * d;
       if (spec.mixers[i] == MixerKind::kDsa) layer.mixer += dsa_indexer_weights(m);
+      fp8 = fp8_attention(m, spec.mixers[i] == MixerKind::kDsa);
     }
     if (layer.ffn_kind == FfnKind::kDense) {
       layer.dense_ffn = swiglu_weights(d, m.intermediate_size);
+      fp8.add_swiglu(d, m.intermediate_size);
     } else {
       layer.router = moe.num_experts * d + (moe.score_correction_bias ? moe.num_experts : 0);
       layer.dense_ffn = swiglu_weights(d, moe.expert_intermediate_size * moe.num_shared_experts);
@@ -155,7 +202,13 @@ ModelParameterCount count_model_parameters(const ModelSpec& spec) {
       if (latent > 0) layer.dense_ffn += 2 * latent * d + (moe.use_latent_norm ? latent : 0);
       layer.routed_experts =
           moe.num_experts * swiglu_weights(latent > 0 ? latent : d, moe.expert_intermediate_size);
+      if (moe.num_shared_experts > 0) fp8.add_swiglu(d, moe.expert_intermediate_size * moe.num_shared_experts);
+      Fp8Matrices routed;
+      routed.add_swiglu(latent > 0 ? latent : d, moe.expert_intermediate_size, moe.num_experts);
+      layer.fp8_routed_expert_blocks = routed.blocks;
     }
+    layer.fp8_non_expert = fp8.elements;
+    layer.fp8_non_expert_blocks = fp8.blocks;
     count.layers.push_back(layer);
   }
   if (m.vision.enabled) {

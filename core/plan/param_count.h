@@ -21,6 +21,12 @@ struct LayerParameterCount {
   int64_t router = 0;           // router weight + score-correction bias
   int64_t dense_ffn = 0;        // dense MLP (dense layers) or the shared experts (MoE layers)
   int64_t routed_experts = 0;   // all routed experts of the layer (E x 3 x D x F)
+  // What model.weight_format: fp8 keeps in FP8 (core/model/fp8_storage.h; every quantizable
+  // module, whatever a checkpoint's modules_to_not_convert says): of the non-expert weights (part
+  // of mixer and dense_ffn) the elements and their 128 x 128 blocks, and the routed experts' blocks.
+  int64_t fp8_non_expert = 0;
+  int64_t fp8_non_expert_blocks = 0;
+  int64_t fp8_routed_expert_blocks = 0;
   int64_t non_expert() const { return norms + mixer + router + dense_ffn; }
 };
 

@@ -13,6 +13,7 @@
 
 #include "core/base/bf16.h"
 #include "kernels/arg_checks.h"
+#include "kernels/cpu/fp8.h"
 #include "kernels/cpu/mxfp4.h"
 
 namespace moetrain::kernels::cpu {
@@ -101,12 +102,17 @@ void gemm(const GemmArgs& args) {
 }
 
 // Both MoE layouts (see GroupedGemmArgs). Empty groups are normal: kMGrouped has nothing to do
-// for them; kKGrouped sets c[g] = beta * c[g] (zero for beta == 0). An MXFP4 b (b_scale given)
-// is dequantized first (grouped_gemm_mxfp4), which then runs this plain form.
+// for them; kKGrouped sets c[g] = beta * c[g] (zero for beta == 0). An MXFP4 or FP8 b (b_scale
+// U8 or F32) is dequantized first (grouped_gemm_mxfp4, grouped_gemm_fp8), which then runs this
+// plain form.
 template <typename T>
 void grouped_gemm(const GroupedGemmArgs& args) {
   if (given(args.b_scale)) {
-    grouped_gemm_mxfp4<T>(args);
+    if (args.b_scale.dtype == DType::kF32) {
+      grouped_gemm_fp8<T>(args);
+    } else {
+      grouped_gemm_mxfp4<T>(args);
+    }
     return;
   }
   const int32_t* offsets = args.group_offsets.ptr<int32_t>();

@@ -350,6 +350,11 @@ class CudaBackend final : public Backend {
     cuda_ops::gemm(args, blas_, stream_);
   }
 
+  void gemm_fp8(const GemmFp8Args& args) override {
+    check_gemm_fp8(rules_, args);
+    cuda_ops::gemm_fp8(args, blas_, stream_);
+  }
+
   void grouped_gemm(const GroupedGemmArgs& args) override {
     check_grouped_gemm(rules_, args);
     cuda_ops::grouped_gemm(args, blas_, stream_);

@@ -103,9 +103,10 @@ struct GoldenModel {
   std::unique_ptr<Model> model;
   bool kimi_k3 = false;  // adapter keys under the checkpoint's names (golden_k3.h)
 
-  GoldenModel(const std::string& name, bool recompute)
+  GoldenModel(const std::string& name, bool recompute, const std::string& weight_format = "bf16")
       : dir(testing::golden_dir(name)), backend(kernels::make_cuda_backend()) {
-    const ModelSpec spec = fixture_spec(dir);
+    ModelSpec spec = fixture_spec(dir);
+    spec.config.weight_format = weight_format;
     ModelOptions options = fixture_options(dir, spec);
     kimi_k3 = spec.config.model_type == "kimi_k3";
     options.dtype = DType::kBF16;
@@ -184,9 +185,10 @@ double gradient_bound(const std::map<std::string, double>& spread, const std::st
   return std::max(kGradientTolerance, found == spread.end() ? 0.0 : kSpreadFactor * found->second);
 }
 
-void check_against_golden(const std::string& name, bool recompute) {
-  const std::string label = name + (recompute ? " (recompute)" : " (activations kept)");
-  GoldenModel golden_model(name, recompute);
+void check_against_golden(const std::string& name, bool recompute, const std::string& weight_format = "bf16") {
+  const std::string label = name + (recompute ? " (recompute)" : " (activations kept)") + " weight_format " +
+                            weight_format;
+  GoldenModel golden_model(name, recompute, weight_format);
   Model& model = *golden_model.model;
   kernels::Backend& backend = *golden_model.backend;
   SafetensorsFile golden(golden_model.dir + "/golden.safetensors");
@@ -267,6 +269,13 @@ TEST_CASE("cuda golden: both fixtures again with recompute", "[cuda][golden]") {
 TEST_CASE("cuda golden: DeepSeek-V3 and Kimi K2 FP8 checkpoints in bf16", "[cuda][golden][fp8]") {
   check_against_golden("deepseek_v3_fp8", /*recompute=*/false);
   check_against_golden("kimi_k2_fp8", /*recompute=*/true);
+}
+
+// The same checkpoints kept in FP8 (model.weight_format: fp8): the GEMMs decode the codes to the
+// BF16 values the import above rounds them to, so the same bounds hold.
+TEST_CASE("cuda golden: DeepSeek-V3 and Kimi K2 FP8 checkpoints kept in FP8", "[cuda][golden][fp8]") {
+  check_against_golden("deepseek_v3_fp8", /*recompute=*/false, "fp8");
+  check_against_golden("kimi_k2_fp8", /*recompute=*/true, "fp8");
 }
 
 // kimi_linear_bf16 is kimi_linear made for this check (scripts/make_fixtures_kimi_linear.py): every

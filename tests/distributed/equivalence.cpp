@@ -13,11 +13,13 @@
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
 //       [--recompute] [--recompute-layers N] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
-//       [--cp N] [--cp-key-chunk N] [--ffn-chunks N]
+//       [--cp N] [--cp-key-chunk N] [--ffn-chunks N] [--mixer-segments N] [--fp8]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
 // --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config);
 // --mxfp4: the same with the routed experts packed in MXFP4.
+// --fp8: model.weight_format fp8 (MLP and expert widths 128, so every projection and expert is
+// FP8): the FSDP buckets then hold U8 codes and F32 block scales beside the norms.
 // --cp N: context parallelism, every micro-batch (two windows of 16) cut into N shards of
 // contiguous tokens, each cp group of ranks reading one; checked to 1e-10 (one reference, only
 // the order of the sums differs). --cp-key-chunk N: the MLA layers attend the visible keys in chunks
@@ -101,6 +103,7 @@ struct ScheduleFlags {
   int64_t ffn_chunk_tokens = 0;  // the distributed model's ModelOptions::ffn_chunk_tokens
   int64_t cp_key_chunk = 0;      // the distributed model's ModelOptions::cp_key_chunk
   int64_t mixer_segment_tokens = 0;  // its ModelOptions::mixer_segment_tokens (KDA time segments)
+  bool fp8 = false;
 };
 
 ScheduleFlags take_schedule_flags(int& argc, char** argv) {
@@ -129,6 +132,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.ffn_chunk_tokens = std::stoll(argv[++i]);
     } else if (arg == "--mixer-segments" && i + 1 < argc) {
       flags.mixer_segment_tokens = std::stoll(argv[++i]);
+    } else if (arg == "--fp8") {
+      flags.fp8 = true;
     } else if (arg == "--prefetch" && i + 1 < argc) {
       flags.prefetch = std::stoll(argv[++i]);
     } else {
@@ -241,7 +246,8 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
                  "[--recompute-layers N] "
-                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N] [--cp-key-chunk N] [--ffn-chunks N]");
+                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N] [--cp-key-chunk N] [--ffn-chunks N] "
+                 "[--mixer-segments N] [--fp8]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
   MeshShape parallel;
@@ -255,6 +261,11 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   const int cp = flags.cp, micro_batch = cp > 1 ? 2 : 1;
   const bool no_aux = flags.ffn_chunk_tokens > 0;
   Config config = test_config(micro_batch, experts, top_k, flags.k3, flags.mxfp4, cp, no_aux);
+  if (flags.fp8) {
+    config.model.weight_format = "fp8";
+    config.model.intermediate_size = 128;
+    config.model.moe.expert_intermediate_size = 128;
+  }
   ModelSpec spec = resolve_model_spec(config);
   testing::MpiParallelGroups mpi{MeshLayout(world, parallel, spec.config.moe.num_experts)};
   ParallelGroups& groups = mpi.groups;

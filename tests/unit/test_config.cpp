@@ -435,6 +435,7 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
       "  hidden_act: situ",
       "  situ_beta: 3.5",
       "  situ_linear_beta: 25.0",
+      "  weight_format: fp8",
       "  mla:",
       "    num_heads: 6",
       "    q_lora_rank: 48",
@@ -489,8 +490,9 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
   CHECK(reread.model.situ_linear_beta == 25.0);
   CHECK(reread.model.moe.latent_size == 48);
   // Every key was written, so every model key reads back as explicit.
+  CHECK(reread.model.weight_format == "fp8");
   // model, mla, rope_scaling, kda, dsa, moe, vision
-  CHECK(reread.explicit_model_keys.size() == 16 + 8 + 7 + 6 + 4 + 17 + 15);
+  CHECK(reread.explicit_model_keys.size() == 17 + 8 + 7 + 6 + 4 + 17 + 15);
   // same_settings is not always true: one changed value is seen.
   reread.train.beta2 = 0.96;
   CHECK(!same_settings(original, reread));

@@ -3,13 +3,17 @@
 // definition, one F32 scale per 128 x 128 block; the dense MLP is 136 x 72, so its row blocks are
 // 128 + 8 and its column block partial) loads to exactly the hand-dequantized weights; row slices
 // equal slices of the whole and read only their blocks; each malformed checkpoint is exit 4
-// naming the tensor or the config key.
+// naming the tensor or the config key. With model.weight_format: fp8 (widths multiples of 128) the
+// weights keep the checkpoint's own codes and scales, a BF16 checkpoint is quantized per block as
+// the releases quantize, and E5M2 or malformed files are refused naming the tensor.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,6 +22,7 @@
 #include "catch.h"
 #include "core/io/hf_index.h"
 #include "core/model/model.h"
+#include "kernels/fp8_format.h"
 #include "expected_error.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
@@ -155,9 +160,10 @@ struct Fp8Checkpoint {
   std::map<std::string, Quantized> fp8;   // the quantized pieces
 
   // `unquantized`: a module name part whose weights stay unquantized (modules_to_not_convert).
-  explicit Fp8Checkpoint(const fs::path& model_dir, const std::string& unquantized = "") {
+  explicit Fp8Checkpoint(const fs::path& model_dir, const std::string& unquantized = "",
+                         const std::string& config = kConfig) {
     fs::create_directories(model_dir);
-    std::ofstream(model_dir / "config.json") << kConfig;
+    std::ofstream(model_dir / "config.json") << config;
     Model written(spec_of(model_dir), *backend, f64_options());
     written.init_random_weights();
     std::vector<WeightSlot> slots = written.weight_slots();
@@ -231,10 +237,12 @@ struct Fp8Checkpoint {
   }
 };
 
-Error load_error(const fs::path& dir) {
+Error load_error(const fs::path& dir, const std::string& weight_format = "bf16") {
   try {
     auto backend = kernels::make_cpu_backend();
-    Model model(spec_of(dir), *backend, f64_options());
+    ModelSpec spec = spec_of(dir);
+    spec.config.weight_format = weight_format;
+    Model model(spec, *backend, f64_options());
     model.load_weights(HfCheckpoint(dir.string()));
   } catch (const Error& e) {
     return e;
@@ -362,4 +370,141 @@ TEST_CASE("malformed FP8 checkpoints are exit 4 naming the tensor or the config 
   });
   CHECK(contains(message, "tensor '" + kDense + "'"));
   CHECK(contains(message, "is F32 but has FP8 block scales '" + scale + "'"));
+}
+
+namespace {
+
+// kConfig with the MLP widths FP8 storage stacks in whole 128-row blocks (hidden 72 keeps the
+// column blocks partial).
+std::string storage_config() {
+  return with(with(kConfig, R"("intermediate_size": 136)", R"("intermediate_size": 256)"),
+              R"("moe_intermediate_size": 16)", R"("moe_intermediate_size": 128)");
+}
+
+// The model of `dir` with weight_format fp8, loaded.
+std::unique_ptr<Model> load_fp8_model(const fs::path& dir, kernels::Backend& backend) {
+  ModelSpec spec = spec_of(dir);
+  spec.config.weight_format = "fp8";
+  auto model = std::make_unique<Model>(spec, backend, f64_options());
+  model->load_weights(HfCheckpoint(dir.string()));
+  return model;
+}
+
+// The host bytes of a (host) tensor.
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  const auto* p = static_cast<const uint8_t*>(t.data());
+  return std::vector<uint8_t>(p, p + t.nbytes());
+}
+
+}  // namespace
+
+TEST_CASE("weight_format fp8 keeps an FP8 checkpoint's codes and scales", "[import][fp8]") {
+  ScratchDir scratch("fp8_storage");
+  Fp8Checkpoint checkpoint(scratch.path / "written", "", storage_config());
+  const fs::path dir = scratch.path / "fp8";
+  checkpoint.write(dir, storage_config());
+  auto model = load_fp8_model(dir, *checkpoint.backend);
+  std::vector<WeightSlot> slots = model->weight_slots();
+  REQUIRE(slots.size() == checkpoint.expected.size());
+  int64_t fp8_slots = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const WeightSlot& slot = slots[i];
+    INFO(slot.name);
+    // Quantized in the release <=> FP8 in the model: projections and every SwiGLU weight.
+    const bool swiglu = slot.layout != WeightLayout::kPlain;
+    CHECK(slot.fp8() == (swiglu || quantized_in_release(slot.name)));
+    if (!slot.fp8()) continue;
+    ++fp8_slots;
+    const int64_t rows = slot.tensor->size(-2), cols = slot.tensor->size(-1);
+    const int64_t matrices = slot.tensor->numel() / (rows * cols);
+    const int64_t per_scale = slot.scale->numel() / matrices;
+    std::vector<double> values(static_cast<size_t>(slot.tensor->numel()));
+    for (int64_t g = 0; g < matrices; ++g) {
+      kernels::fp8_block_dequantize(values.data() + g * rows * cols,
+                                    static_cast<const uint8_t*>(slot.tensor->data()) + g * rows * cols,
+                                    slot.scale->ptr<float>() + g * per_scale, rows, cols);
+    }
+    const Tensor& expected = checkpoint.expected[i];
+    int64_t differ = 0;
+    for (int64_t e = 0; e < expected.numel(); ++e) differ += values[e] != expected.ptr<double>()[e];
+    CHECK(differ == 0);
+  }
+  CHECK(fp8_slots > 0);
+  // The dense MLP's gate rows are the checkpoint's own codes, its first scale rows its own scales.
+  const auto dense = std::find_if(slots.begin(), slots.end(), [](const WeightSlot& s) {
+    return s.name == "model.layers.0.mlp" && s.layout == WeightLayout::kSwigluGateUp;
+  });
+  REQUIRE(dense != slots.end());
+  const Quantized& gate = checkpoint.fp8.at(kDense);
+  std::vector<uint8_t> codes = bytes_of(*dense->tensor);
+  codes.resize(gate.codes.nbytes());
+  CHECK(codes == bytes_of(gate.codes));
+  CHECK(dense->scale->ptr<float>()[0] == gate.scales.ptr<float>()[0]);
+  CHECK(dense->scale->ptr<float>()[1] == gate.scales.ptr<float>()[1]);
+}
+
+TEST_CASE("weight_format fp8 quantizes a BF16 checkpoint per 128 x 128 block as the releases do", "[import][fp8]") {
+  ScratchDir scratch("fp8_quantize");
+  Fp8Checkpoint checkpoint(scratch.path / "written", "_proj", storage_config());  // nothing quantized
+  REQUIRE(checkpoint.fp8.empty());
+  const fs::path dir = scratch.path / "plain";
+  checkpoint.write(dir, storage_config());
+  auto model = load_fp8_model(dir, *checkpoint.backend);
+  const std::string q_b = "model.layers.1.self_attn.q_b_proj.weight";
+  for (const WeightSlot& slot : model->weight_slots()) {
+    if (slot.name != q_b) continue;
+    REQUIRE(slot.fp8());
+    const auto piece = std::find_if(checkpoint.pieces.begin(), checkpoint.pieces.end(),
+                                    [&](const NamedTensor& p) { return p.name == q_b; });
+    REQUIRE(piece != checkpoint.pieces.end());
+    const Quantized reference = quantize(piece->tensor);  // the brute-force nearest code above
+    CHECK(bytes_of(*slot.tensor) == bytes_of(reference.codes));
+    CHECK(slot.scale->ptr<float>()[0] == reference.scales.ptr<float>()[0]);
+    return;
+  }
+  FAIL("no slot " << q_b);
+}
+
+TEST_CASE("weight_format fp8 refuses E5M2 codes and malformed FP8 tensors, naming them", "[import][fp8]") {
+  ScratchDir scratch("fp8_storage_errors");
+  Fp8Checkpoint checkpoint(scratch.path / "written", "", storage_config());
+  const std::string scale = kDense + "_scale_inv";
+  const fs::path no_scale = scratch.path / "no_scale";
+  checkpoint.write(no_scale, storage_config(), [&](std::string& name, TensorView&) { return name != scale; });
+  Error e = load_error(no_scale, "fp8");
+  CHECK(e.code() == ExitCode::kBadCheckpoint);
+  CHECK(contains(e.what(), "no block scales '" + scale + "'"));
+
+  const fs::path scale_shape = scratch.path / "scale_shape";
+  checkpoint.write(scale_shape, storage_config(), [&](std::string& name, TensorView& t) {
+    if (name == scale) t = t.slice_rows(0, 1);
+    return true;
+  });
+  e = load_error(scale_shape, "fp8");
+  CHECK(e.code() == ExitCode::kBadCheckpoint);
+  CHECK(contains(e.what(), "block scales '" + scale + "'"));
+
+  const fs::path nan_code = scratch.path / "nan_code";
+  const Tensor& gate_codes = checkpoint.fp8.at(kDense).codes;
+  Tensor poisoned(gate_codes.shape(), DType::kU8);
+  std::memcpy(poisoned.data(), gate_codes.data(), gate_codes.nbytes());
+  static_cast<uint8_t*>(poisoned.data())[5] = 0x7F;
+  checkpoint.write(nan_code, storage_config(), [&](std::string& name, TensorView& t) {
+    if (name == kDense) t = poisoned.view();
+    return true;
+  });
+  e = load_error(nan_code, "fp8");
+  CHECK(e.code() == ExitCode::kBadCheckpoint);
+  CHECK(contains(e.what(), "\"" + kDense + "\""));
+  CHECK(contains(e.what(), "NaN code"));
+
+  const fs::path e5m2 = scratch.path / "e5m2";
+  checkpoint.write(e5m2, with(storage_config(), R"("fmt": "e4m3")", R"("fmt": "e5m2")"));
+  std::vector<std::string> codes;
+  for (const auto& [name, q] : checkpoint.fp8) codes.push_back(name);
+  retag((e5m2 / HfCheckpoint::kSingleFileName).string(), codes, "F8_E5M2");
+  e = load_error(e5m2, "fp8");
+  CHECK(e.code() == ExitCode::kBadConfig);
+  CHECK(contains(e.what(), "F8_E5M2"));
+  CHECK(contains(e.what(), "model.weight_format: bf16"));
 }

@@ -652,3 +652,63 @@ TEST_CASE("parallel.offload: the plan keeps four layer inputs on the device") {
   CHECK(offloaded.per_token_recompute[0].bytes == 4 * row);
   CHECK(offloaded.per_token_full[0].bytes == 4 * row);
 }
+
+TEST_CASE("weight_format fp8: the plan counts what the model keeps in FP8, 1 B a weight and 4 B a block") {
+  // hidden 256, MLA (q-LoRA 128, kv-LoRA 128, 2 heads of 64 + 64, v 64), a dense layer of 256,
+  // then a MoE layer of 4 experts of 128 and one shared expert: every matrix in whole or partial
+  // 128-blocks, worked out by hand below.
+  Config config;
+  ModelConfig& m = config.model;
+  m.vocab_size = 64;
+  m.hidden_size = 256;
+  m.num_layers = 2;
+  m.layers = {"mla", "mla"};
+  m.first_k_dense = 1;
+  m.intermediate_size = 256;
+  m.mla.num_heads = 2;
+  m.mla.q_lora_rank = 128;
+  m.mla.kv_lora_rank = 128;
+  m.mla.qk_nope_head_dim = 64;
+  m.mla.qk_rope_head_dim = 64;
+  m.mla.v_head_dim = 64;
+  m.moe.num_experts = 4;
+  m.moe.top_k = 2;
+  m.moe.num_shared_experts = 1;
+  m.moe.expert_intermediate_size = 128;
+  m.weight_format = "fp8";
+  config.lora.targets = {"o_proj"};
+  const ModelSpec spec = resolve_model_spec(config);
+  const ModelParameterCount count = count_model_parameters(spec);
+  REQUIRE(count.layers.size() == 2);
+  // Attention: q_a [128, 256] 2 blocks, q_b [256, 128] 2, kv_a [192, 256] 4, kv_b [256, 128] 2,
+  // o_proj [256, 128] 2: 180224 weights, 12 blocks. Dense MLP: [512, 256] 8 + [256, 256] 4;
+  // shared expert (and each routed one): [256, 256] 4 + [256, 128] 2.
+  CHECK(count.layers[0].fp8_non_expert == 180224 + 196608);
+  CHECK(count.layers[0].fp8_non_expert_blocks == 12 + 12);
+  CHECK(count.layers[1].fp8_non_expert == 180224 + 98304);
+  CHECK(count.layers[1].fp8_non_expert_blocks == 12 + 6);
+  CHECK(count.layers[1].fp8_routed_expert_blocks == 4 * 6);
+
+  // The model holds exactly those: FP8 codes and scales of its FP8 slots.
+  std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend();
+  Model model(spec, *backend, ModelOptions{});
+  int64_t codes = 0, scales = 0, routed_scales = 0;
+  for (const WeightSlot& slot : model.weight_slots()) {
+    if (!slot.fp8()) continue;
+    const bool routed = slot.name.find(".experts") != std::string::npos;
+    (routed ? routed_scales : scales) += slot.scale->numel();
+    if (!routed) codes += slot.tensor->numel();
+  }
+  CHECK(codes == count.layers[0].fp8_non_expert + count.layers[1].fp8_non_expert);
+  CHECK(scales == count.layers[0].fp8_non_expert_blocks + count.layers[1].fp8_non_expert_blocks);
+  CHECK(routed_scales == count.layers[1].fp8_routed_expert_blocks);
+
+  // One rank: the buckets' bytes are the BF16 rest at 2 B, the FP8 weights at 1 B, the blocks at 4 B.
+  PlanOptions options;
+  options.world = 1;
+  const MemoryPlan plan = make_memory_plan(config, options);
+  const double fp8_weights = 376832 + 278528, blocks = 24 + 18;
+  const double bf16_rest = static_cast<double>(count.non_expert()) - fp8_weights;
+  CHECK(item_bytes(plan.fixed, "frozen weight shards (fp8 + bf16)") == bf16_rest * 2 + fp8_weights + blocks * 4);
+  CHECK(item_bytes(plan.fixed, "routed experts (fp8)") == 4.0 * 98304 + 24 * 4);
+}

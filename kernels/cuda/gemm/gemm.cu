@@ -18,6 +18,7 @@
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/element_access.cuh"
+#include "kernels/cuda/gemm/fp8_decode.h"
 #include "kernels/cuda/gemm/grouped_gemm_mxfp4.h"
 
 namespace moetrain::kernels::cuda_ops {
@@ -352,13 +353,15 @@ void run_bf16_gemm(const Bf16Gemm& g, const BlasContext& ctx, cudaStream_t strea
 bool rounds(const TensorView& t) { return t.dtype == DType::kF32 && t.data != nullptr; }
 
 // BF16 device copies of the F32 ones among the operands (the others are passed through), in
-// one scratch reservation: operands[i] becomes pointers[i].
+// one scratch reservation: operands[i] becomes pointers[i]. `leading_bytes` more at the start of
+// the reservation go to the caller through *leading (a decoded FP8 weight).
 template <size_t kCount>
 std::array<const void*, kCount> bf16_operands(const std::array<const TensorView*, kCount>& operands,
-                                              const BlasContext& ctx, cudaStream_t stream) {
+                                              const BlasContext& ctx, cudaStream_t stream,
+                                              size_t leading_bytes = 0, void** leading = nullptr) {
   std::array<const void*, kCount> pointers{};
   std::array<size_t, kCount> offsets{};
-  size_t bytes = 0;
+  size_t bytes = DeviceScratch::round_up(leading_bytes);
   for (size_t i = 0; i < kCount; ++i) {
     pointers[i] = operands[i]->data;
     offsets[i] = bytes;
@@ -366,6 +369,7 @@ std::array<const void*, kCount> bf16_operands(const std::array<const TensorView*
   }
   if (bytes == 0) return pointers;
   char* base = static_cast<char*>(ctx.scratch->reserve(bytes));
+  if (leading != nullptr) *leading = base;
   for (size_t i = 0; i < kCount; ++i) {
     const TensorView& t = *operands[i];
     if (!rounds(t)) continue;
@@ -410,6 +414,30 @@ void gemm(const GemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
   run_bf16_gemm(g, ctx, stream);
 }
 
+void gemm_fp8(const GemmFp8Args& args, const BlasContext& ctx, cudaStream_t stream) {
+  const GemmArgs& p = args.product;
+  if (p.c.size(0) == 0 || p.c.size(1) == 0) return;
+  // The weight decoded into the scratch reservation that also holds a BF16 copy of an F32 a.
+  void* decoded = nullptr;
+  const size_t decoded_bytes = static_cast<size_t>(p.b.numel()) * 2;
+  const auto in = bf16_operands<1>({&p.a}, ctx, stream, decoded_bytes, &decoded);
+  launch_fp8_decode_bf16(decoded, p.b.data, static_cast<const float*>(args.b_scale.data), 1, p.b.size(0),
+                         p.b.size(1), stream);
+  Bf16Gemm g;
+  g.m = p.c.size(0);
+  g.n = p.c.size(1);
+  g.k = p.transpose_a ? p.a.size(0) : p.a.size(1);
+  g.c = p.c.data;
+  g.c_dtype = p.c.dtype;
+  g.transpose_a = p.transpose_a;
+  g.transpose_b = p.transpose_b;
+  g.alpha = static_cast<float>(p.alpha);
+  g.beta = static_cast<float>(p.beta);
+  g.a = in[0];
+  g.b = decoded;
+  run_bf16_gemm(g, ctx, stream);
+}
+
 namespace {
 
 GroupedGemmProblem grouped_problem(const GroupedGemmArgs& args) {
@@ -442,7 +470,23 @@ GroupedGemmProblem grouped_problem(const GroupedGemmArgs& args) {
 
 }  // namespace
 
+// An FP8 b (b_scale F32): decoded to BF16 in scratch, then the BF16 grouped GEMM.
+void grouped_gemm_fp8(const GroupedGemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
+  GroupedGemmProblem p = grouped_problem(args);
+  void* decoded = nullptr;
+  const auto in = bf16_operands<1>({&args.a}, ctx, stream, static_cast<size_t>(args.b.numel()) * 2, &decoded);
+  launch_fp8_decode_bf16(decoded, args.b.data, static_cast<const float*>(args.b_scale.data), args.b.size(0),
+                         args.b.size(1), args.b.size(2), stream);
+  p.a = in[0];
+  p.b = decoded;
+  launch_grouped_gemm(p, stream);
+}
+
 void grouped_gemm(const GroupedGemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
+  if (args.b_scale.data != nullptr && args.b_scale.dtype == DType::kF32) {
+    grouped_gemm_fp8(args, ctx, stream);
+    return;
+  }
   GroupedGemmProblem p = grouped_problem(args);
   // An MXFP4 b (U8) passes through; absent a2 / b2 (no data, F32 by default) round nothing.
   const auto in = bf16_operands<4>({&args.a, &args.b, &args.a2, &args.b2}, ctx, stream);
@@ -467,6 +511,10 @@ GroupedGemmPath grouped_gemm_path(const GroupedGemmArgs& args) {
   if (args.b.dtype == DType::kF32) p.b = scratch_aligned;
   if (p.k2 > 0 && args.a2.dtype == DType::kF32) p.a2 = scratch_aligned;
   if (p.k2 > 0 && args.b2.dtype == DType::kF32) p.b2 = scratch_aligned;
+  if (args.b_scale.data != nullptr && args.b_scale.dtype == DType::kF32) {
+    p.b = scratch_aligned;  // decoded to BF16 in scratch first
+    return grouped_gemm_path(p);
+  }
   if (args.b_scale.data != nullptr) return grouped_gemm_mxfp4_path(p, args.b_scale.data);
   return grouped_gemm_path(p);
 }

@@ -53,8 +53,11 @@ struct BlasContext {
 // F32 accumulation; c is not read when beta == 0.
 void gemm(const GemmArgs& args, const BlasContext& blas, cudaStream_t stream);
 
+// gemm with an FP8 b (ops.h GemmFp8Args): b decoded to BF16 in scratch (fp8_decode.h), then gemm.
+void gemm_fp8(const GemmFp8Args& args, const BlasContext& blas, cudaStream_t stream);
+
 // The grouped GEMM of ops.h in one launch (grouped_gemm.h), group offsets read on the device;
-// F32 a or b rounded to BF16 into scratch first.
+// F32 a or b rounded to BF16 into scratch first, an FP8 b (b_scale F32) decoded to BF16 there.
 void grouped_gemm(const GroupedGemmArgs& args, const BlasContext& blas, cudaStream_t stream);
 
 // The kernel grouped_gemm runs for these arguments (tests and the benchmark report it).
