@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "core/base/tensor.h"
 #include "core/data/context_shards.h"
@@ -20,6 +21,10 @@ struct BatchTensors {
   Tensor cu_seqlens;  // [segments + 1]
   int64_t num_tokens = 0;
   int64_t seq_len = 0;  // window length (segments never span windows)
+  // Where the pass's micro-batches start and end in its rows ([micro-batches + 1] prefix sums):
+  // {0, num_tokens} for one micro-batch, more for an expert window (Model, train.expert_window),
+  // whose per-micro-batch parts (router noise, aux loss, loss sums) follow these bounds.
+  std::vector<int64_t> micro_batch_rows;
   // Context parallelism (Batch::context): this rank holds shard context_group->rank() of the
   // micro-batch cut as `context`; cu_seqlens are its own segments, positions the micro-batch's.
   std::optional<ContextShards> context;
