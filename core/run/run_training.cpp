@@ -121,14 +121,15 @@ int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::B
                              "and optimizer state, {:.1f} GB of activations for {} tokens) and its {} has {:.1f} GB "
                              "({:.1f} GB usable). `moetrain plan --config {} --world N` shows the per-rank split and "
                              "the tokens that fit: use more ranks (parallel.fsdp / parallel.ep), parallel.recompute, "
-                             "or a shorter data.seq_len / data.micro_batch",
+                             "a smaller train.expert_window, or a shorter data.seq_len / data.micro_batch",
                              runtime.rank(), needed / 1e9, plan.fixed_bytes() / 1e9, (needed - plan.fixed_bytes()) / 1e9,
-                             plan.tokens_per_micro_batch, on_cpu ? "host" : "GPU", available / 1e9,
+                             plan.tokens_per_pass(), on_cpu ? "host" : "GPU", available / 1e9,
                              plan.usable_bytes / 1e9, config.source_path.empty() ? "FILE" : config.source_path));
   if (plan.ffn_chunk_auto && runtime.is_root()) {
     log::info(fmt::format("the feed-forwards run in token chunks of {} (parallel.ffn_chunk_tokens: the whole "
-                          "micro-batch of {} tokens would not fit)",
-                          plan.ffn_chunk_tokens, plan.tokens_per_micro_batch));
+                          "{} of {} tokens would not fit)",
+                          plan.ffn_chunk_tokens, plan.expert_window > 1 ? "expert window" : "micro-batch",
+                          plan.tokens_per_pass()));
   }
   return plan.ffn_chunk_tokens;
 }
