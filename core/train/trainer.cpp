@@ -173,7 +173,8 @@ void Trainer::read_results(std::vector<PendingStep>& results, StepRecord& record
       std::vector<int64_t>& sum = expert_rows[layer];
       const std::vector<int64_t>& rows = result.expert_rows[layer];
       if (sum.empty()) sum.assign(rows.size(), 0);
-      for (size_t e = 0; e < rows.size() && e < sum.size(); ++e) sum[e] += rows[e];
+      MOETRAIN_ASSERT(sum.size() == rows.size(), "passes report expert rows for different numbers of experts");
+      for (size_t e = 0; e < rows.size(); ++e) sum[e] += rows[e];
     }
     expert_calls += result.expert_gemm_calls;
   }
