@@ -51,9 +51,9 @@ std::string format_plan(const MemoryPlan& plan) {
                                  : "",
                      plan.micro_batches, plan.recompute ? on : "off");
   if (plan.expert_window > 1) {
-    out += fmt::format("expert window: {} micro-batches per pass (train.expert_window), {} passes per step: the "
+    out += fmt::format("expert window: {} micro-batches per pass (train.expert_window), {} pass(es) per step: the "
                        "activations below are for the pass's {} tokens; each MoE layer's grouped GEMM takes their "
-                       "rows at once, and FSDP gathers each layer {} times per step instead of {}\n\n",
+                       "rows at once, and FSDP gathers each layer {} time(s) per step instead of {}\n\n",
                        plan.expert_window, plan.passes_per_step(), plan.tokens_per_pass(), plan.passes_per_step(),
                        plan.micro_batches);
   }
@@ -100,9 +100,10 @@ std::string format_plan(const MemoryPlan& plan) {
   }
   if (plan.ffn_chunk_tokens > 0) {
     out += fmt::format("  feed-forwards in token chunks of {} ({})\n", plan.ffn_chunk_tokens,
-                       plan.ffn_chunk_auto ? "chosen: the whole micro-batch does not fit; parallel.ffn_chunk_tokens "
-                                             "sets it"
-                                           : "parallel.ffn_chunk_tokens");
+                       plan.ffn_chunk_auto ? fmt::format("chosen: the whole {} does not fit; parallel.ffn_chunk_tokens "
+                                                         "sets it",
+                                                         plan.expert_window > 1 ? "expert window" : "micro-batch")
+                                           : std::string("parallel.ffn_chunk_tokens"));
   }
   out += fmt::format("verdict (recompute {} as configured): {}\n", plan.recompute ? on : "off",
                      plan.fits() ? "fits" : "does not fit");
