@@ -93,7 +93,6 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
     config.data.grad_accum = std::max(config.data.grad_accum, bench.expert_window);
   }
   validate_for_world(config, 1);
-  const int64_t window = config.train.expert_window;
   ModelSpec spec = resolve_model_spec(config);
   auto cuda_backend = kernels::make_cuda_backend();
   // Declared before the model, which allocates through it: it must outlive the model's tensors.
@@ -105,7 +104,10 @@ int bench_step(Runtime& runtime, const StepBenchOptions& bench) {
   // The feed-forward token chunk as the trainer chooses it for this GPU and window (run_training.cpp).
   PlanOptions plan_options;
   plan_options.gpu_bytes = static_cast<double>(cuda_backend->stats().device_total_bytes);
-  options.ffn_chunk_tokens = make_memory_plan(config, plan_options).ffn_chunk_tokens;
+  const MemoryPlan plan = make_memory_plan(config, plan_options);
+  options.ffn_chunk_tokens = plan.ffn_chunk_tokens;
+  const int64_t window = plan.expert_window;  // train.expert_window 0: the plan's choice
+  if (plan.expert_window_auto) log::info(fmt::format("expert windows of {} (the plan's choice)", window));
   log::info(options.ffn_chunk_tokens > 0
                 ? fmt::format("feed-forwards in token chunks of {}", options.ffn_chunk_tokens)
                 : std::string("feed-forwards over the whole micro-batch"));

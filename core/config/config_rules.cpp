@@ -540,7 +540,7 @@ void check_train(const Config& c, Rules& r) {
            "dataset prefix) or `data.eval.holdout` (a fraction of the training documents), or drop train.eval_every");
   }
   r.one_of("train.device", t.device, kDevices);
-  r.positive("train.expert_window", t.expert_window);
+  r.at_least<int64_t>("train.expert_window", t.expert_window, 0);
   if (t.expert_window > c.data.grad_accum) {
     r.fail({"train.expert_window", "data.grad_accum"},
            "`train.expert_window` = " + show(t.expert_window) + " is more than the step's `data.grad_accum` = " +

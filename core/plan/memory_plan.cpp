@@ -450,6 +450,15 @@ int64_t smallest_ffn_chunk(const ModelConfig& m, int64_t ep) {
 }  // namespace
 
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
+  if (config.train.expert_window == 0) {
+    Config trial = config;
+    for (int64_t window = config.parallel.cp > 1 ? 1 : config.data.grad_accum; window >= 1; --window) {
+      trial.train.expert_window = window;
+      MemoryPlan plan = make_memory_plan(trial, options);
+      plan.expert_window_auto = true;
+      if (window == 1 || (plan.fits() && !plan.ffn_chunk_auto)) return plan;
+    }
+  }
   // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
   const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
   const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep, config.parallel.cp}, spec.config.moe.num_experts,

@@ -49,6 +49,7 @@ struct MemoryPlan {
   // train.expert_window: micro-batches that run as one pass, so the activations are sized for
   // tokens_per_pass(); the FSDP gathers happen once per pass.
   int64_t expert_window = 1;
+  bool expert_window_auto = false;  // train.expert_window 0: the plan chose it
   int64_t tokens_per_pass() const { return tokens_per_micro_batch * expert_window; }
   int64_t passes_per_step() const { return (micro_batches + expert_window - 1) / expert_window; }
   int64_t local_experts = 0;
@@ -79,7 +80,10 @@ struct MemoryPlan {
   bool fits() const { return peak_bytes(recompute) <= usable_bytes; }
 };
 
-// Throws Error(kBadConfig) when the config does not fit the world (mesh rules).
+// Throws Error(kBadConfig) when the config does not fit the world (mesh rules). With
+// train.expert_window 0 the plan chooses the window: the widest of data.grad_accum micro-batches
+// whose pass fits with its feed-forwards whole (a chunked one would split the grouped GEMMs
+// again), else 1; always 1 under context parallelism.
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options);
 
 std::string format_plan(const MemoryPlan& plan);       // a readable table

@@ -50,6 +50,11 @@ std::string format_plan(const MemoryPlan& plan) {
                                                plan.tokens_per_micro_batch * plan.cp)
                                  : "",
                      plan.micro_batches, plan.recompute ? on : "off");
+  if (plan.expert_window_auto) {
+    out += fmt::format("expert window chosen: {} micro-batch(es) per pass, the widest of the step's {} that fits with "
+                       "whole feed-forwards (train.expert_window sets it)\n",
+                       plan.expert_window, plan.micro_batches);
+  }
   if (plan.expert_window > 1) {
     out += fmt::format("expert window: {} micro-batches per pass (train.expert_window), {} pass(es) per step: the "
                        "activations below are for the pass's {} tokens; each MoE layer's grouped GEMM takes their "
@@ -122,6 +127,7 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["tokens_per_micro_batch"] = plan.tokens_per_micro_batch;
   j["micro_batches"] = plan.micro_batches;
   j["expert_window"] = plan.expert_window;
+  j["expert_window_auto"] = plan.expert_window_auto;
   j["tokens_per_pass"] = plan.tokens_per_pass();
   j["recompute"] = plan.recompute;
   j["recompute_layers"] = plan.recompute_layers;  // of the recompute column

@@ -98,9 +98,16 @@ void log_per_rank(const Runtime& runtime, const std::vector<double>& mine,
 // (not an out-of-memory deep inside the build): what it needs by `moetrain plan`'s count, what
 // there is, and where to look for a split that fits. The plan counts BF16 weights and
 // activations; the CPU backend holds F32, so on the CPU the check is a lower bound.
-// Returns the feed-forward token chunk the plan chose for this memory (parallel.ffn_chunk_tokens
-// 0: the whole micro-batch when it fits; 0 returned then).
-int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend, const Runtime& runtime) {
+// Returns the pass the plan chose for this memory: the feed-forward token chunk
+// (parallel.ffn_chunk_tokens 0: the whole pass when it fits; 0 returned then) and the expert
+// window (train.expert_window 0: the widest that fits).
+struct PassShape {
+  int64_t ffn_chunk_tokens = 0;
+  int64_t expert_window = 1;
+};
+
+PassShape check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend,
+                           const Runtime& runtime) {
   // The sizes' upper limits are config rules (core/config/config_rules.cpp), which
   // resolve_model_spec checked, so the plan's integer counts below cannot overflow.
   const bool on_cpu = backend.device() == Device::kCPU;
@@ -110,7 +117,7 @@ int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::B
   } else {
     available = static_cast<double>(backend.stats().device_total_bytes);
   }
-  if (!(available > 0)) return config.parallel.ffn_chunk_tokens;
+  if (!(available > 0)) return {config.parallel.ffn_chunk_tokens, std::max<int64_t>(1, config.train.expert_window)};
   PlanOptions plan_options;
   plan_options.world = runtime.world();
   plan_options.gpu_bytes = available;
@@ -131,7 +138,12 @@ int64_t check_model_fits(const Config& config, const ModelSpec& spec, kernels::B
                           plan.ffn_chunk_tokens, plan.expert_window > 1 ? "expert window" : "micro-batch",
                           plan.tokens_per_pass()));
   }
-  return plan.ffn_chunk_tokens;
+  if (plan.expert_window_auto && runtime.is_root()) {
+    log::info(fmt::format("expert windows of {} micro-batch(es) (train.expert_window 0: the widest of the step's {} "
+                          "whose pass fits with whole feed-forwards)",
+                          plan.expert_window, plan.micro_batches));
+  }
+  return {plan.ffn_chunk_tokens, plan.expert_window};
 }
 
 // RunDirectory on rank 0 (core/checkpoint/run_directory.h); its verdict reaches every rank, so
@@ -408,9 +420,11 @@ int run_training(Runtime& runtime, const Config& config) {
   check_context_parallel(config, spec);
   RankMesh mesh(runtime, config, spec, *backend);
   ModelOptions options = run_model_options(config, *backend, runtime, mesh);
-  // Rank 0's chunk for every rank: each chunk's expert exchange pairs up only if all run as many.
-  const int64_t ffn_chunk_tokens = check_model_fits(config, spec, *backend, runtime);
-  options.ffn_chunk_tokens = std::stoll(group->broadcast_from_root(std::to_string(ffn_chunk_tokens)));
+  // Rank 0's chunk and window for every rank: each pass's expert exchanges pair up only if all run
+  // as many passes and chunks.
+  const PassShape pass = check_model_fits(config, spec, *backend, runtime);
+  options.ffn_chunk_tokens = std::stoll(group->broadcast_from_root(std::to_string(pass.ffn_chunk_tokens)));
+  const int64_t expert_window = std::stoll(group->broadcast_from_root(std::to_string(pass.expert_window)));
   Model model(spec, *backend, options);
   load_weights(model, spec, config, runtime);
 
@@ -425,8 +439,9 @@ int run_training(Runtime& runtime, const Config& config) {
     metrics = std::make_unique<MetricsWriter>(config.logging.run_dir);
   }
   std::unique_ptr<EvalData> eval = make_eval_data(config.data, spec.config.vocab_size);
-  Trainer trainer(make_trainer_options(config, spec, *backend, *data, eval.get(), runtime), model,
-                  [&data, place] { return place.shard_of(data->next()); }, metrics.get());
+  TrainerOptions trainer_options = make_trainer_options(config, spec, *backend, *data, eval.get(), runtime);
+  trainer_options.train.expert_window = expert_window;
+  Trainer trainer(trainer_options, model, [&data, place] { return place.shard_of(data->next()); }, metrics.get());
 
   // Resume, then train: checkpoints and signals are handled after every step.
   DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); },

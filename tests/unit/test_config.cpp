@@ -342,7 +342,7 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
       {{"parallel.ffn_chunk_tokens=4096", "model.moe.aux_loss_coef=0.01"},
        {"`parallel.ffn_chunk_tokens` = 4096 cannot run with `model.moe.aux_loss_coef` = 0.01", "set one of them to 0"}},
       {{"train.beta2=1.0"}, {"`train.beta2` = 1.0 must be in [0.0, 1.0)"}},
-      {{"train.expert_window=0"}, {"`train.expert_window` = 0 must be > 0"}},
+      {{"train.expert_window=-1"}, {"`train.expert_window` = -1 must be >= 0"}},
       {{"data.grad_accum=2", "train.expert_window=3"},
        {"`train.expert_window` = 3 is more than the step's `data.grad_accum` = 2", "lower the window"}},
       {{"data.grad_accum=2", "train.expert_window=2", "parallel.cp=2"},

@@ -546,6 +546,12 @@ TEST_CASE("expert windows: activations for the window's tokens, FSDP gathers onc
   CHECK(make_memory_plan(config, tight).fits());
   config.train.expert_window = 4;  // whole it does not fit: the plan chunks the feed-forwards
   CHECK(make_memory_plan(config, tight).ffn_chunk_auto);
+  config.train.expert_window = 0;  // the plan's choice: the widest with whole feed-forwards
+  const MemoryPlan chosen = make_memory_plan(config, tight);
+  CHECK(chosen.expert_window_auto);
+  CHECK(chosen.expert_window == 3);
+  CHECK_FALSE(chosen.ffn_chunk_auto);
+  config.train.expert_window = 4;
   config.model.moe.aux_loss_coef = 0.01;  // which the aux loss forbids
   CHECK_FALSE(make_memory_plan(config, tight).fits());
   tight.gpu_bytes = 1e15;  // never more than the step's micro-batches
