@@ -23,6 +23,7 @@ struct StepBenchOptions {
   std::vector<std::string> overrides;  // --set key.path=value
   int steps = 5;                       // timed, after 2 warm-up steps
   bool op_times = false;               // then one more step, timed op by op
+  int64_t expert_window = 0;           // > 0: train.expert_window (data.grad_accum raised to it)
 };
 
 int bench_ops(const OpsBenchOptions& options);

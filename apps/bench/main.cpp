@@ -9,7 +9,7 @@
 // Inputs are random (never zeros: zeros make matrix units run faster than real data).
 //
 //   moetrain-bench ops [--reps N] [--only gemm,experts,grouped,attention,kda,dsa,memory,fp8]
-//   moetrain-bench step --config FILE [--set k=v]... [--steps N] [--op-times]
+//   moetrain-bench step --config FILE [--set k=v]... [--steps N] [--op-times] [--expert-window N]
 //   mpirun -np 2 moetrain-bench ep [--mib 256] [--reps N]
 //
 // This file parses the command line and calls the subcommand (apps/bench/bench.h).
@@ -39,7 +39,9 @@ int run(Runtime& runtime, int argc, char** argv) {
       cxxopts::value<double>()->default_value("500"))(
       "only", "`ops`: these groups only (comma-separated: gemm, experts, grouped, attention, kda, dsa, memory, fp8)",
       cxxopts::value<std::string>()->default_value(""))(
-      "op-times", "`step`: after the timed steps, time one more step op by op")("h,help", "print this usage");
+      "op-times", "`step`: after the timed steps, time one more step op by op")(
+      "expert-window", "`step`: run this many micro-batches as one pass (train.expert_window)",
+      cxxopts::value<int64_t>()->default_value("0"))("h,help", "print this usage");
   options.parse_positional({"mode"});
   options.positional_help("ops | step | ep");
   cxxopts::ParseResult result;
@@ -63,6 +65,8 @@ int run(Runtime& runtime, int argc, char** argv) {
     bench.steps = result["steps"].as<int>();
     MOETRAIN_CHECK(bench.steps >= 1, ExitCode::kBadConfig, "moetrain-bench step needs --steps 1 or more");
     bench.op_times = result.count("op-times") > 0;
+    bench.expert_window = result["expert-window"].as<int64_t>();
+    MOETRAIN_CHECK(bench.expert_window >= 0, ExitCode::kBadConfig, "moetrain-bench step needs --expert-window 1 or more");
     return bench_step(runtime, bench);
   }
   if (mode == "ep") return bench_ep(runtime, result["mib"].as<int>(), result["reps"].as<int>());

@@ -261,6 +261,11 @@ struct TrainConfig {
   int64_t seed = 1234;
   std::string device = "auto";           // auto | cpu | cuda
   int64_t eval_every = 0;                // evaluate data.eval every N steps (0: only at the end)
+  // Micro-batches of a step run together as one pass (1: one at a time), so that each MoE
+  // layer's grouped GEMM takes the routed rows of all of them (core/train/trainer.h); at most
+  // data.grad_accum. The activations of the whole window are alive at once (`moetrain plan`);
+  // 0: the plan's choice, the widest window whose pass fits the device with whole feed-forwards.
+  int64_t expert_window = 1;
 };
 
 struct CheckpointConfig {

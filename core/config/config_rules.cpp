@@ -604,6 +604,17 @@ void check_train(const Config& c, Rules& r) {
            "dataset prefix) or `data.eval.holdout` (a fraction of the training documents), or drop train.eval_every");
   }
   r.one_of("train.device", t.device, kDevices);
+  r.at_least<int64_t>("train.expert_window", t.expert_window, 0);
+  if (t.expert_window > c.data.grad_accum) {
+    r.fail({"train.expert_window", "data.grad_accum"},
+           "`train.expert_window` = " + show(t.expert_window) + " is more than the step's `data.grad_accum` = " +
+               show(c.data.grad_accum) + " micro-batches: lower the window or raise grad_accum");
+  }
+  if (t.expert_window > 1 && c.parallel.cp > 1) {
+    r.fail({"train.expert_window", "parallel.cp"},
+           "`train.expert_window` = " + show(t.expert_window) + " cannot run with `parallel.cp` = " +
+               show(c.parallel.cp) + ": a context-parallel shard's cut is its own micro-batch's; set one of them to 1");
+  }
 }
 
 void check_checkpoint(const Config& c, Rules& r) {

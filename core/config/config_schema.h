@@ -197,6 +197,7 @@ void visit_fields(V& v, TrainConfig& c) {
   v.field("seed", c.seed);
   v.field("device", c.device);
   v.field("eval_every", c.eval_every);
+  v.field("expert_window", c.expert_window);
 }
 
 template <class V>

@@ -9,6 +9,8 @@
 #include <optional>
 #include <vector>
 
+#include "core/base/error.h"
+
 #include "core/data/context_shards.h"
 
 namespace moetrain {
@@ -55,6 +57,28 @@ struct Batch {
   // micro-batch's.
   std::optional<ContextShards> context;
   int context_rank = 0;
+
+  // The micro-batches of an expert window (train.expert_window) as one packed pass: their tokens
+  // end to end in order, every segment kept (so mixers, positions and labels are as they were),
+  // batch_size their windows together. Context-parallel shards cannot be joined (the config
+  // rules refuse the pair); every part must have the same seq_len.
+  static Batch concatenated(const std::vector<const Batch*>& parts) {
+    MOETRAIN_ASSERT(!parts.empty(), "no micro-batch to concatenate");
+    Batch joined;
+    joined.seq_len = parts.front()->seq_len;
+    joined.cu_seqlens.push_back(0);
+    for (const Batch* part : parts) {
+      MOETRAIN_ASSERT(!part->context && part->seq_len == joined.seq_len,
+                      "only whole micro-batches of one seq_len are concatenated");
+      joined.batch_size += part->batch_size;
+      joined.input_ids.insert(joined.input_ids.end(), part->input_ids.begin(), part->input_ids.end());
+      joined.labels.insert(joined.labels.end(), part->labels.begin(), part->labels.end());
+      joined.positions.insert(joined.positions.end(), part->positions.begin(), part->positions.end());
+      const int32_t base = joined.cu_seqlens.back();
+      for (size_t s = 1; s < part->cu_seqlens.size(); ++s) joined.cu_seqlens.push_back(base + part->cu_seqlens[s]);
+    }
+    return joined;
+  }
 
   int64_t num_tokens() const { return context ? context->tokens(context_rank) : batch_size * seq_len; }
   int64_t num_targets() const {

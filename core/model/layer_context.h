@@ -29,6 +29,10 @@ struct BatchTensors {
   std::vector<int32_t> image_grids;
   Tensor image_rows;
   Tensor merge_index;
+  // Where the pass's micro-batches start and end in its rows ([micro-batches + 1] prefix sums):
+  // {0, num_tokens} for one micro-batch, more for an expert window (Model, train.expert_window),
+  // whose per-micro-batch parts (router noise, aux loss, loss sums) follow these bounds.
+  std::vector<int64_t> micro_batch_rows;
   // Context parallelism (Batch::context): this rank holds shard context_group->rank() of the
   // micro-batch cut as `context`; cu_seqlens are its own segments, positions the micro-batch's.
   std::optional<ContextShards> context;

@@ -478,10 +478,16 @@ int64_t Model::ffn_chunks(const LayerContext& ctx) const {
   return most > 0 && tokens > most ? (tokens + most - 1) / most : 1;
 }
 
-void Model::start_ffn_rows(size_t index, int64_t first_row) {
-  if (auto* moe = routed_moe(layers_[index].ffn.get())) {
-    moe->start_rows(options_.seed ^ (forward_count_ * 1000003ull + index), first_row);
+void Model::start_ffn_rows(const LayerContext& ctx, size_t index, int64_t first_row) {
+  auto* moe = routed_moe(layers_[index].ffn.get());
+  if (moe == nullptr) return;
+  // Micro-batch j of the pass draws the stream forward j of the step would alone.
+  const std::vector<int64_t>& bounds = ctx.batch.micro_batch_rows;
+  std::vector<NoiseStream> noise;
+  for (size_t j = 0; j + 1 < bounds.size(); ++j) {
+    noise.push_back({options_.seed ^ ((forward_count_ + j) * 1000003ull + index), bounds[j + 1] - bounds[j]});
   }
+  moe->start_rows(std::move(noise), first_row);
 }
 
 void Model::ffn_forward(const LayerContext& ctx, size_t index, const TensorView& out, int64_t chunks) {
@@ -490,7 +496,7 @@ void Model::ffn_forward(const LayerContext& ctx, size_t index, const TensorView&
   const int64_t n = out.size(0);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * n / chunks, end = (c + 1) * n / chunks;
-    start_ffn_rows(index, begin);
+    start_ffn_rows(ctx, index, begin);
     const TensorView rows = out.slice_rows(begin, end);
     ffn.forward(ctx, rows, s.normed_mid.view().slice_rows(begin, end));
     backend_.axpby(rows, s.hidden.view().slice_rows(begin, end), 1.0, 1.0);
@@ -510,7 +516,7 @@ void Model::ffn_backward(const LayerContext& ctx, size_t index, const TensorView
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * n / chunks, end = (c + 1) * n / chunks;
     const TensorView x = s.normed_mid.view().slice_rows(begin, end);
-    start_ffn_rows(index, begin);
+    start_ffn_rows(ctx, index, begin);
     {
       Tensor unused = ctx.alloc({end - begin, d});
       ffn.forward(ctx, unused, x);
@@ -595,9 +601,13 @@ StepResult Model::forward_backward(const Batch& batch, double grad_scale) {
 }
 
 PendingStep Model::forward_backward_async(const Batch& batch, double grad_scale) {
+  return forward_backward_window_async({&batch}, grad_scale);
+}
+
+PendingStep Model::forward_backward_window_async(const std::vector<const Batch*>& window, double grad_scale) {
   std::string where = "the batch upload";
   try {
-    return run_step(batch, grad_scale, where);
+    return run_step(window, grad_scale, where);
   } catch (const Error& error) {
     throw Error(error.code(), where + ": " + error.what());
   }
@@ -609,15 +619,22 @@ void Model::hold_parameters(bool hold) {
   }
 }
 
-PendingStep Model::run_step(const Batch& batch, double grad_scale, std::string& where) {
+PendingStep Model::run_step(const std::vector<const Batch*>& window, double grad_scale, std::string& where) {
+  MOETRAIN_ASSERT(!window.empty(), "an empty expert window");
+  // One micro-batch runs as it is; a window as the packed concatenation of its micro-batches,
+  // whose windows stay separate segments, so every mixer, position and label is as it was.
+  const Batch joined = window.size() > 1 ? Batch::concatenated(window) : Batch();
+  const Batch& batch = window.size() > 1 ? joined : *window.front();
   BatchTensors bt = upload(batch);
+  bt.micro_batch_rows = {0};
+  for (const Batch* part : window) bt.micro_batch_rows.push_back(bt.micro_batch_rows.back() + part->num_tokens());
   LayerContext ctx = context(bt);
   Forward fwd = forward(ctx, ForwardMode::kForBackward, where);
   Tensor dfinal = ctx.alloc({bt.num_tokens, spec_.config.hidden_size});
   const TensorView dfinal_view = dfinal;
   Tensor losses = head_loss(ctx, fwd.final_hidden, &dfinal_view, grad_scale);
   backward(ctx, fwd, dfinal, where);
-  ++forward_count_;
+  forward_count_ += window.size();
   // The loss and the statistics go to the host in one copy, after the whole micro-batch is queued
   // (a recomputed forward routes exactly as the first did, so its statistics are the same).
   where = "the loss and statistics read-back";

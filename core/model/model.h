@@ -117,6 +117,11 @@ class Model final : public TrainableModel {
   // statistics stay on the device until the result is asked for (one copy into pinned memory
   // per micro-batch, behind an event).
   PendingStep forward_backward_async(const Batch& batch, double grad_scale) override;
+  // The window's micro-batches as one packed pass (their concatenation: Batch::concatenated), so
+  // each MoE layer's grouped GEMM, each FSDP gather and each expert-parallel exchange serves all
+  // of them at once. Per-micro-batch parts stay per micro-batch: the router noise streams
+  // (forward_count() advances by the window's size), the aux loss and the loss sums.
+  PendingStep forward_backward_window_async(const std::vector<const Batch*>& window, double grad_scale) override;
   // Held, the experts' packed adapters (SwigluExperts::hold_packed_lora) are made once.
   void hold_parameters(bool hold) override;
   kernels::Backend& backend() override { return backend_; }
@@ -209,7 +214,7 @@ class Model final : public TrainableModel {
   void ffn_backward(const LayerContext& ctx, size_t index, const TensorView& dnormed_mid, const TensorView& dout,
                     int64_t chunks);
   // Router noise and statistics for the MoE rows starting at first_row (MoeFfn::start_rows).
-  void start_ffn_rows(size_t index, int64_t first_row);
+  void start_ffn_rows(const LayerContext& ctx, size_t index, int64_t first_row);
   void release_layer(size_t index);
   // Layer `index` drops what its backward reads after its forward and re-runs that forward in the
   // backward (ModelOptions::recompute, recompute_layers: the first layers re-run).
@@ -237,8 +242,8 @@ class Model final : public TrainableModel {
   // From the final norm's output gradient down to the first layer's input (the embedding is
   // frozen); releases the outer weights first.
   void backward(const LayerContext& ctx, Forward& fwd, const TensorView& dfinal, std::string& where);
-  // forward_backward_async's body.
-  PendingStep run_step(const Batch& batch, double grad_scale, std::string& where);
+  // forward_backward_window_async's body (a single micro-batch is a window of one).
+  PendingStep run_step(const std::vector<const Batch*>& window, double grad_scale, std::string& where);
 
   ModelSpec spec_;
   kernels::Backend& backend_;

@@ -127,7 +127,18 @@ Tensor MoeFfn::router_noise(const LayerContext& ctx, int64_t n) const {
   if (moe_.router_noise <= 0.0 || !noise_enabled_) return Tensor();
   const int64_t e = moe_.num_experts;
   Tensor host({n, e}, DType::kF64);
-  fill_gaussian(host.ptr<double>(), first_row_ * e, host.numel(), moe_.router_noise, noise_seed_);
+  // Rows [first_row_, first_row_ + n) of the pass, each from its micro-batch's stream.
+  int64_t stream_begin = 0;
+  for (const NoiseStream& stream : noise_) {
+    const int64_t begin = std::max(first_row_, stream_begin);
+    const int64_t end = std::min(first_row_ + n, stream_begin + stream.rows);
+    if (begin < end) {
+      fill_gaussian(host.ptr<double>() + (begin - first_row_) * e, (begin - stream_begin) * e, (end - begin) * e,
+                    moe_.router_noise, stream.seed);
+    }
+    stream_begin += stream.rows;
+  }
+  MOETRAIN_ASSERT(stream_begin >= first_row_ + n, "router noise streams cover fewer rows than the pass");
   Tensor staged({n, e}, ctx.accum());
   convert_host(staged, host);
   Tensor noise = ctx.alloc_accum({n, e});
@@ -222,17 +233,25 @@ void MoeFfn::record_statistics(const LayerContext& ctx, int64_t n) {
                    "the MoE aux loss (model.moe.aux_loss_coef > 0) needs the whole micro-batch at once: "
                    "set parallel.ffn_chunk_tokens to 0 or the aux loss coefficient to 0");
     stats_aux_loss_ = ctx.alloc_accum({1});
+    be.fill(stats_aux_loss_, 0.0);
     s.aux_dscores = ctx.alloc_accum({n, e});
-    AuxLossArgs aux;
-    aux.loss = stats_aux_loss_;
-    aux.dscores = s.aux_dscores;
-    aux.scores = s.scores;
-    aux.topk_index = s.topk_index;
-    aux.tokens_per_segment = moe_.aux_loss_type == "batch" ? n : ctx.batch.seq_len;
-    aux.coef = moe_.aux_loss_coef;
-    be.aux_loss(aux);
-    be.axpby(s.aux_dscores, s.aux_dscores, 0.0, aux_loss_weight_);
-    be.axpby(stats_aux_loss_, stats_aux_loss_, 0.0, aux_loss_weight_);
+    // Micro-batch by micro-batch: an expert window's loss is the sum of its micro-batches' own.
+    const std::vector<int64_t>& bounds = ctx.batch.micro_batch_rows;
+    for (size_t j = 0; j + 1 < bounds.size(); ++j) {
+      const int64_t begin = bounds[j], end = bounds[j + 1];
+      Tensor loss = ctx.alloc_accum({1});
+      const TensorView dscores = s.aux_dscores.view().slice_rows(begin, end);
+      AuxLossArgs aux;
+      aux.loss = loss;
+      aux.dscores = dscores;
+      aux.scores = s.scores.view().slice_rows(begin, end);
+      aux.topk_index = s.topk_index.view().slice_rows(begin, end);
+      aux.tokens_per_segment = moe_.aux_loss_type == "batch" ? end - begin : ctx.batch.seq_len;
+      aux.coef = moe_.aux_loss_coef;
+      be.aux_loss(aux);
+      be.axpby(dscores, dscores, 0.0, aux_loss_weight_);
+      be.axpby(stats_aux_loss_, loss, aux_loss_weight_, 1.0);
+    }
   }
 }
 

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <random>
+#include <vector>
 
 #include "core/model/dense_ffn.h"
 #include "core/model/expert_dispatch.h"
@@ -27,6 +28,13 @@ struct FeedForwardStats {
   double aux_loss = 0.0;         // the load-balancing loss added to the objective
 };
 
+// The router noise of one micro-batch of a pass: the stream it draws from, over its rows (an
+// expert window's micro-batches keep the streams they would draw from alone).
+struct NoiseStream {
+  uint64_t seed = 0;
+  int64_t rows = 0;
+};
+
 class MoeFfn final : public FeedForward {
  public:
   // `parallel` (may be null: one rank) decides which experts this rank holds. The routed
@@ -42,7 +50,8 @@ class MoeFfn final : public FeedForward {
 
   // The last micro-batch's statistics, left on the device (empty before the first forward): the
   // expert offsets (int32 [E + 1]) of each of its token chunks (one without chunking: see
-  // start_rows) and the weighted aux loss ([1] accum; undefined without one). The model reads
+  // start_rows) and the weighted aux loss ([1] accum, summed over the pass's micro-batches;
+  // undefined without one). The model reads
   // every layer's back in one copy per micro-batch, after its backward is queued.
   const std::vector<Tensor>& stats_offsets() const { return stats_offsets_; }
   const Tensor& stats_aux_loss() const { return stats_aux_loss_; }
@@ -61,13 +70,14 @@ class MoeFfn final : public FeedForward {
   void backward_routed(const LayerContext& ctx, const TensorView& dx, const TensorView& drows, const TensorView& dout,
                        bool accumulate_rows);
 
-  // The next forward runs rows [first_row, first_row + its rows) of the micro-batch: the whole of
-  // it (first_row 0) or one token chunk (Model::ffn_forward). Router noise is drawn from
-  // noise_seed for the micro-batch's rows, so chunks route as the whole would, and re-seeding with
-  // the same value makes a recomputed forward route exactly as the first one did. first_row 0
-  // starts the micro-batch's statistics afresh; later chunks add theirs.
-  void start_rows(uint64_t noise_seed, int64_t first_row) {
-    noise_seed_ = noise_seed;
+  // The next forward runs rows [first_row, first_row + its rows) of the pass: the whole of it
+  // (first_row 0) or one token chunk (Model::ffn_forward). Router noise is drawn for the pass's
+  // rows from `noise`, one stream per micro-batch in row order, so chunks and windows route as
+  // the micro-batches alone would, and re-seeding with the same streams makes a recomputed
+  // forward route exactly as the first one did. first_row 0 starts the pass's statistics afresh;
+  // later chunks add theirs.
+  void start_rows(std::vector<NoiseStream> noise, int64_t first_row) {
+    noise_ = std::move(noise);
     first_row_ = first_row;
   }
   // Router noise on (training) or off (an evaluation measures the model as it will serve).
@@ -110,7 +120,7 @@ class MoeFfn final : public FeedForward {
   int64_t hidden_;
   int64_t row_width_;  // the routed experts' input and output width
   std::string prefix_;
-  uint64_t noise_seed_ = 0;
+  std::vector<NoiseStream> noise_;  // start_rows()
   int64_t first_row_ = 0;  // start_rows()
   bool noise_enabled_ = true;
   double aux_loss_weight_ = 1.0;

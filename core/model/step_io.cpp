@@ -69,6 +69,7 @@ BatchTensors BatchStaging::upload(const Batch& batch) {
   bt.host_cu_seqlens = batch.cu_seqlens;
   buffer.copied = backend_.record_event();
   bt.num_tokens = n;
+  bt.micro_batch_rows = {0, n};
   bt.seq_len = batch.seq_len;
   bt.context = batch.context;
   return bt;
@@ -126,17 +127,23 @@ PendingStep ResultReadback::queue(const LayerContext& ctx, const Tensor& losses,
   // A buffer a dropped PendingStep left may still be being written: this copy is queued after that.
   be.copy_async(host->view().slice_rows(0, static_cast<int64_t>(bytes)), gathered);
   std::shared_ptr<kernels::QueueEvent> arrived = be.record_event();
-  return PendingStep([host, arrived, parts, routed, targets]() {
+  const std::vector<int64_t> bounds = ctx.batch.micro_batch_rows;
+  return PendingStep([host, arrived, parts, routed, targets, bounds]() {
     arrived->wait();
     auto part = [&](size_t i) {
       return bytes_as(host->view(), parts[i].offset, parts[i].device.dtype, parts[i].device.shape);
     };
-    // The sum of the per-token losses in token order, in double.
+    // The sum of the per-token losses in token order, in double, micro-batch by micro-batch.
     Tensor values(parts[0].device.shape, DType::kF64);
     convert_host(values, part(0));
     StepResult result;
     result.targets = targets;
-    for (int64_t i = 0; i < values.numel(); ++i) result.loss_sum += values.ptr<double>()[i];
+    for (size_t j = 0; j + 1 < bounds.size(); ++j) {
+      double sum = 0.0;
+      for (int64_t i = bounds[j]; i < bounds[j + 1]; ++i) sum += values.ptr<double>()[i];
+      result.micro_batch_loss_sums.push_back(sum);
+      result.loss_sum += sum;
+    }
     for (const Routed& r : routed) {
       std::vector<int64_t> counts(static_cast<size_t>(r.experts), 0);
       for (size_t c = 0; c < r.chunks; ++c) {
@@ -144,6 +151,8 @@ PendingStep ResultReadback::queue(const LayerContext& ctx, const Tensor& losses,
         for (int64_t i = 0; i < r.experts; ++i) counts[static_cast<size_t>(i)] += o[i + 1] - o[i];
       }
       FeedForwardStats stats = MoeFfn::expert_loads(counts);
+      result.expert_gemm_calls = static_cast<int64_t>(r.chunks);
+      result.expert_rows.push_back(std::move(counts));
       if (r.aux != 0) {
         Tensor aux({1}, DType::kF64);
         convert_host(aux, part(r.aux));

@@ -17,15 +17,23 @@
 
 namespace moetrain {
 
-// What one micro-batch's forward/backward reports.
+// What one pass's forward/backward reports: one micro-batch's, or an expert window's (the
+// micro-batches run together, forward_backward_window_async).
 struct StepResult {
-  double loss_sum = 0.0;         // summed cross-entropy over the micro-batch's targets (unscaled)
+  double loss_sum = 0.0;         // summed cross-entropy over the pass's targets (unscaled)
+  // Per micro-batch of the pass, in order: its loss sum, each summed as a pass of its own would
+  // be, so that a step adding them in order gets the sequential micro-batches' sum bit for bit.
+  std::vector<double> micro_batch_loss_sums;
   int64_t targets = 0;           // its target tokens (labels >= 0)
   double max_expert_load = 0.0;  // max over MoE layers and experts of load / mean load
-  double aux_loss = 0.0;         // its load-balancing loss value (0 when disabled)
+  double aux_loss = 0.0;         // its load-balancing loss value, summed over its micro-batches
   // Per MoE layer, in layer order: max and min over experts of load / mean load (empty when
   // the model has no MoE layer).
   std::vector<double> expert_load_max, expert_load_min;
+  // Per MoE layer, per expert (all of them, as this rank routed its tokens): the rows the pass
+  // sent it, summed over the pass's grouped GEMM calls (one per feed-forward token chunk).
+  std::vector<std::vector<int64_t>> expert_rows;
+  int64_t expert_gemm_calls = 0;  // those calls per MoE layer (0: no MoE layer)
 };
 
 // A micro-batch's StepResult that may still be on its way from the device: get() waits for it
@@ -64,6 +72,14 @@ class TrainableModel {
   // work is done when forward_backward returns.
   virtual PendingStep forward_backward_async(const Batch& batch, double grad_scale) {
     return PendingStep(forward_backward(batch, grad_scale));
+  }
+  // An expert window (train.expert_window): forward and backward of these micro-batches of one
+  // optimizer step together, as forward_backward_async of each would ADD to the gradients, in one
+  // pass (each MoE layer's grouped GEMM takes the rows of all of them at once). The result is the
+  // window's (micro_batch_loss_sums in order). By default a model cannot.
+  virtual PendingStep forward_backward_window_async(const std::vector<const Batch*>& /*window*/,
+                                                    double /*grad_scale*/) {
+    throw Error(ExitCode::kBadConfig, "this model runs no expert window: set train.expert_window to 1");
   }
   // hold_parameters(true): the trainable parameters keep their values until hold_parameters(false)
   // (the trainer holds them over an optimizer step's micro-batches), so the model may reuse what

@@ -155,19 +155,23 @@ double MemoryPlan::per_token_bytes(bool with_recompute) const {
   return sum(with_recompute ? per_token_recompute : per_token_full);
 }
 double MemoryPlan::peak_bytes(bool with_recompute) const {
-  return fixed_bytes() + per_token_bytes(with_recompute) * static_cast<double>(tokens_per_micro_batch);
+  return fixed_bytes() + per_token_bytes(with_recompute) * static_cast<double>(tokens_per_pass());
 }
 int64_t MemoryPlan::max_tokens(bool with_recompute) const {
   const double room = usable_bytes - fixed_bytes();
   if (room <= 0) return 0;
   return static_cast<int64_t>(std::floor(room / per_token_bytes(with_recompute)));
 }
+int64_t MemoryPlan::widest_expert_window(bool with_recompute) const {
+  if (tokens_per_micro_batch <= 0) return 0;
+  return std::min(micro_batches, max_tokens(with_recompute) / tokens_per_micro_batch);
+}
 double MemoryPlan::communication_bytes() const { return sum(communication); }
 
 double MemoryPlan::peak_bytes_rerunning(int64_t layers) const {
   // per_token_full with every layer's saved set replaced by those alive at the peak.
   const double per_token = per_token_bytes(false) - saved_at_peak(layer_saved, 0) + saved_at_peak(layer_saved, layers);
-  return fixed_bytes() + per_token * static_cast<double>(tokens_per_micro_batch);
+  return fixed_bytes() + per_token * static_cast<double>(tokens_per_pass());
 }
 
 int64_t MemoryPlan::fewest_recompute_layers() const {
@@ -233,6 +237,7 @@ MemoryPlan plan_layout(const PlanInputs& in) {
   plan.cp = in.mesh.cp();
   plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len / plan.cp;
   plan.micro_batches = config.data.grad_accum;
+  plan.expert_window = std::max<int64_t>(1, std::min(config.train.expert_window, config.data.grad_accum));
   plan.local_experts = in.mesh.experts_per_rank();
   plan.params = count_model_parameters(in.spec);
   plan.lora = count_lora_parameters(in.spec, config.lora);
@@ -386,13 +391,13 @@ void add_workspace(MemoryPlan& plan, const PlanInputs& in) {
   // and is no larger while keys < top_k x (r + rope), i.e. at any sequence length up to ~1M.
   const DsaSizes dsa = dsa_sizes(in);
   const double dsa_query_bytes = dsa.top_k * dsa.row * kF32;
-  const double dsa_chunk = std::min(static_cast<double>(plan.tokens_per_micro_batch),
+  const double dsa_chunk = std::min(static_cast<double>(plan.tokens_per_pass()),
                                     std::floor(static_cast<double>(int64_t{2048} << 20) / std::max(1.0, dsa_query_bytes)));
   add(plan.fixed, "DSA backward contribution chunk (fp32)", dsa.present ? dsa_chunk * dsa_query_bytes : 0.0,
       fmt::format("min(tokens, 2 GiB / query) queries x top_k {:.0f} x (r + rope) {:.0f} x 4 B; 0 without DSA",
                   dsa.top_k, dsa.row));
   add(plan.fixed, "loss chunk (fp32 logits)",
-      static_cast<double>(std::min(in.options.loss_chunk_rows, plan.tokens_per_micro_batch) * m.vocab_size) * kF32,
+      static_cast<double>(std::min(in.options.loss_chunk_rows, plan.tokens_per_pass()) * m.vocab_size) * kF32,
       fmt::format("min({}, tokens) x vocab {} x 4 B", in.options.loss_chunk_rows, m.vocab_size));
 }
 
@@ -523,10 +528,12 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
   const double fsdp_frac = static_cast<double>(fsdp - 1) / static_cast<double>(fsdp);
   const double micro = static_cast<double>(plan.micro_batches);
   const bool fp8 = m.weight_format == "fp8";
-  add(plan.communication, "FSDP all-gather of frozen weights", micro * 2 * non_expert_weight_bytes(plan, fp8) * fsdp_frac,
-      fp8 ? "grad_accum x (forward + backward re-gather) x non-expert bytes (FP8 1 B + 4 B a block, the rest 2 B) x "
-            "(fsdp-1)/fsdp"
-          : "grad_accum x (forward + backward re-gather) x non-expert x 2 B x (fsdp-1)/fsdp");
+  add(plan.communication, "FSDP all-gather of frozen weights",
+      static_cast<double>(plan.passes_per_step()) * 2 * non_expert_weight_bytes(plan, fp8) * fsdp_frac,
+      fp8 ? "passes (grad_accum / train.expert_window, rounded up) x (forward + backward re-gather) x non-expert bytes "
+            "(FP8 1 B + 4 B a block, the rest 2 B) x (fsdp-1)/fsdp"
+          : "passes (grad_accum / train.expert_window, rounded up) x (forward + backward re-gather) x non-expert x 2 B x "
+            "(fsdp-1)/fsdp");
   const double world_frac = (world - 1) / world;
   add(plan.communication, "reduce-scatter of LoRA grads", non_expert_lora * kF32 * world_frac,
       "non-expert LoRA x 4 B x (world-1)/world, once per step");
@@ -609,7 +616,7 @@ double busiest_shard_over_mean(const PlanInputs& in, int cp) {
 MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, bool chosen, int64_t segment_tokens,
                             bool segment_chosen) {
   MemoryPlan plan = plan_layout(inputs);
-  plan.ffn_chunk_tokens = ffn_chunk_tokens < plan.tokens_per_micro_batch ? ffn_chunk_tokens : 0;
+  plan.ffn_chunk_tokens = ffn_chunk_tokens < plan.tokens_per_pass() ? ffn_chunk_tokens : 0;
   plan.ffn_chunk_auto = chosen && plan.ffn_chunk_tokens > 0;
   const bool has_kda = std::count(inputs.spec.mixers.begin(), inputs.spec.mixers.end(), MixerKind::kKda) > 0;
   plan.mixer_segment_tokens = has_kda && segment_tokens < plan.tokens_per_micro_batch ? segment_tokens : 0;
@@ -701,6 +708,15 @@ int64_t longest_fitting(const PlanInputs& in, const MemoryPlan& chosen, bool off
 }  // namespace
 
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options) {
+  if (config.train.expert_window == 0) {
+    Config trial = config;
+    for (int64_t window = config.parallel.cp > 1 ? 1 : config.data.grad_accum; window >= 1; --window) {
+      trial.train.expert_window = window;
+      MemoryPlan plan = make_memory_plan(trial, options);
+      plan.expert_window_auto = true;
+      if (window == 1 || (plan.fits() && !plan.ffn_chunk_auto)) return plan;
+    }
+  }
   // With model.hf_dir the shape comes from config.json (merged as the trainer merges it).
   const ModelSpec spec = plan_model_spec(config.model.hf_dir ? resolve_model_spec(config).config : config.model);
   const MeshLayout mesh(options.world, MeshShape{config.parallel.fsdp, config.parallel.ep, config.parallel.cp}, spec.config.moe.num_experts,

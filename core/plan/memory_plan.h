@@ -56,6 +56,12 @@ struct MemoryPlan {
   int64_t longest_without_offload = 0;
   int64_t longest_with_offload = 0;
   int64_t micro_batches = 1;           // data.grad_accum
+  // train.expert_window: micro-batches that run as one pass, so the activations are sized for
+  // tokens_per_pass(); the FSDP gathers happen once per pass.
+  int64_t expert_window = 1;
+  bool expert_window_auto = false;  // train.expert_window 0: the plan chose it
+  int64_t tokens_per_pass() const { return tokens_per_micro_batch * expert_window; }
+  int64_t passes_per_step() const { return (micro_batches + expert_window - 1) / expert_window; }
   int64_t local_experts = 0;
   ModelParameterCount params;
   LoraParameterCount lora;
@@ -75,8 +81,11 @@ struct MemoryPlan {
 
   double fixed_bytes() const;
   double per_token_bytes(bool with_recompute) const;
-  double peak_bytes(bool with_recompute) const;          // at tokens_per_micro_batch
-  int64_t max_tokens(bool with_recompute) const;          // per micro-batch that fit usable_bytes
+  double peak_bytes(bool with_recompute) const;          // at tokens_per_pass()
+  int64_t max_tokens(bool with_recompute) const;          // per pass that fit usable_bytes
+  // The widest expert window whose pass fits usable_bytes at this micro-batch, at most
+  // micro_batches (0: not even one micro-batch; the feed-forward chunk held as planned).
+  int64_t widest_expert_window(bool with_recompute) const;
   // The peak with the first `layers` re-run (0: none, num_layers: all; parallel.recompute_layers),
   // and the fewest that fit usable_bytes (-1: not even all).
   double peak_bytes_rerunning(int64_t layers) const;
@@ -85,7 +94,10 @@ struct MemoryPlan {
   bool fits() const { return peak_bytes(recompute) <= usable_bytes; }
 };
 
-// Throws Error(kBadConfig) when the config does not fit the world (mesh rules).
+// Throws Error(kBadConfig) when the config does not fit the world (mesh rules). With
+// train.expert_window 0 the plan chooses the window: the widest of data.grad_accum micro-batches
+// whose pass fits with its feed-forwards whole (a chunked one would split the grouped GEMMs
+// again), else 1; always 1 under context parallelism.
 MemoryPlan make_memory_plan(const Config& config, const PlanOptions& options);
 
 std::string format_plan(const MemoryPlan& plan);       // a readable table

@@ -53,13 +53,25 @@ std::string format_plan(const MemoryPlan& plan) {
                                                plan.tokens_per_micro_batch * plan.cp)
                                  : "",
                      plan.micro_batches, plan.recompute ? on : "off");
+  if (plan.expert_window_auto) {
+    out += fmt::format("expert window chosen: {} micro-batch(es) per pass, the widest of the step's {} that fits with "
+                       "whole feed-forwards (train.expert_window sets it)\n",
+                       plan.expert_window, plan.micro_batches);
+  }
+  if (plan.expert_window > 1) {
+    out += fmt::format("expert window: {} micro-batches per pass (train.expert_window), {} pass(es) per step: the "
+                       "activations below are for the pass's {} tokens; each MoE layer's grouped GEMM takes their "
+                       "rows at once, and FSDP gathers each layer {} time(s) per step instead of {}\n\n",
+                       plan.expert_window, plan.passes_per_step(), plan.tokens_per_pass(), plan.passes_per_step(),
+                       plan.micro_batches);
+  }
 
   out += "memory per rank, fixed\n";
   rows(out, plan.fixed, 1.0);
   out += fmt::format("  {:<42}{}\n\n", "fixed total", gb(plan.fixed_bytes()));
-  const double tokens = static_cast<double>(plan.tokens_per_micro_batch);
+  const double tokens = static_cast<double>(plan.tokens_per_pass());
   for (bool recompute : {true, false}) {
-    out += fmt::format("memory per rank, per token x {} tokens ({})\n", plan.tokens_per_micro_batch,
+    out += fmt::format("memory per rank, per token x {} tokens ({})\n", plan.tokens_per_pass(),
                        "recompute " + (recompute ? on : "off"));
     rows(out, recompute ? plan.per_token_recompute : plan.per_token_full, tokens);
     out += fmt::format("  {:<42}{}   ({:.1f} KB per token)\n", "peak", gb(plan.peak_bytes(recompute)),
@@ -83,12 +95,14 @@ std::string format_plan(const MemoryPlan& plan) {
                      plan.usable_bytes / 1e9);
   for (bool recompute : {true, false}) {
     const double peak = plan.peak_bytes(recompute);
-    out += fmt::format("  recompute {:<3}: peak {:.1f} GB -> {}; at most {} tokens per micro-batch per rank{}\n",
+    out += fmt::format("  recompute {:<3}: peak {:.1f} GB -> {}; at most {} tokens per {} per rank{}; expert "
+                       "windows of up to {} of the {} micro-batches fit\n",
                        recompute ? on : "off", peak / 1e9, peak <= plan.usable_bytes ? "fits" : "DOES NOT FIT",
-                       plan.max_tokens(recompute),
+                       plan.max_tokens(recompute), plan.expert_window > 1 ? "pass" : "micro-batch",
                        plan.cp > 1 ? fmt::format(" ({} per micro-batch over the cp {} ranks)",
                                                  plan.max_tokens(recompute) * plan.cp, plan.cp)
-                                   : "");
+                                   : "",
+                       plan.widest_expert_window(recompute), plan.micro_batches);
   }
   const int64_t fewest = plan.fewest_recompute_layers();
   if (fewest == 0) {
@@ -100,9 +114,10 @@ std::string format_plan(const MemoryPlan& plan) {
   }
   if (plan.ffn_chunk_tokens > 0) {
     out += fmt::format("  feed-forwards in token chunks of {} ({})\n", plan.ffn_chunk_tokens,
-                       plan.ffn_chunk_auto ? "chosen: the whole micro-batch does not fit; parallel.ffn_chunk_tokens "
-                                             "sets it"
-                                           : "parallel.ffn_chunk_tokens");
+                       plan.ffn_chunk_auto ? fmt::format("chosen: the whole {} does not fit; parallel.ffn_chunk_tokens "
+                                                         "sets it",
+                                                         plan.expert_window > 1 ? "expert window" : "micro-batch")
+                                           : std::string("parallel.ffn_chunk_tokens"));
   }
   if (plan.mixer_segment_tokens > 0) {
     out += fmt::format("  KDA layers in time segments of {} ({})\n", plan.mixer_segment_tokens,
@@ -129,6 +144,9 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["local_experts"] = plan.local_experts;
   j["tokens_per_micro_batch"] = plan.tokens_per_micro_batch;
   j["micro_batches"] = plan.micro_batches;
+  j["expert_window"] = plan.expert_window;
+  j["expert_window_auto"] = plan.expert_window_auto;
+  j["tokens_per_pass"] = plan.tokens_per_pass();
   j["recompute"] = plan.recompute;
   j["recompute_layers"] = plan.recompute_layers;  // of the recompute column
   j["num_layers"] = plan.num_layers;
@@ -149,8 +167,10 @@ std::string plan_to_json(const MemoryPlan& plan) {
                  {"peak_bytes_no_recompute", plan.peak_bytes(false)},
                  {"max_tokens_recompute", plan.max_tokens(true)},
                  {"max_tokens_no_recompute", plan.max_tokens(false)},
+                 {"widest_expert_window_recompute", plan.widest_expert_window(true)},
+                 {"widest_expert_window_no_recompute", plan.widest_expert_window(false)},
                  {"ep_receive_worst_case_bytes", plan.ep_receive_worst_case_per_token *
-                                                     static_cast<double>(plan.tokens_per_micro_batch)}};
+                                                     static_cast<double>(plan.tokens_per_pass())}};
   j["communication"] = {{"items", items_json(plan.communication)}, {"total_bytes", plan.communication_bytes()}};
   j["gpu_bytes"] = plan.gpu_bytes;
   j["usable_bytes"] = plan.usable_bytes;

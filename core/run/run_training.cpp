@@ -98,8 +98,9 @@ void log_per_rank(const Runtime& runtime, const std::vector<double>& mine,
 // (not an out-of-memory deep inside the build): what it needs by `moetrain plan`'s count, what
 // there is, and where to look for a split that fits. The plan counts BF16 weights and
 // activations; the CPU backend holds F32, so on the CPU the check is a lower bound.
-// Returns the plan for this memory, with its feed-forward token chunk and KDA time segment
-// (parallel.ffn_chunk_tokens / mixer_segment_tokens 0: the whole micro-batch when it fits, 0 then).
+// Returns the plan for this memory, with its feed-forward token chunk, KDA time segment and expert
+// window (parallel.ffn_chunk_tokens / mixer_segment_tokens 0: the whole pass when it fits, 0 then;
+// train.expert_window 0: the widest that fits).
 MemoryPlan check_model_fits(const Config& config, const ModelSpec& spec, kernels::Backend& backend,
                             const Runtime& runtime) {
   // The sizes' upper limits are config rules (core/config/config_rules.cpp), which
@@ -115,6 +116,7 @@ MemoryPlan check_model_fits(const Config& config, const ModelSpec& spec, kernels
     MemoryPlan configured;
     configured.ffn_chunk_tokens = config.parallel.ffn_chunk_tokens;
     configured.mixer_segment_tokens = config.parallel.mixer_segment_tokens;
+    configured.expert_window = std::max<int64_t>(1, config.train.expert_window);
     return configured;
   }
   PlanOptions plan_options;
@@ -127,19 +129,25 @@ MemoryPlan check_model_fits(const Config& config, const ModelSpec& spec, kernels
                              "and optimizer state, {:.1f} GB of activations for {} tokens) and its {} has {:.1f} GB "
                              "({:.1f} GB usable). `moetrain plan --config {} --world N` shows the per-rank split and "
                              "the tokens that fit: use more ranks (parallel.fsdp / parallel.ep), parallel.recompute, "
-                             "or a shorter data.seq_len / data.micro_batch",
+                             "a smaller train.expert_window, or a shorter data.seq_len / data.micro_batch",
                              runtime.rank(), needed / 1e9, plan.fixed_bytes() / 1e9, (needed - plan.fixed_bytes()) / 1e9,
-                             plan.tokens_per_micro_batch, on_cpu ? "host" : "GPU", available / 1e9,
+                             plan.tokens_per_pass(), on_cpu ? "host" : "GPU", available / 1e9,
                              plan.usable_bytes / 1e9, config.source_path.empty() ? "FILE" : config.source_path));
   if (plan.ffn_chunk_auto && runtime.is_root()) {
     log::info(fmt::format("the feed-forwards run in token chunks of {} (parallel.ffn_chunk_tokens: the whole "
-                          "micro-batch of {} tokens would not fit)",
-                          plan.ffn_chunk_tokens, plan.tokens_per_micro_batch));
+                          "{} of {} tokens would not fit)",
+                          plan.ffn_chunk_tokens, plan.expert_window > 1 ? "expert window" : "micro-batch",
+                          plan.tokens_per_pass()));
   }
   if (plan.mixer_segment_auto && runtime.is_root()) {
     log::info(fmt::format("the KDA layers run in time segments of {} (parallel.mixer_segment_tokens: the whole "
                           "micro-batch of {} tokens would not fit)",
                           plan.mixer_segment_tokens, plan.tokens_per_micro_batch));
+  }
+  if (plan.expert_window_auto && runtime.is_root()) {
+    log::info(fmt::format("expert windows of {} micro-batch(es) (train.expert_window 0: the widest of the step's {} "
+                          "whose pass fits with whole feed-forwards)",
+                          plan.expert_window, plan.micro_batches));
   }
   return plan;
 }
@@ -418,11 +426,12 @@ int run_training(Runtime& runtime, const Config& config) {
   check_context_parallel(config, spec);
   RankMesh mesh(runtime, config, spec, *backend);
   ModelOptions options = run_model_options(config, *backend, runtime, mesh);
-  // Rank 0's chunk for every rank: each chunk's expert exchange pairs up only if all run as many
-  // (and its KDA segment, which every rank runs alike).
+  // Rank 0's chunk, segment and window for every rank: each pass's expert exchanges pair up only if
+  // all run as many passes and chunks.
   const MemoryPlan plan = check_model_fits(config, spec, *backend, runtime);
   options.ffn_chunk_tokens = std::stoll(group->broadcast_from_root(std::to_string(plan.ffn_chunk_tokens)));
   options.mixer_segment_tokens = std::stoll(group->broadcast_from_root(std::to_string(plan.mixer_segment_tokens)));
+  const int64_t expert_window = std::stoll(group->broadcast_from_root(std::to_string(plan.expert_window)));
   Model model(spec, *backend, options);
   load_weights(model, spec, config, runtime);
 
@@ -437,8 +446,9 @@ int run_training(Runtime& runtime, const Config& config) {
     metrics = std::make_unique<MetricsWriter>(config.logging.run_dir);
   }
   std::unique_ptr<EvalData> eval = make_eval_data(config.data, spec.config.vocab_size);
-  Trainer trainer(make_trainer_options(config, spec, *backend, *data, eval.get(), runtime), model,
-                  [&data, place] { return place.shard_of(data->next()); }, metrics.get());
+  TrainerOptions trainer_options = make_trainer_options(config, spec, *backend, *data, eval.get(), runtime);
+  trainer_options.train.expert_window = expert_window;
+  Trainer trainer(trainer_options, model, [&data, place] { return place.shard_of(data->next()); }, metrics.get());
 
   // Resume, then train: checkpoints and signals are handled after every step.
   DataCursorAccess cursor{[&data] { return data->cursor(); }, [&data](uint64_t c) { data->seek(c); },

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <system_error>
@@ -20,6 +22,21 @@ std::string format_rate(double tokens_per_s) {
 }
 
 }  // namespace
+
+ExpertRowHistogram expert_row_histogram(const std::vector<int64_t>& rows, int64_t calls) {
+  MOETRAIN_ASSERT(calls > 0 && !rows.empty(), "an expert row histogram needs experts and calls");
+  std::vector<int64_t> sorted = rows;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  const double per_call = static_cast<double>(calls);
+  ExpertRowHistogram h;
+  h.min = static_cast<double>(sorted.front()) / per_call;
+  h.max = static_cast<double>(sorted.back()) / per_call;
+  h.median = static_cast<double>(sorted[(n - 1) / 2] + sorted[n / 2]) / 2.0 / per_call;
+  h.mean = static_cast<double>(std::accumulate(sorted.begin(), sorted.end(), int64_t{0})) / static_cast<double>(n) /
+           per_call;
+  return h;
+}
 
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
@@ -73,6 +90,19 @@ void MetricsWriter::write(const StepMetrics& m, bool log_progress) {
   if (!m.expert_load_max.empty()) {
     line["expert_load_max"] = m.expert_load_max;
     line["expert_load_min"] = m.expert_load_min;
+  }
+  if (!m.expert_rows.empty()) {
+    std::vector<double> min, median, max, ratio;
+    for (const ExpertRowHistogram& h : m.expert_rows) {
+      min.push_back(h.min);
+      median.push_back(h.median);
+      max.push_back(h.max);
+      ratio.push_back(h.max_over_mean());
+    }
+    line["expert_rows_min"] = min;
+    line["expert_rows_median"] = median;
+    line["expert_rows_max"] = max;
+    line["expert_rows_max_over_mean"] = ratio;
   }
   file_ << line.dump() << '\n';
   file_.flush();

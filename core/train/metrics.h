@@ -12,6 +12,17 @@
 
 namespace moetrain {
 
+// One MoE layer's balance as its grouped GEMMs see it: the rows per expert of one call (the
+// mean over the step's calls: one per pass, i.e. per micro-batch or per expert window, and per
+// feed-forward token chunk), min / median / max over experts, and max over mean (1 = balanced).
+struct ExpertRowHistogram {
+  double min = 0.0, median = 0.0, max = 0.0, mean = 0.0;
+  double max_over_mean() const { return mean > 0.0 ? max / mean : 0.0; }
+};
+
+// From the rows each expert got over `calls` grouped GEMM calls (calls > 0).
+ExpertRowHistogram expert_row_histogram(const std::vector<int64_t>& rows, int64_t calls);
+
 struct StepMetrics {
   int64_t step = 0;            // optimizer steps completed (1 after the first)
   int64_t total_steps = 0;     // for the progress line
@@ -24,6 +35,9 @@ struct StepMetrics {
   // Per MoE layer (written as arrays when the model has MoE layers): max and min over experts of
   // load / mean load, the extremes over the step's micro-batches (docs/METRICS.md).
   std::vector<double> expert_load_max, expert_load_min;
+  // Per MoE layer: rows per expert per grouped GEMM call (written as expert_rows_min, _median,
+  // _max and _max_over_mean arrays).
+  std::vector<ExpertRowHistogram> expert_rows;
   // The data's best achievable loss (synthetic data), written when finite, for plots.
   double loss_floor = std::numeric_limits<double>::quiet_NaN();
   std::vector<std::pair<std::string, double>> extra;  // further keys, written in this order

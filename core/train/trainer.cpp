@@ -65,9 +65,12 @@ std::vector<double> Trainer::run() {
   if (next_step_ < options_.train.steps) {
     std::string floor;
     if (std::isfinite(options_.loss_floor)) floor = fmt::format(" (the data's loss floor is {:.4f})", options_.loss_floor);
-    log::info(fmt::format("training steps {}..{}: {} micro-batch(es) of {} x {} tokens per step{}", next_step_ + 1,
+    const int64_t window = std::min(std::max<int64_t>(1, options_.train.expert_window), options_.data.grad_accum);
+    const std::string windows =
+        window > 1 ? fmt::format(", run {} at a time (train.expert_window)", window) : std::string();
+    log::info(fmt::format("training steps {}..{}: {} micro-batch(es) of {} x {} tokens per step{}{}", next_step_ + 1,
                           options_.train.steps, options_.data.grad_accum, options_.data.micro_batch,
-                          options_.data.seq_len, floor));
+                          options_.data.seq_len, windows, floor));
   }
   std::vector<double> losses;
   while (next_step_ < options_.train.steps) losses.push_back(train_step().loss);
@@ -87,7 +90,7 @@ StepRecord Trainer::train_step() {
   watchdog_progress(fmt::format("step {}: gradient reduction", record.step + 1));
   optimizer_->reduce_gradients();
   record.grad_norm = optimizer_->clip_gradients(options_.train.grad_clip);
-  read_results(results, record);
+  read_results(results, record, batches.size());
   update_or_skip(record, batches.size());
   record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   finish_step(record);
@@ -116,17 +119,28 @@ std::vector<Batch> Trainer::read_micro_batches(StepRecord& record) {
 }
 
 // The micro-batches are queued without waiting for their results (loss, expert loads): the
-// device runs them back to back while the host queues the next.
+// device runs them back to back while the host queues the next. With train.expert_window they
+// go window by window.
 std::vector<PendingStep> Trainer::queue_micro_batches(const std::vector<Batch>& batches, double grad_scale,
                                                       int64_t step) {
   std::vector<PendingStep> results;
   ParameterHold hold(model_);  // the parameters change only in the optimizer step, after this
-  for (size_t i = 0; i < batches.size(); ++i) {
-    watchdog_progress(fmt::format("step {}: forward/backward of micro-batch {}", step + 1, i + 1));
+  const size_t window = static_cast<size_t>(std::max<int64_t>(1, options_.train.expert_window));
+  for (size_t first = 0; first < batches.size(); first += window) {
+    const size_t last = std::min(batches.size(), first + window);  // one past
+    const std::string which = last - first == 1 ? fmt::format("micro-batch {}", first + 1)
+                                                : fmt::format("micro-batches {}-{}", first + 1, last);
+    watchdog_progress(fmt::format("step {}: forward/backward of {}", step + 1, which));
     try {
-      results.push_back(model_.forward_backward_async(batches[i], grad_scale));
+      if (last - first == 1) {
+        results.push_back(model_.forward_backward_async(batches[first], grad_scale));
+      } else {
+        std::vector<const Batch*> parts;
+        for (size_t i = first; i < last; ++i) parts.push_back(&batches[i]);
+        results.push_back(model_.forward_backward_window_async(parts, grad_scale));
+      }
     } catch (const Error& error) {  // an out-of-memory, a bad token...: say where in the run
-      throw Error(error.code(), fmt::format("step {}, micro-batch {}: {}", step + 1, i + 1, error.what()));
+      throw Error(error.code(), fmt::format("step {}, {}: {}", step + 1, which, error.what()));
     }
   }
   return results;
@@ -134,20 +148,38 @@ std::vector<PendingStep> Trainer::queue_micro_batches(const std::vector<Batch>& 
 
 // Read after the gradient norm, which has waited for the device: the results are there by then,
 // so reading them adds no wait. The skip that follows needs both the loss and the norm on the host.
-void Trainer::read_results(std::vector<PendingStep>& results, StepRecord& record) {
+void Trainer::read_results(std::vector<PendingStep>& results, StepRecord& record, size_t micro_batches) {
   double loss_sum = 0.0;
+  std::vector<std::vector<int64_t>> expert_rows;  // per MoE layer, summed over the step
+  int64_t expert_calls = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     StepResult result;
     try {
       result = results[i].get();
     } catch (const Error& error) {  // a device failure surfaces where the host waits for it
-      throw Error(error.code(), fmt::format("step {}, micro-batch {}: reading its loss: {}", record.step + 1, i + 1,
-                                            error.what()));
+      throw Error(error.code(), fmt::format("step {}, pass {} of {}: reading its loss: {}", record.step + 1, i + 1,
+                                            results.size(), error.what()));
     }
-    loss_sum += result.loss_sum;
+    // Micro-batch by micro-batch, in order: windows or not, the same sum.
+    if (result.micro_batch_loss_sums.empty()) loss_sum += result.loss_sum;
+    for (double part : result.micro_batch_loss_sums) loss_sum += part;
     record.max_expert_load = std::max(record.max_expert_load, result.max_expert_load);
     merge_expert_loads(record, result);
-    record.aux_loss += result.aux_loss / static_cast<double>(results.size());
+    record.aux_loss += result.aux_loss / static_cast<double>(micro_batches);
+    if (expert_rows.empty()) expert_rows.resize(result.expert_rows.size());
+    MOETRAIN_ASSERT(expert_rows.size() == result.expert_rows.size(),
+                    "passes report expert rows for different numbers of MoE layers");
+    for (size_t layer = 0; layer < expert_rows.size(); ++layer) {
+      std::vector<int64_t>& sum = expert_rows[layer];
+      const std::vector<int64_t>& rows = result.expert_rows[layer];
+      if (sum.empty()) sum.assign(rows.size(), 0);
+      MOETRAIN_ASSERT(sum.size() == rows.size(), "passes report expert rows for different numbers of experts");
+      for (size_t e = 0; e < rows.size(); ++e) sum[e] += rows[e];
+    }
+    expert_calls += result.expert_gemm_calls;
+  }
+  for (const std::vector<int64_t>& rows : expert_rows) {
+    if (expert_calls > 0 && !rows.empty()) record.expert_rows.push_back(expert_row_histogram(rows, expert_calls));
   }
   loss_sum = model_.sum_over_data_ranks(loss_sum);
   record.loss = record.targets > 0 ? loss_sum / static_cast<double>(record.targets) : 0.0;
@@ -193,6 +225,7 @@ void Trainer::finish_step(StepRecord& record) {
   // two numbers per MoE layer per step.
   history_.back().expert_load_max = {};
   history_.back().expert_load_min = {};
+  history_.back().expert_rows = {};
   report(record);
   watchdog_progress(fmt::format("step {}: after the step (checkpoint, metrics)", record.step + 1));
   if (after_step_) after_step_(record);
@@ -253,6 +286,7 @@ void Trainer::report(const StepRecord& record) {
   m.max_expert_load = record.max_expert_load;
   m.expert_load_max = record.expert_load_max;
   m.expert_load_min = record.expert_load_min;
+  m.expert_rows = record.expert_rows;
   m.loss_floor = options_.loss_floor;
   if (record.aux_loss != 0.0) m.extra.emplace_back("aux_loss", record.aux_loss);
   if (record.model_flops > 0.0 && options_.peak_flops > 0.0 && record.seconds > 0.0) {

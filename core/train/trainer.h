@@ -12,6 +12,11 @@
 // schedule moves on, as in Megatron). After max_nonfinite_steps such steps in a row the run
 // stops with Error(kInternal), naming the step and what to change.
 //
+// Expert windows (train.expert_window = w > 1): the step's micro-batches run w at a time, each
+// window as one pass (TrainableModel::forward_backward_window_async: every MoE layer's grouped GEMM
+// takes the rows of all w), the last window holding what is left. The data, the gradient scale
+// and the loss (the micro-batches' loss sums added in order) are as without windows.
+//
 // Host waits: the micro-batches are queued with forward_backward_async (the adapters held:
 // hold_parameters) and their results (loss, expert loads, aux loss) are read after the gradient
 // norm, the one read of a step the host must wait for (clipping and the skip above need the norm
@@ -77,6 +82,9 @@ struct StepRecord {
   // their min (loads per micro-batch, as the expert GEMMs see them, not of the step's sums).
   // Empty in Trainer::history().
   std::vector<double> expert_load_max, expert_load_min;
+  // Per MoE layer: rows per expert per grouped GEMM call over the step (ExpertRowHistogram;
+  // this rank's routing). Empty in Trainer::history().
+  std::vector<ExpertRowHistogram> expert_rows;
   double aux_loss = 0.0;      // mean over micro-batches
   double seconds = 0.0;       // the step's own time (an evaluation after it not included)
   bool skipped = false;       // update skipped (non-finite loss or grad norm, or no targets)
@@ -134,7 +142,7 @@ class Trainer {
   // The parts of train_step, in order.
   std::vector<Batch> read_micro_batches(StepRecord& record);
   std::vector<PendingStep> queue_micro_batches(const std::vector<Batch>& batches, double grad_scale, int64_t step);
-  void read_results(std::vector<PendingStep>& results, StepRecord& record);
+  void read_results(std::vector<PendingStep>& results, StepRecord& record, size_t micro_batches);
   void update_or_skip(StepRecord& record, size_t micro_batches);
   void finish_step(StepRecord& record);
   void report(const StepRecord& record);

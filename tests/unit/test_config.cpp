@@ -348,6 +348,11 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
       {{"parallel.mixer_segment_tokens=4096", "parallel.cp=2"},
        {"`parallel.mixer_segment_tokens` = 4096 cannot run with `parallel.cp` = 2"}},
       {{"train.beta2=1.0"}, {"`train.beta2` = 1.0 must be in [0.0, 1.0)"}},
+      {{"train.expert_window=-1"}, {"`train.expert_window` = -1 must be >= 0"}},
+      {{"data.grad_accum=2", "train.expert_window=3"},
+       {"`train.expert_window` = 3 is more than the step's `data.grad_accum` = 2", "lower the window"}},
+      {{"data.grad_accum=2", "train.expert_window=2", "parallel.cp=2"},
+       {"`train.expert_window` = 2 cannot run with `parallel.cp` = 2", "set one of them to 1"}},
   };
   for (const Case& c : cases) {
     std::string message = override_error(c.overrides);

@@ -712,3 +712,53 @@ TEST_CASE("weight_format fp8: the plan counts what the model keeps in FP8, 1 B a
   CHECK(item_bytes(plan.fixed, "frozen weight shards (fp8 + bf16)") == bf16_rest * 2 + fp8_weights + blocks * 4);
   CHECK(item_bytes(plan.fixed, "routed experts (fp8)") == 4.0 * 98304 + 24 * 4);
 }
+
+TEST_CASE("expert windows: activations for the window's tokens, FSDP gathers once per pass, the widest that fits") {
+  Config config = testing::tiny_model_config(false);  // no DSA: the fixed part does not move with the tokens
+  config.model.max_position_embeddings = 4096;
+  config.parallel.fsdp = 4;
+  config.data.micro_batch = 1;
+  config.data.seq_len = 1024;  // the loss chunk is 1024 rows at any window
+  config.data.grad_accum = 4;
+  PlanOptions options;
+  options.world = 4;
+  const MemoryPlan one = make_memory_plan(config, options);
+  config.train.expert_window = 3;
+  const MemoryPlan three = make_memory_plan(config, options);
+  CHECK(one.tokens_per_pass() == 1024);
+  CHECK(three.tokens_per_pass() == 3 * 1024);
+  CHECK(three.passes_per_step() == 2);  // 3 + the 1 left
+  CHECK(three.per_token_bytes(true) == one.per_token_bytes(true));
+  CHECK(three.fixed_bytes() == one.fixed_bytes());
+  CHECK(three.peak_bytes(true) == three.fixed_bytes() + 3 * 1024 * three.per_token_bytes(true));
+  auto item = [](const MemoryPlan& plan, const std::string& name) {
+    for (const PlanItem& i : plan.communication)
+      if (i.name == name) return i.bytes;
+    FAIL("no item " << name);
+    return 0.0;
+  };
+  // Each layer gathered in 2 passes instead of 4 micro-batches; the EP bytes do not change.
+  CHECK(item(three, "FSDP all-gather of frozen weights") == item(one, "FSDP all-gather of frozen weights") / 2);
+  CHECK(item(three, "EP all-to-all (dispatch + combine)") == item(one, "EP all-to-all (dispatch + combine)"));
+
+  // Room for 3.5 micro-batches' activations: windows of up to 3 fit.
+  PlanOptions tight = options;
+  tight.reserve_fraction = 0.0;
+  tight.gpu_bytes = one.fixed_bytes() + 3.5 * 1024 * one.per_token_bytes(true);
+  config.train.expert_window = 1;
+  CHECK(make_memory_plan(config, tight).widest_expert_window(true) == 3);
+  config.train.expert_window = 3;
+  CHECK(make_memory_plan(config, tight).fits());
+  config.train.expert_window = 4;  // whole it does not fit: the plan chunks the feed-forwards
+  CHECK(make_memory_plan(config, tight).ffn_chunk_auto);
+  config.train.expert_window = 0;  // the plan's choice: the widest with whole feed-forwards
+  const MemoryPlan chosen = make_memory_plan(config, tight);
+  CHECK(chosen.expert_window_auto);
+  CHECK(chosen.expert_window == 3);
+  CHECK_FALSE(chosen.ffn_chunk_auto);
+  config.train.expert_window = 4;
+  config.model.moe.aux_loss_coef = 0.01;  // which the aux loss forbids
+  CHECK_FALSE(make_memory_plan(config, tight).fits());
+  tight.gpu_bytes = 1e15;  // never more than the step's micro-batches
+  CHECK(make_memory_plan(config, tight).widest_expert_window(true) == 4);
+}
