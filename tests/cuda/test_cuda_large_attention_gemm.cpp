@@ -298,7 +298,10 @@ TEST_CASE("cuda grouped gemm past 2^31 elements: M-grouped a and c, K-grouped a 
                  b_block.ptr<double>()[(res % b_period) * k + j];
         expected.ptr<double>()[j] = sum;
       }
-      expect_close(got, expected, (Tolerance{1e-4, 1e-3, 1e-4}),
+      // Each element sums a group's ~68,000 rows of periodic products in F32: rounding grows with
+      // the partial sums (up to rows x 2^-24 relative, ~4e-3); the H200 lands at rel L2 1.0-3.0e-4.
+      // An offset past 2^31 would read other rows and miss by their size.
+      expect_close(got, expected, (Tolerance{1e-3, 1e-2, 1e-3}),
                    "k-grouped c[" + std::to_string(g) + ", " + std::to_string(i) + ", :]");
     }
   }
