@@ -437,6 +437,9 @@ void load_peft_adapter(Model& model, const std::string& dir) {
 
   for (Parameter* p : model.parameters()) {
     const size_t factor = p->name.rfind(".lora_");
+    // A module trained whole (model.vision.projector_train: full) is no adapter: its values are
+    // the checkpoint's (load_weights).
+    if (factor == std::string::npos) continue;
     if (p->value.shape().ndim() == 3 || p->name.find(".mlp.experts.") != std::string::npos) {
       // "model.layers.1.mlp.experts.gate_proj.lora_A.weight" -> module, "gate_proj.lora_A.weight"
       const size_t projection = p->name.rfind('.', factor - 1);
