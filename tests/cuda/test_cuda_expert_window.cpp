@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "catch.h"
+#include "core/base/host_convert.h"
 #include "core/model/model.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
@@ -103,8 +104,11 @@ Step run(kernels::Backend& cuda, const ModelSpec& spec, bool recompute, int64_t 
     for (double loss : p.get().micro_batch_loss_sums) step.losses.push_back(loss);
   }
   for (Parameter* p : model.parameters()) {
+    // The device's F32 gradient, widened on the host (a copy keeps its dtype).
+    Tensor staged(p->grad.shape(), p->grad.dtype());
+    cuda.copy(staged, p->grad);
     Tensor g(p->grad.shape(), DType::kF64);
-    cuda.copy(g, p->grad);
+    convert_host(g, staged);
     step.gradients.push_back(std::move(g));
   }
   return step;
