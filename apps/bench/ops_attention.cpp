@@ -62,9 +62,8 @@ void bench_attention(Backend& be, int reps, std::vector<Row>& rows) {
   const AttentionTimes t32k = time_attention(be, reps, {0, 4 * t}, 128, 128, true);
   rows.push_back({"attention fwd+bwd causal T32768 H32 D128", t32k.both, 3.5 * t32k.flops / (t32k.both * 1e9), 0,
                   fmt::format("fwd {:.3f} ms; {}", t32k.fwd, ratio(55.5, t32k.both, "the target 55.5 ms (>= 1)"))});
-  // Long context (issue 32: forward >= 1.0x, forward + backward >= 0.9x SDPA at 131,072, the
-  // deterministic backward; scripts/bench_torch_attention.py --long times SDPA on these shapes),
-  // and Kimi K3's NoPE MLA dims with its 96 heads.
+  // Long context against SDPA (scripts/bench_torch_attention.py --long times it on these shapes;
+  // targets in docs/PERF.md), and Kimi K3's NoPE MLA dims with its 96 heads.
   const int long_reps = std::max(2, reps / 8);
   const AttentionTimes t128k = time_attention(be, long_reps, {0, 16 * t}, 128, 128, true);
   rows.push_back({"attention fwd causal T131072 H32 D128", t128k.fwd, t128k.flops / (t128k.fwd * 1e9), 0, ""});

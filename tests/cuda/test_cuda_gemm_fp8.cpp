@@ -128,7 +128,7 @@ TEST_CASE("cuda gemm_fp8: x W^T and dy W with partial blocks against the CPU and
     cpu().gemm_fp8(GemmFp8Args{GemmArgs{c.host, a.host, matrix(w.codes_host), false, run.transpose_b, 0.75, run.beta},
                                matrix(w.scales_host)});
     // The GPU decodes code x scale to BF16 for the tensor cores, the CPU spec keeps it in F64: the
-    // weight's BF16 rounding (H200: rel L2 1.9-2.0e-3 on F32 outputs) is the difference, whatever c's dtype.
+    // weight's BF16 rounding is the difference, whatever c's dtype.
     CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(DType::kBF16), what + " vs CPU F64");
   }
 }
@@ -171,7 +171,7 @@ TEST_CASE("cuda grouped_gemm FP8: uneven and empty groups, partial blocks, both 
       args.group_offsets = group_offsets.host;
       args.host_group_offsets = offsets.data();
       cpu().grouped_gemm(args);
-      // As in the dense case: the decoded weight's BF16 rounding (H200: rel L2 1.6e-3 on F32 outputs).
+      // As in the dense case: the decoded weight's BF16 rounding.
       CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(DType::kBF16), what + " vs CPU F64");
     }
   }
