@@ -12,7 +12,9 @@
 // shards, and MLA's and DSA's keys are gathered. The model runs in BF16 (the CUDA model's dtype)
 // and the two sides take different kernels (the attention with key segments runs on the SIMT
 // kernels, KDA's state passes through F32 folds), so the limits are BF16 ones; a missing halo or
-// state moves the first rows of a shard by their own size.
+// state moves the first rows of a shard by their own size. Both sides' router and indexer choices
+// are compared and reported; with a golden fixture the shards take one rank's indexer choices
+// (SelectionProbe says why).
 // Prints "EQUAL" on rank 0 when every rank agrees; exits 77 (skipped) without a GPU.
 #include <fmt/format.h>
 #include <mpi.h>
@@ -24,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/base/error.h"
 #include "core/base/log.h"
@@ -36,6 +39,7 @@
 #include "core/model/peft_adapter.h"
 #include "core/train/optimizer.h"
 #include "kernels/ops.h"
+#include "kernels/timing_backend.h"
 #include "parallel/host_staged_comm.h"
 #include "parallel/mesh.h"
 #include "parallel/runtime.h"
@@ -133,6 +137,71 @@ void prepare(Model& model, const Subject& s) {
   }
 }
 
+// The choices a run makes: every router's and DSA indexer's top-k (host I32 copies, in call order,
+// recompute included). Given another run's indexer choices it replaces its own with them (after
+// recording its own), translated into its key frame: a shard's indexer numbers the keys it sees
+// from its first token's document start, one rank numbers the micro-batch's tokens.
+class SelectionProbe final : public kernels::TimingBackend {
+ public:
+  explicit SelectionProbe(kernels::Backend& inner) : TimingBackend(inner) { disable(); }
+
+  std::vector<Tensor> routes, indexer;
+  const std::vector<Tensor>* forced_indexer = nullptr;  // one rank's, to force on this shard
+  int64_t shard_begin = 0, key_origin = 0;               // the shard's first token and key 0
+
+  void router_forward(const kernels::RouterArgs& args) override {
+    TimingBackend::router_forward(args);
+    routes.push_back(host(args.topk_index));
+  }
+  void dsa_indexer_topk(const kernels::DsaIndexerArgs& args) override {
+    TimingBackend::dsa_indexer_topk(args);
+    const size_t call = indexer.size();
+    indexer.push_back(host(args.topk_index));
+    if (forced_indexer == nullptr) return;
+    MOETRAIN_CHECK(call < forced_indexer->size(), ExitCode::kInternal, "more indexer calls than one rank made");
+    const Tensor& whole = (*forced_indexer)[call];
+    Tensor mine = host(args.topk_index);
+    const int64_t width = mine.size(1);
+    for (int64_t t = 0; t < mine.size(0); ++t)
+      for (int64_t j = 0; j < width; ++j) {
+        const int32_t g = whole.ptr<int32_t>()[(shard_begin + t) * width + j];
+        mine.ptr<int32_t>()[t * width + j] = g < 0 ? g : static_cast<int32_t>(g - key_origin);
+      }
+    copy(args.topk_index, mine);
+  }
+
+ private:
+  Tensor host(const TensorView& v) {
+    Tensor out(v.shape, DType::kI32);
+    copy(out, v);
+    return out;
+  }
+};
+
+// Rows of `shard`'s calls whose choice (as a set, in one rank's numbering) differs from `whole`'s:
+// the shard's rows are one rank's [begin, begin + rows); `origin` is added to the shard's indices.
+int64_t differing_rows(const std::vector<Tensor>& shard, const std::vector<Tensor>& whole, int64_t begin,
+                       int64_t origin) {
+  MOETRAIN_CHECK(shard.size() == whole.size(), ExitCode::kInternal,
+                 fmt::format("{} selections on the shard, {} on one rank", shard.size(), whole.size()));
+  int64_t differing = 0;
+  for (size_t c = 0; c < shard.size(); ++c) {
+    const int64_t width = shard[c].size(1);
+    for (int64_t t = 0; t < shard[c].size(0); ++t) {
+      std::vector<int32_t> a(width), b(width);
+      for (int64_t j = 0; j < width; ++j) {
+        const int32_t s = shard[c].ptr<int32_t>()[t * width + j];
+        a[j] = s < 0 ? s : static_cast<int32_t>(s + origin);
+        b[j] = whole[c].ptr<int32_t>()[(begin + t) * width + j];
+      }
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      differing += a != b;
+    }
+  }
+  return differing;
+}
+
 struct Step {
   bool spans_ranks = false;  // some shard continues the document of the shard before it
   double loss = 0.0;
@@ -174,13 +243,30 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   // One data group: every rank draws the same synthetic window.
   const Batch micro_batch =
       s.fixture_dir.empty() ? SyntheticData(s.config.data, spec.config.vocab_size, 0, 1).next() : s.batch;
-  Model model(spec, *gpu, model_options(s, &staged.groups));
-  prepare(model, s);
-  const Step shards = one_step(model, micro_batch, cp, runtime.rank());
-
-  Model reference(spec, *gpu, model_options(s, nullptr));
+  SelectionProbe whole_choices(*gpu);
+  Model reference(spec, whole_choices, model_options(s, nullptr));
   prepare(reference, s);
   const Step whole = one_step(reference, micro_batch, 1, 0);
+
+  // A golden fixture's indexer margins are the reference's (fp32), below BF16's noise: the shards
+  // and one rank may each pick a different one of two near-tied keys, which moves the gradients by
+  // their own size. There the shards take one rank's indexer choices, so that what is compared is
+  // the exchange and its arithmetic; the tiny model's margins are wide and each side chooses.
+  const ContextShards cut = *context_shard(micro_batch, cp, runtime.rank()).context;
+  SelectionProbe shard_choices(*gpu);
+  shard_choices.shard_begin = cut.begin(runtime.rank());
+  shard_choices.key_origin = cut.document_start(runtime.rank());
+  if (!s.fixture_dir.empty()) shard_choices.forced_indexer = &whole_choices.indexer;
+  Model model(spec, shard_choices, model_options(s, &staged.groups));
+  prepare(model, s);
+  const Step shards = one_step(model, micro_batch, cp, runtime.rank());
+  const int64_t routes_differing = differing_rows(shard_choices.routes, whole_choices.routes, cut.begin(runtime.rank()), 0);
+  const int64_t indexer_differing = differing_rows(shard_choices.indexer, whole_choices.indexer,
+                                                   cut.begin(runtime.rank()), cut.document_start(runtime.rank()));
+  if (routes_differing + indexer_differing > 0)
+    log::warn(fmt::format("rank {}: {} routed and {} indexer rows chose other experts or keys than one rank{}",
+                          runtime.rank(), routes_differing, indexer_differing,
+                          shard_choices.forced_indexer ? " (the indexer's then replaced by one rank's)" : ""));
 
   // BF16 activations through three layers: the loss to 1e-2, a gradient to 0.15 of its largest value,
   // the golden bf16 bound (tests/cuda/test_cuda_golden_model.cpp). The cut moves the roundings: on the
