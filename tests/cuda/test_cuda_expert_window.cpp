@@ -42,24 +42,7 @@ Config window_config() {
 }
 
 // Two windows of 256 tokens, three documents.
-Batch batch_of(int64_t vocab, uint64_t seed) {
-  Batch b;
-  b.batch_size = 2;
-  b.seq_len = 256;
-  b.cu_seqlens = {0, 100, 256, 512};
-  uint64_t state = seed;
-  for (int64_t t = 0; t < 512; ++t) {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    b.input_ids.push_back(static_cast<int32_t>((state >> 33) % static_cast<uint64_t>(vocab)));
-  }
-  for (size_t s = 0; s + 1 < b.cu_seqlens.size(); ++s) {
-    for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) {
-      b.positions.push_back(t - b.cu_seqlens[s]);
-      b.labels.push_back(t + 1 < b.cu_seqlens[s + 1] ? b.input_ids[t + 1] : -1);
-    }
-  }
-  return b;
-}
+Batch batch_of(int64_t vocab, uint64_t seed) { return packed_batch(vocab, seed, 256, {0, 100, 256, 512}); }
 
 struct Step {
   std::vector<double> losses;       // per micro-batch

@@ -52,24 +52,12 @@ using testing::host_f64;
 using testing::non_finite_count;
 using testing::scaled_error;
 
-// The fixture's model spec and adapter options (dtype left to the caller).
+// The fixture's model spec (its options: golden_files.h fixture_model_options, dtype left to the caller).
 ModelSpec fixture_spec(const std::string& dir) {
   Config config;
   config.model.hf_dir = dir;
   config.data.seq_len = golden_batch(SafetensorsFile(dir + "/golden.safetensors")).seq_len;
   return resolve_model_spec(config);
-}
-
-ModelOptions fixture_options(const std::string& dir, const ModelSpec& spec) {
-  ModelOptions options = testing::golden_model_options(dir, spec);
-  // Kimi-Linear's adapters also sit on KDA's projections, some under transformers' names; a K3
-  // adapter names ours (and reaches the MLPs through target_parameters).
-  if (spec.config.model_type == "kimi_k3") {
-    options.lora_targets = testing::k3_adapter_targets(dir + "/adapter");
-  } else if (std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0) {
-    options.lora_targets = testing::kimi_adapter_targets(dir + "/adapter");
-  }
-  return options;
 }
 
 // Every adapter gradient as host F64, under our names and transformers' (Kimi-Linear's adapter
@@ -107,7 +95,7 @@ struct GoldenModel {
       : dir(testing::golden_dir(name)), backend(kernels::make_cuda_backend()) {
     ModelSpec spec = fixture_spec(dir);
     spec.config.weight_format = weight_format;
-    ModelOptions options = fixture_options(dir, spec);
+    ModelOptions options = testing::fixture_model_options(dir, spec);
     kimi_k3 = spec.config.model_type == "kimi_k3";
     options.dtype = DType::kBF16;
     options.recompute = recompute;
@@ -162,7 +150,7 @@ const std::map<std::string, double>& bf16_spread(const std::string& name) {
   std::map<std::string, double> spread;
   for (int seed = 0; seed < kSpreadSeeds; ++seed) {
     testing::Bf16Noise noise(*cpu, seed, {spec.config.moe.num_experts, spec.config.vocab_size});
-    ModelOptions options = fixture_options(dir, spec);
+    ModelOptions options = testing::fixture_model_options(dir, spec);
     options.dtype = DType::kF32;
     Model model(spec, noise, options);
     model.load_weights(HfCheckpoint(dir));

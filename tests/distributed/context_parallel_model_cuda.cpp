@@ -99,10 +99,7 @@ Subject subject(const std::string& name) {
 ModelOptions model_options(const Subject& s, const ParallelGroups* parallel) {
   ModelOptions options;
   if (!s.fixture_dir.empty()) {
-    options = testing::golden_model_options(s.fixture_dir, s.spec);
-    // Kimi-Linear's adapters also sit on KDA's projections, some under transformers' names.
-    if (std::count(s.spec.mixers.begin(), s.spec.mixers.end(), MixerKind::kKda) > 0)
-      options.lora_targets = testing::kimi_adapter_targets(s.fixture_dir + "/adapter");
+    options = testing::fixture_model_options(s.fixture_dir, s.spec);
   } else if (!s.name.empty()) {
     options = model_options_for(s.config);
   } else {

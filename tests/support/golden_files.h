@@ -4,6 +4,7 @@
 // the model options of a fixture, its batch, and our gradients in PEFT's key layout.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -17,6 +18,7 @@
 #include "core/model/hf_names.h"
 #include "core/model/model.h"
 #include "core/model/peft_adapter.h"
+#include "golden_k3.h"
 #include "gradcheck.h"
 #include "kernels/ops.h"
 
@@ -112,6 +114,19 @@ inline std::vector<std::string> kimi_adapter_targets(const std::string& adapter_
     targets.push_back(ours);
   }
   return targets;
+}
+
+// golden_model_options with the targets of the fixture's adapter where they are its own: a
+// Kimi-Linear adapter also sits on KDA's projections (some under transformers' names), a K3
+// adapter names ours (and reaches the MLPs through target_parameters).
+inline ModelOptions fixture_model_options(const std::string& dir, const ModelSpec& spec) {
+  ModelOptions options = golden_model_options(dir, spec);
+  if (spec.config.model_type == "kimi_k3") {
+    options.lora_targets = k3_adapter_targets(dir + "/adapter");
+  } else if (std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kKda) > 0) {
+    options.lora_targets = kimi_adapter_targets(dir + "/adapter");
+  }
+  return options;
 }
 
 // Our stacked routed-expert gradients (host F64) in PEFT's fused 3-D layout: the fused A feeds

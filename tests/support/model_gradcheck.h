@@ -16,6 +16,17 @@
 
 namespace moetrain::testing {
 
+// Two runs' adapter gradients (lora_gradients' order), each within rtol / atol of the other's.
+inline void check_same_gradients(const std::vector<Tensor>& actual, const std::vector<Tensor>& expected, double rtol,
+                                 double atol) {
+  REQUIRE(actual.size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const Comparison cmp = compare_tensors(actual[i], expected[i], rtol, atol, "gradient " + std::to_string(i));
+    INFO(cmp.message);
+    CHECK(cmp.ok);
+  }
+}
+
 // The adapters' gradients of one forward_backward from zero, copied to host F64 tensors.
 inline std::vector<Tensor> lora_gradients(Model& model, kernels::Backend& backend, const Batch& batch,
                                           double grad_scale) {

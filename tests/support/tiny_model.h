@@ -1,6 +1,7 @@
 // Tiny hybrid models (MLA, KDA and DSA layers, MoE) and packed batches for whole-model tests.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "core/config/config.h"
@@ -96,16 +97,16 @@ inline std::vector<std::string> all_lora_targets(bool q_lora) {
   return t;
 }
 
-// Two windows of 8 tokens; the first holds documents of 5 and 3 tokens, the second one
-// document of 8. Labels are next tokens within a document, -1 at each document's end and at
-// one masked position.
-inline Batch tiny_batch(int64_t vocab, uint64_t seed) {
+// Windows of seq_len tokens holding the documents `cu_seqlens` (global offsets, ending at the
+// last window's end), random tokens from `seed`; labels are next tokens within a document, -1
+// at each document's end.
+inline Batch packed_batch(int64_t vocab, uint64_t seed, int64_t seq_len, std::vector<int32_t> cu_seqlens) {
   Batch b;
-  b.batch_size = 2;
-  b.seq_len = 8;
-  b.cu_seqlens = {0, 5, 8, 16};
+  b.seq_len = seq_len;
+  b.batch_size = cu_seqlens.back() / seq_len;
+  b.cu_seqlens = std::move(cu_seqlens);
   uint64_t state = seed;
-  for (int64_t t = 0; t < 16; ++t) {
+  for (int32_t t = 0; t < b.cu_seqlens.back(); ++t) {
     state = state * 6364136223846793005ull + 1442695040888963407ull;
     b.input_ids.push_back(static_cast<int32_t>((state >> 33) % static_cast<uint64_t>(vocab)));
   }
@@ -115,6 +116,13 @@ inline Batch tiny_batch(int64_t vocab, uint64_t seed) {
       b.labels.push_back(t + 1 < b.cu_seqlens[s + 1] ? b.input_ids[t + 1] : -1);
     }
   }
+  return b;
+}
+
+// Two windows of 8 tokens; the first holds documents of 5 and 3 tokens, the second one
+// document of 8; one prompt position is masked too.
+inline Batch tiny_batch(int64_t vocab, uint64_t seed) {
+  Batch b = packed_batch(vocab, seed, 8, {0, 5, 8, 16});
   b.labels[10] = -1;  // a masked prompt token
   return b;
 }

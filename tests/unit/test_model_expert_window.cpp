@@ -131,13 +131,7 @@ TEST_CASE("expert windows: the same losses, aux loss, expert rows and gradients 
           CHECK(windowed.aux_loss == Approx(sequential.aux_loss).epsilon(1e-13));
           CHECK(windowed.expert_rows == sequential.expert_rows);
           CHECK(windowed.forward_count == sequential.forward_count);
-          REQUIRE(windowed.gradients.size() == sequential.gradients.size());
-          for (size_t i = 0; i < sequential.gradients.size(); ++i) {
-            const Comparison cmp = compare_tensors(windowed.gradients[i], sequential.gradients[i], 1e-12, 1e-15,
-                                                   "gradient " + std::to_string(i));
-            INFO(cmp.message);
-            CHECK(cmp.ok);
-          }
+          check_same_gradients(windowed.gradients, sequential.gradients, 1e-12, 1e-15);
         }
       }
     }

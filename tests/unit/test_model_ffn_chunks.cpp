@@ -75,13 +75,7 @@ TEST_CASE("feed-forward token chunks: the same loss, statistics and gradients as
         CHECK(chunked.result.loss_sum == whole.result.loss_sum);
         CHECK(chunked.result.expert_load_max == whole.result.expert_load_max);
         CHECK(chunked.result.expert_load_min == whole.result.expert_load_min);
-        REQUIRE(chunked.gradients.size() == whole.gradients.size());
-        for (size_t i = 0; i < whole.gradients.size(); ++i) {
-          const Comparison cmp = compare_tensors(chunked.gradients[i], whole.gradients[i], 1e-12, 1e-15,
-                                                 "gradient " + std::to_string(i));
-          INFO(cmp.message);
-          CHECK(cmp.ok);
-        }
+        check_same_gradients(chunked.gradients, whole.gradients, 1e-12, 1e-15);
       }
     }
   }

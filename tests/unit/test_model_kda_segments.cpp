@@ -106,13 +106,7 @@ void check_same(const Step& segmented, const Step& whole, double rtol) {
   INFO(logits.message);
   CHECK(logits.ok);
   CHECK(segmented.result.loss_sum == Approx(whole.result.loss_sum).epsilon(1e-12));
-  REQUIRE(segmented.gradients.size() == whole.gradients.size());
-  for (size_t i = 0; i < whole.gradients.size(); ++i) {
-    const Comparison cmp =
-        compare_tensors(segmented.gradients[i], whole.gradients[i], 1e-10, 1e-13, "gradient " + std::to_string(i));
-    INFO(cmp.message);
-    CHECK(cmp.ok);
-  }
+  check_same_gradients(segmented.gradients, whole.gradients, 1e-10, 1e-13);
 }
 
 }  // namespace
