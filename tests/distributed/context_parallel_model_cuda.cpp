@@ -7,8 +7,9 @@
 //     synthetic window per micro-batch;
 //   a golden fixture's name (tests/fixtures/golden/<name>): that Hugging Face checkpoint and PEFT
 //     adapter on its batch, the loss also held against the reference's (transformers + PEFT).
-// The micro-batch is cut into one shard per rank; documents span shards and shards hold document
-// starts, so KDA's short convolutions read halos from earlier ranks, its states pass between
+// The micro-batch is cut into one shard per rank (contiguous; with --balanced, after the subject,
+// the balanced layout: chunks r and 2 cp - 1 - r of every window); documents span shards and
+// shards hold document starts, so KDA's short convolutions read halos from earlier ranks, its states pass between
 // shards, and MLA's and DSA's keys are gathered. The model runs in BF16 (the CUDA model's dtype)
 // and the two sides take different kernels (the attention with key segments runs on the SIMT
 // kernels, KDA's state passes through F32 folds), so the limits are BF16 ones; a missing halo or
@@ -140,15 +141,18 @@ struct Step {
 };
 
 // One training step's loss and gradients (the trainer's step up to the update).
-Step one_step(Model& model, const Batch& micro_batch, int cp, int shard) {
+Step one_step(Model& model, const Batch& micro_batch, int cp, int shard, ContextLayout layout) {
   AdamW optimizer(model.parameter_groups(), AdamWOptions{}, model.backend());
-  const Batch batch = cp > 1 ? context_shard(micro_batch, cp, shard) : micro_batch;
+  const Batch batch = cp > 1 ? context_shard(micro_batch, cp, shard, layout) : micro_batch;
   const double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
   const StepResult result = model.forward_backward(batch, 1.0 / targets);
   optimizer.reduce_gradients();
   optimizer.gather_gradients();
   Step step;
-  for (int r = 1; r < cp; ++r) step.spans_ranks = step.spans_ranks || batch.context->continues_document(r);
+  if (batch.context) {
+    for (size_t j = 1; j < batch.context->spans().size(); ++j)
+      step.spans_ranks = step.spans_ranks || batch.context->continues_document(static_cast<int>(j));
+  }
   step.loss = model.sum_over_data_ranks(result.loss_sum) / targets;
   for (Parameter* p : model.parameters()) {
     Tensor g(p->grad.shape(), DType::kF32);
@@ -164,7 +168,10 @@ int run_test(Runtime& runtime, int argc, char** argv) {
     return 77;
   }
   const int cp = runtime.world();
-  const Subject s = subject(argc > 1 ? argv[1] : "");
+  const bool balanced = argc > 1 && std::string(argv[argc - 1]) == "--balanced";
+  const int subjects = argc - (balanced ? 1 : 0);
+  const Subject s = subject(subjects > 1 ? argv[1] : "");
+  const ContextLayout layout = balanced ? ContextLayout::kBalanced : ContextLayout::kContiguous;
   const ModelSpec& spec = s.spec;
   MeshShape shape;
   shape.cp = cp;
@@ -176,11 +183,11 @@ int run_test(Runtime& runtime, int argc, char** argv) {
       s.fixture_dir.empty() ? SyntheticData(s.config.data, spec.config.vocab_size, 0, 1).next() : s.batch;
   Model model(spec, *gpu, model_options(s, &staged.groups));
   prepare(model, s);
-  const Step shards = one_step(model, micro_batch, cp, runtime.rank());
+  const Step shards = one_step(model, micro_batch, cp, runtime.rank(), layout);
 
   Model reference(spec, *gpu, model_options(s, nullptr));
   prepare(reference, s);
-  const Step whole = one_step(reference, micro_batch, 1, 0);
+  const Step whole = one_step(reference, micro_batch, 1, 0, layout);
 
   // BF16 activations through three layers: the loss to 1e-2, a gradient to 0.15 of its largest value,
   // the golden bf16 bound (tests/cuda/test_cuda_golden_model.cpp). The cut moves the roundings: on the
@@ -228,8 +235,8 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   }
   MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (runtime.is_root())
-    std::printf("context_parallel_model_cuda cp %d, %s, loss %.6f (one rank %.6f%s), %zu gradients: %s\n", cp,
-                s.name.empty() ? "tiny MLA + KDA + DSA" : s.name.c_str(), shards.loss, whole.loss,
+    std::printf("context_parallel_model_cuda cp %d%s, %s, loss %.6f (one rank %.6f%s), %zu gradients: %s\n", cp,
+                balanced ? " balanced" : "", s.name.empty() ? "tiny MLA + KDA + DSA" : s.name.c_str(), shards.loss, whole.loss,
                 s.fixture_dir.empty() ? "" : fmt::format(", reference {:.6f}", s.golden_loss).c_str(),
                 shards.grads.size(), failures == 0 ? "EQUAL" : "DIFFERENT");
   return failures == 0 ? 0 : 1;

@@ -335,6 +335,7 @@ TEST_CASE("context parallelism: the plan counts each mixer's exchanges per step"
   };
   CHECK(item(make_memory_plan(config, options), "CP MLA latent") == -1.0);  // none at cp 1
   config.parallel.cp = 4;
+  config.parallel.cp_layout = "contiguous";
   // 4 tokens a rank, 3 other ranks, 2 micro-batches, every layer re-run, 2 B activations.
   const MemoryPlan plan = make_memory_plan(config, options);
   REQUIRE(plan.tokens_per_micro_batch == 4);
@@ -351,12 +352,22 @@ TEST_CASE("context parallelism: the plan counts each mixer's exchanges per step"
   const MemoryPlan kept = make_memory_plan(config, options);
   CHECK(item(kept, "CP MLA latent") == 2.0 * 3 * 2 * 4 * 12 * 2);
   CHECK(item(kept, "CP KDA state transitions") == 2.0 * 3 * 2 * (32 + 32) * 4);
+  config.parallel.recompute = true;
+  // Balanced: a rank holds two spans of each of the 2 windows, each with its (M, state) pair and
+  // its halo; the latent pieces stay one padded shard a rank.
+  config.parallel.cp_layout = "balanced";
+  const MemoryPlan paired = make_memory_plan(config, options);
+  CHECK(item(paired, "CP KDA state transitions") == 4 * 2.0 * 3 * 3 * (32 + 32) * 4);
+  CHECK(item(paired, "CP KDA convolution halo") == 4 * 2.0 * 3 * 4 * 3 * 24 * 2);
+  CHECK(item(paired, "CP MLA latent") == item(plan, "CP MLA latent"));
+  CHECK(item(paired, "CP DSA latent and indexer keys") == item(plan, "CP DSA latent and indexer keys"));
 }
 
 TEST_CASE("context parallelism: the plan says how much more work the busiest contiguous shard does") {
   Config config = testing::tiny_model_config(false);  // MLA, KDA, MLA
   config.data.micro_batch = 1;
   config.data.seq_len = 8;
+  config.parallel.cp_layout = "contiguous";
   PlanOptions options;
   options.world = 2;
   CHECK(make_memory_plan(config, options).cp_busiest_over_mean == 1.0);
@@ -384,6 +395,38 @@ TEST_CASE("context parallelism: the plan says how much more work the busiest con
   // KDA's cost is per token: its shards balance exactly.
   config.model.layers = {"kda", "kda", "kda"};
   CHECK(make_memory_plan(config, options).cp_busiest_over_mean == Approx(1.0).epsilon(1e-12));
+}
+
+TEST_CASE("context parallelism: balanced chunk pairs give every rank the same causal work") {
+  Config config = testing::tiny_model_config(false);  // MLA, KDA, MLA
+  config.data.micro_batch = 2;
+  config.data.seq_len = 8;
+  PlanOptions options;
+  options.world = 2;
+  config.parallel.cp = 2;
+  // Chunks of 2: rank 0 holds tokens 1-2 and 7-8 of each window (1 + 2 + 7 + 8 = 18 keys), rank 1
+  // tokens 3-6 (3 + 4 + 5 + 6 = 18); contiguous, rank 1 holds the second window, no worse than
+  // rank 0 (windows are documents of their own).
+  const MemoryPlan balanced = make_memory_plan(config, options);
+  CHECK(balanced.cp_balanced);
+  CHECK(balanced.cp_busiest_over_mean == balanced.cp_busiest_balanced);
+  CHECK(balanced.cp_busiest_balanced == Approx(1.0).epsilon(1e-12));
+  CHECK(balanced.cp_busiest_contiguous == Approx(1.0).epsilon(1e-12));
+  // One window of 4096 at cp 4: contiguous is far off, balanced exact.
+  config.model.max_position_embeddings = 4096;
+  config.data.micro_batch = 1;
+  config.data.seq_len = 4096;
+  options.world = 4;
+  config.parallel.cp = 4;
+  const MemoryPlan long_window = make_memory_plan(config, options);
+  CHECK(long_window.cp_busiest_contiguous > 1.15);
+  CHECK(long_window.cp_busiest_balanced == Approx(1.0).epsilon(1e-12));
+  CHECK(long_window.cp_busiest_over_mean == long_window.cp_busiest_balanced);
+  config.parallel.cp_layout = "contiguous";
+  CHECK(make_memory_plan(config, options).cp_busiest_over_mean == long_window.cp_busiest_contiguous);
+  // A window that does not split into 2 cp chunks: no balanced figure.
+  config.data.seq_len = 4092;
+  CHECK(make_memory_plan(config, options).cp_busiest_balanced == 0.0);
 }
 
 TEST_CASE("on one rank the plan's Adam state is what AdamW allocates: the two moments") {
