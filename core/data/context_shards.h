@@ -48,6 +48,8 @@ class ContextShards {
   static ContextShards balanced(std::vector<int32_t> window_cu, int ranks, int64_t seq_len);
 
   int ranks() const { return ranks_; }
+  // The window's segment offsets, as given.
+  const std::vector<int32_t>& window_cu() const { return window_cu_; }
   // Every span in window order.
   const std::vector<Span>& spans() const { return spans_; }
   // Rank r's spans (indices into spans()), in window order, which is also their order in its rows.

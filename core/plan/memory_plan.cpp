@@ -600,32 +600,22 @@ void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) 
       "grad_accum x (cp-1) x per KDA layer (3 + 1 if re-run) x (conv_width - 1) x 3 H d x a" + per_span);
 }
 
-// The busiest context-parallel rank's model FLOPs over the mean's, every window one document.
-// ModelFlops counts per query (its projections, and its keys within its document), so window
-// tokens [b, e) cost the first e tokens' FLOPs less the first b's: contiguous shards cut the
-// micro-batch's token stream, balanced ones pair chunks r and 2 cp - 1 - r of every window.
+// The busiest context-parallel rank's model FLOPs over the mean's, every window of the
+// micro-batch one document, cut as the layout cuts it (ModelFlops::shard); 0 where the balanced
+// layout cannot cut the window.
 double busiest_shard_over_mean(const PlanInputs& in, int cp, ContextLayout layout) {
   if (cp <= 1) return 1.0;
-  const ModelFlops flops(in.spec, in.config.lora);
   const int64_t window = in.config.data.seq_len, tokens = in.config.data.micro_batch * window;
+  if (tokens <= 0) return 1.0;
   if (layout == ContextLayout::kBalanced && window % (2 * cp) != 0) return 0.0;
-  auto first = [&](int64_t n) {
-    std::vector<int32_t> cu = {0};
-    for (int64_t w = window; w < n; w += window) cu.push_back(static_cast<int32_t>(w));
-    cu.push_back(static_cast<int32_t>(n));
-    return n > 0 ? flops.step(n, cu).total() : 0.0;
-  };
-  const double mean = first(tokens) / cp;
+  std::vector<int32_t> cu;
+  for (int64_t w = 0; w <= tokens; w += window) cu.push_back(static_cast<int32_t>(w));
+  const ContextShards shards =
+      layout == ContextLayout::kBalanced ? ContextShards::balanced(cu, cp, window) : ContextShards::even(cu, cp);
+  const ModelFlops flops(in.spec, in.config.lora);
+  const double mean = flops.step(tokens, cu).total() / cp;
   double busiest = 0;
-  if (layout == ContextLayout::kContiguous) {
-    for (int r = 0; r < cp; ++r) busiest = std::max(busiest, first(tokens * (r + 1) / cp) - first(tokens * r / cp));
-  } else {
-    // Every window alike: a rank's share of one window, times the windows.
-    const int64_t chunk = window / (2 * cp);
-    auto span = [&](int64_t c) { return first((c + 1) * chunk) - first(c * chunk); };
-    for (int r = 0; r < cp; ++r)
-      busiest = std::max(busiest, static_cast<double>(in.config.data.micro_batch) * (span(r) + span(2 * cp - 1 - r)));
-  }
+  for (int r = 0; r < cp; ++r) busiest = std::max(busiest, flops.shard(shards, r).total());
   return mean > 0 ? busiest / mean : 1.0;
 }
 

@@ -356,8 +356,11 @@ TrainerOptions make_trainer_options(const Config& config, const ModelSpec& spec,
   options.loss_floor = data.loss_floor();
   if (backend.device() != Device::kCPU) {
     options.peak_flops = backend.stats().peak_bf16_flops;
+    // A context-parallel shard's queries attend keys the other ranks hold: counted from their
+    // documents' starts.
     options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
-      return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
+      return batch.context ? flops.shard(*batch.context, batch.context_rank).total()
+                           : flops.step(batch.num_tokens(), batch.cu_seqlens).total();
     };
   }
   if (eval) {

@@ -397,6 +397,25 @@ TEST_CASE("context parallelism: the plan says how much more work the busiest con
   CHECK(make_memory_plan(config, options).cp_busiest_over_mean == Approx(1.0).epsilon(1e-12));
 }
 
+TEST_CASE("context parallelism: a shard's model FLOPs count its queries' keys on other ranks") {
+  Config config = testing::tiny_model_config(true);  // MLA, KDA, DSA
+  const ModelFlops flops(plan_model_spec(config.model), config.lora);
+  // Two windows of 12, documents [0, 5) [5, 12) | [12, 24); every layout's shares add up to the
+  // whole micro-batch's FLOPs, and one rank holding everything costs the same.
+  const std::vector<int32_t> cu = {0, 5, 12, 24};
+  const double whole = flops.step(24, cu).total();
+  for (const ContextShards& shards : {ContextShards::even(cu, 3), ContextShards::balanced(cu, 3, 12),
+                                      ContextShards::balanced(cu, 1, 12)}) {
+    double sum = 0;
+    for (int r = 0; r < shards.ranks(); ++r) sum += flops.shard(shards, r).total();
+    CHECK(sum == Approx(whole).epsilon(1e-12));
+  }
+  // Rank 1 of two contiguous shards holds [12, 24): one whole document, as on its own.
+  CHECK(flops.shard(ContextShards::even(cu, 2), 1).total() == Approx(flops.step(12, {0, 12}).total()).epsilon(1e-12));
+  // Rank 2 of three holds [16, 24): more than a document of 8 alone (its queries see [12, 16) too).
+  CHECK(flops.shard(ContextShards::even(cu, 3), 2).total() > flops.step(8, {0, 8}).total());
+}
+
 TEST_CASE("context parallelism: balanced chunk pairs give every rank the same causal work") {
   Config config = testing::tiny_model_config(false);  // MLA, KDA, MLA
   config.data.micro_batch = 2;
