@@ -1,5 +1,5 @@
-// The mixers across a context-parallel group (core/model/kda_context_parallel.h,
-// attention_context_parallel.h) equal the same mixer over the whole window on one rank, forward
+// The mixers across a context-parallel group (core/model/kda_context_parallel.h: KDA and its short
+// convolution; attention_context_parallel.h) equal the same mixer over the whole window on one rank, forward
 // and every input gradient, on the CPU backend under mpirun, in both layouts (contiguous and
 // balanced, core/data/context_shards.h): documents inside one shard, across two and across all, a
 // document starting exactly at a shard's start, a window that does not split evenly, and (3 ranks
@@ -128,6 +128,41 @@ int run_attention_case(const Case& c, const ContextShards& shards, DType dtype, 
                  shards, me, tolerance);
 }
 
+// The short convolution before KDA (ShortConvAcrossRanks: the halos from the spans before each of
+// a rank's spans, and the halos' gradients back to their owners) against one call over the whole
+// window: y, dx, and dweight summed over the group.
+int run_short_conv_case(const Case& c, const ContextShards& shards, DType dtype, double tolerance,
+                        kernels::Backend& backend, Communicator& cp) {
+  constexpr int64_t kChannels = 5, kWidth = 4;
+  const int me = cp.rank();
+  const int64_t tokens = c.cu.back();
+  const uint64_t seed = 4000 + c.cu.size();
+  const Tensor x = testing::random_tensor({tokens, kChannels}, dtype, seed + 1, -1.0, 1.0);
+  const Tensor weight = testing::random_tensor({kChannels, kWidth}, dtype, seed + 2, -1.0, 1.0);
+  const Tensor dy = testing::random_tensor({tokens, kChannels}, dtype, seed + 3, -1.0, 1.0);
+  const Tensor cu = testing::make_i32(c.cu);
+  Tensor want_y({tokens, kChannels}, dtype), want_dx({tokens, kChannels}, dtype), want_dw({kChannels, kWidth}, dtype);
+  backend.short_conv_forward({want_y, x, weight, cu, true});
+  backend.short_conv_backward({want_dx, want_dw, dy, x, weight, cu, true});
+
+  const Tensor sx = testing::shard_rows(x, shards, me), sdy = testing::shard_rows(dy, shards, me);
+  const Tensor scu = testing::make_i32(shards.local_cu(me));
+  Tensor y({shards.tokens(me), kChannels}, dtype), dx(y.shape(), dtype), dw({kChannels, kWidth}, dtype);
+  ShortConvAcrossRanks conv(backend, cp, shards, kWidth);
+  conv.forward({y, sx, weight, scu, true});
+  conv.backward({dx, dw, sdy, sx, weight, scu, true});
+  cp.all_reduce(dw.view());
+  const std::string label = "short conv: " + c.name + " (" + dtype_name(dtype) + ")";
+  int failures = compare(label, {{"y", &y, &want_y}, {"dx", &dx, &want_dx}}, shards, me, tolerance);
+  const double worst = testing::worst_shard_difference(dw, want_dw, 0);
+  if (!(worst <= tolerance)) {
+    ++failures;
+    log::error(fmt::format("{}, rank {}: dweight summed over the group differs from the whole window's by {:.3e}",
+                           label, me, worst));
+  }
+  return failures;
+}
+
 int run_test(Runtime& runtime, int, char**) {
   MpiCommunicator cp(MPI_COMM_WORLD);
   auto backend = kernels::make_cpu_backend();
@@ -151,6 +186,7 @@ int run_test(Runtime& runtime, int, char**) {
                    {0, 5, window / 2 + 3, window - 4, window}, {}, true});
   cases.push_back({"balanced: a document starting at the second half", {0, 2, window / 2, window}, {}, true});
   cases.push_back({"balanced: chunks of 2 tokens, short documents", {0, 1, 2 * ranks + 1, 4 * ranks}, {}, true});
+  cases.push_back({"balanced: chunks of 1 token (halos over several spans)", {0, 2 * ranks}, {}, true});
   int failures = 0;
   for (const Case& c : cases) {
     const ContextShards shards = c.balanced       ? ContextShards::balanced(c.cu, ranks, c.cu.back())
@@ -158,6 +194,7 @@ int run_test(Runtime& runtime, int, char**) {
                                                   : ContextShards(c.cu, c.cuts);
     for (const auto& [dtype, tolerance] : {std::make_pair(DType::kF64, 1e-10), std::make_pair(DType::kF32, 2e-5)}) {
       failures += run_kda_case(c, shards, dtype, tolerance, *backend, cp);
+      failures += run_short_conv_case(c, shards, dtype, tolerance, *backend, cp);
       for (const int64_t key_chunk : {0, 1, 7}) {
         failures += run_attention_case(c, shards, dtype, tolerance, key_chunk, *backend, cp);
       }
@@ -165,8 +202,8 @@ int run_test(Runtime& runtime, int, char**) {
   }
   cp.all_reduce(&failures, 1);
   if (runtime.is_root())
-    std::printf("context_parallel cp %d, kda and attention, %zu cases in F64 and F32: %s\n", ranks, cases.size(),
-                failures == 0 ? "EQUAL" : "DIFFERENT");
+    std::printf("context_parallel cp %d, kda, short conv and attention, %zu cases in F64 and F32: %s\n", ranks,
+                cases.size(), failures == 0 ? "EQUAL" : "DIFFERENT");
   return failures == 0 ? 0 : 1;
 }
 
