@@ -174,9 +174,14 @@ struct LoraConfig {
 struct ParallelConfig {
   int64_t fsdp = 1;
   int64_t ep = 1;
-  // Context parallelism: each micro-batch is cut into cp contiguous shards of its tokens, one per
-  // rank of a group of cp ranks (docs/PARALLEL.md); the world / cp groups read different data.
+  // Context parallelism: each micro-batch is cut into cp shards of its tokens, one per rank of a
+  // group of cp ranks (docs/PARALLEL.md); the world / cp groups read different data.
   int64_t cp = 1;
+  // How the cp shards cut a window (core/data/context_shards.h): `balanced`, each window in
+  // 2 cp equal chunks with rank r holding chunks r and 2 cp - 1 - r, so that every rank does the
+  // same causal attention work (data.seq_len a multiple of 2 cp); `contiguous`, one run of
+  // consecutive tokens per rank, the last rank attending the most keys.
+  std::string cp_layout = "balanced";
   int64_t prefetch = 1;
   // Re-run each layer's forward in its backward instead of keeping what the backward reads: less
   // memory, one more forward. recompute_layers: only the first N layers re-run (the rest keep

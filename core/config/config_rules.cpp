@@ -477,6 +477,13 @@ void check_parallel(const Config& c, Rules& r) {
                "`data.micro_batch` = " + show(tokens) + " (each rank of a context-parallel group holds an equal " +
                "contiguous shard): make data.seq_len a multiple of " + show(p.cp));
   }
+  r.one_of("parallel.cp_layout", p.cp_layout, {"balanced", "contiguous"});
+  if (p.cp > 1 && p.cp_layout == "balanced" && c.data.seq_len > 0 && c.data.seq_len % (2 * p.cp) != 0) {
+    r.fail({"parallel.cp_layout", "data.seq_len", "parallel.cp"},
+           "`parallel.cp_layout` = `balanced` cuts each window of `data.seq_len` = " + show(c.data.seq_len) +
+               " tokens into 2 x `parallel.cp` = " + show(2 * p.cp) + " equal chunks: make data.seq_len a multiple of " +
+               show(2 * p.cp) + ", or set parallel.cp_layout: contiguous");
+  }
   r.at_least<int64_t>("parallel.prefetch", p.prefetch, 0);
   r.at_least<int64_t>("parallel.ffn_chunk_tokens", p.ffn_chunk_tokens, 0);
   r.at_least<int64_t>("parallel.cp_key_chunk", p.cp_key_chunk, 0);

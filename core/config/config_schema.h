@@ -139,6 +139,7 @@ void visit_fields(V& v, ParallelConfig& c) {
   v.field("fsdp", c.fsdp);
   v.field("ep", c.ep);
   v.field("cp", c.cp);
+  v.field("cp_layout", c.cp_layout);
   v.field("prefetch", c.prefetch);
   v.field("recompute", c.recompute);
   v.field("recompute_layers", c.recompute_layers);

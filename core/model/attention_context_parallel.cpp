@@ -19,17 +19,32 @@ Shape with_rows(const TensorView& t, int64_t rows) {
   return shape;
 }
 
-// For every shard j, the part of window tokens [from, to) it holds: body(j, first, count) with
-// `first` the window position of its first token there.
+// For every span of the window, the part of window tokens [from, to) it holds: body(span, first,
+// count) with `first` the window position of its first token there.
 template <typename Body>
 void for_each_part(const ContextShards& shards, int64_t from, int64_t to, Body&& body) {
-  for (int j = 0; j < shards.ranks(); ++j) {
-    const int64_t first = std::max(from, shards.begin(j)), last = std::min(to, shards.end(j));
-    if (first < last) body(j, first, last - first);
+  for (const ContextShards::Span& span : shards.spans()) {
+    const int64_t first = std::max(from, span.begin), last = std::min(to, span.end);
+    if (first < last) body(span, first, last - first);
   }
 }
 
-// The int32 offsets `cu` on the backend's device.
+// For every visible row of rank `me` and the span holding it: body(at_visible, at_gathered, count)
+// for `count` rows from visible row at_visible, at row at_gathered of every rank's rows gathered
+// (`longest` rows a rank).
+template <typename Body>
+void for_each_visible_part(const ContextShards& shards, int me, int64_t longest, Body&& body) {
+  int64_t at_visible = 0;
+  for (const ContextShards::Range& range : shards.visible_ranges(me)) {
+    for_each_part(shards, range.begin, range.end, [&](const ContextShards::Span& span, int64_t first, int64_t count) {
+      body(at_visible + first - range.begin, span.rank * longest + span.row + first - span.begin, count);
+    });
+    at_visible += range.end - range.begin;
+  }
+}
+
+}  // namespace
+
 Tensor upload_offsets(kernels::Backend& backend, const std::vector<int32_t>& cu) {
   Tensor host({static_cast<int64_t>(cu.size())}, DType::kI32);
   std::copy(cu.begin(), cu.end(), host.ptr<int32_t>());
@@ -39,7 +54,22 @@ Tensor upload_offsets(kernels::Backend& backend, const std::vector<int32_t>& cu)
   return t;
 }
 
-}  // namespace
+std::vector<SpanQueries> span_queries(kernels::Backend& backend, const ContextShards& shards, int rank) {
+  std::vector<SpanQueries> out;
+  for (int s : shards.spans_of(rank)) {
+    const ContextShards::Span& span = shards.spans()[s];
+    if (span.tokens() == 0) continue;
+    SpanQueries p;
+    p.row = span.row;
+    p.tokens = span.tokens();
+    p.key_from = shards.visible_row(rank, shards.document_start(s));
+    p.key_to = shards.visible_row(rank, span.end - 1) + 1;
+    p.key_cu = shards.key_cu(s);
+    p.cu = upload_offsets(backend, shards.span_cu(s));
+    out.push_back(std::move(p));
+  }
+  return out;
+}
 
 AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
                                            int64_t key_chunk)
@@ -50,8 +80,8 @@ AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicat
 Tensor gather_visible_rows(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
                            const TensorView& own) {
   const int me = cp.rank();
-  const int64_t longest = shards.longest_shard(), from = shards.document_start(me), to = shards.end(me);
-  Tensor visible(with_rows(own, to - from), own.dtype, backend.allocator());
+  const int64_t longest = shards.longest_shard();
+  Tensor visible(with_rows(own, shards.visible_rows(me)), own.dtype, backend.allocator());
   Tensor padded(with_rows(own, longest), own.dtype, backend.allocator());
   backend.fill(padded, 0.0);
   if (own.size(0) > 0) backend.copy(padded.view().slice_rows(0, own.size(0)), own);
@@ -61,10 +91,8 @@ Tensor gather_visible_rows(kernels::Backend& backend, Communicator& cp, const Co
   cp.wait_for(backend.stream());
   cp.all_gather(every.view(), padded.view());
   cp.release_to(backend.stream());
-  for_each_part(shards, from, to, [&](int j, int64_t first, int64_t count) {
-    const int64_t at = j * longest + first - shards.begin(j);
-    backend.copy(visible.view().slice_rows(first - from, first - from + count),
-                 every.view().slice_rows(at, at + count));
+  for_each_visible_part(shards, me, longest, [&](int64_t at_visible, int64_t at, int64_t count) {
+    backend.copy(visible.view().slice_rows(at_visible, at_visible + count), every.view().slice_rows(at, at + count));
   });
   return visible;
 }
@@ -72,12 +100,11 @@ Tensor gather_visible_rows(kernels::Backend& backend, Communicator& cp, const Co
 void return_visible_gradient(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
                              const TensorView& visible, const TensorView& own) {
   const int me = cp.rank();
-  const int64_t longest = shards.longest_shard(), from = shards.document_start(me);
+  const int64_t longest = shards.longest_shard();
   Tensor every(with_rows(own, longest * cp.size()), own.dtype, backend.allocator());
   backend.fill(every, 0.0);
-  for_each_part(shards, from, shards.end(me), [&](int j, int64_t first, int64_t count) {
-    const int64_t at = j * longest + first - shards.begin(j);
-    backend.copy(every.view().slice_rows(at, at + count), visible.slice_rows(first - from, first - from + count));
+  for_each_visible_part(shards, me, longest, [&](int64_t at_visible, int64_t at, int64_t count) {
+    backend.copy(every.view().slice_rows(at, at + count), visible.slice_rows(at_visible, at_visible + count));
   });
   Tensor mine(with_rows(own, longest), own.dtype, backend.allocator());
   cp.wait_for(backend.stream());
@@ -86,15 +113,10 @@ void return_visible_gradient(kernels::Backend& backend, Communicator& cp, const 
   if (own.size(0) > 0) backend.copy(own, mine.view().slice_rows(0, own.size(0)));
 }
 
-Tensor visible_key_segments(kernels::Backend& backend, const ContextShards& shards, int rank) {
-  return upload_offsets(backend, shards.key_cu(rank));
-}
-
 KeyChunks::KeyChunks(kernels::Backend& backend, const ContextShards& shards, int rank, int64_t chunk_rows)
     : backend_(backend),
-      key_cu_(shards.key_cu(rank)),
-      visible_rows_(shards.end(rank) - shards.document_start(rank)),
-      own_rows_(shards.tokens(rank)),
+      spans_(span_queries(backend, shards, rank)),
+      visible_rows_(shards.visible_rows(rank)),
       chunk_rows_(chunk_rows > 0 ? chunk_rows : std::max<int64_t>(shards.longest_shard(), 1)) {}
 
 template <typename Body>
@@ -102,52 +124,86 @@ void KeyChunks::for_each_chunk(Body&& body) const {
   for (int64_t from = 0; from < visible_rows_; from += chunk_rows_) body(from, std::min(from + chunk_rows_, visible_rows_));
 }
 
-Tensor KeyChunks::segments(int64_t from, int64_t to) const {
-  std::vector<int32_t> cu = key_cu_;
-  for (int32_t& c : cu) c = static_cast<int32_t>(std::clamp<int64_t>(c, from, to) - from);
+Tensor KeyChunks::segments(const SpanQueries& p, int64_t from, int64_t to) const {
+  std::vector<int32_t> cu = p.key_cu;
+  for (int32_t& c : cu) c = static_cast<int32_t>(std::clamp<int64_t>(p.key_from + c, from, to) - from);
   return upload_offsets(backend_, cu);
 }
 
 void KeyChunks::forward(const AttentionArgs& args, const Keys& keys) const {
+  std::vector<bool> started(spans_.size(), false);
   for_each_chunk([&](int64_t from, int64_t to) {
     const Chunk chunk = keys(from, to);
-    const Tensor cu = segments(from, to);
-    AttentionArgs run = args;
-    run.k = chunk.k;
-    run.v = chunk.v;
-    run.cu_seqlens_k = cu;
-    run.key_shift = shift(from);
-    // The first chunk writes out and lse; each later one is folded in.
-    if (from == 0) {
+    for (size_t i = 0; i < spans_.size(); ++i) {
+      const SpanQueries& p = spans_[i];
+      const int64_t first = std::max(from, p.key_from), last = std::min(to, p.key_to);
+      if (first >= last) continue;
+      const Tensor cu = segments(p, first, last);
+      const TensorView out = args.out.slice_rows(p.row, p.row + p.tokens);
+      const TensorView lse = args.lse.slice_rows(p.row, p.row + p.tokens);
+      AttentionArgs run = args;
+      run.q = args.q.slice_rows(p.row, p.row + p.tokens);
+      run.k = chunk.k.view().slice_rows(first - from, last - from);
+      run.v = chunk.v.view().slice_rows(first - from, last - from);
+      run.cu_seqlens = p.cu;
+      run.cu_seqlens_k = cu;
+      // The span's queries are the last of its keys: query i sits at key row key_to - tokens + i.
+      run.key_shift = p.key_to - p.tokens - first;
+      // The first chunk a span sees writes its out and lse; each later one is folded in.
+      if (!started[i]) {
+        run.out = out;
+        run.lse = lse;
+        backend_.attention_forward(run);
+        started[i] = true;
+        continue;
+      }
+      Tensor chunk_out(out.shape, out.dtype, backend_.allocator());
+      Tensor chunk_lse(lse.shape, lse.dtype, backend_.allocator());
+      run.out = chunk_out;
+      run.lse = chunk_lse;
       backend_.attention_forward(run);
-      return;
+      backend_.attention_merge(kernels::AttentionMergeArgs{out, lse, chunk_out, chunk_lse});
     }
-    Tensor out(args.out.shape, args.out.dtype, backend_.allocator());
-    Tensor lse(args.lse.shape, args.lse.dtype, backend_.allocator());
-    run.out = out;
-    run.lse = lse;
-    backend_.attention_forward(run);
-    backend_.attention_merge(kernels::AttentionMergeArgs{args.out, args.lse, out, lse});
   });
 }
 
 void KeyChunks::backward(const AttentionBackwardArgs& args, const Keys& keys, const KeyGradients& key_gradients) const {
+  std::vector<bool> started(spans_.size(), false);
   for_each_chunk([&](int64_t from, int64_t to) {
     const Chunk chunk = keys(from, to);
-    const Tensor cu = segments(from, to);
     Tensor dk(chunk.k.shape(), args.dq.dtype, backend_.allocator());
     Tensor dv(chunk.v.shape(), args.dq.dtype, backend_.allocator());
-    Tensor dq = from == 0 ? Tensor() : Tensor(args.dq.shape, args.dq.dtype, backend_.allocator());
-    AttentionBackwardArgs run = args;
-    if (from > 0) run.dq = dq;
-    run.k = chunk.k;
-    run.v = chunk.v;
-    run.dk = dk;
-    run.dv = dv;
-    run.cu_seqlens_k = cu;
-    run.key_shift = shift(from);
-    backend_.attention_backward(run);
-    if (from > 0) backend_.axpby(args.dq, dq, 1.0, 1.0);
+    backend_.fill(dk, 0.0);
+    backend_.fill(dv, 0.0);
+    for (size_t i = 0; i < spans_.size(); ++i) {
+      const SpanQueries& p = spans_[i];
+      const int64_t first = std::max(from, p.key_from), last = std::min(to, p.key_to);
+      if (first >= last) continue;
+      const Tensor cu = segments(p, first, last);
+      const TensorView dq = args.dq.slice_rows(p.row, p.row + p.tokens);
+      Shape dk_shape = chunk.k.shape(), dv_shape = chunk.v.shape();
+      dk_shape[0] = dv_shape[0] = last - first;
+      Tensor span_dk(dk_shape, args.dq.dtype, backend_.allocator()), span_dv(dv_shape, args.dq.dtype, backend_.allocator());
+      Tensor span_dq = started[i] ? Tensor(dq.shape, dq.dtype, backend_.allocator()) : Tensor();
+      AttentionBackwardArgs run = args;
+      run.dq = started[i] ? span_dq.view() : dq;
+      run.dk = span_dk;
+      run.dv = span_dv;
+      run.dout = args.dout.slice_rows(p.row, p.row + p.tokens);
+      run.q = args.q.slice_rows(p.row, p.row + p.tokens);
+      run.out = args.out.slice_rows(p.row, p.row + p.tokens);
+      run.lse = args.lse.slice_rows(p.row, p.row + p.tokens);
+      run.k = chunk.k.view().slice_rows(first - from, last - from);
+      run.v = chunk.v.view().slice_rows(first - from, last - from);
+      run.cu_seqlens = p.cu;
+      run.cu_seqlens_k = cu;
+      run.key_shift = p.key_to - p.tokens - first;
+      backend_.attention_backward(run);
+      if (started[i]) backend_.axpby(dq, span_dq, 1.0, 1.0);
+      started[i] = true;
+      backend_.axpby(dk.view().slice_rows(first - from, last - from), span_dk, 1.0, 1.0);
+      backend_.axpby(dv.view().slice_rows(first - from, last - from), span_dv, 1.0, 1.0);
+    }
     key_gradients(from, to, dk, dv);
   });
 }

@@ -186,10 +186,15 @@ void DsaAttention::forward(const LayerContext& ctx, const TensorView& out, const
   s.o = ctx.alloc({n, heads, r});
   s.lse = ctx.alloc_accum({n, heads});
   if (ctx.context_parallel()) {
-    // The selection names rows of the latent rows up to this shard's end, gathered from every rank.
+    // Each span's selection names rows of the latent rows it sees (up to its end), gathered from
+    // every rank.
     const Tensor visible = gather_visible_rows(be, *ctx.context_group, *ctx.batch.context, s.kv);
-    be.sparse_attention_forward(SparseAttentionArgs{s.o, s.lse, s.q_abs, visible, s.selected, proj.softmax_scale(),
-                                                    visible.size(0) - n});
+    for (const SpanQueries& p : span_queries(be, *ctx.batch.context, ctx.context_group->rank())) {
+      auto rows = [&](const Tensor& t) { return t.view().slice_rows(p.row, p.row + p.tokens); };
+      be.sparse_attention_forward(SparseAttentionArgs{rows(s.o), rows(s.lse), rows(s.q_abs),
+                                                      visible.view().slice_rows(p.key_from, p.key_to), rows(s.selected),
+                                                      proj.softmax_scale(), p.key_to - p.key_from - p.tokens});
+    }
   } else {
     be.sparse_attention_forward(SparseAttentionArgs{s.o, s.lse, s.q_abs, s.kv, s.selected, proj.softmax_scale()});
   }
@@ -218,10 +223,18 @@ void DsaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
   Tensor dkv = ctx.alloc({n, abs_dim});
   if (ctx.context_parallel()) {
     // The latent rows as the forward gathered them; their gradient goes back to their owners.
+    // Spans may see the same rows: their gradients add up.
     const Tensor visible = gather_visible_rows(be, *ctx.context_group, *ctx.batch.context, s.kv);
     Tensor dvisible = ctx.alloc(visible.shape());
-    be.sparse_attention_backward(SparseAttentionBackwardArgs{dq_abs, dvisible, d_o, s.q_abs, visible, s.o, s.lse,
-                                                             s.selected, proj.softmax_scale(), visible.size(0) - n});
+    be.fill(dvisible, 0.0);
+    for (const SpanQueries& p : span_queries(be, *ctx.batch.context, ctx.context_group->rank())) {
+      auto rows = [&](const Tensor& t) { return t.view().slice_rows(p.row, p.row + p.tokens); };
+      Tensor dseen = ctx.alloc({p.key_to - p.key_from, abs_dim});
+      be.sparse_attention_backward(SparseAttentionBackwardArgs{
+          rows(dq_abs), dseen, rows(d_o), rows(s.q_abs), visible.view().slice_rows(p.key_from, p.key_to), rows(s.o),
+          rows(s.lse), rows(s.selected), proj.softmax_scale(), p.key_to - p.key_from - p.tokens});
+      be.axpby(dvisible.view().slice_rows(p.key_from, p.key_to), dseen, 1.0, 1.0);
+    }
     return_visible_gradient(be, *ctx.context_group, *ctx.batch.context, dvisible, dkv);
   } else {
     be.sparse_attention_backward(SparseAttentionBackwardArgs{dq_abs, dkv, d_o, s.q_abs, s.kv, s.o, s.lse, s.selected,

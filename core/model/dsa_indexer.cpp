@@ -73,11 +73,16 @@ Tensor DsaIndexer::select(const LayerContext& ctx, const TensorView& x, const Te
     be.dsa_indexer_topk(DsaIndexerArgs{selected, q, k, weights, ctx.batch.cu_seqlens, top_k, scale});
     return selected;
   }
-  // Context parallelism: the keys of the documents up to this shard's end, from every rank; the
-  // selection lists rows of those (DsaAttention gathers its latent rows alike).
+  // Context parallelism: each span of this rank scores the keys of its documents up to its end,
+  // from every rank; its selection lists rows of those keys, counted from the first
+  // (DsaAttention gathers its latent rows alike and attends span by span).
   const Tensor keys = gather_visible_rows(be, *ctx.context_group, *ctx.batch.context, k);
-  const Tensor key_segments = visible_key_segments(be, *ctx.batch.context, ctx.context_group->rank());
-  be.dsa_indexer_topk(DsaIndexerArgs{selected, q, keys, weights, ctx.batch.cu_seqlens, top_k, scale, key_segments});
+  for (const SpanQueries& p : span_queries(be, *ctx.batch.context, ctx.context_group->rank())) {
+    const Tensor key_segments = upload_offsets(be, p.key_cu);
+    auto rows = [&](const Tensor& t) { return t.view().slice_rows(p.row, p.row + p.tokens); };
+    be.dsa_indexer_topk(DsaIndexerArgs{rows(selected), rows(q), keys.view().slice_rows(p.key_from, p.key_to),
+                                       rows(weights), p.cu, top_k, scale, key_segments});
+  }
   return selected;
 }
 

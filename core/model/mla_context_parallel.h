@@ -28,7 +28,7 @@ namespace moetrain {
 
 class MlaAcrossRanks {
  public:
-  // The latent rows the queries of this rank see: window tokens [document_start, end) of its shard.
+  // The latent rows the queries of this rank see, in its visible layout (ContextShards::visible_ranges).
   struct Latent {
     Tensor kv_normed;  // [visible, kv_rank]
     Tensor k_pe;       // [visible, rope], rotated

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/data/context_shards.h"
 #include "core/plan/model_flops.h"
 #include "parallel/mesh.h"
 
@@ -235,6 +236,7 @@ MemoryPlan plan_layout(const PlanInputs& in) {
                               ? std::min(config.parallel.recompute_layers, m.num_layers)
                               : m.num_layers;
   plan.cp = in.mesh.cp();
+  plan.cp_balanced = plan.cp > 1 && context_layout_of(config.parallel.cp_layout) == ContextLayout::kBalanced;
   plan.tokens_per_micro_batch = config.data.micro_batch * config.data.seq_len / plan.cp;
   plan.micro_batches = config.data.grad_accum;
   plan.expert_window = std::max<int64_t>(1, std::min(config.train.expert_window, config.data.grad_accum));
@@ -553,7 +555,9 @@ void add_communication(MemoryPlan& plan, const PlanInputs& in) {
 
 // Context parallelism per rank per optimizer step: every exchange is an all-gather of one piece
 // per rank (padded to the longest shard) or the reduce-scatter of such pieces, so a rank sends
-// (cp - 1) pieces. Per layer and micro-batch, a forward that re-runs in the backward counts twice:
+// (cp - 1) pieces. The layout changes only KDA's pieces: the balanced one gives a rank two spans a
+// window, each with its (M, state) pair and its halo rows. Per layer and micro-batch, a forward
+// that re-runs in the backward counts twice:
 //   MLA  forward: the latent [r + rope] (each rank expands it); backward: its gradient (the
 //        forward's gathered rows are kept)                                      -> 2 (+1 re-run)
 //   DSA  forward: the latent and the indexer keys; backward: the latent, its gradient
@@ -564,6 +568,7 @@ void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) 
   const ModelConfig& m = in.spec.config;
   const double a = in.a, shards = static_cast<double>(plan.cp - 1), micro = static_cast<double>(plan.micro_batches);
   const double rows = static_cast<double>(plan.tokens_per_micro_batch);
+  const double spans = plan.cp_balanced ? 2.0 * static_cast<double>(in.config.data.micro_batch) : 1.0;
   double mla = 0, dsa = 0, kda_states = 0, kda_halo = 0;
   for (size_t i = 0; i < in.spec.mixers.size(); ++i) {
     const double rerun = plan.recompute && static_cast<int64_t>(i) < plan.recompute_layers ? 1.0 : 0.0;
@@ -578,8 +583,8 @@ void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) 
       }
       case MixerKind::kKda: {
         const double h = static_cast<double>(m.kda.num_heads), d = static_cast<double>(m.kda.head_dim);
-        kda_states += (2 + rerun) * h * d * (d + d) * kF32;
-        kda_halo += (3 + rerun) * static_cast<double>(m.kda.conv_width - 1) * 3 * h * d * a;
+        kda_states += spans * (2 + rerun) * h * d * (d + d) * kF32;
+        kda_halo += spans * (3 + rerun) * static_cast<double>(m.kda.conv_width - 1) * 3 * h * d * a;
         break;
       }
     }
@@ -588,28 +593,29 @@ void add_context_parallel_communication(MemoryPlan& plan, const PlanInputs& in) 
       "grad_accum x (cp-1) x per MLA layer (2 + 1 if re-run) x T x (kv_r + d_r) x a");
   add(plan.communication, "CP DSA latent and indexer keys", micro * shards * dsa,
       "grad_accum x (cp-1) x per DSA layer ((1 + re-run) (kv_r + d_r + index_head_dim) + 2 (kv_r + d_r)) x T x a");
+  const std::string per_span = plan.cp_balanced ? " x 2 x micro_batch spans a rank (balanced)" : "";
   add(plan.communication, "CP KDA state transitions", micro * shards * kda_states,
-      "grad_accum x (cp-1) x per KDA layer (2 + 1 if re-run) x H d (d + d) x 4 B (M and a state)");
+      "grad_accum x (cp-1) x per KDA layer (2 + 1 if re-run) x H d (d + d) x 4 B (M and a state)" + per_span);
   add(plan.communication, "CP KDA convolution halo", micro * shards * kda_halo,
-      "grad_accum x (cp-1) x per KDA layer (3 + 1 if re-run) x (conv_width - 1) x 3 H d x a");
+      "grad_accum x (cp-1) x per KDA layer (3 + 1 if re-run) x (conv_width - 1) x 3 H d x a" + per_span);
 }
 
-// The busiest context-parallel rank's model FLOPs over the mean's. ModelFlops counts per query
-// (its projections, and its keys within its document), so a shard [b, e) of the micro-batch costs
-// the first e tokens' FLOPs less the first b's.
-double busiest_shard_over_mean(const PlanInputs& in, int cp) {
+// The busiest context-parallel rank's model FLOPs over the mean's, every window of the
+// micro-batch one document, cut as the layout cuts it (ModelFlops::shard); 0 where the balanced
+// layout cannot cut the window.
+double busiest_shard_over_mean(const PlanInputs& in, int cp, ContextLayout layout) {
   if (cp <= 1) return 1.0;
-  const ModelFlops flops(in.spec, in.config.lora);
   const int64_t window = in.config.data.seq_len, tokens = in.config.data.micro_batch * window;
-  auto first = [&](int64_t n) {
-    std::vector<int32_t> cu = {0};
-    for (int64_t w = window; w < n; w += window) cu.push_back(static_cast<int32_t>(w));
-    cu.push_back(static_cast<int32_t>(n));
-    return n > 0 ? flops.step(n, cu).total() : 0.0;
-  };
+  if (tokens <= 0) return 1.0;
+  if (layout == ContextLayout::kBalanced && window % (2 * cp) != 0) return 0.0;
+  std::vector<int32_t> cu;
+  for (int64_t w = 0; w <= tokens; w += window) cu.push_back(static_cast<int32_t>(w));
+  const ContextShards shards =
+      layout == ContextLayout::kBalanced ? ContextShards::balanced(cu, cp, window) : ContextShards::even(cu, cp);
+  const ModelFlops flops(in.spec, in.config.lora);
+  const double mean = flops.step(tokens, cu).total() / cp;
   double busiest = 0;
-  for (int r = 0; r < cp; ++r) busiest = std::max(busiest, first(tokens * (r + 1) / cp) - first(tokens * r / cp));
-  const double mean = first(tokens) / cp;
+  for (int r = 0; r < cp; ++r) busiest = std::max(busiest, flops.shard(shards, r).total());
   return mean > 0 ? busiest / mean : 1.0;
 }
 
@@ -627,7 +633,9 @@ MemoryPlan plan_with_chunks(const PlanInputs& inputs, int64_t ffn_chunk_tokens, 
   add_activations(plan, inputs);
   add_communication(plan, inputs);
   add_context_parallel_communication(plan, inputs);
-  plan.cp_busiest_over_mean = busiest_shard_over_mean(inputs, plan.cp);
+  plan.cp_busiest_contiguous = busiest_shard_over_mean(inputs, plan.cp, ContextLayout::kContiguous);
+  plan.cp_busiest_balanced = busiest_shard_over_mean(inputs, plan.cp, ContextLayout::kBalanced);
+  plan.cp_busiest_over_mean = plan.cp_balanced ? plan.cp_busiest_balanced : plan.cp_busiest_contiguous;
   return plan;
 }
 

@@ -73,9 +73,12 @@ struct MemoryPlan {
   std::vector<PlanItem> communication;        // bytes sent per rank per optimizer step
   double ep_receive_worst_case_per_token = 0; // if every peer routed its tokens to this rank
   // Context parallelism's balance: the busiest rank's model FLOPs over the mean rank's, with every
-  // window of the micro-batch one document cut into contiguous shards (causal attention gives
-  // later shards more keys per query; 1 without cp or attention).
+  // window of the micro-batch one document, in the configured layout (parallel.cp_layout), and in
+  // each layout: contiguous shards (causal attention gives later shards more keys per query) and
+  // balanced chunk pairs (0 when data.seq_len is no multiple of 2 cp). 1 without cp or attention.
+  bool cp_balanced = false;
   double cp_busiest_over_mean = 1.0;
+  double cp_busiest_contiguous = 1.0, cp_busiest_balanced = 1.0;
 
   double gpu_bytes = 0, usable_bytes = 0;
 

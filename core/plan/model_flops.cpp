@@ -98,4 +98,23 @@ StepFlops ModelFlops::step(int64_t tokens, const std::vector<int32_t>& cu_seqlen
   return flops;
 }
 
+StepFlops ModelFlops::shard(const ContextShards& shards, int rank) const {
+  // The micro-batch's first n tokens, in its segments.
+  auto first = [&](int64_t n) {
+    std::vector<int32_t> cu = {0};
+    for (int32_t offset : shards.window_cu())
+      if (offset > 0 && offset < n) cu.push_back(offset);
+    cu.push_back(static_cast<int32_t>(n));
+    return n > 0 ? step(n, cu) : StepFlops{};
+  };
+  StepFlops flops;
+  for (int s : shards.spans_of(rank)) {
+    const StepFlops to = first(shards.spans()[s].end), from = first(shards.spans()[s].begin);
+    flops.frozen += to.frozen - from.frozen;
+    flops.lora += to.lora - from.lora;
+    flops.attention += to.attention - from.attention;
+  }
+  return flops;
+}
+
 }  // namespace moetrain

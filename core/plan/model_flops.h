@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/data/context_shards.h"
 #include "core/model/model_spec.h"
 
 namespace moetrain {
@@ -37,6 +38,10 @@ class ModelFlops {
 
   // A batch of `tokens` packed tokens whose segments are cu_seqlens' ([segments + 1] prefix sums).
   StepFlops step(int64_t tokens, const std::vector<int32_t>& cu_seqlens) const;
+  // Rank `rank`'s share of a micro-batch cut across a context-parallel group: its spans' queries,
+  // each with its keys from its document's start wherever they live (window tokens [b, e) cost
+  // the micro-batch's first e tokens less its first b).
+  StepFlops shard(const ContextShards& shards, int rank) const;
 
   double frozen_weights_per_token() const { return frozen_per_token_; }
   double lora_weights_per_token() const { return lora_per_token_; }

@@ -85,9 +85,14 @@ std::string format_plan(const MemoryPlan& plan) {
   rows(out, plan.communication, 1.0);
   out += fmt::format("  {:<42}{}\n", "total", gb(plan.communication_bytes()));
   if (plan.cp > 1) {
-    out += fmt::format("  context parallelism: the busiest of the cp {} ranks does {:.2f}x the mean's FLOPs (each "
-                       "window one document in contiguous shards: causal attention gives later shards more keys)\n",
-                       plan.cp, plan.cp_busiest_over_mean);
+    // Each window one document: causal attention gives later tokens more keys.
+    const std::string balanced = plan.cp_busiest_balanced > 0
+                                     ? fmt::format("{:.2f}x", plan.cp_busiest_balanced)
+                                     : std::string("not possible (data.seq_len is no multiple of 2 cp)");
+    out += fmt::format("  context parallelism ({} layout): the busiest of the cp {} ranks does {:.2f}x the mean's "
+                       "FLOPs; contiguous shards {:.2f}x, balanced chunk pairs {} (each window one document)\n",
+                       plan.cp_balanced ? "balanced" : "contiguous", plan.cp, plan.cp_busiest_over_mean,
+                       plan.cp_busiest_contiguous, balanced);
   }
   out += "\n";
 
@@ -176,7 +181,10 @@ std::string plan_to_json(const MemoryPlan& plan) {
   j["usable_bytes"] = plan.usable_bytes;
   j["ffn_chunk_tokens"] = plan.ffn_chunk_tokens;  // 0: the whole micro-batch
   j["ffn_chunk_auto"] = plan.ffn_chunk_auto;
+  j["cp_layout"] = plan.cp_balanced ? "balanced" : "contiguous";
   j["cp_busiest_over_mean"] = plan.cp_busiest_over_mean;
+  j["cp_busiest_over_mean_contiguous"] = plan.cp_busiest_contiguous;
+  j["cp_busiest_over_mean_balanced"] = plan.cp_busiest_balanced;
   j["mixer_segment_tokens"] = plan.mixer_segment_tokens;  // 0: the whole micro-batch
   j["mixer_segment_auto"] = plan.mixer_segment_auto;
   j["longest_tokens_without_offload"] = plan.longest_without_offload;

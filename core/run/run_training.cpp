@@ -265,10 +265,13 @@ struct RankMesh {
                                                    : "",
                           config.parallel.cp > 1
                               ? fmt::format(", context parallel cp={} (each micro-batch's {} tokens cut into {} "
-                                            "shards of {})",
+                                            "shards of {}, {})",
                                             config.parallel.cp, config.data.seq_len * config.data.micro_batch,
                                             config.parallel.cp,
-                                            config.data.seq_len * config.data.micro_batch / config.parallel.cp)
+                                            config.data.seq_len * config.data.micro_batch / config.parallel.cp,
+                                            config.parallel.cp_layout == "balanced"
+                                                ? "balanced: chunks r and 2 cp - 1 - r of every window"
+                                                : "contiguous")
                               : ""));
   }
 };
@@ -314,13 +317,15 @@ struct DataRank {
   int groups = 1;  // world / cp
   int cp = 1;
   int shard = 0;   // this rank's shard within its group
+  ContextLayout layout = ContextLayout::kBalanced;
 
-  Batch shard_of(Batch batch) const { return cp > 1 ? context_shard(batch, cp, shard) : batch; }
+  Batch shard_of(Batch batch) const { return cp > 1 ? context_shard(batch, cp, shard, layout) : batch; }
 };
 
 DataRank data_rank(const Config& config, const Runtime& runtime) {
   const int cp = static_cast<int>(config.parallel.cp);
-  return DataRank{runtime.rank() / cp, runtime.world() / cp, cp, runtime.rank() % cp};
+  return DataRank{runtime.rank() / cp, runtime.world() / cp, cp, runtime.rank() % cp,
+                  context_layout_of(config.parallel.cp_layout)};
 }
 
 // Context parallelism exchanges what crosses the cut in the mixers; what else reads a whole
@@ -351,8 +356,11 @@ TrainerOptions make_trainer_options(const Config& config, const ModelSpec& spec,
   options.loss_floor = data.loss_floor();
   if (backend.device() != Device::kCPU) {
     options.peak_flops = backend.stats().peak_bf16_flops;
+    // A context-parallel shard's queries attend keys the other ranks hold: counted from their
+    // documents' starts.
     options.batch_flops = [flops = ModelFlops(spec, config.lora)](const Batch& batch) {
-      return flops.step(batch.num_tokens(), batch.cu_seqlens).total();
+      return batch.context ? flops.shard(*batch.context, batch.context_rank).total()
+                           : flops.step(batch.num_tokens(), batch.cu_seqlens).total();
     };
   }
   if (eval) {

@@ -169,7 +169,7 @@ $(grep -h "config differs" "$work/w2.log" "$work/w1.log")"
     train cp2 4 2 2 2 "${hybrid[@]}" --set parallel.cp=2 --set logging.level=info --set checkpoint.dir="$work/ckpt"
     expect_exit cp2 0
     expect_ranks_agree cp2 4
-    grep -q "context parallel cp=2" "$work/cp2.log" || fail "the cp run did not report its layout:
+    grep -q "context parallel cp=2 .*balanced" "$work/cp2.log" || fail "the cp run did not report its layout:
 $(tail -n 30 "$work/cp2.log")"
     for step in 1 2 3 4 5 6; do expect_step_close cp2 w1 $step; done
     expect_checkpoint "$work/ckpt/step_3" 4
@@ -179,12 +179,18 @@ $(tail -n 30 "$work/cp2.log")"
     ! grep -q "config differs" "$work/resumed.log" || fail "resuming at another cp warned of a changed config:
 $(grep -h "config differs" "$work/resumed.log")"
     for step in 4 5 6; do expect_step_close resumed w1 $step; done
+    # The balanced run's checkpoint resumed at cp 2 in the contiguous layout.
+    train contiguous 4 2 2 2 "${hybrid[@]}" --set parallel.cp=2 --set parallel.cp_layout=contiguous \
+      --set checkpoint.every=0 --set checkpoint.resume="$work/ckpt/step_3" --set checkpoint.dir="$work/ckpt_contiguous"
+    expect_exit contiguous 0
+    expect_ranks_agree contiguous 4
+    for step in 4 5 6; do expect_step_close contiguous w1 $step; done
     # Refused before any work: what context parallelism does not split.
     train aux 2 1 1 4 "${hybrid[@]}" --set model.moe.aux_loss_coef=0.01 --set parallel.cp=2
     expect_exit aux 2
     grep -q "model.moe.aux_loss_coef = 0.01 needs each sequence" "$work/aux.log" || fail "no aux-loss refusal:
 $(tail -n 20 "$work/aux.log")"
-    echo "cp 2 at world 4 trained as world 1; resumed at world 1; the aux loss refused"
+    echo "cp 2 (balanced) at world 4 trained as world 1; resumed at world 1 and at cp 2 contiguous; the aux loss refused"
     ;;
 
   signal_w2 | signal_all_w2)

@@ -1,9 +1,12 @@
-// The mixers across a context-parallel group (core/model/kda_context_parallel.h,
-// attention_context_parallel.h) equal the same mixer over the whole window on one rank, forward
-// and every input gradient, on the CPU backend under mpirun: documents inside one shard, across
-// two and across all, a document starting exactly at a shard's start, a window that does not
-// split evenly, and (3 ranks or more) an empty shard; in F64 and F32. Attention also with its
-// keys in chunks of 1 and 7 rows (shorter than a shard, not dividing it), merged by log-sum-exp.
+// The mixers across a context-parallel group (core/model/kda_context_parallel.h: KDA and its short
+// convolution; attention_context_parallel.h) equal the same mixer over the whole window on one rank, forward
+// and every input gradient, on the CPU backend under mpirun, in both layouts (contiguous and
+// balanced, core/data/context_shards.h): documents inside one shard, across two and across all, a
+// document starting exactly at a shard's start, a window that does not split evenly, and (3 ranks
+// or more) an empty shard (contiguous); documents starting inside a chunk and running through the
+// pair of chunks a rank holds, and chunks shorter than the attention key chunk (balanced); in F64
+// and F32. Attention also with its keys in chunks of 1 and 7 rows (shorter than a shard, not
+// dividing it), merged by log-sum-exp.
 // Prints "EQUAL" on rank 0 when every case of every rank agrees.
 #include <fmt/format.h>
 
@@ -32,6 +35,7 @@ struct Case {
   std::string name;
   std::vector<int32_t> cu;     // the window's documents
   std::vector<int64_t> cuts;   // shard r holds [cuts[r], cuts[r + 1]); empty: an even split
+  bool balanced = false;       // the balanced layout over one window of cu.back() tokens (cuts unused)
 };
 
 struct Outputs {
@@ -53,16 +57,16 @@ struct Checked {
   const Tensor* whole;
 };
 
-int compare(const std::string& label, const std::vector<Checked>& checks, int64_t begin, int64_t end, int me,
+int compare(const std::string& label, const std::vector<Checked>& checks, const ContextShards& shards, int me,
             double tolerance) {
   int failures = 0;
   for (const Checked& c : checks) {
-    const double worst = testing::worst_shard_difference(*c.shard, *c.whole, begin);
+    const double worst = testing::worst_shard_difference(*c.shard, testing::shard_rows(*c.whole, shards, me), 0);
     if (!(worst <= tolerance)) {
       ++failures;
-      log::error(fmt::format("{}, rank {} tokens [{}, {}): {} differs from the whole window's by {:.3e} (relative "
+      log::error(fmt::format("{}, rank {} ({} tokens): {} differs from the whole window's by {:.3e} (relative "
                              "to its largest value; at most {:.0e})",
-                             label, me, begin, end, c.name, worst, tolerance));
+                             label, me, shards.tokens(me), c.name, worst, tolerance));
     }
   }
   return failures;
@@ -76,8 +80,7 @@ int run_kda_case(const Case& c, const ContextShards& shards, DType dtype, double
   backend.kda_forward(want.forward(whole));
   backend.kda_backward(want.backward(whole));
 
-  const int64_t begin = shards.begin(me), end = shards.end(me);
-  const KdaInputs shard = testing::rows_of(whole, begin, end, shards.local_cu(me));
+  const KdaInputs shard = testing::shard_of(whole, shards, me);
   Outputs got(shard);
   KdaAcrossRanks kda(backend, cp, shards);
   KdaShardState saved;
@@ -86,7 +89,7 @@ int run_kda_case(const Case& c, const ContextShards& shards, DType dtype, double
   return compare("kda: " + c.name + " (" + dtype_name(dtype) + ")",
                  {{"out", &got.out, &want.out}, {"dq", &got.dq, &want.dq}, {"dk", &got.dk, &want.dk},
                   {"dv", &got.dv, &want.dv}, {"dg", &got.dg, &want.dg}, {"dbeta", &got.dbeta, &want.dbeta}},
-                 begin, end, me, tolerance);
+                 shards, me, tolerance);
 }
 
 // Attention: q, k, v [tokens, heads, dim] of one window, and every result of a call on them.
@@ -114,8 +117,7 @@ int run_attention_case(const Case& c, const ContextShards& shards, DType dtype, 
   backend.attention_forward(whole.forward(scale));
   backend.attention_backward(whole.backward(scale));
 
-  const int64_t begin = shards.begin(me), end = shards.end(me);
-  auto rows = [&](const Tensor& t) { return testing::copy_as(t.view().slice_rows(begin, end), t.dtype()); };
+  auto rows = [&](const Tensor& t) { return testing::shard_rows(t, shards, me); };
   AttentionRun shard(rows(whole.q), rows(whole.k), rows(whole.v), rows(whole.dout), shards.local_cu(me));
   AttentionAcrossRanks attention(backend, cp, shards, key_chunk);
   attention.forward(shard.forward(scale));
@@ -123,7 +125,42 @@ int run_attention_case(const Case& c, const ContextShards& shards, DType dtype, 
   return compare("attention: " + c.name + " (" + dtype_name(dtype) + ", key chunks of " + std::to_string(key_chunk) + ")",
                  {{"out", &shard.out, &whole.out}, {"lse", &shard.lse, &whole.lse}, {"dq", &shard.dq, &whole.dq},
                   {"dk", &shard.dk, &whole.dk}, {"dv", &shard.dv, &whole.dv}},
-                 begin, end, me, tolerance);
+                 shards, me, tolerance);
+}
+
+// The short convolution before KDA (ShortConvAcrossRanks: the halos from the spans before each of
+// a rank's spans, and the halos' gradients back to their owners) against one call over the whole
+// window: y, dx, and dweight summed over the group.
+int run_short_conv_case(const Case& c, const ContextShards& shards, DType dtype, double tolerance,
+                        kernels::Backend& backend, Communicator& cp) {
+  constexpr int64_t kChannels = 5, kWidth = 4;
+  const int me = cp.rank();
+  const int64_t tokens = c.cu.back();
+  const uint64_t seed = 4000 + c.cu.size();
+  const Tensor x = testing::random_tensor({tokens, kChannels}, dtype, seed + 1, -1.0, 1.0);
+  const Tensor weight = testing::random_tensor({kChannels, kWidth}, dtype, seed + 2, -1.0, 1.0);
+  const Tensor dy = testing::random_tensor({tokens, kChannels}, dtype, seed + 3, -1.0, 1.0);
+  const Tensor cu = testing::make_i32(c.cu);
+  Tensor want_y({tokens, kChannels}, dtype), want_dx({tokens, kChannels}, dtype), want_dw({kChannels, kWidth}, dtype);
+  backend.short_conv_forward({want_y, x, weight, cu, true});
+  backend.short_conv_backward({want_dx, want_dw, dy, x, weight, cu, true});
+
+  const Tensor sx = testing::shard_rows(x, shards, me), sdy = testing::shard_rows(dy, shards, me);
+  const Tensor scu = testing::make_i32(shards.local_cu(me));
+  Tensor y({shards.tokens(me), kChannels}, dtype), dx(y.shape(), dtype), dw({kChannels, kWidth}, dtype);
+  ShortConvAcrossRanks conv(backend, cp, shards, kWidth);
+  conv.forward({y, sx, weight, scu, true});
+  conv.backward({dx, dw, sdy, sx, weight, scu, true});
+  cp.all_reduce(dw.view());
+  const std::string label = "short conv: " + c.name + " (" + dtype_name(dtype) + ")";
+  int failures = compare(label, {{"y", &y, &want_y}, {"dx", &dx, &want_dx}}, shards, me, tolerance);
+  const double worst = testing::worst_shard_difference(dw, want_dw, 0);
+  if (!(worst <= tolerance)) {
+    ++failures;
+    log::error(fmt::format("{}, rank {}: dweight summed over the group differs from the whole window's by {:.3e}",
+                           label, me, worst));
+  }
+  return failures;
 }
 
 int run_test(Runtime& runtime, int, char**) {
@@ -142,11 +179,22 @@ int run_test(Runtime& runtime, int, char**) {
     for (int r = 3; r <= ranks; ++r) cuts.push_back(50 + 70 * (r - 2) / (ranks - 2));
     cases.push_back({"an empty shard inside a document", {0, 120}, cuts});
   }
+  // Balanced: one window of 2 ranks x chunk tokens, rank r holding chunks r and 2 ranks - 1 - r.
+  const int32_t chunk = 9, window = 2 * ranks * chunk;
+  cases.push_back({"balanced: one document over every chunk", {0, window}, {}, true});
+  cases.push_back({"balanced: documents starting inside chunks, through a rank's pair",
+                   {0, 5, window / 2 + 3, window - 4, window}, {}, true});
+  cases.push_back({"balanced: a document starting at the second half", {0, 2, window / 2, window}, {}, true});
+  cases.push_back({"balanced: chunks of 2 tokens, short documents", {0, 1, 2 * ranks + 1, 4 * ranks}, {}, true});
+  cases.push_back({"balanced: chunks of 1 token (halos over several spans)", {0, 2 * ranks}, {}, true});
   int failures = 0;
   for (const Case& c : cases) {
-    const ContextShards shards = c.cuts.empty() ? ContextShards::even(c.cu, ranks) : ContextShards(c.cu, c.cuts);
+    const ContextShards shards = c.balanced       ? ContextShards::balanced(c.cu, ranks, c.cu.back())
+                                 : c.cuts.empty() ? ContextShards::even(c.cu, ranks)
+                                                  : ContextShards(c.cu, c.cuts);
     for (const auto& [dtype, tolerance] : {std::make_pair(DType::kF64, 1e-10), std::make_pair(DType::kF32, 2e-5)}) {
       failures += run_kda_case(c, shards, dtype, tolerance, *backend, cp);
+      failures += run_short_conv_case(c, shards, dtype, tolerance, *backend, cp);
       for (const int64_t key_chunk : {0, 1, 7}) {
         failures += run_attention_case(c, shards, dtype, tolerance, key_chunk, *backend, cp);
       }
@@ -154,8 +202,8 @@ int run_test(Runtime& runtime, int, char**) {
   }
   cp.all_reduce(&failures, 1);
   if (runtime.is_root())
-    std::printf("context_parallel cp %d, kda and attention, %zu cases in F64 and F32: %s\n", ranks, cases.size(),
-                failures == 0 ? "EQUAL" : "DIFFERENT");
+    std::printf("context_parallel cp %d, kda, short conv and attention, %zu cases in F64 and F32: %s\n", ranks,
+                cases.size(), failures == 0 ? "EQUAL" : "DIFFERENT");
   return failures == 0 ? 0 : 1;
 }
 

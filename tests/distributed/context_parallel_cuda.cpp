@@ -8,7 +8,9 @@
 // one (the largest error relative to the largest value, as tests/cuda/test_cuda_kda.cpp allows).
 // The short convolutions before KDA (ShortConvAcrossRanks: their halos and the halos' gradients)
 // run in F32 against the CPU's in F64, on the same windows and one of shards shorter than their
-// reach.
+// reach. Both layouts (core/data/context_shards.h): the contiguous cases above, and balanced ones
+// (rank r holding chunks r and 2 cp - 1 - r) with documents starting inside chunks and running
+// through a rank's pair, and chunks shorter than the convolution's reach.
 // Prints "EQUAL" on rank 0 when every case of every rank agrees; exits 77 (skipped) without a GPU.
 #include <fmt/format.h>
 #include <mpi.h>
@@ -35,7 +37,12 @@ using testing::KdaInputs;
 struct Case {
   std::string name;
   std::vector<int32_t> cu;  // the window's documents, split evenly over the ranks
+  bool balanced = false;    // the balanced layout over one window of cu.back() tokens
 };
+
+ContextShards shards_of(const Case& c, int ranks) {
+  return c.balanced ? ContextShards::balanced(c.cu, ranks, c.cu.back()) : ContextShards::even(c.cu, ranks);
+}
 
 // Every result of one KDA call (forward and backward), in `allocator`'s memory.
 struct Results {
@@ -83,7 +90,7 @@ KdaInputs moved(const KdaInputs& in, kernels::Backend& backend, DType dtype) {
 int run_case(const Case& c, int64_t kd, int64_t vd, double tolerance, kernels::Backend& gpu, kernels::Backend& cpu,
              Communicator& cp) {
   const int me = cp.rank();
-  const ContextShards shards = ContextShards::even(c.cu, cp.size());
+  const ContextShards shards = shards_of(c, cp.size());
   // F32 values, the reference computing on exactly those in F64.
   const KdaInputs values = testing::make_kda_inputs(c.cu, 2, kd, vd, 3000 + c.cu.size() + kd, DType::kF32);
   const KdaInputs whole = moved(values, cpu, DType::kF64);
@@ -91,8 +98,7 @@ int run_case(const Case& c, int64_t kd, int64_t vd, double tolerance, kernels::B
   cpu.kda_forward(want.forward(whole));
   cpu.kda_backward(want.backward(whole));
 
-  const int64_t begin = shards.begin(me), end = shards.end(me);
-  const KdaInputs shard = moved(testing::rows_of(values, begin, end, shards.local_cu(me)), gpu, DType::kF32);
+  const KdaInputs shard = moved(testing::shard_of(values, shards, me), gpu, DType::kF32);
   const Results got(shard, DType::kF32, gpu.allocator());
   KdaAcrossRanks kda(gpu, cp, shards);
   KdaShardState saved;
@@ -105,12 +111,12 @@ int run_case(const Case& c, int64_t kd, int64_t vd, double tolerance, kernels::B
   for (size_t i = 0; i < gotten.size(); ++i) {
     Tensor host(gotten[i].second->shape(), DType::kF32);
     gpu.copy(host, *gotten[i].second);
-    const double worst = testing::worst_shard_difference(host, *wanted[i].second, begin);
+    const double worst = testing::worst_shard_difference(host, testing::shard_rows(*wanted[i].second, shards, me), 0);
     if (!(worst <= tolerance)) {
       ++failures;
-      log::error(fmt::format("kda on CUDA: {} (head dims {}/{}), rank {} tokens [{}, {}): {} differs from the CPU's "
+      log::error(fmt::format("kda on CUDA: {} (head dims {}/{}), rank {} ({} tokens): {} differs from the CPU's "
                              "whole window by {:.3e} (relative to its largest value; at most {:.0e})",
-                             c.name, kd, vd, me, begin, end, gotten[i].first, worst, tolerance));
+                             c.name, kd, vd, me, shards.tokens(me), gotten[i].first, worst, tolerance));
     }
   }
   return failures;
@@ -123,8 +129,8 @@ int run_short_conv_case(const Case& c, double tolerance, kernels::Backend& gpu, 
                         Communicator& cp) {
   constexpr int64_t kChannels = 6, kWidth = 4;
   const int me = cp.rank();
-  const ContextShards shards = ContextShards::even(c.cu, cp.size());
-  const int64_t tokens = c.cu.back(), begin = shards.begin(me), end = shards.end(me);
+  const ContextShards shards = shards_of(c, cp.size());
+  const int64_t tokens = c.cu.back(), own = shards.tokens(me);
   const uint64_t seed = 5000 + c.cu.size();
   const Tensor x = testing::random_tensor({tokens, kChannels}, DType::kF32, seed + 1);
   const Tensor weight = testing::random_tensor({kChannels, kWidth}, DType::kF32, seed + 2);
@@ -142,9 +148,10 @@ int run_short_conv_case(const Case& c, double tolerance, kernels::Backend& gpu, 
     gpu.copy(t, host);
     return t;
   };
-  const Tensor sx = on_gpu(x.view().slice_rows(begin, end)), sdy = on_gpu(dy.view().slice_rows(begin, end)),
+  const Tensor sx = on_gpu(testing::shard_rows(x, shards, me).view()),
+               sdy = on_gpu(testing::shard_rows(dy, shards, me).view()),
                sw = on_gpu(weight.view()), scu = on_gpu(testing::make_i32(shards.local_cu(me)).view());
-  Tensor y({end - begin, kChannels}, DType::kF32, gpu.allocator()), dx(y.shape(), DType::kF32, gpu.allocator()),
+  Tensor y({own, kChannels}, DType::kF32, gpu.allocator()), dx(y.shape(), DType::kF32, gpu.allocator()),
       dw({kChannels, kWidth}, DType::kF32, gpu.allocator());
   ShortConvAcrossRanks conv(gpu, cp, shards, kWidth);
   conv.forward({y, sx, sw, scu, true});
@@ -158,12 +165,14 @@ int run_short_conv_case(const Case& c, double tolerance, kernels::Backend& gpu, 
     Tensor host(pair.first->shape(), DType::kF32);
     gpu.copy(host, *pair.first);
     const bool rows = std::string(name) != "dweight";
-    const double worst = testing::worst_shard_difference(host, *pair.second, rows ? begin : 0);
+    const double worst =
+        rows ? testing::worst_shard_difference(host, testing::shard_rows(*pair.second, shards, me), 0)
+             : testing::worst_shard_difference(host, *pair.second, 0);
     if (!(worst <= tolerance)) {
       ++failures;
-      log::error(fmt::format("short conv on CUDA: {}, rank {} tokens [{}, {}): {} differs from the CPU's whole "
+      log::error(fmt::format("short conv on CUDA: {}, rank {} ({} tokens): {} differs from the CPU's whole "
                              "window by {:.3e} (relative to its largest value; at most {:.0e})",
-                             c.name, me, begin, end, name, worst, tolerance));
+                             c.name, me, own, name, worst, tolerance));
     }
   }
   return failures;
@@ -177,10 +186,14 @@ int run_test(Runtime& runtime, int, char**) {
   HostStagedCommunicator cp(MPI_COMM_WORLD);
   std::unique_ptr<kernels::Backend> gpu = kernels::make_cuda_backend(), cpu = kernels::make_cpu_backend();
   const int ranks = cp.size();
+  const int32_t window = 2 * ranks * 37;  // balanced chunks of 37
   const std::vector<Case> cases = {
       {"one document over every shard, uneven split", {0, 301}},
       {"documents inside one shard and across two", {0, 40, 100, 130, 150}},
       {"a document starting at a shard's start", {0, 200 / ranks, 200}},
+      {"balanced: one document over every chunk", {0, window}, true},
+      {"balanced: documents starting inside chunks, through a rank's pair", {0, 5, window / 2 + 3, window - 4, window},
+       true},
   };
   // BF16 operands put the largest error near 1e-2 of the largest value in one call; a missing or
   // wrong state passed between shards moves outputs by their own size.
@@ -195,6 +208,7 @@ int run_test(Runtime& runtime, int, char**) {
   // ranks back.
   std::vector<Case> conv_cases = cases;
   conv_cases.push_back({"shards shorter than the convolution's reach", {0, 2 * ranks - 1}});
+  conv_cases.push_back({"balanced: chunks of one token", {0, 1, 2 * ranks}, true});
   for (const Case& c : conv_cases) failures += run_short_conv_case(c, 2e-5, *gpu, *cpu, cp);
   cp.barrier();
   MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

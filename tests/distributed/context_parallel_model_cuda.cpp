@@ -7,8 +7,9 @@
 //     synthetic window per micro-batch;
 //   a golden fixture's name (tests/fixtures/golden/<name>): that Hugging Face checkpoint and PEFT
 //     adapter on its batch, the loss also held against the reference's (transformers + PEFT).
-// The micro-batch is cut into one shard per rank; documents span shards and shards hold document
-// starts, so KDA's short convolutions read halos from earlier ranks, its states pass between
+// The micro-batch is cut into one shard per rank (contiguous; with --balanced, after the subject,
+// the balanced layout: chunks r and 2 cp - 1 - r of every window); documents span shards and
+// shards hold document starts, so KDA's short convolutions read halos from earlier ranks, its states pass between
 // shards, and MLA's and DSA's keys are gathered. The model runs in BF16 (the CUDA model's dtype)
 // and the two sides take different kernels (the attention with key segments runs on the SIMT
 // kernels, KDA's state passes through F32 folds), so the limits are BF16 ones; a missing halo or
@@ -135,16 +136,27 @@ void prepare(Model& model, const Subject& s) {
 }
 
 // The choices a run makes: every router's and DSA indexer's top-k (host I32 copies, in call order,
-// recompute included). Given another run's indexer choices it replaces its own with them (after
-// recording its own), translated into its key frame: a shard's indexer numbers the keys it sees
-// from its first token's document start, one rank numbers the micro-batch's tokens.
+// recompute included). On a shard (`cut` set) it can replace its indexer's choices by one rank's
+// (after recording its own), translated: a shard runs the indexer span by span, numbering each
+// span's keys from its first token's document start; one rank numbers the micro-batch's tokens.
 class SelectionProbe final : public kernels::TimingBackend {
  public:
   explicit SelectionProbe(kernels::Backend& inner) : TimingBackend(inner) { disable(); }
 
   std::vector<Tensor> routes, indexer;
-  const std::vector<Tensor>* forced_indexer = nullptr;  // one rank's, to force on this shard
-  int64_t shard_begin = 0, key_origin = 0;               // the shard's first token and key 0
+  const ContextShards* cut = nullptr;  // this shard's cut, on a shard
+  int rank = 0;
+  const std::vector<Tensor>* forced_indexer = nullptr;  // one rank's choices, to take on this shard
+
+  // Span of this rank's call `call` (calls go span by span, in the rank's span order).
+  const ContextShards::Span& span_of_call(size_t call) const {
+    const std::vector<int>& spans = cut->spans_of(rank);
+    return cut->spans()[static_cast<size_t>(spans[call % spans.size()])];
+  }
+  int span_index_of_call(size_t call) const {
+    const std::vector<int>& spans = cut->spans_of(rank);
+    return spans[call % spans.size()];
+  }
 
   void router_forward(const kernels::RouterArgs& args) override {
     TimingBackend::router_forward(args);
@@ -155,16 +167,46 @@ class SelectionProbe final : public kernels::TimingBackend {
     const size_t call = indexer.size();
     indexer.push_back(host(args.topk_index));
     if (forced_indexer == nullptr) return;
-    MOETRAIN_CHECK(call < forced_indexer->size(), ExitCode::kInternal, "more indexer calls than one rank made");
-    const Tensor& whole = (*forced_indexer)[call];
+    const size_t spans = cut->spans_of(rank).size();
+    MOETRAIN_CHECK(call / spans < forced_indexer->size(), ExitCode::kInternal, "more indexer calls than one rank made");
+    const Tensor& whole = (*forced_indexer)[call / spans];
+    const ContextShards::Span& span = span_of_call(call);
+    const int64_t origin = cut->document_start(span_index_of_call(call));
     Tensor mine = host(args.topk_index);
     const int64_t width = mine.size(1);
     for (int64_t t = 0; t < mine.size(0); ++t)
       for (int64_t j = 0; j < width; ++j) {
-        const int32_t g = whole.ptr<int32_t>()[(shard_begin + t) * width + j];
-        mine.ptr<int32_t>()[t * width + j] = g < 0 ? g : static_cast<int32_t>(g - key_origin);
+        const int32_t g = whole.ptr<int32_t>()[(span.begin + t) * width + j];
+        mine.ptr<int32_t>()[t * width + j] = g < 0 ? g : static_cast<int32_t>(g - origin);
       }
     copy(args.topk_index, mine);
+  }
+
+  // Rows whose choice (as a set, in one rank's numbering) differs from one rank's `whole`.
+  int64_t differing_routes(const std::vector<Tensor>& whole) const {
+    MOETRAIN_CHECK(routes.size() == whole.size(), ExitCode::kInternal,
+                   fmt::format("{} router calls on the shard, {} on one rank", routes.size(), whole.size()));
+    int64_t differing = 0;
+    for (size_t c = 0; c < routes.size(); ++c) {
+      for (int s : cut->spans_of(rank)) {
+        const ContextShards::Span& span = cut->spans()[static_cast<size_t>(s)];
+        for (int64_t t = 0; t < span.tokens(); ++t)
+          differing += differs(routes[c], span.row + t, 0, whole[c], span.begin + t);
+      }
+    }
+    return differing;
+  }
+  int64_t differing_indexer(const std::vector<Tensor>& whole) const {
+    const size_t spans = cut->spans_of(rank).size();
+    MOETRAIN_CHECK(indexer.size() == whole.size() * spans, ExitCode::kInternal,
+                   fmt::format("{} indexer calls on the shard, {} on one rank", indexer.size(), whole.size()));
+    int64_t differing = 0;
+    for (size_t c = 0; c < indexer.size(); ++c) {
+      const ContextShards::Span& span = span_of_call(c);
+      const int64_t origin = cut->document_start(span_index_of_call(c));
+      for (int64_t t = 0; t < span.tokens(); ++t) differing += differs(indexer[c], t, origin, whole[c / spans], span.begin + t);
+    }
+    return differing;
   }
 
  private:
@@ -173,31 +215,20 @@ class SelectionProbe final : public kernels::TimingBackend {
     copy(out, v);
     return out;
   }
-};
-
-// Rows of `shard`'s calls whose choice (as a set, in one rank's numbering) differs from `whole`'s:
-// the shard's rows are one rank's [begin, begin + rows); `origin` is added to the shard's indices.
-int64_t differing_rows(const std::vector<Tensor>& shard, const std::vector<Tensor>& whole, int64_t begin,
-                       int64_t origin) {
-  MOETRAIN_CHECK(shard.size() == whole.size(), ExitCode::kInternal,
-                 fmt::format("{} selections on the shard, {} on one rank", shard.size(), whole.size()));
-  int64_t differing = 0;
-  for (size_t c = 0; c < shard.size(); ++c) {
-    const int64_t width = shard[c].size(1);
-    for (int64_t t = 0; t < shard[c].size(0); ++t) {
-      std::vector<int32_t> a(width), b(width);
-      for (int64_t j = 0; j < width; ++j) {
-        const int32_t s = shard[c].ptr<int32_t>()[t * width + j];
-        a[j] = s < 0 ? s : static_cast<int32_t>(s + origin);
-        b[j] = whole[c].ptr<int32_t>()[(begin + t) * width + j];
-      }
-      std::sort(a.begin(), a.end());
-      std::sort(b.begin(), b.end());
-      differing += a != b;
+  // Row `row` of `mine` (its indices plus `origin`) and row `whole_row` of `whole`, as sets.
+  static bool differs(const Tensor& mine, int64_t row, int64_t origin, const Tensor& whole, int64_t whole_row) {
+    const int64_t width = mine.size(1);
+    std::vector<int32_t> a(static_cast<size_t>(width)), b(static_cast<size_t>(width));
+    for (int64_t j = 0; j < width; ++j) {
+      const int32_t m = mine.ptr<int32_t>()[row * width + j];
+      a[static_cast<size_t>(j)] = m < 0 ? m : static_cast<int32_t>(m + origin);
+      b[static_cast<size_t>(j)] = whole.ptr<int32_t>()[whole_row * width + j];
     }
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    return a != b;
   }
-  return differing;
-}
+};
 
 struct Step {
   bool spans_ranks = false;  // some shard continues the document of the shard before it
@@ -206,15 +237,18 @@ struct Step {
 };
 
 // One training step's loss and gradients (the trainer's step up to the update).
-Step one_step(Model& model, const Batch& micro_batch, int cp, int shard) {
+Step one_step(Model& model, const Batch& micro_batch, int cp, int shard, ContextLayout layout) {
   AdamW optimizer(model.parameter_groups(), AdamWOptions{}, model.backend());
-  const Batch batch = cp > 1 ? context_shard(micro_batch, cp, shard) : micro_batch;
+  const Batch batch = cp > 1 ? context_shard(micro_batch, cp, shard, layout) : micro_batch;
   const double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
   const StepResult result = model.forward_backward(batch, 1.0 / targets);
   optimizer.reduce_gradients();
   optimizer.gather_gradients();
   Step step;
-  for (int r = 1; r < cp; ++r) step.spans_ranks = step.spans_ranks || batch.context->continues_document(r);
+  if (batch.context) {
+    for (size_t j = 1; j < batch.context->spans().size(); ++j)
+      step.spans_ranks = step.spans_ranks || batch.context->continues_document(static_cast<int>(j));
+  }
   step.loss = model.sum_over_data_ranks(result.loss_sum) / targets;
   for (Parameter* p : model.parameters()) {
     Tensor g(p->grad.shape(), DType::kF32);
@@ -230,7 +264,10 @@ int run_test(Runtime& runtime, int argc, char** argv) {
     return 77;
   }
   const int cp = runtime.world();
-  const Subject s = subject(argc > 1 ? argv[1] : "");
+  const bool balanced = argc > 1 && std::string(argv[argc - 1]) == "--balanced";
+  const int subjects = argc - (balanced ? 1 : 0);
+  const Subject s = subject(subjects > 1 ? argv[1] : "");
+  const ContextLayout layout = balanced ? ContextLayout::kBalanced : ContextLayout::kContiguous;
   const ModelSpec& spec = s.spec;
   MeshShape shape;
   shape.cp = cp;
@@ -243,23 +280,22 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   SelectionProbe whole_choices(*gpu);
   Model reference(spec, whole_choices, model_options(s, nullptr));
   prepare(reference, s);
-  const Step whole = one_step(reference, micro_batch, 1, 0);
+  const Step whole = one_step(reference, micro_batch, 1, 0, layout);
 
   // A golden fixture's indexer margins are the reference's (fp32), below BF16's noise: the shards
   // and one rank may each pick a different one of two near-tied keys, which moves the gradients by
   // their own size. There the shards take one rank's indexer choices, so that what is compared is
   // the exchange and its arithmetic; the tiny model's margins are wide and each side chooses.
-  const ContextShards cut = *context_shard(micro_batch, cp, runtime.rank()).context;
+  const ContextShards cut = *context_shard(micro_batch, cp, runtime.rank(), layout).context;
   SelectionProbe shard_choices(*gpu);
-  shard_choices.shard_begin = cut.begin(runtime.rank());
-  shard_choices.key_origin = cut.document_start(runtime.rank());
+  shard_choices.cut = &cut;
+  shard_choices.rank = runtime.rank();
   if (!s.fixture_dir.empty()) shard_choices.forced_indexer = &whole_choices.indexer;
   Model model(spec, shard_choices, model_options(s, &staged.groups));
   prepare(model, s);
-  const Step shards = one_step(model, micro_batch, cp, runtime.rank());
-  const int64_t routes_differing = differing_rows(shard_choices.routes, whole_choices.routes, cut.begin(runtime.rank()), 0);
-  const int64_t indexer_differing = differing_rows(shard_choices.indexer, whole_choices.indexer,
-                                                   cut.begin(runtime.rank()), cut.document_start(runtime.rank()));
+  const Step shards = one_step(model, micro_batch, cp, runtime.rank(), layout);
+  const int64_t routes_differing = shard_choices.differing_routes(whole_choices.routes);
+  const int64_t indexer_differing = shard_choices.differing_indexer(whole_choices.indexer);
   if (routes_differing + indexer_differing > 0)
     log::warn(fmt::format("rank {}: {} routed and {} indexer rows chose other experts or keys than one rank{}",
                           runtime.rank(), routes_differing, indexer_differing,
@@ -311,8 +347,8 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   }
   MPI_Allreduce(MPI_IN_PLACE, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (runtime.is_root())
-    std::printf("context_parallel_model_cuda cp %d, %s, loss %.6f (one rank %.6f%s), %zu gradients: %s\n", cp,
-                s.name.empty() ? "tiny MLA + KDA + DSA" : s.name.c_str(), shards.loss, whole.loss,
+    std::printf("context_parallel_model_cuda cp %d%s, %s, loss %.6f (one rank %.6f%s), %zu gradients: %s\n", cp,
+                balanced ? " balanced" : "", s.name.empty() ? "tiny MLA + KDA + DSA" : s.name.c_str(), shards.loss, whole.loss,
                 s.fixture_dir.empty() ? "" : fmt::format(", reference {:.6f}", s.golden_loss).c_str(),
                 shards.grads.size(), failures == 0 ? "EQUAL" : "DIFFERENT");
   return failures == 0 ? 0 : 1;

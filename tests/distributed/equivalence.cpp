@@ -13,7 +13,7 @@
 //
 //   mpirun -np W distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K]
 //       [--recompute] [--recompute-layers N] [--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4]
-//       [--cp N] [--cp-key-chunk N] [--ffn-chunks N] [--mixer-segments N] [--fp8]
+//       [--cp N] [--cp-balanced] [--cp-key-chunk N] [--ffn-chunks N] [--mixer-segments N] [--fp8]
 // --shared-a: the routed experts' A shared by all experts of a layer (lora.expert_a: shared, a
 // replicated parameter beside the per-expert B's) and per-module ranks (lora.rank_pattern).
 // --k3: Kimi K3's SiTU, latent MoE, attention gate and attention residuals (test_config);
@@ -22,7 +22,9 @@
 // FP8): the FSDP buckets then hold U8 codes and F32 block scales beside the norms.
 // --cp N: context parallelism, every micro-batch (two windows of 16) cut into N shards of
 // contiguous tokens, each cp group of ranks reading one; checked to 1e-10 (one reference, only
-// the order of the sums differs). --cp-key-chunk N: the MLA layers attend the visible keys in chunks
+// the order of the sums differs). --cp-balanced: the balanced layout instead (parallel.cp_layout:
+// each window of 16 cut into 2N chunks, rank r holding chunks r and 2N - 1 - r; at cp 8 chunks of
+// one token, shorter than the short convolution's reach). --cp-key-chunk N: the MLA layers attend the visible keys in chunks
 // of N rows (parallel.cp_key_chunk; by default a shard's length), merged by their log-sum-exp.
 // --ffn-chunks N: the distributed model runs its feed-forward halves in token chunks of at most N
 // tokens (parallel.ffn_chunk_tokens; the reference runs them whole), so each chunk's expert
@@ -100,6 +102,7 @@ struct ScheduleFlags {
   bool k3 = false;
   bool mxfp4 = false;  // with k3
   int cp = 1;          // context parallelism: each micro-batch cut into cp shards
+  ContextLayout cp_layout = ContextLayout::kContiguous;
   int64_t ffn_chunk_tokens = 0;  // the distributed model's ModelOptions::ffn_chunk_tokens
   int64_t cp_key_chunk = 0;      // the distributed model's ModelOptions::cp_key_chunk
   int64_t mixer_segment_tokens = 0;  // its ModelOptions::mixer_segment_tokens (KDA time segments)
@@ -126,6 +129,8 @@ ScheduleFlags take_schedule_flags(int& argc, char** argv) {
       flags.k3 = flags.mxfp4 = true;
     } else if (arg == "--cp" && i + 1 < argc) {
       flags.cp = std::stoi(argv[++i]);
+    } else if (arg == "--cp-balanced") {
+      flags.cp_layout = ContextLayout::kBalanced;
     } else if (arg == "--cp-key-chunk" && i + 1 < argc) {
       flags.cp_key_chunk = std::stoll(argv[++i]);
     } else if (arg == "--ffn-chunks" && i + 1 < argc) {
@@ -201,13 +206,14 @@ struct Run {
 };
 
 // The trainer's step, written out so the gradients can be read before the update.
-Run train(Model& model, SyntheticData& data, int cp = 1, int shard = 0) {
+Run train(Model& model, SyntheticData& data, int cp = 1, int shard = 0,
+          ContextLayout layout = ContextLayout::kContiguous) {
   Run run;
   AdamWOptions adamw;
   adamw.weight_decay = 0.1;  // decoupled decay too, applied shard by shard
   AdamW optimizer(model.parameter_groups(), adamw, model.backend());
   for (int step = 0; step < kSteps; ++step) {
-    Batch batch = cp > 1 ? context_shard(data.next(), cp, shard) : data.next();
+    Batch batch = cp > 1 ? context_shard(data.next(), cp, shard, layout) : data.next();
     double targets = model.sum_over_data_ranks(static_cast<double>(batch.num_targets()));
     StepResult result = model.forward_backward(batch, 1.0 / targets);
     optimizer.reduce_gradients();
@@ -246,7 +252,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   MOETRAIN_CHECK(argc == 4 || argc == 6, ExitCode::kBadConfig,
                  "usage: distributed_equivalence FSDP EP natural|one_expert [EXPERTS TOP_K] [--recompute] "
                  "[--recompute-layers N] "
-                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N] [--cp-key-chunk N] [--ffn-chunks N] "
+                 "[--keep-gathered] [--prefetch N] [--shared-a] [--k3] [--mxfp4] [--cp N] [--cp-balanced] [--cp-key-chunk N] [--ffn-chunks N] "
                  "[--mixer-segments N] [--fp8]");
   const int64_t experts = argc == 6 ? std::stoll(argv[4]) : 8;
   const int64_t top_k = argc == 6 ? std::stoll(argv[5]) : 2;
@@ -277,7 +283,7 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   Model model(spec, *backend, options);
   prepare(model, routing);
   SyntheticData data(config.data, spec.config.vocab_size, runtime.rank() / cp, world / cp);
-  Run distributed = train(model, data, cp, runtime.rank() % cp);
+  Run distributed = train(model, data, cp, runtime.rank() % cp, flags.cp_layout);
   // Between steps no layer is active: the frozen non-expert weights are this rank's shards only.
   const FrozenWeightBytes frozen = model.frozen_non_expert_bytes();
 

@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "core/base/tensor.h"
+#include "core/data/context_shards.h"
 #include "gradcheck.h"
 
 namespace moetrain::testing {
@@ -75,6 +77,40 @@ inline KdaInputs rows_of(const KdaInputs& in, int64_t start, int64_t end, const 
   part.beta = rows(in.beta);
   part.dout = rows(in.dout);
   part.cu_seqlens = make_i32(cu);
+  return part;
+}
+
+// Rank `rank`'s rows of a whole window's host tensor: its spans' rows end to end, as the rank
+// holds them (ContextShards::spans_of).
+inline Tensor shard_rows(const Tensor& whole, const ContextShards& shards, int rank) {
+  Shape shape = whole.shape();
+  shape[0] = shards.tokens(rank);
+  Tensor part(shape, whole.dtype());
+  const size_t row_bytes = whole.view().nbytes() / static_cast<size_t>(std::max<int64_t>(whole.shape()[0], 1));
+  for (int s : shards.spans_of(rank)) {
+    const ContextShards::Span& span = shards.spans()[s];
+    if (span.tokens() == 0) continue;
+    std::memcpy(static_cast<char*>(part.view().data) + span.row * row_bytes,
+                static_cast<const char*>(whole.view().data) + span.begin * row_bytes, span.tokens() * row_bytes);
+  }
+  return part;
+}
+
+// Every input's rows of rank `rank`, with its own segment offsets.
+inline KdaInputs shard_of(const KdaInputs& in, const ContextShards& shards, int rank) {
+  KdaInputs part;
+  part.tokens = shards.tokens(rank);
+  part.heads = in.heads;
+  part.kd = in.kd;
+  part.vd = in.vd;
+  part.scale = in.scale;
+  part.q = shard_rows(in.q, shards, rank);
+  part.k = shard_rows(in.k, shards, rank);
+  part.v = shard_rows(in.v, shards, rank);
+  part.g = shard_rows(in.g, shards, rank);
+  part.beta = shard_rows(in.beta, shards, rank);
+  part.dout = shard_rows(in.dout, shards, rank);
+  part.cu_seqlens = make_i32(shards.local_cu(rank));
   return part;
 }
 

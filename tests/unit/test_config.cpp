@@ -158,7 +158,7 @@ TEST_CASE("unknown keys name the full path, the line and the closest key", "[con
     std::string message = parse_error(lines);
     INFO(message);
     CHECK(has(message, "test.yaml:13:3: unknown key `parallel.tensor_parallel`"));
-    CHECK(has(message, "valid keys in `parallel`: `fsdp`, `ep`, `cp`, `prefetch`, `recompute`"));
+    CHECK(has(message, "valid keys in `parallel`: `fsdp`, `ep`, `cp`, `cp_layout`, `prefetch`, `recompute`"));
   }
   SECTION("all problems are reported at once, in line order") {
     std::vector<std::string> lines = kTinyLines;
@@ -333,6 +333,12 @@ TEST_CASE("single-field and cross-field rules name the keys and the fix", "[conf
       {{"parallel.cp=3"},
        {"`parallel.cp` = 3 must divide a micro-batch's tokens, `data.seq_len` x `data.micro_batch` =",
         "make data.seq_len a multiple of 3"}},
+      {{"parallel.cp=3", "parallel.cp_layout=balanced"},
+       {"`parallel.cp_layout` = `balanced` cuts each window of `data.seq_len` =",
+        "into 2 x `parallel.cp` = 6 equal chunks: make data.seq_len a multiple of 6, or set parallel.cp_layout: "
+        "contiguous"}},
+      {{"parallel.cp_layout=zigzag"},
+       {"`parallel.cp_layout` = `zigzag` is not allowed: use one of balanced | contiguous"}},
       {{"parallel.recompute=false", "parallel.recompute_layers=1"},
        {"`parallel.recompute_layers` = 1 needs `parallel.recompute: true`"}},
       {{"parallel.recompute_layers=3"},
