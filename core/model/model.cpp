@@ -753,6 +753,22 @@ Tensor Model::logits(const Batch& batch) {
   return host;
 }
 
+Tensor Model::embedded(const Batch& batch) {
+  BatchTensors bt = upload(batch);
+  LayerContext ctx = context(bt);
+  std::string where;
+  Tensor out = ctx.alloc({bt.num_tokens, spec_.config.hidden_size});
+  fsdp_.gather_outer();
+  backend_.embedding_forward_checked_ids(out, embed_, bt.input_ids);  // checked in upload()
+  fsdp_.release_outer();
+  merge_images(ctx, out, false, where);
+  Tensor staged(out.shape(), out.dtype());
+  backend_.copy(staged, out);
+  Tensor host(out.shape(), DType::kF64);
+  convert_host(host, staged);
+  return host;
+}
+
 StepResult Model::evaluate(const Batch& batch) {
   // No router noise, and forward_count() untouched: a run that evaluates trains exactly as one
   // that does not (the noise stream is saved in checkpoints and seeds every later forward).

@@ -129,6 +129,9 @@ class Model final : public TrainableModel {
 
   // Forward only, returning the logits [tokens, vocab] as a host F64 tensor (tests).
   Tensor logits(const Batch& batch);
+  // The first layer's input [tokens, hidden] as a host F64 tensor: the token embeddings with the
+  // image tokens merged at their placeholders (model.vision), forward only (tests).
+  Tensor embedded(const Batch& batch);
   // Forward only: the loss sum and targets of the batch, with no router noise, forward_count()
   // unchanged and nothing kept for a backward (TrainableModel::evaluate). Reads the losses back
   // (one host wait).
