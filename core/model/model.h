@@ -175,6 +175,8 @@ class Model final : public TrainableModel {
   BatchTensors upload(const Batch& batch);
   // The images' tensors of `bt` (model.vision): checked against the placeholders of the batch.
   void upload_images(const Batch& batch, BatchTensors& bt);
+  // The first layer's input [tokens, hidden]: the token embeddings, then merge_images.
+  Tensor embed(const LayerContext& ctx, bool keep, std::string& where);
   // inputs[0] rows of the placeholders <- the image tokens (model.vision), with `embedded` the
   // text embeddings; with keep the projector keeps what its backward reads.
   void merge_images(const LayerContext& ctx, const TensorView& out, bool keep, std::string& where);

@@ -3,9 +3,11 @@
 // kimi_k3 fixture's text model with a tiny MoonViT3d tower (grids 1 x 4 x 6 and 2 x 6 x 8 against a
 // 5 x 7 position table), the projector trained in full and LoRA on the language model. Our importer
 // reads the released-style directory (vision_tower.*, mm_projector.*), our batch carries the patches
-// and grids and the pre-expanded placeholders; the image tokens, the merged embeddings, logits and
-// loss must match to 1e-5 and every adapter and projector gradient to 1e-4, each against its own
-// scale. Without the fixture directory the test says so and passes (the fixture needs torch).
+// and grids and the pre-expanded placeholders; the tower's merged output, the image tokens, the
+// merged embeddings, logits and loss must match to 1e-5 and every adapter and projector gradient to
+// 1e-4, each against its own scale (the reference runs in fp32: these are the text fixtures' bounds).
+// Image B's two frames make the tower's output depend on the time table's bf16 rounding. Without
+// the fixture directory the test says so and passes (the fixture needs torch).
 #include <filesystem>
 #include <memory>
 #include <string>
