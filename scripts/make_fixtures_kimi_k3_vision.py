@@ -37,6 +37,11 @@ projector tensor gets a non-zero gradient; routing has no near-ties. Reported (W
 NeMo's own shifted loss of sample 0 equals this script's; the RMSNorm default epsilon torch uses in
 float32 and bfloat16 (docs/HF_SEMANTICS.md section 11), recorded in the metadata.
 
+The model computes in float32 (build_model moves it there after NeMo's constructor), but that
+constructor first casts the tower to the model's dtype (bf16) and the position embedding's fixed
+sin-cos time table is a non-persistent buffer no checkpoint restores: the reference adds the
+bf16-rounded table, as every bf16 run of NeMo does (docs/HF_SEMANTICS.md section 11).
+
 torch.compile is turned off (TORCHDYNAMO_DISABLE): NeMo compiles its position-table interpolation,
 which then runs as the plain F.interpolate call it wraps, with no compiler needed.
 

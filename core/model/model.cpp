@@ -53,6 +53,15 @@ Tensor to_device(kernels::Backend& backend, const TensorView& host, DType dtype)
   return device;
 }
 
+// A device tensor (any floating dtype) -> a new host F64 tensor.
+Tensor to_host_f64(kernels::Backend& backend, const Tensor& device) {
+  Tensor staged(device.shape(), device.dtype());
+  backend.copy(staged, device);
+  Tensor host(device.shape(), DType::kF64);
+  convert_host(host, staged);
+  return host;
+}
+
 // The SwiGLU networks of a feed-forward that carry adapters: a dense MLP's, or a MoE's routed and
 // shared experts.
 std::vector<SwigluExperts*> swiglu_networks(FeedForward* ffn) {
@@ -411,6 +420,16 @@ bool Model::vision_trains() const {
   return !params.empty();
 }
 
+Tensor Model::embed(const LayerContext& ctx, bool keep, std::string& where) {
+  where = "the embedding forward";
+  Tensor out = ctx.alloc({ctx.batch.num_tokens, spec_.config.hidden_size});
+  fsdp_.gather_outer();
+  backend_.embedding_forward_checked_ids(out, embed_, ctx.batch.input_ids);  // checked in upload()
+  fsdp_.release_outer();
+  merge_images(ctx, out, keep, where);
+  return out;
+}
+
 void Model::merge_images(const LayerContext& ctx, const TensorView& out, bool keep, std::string& where) {
   if (!vision_ || ctx.batch.image_grids.empty()) return;
   where = "the vision tower and projector forward";
@@ -647,19 +666,13 @@ PendingStep Model::run_step(const std::vector<const Batch*>& window, double grad
 Model::Forward Model::forward(const LayerContext& ctx, ForwardMode mode, std::string& where) {
   kernels::Backend& be = backend_;
   const bool backward_follows = mode == ForwardMode::kForBackward;
-  const int64_t n = ctx.batch.num_tokens;
-  const int64_t d = spec_.config.hidden_size;
+  const int64_t n = ctx.batch.num_tokens, d = spec_.config.hidden_size;
   const size_t num_layers = layers_.size();
   Forward fwd;
   std::vector<Tensor>& inputs = fwd.inputs;
   inputs.resize(num_layers + 1);
   if (backward_follows) checkpoints_.begin(num_layers);
-  where = "the embedding forward";
-  inputs[0] = ctx.alloc({n, d});
-  fsdp_.gather_outer();
-  be.embedding_forward_checked_ids(inputs[0], embed_, ctx.batch.input_ids);  // checked in upload()
-  fsdp_.release_outer();
-  merge_images(ctx, inputs[0], backward_follows && vision_trains(), where);
+  inputs[0] = embed(ctx, backward_follows && vision_trains(), where);
   const int64_t chunks = ffn_chunks(ctx);
   for (size_t i = 0; i < num_layers; ++i) {
     where = layer_pass(spec_, i, "forward");
@@ -745,12 +758,15 @@ Tensor Model::logits(const Batch& batch) {
   Tensor logits = ctx.alloc_accum({bt.num_tokens, spec_.config.vocab_size});
   be.gemm(GemmArgs{logits, fwd.final_hidden, head(), false, true, 1.0, 0.0});
   fsdp_.release_outer();
-  Tensor staged(logits.shape(), logits.dtype());
-  be.copy(staged, logits);
-  Tensor host(logits.shape(), DType::kF64);
-  convert_host(host, staged);
   ++forward_count_;
-  return host;
+  return to_host_f64(be, logits);
+}
+
+Tensor Model::embedded(const Batch& batch) {
+  BatchTensors bt = upload(batch);
+  LayerContext ctx = context(bt);
+  std::string where;
+  return to_host_f64(backend_, embed(ctx, false, where));
 }
 
 StepResult Model::evaluate(const Batch& batch) {

@@ -129,6 +129,9 @@ class Model final : public TrainableModel {
 
   // Forward only, returning the logits [tokens, vocab] as a host F64 tensor (tests).
   Tensor logits(const Batch& batch);
+  // The first layer's input [tokens, hidden] as a host F64 tensor: the token embeddings with the
+  // image tokens merged at their placeholders (model.vision), forward only (tests).
+  Tensor embedded(const Batch& batch);
   // Forward only: the loss sum and targets of the batch, with no router noise, forward_count()
   // unchanged and nothing kept for a backward (TrainableModel::evaluate). Reads the losses back
   // (one host wait).
@@ -172,6 +175,8 @@ class Model final : public TrainableModel {
   BatchTensors upload(const Batch& batch);
   // The images' tensors of `bt` (model.vision): checked against the placeholders of the batch.
   void upload_images(const Batch& batch, BatchTensors& bt);
+  // The first layer's input [tokens, hidden]: the token embeddings, then merge_images.
+  Tensor embed(const LayerContext& ctx, bool keep, std::string& where);
   // inputs[0] rows of the placeholders <- the image tokens (model.vision), with `embedded` the
   // text embeddings; with keep the projector keeps what its backward reads.
   void merge_images(const LayerContext& ctx, const TensorView& out, bool keep, std::string& where);

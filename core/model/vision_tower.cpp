@@ -5,6 +5,7 @@
 #include <cmath>
 #include <string>
 
+#include "core/base/bf16.h"
 #include "core/base/error.h"
 #include "core/base/host_convert.h"
 
@@ -79,11 +80,11 @@ std::vector<double> vision_time_table(int64_t frames, int64_t dim) {
   std::vector<double> table(static_cast<size_t>(frames * dim));
   for (int64_t f = 0; f < frames; ++f) {
     for (int64_t i = 0; i < half; ++i) {
-      // float32 throughout, as the reference's numpy table.
+      // float32 throughout, as the reference's numpy table, then bf16 as the cast tower holds it.
       const float omega = 1.0f / std::pow(10000.0f, static_cast<float>(i) / static_cast<float>(half));
       const float angle = static_cast<float>(f) * omega;
-      table[f * dim + i] = std::sin(static_cast<double>(angle));
-      table[f * dim + half + i] = std::cos(static_cast<double>(angle));
+      table[f * dim + i] = bf16_to_float(float_to_bf16(std::sin(angle)));
+      table[f * dim + half + i] = bf16_to_float(float_to_bf16(std::cos(angle)));
     }
   }
   return table;

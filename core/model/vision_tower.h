@@ -39,7 +39,10 @@ int64_t vision_tokens_of(const ImageGrid& grid, int64_t merge_size);
 // (Error kBadData naming the image and the limit).
 std::vector<ImageGrid> image_grids_of(const std::vector<int32_t>& triples, const VisionConfig& config);
 
-// The fixed sin-cos time rows [frames, dim]: time[f] = [sin(f w_i), cos(f w_i)], w_i = 10000^(-i / (dim/2)).
+// The fixed sin-cos time rows [frames, dim]: time[f] = [sin(f w_i), cos(f w_i)], w_i = 10000^(-i / (dim/2)),
+// each value rounded to bf16: the reference's table is a buffer that NeMo casts with the tower to the
+// model's dtype (text_config.torch_dtype, bf16 unless set; K3 ships bf16), so even its float32 runs
+// add the bf16 values.
 std::vector<double> vision_time_table(int64_t frames, int64_t dim);
 
 // The 2-D RoPE angles of every patch [patches, head_dim / 2], images in order: pair 2i turns by
@@ -68,6 +71,8 @@ class VisionTower {
   // releases what forward kept. Nothing flows into the frozen tower.
   void backward(const LayerContext& ctx, const TensorView& dtokens);
   void release() { saved_ = Saved{}; }
+  // The tower's merged output [tokens, merge^2 hidden] (the projector's input), forward only.
+  Tensor tower(const LayerContext& ctx, const TensorView& patches, const std::vector<ImageGrid>& grids);
 
  private:
   struct Block {
@@ -82,8 +87,6 @@ class VisionTower {
     Tensor h2;        // [tokens, text hidden] proj.2's output
     Tensor rstd;      // [tokens]
   };
-  // The merged tower output [tokens, merge^2 hidden], forward only.
-  Tensor tower(const LayerContext& ctx, const TensorView& patches, const std::vector<ImageGrid>& grids);
   void block_forward(const LayerContext& ctx, const Block& block, const TensorView& x, const TensorView& cu_seqlens,
                      const TensorView& positions, const TensorView& cos, const TensorView& sin);
   // y = x W^T of projector Linear i (0: proj.0, 1: proj.2), with its adapter or trainable weight.

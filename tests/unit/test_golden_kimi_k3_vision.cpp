@@ -3,9 +3,11 @@
 // kimi_k3 fixture's text model with a tiny MoonViT3d tower (grids 1 x 4 x 6 and 2 x 6 x 8 against a
 // 5 x 7 position table), the projector trained in full and LoRA on the language model. Our importer
 // reads the released-style directory (vision_tower.*, mm_projector.*), our batch carries the patches
-// and grids and the pre-expanded placeholders; the image tokens, the merged embeddings, logits and
-// loss must match to 1e-5 and every adapter and projector gradient to 1e-4, each against its own
-// scale. Without the fixture directory the test says so and passes (the fixture needs torch).
+// and grids and the pre-expanded placeholders; the tower's merged output, the image tokens, the
+// merged embeddings, logits and loss must match to 1e-5 and every adapter and projector gradient to
+// 1e-4, each against its own scale (the reference runs in fp32: these are the text fixtures' bounds).
+// Image B's two frames make the tower's output depend on the time table's bf16 rounding. Without
+// the fixture directory the test says so and passes (the fixture needs torch).
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -64,8 +66,8 @@ void check_fixture(DType dtype) {
       testing::adapter_model_options(dir, dtype, testing::k3_adapter_targets(dir + "/adapter"));
   std::unique_ptr<Model> model = testing::load_golden_model(spec, *backend, options, dir);
 
-  // The image tokens alone: the tower's merged output is internal, so the projector's output (the
-  // tokens the text model sees) is what the fixture's vision.projector_output is compared with.
+  // Stage by stage, each against its own scale: the tower's merged output (the projector's input),
+  // the image tokens (the projector's output), then the embeddings with the tokens merged in.
   {
     std::vector<ImageGrid> grids = image_grids_of(batch.image_grids, v);
     Tensor patches({static_cast<int64_t>(batch.image_patches.size()) / (3 * v.patch_size * v.patch_size),
@@ -76,12 +78,21 @@ void check_fixture(DType dtype) {
     convert_host(staged, patches);
     BatchTensors none;
     LayerContext ctx{*backend, dtype, none};
+    const double tower_error = testing::scaled_error(
+        testing::host_f64(*backend, model->vision()->tower(ctx, staged, grids)),
+        golden.read_as("vision.tower_output", DType::kF64));
+    INFO("tower output scaled error " << tower_error);
+    CHECK(tower_error <= 1e-5);
     Tensor tokens = model->vision()->forward(ctx, staged, grids, false);
     const double error = testing::scaled_error(testing::host_f64(*backend, tokens),
                                                golden.read_as("vision.projector_output", DType::kF64));
     INFO("image tokens scaled error " << error);
     CHECK(error <= 1e-5);
   }
+  const double merged_error =
+      testing::scaled_error(model->embedded(batch), golden.read_as("vision.merged_embeddings", DType::kF64));
+  INFO("merged embeddings scaled error " << merged_error);
+  CHECK(merged_error <= 1e-5);
 
   testing::GoldenStepChecks checks;
   checks.our_key = our_parameter_name;

@@ -2,6 +2,7 @@
 // LoRA) and the language model's adapters' against central differences of the loss, through the
 // image tokens merged at the placeholders (two images, one of two frames, and a document without
 // images); and the batch checks that name a mismatch between placeholders and images.
+#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -159,5 +160,29 @@ TEST_CASE("vision model: the plan counts the tower's weights and the projector's
     for (Parameter* p : f.model->parameters())
       if (is_projector(p->name)) projector_params += p->value.numel();
     CHECK(projector_params == count_lora_parameters(spec, lora).vision_projector);
+  }
+}
+
+TEST_CASE("vision time table: the sin-cos rows as NeMo's bf16-cast tower holds them", "[model][vision]") {
+  // dim 8: omega_i = 10000^(-i / 4); omega_0 = 1, so row f starts with bf16(sin f) and its second
+  // half with bf16(cos f) (values rounded by hand: sin 1 = 0.84147 -> 215/256, cos 1 = 0.54030 ->
+  // 138/256, sin 2 = 0.90930 -> 233/256, cos 3 = -0.98999 -> -253/256).
+  const std::vector<double> table = vision_time_table(4, 8);
+  REQUIRE(table.size() == 32);
+  for (int i = 0; i < 4; ++i) {
+    CHECK(table[i] == 0.0);
+    CHECK(table[4 + i] == 1.0);
+  }
+  CHECK(table[8] == 215.0 / 256);
+  CHECK(table[8 + 4] == 138.0 / 256);
+  CHECK(table[16] == 233.0 / 256);
+  CHECK(table[24 + 4] == -253.0 / 256);
+  // Every entry is within half of bf16's step (2^-8 relative: 8 significant bits) of the exact value.
+  for (int f = 0; f < 4; ++f) {
+    for (int i = 0; i < 4; ++i) {
+      const double angle = f * std::pow(10000.0, -i / 4.0);
+      CHECK(std::fabs(table[f * 8 + i] - std::sin(angle)) <= std::ldexp(std::fabs(std::sin(angle)), -8) + 1e-12);
+      CHECK(std::fabs(table[f * 8 + 4 + i] - std::cos(angle)) <= std::ldexp(std::fabs(std::cos(angle)), -8) + 1e-12);
+    }
   }
 }
