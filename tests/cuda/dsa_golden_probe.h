@@ -118,22 +118,6 @@ inline ProbeRun probe_fixture(kernels::Backend& backend, DType dtype, const std:
   return run;
 }
 
-// The fixture's selection of layer l as moetrain's indexer writes it: I32 [tokens, top_k]. The
-// fixture numbers keys within each window; ours are token indices.
-inline Tensor fixture_selection(const SafetensorsFile& golden, int64_t l, int64_t seq_len) {
-  Tensor keys = golden.read_as("indexer.layers." + std::to_string(l) + ".topk_index", DType::kI32);
-  const int64_t k = keys.size(1);
-  int32_t* p = keys.ptr<int32_t>();
-  for (int64_t i = 0; i < keys.numel(); ++i)
-    if (p[i] >= 0) p[i] += static_cast<int32_t>(i / k / seq_len * seq_len);
-  return keys;
-}
-inline std::vector<Tensor> fixture_selections(const SafetensorsFile& golden, int64_t layers, int64_t seq_len) {
-  std::vector<Tensor> out;
-  for (int64_t l = 0; l < layers; ++l) out.push_back(fixture_selection(golden, l, seq_len));
-  return out;
-}
-
 // Indexer scores of query t over keys [start, t] in double from a recorded call's operands.
 inline std::vector<double> indexer_scores(const IndexerCall& c, int64_t t, int64_t start) {
   const int64_t heads = c.q.size(1), dim = c.q.size(2);

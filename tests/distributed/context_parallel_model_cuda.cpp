@@ -14,8 +14,8 @@
 // and the two sides take different kernels (the attention with key segments runs on the SIMT
 // kernels, KDA's state passes through F32 folds), so the limits are BF16 ones; a missing halo or
 // state moves the first rows of a shard by their own size. Both sides' router and indexer choices
-// are compared and reported; with a golden fixture the shards take one rank's indexer choices
-// (SelectionProbe says why).
+// are compared and reported; but for the tiny model the shards take one rank's indexer choices,
+// and one rank a DSA fixture's (run_test says why).
 // Prints "EQUAL" on rank 0 when every rank agrees; exits 77 (skipped) without a GPU.
 #include <fmt/format.h>
 #include <mpi.h>
@@ -136,17 +136,19 @@ void prepare(Model& model, const Subject& s) {
 }
 
 // The choices a run makes: every router's and DSA indexer's top-k (host I32 copies, in call order,
-// recompute included). On a shard (`cut` set) it can replace its indexer's choices by one rank's
-// (after recording its own), translated: a shard runs the indexer span by span, numbering each
-// span's keys from its first token's document start; one rank numbers the micro-batch's tokens.
+// recompute included). It can replace its indexer's choices by given ones (after recording its
+// own): on one rank a golden fixture's, call by call; on a shard (`cut` set) one rank's,
+// translated: a shard runs the indexer span by span, numbering each span's keys from its first
+// token's document start, where one rank numbers the micro-batch's tokens.
 class SelectionProbe final : public kernels::TimingBackend {
  public:
   explicit SelectionProbe(kernels::Backend& inner) : TimingBackend(inner) { disable(); }
 
-  std::vector<Tensor> routes, indexer;
+  std::vector<Tensor> routes, indexer;  // its own choices
+  std::vector<Tensor> indexer_used;     // the indexer's choices that ran (given ones where forced)
   const ContextShards* cut = nullptr;  // this shard's cut, on a shard
   int rank = 0;
-  const std::vector<Tensor>* forced_indexer = nullptr;  // one rank's choices, to take on this shard
+  const std::vector<Tensor>* forced_indexer = nullptr;  // choices to take instead of its own
 
   // Span of this rank's call `call` (calls go span by span, in the rank's span order).
   const ContextShards::Span& span_of_call(size_t call) const {
@@ -166,20 +168,8 @@ class SelectionProbe final : public kernels::TimingBackend {
     TimingBackend::dsa_indexer_topk(args);
     const size_t call = indexer.size();
     indexer.push_back(host(args.topk_index));
-    if (forced_indexer == nullptr) return;
-    const size_t spans = cut->spans_of(rank).size();
-    MOETRAIN_CHECK(call / spans < forced_indexer->size(), ExitCode::kInternal, "more indexer calls than one rank made");
-    const Tensor& whole = (*forced_indexer)[call / spans];
-    const ContextShards::Span& span = span_of_call(call);
-    const int64_t origin = cut->document_start(span_index_of_call(call));
-    Tensor mine = host(args.topk_index);
-    const int64_t width = mine.size(1);
-    for (int64_t t = 0; t < mine.size(0); ++t)
-      for (int64_t j = 0; j < width; ++j) {
-        const int32_t g = whole.ptr<int32_t>()[(span.begin + t) * width + j];
-        mine.ptr<int32_t>()[t * width + j] = g < 0 ? g : static_cast<int32_t>(g - origin);
-      }
-    copy(args.topk_index, mine);
+    force(call, args.topk_index);
+    indexer_used.push_back(host(args.topk_index));
   }
 
   // Rows whose choice (as a set, in one rank's numbering) differs from one rank's `whole`.
@@ -210,6 +200,29 @@ class SelectionProbe final : public kernels::TimingBackend {
   }
 
  private:
+  // Replaces the selection of indexer call `call` by the given one, if any.
+  void force(size_t call, const TensorView& selection) {
+    if (forced_indexer == nullptr) return;
+    if (cut == nullptr) {
+      MOETRAIN_CHECK(call < forced_indexer->size(), ExitCode::kInternal,
+                     "the indexer ran more often than the fixture has selections (recompute?)");
+      copy(selection, (*forced_indexer)[call]);
+      return;
+    }
+    const size_t spans = cut->spans_of(rank).size();
+    MOETRAIN_CHECK(call / spans < forced_indexer->size(), ExitCode::kInternal, "more indexer calls than one rank made");
+    const Tensor& whole = (*forced_indexer)[call / spans];
+    const ContextShards::Span& span = span_of_call(call);
+    const int64_t origin = cut->document_start(span_index_of_call(call));
+    Tensor mine = host(selection);
+    const int64_t width = mine.size(1);
+    for (int64_t t = 0; t < mine.size(0); ++t)
+      for (int64_t j = 0; j < width; ++j) {
+        const int32_t g = whole.ptr<int32_t>()[(span.begin + t) * width + j];
+        mine.ptr<int32_t>()[t * width + j] = g < 0 ? g : static_cast<int32_t>(g - origin);
+      }
+    copy(selection, mine);
+  }
   Tensor host(const TensorView& v) {
     Tensor out(v.shape, DType::kI32);
     copy(out, v);
@@ -277,25 +290,33 @@ int run_test(Runtime& runtime, int argc, char** argv) {
   // One data group: every rank draws the same synthetic window.
   const Batch micro_batch =
       s.fixture_dir.empty() ? SyntheticData(s.config.data, spec.config.vocab_size, 0, 1).next() : s.batch;
+  // A DSA fixture's indexer margins are the reference's (fp32), below BF16's noise, and so are a
+  // random config's: two near-tied keys may go either way on either side, which moves the
+  // gradients by their own size. One rank takes the fixture's choices (as the golden CUDA test
+  // does, so its loss is the reference's), the shards one rank's, so that what is compared is the
+  // exchange and its arithmetic; the tiny model's margins are wide and each side chooses.
+  std::vector<Tensor> fixture_choices;
+  if (!s.fixture_dir.empty()) {
+    const SafetensorsFile golden(s.fixture_dir + "/golden.safetensors");
+    if (golden.has("indexer.layers.0.topk_index"))
+      fixture_choices = testing::fixture_selections(golden, static_cast<int64_t>(spec.mixers.size()), s.batch.seq_len);
+  }
   SelectionProbe whole_choices(*gpu);
+  if (!fixture_choices.empty()) whole_choices.forced_indexer = &fixture_choices;
   Model reference(spec, whole_choices, model_options(s, nullptr));
   prepare(reference, s);
   const Step whole = one_step(reference, micro_batch, 1, 0, layout);
 
-  // A golden fixture's indexer margins are the reference's (fp32), below BF16's noise: the shards
-  // and one rank may each pick a different one of two near-tied keys, which moves the gradients by
-  // their own size. There the shards take one rank's indexer choices, so that what is compared is
-  // the exchange and its arithmetic; the tiny model's margins are wide and each side chooses.
   const ContextShards cut = *context_shard(micro_batch, cp, runtime.rank(), layout).context;
   SelectionProbe shard_choices(*gpu);
   shard_choices.cut = &cut;
   shard_choices.rank = runtime.rank();
-  if (!s.fixture_dir.empty()) shard_choices.forced_indexer = &whole_choices.indexer;
+  if (!s.name.empty()) shard_choices.forced_indexer = &whole_choices.indexer_used;
   Model model(spec, shard_choices, model_options(s, &staged.groups));
   prepare(model, s);
   const Step shards = one_step(model, micro_batch, cp, runtime.rank(), layout);
   const int64_t routes_differing = shard_choices.differing_routes(whole_choices.routes);
-  const int64_t indexer_differing = shard_choices.differing_indexer(whole_choices.indexer);
+  const int64_t indexer_differing = shard_choices.differing_indexer(whole_choices.indexer_used);
   if (routes_differing + indexer_differing > 0)
     log::warn(fmt::format("rank {}: {} routed and {} indexer rows chose other experts or keys than one rank{}",
                           runtime.rank(), routes_differing, indexer_differing,
