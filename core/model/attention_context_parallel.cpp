@@ -29,7 +29,8 @@ void for_each_part(const ContextShards& shards, int64_t from, int64_t to, Body&&
   }
 }
 
-// The int32 offsets `cu` on the backend's device.
+}  // namespace
+
 Tensor upload_offsets(kernels::Backend& backend, const std::vector<int32_t>& cu) {
   Tensor host({static_cast<int64_t>(cu.size())}, DType::kI32);
   std::copy(cu.begin(), cu.end(), host.ptr<int32_t>());
@@ -38,8 +39,6 @@ Tensor upload_offsets(kernels::Backend& backend, const std::vector<int32_t>& cu)
   backend.copy(t, host);
   return t;
 }
-
-}  // namespace
 
 AttentionAcrossRanks::AttentionAcrossRanks(kernels::Backend& backend, Communicator& cp, const ContextShards& shards,
                                            int64_t key_chunk)

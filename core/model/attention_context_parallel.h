@@ -34,6 +34,8 @@ void return_visible_gradient(kernels::Backend& backend, Communicator& cp, const 
 // The visible rows' segments, paired with the shard's own (ContextShards::key_cu), as int32 on
 // the backend's device.
 Tensor visible_key_segments(kernels::Backend& backend, const ContextShards& shards, int rank);
+// The int32 offsets `cu` on the backend's device.
+Tensor upload_offsets(kernels::Backend& backend, const std::vector<int32_t>& cu);
 
 // This shard's queries against the rows gather_visible_rows lays out (window tokens
 // [document_start, end) of the shard), chunk_rows of them at a time.
