@@ -197,6 +197,12 @@ struct ParallelConfig {
   // of at most this many rows, so that the expanded keys and values of one chunk only are alive
   // (docs/PARALLEL.md). 0: the longest shard.
   int64_t cp_key_chunk = 0;
+  // On one rank (cp 1), the MLA layers run in query blocks of this many tokens, each attending
+  // the keys it sees in chunks of cp_key_chunk rows (0: the block's length), the keys and values
+  // expanded from the latent per chunk, so that only the latent, the queries and their output
+  // are whole-sequence (docs/PARALLEL.md, "Long sequences"). 0 with cp_key_chunk 0: the whole
+  // sequence at once. Equal to the whole-sequence run up to rounding.
+  int64_t attention_query_block = 0;
   // The KDA mixers run over time segments of this many tokens (a multiple of KDA's chunk, 64),
   // carrying the recurrent state and the short convolutions' history from one segment to the
   // next, so that a KDA layer's internals exist for one segment at a time. 0: the plan's choice

@@ -487,6 +487,7 @@ void check_parallel(const Config& c, Rules& r) {
   r.at_least<int64_t>("parallel.prefetch", p.prefetch, 0);
   r.at_least<int64_t>("parallel.ffn_chunk_tokens", p.ffn_chunk_tokens, 0);
   r.at_least<int64_t>("parallel.cp_key_chunk", p.cp_key_chunk, 0);
+  r.at_least<int64_t>("parallel.attention_query_block", p.attention_query_block, 0);
   if (p.ffn_chunk_tokens > 0 && c.model.moe.aux_loss_coef > 0.0) {
     r.fail({"parallel.ffn_chunk_tokens", "model.moe.aux_loss_coef"},
            "`parallel.ffn_chunk_tokens` = " + show(p.ffn_chunk_tokens) + " cannot run with `model.moe.aux_loss_coef` = " +

@@ -145,6 +145,7 @@ void visit_fields(V& v, ParallelConfig& c) {
   v.field("recompute_layers", c.recompute_layers);
   v.field("ffn_chunk_tokens", c.ffn_chunk_tokens);
   v.field("cp_key_chunk", c.cp_key_chunk);
+  v.field("attention_query_block", c.attention_query_block);
   v.field("mixer_segment_tokens", c.mixer_segment_tokens);
   v.field("offload", c.offload);
   v.field("reshard_after_forward", c.reshard_after_forward);

@@ -46,8 +46,13 @@ struct LayerContext {
   // what crosses the cut (core/model/*_context_parallel.h); everything position-wise runs as is.
   Communicator* context_group = nullptr;
   // parallel.cp_key_chunk: the MLA layers attend the keys other ranks hold in chunks of at most
-  // this many rows (core/model/mla_context_parallel.h); 0: the longest shard.
+  // this many rows (core/model/mla_context_parallel.h); 0: the longest shard. On one rank, the
+  // keys a query block sees (0: in chunks of the block's length).
   int64_t context_key_chunk = 0;
+  // parallel.attention_query_block: on one rank, the MLA layers run in query blocks of this many
+  // rows, each against key chunks of context_key_chunk rows (core/model/mla_blocked.h); 0 with
+  // context_key_chunk 0: the whole sequence at once.
+  int64_t attention_query_block = 0;
 
   bool context_parallel() const { return batch.context.has_value(); }
 

@@ -1,5 +1,7 @@
 #include "core/model/mla.h"
 
+#include "core/model/mla_blocked.h"
+
 namespace moetrain {
 
 using kernels::AttentionArgs;
@@ -8,6 +10,14 @@ using kernels::AttentionBackwardArgs;
 MlaAttention::MlaAttention(const ModelSpec& spec, int64_t layer, const LayerContext& ctx,
                            const RopeDeviceTables* rope)
     : proj(spec, layer, ctx, rope) {}
+
+bool MlaAttention::blocked(const LayerContext& ctx) {
+  return ctx.attention_query_block > 0 || ctx.context_key_chunk > 0;
+}
+
+MlaBlocks MlaAttention::blocks(const LayerContext& ctx, int64_t tokens) const {
+  return MlaBlocks(ctx, proj, tokens, ctx.attention_query_block, ctx.context_key_chunk);
+}
 
 void MlaAttention::collect_weights(std::vector<WeightSlot>& out) { proj.collect_weights(out); }
 
@@ -29,6 +39,10 @@ void MlaAttention::forward(const LayerContext& ctx, const TensorView& out, const
     const MlaAcrossRanks across(ctx, proj);
     s.visible = across.gather(s.kv_normed, k_pe);
     across.forward(s.visible, attn, s.lse, s.stages.q);
+  } else if (blocked(ctx)) {
+    // The latent is kept in place of the keys and values, expanded again in the backward.
+    s.k_pe = std::move(k_pe);
+    blocks(ctx, n).forward(s.kv_normed, s.k_pe, attn, s.lse, s.stages.q);
   } else {
     s.k = ctx.alloc({n, heads, qk});
     s.v = ctx.alloc({n, heads, v_dim});
@@ -52,6 +66,8 @@ void MlaAttention::backward(const LayerContext& ctx, const TensorView& dx, const
   Tensor dk_pe = ctx.alloc({n, proj.rope_dim()});
   if (ctx.context_parallel()) {
     MlaAcrossRanks(ctx, proj).backward(s.visible, dq, dkv_normed, dk_pe, dattn, s.stages.q, s.stages.attn, s.lse);
+  } else if (blocked(ctx)) {
+    blocks(ctx, n).backward(s.kv_normed, s.k_pe, dq, dkv_normed, dk_pe, dattn, s.stages.q, s.stages.attn, s.lse);
   } else {
     Tensor dk = ctx.alloc({n, heads, qk});
     Tensor dv = ctx.alloc({n, heads, v_dim});

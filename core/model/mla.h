@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/model/layer.h"
+#include "core/model/mla_blocked.h"
 #include "core/model/mla_context_parallel.h"
 #include "core/model/mla_projections.h"
 #include "core/model/model_spec.h"
@@ -32,10 +33,16 @@ class MlaAttention final : public Mixer {
   MlaProjections proj;
 
  private:
+  // One rank in query blocks x key chunks (mla_blocked.h): parallel.attention_query_block or
+  // parallel.cp_key_chunk set.
+  static bool blocked(const LayerContext& ctx);
+  MlaBlocks blocks(const LayerContext& ctx, int64_t tokens) const;
+
   struct Saved {
     MlaProjections::Saved stages;
     Tensor kv_normed;  // kv_b_proj's input
     Tensor k, v, lse;  // the attention's operands (q is stages.q, its output stages.attn)
+    Tensor k_pe;       // in query blocks: the rotated k_pe, expanded with kv_normed per key chunk
     // Under context parallelism, in place of k and v: the latent rows the queries see.
     MlaAcrossRanks::Latent visible;
   } saved_;

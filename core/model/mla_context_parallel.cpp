@@ -35,12 +35,17 @@ MlaAcrossRanks::Latent MlaAcrossRanks::gather(const TensorView& kv_normed, const
   return visible;
 }
 
-KeyChunks::Chunk MlaAcrossRanks::expand(const Latent& visible, int64_t from, int64_t to) const {
-  KeyChunks::Chunk chunk{ctx_.alloc({to - from, proj_.heads(), proj_.qk_dim()}),
-                         ctx_.alloc({to - from, proj_.heads(), proj_.v_dim()})};
-  proj_.keys_values(ctx_, chunk.k, chunk.v, visible.kv_normed.view().slice_rows(from, to),
-                    visible.k_pe.view().slice_rows(from, to));
+KeyChunks::Chunk expand_latent_rows(const LayerContext& ctx, const MlaProjections& proj, const TensorView& kv_normed,
+                                    const TensorView& k_pe) {
+  const int64_t rows = kv_normed.size(0);
+  KeyChunks::Chunk chunk{ctx.alloc({rows, proj.heads(), proj.qk_dim()}), ctx.alloc({rows, proj.heads(), proj.v_dim()})};
+  proj.keys_values(ctx, chunk.k, chunk.v, kv_normed, k_pe);
   return chunk;
+}
+
+KeyChunks::Chunk MlaAcrossRanks::expand(const Latent& visible, int64_t from, int64_t to) const {
+  return expand_latent_rows(ctx_, proj_, visible.kv_normed.view().slice_rows(from, to),
+                            visible.k_pe.view().slice_rows(from, to));
 }
 
 void MlaAcrossRanks::forward(const Latent& visible, const TensorView& out, const TensorView& lse,

@@ -26,6 +26,11 @@
 
 namespace moetrain {
 
+// The keys and values of latent rows kv_normed [rows, kv_rank], k_pe [rows, rope], expanded
+// through kv_b_proj into fresh tensors: a key chunk, here and on one rank (mla_blocked.h).
+KeyChunks::Chunk expand_latent_rows(const LayerContext& ctx, const MlaProjections& proj, const TensorView& kv_normed,
+                                    const TensorView& k_pe);
+
 class MlaAcrossRanks {
  public:
   // The latent rows the queries of this rank see, in its visible layout (ContextShards::visible_ranges).

@@ -160,6 +160,7 @@ ModelOptions model_options_for(const Config& config) {
   options.recompute_layers = config.parallel.recompute_layers;
   options.ffn_chunk_tokens = config.parallel.ffn_chunk_tokens;
   options.cp_key_chunk = config.parallel.cp_key_chunk;
+  options.attention_query_block = config.parallel.attention_query_block;
   options.mixer_segment_tokens = config.parallel.mixer_segment_tokens;
   options.offload = config.parallel.offload;
   options.fsdp_prefetch = config.parallel.prefetch;
@@ -341,6 +342,7 @@ LayerContext Model::context(const BatchTensors& batch) {
   LayerContext ctx{backend_, options_.dtype, batch};
   if (batch.context) ctx.context_group = options_.parallel->cp;  // checked in upload()
   ctx.context_key_chunk = options_.cp_key_chunk;
+  ctx.attention_query_block = options_.attention_query_block;
   return ctx;
 }
 

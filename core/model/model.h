@@ -59,6 +59,9 @@ struct ModelOptions {
   // parallel.cp_key_chunk: rows of the other shards' keys an MLA layer expands at once
   // (LayerContext::context_key_chunk); 0: the longest shard.
   int64_t cp_key_chunk = 0;
+  // parallel.attention_query_block: on one rank, the MLA layers' query blocks
+  // (LayerContext::attention_query_block); 0 with cp_key_chunk 0: the whole sequence.
+  int64_t attention_query_block = 0;
   // parallel.mixer_segment_tokens: every KDA mixer runs over time segments of at most this many
   // tokens (KdaAttention, "time segments"); 0: the whole micro-batch at once.
   int64_t mixer_segment_tokens = 0;

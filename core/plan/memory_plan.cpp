@@ -55,6 +55,11 @@ KdaBytes kda_bytes_per_token(const KdaConfig& kda, double a) {
   return bytes;
 }
 
+// The MLA layers run on one rank in query blocks x key chunks (MlaAttention, MlaBlocks).
+bool mla_blocked(const Config& config) {
+  return config.parallel.cp == 1 && (config.parallel.attention_query_block > 0 || config.parallel.cp_key_chunk > 0);
+}
+
 // `segment_tokens`: the KDA layers' time segment (0: whole).
 LayerSaved layer_saved_per_token(const ModelSpec& spec, size_t i, double a, double capacity, const Config& config,
                                  int64_t segment_tokens) {
@@ -88,9 +93,12 @@ LayerSaved layer_saved_per_token(const ModelSpec& spec, size_t i, double a, doub
     if (spec.mixers[i] == MixerKind::kMla) {
       bytes += kv_rank * a + h * qk * a + h * kF32;  // kv_normed, q, lse
       // k and v; under context parallelism the latent rows the queries see instead, up to cp
-      // shards of [r + rope] (MlaAcrossRanks::Latent).
+      // shards of [r + rope] (MlaAcrossRanks::Latent); in query blocks on one rank the rotated
+      // k_pe [rope] (MlaBlocks: the keys are expanded again per chunk).
       const double cp = static_cast<double>(config.parallel.cp);
-      bytes += config.parallel.cp > 1 ? cp * (kv_rank + rope) * a : h * (qk + v) * a;
+      bytes += config.parallel.cp > 1 ? cp * (kv_rank + rope) * a
+               : mla_blocked(config) ? rope * a
+                                     : h * (qk + v) * a;
     } else {
       // DSA: the selected keys (at most a window's tokens), the absorbed queries and the shared
       // latent rows [r + rope], the latent output [H r], lse; q itself only for kv_b_proj's adapter.
@@ -450,6 +458,31 @@ void add_activations(MemoryPlan& plan, const PlanInputs& in) {
                               plan.mixer_segment_tokens, plan.mixer_segment_auto ? ", the plan's choice" : "",
                               kda.saved / 1e3, kda.temporaries / 1e3, kda_chunk_state / 1e3)
                 : std::string("0: the KDA layers run the whole micro-batch at once"));
+  // MLA in query blocks of B rows x key chunks of c rows on one rank (MlaBlocks), for the layer
+  // being run: one chunk's keys and values, their gradients and kv_b_proj's output gradient
+  // (3 c H (qk + v)), its latent gradient c (r + rope), and the block's share of out and lse
+  // (forward) or dq (backward).
+  const int64_t mla_layers = std::count(spec.mixers.begin(), spec.mixers.end(), MixerKind::kMla);
+  const double tokens = static_cast<double>(plan.tokens_per_micro_batch);
+  const double query_block = in.config.parallel.attention_query_block > 0
+                                 ? std::min(static_cast<double>(in.config.parallel.attention_query_block), tokens)
+                                 : tokens;
+  const double query_chunk = in.config.parallel.cp_key_chunk > 0
+                                 ? std::min(static_cast<double>(in.config.parallel.cp_key_chunk), tokens)
+                                 : query_block;
+  const double mla_h = static_cast<double>(m.mla.num_heads);
+  const double mla_qk = static_cast<double>(m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim);
+  const double mla_v = static_cast<double>(m.mla.v_head_dim);
+  const double mla_latent = static_cast<double>(m.mla.kv_lora_rank + m.mla.qk_rope_head_dim);
+  const bool blocked = mla_layers > 0 && mla_blocked(in.config);
+  add(plan.fixed, "MLA query block and key chunk (one rank)",
+      blocked ? 3 * query_chunk * mla_h * (mla_qk + mla_v) * a + query_chunk * mla_latent * a +
+                    query_block * mla_h * std::max(mla_qk * a, mla_v * a + kF32)
+              : 0.0,
+      blocked ? fmt::format("3 x {:.0f} key rows x H (qk + v) x a + {:.0f} x (r + rope) x a + {:.0f} query rows x "
+                            "H max(qk a, v a + 4 B)",
+                            query_chunk, query_chunk, query_block)
+              : std::string("0: the MLA layers attend the whole sequence at once (or cp > 1)"));
   // The DSA backward inverts the selection (which queries chose each key) by a radix sort of
   // the (key, query) pairs and sums dkv in F32 [r + rope]: scratch for the one layer being run.
   const DsaSizes dsa = dsa_sizes(in);
