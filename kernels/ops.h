@@ -60,9 +60,8 @@ struct GemmArgs {
 // kernels/fp8_format.h has the format): product.b is U8 E4M3 codes in its stored shape
 // [rows_b, cols_b] (HF's [out, in] weight: transpose_b for x W^T, not for the input gradient dy W)
 // and b_scale F32 [ceil(rows_b / 128), ceil(cols_b / 128)]. The result is the gemm of the
-// dequantized b, each value code x scale rounded once to the compute dtype (BF16 on CUDA; there
-// exactly so short of products below 2^-126, F32's subnormals), with F32 accumulation. The weight
-// is frozen: there is no weight gradient.
+// dequantized b, each value code x scale rounded once to the compute dtype (BF16 on CUDA), with
+// F32 accumulation. The weight is frozen: there is no weight gradient.
 struct GemmFp8Args {
   GemmArgs product;
   TensorView b_scale;

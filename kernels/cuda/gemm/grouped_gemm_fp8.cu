@@ -7,9 +7,9 @@
 // the step's 64 k (a multiple of 64) lie in one 128 x 128 block. Converter 0 loads that F32 scale
 // two K steps ahead and writes it; the other converters only arrive.
 //   The consumers decode:
-//     - forward: a fragment row is a W row, its k pairs two adjacent bytes of the row: per k16, one
-//       16-byte load per row (the 64-byte swizzle spreads a warp's 8 rows over all banks), a
-//       choice of two of its words and a byte permute.
+//     - forward: a fragment row is a W row, its k pairs two adjacent bytes of the row: per k16 and
+//       row, the two 4-byte words holding them (words c / 2 and 2 + c / 2 of the k16's 16 bytes;
+//       the 64-byte swizzle puts a warp's 16 distinct words in distinct banks) and a byte permute.
 //     - input gradient: a fragment row is a W column. ldmatrix.x4.trans in 16-bit units (2
 //       columns) gives a thread columns 2g, 2g + 1 of its warp's 16-column chunk at k rows 2c,
 //       2c + 1 of each 8-row matrix: wgmma's k pairs, column 2g as fragment row g and 2g + 1 as
@@ -137,11 +137,12 @@ struct Fp8Format {
       } else {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const unsigned char* w = w_stage + (row + 8 * h) * 64;
+          const unsigned char* w = w_stage + (row + 8 * h) * 64 + 4 * high;
 #pragma unroll
           for (int kk = 0; kk < kBK / 16; ++kk) {
-            const uint4 q = *reinterpret_cast<const uint4*>(w + ((kk ^ swizzle) << 4));
-            const uint32_t codes = byte_permute(high ? q.y : q.x, high ? q.w : q.z, selector);
+            const unsigned char* unit = w + ((kk ^ swizzle) << 4);
+            const uint32_t codes = byte_permute(*reinterpret_cast<const uint32_t*>(unit),
+                                                *reinterpret_cast<const uint32_t*>(unit + 8), selector);
             decode4(codes, scale, f[4 * kk + h], f[4 * kk + 2 + h]);
           }
         }
