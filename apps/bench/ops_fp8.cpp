@@ -10,6 +10,7 @@
 
 #include "apps/bench/bench.h"
 #include "apps/bench/common.h"
+#include "kernels/cuda/gemm/gemm.h"
 #include "kernels/fp8_format.h"
 
 namespace moetrain::bench {
@@ -42,10 +43,13 @@ Fp8DeviceWeight fp8_device(Backend& be, int64_t groups, int64_t rows, int64_t co
 
 TensorView matrix(const Tensor& t) { return t.view().reshaped({t.size(1), t.size(2)}); }
 
-void row_pair(std::vector<Row>& rows, const std::string& name, double flops, double bf16_ms, double fp8_ms) {
+// The FP8 row's note names the kernel that ran: the mainloop decode, or the decode to scratch.
+void row_pair(std::vector<Row>& rows, const std::string& name, double flops, double bf16_ms, double fp8_ms,
+              kernels::cuda_ops::Fp8GemmPath path) {
   rows.push_back({name + " bf16", bf16_ms, flops / (bf16_ms * 1e9), 0, ""});
+  const char* kernel = path == kernels::cuda_ops::Fp8GemmPath::kMainloop ? "mainloop decode" : "decode to scratch";
   rows.push_back({name + " fp8 weight", fp8_ms, flops / (fp8_ms * 1e9), 0,
-                  ratio(bf16_ms, fp8_ms, "the bf16 speed (target >= 0.95)")});
+                  fmt::format("{}; {}", ratio(bf16_ms, fp8_ms, "the bf16 speed (target >= 0.95)"), kernel)});
 }
 
 // x W^T and dy W for a frozen W [out, in] at `tokens` rows.
@@ -64,9 +68,10 @@ void bench_dense(Backend& be, int reps, std::vector<Row>& rows, const char* name
     kernels::GemmArgs fp8_args = args;
     fp8_args.b = matrix(fp8.codes);
     const double bf16_ms = median_ms(be, [&] { be.gemm(args); }, reps);
-    const double fp8_ms = median_ms(be, [&] { be.gemm_fp8({fp8_args, matrix(fp8.scales)}); }, reps);
+    const kernels::GemmFp8Args fp8_call{fp8_args, matrix(fp8.scales)};
+    const double fp8_ms = median_ms(be, [&] { be.gemm_fp8(fp8_call); }, reps);
     row_pair(rows, fmt::format("{} {} -> {} {} ({} rows)", name, in, out, forward ? "x.W^T" : "dy.W", tokens), flops,
-             bf16_ms, fp8_ms);
+             bf16_ms, fp8_ms, kernels::cuda_ops::fp8_gemm_path(fp8_call));
   }
 }
 
@@ -101,7 +106,7 @@ void bench_fp8_experts(Backend& be, int reps, std::vector<Row>& rows) {
       const double fp8_ms = median_ms(be, [&] { be.grouped_gemm(fp8_args); }, reps);
       row_pair(rows, fmt::format("experts {} {} x {} {} ({} rows, {} experts)", p.name, p.out, p.in,
                                  forward ? "x.W^T" : "dy.W", rows_total, experts),
-               2.0 * rows_total * p.in * p.out, bf16_ms, fp8_ms);
+               2.0 * rows_total * p.in * p.out, bf16_ms, fp8_ms, kernels::cuda_ops::fp8_gemm_path(fp8_args));
     }
   }
 }

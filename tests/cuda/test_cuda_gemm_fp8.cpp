@@ -1,9 +1,11 @@
-// The FP8 block-scaled GEMMs on the GPU (kernels/cuda/gemm/fp8_decode.h; ops.h gemm_fp8 and
-// grouped_gemm with an F32 b_scale) against the CPU reference in F64 and against the BF16 GEMMs on
-// the same GPU fed the weight decoded on the host: the device decoding of every E4M3 code equals
-// the host's exact product rounded once to BF16, bit for bit; the dense GEMM x W^T and the input
-// gradient dy W at shapes with partial 128-blocks on both edges, BF16 and F32 operands, beta 0 and
-// 1; the grouped GEMM over uneven and empty groups.
+// The FP8 block-scaled GEMMs on the GPU (ops.h gemm_fp8 and grouped_gemm with an F32 b_scale:
+// kernels/cuda/gemm/grouped_gemm_fp8.h decoding inside the mainloop, fp8_decode.h's decode to
+// scratch for the shapes it refuses) against the CPU reference in F64 and against the BF16 GEMMs
+// on the same GPU fed the weight decoded on the host: the device decoding of every E4M3 code
+// equals the host's exact product rounded once to BF16, bit for bit; the dense GEMM x W^T and the
+// input gradient dy W at shapes with partial 128-blocks on both edges (k and n multiples of 16 for
+// the mainloop kernel, of 8 only for the scratch path), BF16 and F32 operands, beta 0 and 1; the
+// grouped GEMM over uneven and empty groups, on both paths.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -15,6 +17,7 @@
 #include "kernels/cpu/fp8.h"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/gemm/fp8_decode.h"
+#include "kernels/cuda/gemm/gemm.h"
 
 namespace moetrain::cuda_test {
 namespace {
@@ -57,6 +60,20 @@ Fp8Weight fp8_weight(int64_t groups, int64_t rows, int64_t cols, uint64_t seed) 
 }
 
 TensorView matrix(const Tensor& t) { return t.view().reshaped({t.size(1), t.size(2)}); }
+
+using kernels::cuda_ops::Fp8GemmPath;
+
+const char* path_name(Fp8GemmPath path) {
+  return path == Fp8GemmPath::kMainloop ? ": mainloop decode" : ": decode to scratch";
+}
+
+// Against the BF16 GEMM on the host-decoded weight: the same products (each rounded once to BF16
+// on both sides), summed in F32 by another kernel in another order. F32 rounding, and for a BF16
+// c an output rounding that may land on the other side: one BF16 ulp, 2^-7 relative at most.
+Tolerance same_products(DType c_dtype) {
+  if (c_dtype == DType::kBF16) return {1e-4, 8e-3, 1e-4};
+  return {1e-5, 1e-4, 1e-5};
+}
 
 }  // namespace
 
@@ -109,70 +126,98 @@ TEST_CASE("cuda gemm_fp8: x W^T and dy W with partial blocks against the CPU and
   };
   const Run runs[] = {{DType::kBF16, DType::kBF16, true, 0.0}, {DType::kF32, DType::kF32, true, 1.0},
                       {DType::kBF16, DType::kF32, false, 1.0}, {DType::kF32, DType::kBF16, false, 0.0}};
-  const int64_t out = 200, in = 136, rows = 37;  // 2 x 2 blocks, both partial at the far edge
-  const Fp8Weight w = fp8_weight(1, out, in, 5);
+  struct Shape {
+    int64_t out, in, rows;
+    bool mainloop;  // the kernel that decodes in its mainloop takes it (on an sm_90 device)
+  };
+  // 2 x 2 blocks, both partial at the far edge: 208 x 144 (multiples of 16) for the mainloop
+  // kernel, 37 rows (part of one tile) and 300 (two, the second partial); 200 x 136 for the
+  // scratch path (not multiples of 16).
+  const Shape shapes[] = {{208, 144, 37, true}, {208, 144, 300, true}, {200, 136, 37, false}};
   uint64_t seed = 10;
-  for (const Run& run : runs) {
-    const int64_t k = run.transpose_b ? in : out, n = run.transpose_b ? out : in;
-    const std::string what = std::string(dtype_name(run.a)) + "->" + dtype_name(run.c) +
-                             (run.transpose_b ? " x.W^T" : " dy.W") + " beta " + std::to_string(run.beta);
-    INFO(what);
-    const Operand a = gemm_input({rows, k}, run.a, seed += 10);
-    Operand c = run.beta == 0.0 ? output_operand({rows, n}, run.c) : random_operand({rows, n}, run.c, seed + 1);
-    const Tensor reference_c = upload(download(c.dev).view(), run.c);
-    gpu().gemm(GemmArgs{reference_c, a.dev, matrix(w.decoded), false, run.transpose_b, 0.75, run.beta});
-    gpu().gemm_fp8(GemmFp8Args{GemmArgs{c.dev, a.dev, matrix(w.codes), false, run.transpose_b, 0.75, run.beta},
-                               matrix(w.scales)});
-    const Tensor same_gpu = download(reference_c);
-    CUDA_TEST_EXPECT_CLOSE(c.dev, same_gpu.view(), (Tolerance{1e-6, 1e-6, 1e-6}), what + " vs bf16 gemm");
-    cpu().gemm_fp8(GemmFp8Args{GemmArgs{c.host, a.host, matrix(w.codes_host), false, run.transpose_b, 0.75, run.beta},
-                               matrix(w.scales_host)});
-    // The GPU decodes code x scale to BF16 for the tensor cores, the CPU spec keeps it in F64: the
-    // weight's BF16 rounding is the difference, whatever c's dtype.
-    CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(DType::kBF16), what + " vs CPU F64");
+  for (const Shape& shape : shapes) {
+    const Fp8Weight w = fp8_weight(1, shape.out, shape.in, 5 + shape.rows);
+    for (const Run& run : runs) {
+      const int64_t k = run.transpose_b ? shape.in : shape.out, n = run.transpose_b ? shape.out : shape.in;
+      const int64_t rows = shape.rows;
+      const Operand a = gemm_input({rows, k}, run.a, seed += 10);
+      Operand c = run.beta == 0.0 ? output_operand({rows, n}, run.c) : random_operand({rows, n}, run.c, seed + 1);
+      const GemmFp8Args args{GemmArgs{c.dev, a.dev, matrix(w.codes), false, run.transpose_b, 0.75, run.beta},
+                             matrix(w.scales)};
+      const Fp8GemmPath path = kernels::cuda_ops::fp8_gemm_path(args);
+      const std::string what = std::to_string(rows) + " x " + std::to_string(k) + " -> " + std::to_string(n) + " " +
+                               dtype_name(run.a) + "->" + dtype_name(run.c) +
+                               (run.transpose_b ? " x.W^T" : " dy.W") + " beta " + std::to_string(run.beta) +
+                               path_name(path);
+      INFO(what);
+      if (device_is_sm90()) CHECK((path == Fp8GemmPath::kMainloop) == shape.mainloop);
+      const Tensor reference_c = upload(download(c.dev).view(), run.c);
+      gpu().gemm(GemmArgs{reference_c, a.dev, matrix(w.decoded), false, run.transpose_b, 0.75, run.beta});
+      gpu().gemm_fp8(args);
+      const Tensor same_gpu = download(reference_c);
+      CUDA_TEST_EXPECT_CLOSE(c.dev, same_gpu.view(), same_products(run.c), what + " vs bf16 gemm");
+      cpu().gemm_fp8(GemmFp8Args{GemmArgs{c.host, a.host, matrix(w.codes_host), false, run.transpose_b, 0.75,
+                                          run.beta},
+                                 matrix(w.scales_host)});
+      // The GPU decodes code x scale to BF16 for the tensor cores, the CPU spec keeps it in F64:
+      // the weight's BF16 rounding is the difference, whatever c's dtype.
+      CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(DType::kBF16), what + " vs CPU F64");
+    }
   }
 }
 
-TEST_CASE("cuda grouped_gemm FP8: uneven and empty groups, partial blocks, both layouts") {
+TEST_CASE("cuda grouped_gemm FP8: uneven and empty groups, partial blocks, both layouts, both paths") {
+  // Groups of 0, 300 (a tile of 256 and a partial one), 129 and 1 rows: none a multiple of a tile.
   const std::vector<int32_t> sizes = {0, 300, 0, 129, 1, 64};
   const std::vector<int32_t> offsets = prefix_sums(sizes);
   const int64_t groups = static_cast<int64_t>(sizes.size()), rows = offsets.back();
   const Operand group_offsets = int_operand(offsets, {groups + 1});
-  const int64_t out = 272, in = 136;  // 3 x 2 blocks, the last of each partial
-  const Fp8Weight w = fp8_weight(groups, out, in, 7);
+  struct Shape {
+    int64_t out, in;
+    bool mainloop;
+  };
+  // 3 x 2 blocks, the last of each partial; 272 x 144: the mainloop kernel (a third column tile of
+  // 16 columns, a last K step of 16), 272 x 136: the scratch path (136 not a multiple of 16).
+  const Shape shapes[] = {{272, 144, true}, {272, 136, false}};
   uint64_t seed = 100;
-  for (bool transpose_b : {true, false}) {
-    for (DType c_dtype : {DType::kBF16, DType::kF32}) {
-      const int64_t k = transpose_b ? in : out, n = transpose_b ? out : in;
-      const std::string what = std::string(transpose_b ? "x.W^T" : "dy.W") + " -> " + dtype_name(c_dtype);
-      INFO(what);
-      const Operand a = gemm_input({rows, k}, DType::kBF16, seed += 10);
-      Operand c = random_operand({rows, n}, c_dtype, seed + 1);
-      const Tensor reference_c = upload(download(c.dev).view(), c_dtype);
-      GroupedGemmArgs args;
-      args.transpose_b = transpose_b;
-      args.alpha = 0.5;
-      args.beta = 1.0;
-      args.a = a.dev;
-      args.group_offsets = group_offsets.dev;
-      args.b = w.decoded;
-      args.c = reference_c;
-      gpu().grouped_gemm(args);
-      args.b = w.codes;
-      args.b_scale = w.scales;
-      args.c = c.dev;
-      gpu().grouped_gemm(args);
-      const Tensor same_gpu = download(reference_c);
-      CUDA_TEST_EXPECT_CLOSE(c.dev, same_gpu.view(), (Tolerance{1e-6, 1e-6, 1e-6}), what + " vs bf16 grouped GEMM");
-      args.a = a.host;
-      args.b = w.codes_host;
-      args.b_scale = w.scales_host;
-      args.c = c.host;
-      args.group_offsets = group_offsets.host;
-      args.host_group_offsets = offsets.data();
-      cpu().grouped_gemm(args);
-      // As in the dense case: the decoded weight's BF16 rounding.
-      CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(DType::kBF16), what + " vs CPU F64");
+  for (const Shape& shape : shapes) {
+    const Fp8Weight w = fp8_weight(groups, shape.out, shape.in, 7 + shape.in);
+    for (bool transpose_b : {true, false}) {
+      for (DType c_dtype : {DType::kBF16, DType::kF32}) {
+        const int64_t k = transpose_b ? shape.in : shape.out, n = transpose_b ? shape.out : shape.in;
+        const Operand a = gemm_input({rows, k}, DType::kBF16, seed += 10);
+        Operand c = random_operand({rows, n}, c_dtype, seed + 1);
+        const Tensor reference_c = upload(download(c.dev).view(), c_dtype);
+        GroupedGemmArgs args;
+        args.transpose_b = transpose_b;
+        args.alpha = 0.5;
+        args.beta = 1.0;
+        args.a = a.dev;
+        args.group_offsets = group_offsets.dev;
+        args.b = w.decoded;
+        args.c = reference_c;
+        gpu().grouped_gemm(args);
+        args.b = w.codes;
+        args.b_scale = w.scales;
+        args.c = c.dev;
+        const Fp8GemmPath path = kernels::cuda_ops::fp8_gemm_path(args);
+        const std::string what = std::to_string(k) + " -> " + std::to_string(n) + " " +
+                                 (transpose_b ? "x.W^T" : "dy.W") + " -> " + dtype_name(c_dtype) + path_name(path);
+        INFO(what);
+        if (device_is_sm90()) CHECK((path == Fp8GemmPath::kMainloop) == shape.mainloop);
+        gpu().grouped_gemm(args);
+        const Tensor same_gpu = download(reference_c);
+        CUDA_TEST_EXPECT_CLOSE(c.dev, same_gpu.view(), same_products(c_dtype), what + " vs bf16 grouped GEMM");
+        args.a = a.host;
+        args.b = w.codes_host;
+        args.b_scale = w.scales_host;
+        args.c = c.host;
+        args.group_offsets = group_offsets.host;
+        args.host_group_offsets = offsets.data();
+        cpu().grouped_gemm(args);
+        // As in the dense case: the decoded weight's BF16 rounding.
+        CUDA_TEST_EXPECT_CLOSE(c.dev, c.host.view(), tolerance_for(DType::kBF16), what + " vs CPU F64");
+      }
     }
   }
 }

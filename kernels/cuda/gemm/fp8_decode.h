@@ -1,8 +1,9 @@
 // FP8 block-scaled weights (kernels/fp8_format.h) decoded to BF16 on the device, for the GEMMs
-// that take them (ops.h gemm_fp8, grouped_gemm with an F32 b_scale). This first form decodes the
-// whole weight into BF16 scratch and runs the BF16 GEMM on it: the same products as a decode
-// inside the mainloop, at the cost of one pass over the weight and a transient BF16 copy of it
-// (the FP8 weight itself is what stays resident and what the FSDP buckets move).
+// that take them (ops.h gemm_fp8, grouped_gemm with an F32 b_scale) where the kernel decoding
+// inside its mainloop (grouped_gemm_fp8.h) refuses the shape or device: the whole weight into BF16
+// scratch, then the BF16 GEMM on it. The same products, at the cost of one pass over the weight and
+// a transient BF16 copy of it (the FP8 weight itself is what stays resident and what the FSDP
+// buckets move).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -19,6 +19,7 @@
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/element_access.cuh"
 #include "kernels/cuda/gemm/fp8_decode.h"
+#include "kernels/cuda/gemm/grouped_gemm_fp8.h"
 #include "kernels/cuda/gemm/grouped_gemm_mxfp4.h"
 
 namespace moetrain::kernels::cuda_ops {
@@ -414,15 +415,56 @@ void gemm(const GemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
   run_bf16_gemm(g, ctx, stream);
 }
 
+namespace {
+
+// Where an F32 operand is rounded to BF16: scratch, whose regions are 256-byte aligned (what the
+// path checks see of it before it exists).
+const void* scratch_aligned() { return reinterpret_cast<const void*>(uintptr_t{256}); }
+
+// The dense FP8 product as the FP8 kernel's problem: one group of all rows, no offsets (a not
+// transposed). An F32 a appears as its BF16 copy in scratch.
+GroupedGemmProblem dense_fp8_problem(const GemmFp8Args& args) {
+  const GemmArgs& g = args.product;
+  GroupedGemmProblem p;
+  p.c = g.c.data;
+  p.c_dtype = g.c.dtype;
+  p.a = g.a.dtype == DType::kF32 ? scratch_aligned() : g.a.data;
+  p.b = g.b.data;
+  p.groups = 1;
+  p.rows = g.c.size(0);
+  p.n = g.c.size(1);
+  p.k = g.a.size(1);
+  p.transpose_b = g.transpose_b;
+  p.alpha = static_cast<float>(g.alpha);
+  p.beta = static_cast<float>(g.beta);
+  return p;
+}
+
+bool dense_fp8_in_mainloop(const GemmFp8Args& args) {
+  return !args.product.transpose_a && grouped_gemm_fp8_path(dense_fp8_problem(args)) == GroupedGemmPath::kSm90;
+}
+
+}  // namespace
+
+Fp8GemmPath fp8_gemm_path(const GemmFp8Args& args) {
+  return dense_fp8_in_mainloop(args) ? Fp8GemmPath::kMainloop : Fp8GemmPath::kScratch;
+}
+
 void gemm_fp8(const GemmFp8Args& args, const BlasContext& ctx, cudaStream_t stream) {
   const GemmArgs& p = args.product;
   if (p.c.size(0) == 0 || p.c.size(1) == 0) return;
+  const auto* scales = static_cast<const float*>(args.b_scale.data);
+  if (dense_fp8_in_mainloop(args)) {
+    GroupedGemmProblem problem = dense_fp8_problem(args);
+    problem.a = bf16_operands<1>({&p.a}, ctx, stream)[0];
+    launch_grouped_gemm_fp8(problem, scales, stream);
+    return;
+  }
   // The weight decoded into the scratch reservation that also holds a BF16 copy of an F32 a.
   void* decoded = nullptr;
   const size_t decoded_bytes = static_cast<size_t>(p.b.numel()) * 2;
   const auto in = bf16_operands<1>({&p.a}, ctx, stream, decoded_bytes, &decoded);
-  launch_fp8_decode_bf16(decoded, p.b.data, static_cast<const float*>(args.b_scale.data), 1, p.b.size(0),
-                         p.b.size(1), stream);
+  launch_fp8_decode_bf16(decoded, p.b.data, scales, 1, p.b.size(0), p.b.size(1), stream);
   Bf16Gemm g;
   g.m = p.c.size(0);
   g.n = p.c.size(1);
@@ -470,13 +512,31 @@ GroupedGemmProblem grouped_problem(const GroupedGemmArgs& args) {
 
 }  // namespace
 
-// An FP8 b (b_scale F32): decoded to BF16 in scratch, then the BF16 grouped GEMM.
+// An FP8 b (b_scale F32) as the FP8 kernel sees it, an F32 a as its BF16 copy in scratch.
+GroupedGemmProblem grouped_fp8_problem(const GroupedGemmArgs& args) {
+  GroupedGemmProblem p = grouped_problem(args);
+  if (args.a.dtype == DType::kF32) p.a = scratch_aligned();
+  return p;
+}
+
+Fp8GemmPath fp8_gemm_path(const GroupedGemmArgs& args) {
+  return grouped_gemm_fp8_path(grouped_fp8_problem(args)) == GroupedGemmPath::kSm90 ? Fp8GemmPath::kMainloop
+                                                                                    : Fp8GemmPath::kScratch;
+}
+
+// An FP8 b: decoded inside the FP8 kernel's mainloop, or for shapes it refuses to BF16 in scratch
+// and then the BF16 grouped GEMM.
 void grouped_gemm_fp8(const GroupedGemmArgs& args, const BlasContext& ctx, cudaStream_t stream) {
   GroupedGemmProblem p = grouped_problem(args);
+  const auto* scales = static_cast<const float*>(args.b_scale.data);
+  if (fp8_gemm_path(args) == Fp8GemmPath::kMainloop) {
+    p.a = bf16_operands<1>({&args.a}, ctx, stream)[0];
+    launch_grouped_gemm_fp8(p, scales, stream);
+    return;
+  }
   void* decoded = nullptr;
   const auto in = bf16_operands<1>({&args.a}, ctx, stream, static_cast<size_t>(args.b.numel()) * 2, &decoded);
-  launch_fp8_decode_bf16(decoded, args.b.data, static_cast<const float*>(args.b_scale.data), args.b.size(0),
-                         args.b.size(1), args.b.size(2), stream);
+  launch_fp8_decode_bf16(decoded, args.b.data, scales, args.b.size(0), args.b.size(1), args.b.size(2), stream);
   p.a = in[0];
   p.b = decoded;
   launch_grouped_gemm(p, stream);
@@ -505,14 +565,13 @@ void grouped_gemm(const GroupedGemmArgs& args, const BlasContext& ctx, cudaStrea
 
 GroupedGemmPath grouped_gemm_path(const GroupedGemmArgs& args) {
   GroupedGemmProblem p = grouped_problem(args);
-  // F32 operands are rounded into scratch, whose regions are 256-byte aligned.
-  const void* scratch_aligned = reinterpret_cast<const void*>(uintptr_t{256});
-  if (args.a.dtype == DType::kF32) p.a = scratch_aligned;
-  if (args.b.dtype == DType::kF32) p.b = scratch_aligned;
-  if (p.k2 > 0 && args.a2.dtype == DType::kF32) p.a2 = scratch_aligned;
-  if (p.k2 > 0 && args.b2.dtype == DType::kF32) p.b2 = scratch_aligned;
+  if (args.a.dtype == DType::kF32) p.a = scratch_aligned();
+  if (args.b.dtype == DType::kF32) p.b = scratch_aligned();
+  if (p.k2 > 0 && args.a2.dtype == DType::kF32) p.a2 = scratch_aligned();
+  if (p.k2 > 0 && args.b2.dtype == DType::kF32) p.b2 = scratch_aligned();
   if (args.b_scale.data != nullptr && args.b_scale.dtype == DType::kF32) {
-    p.b = scratch_aligned;  // decoded to BF16 in scratch first
+    if (grouped_gemm_fp8_path(p) == GroupedGemmPath::kSm90) return GroupedGemmPath::kSm90;
+    p.b = scratch_aligned();  // decoded to BF16 in scratch first
     return grouped_gemm_path(p);
   }
   if (args.b_scale.data != nullptr) return grouped_gemm_mxfp4_path(p, args.b_scale.data);

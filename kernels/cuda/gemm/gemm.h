@@ -53,14 +53,24 @@ struct BlasContext {
 // F32 accumulation; c is not read when beta == 0.
 void gemm(const GemmArgs& args, const BlasContext& blas, cudaStream_t stream);
 
-// gemm with an FP8 b (ops.h GemmFp8Args): b decoded to BF16 in scratch (fp8_decode.h), then gemm.
+// gemm with an FP8 b (ops.h GemmFp8Args): b decoded inside the mainloop of the FP8 kernel
+// (grouped_gemm_fp8.h, one group of all rows) where it takes the shape, else decoded to BF16 in
+// scratch (fp8_decode.h), then gemm.
 void gemm_fp8(const GemmFp8Args& args, const BlasContext& blas, cudaStream_t stream);
 
+// How an FP8-weight GEMM runs (tests and the benchmark report it): kMainloop, the kernel that
+// decodes inside its mainloop; kScratch, the decode into BF16 scratch and the BF16 GEMM, for
+// shapes, layouts (a transposed) or devices the first refuses.
+enum class Fp8GemmPath { kMainloop, kScratch };
+Fp8GemmPath fp8_gemm_path(const GemmFp8Args& args);
+Fp8GemmPath fp8_gemm_path(const GroupedGemmArgs& args);  // b_scale F32
+
 // The grouped GEMM of ops.h in one launch (grouped_gemm.h), group offsets read on the device;
-// F32 a or b rounded to BF16 into scratch first, an FP8 b (b_scale F32) decoded to BF16 there.
+// F32 a or b rounded to BF16 into scratch first; an FP8 b (b_scale F32) as for gemm_fp8.
 void grouped_gemm(const GroupedGemmArgs& args, const BlasContext& blas, cudaStream_t stream);
 
-// The kernel grouped_gemm runs for these arguments (tests and the benchmark report it).
+// The kernel grouped_gemm runs for these arguments (tests and the benchmark report it); for an FP8
+// b, kSm90 is also the FP8 kernel (fp8_gemm_path tells which).
 GroupedGemmPath grouped_gemm_path(const GroupedGemmArgs& args);
 
 // y = alpha * x + beta * y (y not read when beta == 0); x, y each BF16 or F32.
