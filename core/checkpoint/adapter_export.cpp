@@ -333,6 +333,16 @@ void export_checkpoint_adapter(const std::string& checkpoint, const std::string&
   std::vector<std::pair<std::string, TensorView>> params;
   for (size_t i = 0; i < values.size(); ++i) params.emplace_back(names[i], values[i].view());
   write_peft_adapter(out_dir, params, adapter_export_settings(config));
+  // A PEFT adapter holds LoRA factors only (vLLM refuses modules it does not expect): the
+  // selection biases of aux-loss-free balancing stay out, and the merged export carries them.
+  size_t buffers = 0;
+  for (const std::string& key : reader.keys()) buffers += key.rfind(kBufferKind, 0) == 0 ? 1 : 0;
+  if (buffers > 0) {
+    log::warn(fmt::format("{}: the adapter does not carry the {} expert selection bias(es) the run trained "
+                          "(model.moe.bias_update_rate): served with it, the model routes with the base's bias. "
+                          "To serve the trained routing, use the merged export (`moetrain merge {}`), which writes them",
+                          out_dir, buffers, reader.path()));
+  }
 }
 
 }  // namespace moetrain

@@ -158,6 +158,12 @@ bool CheckpointSession::resume() {
                             "use another logging.run_dir; to continue this one, undo those changes",
                             e.what(), reader.path(), listed));
   }
+  const std::vector<std::string> unused = restore_trained_buffers(trainer_.model(), backend_, reader);
+  if (!unused.empty() && group_.is_root()) {
+    log::warn(fmt::format("{} holds {} trained selection bias(es) (\"{}\", ...) that this run does not update "
+                          "(model.moe.bias_update_rate 0): the run routes with the base model's bias instead",
+                          reader.path(), unused.size(), unused.front()));
+  }
   trainer_.set_progress(manifest.step, manifest.tokens);
   data_.seek(resumed_data_cursor(manifest, group_.rank(), group_.world()));
   if (data_.set_rng_state && manifest.world == group_.world()) {
@@ -176,6 +182,8 @@ bool CheckpointSession::resume() {
 std::string CheckpointSession::save_now() {
   std::vector<Tensor> storage;
   RankShard shard = collect_training_state(trainer_.optimizer(), backend_, layout_, &storage);
+  std::vector<Tensor> buffer_storage;  // apart: growing `storage` must not move what shard views
+  collect_trained_buffers(trainer_.model(), backend_, group_.is_root(), shard, &buffer_storage);
   shard.data_cursor = data_.cursor();
   shard.rng_state = data_.rng_state ? data_.rng_state() : 0;
   SaveRequest request;

@@ -82,7 +82,33 @@ struct MergePlan {
   };
   std::vector<Shard> shards;
   bool decoded_mxfp4 = false;
+  // Trained buffers (the selection biases of aux-loss-free balancing) that replace base tensors:
+  // the checkpoint's buffer/<name> key by output name.
+  std::map<std::string, std::string> buffers;
 };
+
+// Each buffer/<name> of the checkpoint replaces the base tensor of that name (or of a name ending
+// in ".<name>": Kimi K3's text model under language_model.), which must exist with its element
+// count: a trained bias is never dropped silently.
+void plan_buffers(const CheckpointReader& reader, const HfCheckpoint& base, MergePlan& plan) {
+  for (const std::string& key : reader.keys()) {
+    if (key.rfind(kBufferKind, 0) != 0) continue;
+    const std::string name = key.substr(std::strlen(kBufferKind));
+    std::vector<std::string> matches;
+    for (const auto& [out_name, t] : plan.tensors) {
+      if (out_name == name || ends_with(out_name, "." + name)) matches.push_back(out_name);
+    }
+    MOETRAIN_CHECK(matches.size() == 1, ExitCode::kBadCheckpoint,
+                   fmt::format("{}: the trained buffer \"{}\" matches {} tensors of the base {} (needs exactly one): "
+                               "merge into the base model the run trained on",
+                               reader.path(), key, matches.size(), base.dir()));
+    const OutputTensor& t = plan.tensors.at(matches.front());
+    MOETRAIN_CHECK(t.shape.numel() == reader.global_shape(key).numel(), ExitCode::kBadCheckpoint,
+                   fmt::format("{}: the trained buffer \"{}\" has shape {} but the base's \"{}\" is {}", reader.path(),
+                               key, reader.global_shape(key).str(), t.name, t.shape.str()));
+    plan.buffers[t.name] = key;
+  }
+}
 
 // The base's tensors as the output holds them: MXFP4 pairs become one BF16 weight.
 std::map<std::string, OutputTensor> output_tensors(const HfCheckpoint& base, bool& decoded_mxfp4) {
@@ -297,6 +323,7 @@ MergePlan make_plan(const CheckpointReader& reader, const Config& config, const 
   MOETRAIN_CHECK(!modules.empty(), ExitCode::kBadCheckpoint, reader.path() + ": holds no LoRA adapters to merge");
   DeltaPlanner planner(reader, config, plan);
   for (const std::string& module : modules) planner.add_module(module);
+  plan_buffers(reader, base, plan);
   plan_shards(base, max_shard_bytes, plan);
   return plan;
 }
@@ -368,6 +395,13 @@ void write_shard(const HfCheckpoint& base, const CheckpointReader& reader, const
     watchdog_progress("merge: " + name);
     const OutputTensor& t = plan.tensors.at(name);
     const auto deltas = plan.deltas.find(name);
+    if (const auto buffer = plan.buffers.find(name); buffer != plan.buffers.end()) {
+      const Tensor trained = reader.read(buffer->second, DType::kF64);
+      Tensor out(t.shape, t.dtype);
+      convert_host(out.view(), trained.view());
+      writer.write_next(name, out.view());
+      continue;
+    }
     if (deltas == plan.deltas.end() && t.packed.empty()) {
       writer.write_next(name, base.file_for(name).view(name));  // untouched: the base's bytes
       continue;

@@ -114,6 +114,36 @@ void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const P
   optimizer.set_step_count(checkpoint.manifest().optimizer_steps);
 }
 
+void collect_trained_buffers(TrainableModel& model, kernels::Backend& backend, bool save, RankShard& shard,
+                             std::vector<Tensor>* storage) {
+  const std::vector<TrainedBuffer> buffers = model.trained_buffers();
+  if (!save) return;
+  storage->reserve(storage->size() + buffers.size());  // the views into `storage` stay valid
+  for (const TrainedBuffer& b : buffers) {
+    const Shape& shape = b.value->shape();
+    shard.tensors.push_back(host_copy(kBufferKind + b.name, b.value->view(), TensorSlice{shape, 0}, backend, storage));
+  }
+}
+
+std::vector<std::string> restore_trained_buffers(TrainableModel& model, kernels::Backend& backend,
+                                                 const CheckpointReader& checkpoint) {
+  std::set<std::string> used;
+  for (const TrainedBuffer& b : model.trained_buffers()) {
+    const std::string key = kBufferKind + b.name;
+    MOETRAIN_CHECK(checkpoint.has(key), ExitCode::kBadCheckpoint,
+                   fmt::format("{}: no tensor \"{}\": the run that saved it did not update the experts' selection bias "
+                               "(model.moe.bias_update_rate was 0); resume with the same rate, or start a new run",
+                               checkpoint.path(), key));
+    restore_one(checkpoint, key, b.value->view(), TensorSlice{b.value->shape(), 0}, backend);
+    used.insert(key);
+  }
+  std::vector<std::string> unused;
+  for (const std::string& key : checkpoint.keys()) {
+    if (key.rfind(kBufferKind, 0) == 0 && !used.count(key)) unused.push_back(key);
+  }
+  return unused;
+}
+
 void check_checkpoint_finite(const CheckpointReader& checkpoint) {
   for (const std::string& key : checkpoint.keys()) {
     check_finite(checkpoint.read(key, DType::kF32), checkpoint.path(), key, 0);

@@ -47,6 +47,17 @@ RankShard collect_training_state(AdamW& optimizer, kernels::Backend& backend, co
 void restore_training_state(AdamW& optimizer, kernels::Backend& backend, const ParameterLayout& layout,
                             const CheckpointReader& checkpoint);
 
+// The model's trained buffers (TrainableModel::trained_buffers: the selection biases of
+// aux-loss-free balancing) as "buffer/<name>" tensors, copied to the host into `storage`. They are
+// the same on every rank: only `save` (rank 0) lists them.
+void collect_trained_buffers(TrainableModel& model, kernels::Backend& backend, bool save, RankShard& shard,
+                             std::vector<Tensor>* storage);
+// Writes them back from the checkpoint. A buffer the run trains that the checkpoint lacks, or of
+// another shape, is Error(kBadCheckpoint) naming it; a saved buffer this run does not train
+// (model.moe.bias_update_rate now 0) is returned, by key, for the caller to warn about.
+std::vector<std::string> restore_trained_buffers(TrainableModel& model, kernels::Backend& backend,
+                                                 const CheckpointReader& checkpoint);
+
 // Error(kBadCheckpoint) naming the tensor and row when any tensor of the checkpoint holds a NaN
 // or Inf (reads all of it: rank 0 checks a checkpoint this way before choosing it).
 void check_checkpoint_finite(const CheckpointReader& checkpoint);

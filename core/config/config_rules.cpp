@@ -236,6 +236,12 @@ void check_moe(const MoeConfig& e, Rules& r) {
   r.one_of("model.moe.aux_loss_type", e.aux_loss_type, kAuxLossTypes);
   r.non_negative("model.moe.router_noise", e.router_noise);
   r.non_negative("model.moe.bias_update_rate", e.bias_update_rate);
+  if (r.known({"model.moe.bias_update_rate", "model.moe.score_correction_bias"}) && e.bias_update_rate > 0 &&
+      !e.score_correction_bias) {
+    r.fail({"model.moe.bias_update_rate", "model.moe.score_correction_bias"},
+           "`model.moe.bias_update_rate` moves the experts' selection bias, but `model.moe.score_correction_bias` is "
+           "false (the model has none): set bias_update_rate to 0, or use a model with e_score_correction_bias");
+  }
   r.at_least<int64_t>("model.moe.latent_size", e.latent_size, 0);
   if (r.known({"model.moe.use_latent_norm", "model.moe.latent_size"}) && e.use_latent_norm && e.latent_size == 0) {
     r.fail({"model.moe.use_latent_norm", "model.moe.latent_size"},

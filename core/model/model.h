@@ -129,6 +129,11 @@ class Model final : public TrainableModel {
   void hold_parameters(bool hold) override;
   kernels::Backend& backend() override { return backend_; }
   double sum_over_data_ranks(double local) override;
+  // score_bias[e] += model.moe.bias_update_rate * sign(mean - rows[e]) per MoE layer, the rows
+  // summed over every rank in one all-reduce (core/model/expert_bias.cpp). A no-op at rate 0.
+  void update_expert_bias(const std::vector<std::vector<int64_t>>& step_rows) override;
+  // Each MoE layer's score_bias when model.moe.bias_update_rate > 0.
+  std::vector<TrainedBuffer> trained_buffers() override;
 
   // Forward only, returning the logits [tokens, vocab] as a host F64 tensor (tests).
   Tensor logits(const Batch& batch);

@@ -87,7 +87,7 @@ void MoeFfn::collect_parameters(std::vector<Parameter*>& out) {
 
 void MoeFfn::collect_weights(std::vector<WeightSlot>& out) {
   out.push_back({prefix_ + ".gate.weight", &router_weight});
-  if (moe_.score_correction_bias) out.push_back({prefix_ + ".gate.e_score_correction_bias", &score_bias});
+  if (moe_.score_correction_bias) out.push_back({score_bias_name(), &score_bias});
   const bool packed = experts.gate_up_scale.defined();  // MXFP4 or FP8: the scales travel with the codes
   out.push_back({experts.prefix(), &experts.gate_up, WeightLayout::kSwigluGateUp, experts.first_group(),
                  packed ? &experts.gate_up_scale : nullptr});
@@ -253,6 +253,25 @@ void MoeFfn::record_statistics(const LayerContext& ctx, int64_t n) {
       be.axpby(stats_aux_loss_, loss, aux_loss_weight_, 1.0);
     }
   }
+}
+
+void MoeFfn::update_score_bias(kernels::Backend& backend, const std::vector<double>& rows, double rate) {
+  const int64_t e = moe_.num_experts;
+  MOETRAIN_ASSERT(static_cast<int64_t>(rows.size()) == e, prefix_ + ": expert rows for another number of experts");
+  double mean = 0.0;
+  for (double r : rows) mean += r;
+  mean /= static_cast<double>(e);
+  Tensor host({e}, DType::kF64);
+  Tensor stored({e}, score_bias.dtype());
+  backend.copy(stored, score_bias);
+  convert_host(host.view(), stored.view());
+  double* bias = host.ptr<double>();
+  for (int64_t i = 0; i < e; ++i) {
+    const double gap = mean - rows[static_cast<size_t>(i)];
+    bias[i] += rate * static_cast<double>((gap > 0) - (gap < 0));
+  }
+  convert_host(stored.view(), host.view());
+  backend.copy(score_bias, stored);
 }
 
 FeedForwardStats MoeFfn::expert_loads(const std::vector<int64_t>& counts) {

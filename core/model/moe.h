@@ -80,6 +80,12 @@ class MoeFfn final : public FeedForward {
     noise_ = std::move(noise);
     first_row_ = first_row;
   }
+  // Aux-loss-free balancing (DeepSeek-V3): score_bias[e] += rate * sign(mean - rows[e]), with
+  // rows[e] the rows expert e got over a whole optimizer step on every rank (the same on all of
+  // them, so every rank's bias stays the same). Computed in F64 on the host, then stored.
+  void update_score_bias(kernels::Backend& backend, const std::vector<double>& rows, double rate);
+  // score_bias's HF name (mlp.gate.e_score_correction_bias of this layer).
+  std::string score_bias_name() const { return prefix_ + ".gate.e_score_correction_bias"; }
   // Router noise on (training) or off (an evaluation measures the model as it will serve).
   void set_noise_enabled(bool enabled) { noise_enabled_ = enabled; }
   // Weight of this micro-batch's aux loss in the step's objective (1 / micro-batches).

@@ -74,21 +74,28 @@ void ParameterGroup::return_storage() {
 }
 
 double sum_over(Communicator* comm, kernels::Backend& backend, double local) {
-  if (comm == nullptr || comm->size() == 1) return local;
-  Tensor host({1}, DType::kF64);
-  host.ptr<double>()[0] = local;
+  std::vector<double> values{local};
+  sum_over(comm, backend, values);
+  return values[0];
+}
+
+void sum_over(Communicator* comm, kernels::Backend& backend, std::vector<double>& values) {
+  if (comm == nullptr || comm->size() == 1 || values.empty()) return;
+  const int64_t n = static_cast<int64_t>(values.size());
+  Tensor host({n}, DType::kF64);
+  std::copy(values.begin(), values.end(), host.ptr<double>());
   if (comm->device() == Device::kCPU) {
     comm->all_reduce(host.view());
-    return host.ptr<double>()[0];
+  } else {
+    Tensor device({n}, DType::kF64, backend.allocator());
+    backend.copy(device, host);
+    backend.synchronize();  // the values are on the device before the communicator's stream reads them
+    comm->all_reduce(device.view());
+    comm->synchronize();
+    backend.copy(host, device);
+    backend.synchronize();
   }
-  Tensor device({1}, DType::kF64, backend.allocator());
-  backend.copy(device, host);
-  backend.synchronize();  // the value is on the device before the communicator's stream reads it
-  comm->all_reduce(device.view());
-  comm->synchronize();
-  backend.copy(host, device);
-  backend.synchronize();
-  return host.ptr<double>()[0];
+  std::copy(host.ptr<double>(), host.ptr<double>() + n, values.begin());
 }
 
 }  // namespace moetrain

@@ -84,5 +84,7 @@ class ParameterGroup {
 // A scalar summed over a group of ranks (identity for a null group), staged through the
 // communicator's memory: the same order and result on every rank.
 double sum_over(Communicator* comm, kernels::Backend& backend, double local);
+// The same for many values at once, in place (one all-reduce).
+void sum_over(Communicator* comm, kernels::Backend& backend, std::vector<double>& values);
 
 }  // namespace moetrain

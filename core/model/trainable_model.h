@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -58,6 +59,14 @@ class PendingStep {
   bool ready_ = false;
 };
 
+// State outside the parameters that training changes and checkpoints save (the MoE layers'
+// selection biases under aux-loss-free balancing): its name (the HF tensor's) and value, the
+// same on every rank.
+struct TrainedBuffer {
+  std::string name;
+  Tensor* value = nullptr;
+};
+
 // The model as the loop sees it.
 class TrainableModel {
  public:
@@ -100,6 +109,14 @@ class TrainableModel {
   virtual std::vector<ParameterGroup*> parameter_groups() { return {}; }
   // A value summed over all data-parallel ranks (the identity on one rank).
   virtual double sum_over_data_ranks(double local) { return local; }
+
+  // Aux-loss-free balancing (model.moe.bias_update_rate), after an optimizer step: `step_rows`
+  // per MoE layer, per expert, the rows this rank sent it over the whole step
+  // (StepResult::expert_rows summed over the step's passes); the model sums them over every rank
+  // and moves each layer's selection bias. Every rank calls it together. By default a no-op.
+  virtual void update_expert_bias(const std::vector<std::vector<int64_t>>& /*step_rows*/) {}
+  // What that update changes (empty without it): checkpoints save and restore it.
+  virtual std::vector<TrainedBuffer> trained_buffers() { return {}; }
 };
 
 }  // namespace moetrain

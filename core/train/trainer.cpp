@@ -150,7 +150,8 @@ std::vector<PendingStep> Trainer::queue_micro_batches(const std::vector<Batch>& 
 // so reading them adds no wait. The skip that follows needs both the loss and the norm on the host.
 void Trainer::read_results(std::vector<PendingStep>& results, StepRecord& record, size_t micro_batches) {
   double loss_sum = 0.0;
-  std::vector<std::vector<int64_t>> expert_rows;  // per MoE layer, summed over the step
+  std::vector<std::vector<int64_t>>& expert_rows = step_expert_rows_;
+  expert_rows.clear();
   int64_t expert_calls = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     StepResult result;
@@ -204,6 +205,7 @@ void Trainer::update_or_skip(StepRecord& record, size_t micro_batches) {
   } else {
     watchdog_progress(fmt::format("step {}: optimizer", record.step + 1));
     optimizer_->step(record.lr);
+    model_.update_expert_bias(step_expert_rows_);
     nonfinite_in_a_row_ = 0;
   }
 }

@@ -133,6 +133,7 @@ class Trainer {
     tokens_seen_ = tokens_seen;
   }
   AdamW& optimizer() { return *optimizer_; }
+  TrainableModel& model() { return model_; }
   const std::vector<StepRecord>& history() const { return history_; }
   // Steps in a row, up to the last, whose update was skipped for a non-finite loss or gradient
   // norm: 0 while the run is healthy. Checkpoints are not written while it is not.
@@ -156,6 +157,9 @@ class Trainer {
   int64_t next_step_ = 0;
   int64_t tokens_seen_ = 0;
   int nonfinite_in_a_row_ = 0;
+  // Per MoE layer, per expert: the rows this rank routed over the current step (read_results),
+  // which the aux-loss-free bias update after the optimizer step reads.
+  std::vector<std::vector<int64_t>> step_expert_rows_;
   double data_ranks_ = 0.0;  // counted at the first step that needs it (MFU)
   std::vector<StepRecord> history_;
   std::optional<EvalRecord> last_eval_;

@@ -463,7 +463,7 @@ TEST_CASE("config_to_yaml writes every key and reads back to the same config", "
       "  dsa: {index_n_heads: 3, index_head_dim: 10, index_topk: 99, indexer_rope_interleave: true}",
       "  moe: {num_experts: 12, top_k: 3, num_shared_experts: 2, expert_intermediate_size: 40,",
       "        scoring: softmax, num_groups: 3, topk_groups: 2, normalize_topk: false,",
-      "        routed_scaling_factor: 2.446, score_correction_bias: false, aux_loss_coef: 0.001,",
+      "        routed_scaling_factor: 2.446, score_correction_bias: true, aux_loss_coef: 0.001,",
       "        aux_loss_type: batch, router_noise: 0.01, bias_update_rate: 0.0003, latent_size: 48,",
       "        use_latent_norm: true}",
       "lora: {rank: 4, alpha: 8.5, rslora: true, targets: [kv_a_proj_with_mqa, down_proj, experts]}",

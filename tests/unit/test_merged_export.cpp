@@ -338,3 +338,52 @@ TEST_CASE("merge refuses an existing non-empty --out and leaves it alone", "[mer
   CHECK(parse_byte_size("64KiB", "x") == 65536ull);
   CHECK_THROWS_AS(parse_byte_size("lots", "x"), Error);
 }
+
+TEST_CASE("merge writes the trained selection biases of aux-loss-free balancing; a bias the base lacks is refused",
+          "[merge]") {
+  const std::string dir = testing::golden_dir("noqlora");
+  const Batch batch = testing::golden_batch(SafetensorsFile(dir + "/golden.safetensors"));
+  const Config config = case_config(dir, {"noqlora", "lora: {rank: 4, alpha: 8.0, " + kTargets + "}", "", 1e-5, "noqlora"},
+                                    batch.seq_len, /*merged=*/false);
+  auto backend = kernels::make_cpu_backend();
+  auto model = make_model(*backend, config, /*with_adapters=*/true);
+  const std::map<std::string, Tensor> adapters = random_f32_adapters(*model);
+  const std::string name = "model.layers.1.mlp.gate.e_score_correction_bias";
+  HfCheckpoint base(dir);
+  Tensor bias = base.read_as(name, DType::kF32);
+  for (int64_t e = 0; e < bias.numel(); ++e) bias.ptr<float>()[e] += 0.125f * static_cast<float>(e % 3 - 1);
+
+  for (const bool known : {true, false}) {
+    testing::ScratchDir scratch(known ? "merged_export_bias" : "merged_export_bias_unknown");
+    auto group = make_single_process_group();
+    RankShard shard;
+    for (const auto& [param, value] : adapters)
+      shard.tensors.push_back({std::string(kParamKind) + param, value.view(), TensorSlice{value.shape(), 0}});
+    const std::string key = std::string(kBufferKind) + (known ? name : "model.layers.9.mlp.gate.e_score_correction_bias");
+    shard.tensors.push_back({key, bias.view(), TensorSlice{bias.shape(), 0}});
+    SaveRequest request;
+    request.root = scratch.file("checkpoints");
+    request.step = 1;
+    request.config_yaml = config_to_yaml(config);
+    const std::string checkpoint = save_checkpoint(*group, request, shard);
+    const std::string out = scratch.file("merged");
+    if (!known) {
+      try {
+        merge_checkpoint(*group, MergeOptions{checkpoint, out, std::nullopt, 0});
+        FAIL("a bias the base lacks was merged");
+      } catch (const Error& e) {
+        CHECK(e.code() == ExitCode::kBadCheckpoint);
+        CHECK(std::string(e.what()).find("model.layers.9.mlp.gate.e_score_correction_bias") != std::string::npos);
+      }
+      continue;
+    }
+    merge_checkpoint(*group, MergeOptions{checkpoint, out, std::nullopt, 0});
+    HfCheckpoint merged(out);
+    const Tensor written = merged.read_as(name, DType::kF32);
+    REQUIRE(written.numel() == bias.numel());
+    CHECK(std::memcmp(written.data(), bias.data(), bias.nbytes()) == 0);
+    const std::string other = "model.layers.2.mlp.gate.e_score_correction_bias";  // untrained: the base's
+    const Tensor kept = merged.read_as(other, DType::kF32), original = base.read_as(other, DType::kF32);
+    CHECK(std::memcmp(kept.data(), original.data(), original.nbytes()) == 0);
+  }
+}
