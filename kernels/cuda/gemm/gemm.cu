@@ -421,45 +421,16 @@ namespace {
 // path checks see of it before it exists).
 const void* scratch_aligned() { return reinterpret_cast<const void*>(uintptr_t{256}); }
 
-// The dense FP8 product as the FP8 kernel's problem: one group of all rows, no offsets (a not
-// transposed). An F32 a appears as its BF16 copy in scratch.
-GroupedGemmProblem dense_fp8_problem(const GemmFp8Args& args) {
-  const GemmArgs& g = args.product;
-  GroupedGemmProblem p;
-  p.c = g.c.data;
-  p.c_dtype = g.c.dtype;
-  p.a = g.a.dtype == DType::kF32 ? scratch_aligned() : g.a.data;
-  p.b = g.b.data;
-  p.groups = 1;
-  p.rows = g.c.size(0);
-  p.n = g.c.size(1);
-  p.k = g.a.size(1);
-  p.transpose_b = g.transpose_b;
-  p.alpha = static_cast<float>(g.alpha);
-  p.beta = static_cast<float>(g.beta);
-  return p;
-}
-
-bool dense_fp8_in_mainloop(const GemmFp8Args& args) {
-  return !args.product.transpose_a && grouped_gemm_fp8_path(dense_fp8_problem(args)) == GroupedGemmPath::kSm90;
-}
-
 }  // namespace
 
-Fp8GemmPath fp8_gemm_path(const GemmFp8Args& args) {
-  return dense_fp8_in_mainloop(args) ? Fp8GemmPath::kMainloop : Fp8GemmPath::kScratch;
-}
+// Dense products decode to scratch: the one-group mainloop kernel is slower than the decode pass
+// plus cuBLASLt at DeepSeek-V3's dense shapes (docs/PERF.md), where a weight serves many rows.
+Fp8GemmPath fp8_gemm_path(const GemmFp8Args&) { return Fp8GemmPath::kScratch; }
 
 void gemm_fp8(const GemmFp8Args& args, const BlasContext& ctx, cudaStream_t stream) {
   const GemmArgs& p = args.product;
   if (p.c.size(0) == 0 || p.c.size(1) == 0) return;
   const auto* scales = static_cast<const float*>(args.b_scale.data);
-  if (dense_fp8_in_mainloop(args)) {
-    GroupedGemmProblem problem = dense_fp8_problem(args);
-    problem.a = bf16_operands<1>({&p.a}, ctx, stream)[0];
-    launch_grouped_gemm_fp8(problem, scales, stream);
-    return;
-  }
   // The weight decoded into the scratch reservation that also holds a BF16 copy of an F32 a.
   void* decoded = nullptr;
   const size_t decoded_bytes = static_cast<size_t>(p.b.numel()) * 2;
