@@ -1,15 +1,9 @@
 // MLA in query blocks x key chunks on one rank (parallel.attention_query_block,
-// parallel.cp_key_chunk) on the GPU: a model of MLA and KDA layers one training step with its
-// MLA layers blocked equals the whole-sequence run on the GPU and the CPU backend's run in F32
-// (same random weights and batch), and the step's peak of tensor bytes falls (no layer keeps
-// whole-sequence keys and values). Documents cross the block and chunk edges. BF16 on the GPU:
-// the chunks' softmax merge and the adapter-gradient sums run in another order, so the
-// comparisons are BF16-sized: each value within tol x the largest of its tensor, as in
-// tests/cuda/test_cuda_kda_segments.cpp.
+// parallel.cp_key_chunk) on the GPU: refused with a config error naming the keys while its CUDA
+// backward differs from the whole-sequence run (the CPU's blocked run is held to the whole run in
+// tests/unit/test_model_mla_blocks.cpp). Documents cross the block edges of the refused run.
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -86,57 +80,21 @@ ModelOptions options(DType dtype, bool recompute, int64_t query_block, int64_t k
   return o;
 }
 
-// A raw F32 gradient (OffloadRun::gradients) as values.
-std::vector<double> values(const std::vector<uint8_t>& raw) {
-  std::vector<float> f(raw.size() / sizeof(float));
-  std::memcpy(f.data(), raw.data(), f.size() * sizeof(float));
-  return std::vector<double>(f.begin(), f.end());
-}
-
-// Every gradient of `got` within tol x the largest |value| of the same gradient of `want`.
-void check_gradients(const OffloadRun& got, const OffloadRun& want, double tol, const std::string& what) {
-  REQUIRE(got.gradients.size() == want.gradients.size());
-  for (size_t i = 0; i < want.gradients.size(); ++i) {
-    const std::vector<double> a = values(got.gradients[i]), e = values(want.gradients[i]);
-    REQUIRE(a.size() == e.size());
-    double scale = 0, worst = 0;
-    for (size_t j = 0; j < e.size(); ++j) {
-      scale = std::max(scale, std::fabs(e[j]));
-      worst = std::max(worst, std::isnan(a[j]) ? INFINITY : std::fabs(a[j] - e[j]));
-    }
-    INFO(what << ", gradient " << i << ": worst " << worst << " of scale " << scale);
-    CHECK(scale > 0);
-    CHECK(worst <= tol * scale);
-  }
-}
-
 }  // namespace
 
-TEST_CASE("cuda MLA query blocks: the whole-sequence run's losses and gradients, and a lower peak",
-          "[cuda][model]") {
+// The blocked backward's adapter gradients on CUDA differ from the whole run's by up to their own
+// size after one step (measured on the H200: B gradients 0.36-0.94 of their scale; the losses
+// agree to 2e-3, and the CPU's blocked run equals its whole run to 1e-10): refused until fixed.
+TEST_CASE("cuda MLA query blocks are refused, naming the keys", "[cuda][model]") {
   std::unique_ptr<kernels::Backend> cuda = kernels::make_cuda_backend();
-  std::unique_ptr<kernels::Backend> cpu = kernels::make_cpu_backend();
   const Config config = blocks_config();
   const ModelSpec spec = resolve_model_spec(config);
   const Batch batch = blocks_batch(config.model.vocab_size);
-  for (bool recompute : {true, false}) {
-    INFO("recompute " << recompute);
-    const OffloadRun whole = run_offload_steps(*cuda, spec, options(DType::kBF16, recompute, 0, 0), batch, 1);
-    const OffloadRun reference = run_offload_steps(*cpu, spec, options(DType::kF32, recompute, 0, 0), batch, 1);
-    for (const auto& [block, chunk] : {std::pair<int64_t, int64_t>{512, 0}, std::pair<int64_t, int64_t>{300, 200}}) {
-      INFO("query blocks of " << block << ", key chunks of " << chunk);
-      const OffloadRun blocked =
-          run_offload_steps(*cuda, spec, options(DType::kBF16, recompute, block, chunk), batch, 1);
-      for (size_t step = 0; step < blocked.losses.size(); ++step) {
-        INFO("step " << step << ": loss " << blocked.losses[step] << " blocked, " << whole.losses[step] << " whole, "
-                     << reference.losses[step] << " CPU F32");
-        CHECK(std::fabs(blocked.losses[step] - whole.losses[step]) <= 2e-3 * std::fabs(whole.losses[step]));
-        CHECK(std::fabs(blocked.losses[step] - reference.losses[step]) <= 5e-3 * std::fabs(reference.losses[step]));
-      }
-      check_gradients(blocked, whole, 1e-1, "against the GPU's whole run");
-      check_gradients(blocked, reference, 1.5e-1, "against the CPU in F32");
-      INFO("peak " << blocked.last_step_peak_bytes << " blocked, " << whole.last_step_peak_bytes << " whole");
-      CHECK(blocked.last_step_peak_bytes < whole.last_step_peak_bytes);
-    }
+  try {
+    run_offload_steps(*cuda, spec, options(DType::kBF16, true, 512, 0), batch, 1);
+    FAIL("blocked MLA ran on CUDA");
+  } catch (const Error& e) {
+    CHECK(e.code() == ExitCode::kBadConfig);
+    CHECK(std::string(e.what()).find("parallel.attention_query_block") != std::string::npos);
   }
 }
