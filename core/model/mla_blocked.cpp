@@ -43,8 +43,8 @@ MlaBlocks::MlaBlocks(const LayerContext& ctx, const MlaProjections& proj, int64_
                      int64_t key_chunk)
     : ctx_(ctx), proj_(proj), blocks_(query_blocks(ctx.batch.host_cu_seqlens, tokens, query_block)),
       key_chunk_(key_chunk) {
-  // On the H200 the blocked backward's adapter gradients differ from the whole-sequence run's by
-  // up to their own size (tests/cuda/test_cuda_mla_blocks.cpp), so CUDA refuses it until they match.
+  // The CUDA backend's blocked backward does not yet give the whole-sequence run's adapter
+  // gradients (docs/PARALLEL.md), so it is refused there rather than training on wrong ones.
   MOETRAIN_CHECK(std::string(ctx.backend.name()) != "cuda", ExitCode::kBadConfig,
                  "parallel.attention_query_block / parallel.cp_key_chunk at parallel.cp 1 (MLA in query blocks) "
                  "runs on the CPU backend only for now: set both to 0 on CUDA");

@@ -9,8 +9,7 @@
 // consumer warpgroups x 64), its N up to 256 rows of one group, the group's rows rounded up to 32:
 // a K3 expert (~146 rows) is one tile of N = 160 (wgmma_bf16_sm90.cuh, WgmmaRsPrefix: every N
 // accumulates into the same registers). K steps of 64. N is chosen once per tile and the K loop,
-// decode included, is compiled for each of the 8 values: choosing before every K step cost 6-25%
-// at K3's shapes (H200).
+// decode included, is compiled for each of the 8 values, so that no K step branches on it.
 //   Tiles are listed by group, then 128-column block, then 256-row block and handed out in that
 //   order through a device counter (grouped_gemm_common_sm90.cuh, as grouped_gemm_sm90.cu: the
 //   tiles in flight share W[g] and rows of a in L2); the per-group table is built from the device
